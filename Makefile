@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch that this machine keeps on disk; on a GPU machine install your CUDA/ROCm torch first.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/paradit generate --model flux2-tiny --device cpu --prompt "a lighthouse on a cliff at dusk" --seed 0 --out out/demo.png
+
+test: $(STAMP)
+	$(BIN)/ruff check paradit tests benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check paradit tests benchmarks
+	$(BIN)/ruff format --check paradit tests benchmarks
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,71 @@
+"""Shared pieces of the GPU benchmarks: the measured matmul ceiling, event timing, and the result table.
+
+Run on the device machine; these scripts print a table last and write JSON under the folder they are given.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+
+def measured_bf16_matmul_tflops(size: int = 8192, iters: int = 10) -> float:
+    """The device's bf16 matmul rate on random data: the ceiling MFU is reported against."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    ms = time_cuda_ms(lambda: a @ b, warmup=0, iters=iters)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+def time_cuda_ms(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs, timed with CUDA events after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def environment() -> dict:
+    import diffusers
+    import transformers
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "gpu_count": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """``columns``: (key, header, format spec)."""
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        cells.append([format(row[key], spec) if row.get(key) is not None else "-" for key, _, spec in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    for line in cells:
+        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+
+
+def write_json(out_dir: str | None, name: str, payload: dict) -> None:
+    if out_dir:
+        path = Path(out_dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {path}")

@@ -1,0 +1,5 @@
+import sys
+
+from paradit.cli import main
+
+sys.exit(main())

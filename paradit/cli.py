@@ -1,0 +1,116 @@
+"""``paradit`` command line: a thin face over ``paradit.Engine``.
+
+Errors paradit can name (bad input, missing checkpoints) print one line and exit 2, with no traceback.
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from paradit.errors import ParaditError
+from paradit.presets import PRESETS
+from paradit.request import GenerationRequest, GenerationResult
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's default prints usage; one line is what we promise
+        print(f"paradit: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="paradit", description="Multi-GPU inference for diffusion transformers.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = commands.add_parser("generate", help="generate images from a prompt")
+    gen.add_argument("--model", default="flux2-tiny", help="preset name, checkpoint folder or hub id")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts in one batch")
+    gen.add_argument("--negative-prompt", default=None, help="for models with true classifier-free guidance")
+    gen.add_argument("--height", type=int)
+    gen.add_argument("--width", type=int)
+    gen.add_argument("--steps", type=int)
+    gen.add_argument("--guidance", type=float)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--images-per-prompt", type=int, default=1)
+    gen.add_argument("--out", default="out/paradit.png", help="PNG path; with several images, _N is appended")
+    gen.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    gen.add_argument("--device", choices=["cuda", "cpu"])
+    gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    commands.add_parser("models", help="list the model presets")
+    return parser
+
+
+def output_paths(out: str, count: int) -> list[Path]:
+    path = Path(out)
+    if count == 1:
+        return [path]
+    return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
+
+
+def format_table(result: GenerationResult) -> str:
+    t = result.timings
+    rows = [
+        ("text encoding", f"{t.text_encode_s:.3f} s"),
+        ("denoise step (median)", f"{t.median_step_ms:.1f} ms x {len(t.step_ms)}"),
+        ("VAE decode", f"{t.vae_decode_s:.3f} s"),
+        ("total", f"{t.total_s:.3f} s"),
+        (f"peak memory ({t.peak_memory_kind})", f"{t.peak_memory_bytes / 2**30:.2f} GiB"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from paradit.engine import Engine, parse_device, parse_dtype, resolve_model, validate_request
+
+    device = parse_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
+    spec = resolve_model(args.model, args.load_format)
+    request = GenerationRequest(
+        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0],
+        negative_prompt=args.negative_prompt,
+        height=args.height,
+        width=args.width,
+        steps=args.steps,
+        guidance=args.guidance,
+        seed=args.seed,
+        num_images_per_prompt=args.images_per_prompt,
+    )
+    validate_request(spec, request)
+    engine = Engine(spec, device=device, dtype=dtype, load_format=args.load_format)
+    result = engine.generate(request, progress=not args.no_progress)
+    paths = output_paths(args.out, len(result.images))
+    for path, image in zip(paths, result.images):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path)
+    print(format_table(result))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def run_models() -> int:
+    width = max(len(name) for name in PRESETS)
+    for name, spec in PRESETS.items():
+        size = f"{spec.width}x{spec.height}"
+        print(f"{name:<{width}}  {spec.steps:>3} steps  {size:>9}  {spec.description}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "models":
+            return run_models()
+        return run_generate(args)
+    except ParaditError as exc:
+        print(f"paradit: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

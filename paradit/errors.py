@@ -1,0 +1,16 @@
+"""Errors paradit reports to its users: one line that names the problem and the allowed values.
+
+Must not import torch.distributed.
+"""
+
+
+class ParaditError(Exception):
+    """Base of every error the CLI prints as one line and exits 2 for."""
+
+
+class InvalidRequest(ParaditError, ValueError):
+    """A request or setting that cannot be served as given."""
+
+
+class CheckpointError(ParaditError):
+    """A checkpoint folder that is missing, incomplete or does not match the model."""

@@ -1,0 +1,41 @@
+"""Rotary position embeddings over several position axes (FLUX-style: interleaved pairs, one frequency band per axis).
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _freqs_dtype(device: torch.device) -> torch.dtype:
+    # float64 angles keep large positions exact; MPS has no float64.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def multi_axis_rope(
+    ids: torch.Tensor, axes_dim: list[int] | tuple[int, ...], theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq, sum(axes_dim)) for integer positions ``ids`` of shape (seq, n_axes).
+
+    Each axis contributes ``axes_dim[i]`` channels; within an axis every frequency is repeated for the
+    (real, imaginary) pair it rotates.
+    """
+    pos = ids.float()
+    dtype = _freqs_dtype(ids.device)
+    cos_parts, sin_parts = [], []
+    for axis, dim in enumerate(axes_dim):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype, device=ids.device) / dim))
+        angles = torch.outer(pos[:, axis].to(dtype), inv_freq)
+        cos_parts.append(angles.cos().repeat_interleave(2, dim=1).float())
+        sin_parts.append(angles.sin().repeat_interleave(2, dim=1).float())
+    return torch.cat(cos_parts, dim=-1), torch.cat(sin_parts, dim=-1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, seq, heads, dim) by tables (seq, dim) where channels (2i, 2i+1) form one complex pair."""
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

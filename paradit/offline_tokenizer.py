@@ -1,0 +1,48 @@
+"""A stand-in tokenizer built in memory, for models run without a checkpoint (``--load-format dummy``, tiny presets).
+
+Byte-level BPE with no merges: every UTF-8 byte is one token, plus the chat-format special tokens, and a chat
+template that accepts plain-string and list-of-parts message contents (the two forms the FLUX.2 pipelines send).
+Real checkpoints bring their own tokenizer; this exists only so that a model with random weights can still take a
+text prompt end to end, offline.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def build_offline_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
+    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for symbol in sorted(byte_alphabet):
+        vocab[symbol] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=model_max_length,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

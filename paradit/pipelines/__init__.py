@@ -1,0 +1,4 @@
+"""Pipelines, one per model family: prompt encoding, latents, the denoise loop, decoding.
+
+Must not import torch.distributed.
+"""

@@ -1,0 +1,58 @@
+"""What a caller asks for and what it gets back.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+
+@dataclass
+class GenerationRequest:
+    """One call: ``prompt`` may be a list (one batch); unset fields take the model's defaults."""
+
+    prompt: str | list[str]
+    negative_prompt: str | list[str] | None = None
+    height: int | None = None
+    width: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int | None = None
+    num_images_per_prompt: int = 1
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+@dataclass
+class Timings:
+    text_encode_s: float = 0.0
+    step_ms: list[float] = field(default_factory=list)
+    vae_decode_s: float = 0.0
+    total_s: float = 0.0
+    peak_memory_bytes: int = 0
+    peak_memory_kind: str = "device"
+
+    @property
+    def median_step_ms(self) -> float:
+        ordered = sorted(self.step_ms)
+        return ordered[len(ordered) // 2] if ordered else 0.0
+
+
+@dataclass
+class GenerationResult:
+    """``pixels`` is (batch, 3, H, W) float in [0, 1] on the CPU, before 8-bit quantisation; ``images`` are PIL."""
+
+    pixels: torch.Tensor
+    seed: int
+    timings: Timings
+
+    @property
+    def images(self) -> list[Image.Image]:
+        array = (self.pixels.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()
+        return [Image.fromarray(frame) for frame in array]
