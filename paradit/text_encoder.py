@@ -62,8 +62,8 @@ class PromptEncoder:
     def dummy(cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, seed: int = 0) -> PromptEncoder:
         config = transformers.AutoConfig.for_model(**spec.config)
         _truncate_config(config, max(spec.layers))
-        torch.manual_seed(seed)
-        with torch.device(device):
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(seed)
             model = transformers.AutoModel.from_config(config, dtype=dtype)
         return cls(_decoder_without_final_norm(model), build_offline_tokenizer(spec.max_length), spec)
 

@@ -10,7 +10,6 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,15 +32,19 @@ def resolve_checkpoint(model: str) -> Path:
         return path
     if model.count("/") != 1 or path.exists() or model.startswith((".", "/", "~")):
         raise CheckpointError(f"checkpoint folder {model!r} does not exist")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
     except LocalEntryNotFoundError as exc:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        reason = "HF_HUB_OFFLINE=1 is set" if offline else "the hub could not be reached"
+        reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
         raise CheckpointError(f"{model!r} is not a local folder and is not in the hub cache, and {reason}") from exc
+    except RepositoryNotFoundError as exc:  # GatedRepoError included
+        raise CheckpointError(
+            f"hub repository {model!r} does not exist or is gated; accept its licence on the hub and log in "
+            "(`hf auth login`) or set HF_TOKEN"
+        ) from exc
 
 
 def read_json(path: Path) -> dict:
@@ -141,3 +144,5 @@ def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dty
             param.zero_()
         else:
             param.fill_(1.0)
+    for buffer in module.buffers():
+        buffer.zero_()

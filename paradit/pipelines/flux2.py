@@ -160,7 +160,8 @@ class Flux2Pipeline:
         if dummy:
             init_dummy_weights(transformer, device, dtype)
             prompt_encoder = PromptEncoder.dummy(spec.text_encoder, device, dtype)
-            with torch.device(device):
+            with torch.random.fork_rng(devices=[]), torch.device(device):
+                torch.manual_seed(0)
                 vae = AutoencoderKLFlux2(**spec.vae)
             # nn.Module.to, not ModelMixin.to: the latter only adds a warning about fp32-pinned modules, and this
             # VAE pins none.

@@ -1,0 +1,43 @@
+"""Classifier-free guidance branches, batched on one rank or split across the two halves of the group.
+
+The pipeline stacks its inputs as [conditional; unconditional] along the batch; ``local`` picks the rows this rank
+computes and ``combine`` brings every rank's prediction back in that order, one all-gather of the noise
+prediction per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paradit.parallel.comm import all_gather_uneven
+
+
+class BatchedBranches:
+    """Both branches in one batch on this rank (one GPU, or a group without CFG parallelism)."""
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def combine(self, prediction: torch.Tensor) -> torch.Tensor:
+        return prediction
+
+
+class SplitBranches:
+    """cfg rank 0 computes the conditional half, cfg rank 1 the unconditional half."""
+
+    def __init__(self, context) -> None:
+        self.context = context
+        self.branch = context.local_rank("cfg")
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(2)[self.branch]
+
+    def combine(self, prediction: torch.Tensor) -> torch.Tensor:
+        rows = prediction.shape[0]
+        return all_gather_uneven(prediction, 0, [rows, rows], self.context.group("cfg"), self.context.stats)
+
+
+def guidance_branches(context) -> BatchedBranches | SplitBranches:
+    if context is not None and context.config.cfg == 2:
+        return SplitBranches(context)
+    return BatchedBranches()

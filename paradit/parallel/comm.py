@@ -1,0 +1,93 @@
+"""Collectives the runtime uses, each counting the bytes this process sends.
+
+Uneven splits are first-class: sequence lengths and head counts need not divide the degree, so all-to-alls carry
+per-rank sizes instead of padding (no wasted bytes, no masks), and gathers pad only the small final outputs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Bytes this process sent, by phase ("denoise", "setup", ...), and the denoise steps they cover."""
+
+    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    phase: str = "setup"
+
+    def add(self, nbytes: int) -> None:
+        self.bytes_sent[self.phase] += nbytes
+
+    def reset(self) -> None:
+        self.bytes_sent = defaultdict(int)
+        self.phase = "setup"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """torch.tensor_split's sizes: the first ``total % parts`` parts one longer."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def all_to_all_uneven(
+    send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], group: dist.ProcessGroup, stats: CommStats
+) -> list[torch.Tensor]:
+    """``send[j]`` goes to group rank j; returns the tensors received from each rank, shaped ``recv_shapes[j]``."""
+    me = dist.get_rank(group)
+    flat_send = torch.cat([t.reshape(-1) for t in send])
+    recv_numels = [int(torch.Size(shape).numel()) for shape in recv_shapes]
+    flat_recv = flat_send.new_empty(sum(recv_numels))
+    dist.all_to_all_single(flat_recv, flat_send, recv_numels, [t.numel() for t in send], group=group)
+    stats.add(sum(_nbytes(t) for j, t in enumerate(send) if j != me))
+    return [chunk.view(shape) for chunk, shape in zip(flat_recv.split(recv_numels), recv_shapes)]
+
+
+def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, stats: CommStats) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, where rank j holds ``sizes[j]`` rows (padded in transit)."""
+    longest = max(sizes)
+    if x.shape[dim] < longest:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    stats.add(_nbytes(x) * (len(sizes) - 1))
+    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim)
+
+
+def broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None, stats: CommStats) -> torch.Tensor:
+    dist.broadcast(x, src=src, group=group)
+    if dist.get_rank() == src:
+        stats.add(_nbytes(x) * (dist.get_world_size(group) - 1))
+    return x
+
+
+class RingExchange:
+    """Send a tensor to the next rank and receive one from the previous, asynchronously, so the transfer overlaps
+    the attention of the block already in hand."""
+
+    def __init__(self, group: dist.ProcessGroup, stats: CommStats) -> None:
+        self.group = group
+        self.stats = stats
+        ranks = dist.get_process_group_ranks(group)
+        me = ranks.index(dist.get_rank())
+        self.next_rank = ranks[(me + 1) % len(ranks)]
+        self.prev_rank = ranks[(me - 1) % len(ranks)]
+
+    def start(self, send: torch.Tensor, recv_shape: tuple[int, ...]) -> tuple[torch.Tensor, list]:
+        recv = send.new_empty(recv_shape)
+        ops = [
+            dist.P2POp(dist.isend, send.contiguous(), self.next_rank, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
+        ]
+        self.stats.add(_nbytes(send))
+        return recv, dist.batch_isend_irecv(ops)

@@ -1,0 +1,72 @@
+"""``ParallelConfig``: how one request is spread over a group of GPUs, and the check that it can be.
+
+Must not import torch.distributed (it is imported by the CLI before any process group exists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paradit.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of each strategy; their product is the number of GPUs (processes) in the group.
+
+    ``cfg`` 2 puts the conditional and unconditional guidance branches on different halves of the group;
+    ``ring`` x ``ulysses`` split the token sequence (USP when both are > 1, Ulysses innermost).
+    """
+
+    ulysses: int = 1
+    ring: int = 1
+    cfg: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.ulysses * self.ring * self.cfg
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.ulysses * self.ring
+
+    def describe(self) -> str:
+        parts = [f"{name} {degree}" for name, degree in (("cfg", self.cfg), ("ring", self.ring), ("ulysses", self.ulysses)) if degree > 1]
+        return " x ".join(parts) if parts else "1 GPU"
+
+    def validate(self, gpus: int, has_cfg: bool, heads: int) -> None:
+        """Raises InvalidRequest naming the problem and the plans that do work for ``gpus``."""
+        for name, degree in (("ulysses", self.ulysses), ("ring", self.ring), ("cfg", self.cfg)):
+            if degree < 1:
+                raise InvalidRequest(f"{name} degree {degree} is not allowed; give 1 or more")
+        problem = None
+        if self.cfg not in (1, 2):
+            problem = f"cfg degree {self.cfg} is not allowed (1 or 2: the two guidance branches)"
+        elif self.cfg == 2 and not has_cfg:
+            problem = "cfg parallel needs a model run with classifier-free guidance, and this one has none"
+        elif self.ulysses > heads:
+            problem = f"ulysses degree {self.ulysses} exceeds the model's {heads} attention heads"
+        elif self.world_size != gpus:
+            problem = f"{self.describe()} uses {self.world_size} GPUs, not the {gpus} asked for"
+        if problem:
+            options = "; ".join(plan.describe() for plan in plans_for(gpus, has_cfg, heads))
+            raise InvalidRequest(f"{problem}; plans for {gpus} GPUs: {options}")
+
+
+def plans_for(gpus: int, has_cfg: bool, heads: int) -> list[ParallelConfig]:
+    """Every valid plan for ``gpus`` GPUs, CFG-parallel ones first (they communicate least)."""
+    plans = []
+    for cfg in (2, 1) if has_cfg else (1,):
+        if gpus % cfg:
+            continue
+        sequence = gpus // cfg
+        for ring in range(1, sequence + 1):
+            if sequence % ring == 0 and sequence // ring <= heads:
+                plans.append(ParallelConfig(ulysses=sequence // ring, ring=ring, cfg=cfg))
+    return plans
+
+
+def default_plan(gpus: int, has_cfg: bool, heads: int) -> ParallelConfig:
+    """CFG parallel when the model has two branches (one exchange per step), the rest Ulysses (exact, and the
+    fastest sequence split on fast links); Ring takes over only where the head count runs out."""
+    return plans_for(gpus, has_cfg, heads)[0] if gpus > 1 else ParallelConfig()

@@ -1,0 +1,78 @@
+"""The process group, the device mesh (cfg x ring x ulysses, ulysses innermost) and this rank's place in it.
+
+Ulysses is innermost so that its all-to-alls, the heaviest traffic, stay between neighbouring ranks (the same
+NVLink island or PCIe switch on most boxes); the ring passes K/V between Ulysses groups; CFG halves exchange only
+one noise prediction per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from paradit.parallel.comm import CommStats, broadcast
+from paradit.parallel.config import ParallelConfig
+
+MESH_DIMS = ("cfg", "ring", "ulysses")
+
+
+def backend_for(device: torch.device) -> str:
+    # NCCL names RCCL too on ROCm builds; gloo carries CPU tensors.
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(device: torch.device, rank: int, world_size: int, init_method: str) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device), rank=rank, world_size=world_size, init_method=init_method,
+        device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
+
+
+@dataclass
+class ParallelContext:
+    """What a parallelised pipeline needs to know about the group it runs in."""
+
+    config: ParallelConfig
+    device: torch.device
+    mesh: DeviceMesh
+    sequence_group: dist.ProcessGroup
+    stats: CommStats = field(default_factory=CommStats)
+
+    @classmethod
+    def build(cls, config: ParallelConfig, device: torch.device) -> ParallelContext:
+        shape = (config.cfg, config.ring, config.ulysses)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+        # Ranks of one sequence group are consecutive (cfg is outermost); their order is the order of the chunks.
+        span = config.sequence_degree
+        groups = [list(range(start, start + span)) for start in range(0, config.world_size, span)]
+        sequence_group, _ = dist.new_subgroups_by_enumeration(groups)
+        return cls(config, device, mesh, sequence_group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def local_rank(self, dim: str) -> int:
+        return self.mesh.get_local_rank(dim)
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(dim)
+
+    @property
+    def sequence_rank(self) -> int:
+        return dist.get_rank(self.sequence_group)
+
+    def share_from_leader(self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every rank (others pass None and the shape they expect)."""
+        if not self.is_leader:
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        return broadcast(tensor.contiguous(), src=0, group=None, stats=self.stats)
