@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/paradit generate --model flux2-tiny --device cpu --prompt "a lighthouse on a cliff at dusk" --seed 0 --out out/demo.png
+	$(BIN)/paradit generate --model flux2-tiny --device cpu --gpus 2 --ulysses 2 --verify-serial \
+		--prompt "a lighthouse on a cliff at dusk" --seed 0 --out out/demo.png
 
 test: $(STAMP)
 	$(BIN)/ruff check paradit tests benchmarks

@@ -10,7 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from paradit.errors import ParaditError
+from paradit.parallel.config import ParallelConfig, default_plan
 from paradit.presets import PRESETS
 from paradit.request import GenerationRequest, GenerationResult
 
@@ -40,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=["cuda", "cpu"])
     gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
+    par.add_argument("--gpus", type=int, help="processes in the group; default: the product of the degrees")
+    par.add_argument("--ulysses", type=int, help="Ulysses (all-to-all over heads) degree")
+    par.add_argument("--ring", type=int, help="Ring attention degree")
+    par.add_argument("--cfg-parallel", action="store_true", help="guidance branches on the two halves of the group")
+    par.add_argument(
+        "--verify-serial", action="store_true", help="also run the request in one process and report the difference"
+    )
 
     commands.add_parser("models", help="list the model presets")
     return parser
@@ -60,17 +71,32 @@ def format_table(result: GenerationResult) -> str:
         ("VAE decode", f"{t.vae_decode_s:.3f} s"),
         ("total", f"{t.total_s:.3f} s"),
         (f"peak memory ({t.peak_memory_kind})", f"{t.peak_memory_bytes / 2**30:.2f} GiB"),
+        ("parallel plan", t.plan),
     ]
+    if t.comm_bytes_per_step:
+        rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+def parallel_plan(args: argparse.Namespace, spec) -> ParallelConfig:
+    """The plan the flags ask for: explicit degrees, or for ``--gpus N`` alone the default plan for N."""
+    heads = spec.transformer["num_attention_heads"]
+    has_cfg = spec.guidance_mode == "cfg"
+    explicit = args.ulysses is not None or args.ring is not None or args.cfg_parallel
+    if not explicit:
+        return default_plan(args.gpus or 1, has_cfg, heads)
+    return ParallelConfig(ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1)
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    from paradit.engine import Engine, parse_device, parse_dtype, resolve_model, validate_request
+    from paradit.engine import Engine, check_plan, parse_device, parse_dtype, resolve_model, validate_request
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     spec = resolve_model(args.model, args.load_format)
+    parallel = parallel_plan(args, spec)
+    check_plan(spec, parallel, args.gpus or parallel.world_size, device)
     request = GenerationRequest(
         prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0],
         negative_prompt=args.negative_prompt,
@@ -82,15 +108,35 @@ def run_generate(args: argparse.Namespace) -> int:
         num_images_per_prompt=args.images_per_prompt,
     )
     validate_request(spec, request)
-    engine = Engine(spec, device=device, dtype=dtype, load_format=args.load_format)
-    result = engine.generate(request, progress=not args.no_progress)
+    with Engine(spec, device=device, dtype=dtype, load_format=args.load_format, parallel=parallel) as engine:
+        result = engine.generate(request, progress=not args.no_progress)
+    if result is None:  # a non-zero rank under torchrun: rank 0 writes the images
+        return 0
     paths = output_paths(args.out, len(result.images))
     for path, image in zip(paths, result.images):
         path.parent.mkdir(parents=True, exist_ok=True)
         image.save(path)
     print(format_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))
+    if args.verify_serial and parallel.world_size > 1:
+        with Engine(spec, device=device, dtype=dtype, load_format=args.load_format) as serial_engine:
+            serial = serial_engine.generate(request, progress=False)
+        print(serial_comparison(result, serial))
     return 0
+
+
+def serial_comparison(parallel: GenerationResult, serial: GenerationResult) -> str:
+    """How far the parallel images are from the one-process ones, in float pixels and in 8-bit levels."""
+    float_diff = (parallel.pixels - serial.pixels).abs().max().item()
+    levels = max(
+        int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max())
+        for a, b in zip(parallel.images, serial.images)
+    )
+    verdict = "equals" if levels <= 1 else "DIFFERS FROM"
+    return (
+        f"{parallel.timings.plan} image {verdict} the 1-process image: "
+        f"max diff {float_diff:.2e} on [0, 1], {levels} 8-bit level(s)"
+    )
 
 
 def run_models() -> int:

@@ -1,26 +1,28 @@
 """The Engine: turns a model name (preset, checkpoint folder or hub id) into a loaded pipeline and serves requests.
 
-A request that fails validation raises ``InvalidRequest`` and leaves the engine ready for the next one.
-Must not import torch.distributed.
+A request that fails validation raises ``InvalidRequest`` (before any worker sees it) and leaves the engine ready
+for the next one.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from paradit.errors import InvalidRequest
-from paradit.pipelines.flux2 import Flux2Pipeline, resolve_request, spec_from_folder
+from paradit.parallel.config import ParallelConfig
+from paradit.pipelines import PIPELINES
+from paradit.pipelines.flux2 import spec_from_folder
 from paradit.presets import PRESETS, ModelSpec
 from paradit.request import GenerationRequest, GenerationResult
 from paradit.weights import resolve_checkpoint
+from paradit.worker import WorkerGroup, WorkerPlan, build_worker_pipeline
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOAD_FORMATS = ("auto", "dummy")
-PIPELINES = {"flux2": Flux2Pipeline}
-REQUEST_RESOLVERS = {"flux2": resolve_request}
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -63,13 +65,21 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSpec:
 
 def validate_request(spec: ModelSpec, request: GenerationRequest) -> None:
     """Raises InvalidRequest for a request ``spec``'s model cannot serve, before any weight is loaded."""
-    REQUEST_RESOLVERS[spec.family](spec, request)
+    _, resolve = PIPELINES[spec.family]
+    resolve(spec, request)
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
 
 
 class Engine:
     """``Engine(model="flux2-dev").generate(GenerationRequest(prompt="..."))``.
 
-    ``model`` is a preset name, a checkpoint folder, a hub id, or a ModelSpec already resolved.
+    ``model`` is a preset name, a checkpoint folder, a hub id, or a ModelSpec already resolved. With a
+    ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host (``cpu``
+    spawns CPU processes joined by gloo); in a script started by torchrun, each process is one worker of the
+    torchrun group, and ``generate`` returns the result on rank 0 and None elsewhere.
     """
 
     def __init__(
@@ -78,12 +88,50 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         load_format: Literal["auto", "dummy"] = "auto",
+        parallel: ParallelConfig | None = None,
     ) -> None:
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, load_format)
+        self.parallel = parallel or ParallelConfig()
+        check_plan(self.spec, self.parallel, self.parallel.world_size, self.device)
         dummy = load_format == "dummy" or "folder" not in self.spec.extra
-        self.pipeline = PIPELINES[self.spec.family].load(self.spec, self.device, self.dtype, dummy=dummy)
+        self._pipeline = self._group = None
+        if self.parallel.world_size == 1:
+            pipeline_cls, _ = PIPELINES[self.spec.family]
+            self._pipeline = pipeline_cls.load(self.spec, self.device, self.dtype, dummy=dummy)
+            return
+        plan = WorkerPlan(self.spec, self.device.type, self.dtype, dummy, self.parallel, init_method="env://")
+        if launched_by_torchrun():
+            rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+            self._pipeline = build_worker_pipeline(plan, rank, local_rank)
+        else:
+            self._group = WorkerGroup(plan)
 
-    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult:
-        return self.pipeline.generate(request, progress=progress)
+    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
+        validate_request(self.spec, request)
+        if self._group is not None:
+            return self._group.generate(request)
+        result = self._pipeline.generate(request, progress=progress)
+        if result is not None:
+            result.timings.plan = self.parallel.describe()
+        return result
+
+    def close(self) -> None:
+        """Stop the worker processes, if any. The engine serves no more requests after this."""
+        if self._group is not None:
+            self._group.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def check_plan(spec: ModelSpec, parallel: ParallelConfig, gpus: int, device: torch.device) -> None:
+    """Refuse a plan the model or the machine cannot run, naming the plans that work."""
+    heads = spec.transformer["num_attention_heads"]
+    parallel.validate(gpus, has_cfg=spec.guidance_mode == "cfg", heads=heads)
+    if device.type == "cuda" and not launched_by_torchrun() and gpus > torch.cuda.device_count():
+        raise InvalidRequest(f"{gpus} GPUs asked for, but this machine has {torch.cuda.device_count()}")

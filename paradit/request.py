@@ -37,6 +37,8 @@ class Timings:
     total_s: float = 0.0
     peak_memory_bytes: int = 0
     peak_memory_kind: str = "device"
+    comm_bytes_per_step: int = 0  # sent by the rank that reports, per denoise step
+    plan: str = "1 GPU"
 
     @property
     def median_step_ms(self) -> float:

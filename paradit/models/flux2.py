@@ -15,8 +15,8 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -242,6 +242,12 @@ class Flux2Tokens:
     """What flows between the stages. The runtime may slice ``img``/``txt`` along the sequence (dim 1) together with
     the matching rows of ``img_rope``/``txt_rope``; everything else is per sample and stays whole."""
 
+    # field -> (the token stream it belongs to, its sequence dimension); the prediction comes from OUTPUT_STREAM.
+    SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
+        "img": ("img", 1), "txt": ("txt", 1), "img_rope": ("img", 0), "txt_rope": ("txt", 0),
+    }  # fmt: skip
+    OUTPUT_STREAM: ClassVar[str] = "img"
+
     img: torch.Tensor
     txt: torch.Tensor
     img_rope: tuple[torch.Tensor, torch.Tensor]
@@ -250,7 +256,6 @@ class Flux2Tokens:
     mod_img: torch.Tensor
     mod_txt: torch.Tensor
     mod_single: torch.Tensor
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Flux2Transformer(nn.Module):

@@ -51,7 +51,9 @@ def all_to_all_uneven(
     return [chunk.view(shape) for chunk, shape in zip(flat_recv.split(recv_numels), recv_shapes)]
 
 
-def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, stats: CommStats) -> torch.Tensor:
+def all_gather_uneven(
+    x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, stats: CommStats
+) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, where rank j holds ``sizes[j]`` rows (padded in transit)."""
     longest = max(sizes)
     if x.shape[dim] < longest:

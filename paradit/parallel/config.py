@@ -31,7 +31,11 @@ class ParallelConfig:
         return self.ulysses * self.ring
 
     def describe(self) -> str:
-        parts = [f"{name} {degree}" for name, degree in (("cfg", self.cfg), ("ring", self.ring), ("ulysses", self.ulysses)) if degree > 1]
+        parts = [
+            f"{name} {degree}"
+            for name, degree in (("cfg", self.cfg), ("ring", self.ring), ("ulysses", self.ulysses))
+            if degree > 1
+        ]
         return " x ".join(parts) if parts else "1 GPU"
 
     def validate(self, gpus: int, has_cfg: bool, heads: int) -> None:

@@ -71,7 +71,9 @@ class ParallelContext:
     def sequence_rank(self) -> int:
         return dist.get_rank(self.sequence_group)
 
-    def share_from_leader(self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def share_from_leader(
+        self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         """Rank 0's ``tensor`` on every rank (others pass None and the shape they expect)."""
         if not self.is_leader:
             tensor = torch.empty(shape, dtype=dtype, device=self.device)

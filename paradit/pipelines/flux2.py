@@ -2,10 +2,9 @@
 
 Reproduces diffusers' ``Flux2Pipeline`` (dev: Mistral3 encoder, embedded guidance) and ``Flux2KleinPipeline``
 (klein: Qwen3 encoder, true CFG unless step-distilled) so that the same checkpoint and seed give the same image.
-Differences that only make it faster: the unconditional branch of CFG runs in the same batch as the conditional one,
-and the text encoder stops at the deepest layer it is read at.
-
-Must not import torch.distributed.
+Differences that only make it faster: the unconditional branch of CFG runs in the same batch as the conditional one
+(or on the other half of the group under CFG parallelism), and the text encoder stops at the deepest layer it is
+read at.
 """
 
 from __future__ import annotations
@@ -22,7 +21,17 @@ from torch import nn
 
 from paradit.errors import CheckpointError, InvalidRequest
 from paradit.models.flux2 import Flux2Config, Flux2Transformer
-from paradit.pipelines.base import StepClock, denoise, record_peak_memory, reset_peak_memory, synchronize
+from paradit.parallel.cfg import BatchedBranches, guidance_branches
+from paradit.parallel.mesh import ParallelContext
+from paradit.parallel.sequence import parallelize_sequence
+from paradit.pipelines.base import (
+    NoisePredictor,
+    StepClock,
+    denoise,
+    record_peak_memory,
+    reset_peak_memory,
+    synchronize,
+)
 from paradit.presets import ModelSpec, TextEncoderSpec
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.text_encoder import PromptEncoder
@@ -140,25 +149,45 @@ class Flux2Pipeline:
         spec: ModelSpec,
         transformer: Flux2Transformer,
         prompt_encoder: PromptEncoder,
-        vae: AutoencoderKLFlux2,
+        vae: AutoencoderKLFlux2 | None,
         device: torch.device,
         dtype: torch.dtype,
+        parallel: ParallelContext | None = None,
     ) -> None:
+        """In a group, only rank 0 holds the prompt encoder and the VAE (None elsewhere)."""
         self.spec = spec
         self.transformer = transformer
         self.prompt_encoder = prompt_encoder
         self.vae = vae
         self.device = device
         self.dtype = dtype
-        self.pixel_granularity = pixel_granularity(vae.config)
+        self.parallel = parallel
+        self.pixel_granularity = pixel_granularity(spec.vae)
 
     @classmethod
-    def load(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool) -> Flux2Pipeline:
-        config = Flux2Config.from_dict(spec.transformer)
+    def load(
+        cls,
+        spec: ModelSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        dummy: bool,
+        parallel: ParallelContext | None = None,
+    ) -> Flux2Pipeline:
+        """Every rank loads the transformer; only rank 0 loads the prompt encoder and the VAE."""
         with torch.device("meta"):
-            transformer = Flux2Transformer(config)
+            transformer = Flux2Transformer(Flux2Config.from_dict(spec.transformer))
+        folder = spec.extra.get("folder")
         if dummy:
             init_dummy_weights(transformer, device, dtype)
+        else:
+            load_module_weights(transformer, safetensors_files(component_dir(folder, "transformer")), device, dtype)
+        transformer = transformer.eval()
+        if parallel is not None:
+            transformer = parallelize_sequence(transformer, parallel)
+        if parallel is not None and not parallel.is_leader:
+            return cls(spec, transformer, None, None, device, dtype, parallel)
+
+        if dummy:
             prompt_encoder = PromptEncoder.dummy(spec.text_encoder, device, dtype)
             with torch.random.fork_rng(devices=[]), torch.device(device):
                 torch.manual_seed(0)
@@ -167,13 +196,11 @@ class Flux2Pipeline:
             # VAE pins none.
             vae = nn.Module.to(vae, dtype)
         else:
-            folder = spec.extra["folder"]
-            load_module_weights(transformer, safetensors_files(component_dir(folder, "transformer")), device, dtype)
-            prompt_encoder = PromptEncoder.from_folder(
-                folder, spec.extra["text_encoder_class"], spec.text_encoder, device, dtype
-            )
+            encoder_class = spec.extra["text_encoder_class"]
+            prompt_encoder = PromptEncoder.from_folder(folder, encoder_class, spec.text_encoder, device, dtype)
             vae = AutoencoderKLFlux2.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
-        return cls(spec, transformer.eval(), prompt_encoder, vae.to(device).eval().requires_grad_(False), device, dtype)
+        vae = vae.to(device).eval().requires_grad_(False)
+        return cls(spec, transformer, prompt_encoder, vae, device, dtype, parallel)
 
     def uses_cfg(self, request: ResolvedRequest) -> bool:
         return self.spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
@@ -206,7 +233,11 @@ class Flux2Pipeline:
 
     def predictor(
         self, request: ResolvedRequest, embeds: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor, cfg: bool
-    ):
+    ) -> NoisePredictor:
+        """``embeds`` holds [conditional; unconditional] rows when ``cfg``; the branches object decides which of them
+        this rank computes (all of them on one GPU, one half under CFG parallelism)."""
+        branches = guidance_branches(self.parallel) if cfg else BatchedBranches()
+        embeds = branches.local(embeds)
         guidance = None
         if self.spec.guidance_mode == "embedded":
             guidance = torch.full((embeds.shape[0],), request.guidance, device=self.device, dtype=torch.float32)
@@ -215,14 +246,15 @@ class Flux2Pipeline:
         def predict(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             # The reference casts t to the latent dtype before dividing; matching it keeps bf16 runs bit-faithful.
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-            model_input = torch.cat([latents, latents]) if cfg else latents
+            model_input = latents
             if cfg:
-                timestep = torch.cat([timestep, timestep])
+                model_input = branches.local(torch.cat([latents, latents]))
+                timestep = branches.local(torch.cat([timestep, timestep]))
             with torch.inference_mode():
                 noise = self.transformer(model_input.to(self.dtype), embeds, timestep, img_ids, txt_ids, guidance)
             if not cfg:
                 return noise
-            cond, uncond = noise.chunk(2)
+            cond, uncond = branches.combine(noise).chunk(2)
             return uncond + scale * (cond - uncond)
 
         return predict
@@ -239,16 +271,32 @@ class Flux2Pipeline:
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return (image / 2 + 0.5).clamp(0, 1)
 
-    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult:
+    def text_embeddings(self, request: ResolvedRequest, cfg: bool) -> torch.Tensor:
+        """[conditional; unconditional] prompt embeddings, encoded once per group (by rank 0) and shared."""
+        rows = request.batch * (2 if cfg else 1)
+        if self.prompt_encoder is not None:
+            embeds = self.encode_prompts(request.prompts, request.images_per_prompt)
+            if cfg:
+                negatives = request.negative_prompts or [""] * len(request.prompts)
+                embeds = torch.cat([embeds, self.encode_prompts(negatives, request.images_per_prompt)])
+        else:
+            embeds = None
+        if self.parallel is None:
+            return embeds
+        shape = (rows, self.spec.text_encoder.max_length, self.transformer.config.joint_attention_dim)
+        return self.parallel.share_from_leader(embeds, shape, self.dtype)
+
+    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
+        """The images on the rank that decodes (rank 0 of the group); None on the other ranks."""
         resolved = resolve_request(self.spec, request)
         timings = Timings()
+        stats = self.parallel.stats if self.parallel else None
+        if stats:
+            stats.reset()
         reset_peak_memory(self.device)
         start = time.perf_counter()
         cfg = self.uses_cfg(resolved)
-        embeds = self.encode_prompts(resolved.prompts, resolved.images_per_prompt)
-        if cfg:
-            negatives = resolved.negative_prompts or [""] * len(resolved.prompts)
-            embeds = torch.cat([embeds, self.encode_prompts(negatives, resolved.images_per_prompt)])
+        embeds = self.text_embeddings(resolved, cfg)
         synchronize(self.device)
         timings.text_encode_s = time.perf_counter() - start
 
@@ -257,8 +305,15 @@ class Flux2Pipeline:
         scheduler, timesteps = self.make_scheduler(resolved.steps, latents.shape[1])
         clock = StepClock(self.device)
         predict = self.predictor(resolved, embeds, img_ids, txt_ids, cfg)
+        if stats:
+            stats.phase = "denoise"
         latents = denoise(predict, scheduler, latents, timesteps, clock, progress)
         timings.step_ms = clock.durations_ms()
+        if stats:
+            stats.phase = "decode"
+            timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
+        if self.vae is None:
+            return None
 
         decode_start = time.perf_counter()
         pixels = self.decode(latents, rows, cols)

@@ -1,0 +1,146 @@
+"""Sequence parallelism: split the token streams after ``embed``, attend across ranks, gather before the output.
+
+Every rank holds a contiguous chunk of each token stream (``torch.tensor_split`` sizes, so any length works) and
+runs the model's blocks on it unchanged. Only attention needs the whole sequence; the model's attention modules get
+a ``SequenceParallelAttention`` in place of local SDPA:
+
+- **Ulysses**: one all-to-all trades the sequence split for a head split (heads need not divide the degree: ranks
+  take ``tensor_split`` shares), full attention on those heads, one all-to-all back.
+- **Ring**: K/V blocks travel round the ring; each rank attends its queries to every block as it arrives, merging
+  partial results by log-sum-exp, with the next transfer in flight during the current block's attention.
+- **USP**: Ulysses inside groups of neighbouring ranks, Ring across the groups.
+
+Uneven splits are carried as per-rank sizes rather than padding, so no attention mask is needed and no byte is
+sent for padding. Attention is order-invariant over keys and the all-to-alls return every query to its own rank,
+so the chunk order seen inside attention does not matter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from paradit.layers.attention import AttentionDispatch, attention_with_lse, sdpa_attention
+from paradit.parallel.comm import RingExchange, all_gather_uneven, all_to_all_uneven, split_sizes
+from paradit.parallel.mesh import ParallelContext
+
+
+class SequenceParallelAttention:
+    """Attention over a sequence split across the group; ``local_lengths`` is set per forward by the wrapper."""
+
+    def __init__(self, context: ParallelContext) -> None:
+        self.context = context
+        self.ulysses = context.config.ulysses
+        self.ring = context.config.ring
+        self.ulysses_group = context.group("ulysses")
+        self.ring_exchange = RingExchange(context.group("ring"), context.stats) if self.ring > 1 else None
+        self.local_lengths: list[int] = []  # tokens per sequence rank, in chunk order
+
+    def _ulysses_lengths(self) -> list[int]:
+        row = self.context.local_rank("ring") * self.ulysses
+        return self.local_lengths[row : row + self.ulysses]
+
+    def _ring_lengths(self) -> list[int]:
+        return [sum(self.local_lengths[r * self.ulysses : (r + 1) * self.ulysses]) for r in range(self.ring)]
+
+    def heads_to_sequence(self, qkv: torch.Tensor) -> torch.Tensor:
+        """(n, B, L_me, H, D) -> (n, B, L_group, H_me, D): gather this Ulysses group's tokens, keep a share of heads."""
+        n, batch, _, heads, dim = qkv.shape
+        head_sizes = split_sizes(heads, self.ulysses)
+        me = self.context.local_rank("ulysses")
+        send = list(qkv.split(head_sizes, dim=3))
+        shapes = [(n, batch, length, head_sizes[me], dim) for length in self._ulysses_lengths()]
+        return torch.cat(all_to_all_uneven(send, shapes, self.ulysses_group, self.context.stats), dim=2)
+
+    def sequence_to_heads(self, out: torch.Tensor, heads: int) -> torch.Tensor:
+        """(B, L_group, H_me, D) -> (B, L_me, H, D): the inverse of ``heads_to_sequence``."""
+        batch, _, _, dim = out.shape
+        me = self.context.local_rank("ulysses")
+        lengths = self._ulysses_lengths()
+        send = list(out.split(lengths, dim=1))
+        shapes = [(batch, lengths[me], h, dim) for h in split_sizes(heads, self.ulysses)]
+        return torch.cat(all_to_all_uneven(send, shapes, self.ulysses_group, self.context.stats), dim=2)
+
+    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Exact attention of local queries over every ring rank's K/V, one block at a time."""
+        lengths = self._ring_lengths()
+        me = self.context.local_rank("ring")
+        kv = torch.stack([k, v])
+        out_acc = lse_acc = None
+        for step in range(self.ring):
+            if step + 1 < self.ring:
+                source = (me - step - 1) % self.ring
+                next_kv, pending = self.ring_exchange.start(kv, (2, *k.shape[:1], lengths[source], *k.shape[2:]))
+            out, lse = attention_with_lse(q, kv[0], kv[1])
+            lse = lse.transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1), aligned with out
+            if out_acc is None:
+                out_acc, lse_acc = out.float(), lse
+            else:
+                merged = torch.logaddexp(lse_acc, lse)
+                out_acc = out_acc * torch.exp(lse_acc - merged) + out.float() * torch.exp(lse - merged)
+                lse_acc = merged
+            if step + 1 < self.ring:
+                for work in pending:
+                    work.wait()
+                kv = next_kv
+        return out_acc.to(q.dtype)
+
+    def __call__(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if mask is not None:
+            raise NotImplementedError("sequence-parallel attention with a mask is not supported for this model yet")
+        heads = query.shape[2]
+        if self.ulysses > 1:
+            query, key, value = self.heads_to_sequence(torch.stack([query, key, value])).unbind(0)
+        out = self.ring_attention(query, key, value) if self.ring > 1 else sdpa_attention(query, key, value)
+        return self.sequence_to_heads(out, heads) if self.ulysses > 1 else out
+
+
+def _split(value, dim: int, sizes: list[int], index: int):
+    if isinstance(value, tuple):
+        return tuple(_split(part, dim, sizes, index) for part in value)
+    return value.split(sizes, dim=dim)[index]
+
+
+class SequenceParallel(nn.Module):
+    """Wraps a plain model with ``embed`` / ``run_blocks`` / ``head`` stages: the streams its token state names in
+    ``SEQUENCE_FIELDS`` are split across the sequence group, and the output stream is gathered after ``head``."""
+
+    def __init__(self, model: nn.Module, context: ParallelContext) -> None:
+        super().__init__()
+        self.model = model
+        self.context = context
+        self.attention = SequenceParallelAttention(context)
+        for module in model.modules():
+            if isinstance(module, AttentionDispatch):
+                module.set_attention_fn(self.attention)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        tokens = self.model.embed(*args, **kwargs)
+        degree, me = self.context.config.sequence_degree, self.context.sequence_rank
+        fields = type(tokens).SEQUENCE_FIELDS
+        stream_sizes = {}
+        for name, (stream, dim) in fields.items():
+            if stream == name:
+                stream_sizes[stream] = split_sizes(getattr(tokens, name).shape[dim], degree)
+        changes = {
+            name: _split(getattr(tokens, name), dim, stream_sizes[stream], me) for name, (stream, dim) in fields.items()
+        }
+        tokens = dataclasses.replace(tokens, **changes)
+        self.attention.local_lengths = [sum(sizes[r] for sizes in stream_sizes.values()) for r in range(degree)]
+        out = self.model.head(self.model.run_blocks(tokens))
+        output_sizes = stream_sizes[type(tokens).OUTPUT_STREAM]
+        return all_gather_uneven(out, 1, output_sizes, self.context.sequence_group, self.context.stats)
+
+
+def parallelize_sequence(model: nn.Module, context: ParallelContext) -> nn.Module:
+    if context.config.sequence_degree == 1:
+        return model
+    return SequenceParallel(model, context)
