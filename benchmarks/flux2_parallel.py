@@ -110,9 +110,7 @@ def main() -> None:
             row["regime"] = args.tag
         env = environment()
         p2p = os.environ.get("NCCL_P2P_DISABLE", "unset")
-        print(
-            f"{env['gpu']} x{world} torch {env['torch']} diffusers {env['diffusers']}; {args.tag}, NCCL_P2P_DISABLE={p2p}"
-        )
+        print(f"{env['gpu']} x{world} torch {env['torch']} diffusers {env['diffusers']}; NCCL_P2P_DISABLE={p2p}")
         print_table(
             rows,
             [
