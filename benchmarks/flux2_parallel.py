@@ -108,7 +108,8 @@ def main() -> None:
     if rank == 0:
         one_gpu = {row["impl"]: row["ms_per_step"] for row in rows if row["plan"] == "1 GPU"}
         for row in rows:
-            row["speedup_vs_1gpu"] = one_gpu[row["impl"]] / row["ms_per_step"]
+            if "ms_per_step" in row:
+                row["speedup_vs_1gpu"] = one_gpu[row["impl"]] / row["ms_per_step"]
             row["regime"] = args.tag
         env = environment()
         p2p = os.environ.get("NCCL_P2P_DISABLE", "unset")

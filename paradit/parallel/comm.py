@@ -39,16 +39,16 @@ def split_sizes(total: int, parts: int) -> list[int]:
 
 
 def all_to_all_uneven(
-    send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], group: dist.ProcessGroup, stats: CommStats
-) -> list[torch.Tensor]:
-    """``send[j]`` goes to group rank j; returns the tensors received from each rank, shaped ``recv_shapes[j]``."""
+    send: torch.Tensor, send_numels: list[int], recv_numels: list[int], group: dist.ProcessGroup, stats: CommStats
+) -> torch.Tensor:
+    """``send`` is flat, ``send_numels[j]`` elements for group rank j in rank order; returns the flat receive
+    buffer, ``recv_numels[j]`` elements from rank j in rank order. Callers lay the buffers out so that building and
+    reading them costs at most one copy each way."""
+    recv = send.new_empty(sum(recv_numels))
+    dist.all_to_all_single(recv, send, recv_numels, send_numels, group=group)
     me = dist.get_rank(group)
-    flat_send = torch.cat([t.reshape(-1) for t in send])
-    recv_numels = [int(torch.Size(shape).numel()) for shape in recv_shapes]
-    flat_recv = flat_send.new_empty(sum(recv_numels))
-    dist.all_to_all_single(flat_recv, flat_send, recv_numels, [t.numel() for t in send], group=group)
-    stats.add(sum(_nbytes(t) for j, t in enumerate(send) if j != me))
-    return [chunk.view(shape) for chunk, shape in zip(flat_recv.split(recv_numels), recv_shapes)]
+    stats.add((send.numel() - send_numels[me]) * send.element_size())
+    return recv
 
 
 def all_gather_uneven(
@@ -85,11 +85,11 @@ class RingExchange:
         self.next_rank = ranks[(me + 1) % len(ranks)]
         self.prev_rank = ranks[(me - 1) % len(ranks)]
 
-    def start(self, send: torch.Tensor, recv_shape: tuple[int, ...]) -> tuple[torch.Tensor, list]:
-        recv = send.new_empty(recv_shape)
-        ops = [
-            dist.P2POp(dist.isend, send.contiguous(), self.next_rank, self.group),
-            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
-        ]
-        self.stats.add(_nbytes(send))
+    def start(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], list]:
+        """Post the transfers of ``send`` (to the next rank) and of tensors shaped ``recv_shapes`` (from the previous
+        one); returns the receive buffers and the work handles to wait on before reading them."""
+        recv = [send[0].new_empty(shape) for shape in recv_shapes]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next_rank, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group) for t in recv]
+        self.stats.add(sum(_nbytes(t) for t in send))
         return recv, dist.batch_isend_irecv(ops)

@@ -45,35 +45,55 @@ class SequenceParallelAttention:
     def _ring_lengths(self) -> list[int]:
         return [sum(self.local_lengths[r * self.ulysses : (r + 1) * self.ulysses]) for r in range(self.ring)]
 
-    def heads_to_sequence(self, qkv: torch.Tensor) -> torch.Tensor:
-        """(n, B, L_me, H, D) -> (n, B, L_group, H_me, D): gather this Ulysses group's tokens, keep a share of heads."""
-        n, batch, _, heads, dim = qkv.shape
+    def heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L_me, H, D) -> (B, L_group, H_me, D): gather this Ulysses group's tokens, keep a share of the heads.
+
+        One copy lays the send buffer out by destination; with batch 1 the receive buffer already is the result."""
+        batch, length, heads, dim = x.shape
         head_sizes = split_sizes(heads, self.ulysses)
         me = self.context.local_rank("ulysses")
-        send = list(qkv.split(head_sizes, dim=3))
-        shapes = [(n, batch, length, head_sizes[me], dim) for length in self._ulysses_lengths()]
-        return torch.cat(all_to_all_uneven(send, shapes, self.ulysses_group, self.context.stats), dim=2)
+        lengths = self._ulysses_lengths()
+        send = x.new_empty(x.numel())
+        send_numels = [batch * length * h * dim for h in head_sizes]
+        start = 0
+        for chunk, h in zip(send.split(send_numels), head_sizes):
+            chunk.view(batch, length, h, dim).copy_(x[:, :, start : start + h])
+            start += h
+        recv_numels = [batch * n * head_sizes[me] * dim for n in lengths]
+        recv = all_to_all_uneven(send, send_numels, recv_numels, self.ulysses_group, self.context.stats)
+        if batch == 1:
+            return recv.view(1, sum(lengths), head_sizes[me], dim)
+        parts = [part.view(batch, n, head_sizes[me], dim) for part, n in zip(recv.split(recv_numels), lengths)]
+        return torch.cat(parts, dim=1)
 
     def sequence_to_heads(self, out: torch.Tensor, heads: int) -> torch.Tensor:
         """(B, L_group, H_me, D) -> (B, L_me, H, D): the inverse of ``heads_to_sequence``."""
-        batch, _, _, dim = out.shape
+        batch, _, local_heads, dim = out.shape
         me = self.context.local_rank("ulysses")
         lengths = self._ulysses_lengths()
-        send = list(out.split(lengths, dim=1))
-        shapes = [(batch, lengths[me], h, dim) for h in split_sizes(heads, self.ulysses)]
-        return torch.cat(all_to_all_uneven(send, shapes, self.ulysses_group, self.context.stats), dim=2)
+        head_sizes = split_sizes(heads, self.ulysses)
+        if batch == 1:  # the chunks for each destination are already consecutive
+            send = out.contiguous().view(-1)
+        else:
+            send = torch.cat([part.reshape(-1) for part in out.split(lengths, dim=1)])
+        send_numels = [batch * n * local_heads * dim for n in lengths]
+        recv_numels = [batch * lengths[me] * h * dim for h in head_sizes]
+        recv = all_to_all_uneven(send, send_numels, recv_numels, self.ulysses_group, self.context.stats)
+        parts = [part.view(batch, lengths[me], h, dim) for part, h in zip(recv.split(recv_numels), head_sizes)]
+        return torch.cat(parts, dim=2)
 
     def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Exact attention of local queries over every ring rank's K/V, one block at a time."""
         lengths = self._ring_lengths()
         me = self.context.local_rank("ring")
-        kv = torch.stack([k, v])
+        kv = [k, v]
         out_acc = lse_acc = None
         for step in range(self.ring):
             if step + 1 < self.ring:
                 source = (me - step - 1) % self.ring
-                next_kv, pending = self.ring_exchange.start(kv, (2, *k.shape[:1], lengths[source], *k.shape[2:]))
-            out, lse = attention_with_lse(q, kv[0], kv[1])
+                shape = (k.shape[0], lengths[source], *k.shape[2:])
+                next_kv, pending = self.ring_exchange.start(kv, [shape, shape])
+            out, lse = attention_with_lse(q, *kv)
             lse = lse.transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1), aligned with out
             if out_acc is None:
                 out_acc, lse_acc = out.float(), lse
@@ -94,7 +114,7 @@ class SequenceParallelAttention:
             raise NotImplementedError("sequence-parallel attention with a mask is not supported for this model yet")
         heads = query.shape[2]
         if self.ulysses > 1:
-            query, key, value = self.heads_to_sequence(torch.stack([query, key, value])).unbind(0)
+            query, key, value = (self.heads_to_sequence(t) for t in (query, key, value))
         out = self.ring_attention(query, key, value) if self.ring > 1 else sdpa_attention(query, key, value)
         return self.sequence_to_heads(out, heads) if self.ulysses > 1 else out
 
