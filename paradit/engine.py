@@ -108,6 +108,11 @@ class Engine:
         else:
             self._group = WorkerGroup(plan)
 
+    @property
+    def pipeline(self):
+        """The pipeline this process runs (None when the work happens in spawned worker processes)."""
+        return self._pipeline
+
     def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
         validate_request(self.spec, request)
         if self._group is not None:
