@@ -81,7 +81,7 @@ def format_table(result: GenerationResult) -> str:
 
 def parallel_plan(args: argparse.Namespace, spec) -> ParallelConfig:
     """The plan the flags ask for: explicit degrees, or for ``--gpus N`` alone the default plan for N."""
-    heads = spec.transformer["num_attention_heads"]
+    heads = spec.attention_heads
     has_cfg = spec.guidance_mode == "cfg"
     explicit = args.ulysses is not None or args.ring is not None or args.cfg_parallel
     if not explicit:

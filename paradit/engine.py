@@ -14,10 +14,10 @@ import torch
 
 from paradit.errors import InvalidRequest
 from paradit.parallel.config import ParallelConfig
-from paradit.pipelines import PIPELINES
-from paradit.pipelines.flux2 import spec_from_folder
-from paradit.presets import PRESETS, ModelSpec
+from paradit.pipelines import FAMILIES, spec_from_folder
+from paradit.presets import PRESETS
 from paradit.request import GenerationRequest, GenerationResult
+from paradit.spec import ModelSpec
 from paradit.weights import resolve_checkpoint
 from paradit.worker import WorkerGroup, WorkerPlan, build_worker_pipeline
 
@@ -65,8 +65,7 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSpec:
 
 def validate_request(spec: ModelSpec, request: GenerationRequest) -> None:
     """Raises InvalidRequest for a request ``spec``'s model cannot serve, before any weight is loaded."""
-    _, resolve = PIPELINES[spec.family]
-    resolve(spec, request)
+    FAMILIES[spec.family].resolve_request(spec, request)
 
 
 def launched_by_torchrun() -> bool:
@@ -98,8 +97,7 @@ class Engine:
         dummy = load_format == "dummy" or "folder" not in self.spec.extra
         self._pipeline = self._group = None
         if self.parallel.world_size == 1:
-            pipeline_cls, _ = PIPELINES[self.spec.family]
-            self._pipeline = pipeline_cls.load(self.spec, self.device, self.dtype, dummy=dummy)
+            self._pipeline = FAMILIES[self.spec.family].pipeline.load(self.spec, self.device, self.dtype, dummy=dummy)
             return
         plan = WorkerPlan(self.spec, self.device.type, self.dtype, dummy, self.parallel, init_method="env://")
         if launched_by_torchrun():
@@ -136,7 +134,6 @@ class Engine:
 
 def check_plan(spec: ModelSpec, parallel: ParallelConfig, gpus: int, device: torch.device) -> None:
     """Refuse a plan the model or the machine cannot run, naming the plans that work."""
-    heads = spec.transformer["num_attention_heads"]
-    parallel.validate(gpus, has_cfg=spec.guidance_mode == "cfg", heads=heads)
+    parallel.validate(gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
     if device.type == "cuda" and not launched_by_torchrun() and gpus > torch.cuda.device_count():
         raise InvalidRequest(f"{gpus} GPUs asked for, but this machine has {torch.cuda.device_count()}")

@@ -9,7 +9,9 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import transformers
@@ -17,7 +19,16 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from torch import nn
 
 from paradit.offline_tokenizer import build_offline_tokenizer
-from paradit.presets import TextEncoderSpec
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """A transformers decoder and how FLUX.2 reads it: hidden states of ``layers``, concatenated per token."""
+
+    config: dict[str, Any]
+    layers: tuple[int, ...]
+    prompt_format: Literal["mistral", "qwen3"]
+    max_length: int = 512
 
 
 def _truncate_config(config: transformers.PretrainedConfig, num_layers: int) -> None:

@@ -21,9 +21,9 @@ import torch.multiprocessing as mp
 from paradit.errors import ParaditError
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
-from paradit.pipelines import PIPELINES
-from paradit.presets import ModelSpec
+from paradit.pipelines import FAMILIES
 from paradit.request import GenerationRequest, GenerationResult
+from paradit.spec import ModelSpec
 
 POLL_S = 0.5
 
@@ -53,8 +53,7 @@ def build_worker_pipeline(plan: WorkerPlan, rank: int, local_rank: int):
     device = worker_device(plan.device_type, local_rank)
     init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
     context = ParallelContext.build(plan.parallel, device)
-    pipeline_cls, _ = PIPELINES[plan.spec.family]
-    return pipeline_cls.load(plan.spec, device, plan.dtype, plan.dummy, parallel=context)
+    return FAMILIES[plan.spec.family].pipeline.load(plan.spec, device, plan.dtype, plan.dummy, parallel=context)
 
 
 def worker_main(rank: int, plan: WorkerPlan, requests: list[mp.Queue], results: mp.Queue) -> None:

@@ -16,7 +16,7 @@ from diffusers import (
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
 from paradit.offline_tokenizer import build_offline_tokenizer
-from paradit.presets import FLUX2_SCHEDULER
+from paradit.presets.flux2 import FLUX2_SCHEDULER
 
 TEXT_HIDDEN = 16
 

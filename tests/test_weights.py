@@ -15,7 +15,7 @@ from torch import nn
 from paradit import Engine, GenerationRequest
 from paradit.errors import CheckpointError
 from paradit.models.flux2 import Flux2Config, Flux2Transformer
-from paradit.presets import FLUX2_TINY_TRANSFORMER
+from paradit.presets.flux2 import FLUX2_TINY_TRANSFORMER
 from paradit.weights import (
     INDEX_FILE,
     SINGLE_FILE,

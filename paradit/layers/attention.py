@@ -18,19 +18,25 @@ import torch.nn.functional as F
 
 class AttentionFn(Protocol):
     def __call__(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
 
+def _sdpa_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if key_mask is None else key_mask[:, None, None, :]
+
+
 def sdpa_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Full attention through PyTorch SDPA, which picks the fastest kernel the device has (flash, cuDNN, efficient).
 
-    ``mask`` is boolean, broadcastable to (batch, heads, q_len, k_len), True where a key may be attended.
+    ``key_mask`` is boolean (batch, k_len), True for keys that may be attended (padding is False). A key mask is
+    the only kind of mask the entry point takes: it is what text padding needs, and unlike a full (q, k) mask it
+    can be split and gathered along with the keys by the sequence-parallel runtime.
     """
     out = F.scaled_dot_product_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=_sdpa_mask(key_mask)
     )
     return out.transpose(1, 2)
 
@@ -46,38 +52,61 @@ class AttentionDispatch(torch.nn.Module):
         self.attention_fn: AttentionFn = sdpa_attention
 
     def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self.attention_fn(query, key, value, mask)
+        return self.attention_fn(query, key, value, key_mask)
 
     def set_attention_fn(self, fn: AttentionFn) -> None:
         self.attention_fn = fn
 
 
 def attention_with_lse(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one K/V block, with the log-sum-exp of each query's scores, (batch, heads, q_len) in float32.
 
     Ring attention merges blocks by their log-sum-exp. SDPA hides it, so this calls the kernels that expose it
-    (flash on CUDA/ROCm half precision, memory-efficient attention for fp32 on CUDA, flash on the CPU), with an
-    exact matmul fallback elsewhere.
+    (cuDNN or flash on CUDA/ROCm half precision, memory-efficient attention for fp32 or masked blocks on CUDA, flash
+    on the CPU), with an exact matmul fallback elsewhere. A query whose keys in this block are all masked gets
+    output 0 and log-sum-exp -inf, so it adds nothing when merged.
     """
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and _cudnn_attention_usable():
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if key_mask is not None:
+        out, lse = _masked_attention_with_lse(q, k, v, key_mask)
+    elif q.device.type == "cuda" and half and _cudnn_attention_usable():
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
-        lse = lse.reshape(q.shape[:3])
-    elif q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+    elif q.device.type == "cuda" and half:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
     elif q.device.type == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[:2]
     elif q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]
     else:
+        out, lse = _masked_attention_with_lse(q, k, v, None)
+    # Kernels pad or reshape the lse differently ((B, H, L, 1), or L rounded up to 32); keep (B, H, L).
+    lse = lse.reshape(*q.shape[:2], -1)[..., : q.shape[2]]
+    return out.transpose(1, 2), lse.float()
+
+
+def _masked_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, L, D) layout. On CUDA the memory-efficient kernel takes the mask as an additive bias; elsewhere the
+    scores are formed explicitly (exact, for the CPU and for devices without a kernel that reports the lse)."""
+    if q.device.type == "cuda" and key_mask is not None:
+        bias = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~key_mask, float("-inf"))
+        bias = bias[:, None, None, :].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)[:2]
+        lse = lse[..., : q.shape[2]]  # the kernel rounds the query length up to 32
+    else:
         scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
         lse = scores.logsumexp(dim=-1)
         out = (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
-    return out.transpose(1, 2), lse.float()
+    empty = torch.isinf(lse) & (lse < 0)
+    return out.masked_fill(empty[..., None], 0.0), lse
 
 
 def _cudnn_attention_usable() -> bool:

@@ -37,6 +37,8 @@ class SequenceParallelAttention:
         self.ulysses_group = context.group("ulysses")
         self.ring_exchange = RingExchange(context.group("ring"), context.stats) if self.ring > 1 else None
         self.local_lengths: list[int] = []  # tokens per sequence rank, in chunk order
+        self._mask_seen: torch.Tensor | None = None
+        self._mask_gathered: torch.Tensor | None = None
 
     def _ulysses_lengths(self) -> list[int]:
         row = self.context.local_rank("ring") * self.ulysses
@@ -82,24 +84,34 @@ class SequenceParallelAttention:
         parts = [part.view(batch, lengths[me], h, dim) for part, h in zip(recv.split(recv_numels), head_sizes)]
         return torch.cat(parts, dim=2)
 
-    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Exact attention of local queries over every ring rank's K/V, one block at a time."""
+    def ring_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Exact attention of local queries over every ring rank's K/V, one block at a time; ``key_mask`` is this
+        ring member's (Ulysses-gathered) key mask."""
         lengths = self._ring_lengths()
         me = self.context.local_rank("ring")
+        masks = None
+        if key_mask is not None:
+            ring_group = self.context.group("ring")
+            gathered = all_gather_uneven(key_mask.to(torch.uint8), 1, lengths, ring_group, self.context.stats)
+            masks = gathered.bool().split(lengths, dim=1)
         kv = [k, v]
         out_acc = lse_acc = None
         for step in range(self.ring):
+            source = (me - step) % self.ring
             if step + 1 < self.ring:
-                source = (me - step - 1) % self.ring
-                shape = (k.shape[0], lengths[source], *k.shape[2:])
+                shape = (k.shape[0], lengths[(source - 1) % self.ring], *k.shape[2:])
                 next_kv, pending = self.ring_exchange.start(kv, [shape, shape])
-            out, lse = attention_with_lse(q, *kv)
+            out, lse = attention_with_lse(q, *kv, masks[source] if masks else None)
             lse = lse.transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1), aligned with out
             if out_acc is None:
                 out_acc, lse_acc = out.float(), lse
             else:
                 merged = torch.logaddexp(lse_acc, lse)
-                out_acc = out_acc * torch.exp(lse_acc - merged) + out.float() * torch.exp(lse - merged)
+                # A query with every key masked so far has lse -inf on both sides; its weights stay 0, not NaN.
+                merged_safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
+                out_acc = out_acc * torch.exp(lse_acc - merged_safe) + out.float() * torch.exp(lse - merged_safe)
                 lse_acc = merged
             if step + 1 < self.ring:
                 for work in pending:
@@ -107,15 +119,27 @@ class SequenceParallelAttention:
                 kv = next_kv
         return out_acc.to(q.dtype)
 
+    def gather_key_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
+        """This Ulysses group's key masks in the order ``heads_to_sequence`` gathers the keys. Every layer of a
+        forward passes the same mask tensor, so it is gathered once and reused."""
+        if key_mask is not self._mask_seen:
+            as_bytes = key_mask.to(torch.uint8)  # gloo carries no bool
+            gathered = all_gather_uneven(as_bytes, 1, self._ulysses_lengths(), self.ulysses_group, self.context.stats)
+            self._mask_seen, self._mask_gathered = key_mask, gathered.bool()
+        return self._mask_gathered
+
     def __call__(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if mask is not None:
-            raise NotImplementedError("sequence-parallel attention with a mask is not supported for this model yet")
         heads = query.shape[2]
         if self.ulysses > 1:
             query, key, value = (self.heads_to_sequence(t) for t in (query, key, value))
-        out = self.ring_attention(query, key, value) if self.ring > 1 else sdpa_attention(query, key, value)
+            if key_mask is not None:
+                key_mask = self.gather_key_mask(key_mask)
+        if self.ring > 1:
+            out = self.ring_attention(query, key, value, key_mask)
+        else:
+            out = sdpa_attention(query, key, value, key_mask)
         return self.sequence_to_heads(out, heads) if self.ulysses > 1 else out
 
 

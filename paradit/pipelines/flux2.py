@@ -19,7 +19,7 @@ import torch
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
 from torch import nn
 
-from paradit.errors import CheckpointError, InvalidRequest
+from paradit.errors import InvalidRequest
 from paradit.models.flux2 import Flux2Config, Flux2Transformer
 from paradit.parallel.cfg import BatchedBranches, guidance_branches
 from paradit.parallel.mesh import ParallelContext
@@ -32,9 +32,9 @@ from paradit.pipelines.base import (
     reset_peak_memory,
     synchronize,
 )
-from paradit.presets import ModelSpec, TextEncoderSpec
 from paradit.request import GenerationRequest, GenerationResult, Timings
-from paradit.text_encoder import PromptEncoder
+from paradit.spec import ModelSpec
+from paradit.text_encoder import PromptEncoder, TextEncoderSpec
 from paradit.weights import component_dir, init_dummy_weights, load_module_weights, read_json, safetensors_files
 
 PIPELINE_CLASSES = ("Flux2Pipeline", "Flux2KleinPipeline")
@@ -53,12 +53,9 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
     return float(per_step * steps + mu_200 - 200.0 * per_step)
 
 
-def spec_from_folder(folder: Path) -> ModelSpec:
+def spec_from_folder(folder: Path, index: dict) -> ModelSpec:
     """The ModelSpec of a diffusers FLUX.2 checkpoint: architecture from its configs, defaults from its pipeline."""
-    index = read_json(folder / "model_index.json")
-    pipeline_class = index.get("_class_name")
-    if pipeline_class not in PIPELINE_CLASSES:
-        raise CheckpointError(f"{folder} holds a {pipeline_class}; this family serves {', '.join(PIPELINE_CLASSES)}")
+    pipeline_class = index["_class_name"]
     transformer = read_json(component_dir(folder, "transformer") / "config.json")
     if pipeline_class == "Flux2Pipeline":
         encoder = TextEncoderSpec({}, layers=(10, 20, 30), prompt_format="mistral")
