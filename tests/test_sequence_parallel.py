@@ -83,10 +83,10 @@ def _compare_masked_attention(plans: list[ParallelConfig]) -> dict[str, float]:
         expected = sdpa_attention(q, k, v, key_mask_plan)
         context = ParallelContext.build(plan, torch.device("cpu"))
         attention = SequenceParallelAttention(context)
-        attention.local_lengths = sizes
+        attention.stream_sizes = {"tokens": sizes}
         me = context.sequence_rank
         local = [t.split(sizes, dim=1)[me] for t in (q, k, v, key_mask_plan)]
-        out = attention(*local)
+        out = attention(*local, streams=("tokens",))
         out = all_gather_uneven(out, 1, sizes, context.sequence_group, context.stats)
         errors[plan.describe()] = ((out - expected).norm() / expected.norm()).item()
     return errors

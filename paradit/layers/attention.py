@@ -45,11 +45,15 @@ class AttentionDispatch(torch.nn.Module):
     """Mixin-free holder of the swappable attention implementation.
 
     Attention modules inherit from this and call ``self.attend``; ``set_attention_fn`` is how the runtime replaces it.
+    ``sequence_streams`` names the token streams (fields of the model's token state) this module attends over, in
+    any order; None means all of them (joint attention). A module that attends over the image tokens alone, say,
+    sets ``("img",)`` so that the sequence-parallel runtime knows how many tokens each rank holds in that call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sequence_streams: tuple[str, ...] | None = None) -> None:
         super().__init__()
         self.attention_fn: AttentionFn = sdpa_attention
+        self.sequence_streams = sequence_streams
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None

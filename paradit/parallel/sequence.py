@@ -18,6 +18,7 @@ so the chunk order seen inside attention does not matter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -28,7 +29,12 @@ from paradit.parallel.mesh import ParallelContext
 
 
 class SequenceParallelAttention:
-    """Attention over a sequence split across the group; ``local_lengths`` is set per forward by the wrapper."""
+    """Attention over a sequence split across the group.
+
+    ``stream_sizes`` (stream -> tokens per sequence rank) is set per forward by the wrapper; each call names the
+    streams its tokens are made of (an attention module's ``sequence_streams``; None: all of them), which gives
+    every rank's token count for that call without any communication.
+    """
 
     def __init__(self, context: ParallelContext) -> None:
         self.context = context
@@ -36,7 +42,8 @@ class SequenceParallelAttention:
         self.ring = context.config.ring
         self.ulysses_group = context.group("ulysses")
         self.ring_exchange = RingExchange(context.group("ring"), context.stats) if self.ring > 1 else None
-        self.local_lengths: list[int] = []  # tokens per sequence rank, in chunk order
+        self.stream_sizes: dict[str, list[int]] = {}
+        self.local_lengths: list[int] = []  # tokens per sequence rank in this call, in chunk order
         self._mask_seen: torch.Tensor | None = None
         self._mask_gathered: torch.Tensor | None = None
 
@@ -129,8 +136,15 @@ class SequenceParallelAttention:
         return self._mask_gathered
 
     def __call__(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+        streams: tuple[str, ...] | None = None,
     ) -> torch.Tensor:
+        sizes = [self.stream_sizes[name] for name in (streams or self.stream_sizes)]
+        self.local_lengths = [sum(column) for column in zip(*sizes)]
         heads = query.shape[2]
         if self.ulysses > 1:
             query, key, value = (self.heads_to_sequence(t) for t in (query, key, value))
@@ -160,7 +174,7 @@ class SequenceParallel(nn.Module):
         self.attention = SequenceParallelAttention(context)
         for module in model.modules():
             if isinstance(module, AttentionDispatch):
-                module.set_attention_fn(self.attention)
+                module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams))
 
     @property
     def config(self):
@@ -178,7 +192,7 @@ class SequenceParallel(nn.Module):
             name: _split(getattr(tokens, name), dim, stream_sizes[stream], me) for name, (stream, dim) in fields.items()
         }
         tokens = dataclasses.replace(tokens, **changes)
-        self.attention.local_lengths = [sum(sizes[r] for sizes in stream_sizes.values()) for r in range(degree)]
+        self.attention.stream_sizes = stream_sizes
         out = self.model.head(self.model.run_blocks(tokens))
         output_sizes = stream_sizes[type(tokens).OUTPUT_STREAM]
         return all_gather_uneven(out, 1, output_sizes, self.context.sequence_group, self.context.stats)
