@@ -71,10 +71,15 @@ class ParallelContext:
     def sequence_rank(self) -> int:
         return dist.get_rank(self.sequence_group)
 
-    def share_from_leader(
-        self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Rank 0's ``tensor`` on every rank (others pass None and the shape they expect)."""
-        if not self.is_leader:
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        return broadcast(tensor.contiguous(), src=0, group=None, stats=self.stats)
+    def share_from_leader(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every rank (the others pass None). Shape and dtype travel first, so prompt
+        embeddings of any length can be shared; bool tensors travel as bytes (gloo carries no bool)."""
+        meta = [(tuple(tensor.shape), tensor.dtype) if self.is_leader else None]
+        dist.broadcast_object_list(meta, src=0, device=self.device if self.device.type == "cuda" else None)
+        shape, dtype = meta[0]
+        wire_dtype = torch.uint8 if dtype == torch.bool else dtype
+        if self.is_leader:
+            wire = tensor.to(wire_dtype).contiguous()
+        else:
+            wire = torch.empty(shape, dtype=wire_dtype, device=self.device)
+        return broadcast(wire, src=0, group=None, stats=self.stats).to(dtype)

@@ -270,7 +270,6 @@ class Flux2Pipeline:
 
     def text_embeddings(self, request: ResolvedRequest, cfg: bool) -> torch.Tensor:
         """[conditional; unconditional] prompt embeddings, encoded once per group (by rank 0) and shared."""
-        rows = request.batch * (2 if cfg else 1)
         if self.prompt_encoder is not None:
             embeds = self.encode_prompts(request.prompts, request.images_per_prompt)
             if cfg:
@@ -278,10 +277,7 @@ class Flux2Pipeline:
                 embeds = torch.cat([embeds, self.encode_prompts(negatives, request.images_per_prompt)])
         else:
             embeds = None
-        if self.parallel is None:
-            return embeds
-        shape = (rows, self.spec.text_encoder.max_length, self.transformer.config.joint_attention_dim)
-        return self.parallel.share_from_leader(embeds, shape, self.dtype)
+        return embeds if self.parallel is None else self.parallel.share_from_leader(embeds)
 
     def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
         """The images on the rank that decodes (rank 0 of the group); None on the other ranks."""
