@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from paradit.errors import ParaditError
+from paradit.optimize import ExecutionOptions
 from paradit.parallel.config import ParallelConfig, default_plan
 from paradit.presets import PRESETS
 from paradit.request import GenerationRequest, GenerationResult
@@ -43,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=["cuda", "cpu"])
     gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    gen.add_argument("--quantize", choices=["none", "fp8"], default="none", help="fp8: e4m3 linears (sm89+, MI300)")
+    gen.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="regional torch.compile of the repeated blocks (default: on GPUs only)",
+    )
     par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
     par.add_argument("--gpus", type=int, help="processes in the group; default: the product of the degrees")
     par.add_argument("--ulysses", type=int, help="Ulysses (all-to-all over heads) degree")
@@ -108,7 +116,10 @@ def run_generate(args: argparse.Namespace) -> int:
         num_images_per_prompt=args.images_per_prompt,
     )
     validate_request(spec, request)
-    with Engine(spec, device=device, dtype=dtype, load_format=args.load_format, parallel=parallel) as engine:
+    options = ExecutionOptions(quantize=args.quantize, compile=args.compile)
+    options.validate(device)
+    engine_args = dict(device=device, dtype=dtype, load_format=args.load_format, options=options)
+    with Engine(spec, parallel=parallel, **engine_args) as engine:
         result = engine.generate(request, progress=not args.no_progress)
     if result is None:  # a non-zero rank under torchrun: rank 0 writes the images
         return 0
@@ -119,7 +130,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(format_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))
     if args.verify_serial and parallel.world_size > 1:
-        with Engine(spec, device=device, dtype=dtype, load_format=args.load_format) as serial_engine:
+        with Engine(spec, **engine_args) as serial_engine:
             serial = serial_engine.generate(request, progress=False)
         print(serial_comparison(result, serial))
     return 0

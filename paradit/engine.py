@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from paradit.errors import InvalidRequest
+from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
 from paradit.pipelines import FAMILIES, spec_from_folder
 from paradit.presets import PRESETS
@@ -75,7 +76,8 @@ def launched_by_torchrun() -> bool:
 class Engine:
     """``Engine(model="flux2-dev").generate(GenerationRequest(prompt="..."))``.
 
-    ``model`` is a preset name, a checkpoint folder, a hub id, or a ModelSpec already resolved. With a
+    ``model`` is a preset name, a checkpoint folder, a hub id, or a ModelSpec already resolved. ``options`` selects
+    FP8 linears and regional compilation (on by default on GPUs). With a
     ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host (``cpu``
     spawns CPU processes joined by gloo); in a script started by torchrun, each process is one worker of the
     torchrun group, and ``generate`` returns the result on rank 0 and None elsewhere.
@@ -88,9 +90,12 @@ class Engine:
         dtype: str | torch.dtype | None = None,
         load_format: Literal["auto", "dummy"] = "auto",
         parallel: ParallelConfig | None = None,
+        options: ExecutionOptions | None = None,
     ) -> None:
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype, self.device)
+        self.options = options or ExecutionOptions()
+        self.options.validate(self.device)
         self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, load_format)
         self.parallel = parallel or ParallelConfig()
         check_plan(self.spec, self.parallel, self.parallel.world_size, self.device)
@@ -98,8 +103,11 @@ class Engine:
         self._pipeline = self._group = None
         if self.parallel.world_size == 1:
             self._pipeline = FAMILIES[self.spec.family].pipeline.load(self.spec, self.device, self.dtype, dummy=dummy)
+            apply_execution_options(self._pipeline.transformer, self.options, self.device)
             return
-        plan = WorkerPlan(self.spec, self.device.type, self.dtype, dummy, self.parallel, init_method="env://")
+        plan = WorkerPlan(
+            self.spec, self.device.type, self.dtype, dummy, self.parallel, self.options, init_method="env://"
+        )
         if launched_by_torchrun():
             rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
             self._pipeline = build_worker_pipeline(plan, rank, local_rank)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from paradit.errors import ParaditError
+from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
 from paradit.pipelines import FAMILIES
@@ -41,6 +42,7 @@ class WorkerPlan:
     dtype: torch.dtype
     dummy: bool
     parallel: ParallelConfig
+    options: ExecutionOptions
     init_method: str
 
 
@@ -53,7 +55,9 @@ def build_worker_pipeline(plan: WorkerPlan, rank: int, local_rank: int):
     device = worker_device(plan.device_type, local_rank)
     init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
     context = ParallelContext.build(plan.parallel, device)
-    return FAMILIES[plan.spec.family].pipeline.load(plan.spec, device, plan.dtype, plan.dummy, parallel=context)
+    pipeline = FAMILIES[plan.spec.family].pipeline.load(plan.spec, device, plan.dtype, plan.dummy, parallel=context)
+    apply_execution_options(pipeline.transformer, plan.options, device)
+    return pipeline
 
 
 def worker_main(rank: int, plan: WorkerPlan, requests: list[mp.Queue], results: mp.Queue) -> None:

@@ -1,0 +1,29 @@
+"""Regional compilation: ``torch.compile`` each repeated block rather than the whole model.
+
+All blocks of one kind share a single compiled graph (their weights are graph inputs), so compile time is that of
+one or two blocks instead of the whole stack, and the stages between blocks (where the parallel runtime splits,
+gathers and communicates) stay eager.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules of every ModuleList of the model whose members all share one class: the transformer stacks."""
+    blocks = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+            blocks.extend(module)
+    return blocks
+
+
+def compile_blocks(model: nn.Module, mode: str | None = None) -> int:
+    """Compile every repeated block in place; returns how many were wrapped."""
+    blocks = repeated_blocks(model)
+    for block in blocks:
+        block.compile(mode=mode, dynamic=False)
+    return len(blocks)

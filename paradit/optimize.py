@@ -1,0 +1,44 @@
+"""Execution options applied to a loaded transformer from outside: FP8 linears and regional compilation.
+
+Applied after the parallel runtime has wrapped the model, so every strategy gets them unchanged.
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paradit.compile import compile_blocks
+from paradit.errors import InvalidRequest
+from paradit.quantize import quantize_fp8
+
+QUANTIZATIONS = ("none", "fp8")
+
+
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """``quantize``: "none" or "fp8"; ``compile``: regional torch.compile of the repeated blocks (None: on GPUs)."""
+
+    quantize: str = "none"
+    compile: bool | None = None
+
+    def validate(self, device: torch.device) -> None:
+        if self.quantize not in QUANTIZATIONS:
+            raise InvalidRequest(f"unknown quantization {self.quantize!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        if self.quantize == "fp8":
+            from paradit.layers.fp8 import check_fp8_supported
+
+            check_fp8_supported(device)
+
+    def compiles(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.compile is None else self.compile
+
+
+def apply_execution_options(transformer: nn.Module, options: ExecutionOptions, device: torch.device) -> None:
+    if options.quantize == "fp8":
+        quantize_fp8(transformer, device)
+    if options.compiles(device):
+        compile_blocks(transformer)
