@@ -1,0 +1,87 @@
+"""FP8 linears and regional compilation, everything of them that runs on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paradit import Engine, InvalidRequest
+from paradit.compile import compile_blocks
+from paradit.layers.fp8 import Fp8Linear, check_fp8_supported, quantize_rowwise
+from paradit.models.flux2 import Flux2Config, Flux2Transformer
+from paradit.optimize import ExecutionOptions
+from paradit.quantize import quantizable
+from tests.checkpoints import randomize, tiny_transformer_config
+
+E4M3 = torch.float8_e4m3fn
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_rowwise_scales_map_each_rows_absmax_to_the_format_maximum():
+    x = torch.randn(6, 64) * torch.logspace(-3, 3, 6)[:, None]  # rows six orders of magnitude apart
+    q, scale = quantize_rowwise(x, E4M3)
+    assert q.dtype == E4M3 and scale.shape == (6, 1)
+    assert torch.allclose(q.float().abs().amax(dim=1), torch.full((6,), 448.0))
+    # Per-row scaling keeps every row's relative error at e4m3's resolution, however small the row.
+    for row in range(6):
+        assert relative_l2(q[row].float() * scale[row], x[row]) < 0.05
+
+
+def test_fp8_linear_matches_its_dequantized_math_and_stays_near_bf16():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64, bias=True).to(torch.bfloat16)
+    fp8 = Fp8Linear.from_linear(linear, E4M3)
+    assert fp8.weight.dtype == E4M3 and fp8.weight_scale.shape == (64, 1)
+    x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    out = fp8(x)
+    assert out.shape == (3, 5, 64) and out.dtype == torch.bfloat16
+    x_q, x_scale = quantize_rowwise(x.reshape(-1, 128), E4M3)
+    emulated = (x_q.float() * x_scale) @ fp8.dequantized_weight().T + linear.bias.float()
+    assert relative_l2(out.reshape(-1, 64), emulated) < 1e-2  # only bf16 output rounding apart
+    assert relative_l2(out, linear(x)) < 6e-2  # FP8's own error against bf16
+
+
+def test_layer_selection_keeps_embedders_modulation_and_output_in_high_precision():
+    model = Flux2Transformer(Flux2Config.from_dict(tiny_transformer_config(guidance_embeds=True)))
+    chosen = {name for name, module in model.named_modules() if quantizable(name, module)}
+    linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    kept = linears - chosen
+    assert kept == {
+        "time_guidance_embed.timestep_embedder.linear_1", "time_guidance_embed.timestep_embedder.linear_2",
+        "time_guidance_embed.guidance_embedder.linear_1", "time_guidance_embed.guidance_embedder.linear_2",
+        "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "single_stream_modulation.linear",
+        "x_embedder", "context_embedder", "norm_out.linear", "proj_out",
+    }  # fmt: skip
+    assert "transformer_blocks.0.attn.to_q" in chosen and "single_transformer_blocks.1.attn.to_qkv_mlp_proj" in chosen
+
+
+def test_fp8_is_refused_where_no_kernel_exists():
+    with pytest.raises(InvalidRequest, match="FP8 execution needs a GPU, not cpu"):
+        check_fp8_supported(torch.device("cpu"))
+    with pytest.raises(InvalidRequest, match="run without --quantize fp8"):
+        Engine("flux2-tiny", device="cpu", options=ExecutionOptions(quantize="fp8"))
+    with pytest.raises(InvalidRequest, match="unknown quantization 'int4'; choose one of none, fp8"):
+        ExecutionOptions(quantize="int4").validate(torch.device("cpu"))
+
+
+def test_regional_compile_equals_eager():
+    torch.manual_seed(0)
+    model = Flux2Transformer(Flux2Config.from_dict(tiny_transformer_config(guidance_embeds=False))).eval()
+    randomize(model)
+    gen = torch.Generator().manual_seed(0)
+    one = torch.arange(1)
+    inputs = dict(
+        hidden_states=torch.randn(1, 12, 16, generator=gen),
+        encoder_hidden_states=torch.randn(1, 5, model.config.joint_attention_dim, generator=gen),
+        timestep=torch.rand(1, generator=gen),
+        img_ids=torch.cartesian_prod(one, torch.arange(3), torch.arange(4), one),
+        txt_ids=torch.cartesian_prod(one, one, one, torch.arange(5)),
+    )
+    with torch.no_grad():
+        eager = model(**inputs)
+        assert compile_blocks(model) == 4  # 2 double-stream + 2 single-stream blocks
+        compiled = model(**inputs)
+    assert relative_l2(compiled, eager) < 1e-5
