@@ -14,6 +14,7 @@ from PIL import Image
 
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.cli import main
+from paradit.optimize import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.worker import WorkerFailure
 
@@ -48,6 +49,16 @@ def test_plan_gives_the_serial_image(plan, serial_pixels):
     assert result.pixels.shape == serial_pixels.shape
     assert (result.pixels - serial_pixels).abs().max().item() <= 1e-4
     assert torch.equal(again.pixels, result.pixels)
+
+
+def test_compiled_blocks_under_ulysses_give_the_serial_image(serial_pixels):
+    """Execution options compose with the parallel runtime: compiled blocks, attention collectives between them."""
+    options = ExecutionOptions(compile=True)
+    with Engine(
+        "flux2-tiny", device="cpu", dtype="fp32", parallel=ParallelConfig(ulysses=2), options=options
+    ) as engine:
+        result = engine.generate(REQUEST)
+    assert (result.pixels - serial_pixels).abs().max().item() <= 1e-4
 
 
 def test_cli_parallel_png_equals_single_process_png(tmp_path, capsys):

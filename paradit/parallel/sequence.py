@@ -135,6 +135,8 @@ class SequenceParallelAttention:
             self._mask_seen, self._mask_gathered = key_mask, gathered.bool()
         return self._mask_gathered
 
+    # Compiled blocks break their graph here: the collectives run eagerly between the compiled halves of a block.
+    @torch.compiler.disable
     def __call__(
         self,
         query: torch.Tensor,
