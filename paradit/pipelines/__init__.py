@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paradit.errors import CheckpointError
-from paradit.pipelines import flux2
+from paradit.pipelines import flux2, qwen_image, sd3, zimage
 from paradit.spec import ModelSpec
 from paradit.weights import read_json
 
@@ -29,6 +29,14 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "flux2": Family(flux2.Flux2Pipeline, flux2.resolve_request, flux2.spec_from_folder, flux2.PIPELINE_CLASSES),
+    "zimage": Family(zimage.ZImagePipeline, zimage.resolve_request, zimage.spec_from_folder, zimage.PIPELINE_CLASSES),
+    "sd3": Family(sd3.SD3Pipeline, sd3.resolve_request, sd3.spec_from_folder, sd3.PIPELINE_CLASSES),
+    "qwen_image": Family(
+        qwen_image.QwenImagePipeline,
+        qwen_image.resolve_request,
+        qwen_image.spec_from_folder,
+        qwen_image.PIPELINE_CLASSES,
+    ),
 }
 
 
