@@ -1,5 +1,6 @@
-"""Single-GPU speed of the FLUX.2 transformer: paradit bf16 eager, bf16 compiled, FP8 compiled, against diffusers
-eager and compiled (``compile_repeated_blocks``) on the same weights, in one run.
+"""Single-GPU speed of the FLUX.2 transformer: paradit bf16 eager, bf16 compiled, FP8 compiled (each compiled variant
+also replayed from CUDA graphs), against diffusers eager and compiled (``compile_repeated_blocks``) on the same
+weights, in one run.
 
 Prints ms/step, MFU against the bf16 matmul rate measured in the same run, compile seconds, weight memory, the GPU
 time share of a step (kernel time over wall time, from the profiler), and FP8's relative L2 against paradit bf16.
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, measured_bf16_matmul_tflops, print_table, time_cuda_ms, write_json  # noqa: E402
 from benchmarks.flux2_step import TFLOP_PER_STEP_1024, step_inputs  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
+from paradit.cuda_graphs import GraphedModule  # noqa: E402
 from paradit.models.flux2 import Flux2Config, Flux2Transformer  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
 from paradit.quantize import quantize_fp8  # noqa: E402
@@ -100,7 +102,11 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
         prepare=lambda: reference.compile_repeated_blocks(fullgraph=True),
     )
     measure("paradit bf16 compiled", lambda: ours(**inputs), prepare=lambda: compile_blocks(ours))
+    graphed = GraphedModule(ours)
+    measure("paradit bf16 compiled+graphs", lambda: graphed(**inputs), prepare=lambda: None)
     measure("paradit fp8 compiled", lambda: ours(**inputs), prepare=lambda: quantize_fp8(ours, device))
+    graphed = GraphedModule(ours)
+    measure("paradit fp8 compiled+graphs", lambda: graphed(**inputs), prepare=lambda: None)
     return rows
 
 

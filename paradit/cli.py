@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="regional torch.compile of the repeated blocks (default: on GPUs only)",
     )
+    gen.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
     par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
     par.add_argument("--gpus", type=int, help="processes in the group; default: the product of the degrees")
     par.add_argument("--ulysses", type=int, help="Ulysses (all-to-all over heads) degree")
@@ -116,7 +117,7 @@ def run_generate(args: argparse.Namespace) -> int:
         num_images_per_prompt=args.images_per_prompt,
     )
     validate_request(spec, request)
-    options = ExecutionOptions(quantize=args.quantize, compile=args.compile)
+    options = ExecutionOptions(quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs)
     options.validate(device)
     engine_args = dict(device=device, dtype=dtype, load_format=args.load_format, options=options)
     with Engine(spec, parallel=parallel, **engine_args) as engine:

@@ -103,7 +103,7 @@ class Engine:
         self._pipeline = self._group = None
         if self.parallel.world_size == 1:
             self._pipeline = FAMILIES[self.spec.family].pipeline.load(self.spec, self.device, self.dtype, dummy=dummy)
-            apply_execution_options(self._pipeline.transformer, self.options, self.device)
+            self._pipeline.transformer = apply_execution_options(self._pipeline.transformer, self.options, self.device)
             return
         plan = WorkerPlan(
             self.spec, self.device.type, self.dtype, dummy, self.parallel, self.options, init_method="env://"

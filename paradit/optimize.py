@@ -1,4 +1,4 @@
-"""Execution options applied to a loaded transformer from outside: FP8 linears and regional compilation.
+"""Execution options applied to a loaded transformer from outside: FP8 linears, regional compilation, CUDA graphs.
 
 Applied after the parallel runtime has wrapped the model, so every strategy gets them unchanged.
 Must not import torch.distributed.
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from paradit.compile import compile_blocks
+from paradit.cuda_graphs import GraphedModule
 from paradit.errors import InvalidRequest
 from paradit.quantize import quantize_fp8
 
@@ -20,10 +21,12 @@ QUANTIZATIONS = ("none", "fp8")
 
 @dataclass(frozen=True)
 class ExecutionOptions:
-    """``quantize``: "none" or "fp8"; ``compile``: regional torch.compile of the repeated blocks (None: on GPUs)."""
+    """``quantize``: "none" or "fp8"; ``compile``: regional torch.compile of the repeated blocks (None: on GPUs);
+    ``cuda_graphs``: replay each step's kernels from a CUDA graph (CUDA/ROCm only)."""
 
     quantize: str = "none"
     compile: bool | None = None
+    cuda_graphs: bool = False
 
     def validate(self, device: torch.device) -> None:
         if self.quantize not in QUANTIZATIONS:
@@ -32,13 +35,17 @@ class ExecutionOptions:
             from paradit.layers.fp8 import check_fp8_supported
 
             check_fp8_supported(device)
+        if self.cuda_graphs and device.type != "cuda":
+            raise InvalidRequest(f"CUDA graphs need a GPU, not {device.type}; run without --cuda-graphs")
 
     def compiles(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile is None else self.compile
 
 
-def apply_execution_options(transformer: nn.Module, options: ExecutionOptions, device: torch.device) -> None:
+def apply_execution_options(transformer: nn.Module, options: ExecutionOptions, device: torch.device) -> nn.Module:
+    """Returns the module to call in place of ``transformer`` (itself, or its CUDA-graphed wrapper)."""
     if options.quantize == "fp8":
         quantize_fp8(transformer, device)
     if options.compiles(device):
         compile_blocks(transformer)
+    return GraphedModule(transformer) if options.cuda_graphs else transformer

@@ -56,7 +56,7 @@ def build_worker_pipeline(plan: WorkerPlan, rank: int, local_rank: int):
     init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
     context = ParallelContext.build(plan.parallel, device)
     pipeline = FAMILIES[plan.spec.family].pipeline.load(plan.spec, device, plan.dtype, plan.dummy, parallel=context)
-    apply_execution_options(pipeline.transformer, plan.options, device)
+    pipeline.transformer = apply_execution_options(pipeline.transformer, plan.options, device)
     return pipeline
 
 
