@@ -14,8 +14,13 @@ from torch import nn
 
 from paradit.layers.fp8 import Fp8Linear, check_fp8_supported, fp8_dtype
 
-# Name fragments of linear layers that stay in the model dtype (see module docstring).
-KEEP_HIGH_PRECISION = ("embedder", "embed", "modulation", "norm_out", "proj_out", "time_", "guidance")
+# Name fragments of linear layers that stay in the model dtype (see module docstring), across the families:
+# embedders (FLUX.2 x_/context_embedder, Qwen-Image img_in/txt_in, Z-Image all_x_embedder/cap_embedder), timestep and
+# guidance MLPs, modulation projections (FLUX.2 *_modulation, Qwen-Image img_mod/txt_mod, Z-Image adaLN_modulation,
+# SD3 norm1.linear: AdaLN layers live under "norm" names) and output layers (proj_out, Z-Image all_final_layer).
+KEEP_HIGH_PRECISION = (
+    "embed", "img_in", "txt_in", "time_", "guidance", "modulation", "_mod.", "adaLN", "norm", "proj_out", "final_layer",
+)  # fmt: skip
 
 
 def quantizable(name: str, module: nn.Module) -> bool:

@@ -85,3 +85,19 @@ def test_regional_compile_equals_eager():
         assert compile_blocks(model) == 4  # 2 double-stream + 2 single-stream blocks
         compiled = model(**inputs)
     assert relative_l2(compiled, eager) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("transformer_blocks.3.norm1.linear", False),  # SD3 AdaLN modulation
+        ("transformer_blocks.3.img_mod.1", False),  # Qwen-Image modulation
+        ("layers.0.adaLN_modulation.0", False),  # Z-Image modulation
+        ("all_final_layer.2-1.linear", False),  # Z-Image output layer
+        ("img_in", False),
+        ("transformer_blocks.3.attn.to_q", True),
+        ("layers.0.feed_forward.w1", True),
+    ],
+)
+def test_layer_selection_across_families(name, expected):
+    assert quantizable(name, torch.nn.Linear(32, 32)) is expected

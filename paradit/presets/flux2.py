@@ -147,6 +147,5 @@ FLUX2_PRESETS: list[ModelSpec] = [
         guidance=4.0,
         height=128,
         width=128,
-        extra={"dummy_only": True},
     ),
 ]
