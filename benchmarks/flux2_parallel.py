@@ -22,11 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
 from benchmarks.flux2_step import step_inputs  # noqa: E402
-from paradit.layers.attention import AttentionDispatch, sdpa_attention  # noqa: E402
 from paradit.models.flux2 import Flux2Config, Flux2Transformer  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
-from paradit.parallel.sequence import parallelize_sequence  # noqa: E402
+from paradit.parallel.sequence import parallelize_sequence, restore_local_attention  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
 
@@ -77,9 +76,7 @@ def main() -> None:
         with torch.inference_mode():
             out = parallel(**inputs)
         record("paradit", plan.describe(), ms, out, serial, sum(context.stats.bytes_sent.values()) / 2**20)
-    for module in model.modules():
-        if isinstance(module, AttentionDispatch):
-            module.set_attention_fn(sdpa_attention)
+    restore_local_attention(model)
 
     from diffusers import ContextParallelConfig, Flux2Transformer2DModel
 

@@ -160,6 +160,8 @@ class SequenceParallelAttention:
 
 
 def _split(value, dim: int, sizes: list[int], index: int):
+    if value is None:  # an optional per-token field (a text mask when nothing is padded)
+        return None
     if isinstance(value, tuple):
         return tuple(_split(part, dim, sizes, index) for part in value)
     return value.split(sizes, dim=dim)[index]
@@ -198,6 +200,13 @@ class SequenceParallel(nn.Module):
         out = self.model.head(self.model.run_blocks(tokens))
         output_sizes = stream_sizes[type(tokens).OUTPUT_STREAM]
         return all_gather_uneven(out, 1, output_sizes, self.context.sequence_group, self.context.stats)
+
+
+def restore_local_attention(model: nn.Module) -> None:
+    """Undo ``parallelize_sequence``'s swap, which acts on the model in place: every attention back to local SDPA."""
+    for module in model.modules():
+        if isinstance(module, AttentionDispatch):
+            module.set_attention_fn(sdpa_attention)
 
 
 def parallelize_sequence(model: nn.Module, context: ParallelContext) -> nn.Module:

@@ -1,0 +1,179 @@
+"""One transformer step of each image family on 1 GPU and split over the group: CFG parallel, Ulysses, Ring.
+
+Run under torchrun, one process per GPU; every rank builds the same full-size model with random weights. Models
+with classifier-free guidance run their two branches as a batch of 2 on one GPU and one branch per rank under CFG
+parallel (one all-gather of the prediction); the sequence plans split that same batch's tokens. Prints ms/step on
+rank 0, the speedup over one GPU, what rank 0 sent per step, and the relative L2 against the one-GPU output.
+
+    torchrun --nproc-per-node 2 benchmarks/parallel_step.py --out-dir $OUT
+    python benchmarks/parallel_step.py --device cpu --models qwen-image-tiny   (a smoke run on gloo, 1 process)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
+from paradit.compile import compile_blocks  # noqa: E402
+from paradit.parallel import ParallelConfig  # noqa: E402
+from paradit.parallel.cfg import SplitBranches  # noqa: E402
+from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
+from paradit.parallel.sequence import parallelize_sequence, restore_local_attention  # noqa: E402
+from paradit.presets import PRESETS  # noqa: E402
+from paradit.weights import init_dummy_weights  # noqa: E402
+
+# preset family -> (benchmark module with step_inputs, model module, config class, model class, text tokens)
+BENCHES = {
+    "qwen_image": (
+        "benchmarks.qwen_image_step", "paradit.models.qwen_image", "QwenImageConfig", "QwenImageTransformer", 256
+    ),
+    "zimage": ("benchmarks.zimage_step", "paradit.models.zimage", "ZImageConfig", "ZImageTransformer", 256),
+    "sd3": ("benchmarks.sd3_step", "paradit.models.sd3", "SD3Config", "SD3Transformer", 333),
+}  # fmt: skip
+
+
+def build(name: str, device: torch.device, size: int):
+    spec = PRESETS[name]
+    bench_module, model_module, config_name, model_name, text_len = BENCHES[spec.family]
+    models = importlib.import_module(model_module)
+    config = getattr(models, config_name).from_dict(spec.transformer)
+    with torch.device("meta"):
+        model = getattr(models, model_name)(config)
+    init_dummy_weights(model, device, torch.bfloat16)  # same seed on every rank: identical weights
+    pos_embed = getattr(model, "pos_embed", None)
+    if hasattr(pos_embed, "fill_position_table"):  # SD3's fixed sin-cos table is a buffer, not a weight
+        pos_embed.fill_position_table()
+    inputs = importlib.import_module(bench_module).step_inputs(config, size, size, text_len, device)
+    batch = 2 if spec.guidance_mode == "cfg" else 1
+    return model.eval(), with_batch(inputs, batch), batch
+
+
+def with_batch(inputs, batch: int):
+    """The inputs with ``batch`` copies of their first sample."""
+
+    def grow(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        return value[:1].expand(batch, *value.shape[1:]).contiguous()
+
+    if isinstance(inputs, dict):
+        return {key: grow(value) for key, value in inputs.items()}
+    return tuple(grow(value) for value in inputs)
+
+
+def call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def timed(run, args, device) -> float:
+    dist.barrier()
+    with torch.inference_mode():
+        if device.type == "cuda":
+            return time_cuda_ms(run, warmup=args.warmup, iters=args.iters)
+        run()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            run()
+        return (time.perf_counter() - start) / args.iters * 1000
+
+
+def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]:
+    model, inputs, batch = build(name, device, args.size)
+    rows = []
+    with torch.inference_mode():
+        serial = call(model, inputs).float()
+
+    def record(plan: str, run, context=None, compiled=False):
+        ms = timed(run, args, device)
+        if context is not None:
+            context.stats.reset()
+        with torch.inference_mode():
+            out = run().float()
+        error = ((out - serial).norm() / serial.norm()).item()
+        sent = sum(context.stats.bytes_sent.values()) / 2**20 if context is not None else None
+        rows.append({"model": name, "plan": plan, "compiled": compiled, "ms_per_step": ms, "mib_sent": sent,
+                     "rel_l2_vs_1gpu": error})  # fmt: skip
+        if dist.get_rank() == 0:
+            print(f"{name} {plan}{' compiled' if compiled else ''}: {ms:.1f} ms/step, rel L2 {error:.1e}", flush=True)
+
+    record("1 GPU", lambda: call(model, inputs))
+    plans = [ParallelConfig(ulysses=world), ParallelConfig(ring=world)]
+    if batch == 2 and world == 2:
+        plans.insert(0, ParallelConfig(cfg=2))
+    for compiled in (False, True):
+        if compiled:
+            restore_local_attention(model)
+            compile_blocks(model)
+            record("1 GPU", lambda: call(model, inputs), compiled=True)
+        for plan in plans:
+            context = ParallelContext.build(plan, device)
+            if plan.cfg == 2:
+                branches = SplitBranches(context)
+                local = with_batch(inputs, 1)  # each rank's half of the [cond; uncond] batch (same values here)
+
+                def run(branches=branches, local=local):
+                    return branches.combine(call(model, local))
+            else:
+                parallel = parallelize_sequence(model, context)
+
+                def run(parallel=parallel):
+                    return call(parallel, inputs)
+
+            record(plan.describe(), run, context, compiled)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["qwen-image", "z-image-turbo", "sd3.5-large"])
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tag", default="nvlink")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    )
+    init_process_group(device, rank, world, "env://")
+    rows = []
+    for name in args.models:
+        rows += bench_model(name, args, device, world)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank == 0:
+        one_gpu = {(row["model"], row["compiled"]): row["ms_per_step"] for row in rows if row["plan"] == "1 GPU"}
+        for row in rows:
+            row["speedup_vs_1gpu"] = one_gpu[(row["model"], row["compiled"])] / row["ms_per_step"]
+        env = environment() if device.type == "cuda" else {}
+        print(f"{env.get('gpu', 'cpu')} x{world}; NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', 'unset')}")
+        print_table(
+            rows,
+            [
+                ("model", "model", "s"), ("plan", "plan", "s"), ("compiled", "compiled", ""),
+                ("ms_per_step", "ms/step", ".1f"), ("speedup_vs_1gpu", "vs 1 GPU", ".2f"),
+                ("mib_sent", "MiB sent/step", ".0f"), ("rel_l2_vs_1gpu", "rel L2 vs 1 GPU", ".1e"),
+            ],
+        )  # fmt: skip
+        write_json(args.out_dir, f"parallel_step_{args.tag}.json", {"env": env, "args": vars(args), "rows": rows})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
