@@ -110,7 +110,7 @@ def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]
     plans = [ParallelConfig(ulysses=world), ParallelConfig(ring=world)]
     if batch == 2 and world == 2:
         plans.insert(0, ParallelConfig(cfg=2))
-    for compiled in (False, True):
+    for compiled in (mode == "compiled" for mode in args.modes):
         if compiled:
             restore_local_attention(model)
             compile_blocks(model)
@@ -137,6 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen-image", "z-image-turbo", "sd3.5-large"])
     parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
