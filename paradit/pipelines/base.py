@@ -1,19 +1,26 @@
-"""The denoise loop every family shares, and the clocks that time it without stalling the device.
-
-Must not import torch.distributed.
+"""What every family's pipeline shares: request checks, the pipeline skeleton (``DiffusionPipeline``), the denoise
+loop, and the clocks that time it without stalling the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import resource
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from paradit.request import Timings
+from paradit.errors import InvalidRequest
+from paradit.parallel.mesh import ParallelContext
+from paradit.parallel.sequence import parallelize_sequence
+from paradit.request import GenerationRequest, GenerationResult, Timings
+from paradit.spec import ModelSpec
+from paradit.weights import component_dir, init_dummy_weights, load_module_weights, safetensors_files
 
 NoisePredictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -76,3 +83,184 @@ def record_peak_memory(timings: Timings, device: torch.device) -> None:
         # ru_maxrss is KiB on Linux: the process's peak resident memory, the CPU's closest equivalent.
         timings.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         timings.peak_memory_kind = "process RSS"
+
+
+@dataclasses.dataclass
+class ResolvedRequest:
+    """A request with every default filled in and every value checked."""
+
+    prompts: list[str]
+    negative_prompts: list[str] | None
+    height: int
+    width: int
+    steps: int
+    guidance: float | None
+    seed: int
+    images_per_prompt: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts) * self.images_per_prompt
+
+
+def resolve_common(
+    spec: ModelSpec,
+    request: GenerationRequest,
+    granularity: int,
+    largest: int | None = None,
+    default_negative: str | None = None,
+) -> ResolvedRequest:
+    """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest``, steps, guidance,
+    negative prompts, images per prompt, seed), raising InvalidRequest with the allowed values."""
+    prompts = request.prompts
+    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+        raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
+    height = spec.height if request.height is None else request.height
+    width = spec.width if request.width is None else request.width
+    allowed = (
+        f"multiples of {granularity} from {granularity} to {largest}"
+        if largest
+        else f"multiples of {granularity} (>= {granularity})"
+    )
+    for name, value in (("height", height), ("width", width)):
+        if value < granularity or value % granularity or (largest and value > largest):
+            raise InvalidRequest(f"{name} {value} is not allowed; this model takes {allowed}")
+    steps = spec.steps if request.steps is None else request.steps
+    if steps < 1:
+        raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more")
+    guidance = spec.guidance if request.guidance is None else float(request.guidance)
+    if guidance is not None and guidance < 0:
+        raise InvalidRequest(f"guidance {guidance} is not allowed; give a value >= 0")
+    negative = request.negative_prompt if request.negative_prompt is not None else default_negative
+    negatives = None
+    if negative is not None:
+        negatives = [negative] if isinstance(negative, str) else list(negative)
+        if any(not isinstance(n, str) for n in negatives):
+            raise InvalidRequest("negative_prompt must be a string or a list of strings")
+        if len(negatives) == 1:
+            negatives = negatives * len(prompts)
+        if len(negatives) != len(prompts):
+            raise InvalidRequest(
+                f"{len(negatives)} negative prompts for {len(prompts)} prompts; give 1 or {len(prompts)}"
+            )
+    if request.num_images_per_prompt < 1:
+        raise InvalidRequest(f"num_images_per_prompt {request.num_images_per_prompt} is not allowed; give 1 or more")
+    seed = random.randrange(2**31) if request.seed is None else int(request.seed)
+    return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt)
+
+
+def seeded_noise(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Noise as diffusers draws it: one CPU generator seeded with ``seed`` for the whole batch, then moved."""
+    generator = torch.Generator("cpu").manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=dtype).to(device)
+
+
+def random_vae(build, config: dict, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A diffusers VAE (``build(config)``: its class or ``from_config``) with seeded random weights (dummy load),
+    leaving the caller's random state alone."""
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        vae = build(config)
+    # nn.Module.to, not ModelMixin.to: the latter only adds a warning about fp32-pinned modules these VAEs lack.
+    return nn.Module.to(vae, dtype)
+
+
+class DiffusionPipeline:
+    """The skeleton every family shares: loading (every rank the transformer, rank 0 alone the prompt encoder and
+    the VAE), text conditioning encoded once per group and shared, the denoise loop, decoding on rank 0, timings.
+
+    A family supplies ``CONDITIONING`` (the names of the tensors its prompt encoding produces) and the hooks:
+    ``build_transformer``, ``load_conditioners``, ``resolve``, ``encode``, ``initial_latents``, ``make_scheduler``,
+    ``predictor`` and ``decode``; ``after_dummy_init`` where random weights need more than ``init_dummy_weights``.
+    """
+
+    CONDITIONING: tuple[str, ...] = ()
+
+    def __init__(self, spec: ModelSpec, transformer: nn.Module, prompt_encoder, vae, device: torch.device,
+                 dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:  # fmt: skip
+        """In a group, only rank 0 holds the prompt encoder and the VAE (None elsewhere)."""
+        self.spec = spec
+        self.transformer = transformer
+        self.prompt_encoder = prompt_encoder
+        self.vae = vae
+        self.device = device
+        self.dtype = dtype
+        self.parallel = parallel
+
+    @classmethod
+    def load(
+        cls,
+        spec: ModelSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        dummy: bool,
+        parallel: ParallelContext | None = None,
+    ) -> DiffusionPipeline:
+        with torch.device("meta"):
+            transformer = cls.build_transformer(spec)
+        folder = spec.extra.get("folder")
+        if dummy:
+            init_dummy_weights(transformer, device, dtype)
+            cls.after_dummy_init(transformer)
+        else:
+            load_module_weights(transformer, safetensors_files(component_dir(folder, "transformer")), device, dtype)
+        transformer = transformer.eval()
+        if parallel is not None:
+            transformer = parallelize_sequence(transformer, parallel)
+        if parallel is not None and not parallel.is_leader:
+            return cls(spec, transformer, None, None, device, dtype, parallel)
+        prompt_encoder, vae = cls.load_conditioners(spec, device, dtype, dummy)
+        vae = vae.to(device).eval().requires_grad_(False)
+        return cls(spec, transformer, prompt_encoder, vae, device, dtype, parallel)
+
+    @classmethod
+    def after_dummy_init(cls, transformer: nn.Module) -> None:
+        """Random weights are complete for most models; a model with fixed buffers fills them here."""
+
+    def conditioning(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
+        """The family's prompt encoding on rank 0, shared with the group tensor by tensor."""
+        encoded = self.encode(request) if self.prompt_encoder is not None else {}
+        if self.parallel is None:
+            return encoded
+        return {name: self.parallel.share_from_leader(encoded.get(name)) for name in self.CONDITIONING}
+
+    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
+        """The images on the rank that decodes (rank 0 of the group); None on the other ranks."""
+        resolved = self.resolve(request)
+        timings = Timings()
+        stats = self.parallel.stats if self.parallel else None
+        if stats:
+            stats.reset()
+        reset_peak_memory(self.device)
+        start = time.perf_counter()
+        conditioning = self.conditioning(resolved)
+        synchronize(self.device)
+        timings.text_encode_s = time.perf_counter() - start
+
+        latents, layout = self.initial_latents(resolved)
+        scheduler, timesteps = self.make_scheduler(resolved, latents)
+        clock = StepClock(self.device)
+        predict = self.predictor(resolved, conditioning, layout)
+        if stats:
+            stats.phase = "denoise"
+        latents = denoise(predict, scheduler, latents, timesteps, clock, progress)
+        timings.step_ms = clock.durations_ms()
+        if stats:
+            stats.phase = "decode"
+            timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
+        if self.vae is None:
+            return None
+
+        decode_start = time.perf_counter()
+        pixels = self.decode(latents, layout).float().cpu()
+        timings.vae_decode_s = time.perf_counter() - decode_start
+        timings.total_s = time.perf_counter() - start
+        record_peak_memory(timings, self.device)
+        return GenerationResult(pixels=pixels, seed=resolved.seed, timings=timings)
+
+
+def cfg_step_inputs(branches, cfg: bool, latents: torch.Tensor, timestep: torch.Tensor):
+    """This rank's rows of the [conditional; unconditional] model input and timesteps (everything when no CFG)."""
+    if not cfg:
+        return latents, timestep
+    return branches.local(torch.cat([latents, latents])), branches.local(torch.cat([timestep, timestep]))

@@ -9,33 +9,28 @@ read at.
 
 from __future__ import annotations
 
-import dataclasses
-import random
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
-from torch import nn
 
 from paradit.errors import InvalidRequest
 from paradit.models.flux2 import Flux2Config, Flux2Transformer
 from paradit.parallel.cfg import BatchedBranches, guidance_branches
-from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.sequence import parallelize_sequence
 from paradit.pipelines.base import (
+    DiffusionPipeline,
     NoisePredictor,
-    StepClock,
-    denoise,
-    record_peak_memory,
-    reset_peak_memory,
-    synchronize,
+    ResolvedRequest,
+    cfg_step_inputs,
+    random_vae,
+    resolve_common,
+    seeded_noise,
 )
-from paradit.request import GenerationRequest, GenerationResult, Timings
+from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
 from paradit.text_encoder import PromptEncoder, TextEncoderSpec
-from paradit.weights import component_dir, init_dummy_weights, load_module_weights, read_json, safetensors_files
+from paradit.weights import component_dir, read_json
 
 PIPELINE_CLASSES = ("Flux2Pipeline", "Flux2KleinPipeline")
 
@@ -86,118 +81,34 @@ def pixel_granularity(vae_config) -> int:
     return 2 ** len(vae_config["block_out_channels"])
 
 
-@dataclasses.dataclass
-class ResolvedRequest:
-    prompts: list[str]
-    negative_prompts: list[str] | None
-    height: int
-    width: int
-    steps: int
-    guidance: float | None
-    seed: int
-    images_per_prompt: int
-
-    @property
-    def batch(self) -> int:
-        return len(self.prompts) * self.images_per_prompt
-
-
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
     """The request with defaults filled in, or an InvalidRequest naming what is wrong and what is allowed."""
-    prompts = request.prompts
-    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
-        raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
-    height = spec.height if request.height is None else request.height
-    width = spec.width if request.width is None else request.width
-    g = pixel_granularity(spec.vae)
-    for name, value in (("height", height), ("width", width)):
-        if value < g or value % g:
-            raise InvalidRequest(f"{name} {value} is not allowed; this model takes multiples of {g} (>= {g})")
-    steps = spec.steps if request.steps is None else request.steps
-    if steps < 1:
-        raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more")
     if spec.guidance_mode == "none" and request.guidance is not None:
         raise InvalidRequest(f"{spec.name} is step-distilled and takes no guidance; leave guidance unset")
-    guidance = spec.guidance if request.guidance is None else float(request.guidance)
-    if guidance is not None and guidance < 0:
-        raise InvalidRequest(f"guidance {guidance} is not allowed; give a value >= 0")
-    negatives = None
-    if request.negative_prompt is not None:
-        if spec.guidance_mode != "cfg":
-            raise InvalidRequest(f"{spec.name} does not use classifier-free guidance, so it takes no negative prompt")
-        negatives = (
-            [request.negative_prompt] if isinstance(request.negative_prompt, str) else list(request.negative_prompt)
-        )
-        if len(negatives) == 1:
-            negatives = negatives * len(prompts)
-        if len(negatives) != len(prompts):
-            raise InvalidRequest(
-                f"{len(negatives)} negative prompts for {len(prompts)} prompts; give 1 or {len(prompts)}"
-            )
-    if request.num_images_per_prompt < 1:
-        raise InvalidRequest(f"num_images_per_prompt {request.num_images_per_prompt} is not allowed; give 1 or more")
-    seed = random.randrange(2**31) if request.seed is None else int(request.seed)
-    return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt)
+    if request.negative_prompt is not None and spec.guidance_mode != "cfg":
+        raise InvalidRequest(f"{spec.name} does not use classifier-free guidance, so it takes no negative prompt")
+    return resolve_common(spec, request, pixel_granularity(spec.vae))
 
 
-class Flux2Pipeline:
-    def __init__(
-        self,
-        spec: ModelSpec,
-        transformer: Flux2Transformer,
-        prompt_encoder: PromptEncoder,
-        vae: AutoencoderKLFlux2 | None,
-        device: torch.device,
-        dtype: torch.dtype,
-        parallel: ParallelContext | None = None,
-    ) -> None:
-        """In a group, only rank 0 holds the prompt encoder and the VAE (None elsewhere)."""
-        self.spec = spec
-        self.transformer = transformer
-        self.prompt_encoder = prompt_encoder
-        self.vae = vae
-        self.device = device
-        self.dtype = dtype
-        self.parallel = parallel
-        self.pixel_granularity = pixel_granularity(spec.vae)
+class Flux2Pipeline(DiffusionPipeline):
+    CONDITIONING = ("embeds",)
 
     @classmethod
-    def load(
-        cls,
-        spec: ModelSpec,
-        device: torch.device,
-        dtype: torch.dtype,
-        dummy: bool,
-        parallel: ParallelContext | None = None,
-    ) -> Flux2Pipeline:
-        """Every rank loads the transformer; only rank 0 loads the prompt encoder and the VAE."""
-        with torch.device("meta"):
-            transformer = Flux2Transformer(Flux2Config.from_dict(spec.transformer))
-        folder = spec.extra.get("folder")
-        if dummy:
-            init_dummy_weights(transformer, device, dtype)
-        else:
-            load_module_weights(transformer, safetensors_files(component_dir(folder, "transformer")), device, dtype)
-        transformer = transformer.eval()
-        if parallel is not None:
-            transformer = parallelize_sequence(transformer, parallel)
-        if parallel is not None and not parallel.is_leader:
-            return cls(spec, transformer, None, None, device, dtype, parallel)
+    def build_transformer(cls, spec: ModelSpec) -> Flux2Transformer:
+        return Flux2Transformer(Flux2Config.from_dict(spec.transformer))
 
+    @classmethod
+    def load_conditioners(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool):
         if dummy:
-            prompt_encoder = PromptEncoder.dummy(spec.text_encoder, device, dtype)
-            with torch.random.fork_rng(devices=[]), torch.device(device):
-                torch.manual_seed(0)
-                vae = AutoencoderKLFlux2(**spec.vae)
-            # nn.Module.to, not ModelMixin.to: the latter only adds a warning about fp32-pinned modules, and this
-            # VAE pins none.
-            vae = nn.Module.to(vae, dtype)
-        else:
-            encoder_class = spec.extra["text_encoder_class"]
-            prompt_encoder = PromptEncoder.from_folder(folder, encoder_class, spec.text_encoder, device, dtype)
-            vae = AutoencoderKLFlux2.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
-        vae = vae.to(device).eval().requires_grad_(False)
-        return cls(spec, transformer, prompt_encoder, vae, device, dtype, parallel)
+            vae = random_vae(lambda config: AutoencoderKLFlux2(**config), spec.vae, device, dtype)
+            return PromptEncoder.dummy(spec.text_encoder, device, dtype), vae
+        folder = spec.extra["folder"]
+        encoder_class = spec.extra["text_encoder_class"]
+        prompt_encoder = PromptEncoder.from_folder(folder, encoder_class, spec.text_encoder, device, dtype)
+        return prompt_encoder, AutoencoderKLFlux2.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
+
+    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
+        return resolve_request(self.spec, request)
 
     def uses_cfg(self, request: ResolvedRequest) -> bool:
         return self.spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
@@ -206,35 +117,41 @@ class Flux2Pipeline:
         embeds = self.prompt_encoder.encode(prompts, self.dtype).to(self.device)
         return embeds.repeat_interleave(images_per_prompt, dim=0)
 
-    def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, int, int]:
-        """Noise drawn as diffusers draws it (one CPU generator seeded with ``seed`` for the whole batch), packed to
-        (batch, tokens, channels); returns it with the token grid's height and width."""
-        rows, cols = request.height // self.pixel_granularity, request.width // self.pixel_granularity
-        shape = (request.batch, self.transformer.config.in_channels, rows, cols)
-        generator = torch.Generator("cpu").manual_seed(request.seed)
-        noise = torch.randn(shape, generator=generator, dtype=self.dtype).to(self.device)
-        return noise.flatten(2).transpose(1, 2), rows, cols
+    def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
+        """[conditional; unconditional] prompt embeddings (the negative prompt defaults to "", as in diffusers)."""
+        embeds = self.encode_prompts(request.prompts, request.images_per_prompt)
+        if self.uses_cfg(request):
+            negatives = request.negative_prompts or [""] * len(request.prompts)
+            embeds = torch.cat([embeds, self.encode_prompts(negatives, request.images_per_prompt)])
+        return {"embeds": embeds}
 
-    def position_ids(self, rows: int, cols: int, text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        one = torch.arange(1)
-        img_ids = torch.cartesian_prod(one, torch.arange(rows), torch.arange(cols), one)
-        txt_ids = torch.cartesian_prod(one, one, one, torch.arange(text_len))
-        return img_ids.to(self.device), txt_ids.to(self.device)
+    def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Seeded noise packed to (batch, tokens, channels), with the token grid's rows and columns."""
+        granularity = pixel_granularity(self.spec.vae)
+        rows, cols = request.height // granularity, request.width // granularity
+        noise = seeded_noise((request.batch, self.transformer.config.in_channels, rows, cols), request.seed,
+                             self.dtype, self.device)  # fmt: skip
+        return noise.flatten(2).transpose(1, 2), (rows, cols)
 
-    def make_scheduler(self, steps: int, image_tokens: int) -> tuple[FlowMatchEulerDiscreteScheduler, torch.Tensor]:
+    def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor):
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.spec.scheduler)
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        scheduler.set_timesteps(sigmas=sigmas, device=self.device, mu=empirical_mu(image_tokens, steps))
+        sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
+        mu = empirical_mu(latents.shape[1], request.steps)
+        scheduler.set_timesteps(sigmas=sigmas, device=self.device, mu=mu)
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
 
     def predictor(
-        self, request: ResolvedRequest, embeds: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor, cfg: bool
+        self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: tuple[int, int]
     ) -> NoisePredictor:
-        """``embeds`` holds [conditional; unconditional] rows when ``cfg``; the branches object decides which of them
-        this rank computes (all of them on one GPU, one half under CFG parallelism)."""
+        """The embeddings hold [conditional; unconditional] rows under CFG; the branches object decides which of
+        them this rank computes (all of them on one GPU, one half under CFG parallelism)."""
+        cfg = self.uses_cfg(request)
         branches = guidance_branches(self.parallel) if cfg else BatchedBranches()
-        embeds = branches.local(embeds)
+        embeds = branches.local(conditioning["embeds"])
+        one = torch.arange(1)
+        img_ids = torch.cartesian_prod(one, torch.arange(layout[0]), torch.arange(layout[1]), one).to(self.device)
+        txt_ids = torch.cartesian_prod(one, one, one, torch.arange(embeds.shape[1])).to(self.device)
         guidance = None
         if self.spec.guidance_mode == "embedded":
             guidance = torch.full((embeds.shape[0],), request.guidance, device=self.device, dtype=torch.float32)
@@ -243,10 +160,7 @@ class Flux2Pipeline:
         def predict(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             # The reference casts t to the latent dtype before dividing; matching it keeps bf16 runs bit-faithful.
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-            model_input = latents
-            if cfg:
-                model_input = branches.local(torch.cat([latents, latents]))
-                timestep = branches.local(torch.cat([timestep, timestep]))
+            model_input, timestep = cfg_step_inputs(branches, cfg, latents, timestep)
             with torch.inference_mode():
                 noise = self.transformer(model_input.to(self.dtype), embeds, timestep, img_ids, txt_ids, guidance)
             if not cfg:
@@ -257,7 +171,8 @@ class Flux2Pipeline:
         return predict
 
     @torch.inference_mode()
-    def decode(self, latents: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, layout: tuple[int, int]) -> torch.Tensor:
+        rows, cols = layout
         latents = latents.transpose(1, 2).unflatten(2, (rows, cols))
         mean = self.vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
         std = torch.sqrt(self.vae.bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
@@ -267,51 +182,3 @@ class Flux2Pipeline:
         latents = latents.reshape(batch, channels // 4, rows * 2, cols * 2)
         image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return (image / 2 + 0.5).clamp(0, 1)
-
-    def text_embeddings(self, request: ResolvedRequest, cfg: bool) -> torch.Tensor:
-        """[conditional; unconditional] prompt embeddings, encoded once per group (by rank 0) and shared."""
-        if self.prompt_encoder is not None:
-            embeds = self.encode_prompts(request.prompts, request.images_per_prompt)
-            if cfg:
-                negatives = request.negative_prompts or [""] * len(request.prompts)
-                embeds = torch.cat([embeds, self.encode_prompts(negatives, request.images_per_prompt)])
-        else:
-            embeds = None
-        return embeds if self.parallel is None else self.parallel.share_from_leader(embeds)
-
-    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
-        """The images on the rank that decodes (rank 0 of the group); None on the other ranks."""
-        resolved = resolve_request(self.spec, request)
-        timings = Timings()
-        stats = self.parallel.stats if self.parallel else None
-        if stats:
-            stats.reset()
-        reset_peak_memory(self.device)
-        start = time.perf_counter()
-        cfg = self.uses_cfg(resolved)
-        embeds = self.text_embeddings(resolved, cfg)
-        synchronize(self.device)
-        timings.text_encode_s = time.perf_counter() - start
-
-        latents, rows, cols = self.initial_latents(resolved)
-        img_ids, txt_ids = self.position_ids(rows, cols, embeds.shape[1])
-        scheduler, timesteps = self.make_scheduler(resolved.steps, latents.shape[1])
-        clock = StepClock(self.device)
-        predict = self.predictor(resolved, embeds, img_ids, txt_ids, cfg)
-        if stats:
-            stats.phase = "denoise"
-        latents = denoise(predict, scheduler, latents, timesteps, clock, progress)
-        timings.step_ms = clock.durations_ms()
-        if stats:
-            stats.phase = "decode"
-            timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
-        if self.vae is None:
-            return None
-
-        decode_start = time.perf_counter()
-        pixels = self.decode(latents, rows, cols)
-        pixels = pixels.float().cpu()
-        timings.vae_decode_s = time.perf_counter() - decode_start
-        timings.total_s = time.perf_counter() - start
-        record_peak_memory(timings, self.device)
-        return GenerationResult(pixels=pixels, seed=resolved.seed, timings=timings)

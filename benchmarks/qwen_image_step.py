@@ -1,0 +1,126 @@
+"""One Qwen-Image transformer step on one GPU: paradit against diffusers' QwenImageTransformer2DModel, same weights.
+
+Full-size architecture with random weights (dummy load). The diffusers model is built on the meta device and handed
+paradit's tensors (identical parameter names), so both run on the very same weights with one copy in memory.
+Prints ms/step, TFLOP/s and MFU against the bf16 matmul rate measured in the same run, and the relative L2 between
+the two outputs. One CFG branch, unpadded text (no attention mask), as a single prompt runs.
+
+    python benchmarks/qwen_image_step.py --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, measured_bf16_matmul_tflops, print_table, time_cuda_ms, write_json  # noqa: E402
+from paradit.models.qwen_image import QwenImageConfig, QwenImageTransformer  # noqa: E402
+from paradit.presets import PRESETS  # noqa: E402
+from paradit.weights import init_dummy_weights  # noqa: E402
+
+# Exact FLOPs of one forward at 1024x1024 (4096 image + 256 text tokens), counted with FlopCounterMode over the
+# diffusers model on the meta device (shared/models/configs.json).
+TFLOP_PER_STEP_1024 = {"qwen-image": 73.128218198016}
+REFERENCE_TEXT_LEN = 256
+
+
+def step_inputs(config: QwenImageConfig, height: int, width: int, text_len: int, device: torch.device) -> dict:
+    """Packed latents of a (height / 16) x (width / 16) token grid, text embeddings and a mid-schedule sigma."""
+    rows, cols = height // 16, width // 16
+    gen = torch.Generator(device).manual_seed(0)
+    return dict(
+        hidden_states=torch.randn(1, rows * cols, config.in_channels, device=device, generator=gen).bfloat16(),
+        encoder_hidden_states=torch.randn(
+            1, text_len, config.joint_attention_dim, device=device, generator=gen
+        ).bfloat16(),
+        timestep=torch.full((1,), 0.5, device=device, dtype=torch.bfloat16),
+        rows=rows,
+        cols=cols,
+    )
+
+
+def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
+    from diffusers import QwenImageTransformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+
+    device = torch.device("cuda")
+    config = QwenImageConfig.from_dict(PRESETS[name].transformer)
+    with torch.device("meta"):
+        ours = QwenImageTransformer(config)
+    init_dummy_weights(ours, device, torch.bfloat16)
+    ours.eval()
+    with torch.device("meta"):
+        reference = QwenImageTransformer2DModel(**PRESETS[name].transformer)
+    reference.load_state_dict(ours.state_dict(), assign=True, strict=True)
+    # The reference keeps its rotary tables as plain attributes (no buffers), made in __init__: rebuild them off meta.
+    reference.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(config.axes_dims_rope), scale_rope=True)
+    reference.eval()
+
+    inputs = step_inputs(config, args.height, args.width, args.text_len, device)
+    rows, cols = inputs.pop("rows"), inputs.pop("cols")
+    runners = {
+        "paradit": lambda: ours(**inputs, rows=rows, cols=cols),
+        "diffusers": lambda: reference(**inputs, img_shapes=[[(1, rows, cols)]], return_dict=False)[0],
+    }
+    tokens = rows * cols + args.text_len
+    at_reference_size = (args.height, args.width, args.text_len) == (1024, 1024, REFERENCE_TEXT_LEN)
+    tflop = TFLOP_PER_STEP_1024.get(name) if at_reference_size else None
+    rows_out, outputs = [], {}
+    for impl, run in runners.items():
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            ms = time_cuda_ms(run, warmup=args.warmup, iters=args.iters)
+            outputs[impl] = run().float()
+        row = {
+            "model": name, "impl": impl, "tokens": tokens, "ms_per_step": ms, "tflop_per_step": tflop,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }  # fmt: skip
+        if tflop:
+            row["tflops"] = tflop / (ms * 1e-3)
+            row["mfu_measured"] = row["tflops"] / matmul_tflops
+        rows_out.append(row)
+    diff = (outputs["paradit"] - outputs["diffusers"]).norm() / outputs["diffusers"].norm()
+    for row in rows_out:
+        row["rel_l2_vs_diffusers"] = diff.item()
+    rows_out[0]["speedup_vs_diffusers"] = rows_out[1]["ms_per_step"] / rows_out[0]["ms_per_step"]
+    return rows_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(TFLOP_PER_STEP_1024))
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--text-len", type=int, default=REFERENCE_TEXT_LEN)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+
+    env = environment()
+    matmul = measured_bf16_matmul_tflops()
+    print(f"{env['gpu']} torch {env['torch']} diffusers {env['diffusers']}; bf16 matmul {matmul:.0f} TFLOP/s")
+    rows = []
+    for name in args.models:
+        rows += bench_model(name, args, matmul)
+        torch.cuda.empty_cache()  # the model's weights were freed when bench_model returned
+    print_table(
+        rows,
+        [
+            ("model", "model", "s"), ("impl", "impl", "s"), ("ms_per_step", "ms/step", ".1f"),
+            ("tflops", "TFLOP/s", ".0f"), ("mfu_measured", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
+            ("speedup_vs_diffusers", "vs diffusers", ".2f"), ("rel_l2_vs_diffusers", "rel L2", ".1e"),
+        ],
+    )  # fmt: skip
+    write_json(
+        args.out_dir, "qwen_image_step.json", {"env": env, "matmul_tflops": matmul, "args": vars(args), "rows": rows}
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""One SD3.5 transformer step on one GPU: paradit against diffusers' SD3Transformer2DModel, same weights, same run.
+
+Full-size architectures with random weights (dummy load). The diffusers model is built on the meta device and
+handed paradit's tensors (identical parameter and buffer names), so both run on the very same weights with one copy in
+memory. Prints ms/step, TFLOP/s and MFU against the bf16 matmul rate measured in the same run, and the relative L2
+between the two outputs. One step is one CFG branch (batch 1), as the FLOP counts in shared/models/configs.json are.
+
+    python benchmarks/sd3_step.py --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, measured_bf16_matmul_tflops, print_table, time_cuda_ms, write_json  # noqa: E402
+from paradit.models.sd3 import SD3Config, SD3Transformer, unpatchify  # noqa: E402
+from paradit.presets import PRESETS  # noqa: E402
+from paradit.weights import init_dummy_weights  # noqa: E402
+
+# Exact FLOPs of one forward at 1024x1024 (4096 image + 77 CLIP + 256 T5 = 333 text tokens), counted with
+# FlopCounterMode over the diffusers model on the meta device (shared/models/configs.json).
+TFLOP_PER_STEP_1024 = {
+    "sd3.5-large": 31.121114907648,
+    "sd3.5-medium": 11.249573707776,
+}
+VAE_STRIDE = 8
+
+
+def step_inputs(config: SD3Config, height: int, width: int, text_len: int, device: torch.device) -> dict:
+    gen = torch.Generator(device).manual_seed(0)
+    latent_shape = (1, config.in_channels, height // VAE_STRIDE, width // VAE_STRIDE)
+    return dict(
+        hidden_states=torch.randn(latent_shape, device=device, generator=gen).bfloat16(),
+        encoder_hidden_states=torch.randn(
+            1, text_len, config.joint_attention_dim, device=device, generator=gen
+        ).bfloat16(),
+        pooled_projections=torch.randn(1, config.pooled_projection_dim, device=device, generator=gen).bfloat16(),
+        timestep=torch.full((1,), 500.0, device=device),
+    )
+
+
+def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
+    from diffusers import SD3Transformer2DModel
+
+    device = torch.device("cuda")
+    config = SD3Config.from_dict(PRESETS[name].transformer)
+    with torch.device("meta"):
+        ours = SD3Transformer(config)
+    init_dummy_weights(ours, device, torch.bfloat16)
+    ours.pos_embed.fill_position_table()
+    ours.eval()
+    with torch.device("meta"):
+        reference = SD3Transformer2DModel(**PRESETS[name].transformer)
+    reference.load_state_dict(ours.state_dict(), assign=True, strict=True)
+    reference.eval()
+
+    inputs = step_inputs(config, args.height, args.width, args.text_len, device)
+    latent_size = inputs["hidden_states"].shape[-2:]
+    runners = {
+        # The prediction in the latent layout, as the pipeline uses it: unpatchify is part of the step.
+        "paradit": lambda: unpatchify(ours(**inputs), config.patch_size, *latent_size),
+        "diffusers": lambda: reference(**inputs, return_dict=False)[0],
+    }
+    tokens = args.height * args.width // (VAE_STRIDE * config.patch_size) ** 2 + args.text_len
+    tflop = TFLOP_PER_STEP_1024.get(name) if (args.height, args.width, args.text_len) == (1024, 1024, 333) else None
+    rows, outputs = [], {}
+    for impl, run in runners.items():
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            ms = time_cuda_ms(run, warmup=args.warmup, iters=args.iters)
+            outputs[impl] = run().float()
+        row = {
+            "model": name, "impl": impl, "tokens": tokens, "ms_per_step": ms, "tflop_per_step": tflop,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }  # fmt: skip
+        if tflop:
+            row["tflops"] = tflop / (ms * 1e-3)
+            row["mfu_measured"] = row["tflops"] / matmul_tflops
+        rows.append(row)
+    diff = (outputs["paradit"] - outputs["diffusers"]).norm() / outputs["diffusers"].norm()
+    for row in rows:
+        row["rel_l2_vs_diffusers"] = diff.item()
+    rows[0]["speedup_vs_diffusers"] = rows[1]["ms_per_step"] / rows[0]["ms_per_step"]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(TFLOP_PER_STEP_1024))
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--text-len", type=int, default=333, help="77 CLIP + 256 T5 tokens, the pipeline's default")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+
+    env = environment()
+    matmul = measured_bf16_matmul_tflops()
+    print(f"{env['gpu']} torch {env['torch']} diffusers {env['diffusers']}; bf16 matmul {matmul:.0f} TFLOP/s")
+    rows = []
+    for name in args.models:
+        rows += bench_model(name, args, matmul)
+        torch.cuda.empty_cache()  # the model's weights were freed when bench_model returned
+    print_table(
+        rows,
+        [
+            ("model", "model", "s"), ("impl", "impl", "s"), ("ms_per_step", "ms/step", ".1f"),
+            ("tflops", "TFLOP/s", ".0f"), ("mfu_measured", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
+            ("speedup_vs_diffusers", "vs diffusers", ".2f"), ("rel_l2_vs_diffusers", "rel L2", ".1e"),
+        ],
+    )  # fmt: skip
+    write_json(args.out_dir, "sd3_step.json", {"env": env, "matmul_tflops": matmul, "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""Qwen-Image against diffusers' reference on tiny random checkpoint folders (fp32, CPU), and sequence / CFG
+parallelism against one process (gloo, 2-4 processes), with prompts of different lengths (masked text) in a batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImagePipeline as ReferencePipeline
+from diffusers import QwenImageTransformer2DModel
+
+from paradit import Engine, GenerationRequest, InvalidRequest
+from paradit.errors import CheckpointError
+from paradit.models.qwen_image import QwenImageConfig, QwenImageTransformer
+from paradit.parallel import ParallelConfig
+from paradit.parallel.mesh import ParallelContext
+from paradit.parallel.sequence import parallelize_sequence
+from paradit.pipelines.qwen_image import resolve_request, uses_cfg
+from paradit.presets import PRESETS
+from paradit.weights import load_module_weights, safetensors_files
+from tests.distributed import run_on_processes
+from tests.qwen_image_checkpoints import build_qwen_image_checkpoint, tiny_transformer
+
+CPU = torch.device("cpu")
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_qwen_image_checkpoint(tmp_path_factory.mktemp("qwen_image"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return ReferencePipeline.from_pretrained(checkpoint, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return Engine(str(checkpoint), device="cpu", dtype="fp32")
+
+
+def load_ours(folder) -> QwenImageTransformer:
+    config = QwenImageConfig.from_dict(QwenImageTransformer2DModel.load_config(folder / "transformer"))
+    with torch.device("meta"):
+        model = QwenImageTransformer(config)
+    load_module_weights(model, safetensors_files(folder / "transformer"), CPU, torch.float32)  # strict keys
+    return model.eval()
+
+
+def transformer_inputs(config, batch: int, rows: int, cols: int, text_lengths: list[int] | None, seed: int):
+    """``text_lengths``: each sample's real text tokens (the rest padding, masked), or None for no mask."""
+    gen = torch.Generator().manual_seed(seed)
+    text_len = max(text_lengths) if text_lengths else 6
+    mask = None
+    if text_lengths:
+        mask = (torch.arange(text_len)[None, :] < torch.tensor(text_lengths)[:, None]).long()
+    return dict(
+        hidden_states=torch.randn(batch, rows * cols, config["in_channels"], generator=gen),
+        encoder_hidden_states=torch.randn(batch, text_len, config["joint_attention_dim"], generator=gen),
+        encoder_hidden_states_mask=mask,
+        timestep=torch.rand(batch, generator=gen),
+    )
+
+
+@pytest.mark.parametrize(
+    "batch,rows,cols,text_lengths",
+    [(1, 4, 4, None), (2, 3, 5, [13, 6]), (3, 7, 2, [1, 5, 3]), (1, 5, 7, [1])],
+    ids=["square", "odd-grid-masked", "tall-masked", "one-token"],
+)
+def test_transformer_matches_diffusers(checkpoint, batch, rows, cols, text_lengths):
+    """Centred image rotary positions (odd and even sides), text positions after them, masked padding."""
+    reference = QwenImageTransformer2DModel.from_pretrained(checkpoint / "transformer").eval()
+    ours = load_ours(checkpoint)
+    inputs = transformer_inputs(reference.config, batch, rows, cols, text_lengths, seed=batch * 100 + rows)
+    with torch.no_grad():
+        expected = reference(**inputs, img_shapes=[[(1, rows, cols)]] * batch, return_dict=False)[0]
+        got = ours(**inputs, rows=rows, cols=cols)
+    assert got.shape == expected.shape
+    assert relative_l2(got, expected) <= 1e-5
+
+
+def test_padding_is_masked_out(checkpoint):
+    """A sample's prediction does not depend on what its padded text positions hold."""
+    ours = load_ours(checkpoint)
+    inputs = transformer_inputs(dataclasses.asdict(ours.config), 2, 3, 4, [9, 4], seed=1)
+    scrambled = {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"].clone()}
+    scrambled["encoder_hidden_states"][1, 4:] = 100.0
+    with torch.no_grad():
+        a, b = ours(**inputs, rows=3, cols=4), ours(**scrambled, rows=3, cols=4)
+    assert torch.equal(a, b)
+
+
+def test_prompt_encoding_matches_diffusers(reference, engine):
+    """Template, 34 dropped tokens, last hidden state, padding to the longest prompt and its mask."""
+    prompts = ["a fox", "an old lighthouse on a cliff at dusk, oil painting"]
+    expected, expected_mask = reference.encode_prompt(prompts, device=CPU)
+    got, got_mask = engine.pipeline.prompt_encoder.encode(prompts, torch.float32)
+    assert got.shape == expected.shape and got_mask.shape == expected_mask.shape
+    assert torch.equal(got_mask, expected_mask.bool()) and not got_mask.all()
+    assert torch.equal(got, expected)
+
+
+def to_hwc(result) -> np.ndarray:
+    return result.pixels.permute(0, 2, 3, 1).numpy()
+
+
+IMAGE_CASES = {
+    # CFG with prompts and negative prompts of different lengths: every branch padded and masked.
+    "cfg-masked-batch": dict(
+        prompt=["a red fox in snow", "a lighthouse at dusk, oil on canvas"],
+        negative_prompt=["blurry", "low quality, watermark, text"],
+        height=48, width=80, steps=3, guidance=4.0, seed=7,
+    ),
+    # One prompt, three images, the blank negative prompt Qwen-Image's authors use.
+    "cfg-images-per-prompt": dict(
+        prompt="a bowl of ramen", negative_prompt=" ", height=32, width=32, steps=2, guidance=2.5, seed=3,
+        num_images_per_prompt=3,
+    ),
+    # No negative prompt: diffusers runs no CFG whatever the guidance, and neither does paradit.
+    "no-negative-no-cfg": dict(
+        prompt=["a cat", "a dog"], height=64, width=32, steps=2, seed=1, num_images_per_prompt=2,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", IMAGE_CASES)
+def test_images_match_diffusers(reference, engine, case):
+    request = GenerationRequest(**IMAGE_CASES[case])
+    expected = reference(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        true_cfg_scale=request.guidance or 4.0,
+        height=request.height,
+        width=request.width,
+        num_inference_steps=request.steps,
+        num_images_per_prompt=request.num_images_per_prompt,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type="np",
+    ).images
+    got = to_hwc(engine.generate(request))
+    assert got.shape == expected.shape == (len(request.prompts) * request.num_images_per_prompt, *expected.shape[1:])
+    assert np.abs(got - expected).max() <= 1e-4
+    # The images differ from each other: seeds and prompts reached the right samples.
+    assert all(np.abs(got[0] - other).max() > 1e-3 for other in got[1:])
+
+
+def test_each_image_keeps_its_own_prompts_mask(reference, engine):
+    """Several prompts of different lengths x several images: diffusers' encode_prompt tiles the text mask in
+    prompt order while it repeats the embeddings per image (pipeline_qwenimage.py, ``prompt_embeds_mask.repeat``),
+    so images get another prompt's padding. paradit keeps each image's own mask; the reference here is diffusers fed
+    its own embeddings, correctly repeated, with the same seeded noise."""
+    prompts, negatives = ["a fox", "a lighthouse at dusk"], ["ugly, blurry", "dark"]
+    request = GenerationRequest(
+        prompt=prompts, negative_prompt=negatives, height=32, width=48, steps=2, guidance=3.0, seed=5,
+        num_images_per_prompt=2,
+    )  # fmt: skip
+    embeds, mask = reference.encode_prompt(prompts, device=CPU)
+    negative, negative_mask = reference.encode_prompt(negatives, device=CPU)
+    expected = reference(
+        prompt_embeds=embeds.repeat_interleave(2, dim=0),
+        prompt_embeds_mask=mask.repeat_interleave(2, dim=0),
+        negative_prompt_embeds=negative.repeat_interleave(2, dim=0),
+        negative_prompt_embeds_mask=negative_mask.repeat_interleave(2, dim=0),
+        true_cfg_scale=3.0, height=32, width=48, num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(5), output_type="np",
+    ).images  # fmt: skip
+    got = to_hwc(engine.generate(request))
+    assert got.shape == expected.shape == (4, 32, 48, 3)
+    assert np.abs(got - expected).max() <= 1e-4
+
+
+def test_checkpoint_spec_has_diffusers_defaults(engine):
+    spec = engine.spec
+    assert (spec.family, spec.guidance_mode, spec.steps, spec.guidance) == ("qwen_image", "cfg", 50, 4.0)
+    assert (spec.height, spec.width) == (1024, 1024)
+
+
+def test_variant_checkpoints_are_refused(checkpoint):
+    config = json.loads((checkpoint / "transformer" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="zero_cond_t"):
+        QwenImageConfig.from_dict({**config, "zero_cond_t": True})
+
+
+BAD_REQUESTS = [
+    (dict(height=40), "height 40 is not allowed; this model takes multiples of 16"),
+    (dict(width=8), "width 8 is not allowed"),
+    (dict(steps=0), "steps 0"),
+    (dict(prompt=["a fox", " "]), "prompt is empty"),
+    (dict(guidance=-1.0), "guidance -1.0"),
+    (dict(num_images_per_prompt=0), "num_images_per_prompt 0"),
+    (dict(prompt=["a", "b"], negative_prompt=["x", "y", "z"]), "3 negative prompts for 2 prompts; give 1 or 2"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_REQUESTS)
+def test_bad_requests_are_refused(overrides, message):
+    spec = PRESETS["qwen-image-tiny"]
+    with pytest.raises(InvalidRequest, match=message):
+        resolve_request(spec, GenerationRequest(**{"prompt": "a fox", **overrides}))
+
+
+def test_cfg_needs_a_negative_prompt_and_guidance_above_one():
+    spec = PRESETS["qwen-image-tiny"]
+    assert not uses_cfg(resolve_request(spec, GenerationRequest(prompt="a fox")))
+    assert not uses_cfg(resolve_request(spec, GenerationRequest(prompt="a fox", negative_prompt=" ", guidance=1.0)))
+    both = resolve_request(spec, GenerationRequest(prompt=["a", "b"], negative_prompt=" "))
+    assert uses_cfg(both) and both.negative_prompts == [" ", " "]
+
+
+def test_full_size_preset_matches_published_sizes():
+    """The preset's transformer is the 20.4B model (shared/models/configs.json) and its text encoder config the
+    8.29B Qwen2.5-VL-7B, counted on the meta device."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    spec = PRESETS["qwen-image"]
+    with torch.device("meta"):
+        ours = QwenImageTransformer(QwenImageConfig.from_dict(spec.transformer))
+        reference = QwenImageTransformer2DModel(**spec.transformer)
+        encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**spec.text_encoder))
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters()) == 20430401088
+    assert sum(p.numel() for p in encoder.parameters()) == 8292166656
+    assert ours.state_dict().keys() == reference.state_dict().keys()
+
+
+# --- parallel: sequence (Ulysses, Ring, USP) and CFG against one process -------------------------------------------
+
+HEADS = 5  # over Ulysses 2, 3 and 4: shares (3, 2), (2, 2, 1), (2, 1, 1, 1)
+ROWS, COLS = 5, 3  # 15 image tokens; 7 text tokens with sample 1 padded after 3: split unevenly at 2, 3 and 4
+
+
+def _compare_sequence_plans(plans: list[ParallelConfig]) -> dict[str, float]:
+    reference = tiny_transformer(seed=2, heads=HEADS)
+    model = QwenImageTransformer(QwenImageConfig.from_dict(reference.config))
+    model.load_state_dict(reference.state_dict())
+    model.eval()
+    cases = {}
+    for name, batch, text_lengths in (("unmasked", 1, None), ("masked", 2, [7, 3])):
+        inputs = transformer_inputs(dataclasses.asdict(model.config), batch, ROWS, COLS, text_lengths, seed=9)
+        inputs.update(rows=ROWS, cols=COLS)
+        with torch.no_grad():
+            cases[name] = inputs, model(**inputs)
+    # parallelize_sequence swaps the model's attention in place, so every serial output is computed first.
+    errors = {}
+    for name, (inputs, serial) in cases.items():
+        with torch.no_grad():
+            for plan in plans:
+                context = ParallelContext.build(plan, CPU)
+                out = parallelize_sequence(model, context)(**inputs)
+                errors[f"{plan.describe()} {name}"] = relative_l2(out, serial)
+                errors[f"{plan.describe()} {name} bytes"] = sum(context.stats.bytes_sent.values())
+    return errors
+
+
+@pytest.mark.parametrize(
+    "world,plans",
+    [
+        (2, [ParallelConfig(ulysses=2), ParallelConfig(ring=2)]),
+        (3, [ParallelConfig(ulysses=3), ParallelConfig(ring=3)]),
+        (4, [ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)]),
+    ],
+)
+def test_sequence_parallel_equals_serial(world, plans):
+    errors = run_on_processes(world, _compare_sequence_plans, plans)
+    for plan in plans:
+        for name in ("unmasked", "masked"):
+            assert errors[f"{plan.describe()} {name}"] <= 1e-5, errors
+            assert errors[f"{plan.describe()} {name} bytes"] > 0  # it really communicated
+
+
+# Prompts and negative prompts of different lengths, so every branch carries padding; 3 x 5 tokens per image.
+ENGINE_REQUEST = GenerationRequest(
+    prompt=["a red fox", "a lighthouse on a cliff at dusk"], negative_prompt=["blurry", "text, watermark, frame"],
+    height=48, width=80, steps=2, guidance=4.0, seed=11,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def serial_pixels() -> torch.Tensor:
+    return Engine("qwen-image-tiny", device="cpu", dtype="fp32").generate(ENGINE_REQUEST).pixels
+
+
+@pytest.mark.parametrize("plan", [ParallelConfig(cfg=2), ParallelConfig(ulysses=2)], ids=lambda p: p.describe())
+def test_engine_plan_gives_the_serial_image(plan, serial_pixels):
+    with Engine("qwen-image-tiny", device="cpu", dtype="fp32", parallel=plan) as engine:
+        result = engine.generate(ENGINE_REQUEST)
+    assert result.timings.plan == plan.describe() and result.timings.comm_bytes_per_step > 0
+    assert result.pixels.shape == serial_pixels.shape == (2, 3, 48, 80)
+    assert (result.pixels - serial_pixels).abs().max().item() <= 1e-4
