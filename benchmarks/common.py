@@ -69,3 +69,29 @@ def write_json(out_dir: str | None, name: str, payload: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(payload, indent=2))
         print(f"wrote {path}")
+
+
+def compare_runners(
+    name: str, runners: dict, tokens: int, tflop: float | None, matmul_tflops: float, warmup: int, iters: int
+) -> list[dict]:
+    """Time ``runners`` ({"paradit": fn, "diffusers": fn}, same weights) and compare their outputs: one row each
+    with ms/step, TFLOP/s and MFU (when ``tflop`` per step is known), peak memory, and the relative L2 between them."""
+    rows, outputs = [], {}
+    for impl, run in runners.items():
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            ms = time_cuda_ms(run, warmup=warmup, iters=iters)
+            outputs[impl] = run().float()
+        row = {
+            "model": name, "impl": impl, "tokens": tokens, "ms_per_step": ms, "tflop_per_step": tflop,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }  # fmt: skip
+        if tflop:
+            row["tflops"] = tflop / (ms * 1e-3)
+            row["mfu_measured"] = row["tflops"] / matmul_tflops
+        rows.append(row)
+    diff = (outputs["paradit"] - outputs["diffusers"]).norm() / outputs["diffusers"].norm()
+    for row in rows:
+        row["rel_l2_vs_diffusers"] = diff.item()
+    rows[0]["speedup_vs_diffusers"] = rows[1]["ms_per_step"] / rows[0]["ms_per_step"]
+    return rows

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, measured_bf16_matmul_tflops, print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import compare_runners, environment, measured_bf16_matmul_tflops, print_table, write_json  # noqa: E402
 from paradit.models.qwen_image import QwenImageConfig, QwenImageTransformer  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
@@ -70,25 +70,7 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
     tokens = rows * cols + args.text_len
     at_reference_size = (args.height, args.width, args.text_len) == (1024, 1024, REFERENCE_TEXT_LEN)
     tflop = TFLOP_PER_STEP_1024.get(name) if at_reference_size else None
-    rows_out, outputs = [], {}
-    for impl, run in runners.items():
-        torch.cuda.reset_peak_memory_stats()
-        with torch.inference_mode():
-            ms = time_cuda_ms(run, warmup=args.warmup, iters=args.iters)
-            outputs[impl] = run().float()
-        row = {
-            "model": name, "impl": impl, "tokens": tokens, "ms_per_step": ms, "tflop_per_step": tflop,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        }  # fmt: skip
-        if tflop:
-            row["tflops"] = tflop / (ms * 1e-3)
-            row["mfu_measured"] = row["tflops"] / matmul_tflops
-        rows_out.append(row)
-    diff = (outputs["paradit"] - outputs["diffusers"]).norm() / outputs["diffusers"].norm()
-    for row in rows_out:
-        row["rel_l2_vs_diffusers"] = diff.item()
-    rows_out[0]["speedup_vs_diffusers"] = rows_out[1]["ms_per_step"] / rows_out[0]["ms_per_step"]
-    return rows_out
+    return compare_runners(name, runners, tokens, tflop, matmul_tflops, args.warmup, args.iters)
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, measured_bf16_matmul_tflops, print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import compare_runners, environment, measured_bf16_matmul_tflops, print_table, write_json  # noqa: E402
 from paradit.models.sd3 import SD3Config, SD3Transformer, unpatchify  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
@@ -69,25 +69,7 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
     }
     tokens = args.height * args.width // (VAE_STRIDE * config.patch_size) ** 2 + args.text_len
     tflop = TFLOP_PER_STEP_1024.get(name) if (args.height, args.width, args.text_len) == (1024, 1024, 333) else None
-    rows, outputs = [], {}
-    for impl, run in runners.items():
-        torch.cuda.reset_peak_memory_stats()
-        with torch.inference_mode():
-            ms = time_cuda_ms(run, warmup=args.warmup, iters=args.iters)
-            outputs[impl] = run().float()
-        row = {
-            "model": name, "impl": impl, "tokens": tokens, "ms_per_step": ms, "tflop_per_step": tflop,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        }  # fmt: skip
-        if tflop:
-            row["tflops"] = tflop / (ms * 1e-3)
-            row["mfu_measured"] = row["tflops"] / matmul_tflops
-        rows.append(row)
-    diff = (outputs["paradit"] - outputs["diffusers"]).norm() / outputs["diffusers"].norm()
-    for row in rows:
-        row["rel_l2_vs_diffusers"] = diff.item()
-    rows[0]["speedup_vs_diffusers"] = rows[1]["ms_per_step"] / rows[0]["ms_per_step"]
-    return rows
+    return compare_runners(name, runners, tokens, tflop, matmul_tflops, args.warmup, args.iters)
 
 
 def main() -> None:
