@@ -107,24 +107,23 @@ def resolve_common(
     spec: ModelSpec,
     request: GenerationRequest,
     granularity: int,
-    largest: int | None = None,
+    largest: tuple[int, int] | None = None,
     default_negative: str | None = None,
 ) -> ResolvedRequest:
-    """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest``, steps, guidance,
-    negative prompts, images per prompt, seed), raising InvalidRequest with the allowed values."""
+    """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest`` (height, width),
+    steps, guidance, negative prompts, images per prompt, seed), raising InvalidRequest with the allowed values."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
     height = spec.height if request.height is None else request.height
     width = spec.width if request.width is None else request.width
-    allowed = (
-        f"multiples of {granularity} from {granularity} to {largest}"
-        if largest
-        else f"multiples of {granularity} (>= {granularity})"
-    )
-    for name, value in (("height", height), ("width", width)):
-        if value < granularity or value % granularity or (largest and value > largest):
-            raise InvalidRequest(f"{name} {value} is not allowed; this model takes {allowed}")
+    for index, (name, value) in enumerate((("height", height), ("width", width))):
+        limit = largest[index] if largest else None
+        if value < granularity or value % granularity or (limit and value > limit):
+            allowed = f"from {granularity} to {limit}" if limit else f"(>= {granularity})"
+            raise InvalidRequest(
+                f"{name} {value} is not allowed; this model takes multiples of {granularity} {allowed}"
+            )
     steps = spec.steps if request.steps is None else request.steps
     if steps < 1:
         raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more")

@@ -99,7 +99,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     largest size is what the positional-embedding table covers."""
     granularity = pixel_granularity(spec)
     largest = spec.transformer["pos_embed_max_size"] * granularity
-    return resolve_common(spec, request, granularity, largest=largest, default_negative="")
+    return resolve_common(spec, request, granularity, largest=(largest, largest), default_negative="")
 
 
 def offline_clip_tokenizer(pad_token: str) -> transformers.CLIPTokenizer:

@@ -1,0 +1,103 @@
+"""One Z-Image transformer step on one GPU: paradit against diffusers' ZImageTransformer2DModel, same weights, same run.
+
+Full-size architectures with random weights (dummy load). The diffusers model is built on the meta device and
+handed paradit's tensors (identical parameter names), so both run on the very same weights with one copy in memory.
+Prints ms/step, TFLOP/s and MFU against the bf16 matmul rate measured in the same run, and the relative L2 between
+the two outputs.
+
+    python benchmarks/zimage_step.py --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import compare_runners, environment, measured_bf16_matmul_tflops, print_table, write_json  # noqa: E402
+from paradit.models.zimage import ZImageConfig, ZImageTransformer, unpatchify  # noqa: E402
+from paradit.presets import PRESETS  # noqa: E402
+from paradit.weights import init_dummy_weights  # noqa: E402
+
+# Exact FLOPs of one forward at 1024x1024 (4096 image + 256 text tokens), counted with FlopCounterMode over the
+# diffusers model on the meta device (shared/models/configs.json, "Z-Image-Turbo"); the base model has the same
+# transformer.
+REFERENCE_WORKLOAD = (1024, 1024, 256)
+TFLOP_PER_STEP_1024 = {"z-image-turbo": 58.539107024896, "z-image": 58.539107024896}
+
+
+def step_inputs(config: ZImageConfig, height: int, width: int, text_len: int, device: torch.device):
+    """Latents (1, C, H/8, W/8), the timestep and one caption of ``text_len`` tokens, in bf16 as the pipeline runs."""
+    gen = torch.Generator(device).manual_seed(0)
+    latents = torch.randn(1, config.in_channels, height // 8, width // 8, device=device, generator=gen)
+    captions = torch.randn(1, text_len, config.cap_feat_dim, device=device, generator=gen)
+    return latents.bfloat16(), torch.full((1,), 0.5, device=device), captions.bfloat16()
+
+
+def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
+    from diffusers import ZImageTransformer2DModel
+
+    device = torch.device("cuda")
+    config = ZImageConfig.from_dict(PRESETS[name].transformer)
+    with torch.device("meta"):
+        ours = ZImageTransformer(config)
+    init_dummy_weights(ours, device, torch.bfloat16)
+    ours.eval()
+    with torch.device("meta"):
+        reference = ZImageTransformer2DModel(**PRESETS[name].transformer)
+    reference.load_state_dict(ours.state_dict(), assign=True, strict=True)
+    reference.eval()
+
+    latents, timestep, captions = step_inputs(config, args.height, args.width, args.text_len, device)
+    rows, cols = args.height // 16, args.width // 16
+
+    def run_reference() -> torch.Tensor:
+        out = reference([latents[0][:, None]], timestep, [captions[0]], return_dict=False)[0]
+        return torch.stack(out)[:, :, 0]
+
+    runners = {
+        "paradit": lambda: unpatchify(ours(latents, timestep, captions), rows, cols, config.patch_size),
+        "diffusers": run_reference,
+    }
+    tokens = rows * cols + args.text_len
+    workload = (args.height, args.width, args.text_len)
+    tflop = TFLOP_PER_STEP_1024.get(name) if workload == REFERENCE_WORKLOAD else None
+    return compare_runners(name, runners, tokens, tflop, matmul_tflops, args.warmup, args.iters)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["z-image-turbo", "z-image"])
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--text-len", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+
+    env = environment()
+    matmul = measured_bf16_matmul_tflops()
+    print(f"{env['gpu']} torch {env['torch']} diffusers {env['diffusers']}; bf16 matmul {matmul:.0f} TFLOP/s")
+    rows = []
+    for name in args.models:
+        rows += bench_model(name, args, matmul)
+        torch.cuda.empty_cache()  # the model's weights were freed when bench_model returned
+    print_table(
+        rows,
+        [
+            ("model", "model", "s"), ("impl", "impl", "s"), ("ms_per_step", "ms/step", ".1f"),
+            ("tflops", "TFLOP/s", ".0f"), ("mfu_measured", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
+            ("speedup_vs_diffusers", "vs diffusers", ".2f"), ("rel_l2_vs_diffusers", "rel L2", ".1e"),
+        ],
+    )  # fmt: skip
+    payload = {"env": env, "matmul_tflops": matmul, "args": vars(args), "rows": rows}
+    write_json(args.out_dir, "zimage_step.json", payload)
+
+
+if __name__ == "__main__":
+    main()
