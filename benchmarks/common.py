@@ -95,3 +95,36 @@ def compare_runners(
         row["rel_l2_vs_diffusers"] = diff.item()
     rows[0]["speedup_vs_diffusers"] = rows[1]["ms_per_step"] / rows[0]["ms_per_step"]
     return rows
+
+
+def step_benchmark_main(description: str, bench_model, models: list[str], text_len: int, json_name: str) -> None:
+    """The command line every per-family step script shares: time ``bench_model(name, args, matmul_tflops)`` for
+    each model, print the table, write ``json_name`` under ``--out-dir``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", nargs="+", default=models)
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--text-len", type=int, default=text_len)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+
+    env = environment()
+    matmul = measured_bf16_matmul_tflops()
+    print(f"{env['gpu']} torch {env['torch']} diffusers {env['diffusers']}; bf16 matmul {matmul:.0f} TFLOP/s")
+    rows = []
+    for name in args.models:
+        rows += bench_model(name, args, matmul)
+        torch.cuda.empty_cache()  # the model's weights were freed when bench_model returned
+    print_table(
+        rows,
+        [
+            ("model", "model", "s"), ("impl", "impl", "s"), ("ms_per_step", "ms/step", ".1f"),
+            ("tflops", "TFLOP/s", ".0f"), ("mfu_measured", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
+            ("speedup_vs_diffusers", "vs diffusers", ".2f"), ("rel_l2_vs_diffusers", "rel L2", ".1e"),
+        ],
+    )  # fmt: skip
+    write_json(args.out_dir, json_name, {"env": env, "matmul_tflops": matmul, "args": vars(args), "rows": rows})

@@ -10,7 +10,6 @@ the two outputs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compare_runners, environment, measured_bf16_matmul_tflops, print_table, write_json  # noqa: E402
+from benchmarks.common import compare_runners, step_benchmark_main  # noqa: E402
 from paradit.models.zimage import ZImageConfig, ZImageTransformer, unpatchify  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
@@ -70,33 +69,7 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["z-image-turbo", "z-image"])
-    parser.add_argument("--height", type=int, default=1024)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--text-len", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args()
-
-    env = environment()
-    matmul = measured_bf16_matmul_tflops()
-    print(f"{env['gpu']} torch {env['torch']} diffusers {env['diffusers']}; bf16 matmul {matmul:.0f} TFLOP/s")
-    rows = []
-    for name in args.models:
-        rows += bench_model(name, args, matmul)
-        torch.cuda.empty_cache()  # the model's weights were freed when bench_model returned
-    print_table(
-        rows,
-        [
-            ("model", "model", "s"), ("impl", "impl", "s"), ("ms_per_step", "ms/step", ".1f"),
-            ("tflops", "TFLOP/s", ".0f"), ("mfu_measured", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
-            ("speedup_vs_diffusers", "vs diffusers", ".2f"), ("rel_l2_vs_diffusers", "rel L2", ".1e"),
-        ],
-    )  # fmt: skip
-    payload = {"env": env, "matmul_tflops": matmul, "args": vars(args), "rows": rows}
-    write_json(args.out_dir, "zimage_step.json", payload)
+    step_benchmark_main(__doc__.splitlines()[0], bench_model, ["z-image-turbo", "z-image"], 256, "zimage_step.json")
 
 
 if __name__ == "__main__":
