@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--ulysses", type=int, help="Ulysses (all-to-all over heads) degree")
     par.add_argument("--ring", type=int, help="Ring attention degree")
     par.add_argument("--cfg-parallel", action="store_true", help="guidance branches on the two halves of the group")
+    par.add_argument("--tensor", type=int, help="tensor parallel degree (weights and heads sharded; fast links)")
+    par.add_argument("--max-gpu-memory", help="per-GPU cap, e.g. 32GiB: a plan that cannot fit is refused up front")
     par.add_argument(
         "--verify-serial", action="store_true", help="also run the request in one process and report the difference"
     )
@@ -92,10 +94,12 @@ def parallel_plan(args: argparse.Namespace, spec) -> ParallelConfig:
     """The plan the flags ask for: explicit degrees, or for ``--gpus N`` alone the default plan for N."""
     heads = spec.attention_heads
     has_cfg = spec.guidance_mode == "cfg"
-    explicit = args.ulysses is not None or args.ring is not None or args.cfg_parallel
+    explicit = args.ulysses is not None or args.ring is not None or args.tensor is not None or args.cfg_parallel
     if not explicit:
         return default_plan(args.gpus or 1, has_cfg, heads)
-    return ParallelConfig(ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1)
+    return ParallelConfig(
+        ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1, tensor=args.tensor or 1
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -120,7 +124,7 @@ def run_generate(args: argparse.Namespace) -> int:
     options = ExecutionOptions(quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs)
     options.validate(device)
     engine_args = dict(device=device, dtype=dtype, load_format=args.load_format, options=options)
-    with Engine(spec, parallel=parallel, **engine_args) as engine:
+    with Engine(spec, parallel=parallel, max_gpu_memory=args.max_gpu_memory, **engine_args) as engine:
         result = engine.generate(request, progress=not args.no_progress)
     if result is None:  # a non-zero rank under torchrun: rank 0 writes the images
         return 0

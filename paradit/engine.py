@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from paradit.errors import InvalidRequest
+from paradit.memory import check_fits, hold_to_cap, parse_size
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
 from paradit.pipelines import FAMILIES, spec_from_folder
@@ -77,7 +78,8 @@ class Engine:
     """``Engine(model="flux2-dev").generate(GenerationRequest(prompt="..."))``.
 
     ``model`` is a preset name, a checkpoint folder, a hub id, or a ModelSpec already resolved. ``options`` selects
-    FP8 linears and regional compilation (on by default on GPUs). With a
+    FP8 linears and regional compilation (on by default on GPUs). ``max_gpu_memory`` ("32GiB") is checked against
+    the plan's estimate before anything loads, and every GPU worker holds its allocator to it. With a
     ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host (``cpu``
     spawns CPU processes joined by gloo); in a script started by torchrun, each process is one worker of the
     torchrun group, and ``generate`` returns the result on rank 0 and None elsewhere.
@@ -91,6 +93,7 @@ class Engine:
         load_format: Literal["auto", "dummy"] = "auto",
         parallel: ParallelConfig | None = None,
         options: ExecutionOptions | None = None,
+        max_gpu_memory: str | int | None = None,
     ) -> None:
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -99,6 +102,12 @@ class Engine:
         self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, load_format)
         self.parallel = parallel or ParallelConfig()
         check_plan(self.spec, self.parallel, self.parallel.world_size, self.device)
+        self.memory_cap = None if max_gpu_memory is None else parse_size(max_gpu_memory)
+        if self.memory_cap is not None:
+            self.memory_plan = check_fits(
+                self.spec, self.parallel, self.dtype, self.options.quantize == "fp8", self.memory_cap
+            )
+            hold_to_cap(self.device, self.memory_cap)
         dummy = load_format == "dummy" or "folder" not in self.spec.extra
         self._pipeline = self._group = None
         if self.parallel.world_size == 1:
@@ -106,7 +115,7 @@ class Engine:
             self._pipeline.transformer = apply_execution_options(self._pipeline.transformer, self.options, self.device)
             return
         plan = WorkerPlan(
-            self.spec, self.device.type, self.dtype, dummy, self.parallel, self.options, init_method="env://"
+            self.spec, self.device.type, self.dtype, dummy, self.parallel, self.options, self.memory_cap, "env://"
         )
         if launched_by_torchrun():
             rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])

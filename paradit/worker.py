@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from paradit.errors import ParaditError
+from paradit.memory import hold_to_cap
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
@@ -43,6 +44,7 @@ class WorkerPlan:
     dummy: bool
     parallel: ParallelConfig
     options: ExecutionOptions
+    memory_cap: int | None
     init_method: str
 
 
@@ -53,6 +55,8 @@ def worker_device(device_type: str, local_rank: int) -> torch.device:
 def build_worker_pipeline(plan: WorkerPlan, rank: int, local_rank: int):
     """Join the group, build the mesh and load this rank's pipeline."""
     device = worker_device(plan.device_type, local_rank)
+    if plan.memory_cap is not None:
+        hold_to_cap(device, plan.memory_cap)
     init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
     context = ParallelContext.build(plan.parallel, device)
     pipeline = FAMILIES[plan.spec.family].pipeline.load(plan.spec, device, plan.dtype, plan.dummy, parallel=context)

@@ -15,32 +15,34 @@ class ParallelConfig:
     """Degrees of each strategy; their product is the number of GPUs (processes) in the group.
 
     ``cfg`` 2 puts the conditional and unconditional guidance branches on different halves of the group;
-    ``ring`` x ``ulysses`` split the token sequence (USP when both are > 1, Ulysses innermost).
+    ``ring`` x ``ulysses`` split the token sequence (USP when both are > 1, Ulysses innermost); ``tensor`` shards
+    every projection's weights (and the attention heads) across the ranks.
     """
 
     ulysses: int = 1
     ring: int = 1
     cfg: int = 1
+    tensor: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.ulysses * self.ring * self.cfg
+        return self.ulysses * self.ring * self.cfg * self.tensor
 
     @property
     def sequence_degree(self) -> int:
         return self.ulysses * self.ring
 
     def describe(self) -> str:
-        parts = [
-            f"{name} {degree}"
-            for name, degree in (("cfg", self.cfg), ("ring", self.ring), ("ulysses", self.ulysses))
-            if degree > 1
-        ]
+        parts = [f"{name} {degree}" for name, degree in self.degrees() if degree > 1]
         return " x ".join(parts) if parts else "1 GPU"
+
+    def degrees(self) -> tuple[tuple[str, int], ...]:
+        """(name, degree) in mesh order, outermost first."""
+        return (("cfg", self.cfg), ("ring", self.ring), ("ulysses", self.ulysses), ("tensor", self.tensor))
 
     def validate(self, gpus: int, has_cfg: bool, heads: int) -> None:
         """Raises InvalidRequest naming the problem and the plans that do work for ``gpus``."""
-        for name, degree in (("ulysses", self.ulysses), ("ring", self.ring), ("cfg", self.cfg)):
+        for name, degree in self.degrees():
             if degree < 1:
                 raise InvalidRequest(f"{name} degree {degree} is not allowed; give 1 or more")
         problem = None
@@ -50,6 +52,8 @@ class ParallelConfig:
             problem = "cfg parallel needs a model run with classifier-free guidance, and this one has none"
         elif self.ulysses > heads:
             problem = f"ulysses degree {self.ulysses} exceeds the model's {heads} attention heads"
+        elif heads % self.tensor:
+            problem = f"tensor degree {self.tensor} does not divide the model's {heads} attention heads"
         elif self.world_size != gpus:
             problem = f"{self.describe()} uses {self.world_size} GPUs, not the {gpus} asked for"
         if problem:

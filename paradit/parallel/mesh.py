@@ -1,8 +1,8 @@
-"""The process group, the device mesh (cfg x ring x ulysses, ulysses innermost) and this rank's place in it.
+"""The process group, the device mesh (cfg x ring x ulysses x tensor) and this rank's place in it.
 
-Ulysses is innermost so that its all-to-alls, the heaviest traffic, stay between neighbouring ranks (the same
-NVLink island or PCIe switch on most boxes); the ring passes K/V between Ulysses groups; CFG halves exchange only
-one noise prediction per step.
+The heaviest traffic sits innermost, between neighbouring ranks (the same NVLink island or PCIe switch on most
+boxes): tensor parallelism's per-layer reductions, then Ulysses' all-to-alls; the ring passes K/V between Ulysses
+groups; CFG halves exchange one noise prediction per step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from paradit.parallel.comm import CommStats, broadcast
 from paradit.parallel.config import ParallelConfig
 
-MESH_DIMS = ("cfg", "ring", "ulysses")
+MESH_DIMS = ("cfg", "ring", "ulysses", "tensor")
 
 
 def backend_for(device: torch.device) -> str:
@@ -45,11 +45,11 @@ class ParallelContext:
 
     @classmethod
     def build(cls, config: ParallelConfig, device: torch.device) -> ParallelContext:
-        shape = (config.cfg, config.ring, config.ulysses)
+        shape = tuple(degree for _, degree in config.degrees())
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-        # Ranks of one sequence group are consecutive (cfg is outermost); their order is the order of the chunks.
-        span = config.sequence_degree
-        groups = [list(range(start, start + span)) for start in range(0, config.world_size, span)]
+        # A sequence group is the ring x ulysses ranks sharing every other coordinate, in chunk order (ring-major).
+        ranks = torch.arange(config.world_size).reshape(shape)
+        groups = ranks.permute(0, 3, 1, 2).reshape(-1, config.sequence_degree).tolist()
         sequence_group, _ = dist.new_subgroups_by_enumeration(groups)
         return cls(config, device, mesh, sequence_group)
 
