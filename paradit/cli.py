@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--ring", type=int, help="Ring attention degree")
     par.add_argument("--cfg-parallel", action="store_true", help="guidance branches on the two halves of the group")
     par.add_argument("--tensor", type=int, help="tensor parallel degree (weights and heads sharded; fast links)")
+    par.add_argument(
+        "--comm-dtype", choices=["auto", "fp8"], default="auto", help="fp8: Ulysses/Ring traffic in FP8 with scales"
+    )
     par.add_argument("--max-gpu-memory", help="per-GPU cap, e.g. 32GiB: a plan that cannot fit is refused up front")
     par.add_argument(
         "--verify-serial", action="store_true", help="also run the request in one process and report the difference"

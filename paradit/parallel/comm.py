@@ -87,8 +87,9 @@ class RingExchange:
 
     def start(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], list]:
         """Post the transfers of ``send`` (to the next rank) and of tensors shaped ``recv_shapes`` (from the previous
-        one); returns the receive buffers and the work handles to wait on before reading them."""
-        recv = [send[0].new_empty(shape) for shape in recv_shapes]
+        one, each of its ``send`` counterpart's dtype); returns the receive buffers and the work handles to wait on
+        before reading them."""
+        recv = [tensor.new_empty(shape) for tensor, shape in zip(send, recv_shapes)]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next_rank, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group) for t in recv]
         self.stats.add(sum(_nbytes(t) for t in send))

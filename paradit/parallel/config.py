@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from paradit.errors import InvalidRequest
 
+COMM_DTYPES = ("auto", "fp8")
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -16,13 +18,15 @@ class ParallelConfig:
 
     ``cfg`` 2 puts the conditional and unconditional guidance branches on different halves of the group;
     ``ring`` x ``ulysses`` split the token sequence (USP when both are > 1, Ulysses innermost); ``tensor`` shards
-    every projection's weights (and the attention heads) across the ranks.
+    every projection's weights (and the attention heads) across the ranks. ``comm_dtype`` "fp8" sends Ulysses'
+    all-to-alls and Ring's K/V as FP8 with scales ("auto": in the model dtype, exact).
     """
 
     ulysses: int = 1
     ring: int = 1
     cfg: int = 1
     tensor: int = 1
+    comm_dtype: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -34,7 +38,8 @@ class ParallelConfig:
 
     def describe(self) -> str:
         parts = [f"{name} {degree}" for name, degree in self.degrees() if degree > 1]
-        return " x ".join(parts) if parts else "1 GPU"
+        plan = " x ".join(parts) if parts else "1 GPU"
+        return plan + (" (fp8 transport)" if self.comm_dtype == "fp8" else "")
 
     def degrees(self) -> tuple[tuple[str, int], ...]:
         """(name, degree) in mesh order, outermost first."""
@@ -46,6 +51,8 @@ class ParallelConfig:
             if degree < 1:
                 raise InvalidRequest(f"{name} degree {degree} is not allowed; give 1 or more")
         problem = None
+        if self.comm_dtype not in COMM_DTYPES:
+            raise InvalidRequest(f"unknown comm dtype {self.comm_dtype!r}; choose one of {', '.join(COMM_DTYPES)}")
         if self.cfg not in (1, 2):
             problem = f"cfg degree {self.cfg} is not allowed (1 or 2: the two guidance branches)"
         elif self.cfg == 2 and not has_cfg:
