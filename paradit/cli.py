@@ -7,6 +7,7 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -98,11 +99,12 @@ def parallel_plan(args: argparse.Namespace, spec) -> ParallelConfig:
     heads = spec.attention_heads
     has_cfg = spec.guidance_mode == "cfg"
     explicit = args.ulysses is not None or args.ring is not None or args.tensor is not None or args.cfg_parallel
-    if not explicit:
-        return default_plan(args.gpus or 1, has_cfg, heads)
-    return ParallelConfig(
-        ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1, tensor=args.tensor or 1
-    )
+    plan = default_plan(args.gpus or 1, has_cfg, heads)
+    if explicit:
+        plan = ParallelConfig(
+            ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1, tensor=args.tensor or 1
+        )
+    return dataclasses.replace(plan, comm_dtype=args.comm_dtype)
 
 
 def run_generate(args: argparse.Namespace) -> int:
