@@ -120,3 +120,20 @@ def _cudnn_attention_usable() -> bool:
         and torch.backends.cudnn.is_available()
         and torch.cuda.get_device_capability() >= (9, 0)
     )
+
+
+def joint_qkv(
+    module: torch.nn.Module, img: torch.Tensor, txt: torch.Tensor, text_first: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V (batch, text + image, heads, head_dim) of the MMDiT layout FLUX.2, Qwen-Image and SD3 share: each
+    stream projected by its own weights (``to_q``/``add_q_proj``, ...), Q and K normalised per head by its own norms
+    (``norm_q``/``norm_added_q``, ...), then the two streams concatenated, text first or image first."""
+    heads = (-1, module.head_dim)
+    q_img = module.norm_q(module.to_q(img).unflatten(-1, heads))
+    k_img = module.norm_k(module.to_k(img).unflatten(-1, heads))
+    v_img = module.to_v(img).unflatten(-1, heads)
+    q_txt = module.norm_added_q(module.add_q_proj(txt).unflatten(-1, heads))
+    k_txt = module.norm_added_k(module.add_k_proj(txt).unflatten(-1, heads))
+    v_txt = module.add_v_proj(txt).unflatten(-1, heads)
+    pairs = ((q_txt, q_img), (k_txt, k_img), (v_txt, v_img))
+    return tuple(torch.cat(pair if text_first else pair[::-1], dim=1) for pair in pairs)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from paradit.layers.attention import AttentionDispatch
+from paradit.layers.attention import AttentionDispatch, joint_qkv
 from paradit.layers.embeddings import TimestepMLP, sinusoidal_embedding
 from paradit.layers.norms import AdaLayerNormOut
 from paradit.layers.rotary import apply_rope_interleaved, multi_axis_rope
@@ -114,22 +114,7 @@ class JointAttention(AttentionDispatch):
     def forward(
         self, img: torch.Tensor, txt: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        heads = (-1, self.head_dim)
-        q = torch.cat(
-            [
-                self.norm_added_q(self.add_q_proj(txt).unflatten(-1, heads)),
-                self.norm_q(self.to_q(img).unflatten(-1, heads)),
-            ],
-            dim=1,
-        )
-        k = torch.cat(
-            [
-                self.norm_added_k(self.add_k_proj(txt).unflatten(-1, heads)),
-                self.norm_k(self.to_k(img).unflatten(-1, heads)),
-            ],
-            dim=1,
-        )
-        v = torch.cat([self.add_v_proj(txt).unflatten(-1, heads), self.to_v(img).unflatten(-1, heads)], dim=1)
+        q, k, v = joint_qkv(self, img, txt, text_first=True)
         q, k = _rope_heads(q, k, rope)
         out = self.attend(q, k, v).flatten(2).to(q.dtype)
         txt_out, img_out = out.split([txt.shape[1], img.shape[1]], dim=1)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from paradit.errors import CheckpointError
-from paradit.layers.attention import AttentionDispatch
+from paradit.layers.attention import AttentionDispatch, joint_qkv
 from paradit.layers.embeddings import TimestepMLP
 from paradit.layers.norms import AdaLayerNormOut
 from paradit.layers.rotary import apply_rope_interleaved
@@ -179,22 +179,7 @@ class JointAttention(AttentionDispatch):
         key_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``rope`` covers [text, image] in that order; ``key_mask`` (batch, text + image) or None."""
-        heads = (-1, self.head_dim)
-        q = torch.cat(
-            [
-                self.norm_added_q(self.add_q_proj(txt).unflatten(-1, heads)),
-                self.norm_q(self.to_q(img).unflatten(-1, heads)),
-            ],
-            dim=1,
-        )
-        k = torch.cat(
-            [
-                self.norm_added_k(self.add_k_proj(txt).unflatten(-1, heads)),
-                self.norm_k(self.to_k(img).unflatten(-1, heads)),
-            ],
-            dim=1,
-        )
-        v = torch.cat([self.add_v_proj(txt).unflatten(-1, heads), self.to_v(img).unflatten(-1, heads)], dim=1)
+        q, k, v = joint_qkv(self, img, txt, text_first=True)
         cos, sin = rope
         q, k = apply_rope_interleaved(q, cos, sin), apply_rope_interleaved(k, cos, sin)
         out = self.attend(q, k, v, key_mask).flatten(2).to(q.dtype)

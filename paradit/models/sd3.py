@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from paradit.errors import CheckpointError
-from paradit.layers.attention import AttentionDispatch
+from paradit.layers.attention import AttentionDispatch, joint_qkv
 from paradit.layers.embeddings import TimestepMLP, sinusoidal_embedding
 from paradit.layers.norms import AdaLayerNormOut
 
@@ -210,22 +210,7 @@ class JointAttention(AttentionDispatch):
         self.to_add_out = None if context_pre_only else nn.Linear(dim, dim)
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        heads = (-1, self.head_dim)
-        q = torch.cat(
-            [
-                self.norm_q(self.to_q(img).unflatten(-1, heads)),
-                self.norm_added_q(self.add_q_proj(txt).unflatten(-1, heads)),
-            ],
-            dim=1,
-        )
-        k = torch.cat(
-            [
-                self.norm_k(self.to_k(img).unflatten(-1, heads)),
-                self.norm_added_k(self.add_k_proj(txt).unflatten(-1, heads)),
-            ],
-            dim=1,
-        )
-        v = torch.cat([self.to_v(img).unflatten(-1, heads), self.add_v_proj(txt).unflatten(-1, heads)], dim=1)
+        q, k, v = joint_qkv(self, img, txt, text_first=False)
         out = self.attend(q, k, v).flatten(2).to(q.dtype)
         img_out, txt_out = out.split([img.shape[1], txt.shape[1]], dim=1)
         return self.to_out[0](img_out), None if self.to_add_out is None else self.to_add_out(txt_out)
