@@ -16,6 +16,7 @@ from paradit.errors import InvalidRequest
 from paradit.memory import check_fits, hold_to_cap, parse_size
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
+from paradit.parallel.tensor import tensor_plan
 from paradit.pipelines import FAMILIES, spec_from_folder
 from paradit.presets import PRESETS
 from paradit.request import GenerationRequest, GenerationResult
@@ -152,5 +153,8 @@ class Engine:
 def check_plan(spec: ModelSpec, parallel: ParallelConfig, gpus: int, device: torch.device) -> None:
     """Refuse a plan the model or the machine cannot run, naming the plans that work."""
     parallel.validate(gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
+    if parallel.tensor > 1:  # the MLP widths must split too; the model on the meta device tells them
+        with torch.device("meta"):
+            tensor_plan(FAMILIES[spec.family].pipeline.build_transformer(spec), parallel.tensor)
     if device.type == "cuda" and not launched_by_torchrun() and gpus > torch.cuda.device_count():
         raise InvalidRequest(f"{gpus} GPUs asked for, but this machine has {torch.cuda.device_count()}")

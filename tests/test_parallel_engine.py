@@ -77,7 +77,7 @@ def test_cli_parallel_png_equals_single_process_png(tmp_path, capsys):
 def test_impossible_plans_are_refused_with_the_working_ones():
     with pytest.raises(InvalidRequest, match="plans for 4 GPUs: cfg 2 x ulysses 2"):
         ParallelConfig(ulysses=3).validate(4, has_cfg=True, heads=4)
-    with pytest.raises(InvalidRequest, match="exceeds the model's 4 attention heads"):
+    with pytest.raises(InvalidRequest, match="exceeds the 4 attention heads each rank holds"):
         ParallelConfig(ulysses=8).validate(8, has_cfg=True, heads=4)
     with pytest.raises(InvalidRequest, match="cfg parallel needs a model run with classifier-free guidance"):
         Engine("flux2-klein-4b", device="cpu", load_format="dummy", parallel=ParallelConfig(cfg=2))

@@ -66,6 +66,16 @@ def all_gather_uneven(
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim)
 
 
+@torch.compiler.disable  # compiled blocks break their graph here, as around the sequence-parallel collectives
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) -> torch.Tensor:
+    """Sum ``x`` over ``group`` in place. Counted as a ring all-reduce sends it (what NCCL does): each rank sends
+    2 (T - 1) / T of the tensor."""
+    dist.all_reduce(x, group=group)
+    degree = dist.get_world_size(group)
+    stats.add(2 * (degree - 1) * x.numel() * x.element_size() // degree)
+    return x
+
+
 def broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None, stats: CommStats) -> torch.Tensor:
     dist.broadcast(x, src=src, group=group)
     if dist.get_rank() == src:

@@ -57,10 +57,12 @@ class ParallelConfig:
             problem = f"cfg degree {self.cfg} is not allowed (1 or 2: the two guidance branches)"
         elif self.cfg == 2 and not has_cfg:
             problem = "cfg parallel needs a model run with classifier-free guidance, and this one has none"
-        elif self.ulysses > heads:
-            problem = f"ulysses degree {self.ulysses} exceeds the model's {heads} attention heads"
         elif heads % self.tensor:
             problem = f"tensor degree {self.tensor} does not divide the model's {heads} attention heads"
+        elif self.ulysses > heads // self.tensor:
+            problem = (
+                f"ulysses degree {self.ulysses} exceeds the {heads // self.tensor} attention heads each rank holds"
+            )
         elif self.world_size != gpus:
             problem = f"{self.describe()} uses {self.world_size} GPUs, not the {gpus} asked for"
         if problem:

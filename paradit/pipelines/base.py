@@ -18,6 +18,7 @@ from tqdm import tqdm
 from paradit.errors import InvalidRequest
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.sequence import parallelize_sequence
+from paradit.parallel.tensor import parallelize_tensor
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.spec import ModelSpec
 from paradit.weights import component_dir, init_dummy_weights, load_module_weights, safetensors_files
@@ -205,6 +206,9 @@ class DiffusionPipeline:
             load_module_weights(transformer, safetensors_files(component_dir(folder, "transformer")), device, dtype)
         transformer = transformer.eval()
         if parallel is not None:
+            # Tensor first: it shards the plain model's linears, which the sequence wrapper then runs unchanged.
+            if parallel.config.tensor > 1:
+                transformer = parallelize_tensor(transformer, parallel)
             transformer = parallelize_sequence(transformer, parallel)
         if parallel is not None and not parallel.is_leader:
             return cls(spec, transformer, None, None, device, dtype, parallel)

@@ -1,0 +1,243 @@
+"""Tensor parallelism: shard every block's projections across the tensor group, from outside the model.
+
+Megatron's pairing, applied to each attention and MLP of the repeated blocks:
+
+- **column-parallel** linears (Q/K/V, the MLP's input) keep a contiguous slice of the output features on each rank:
+  whole attention heads, whole MLP hidden units. Attention then runs on this rank's heads only, and the MLP's
+  activation acts on this rank's hidden units only; neither needs any communication.
+- **row-parallel** linears (attention output, MLP output) keep the matching slice of the input features; each rank's
+  partial output is summed over the tensor group by one all-reduce, and the bias is added once, after the sum.
+
+Packed layouts are sharded part by part, so that every rank holds matching slices: FLUX.2's single-block
+``to_qkv_mlp_proj`` packs [q, k, v, MLP gate, MLP up] and its ``to_out`` reads [attention, MLP]; its
+``ff.linear_in`` packs [gate, up]. Everything else (embedders, modulation, norms, the output projection) stays
+replicated: it is small next to the blocks, and every rank needs its whole output.
+
+The models infer head counts from tensor shapes (``unflatten(-1, (-1, head_dim))``), so attention sees heads / T
+heads without change; the head and width counts attention modules store are divided here too, so that they describe
+what the module holds. The result is exact: sequence parallelism composes with it (the sequence group splits tokens,
+the tensor group splits heads and hidden units), and so does CFG parallelism.
+
+Weights are sharded after loading: each rank briefly holds the full weights before the slices are cut and the rest
+freed. Loading only the shard is later work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from paradit.errors import InvalidRequest
+from paradit.models.flux2 import Flux2Transformer
+from paradit.models.qwen_image import QwenImageTransformer
+from paradit.models.sd3 import SD3Transformer
+from paradit.models.zimage import ZImageTransformer
+from paradit.parallel.comm import all_reduce_sum
+from paradit.parallel.mesh import ParallelContext
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How one linear is split: ``style`` "column" (output features) or "row" (input features); ``parts`` names
+    the packed parts along that dimension, in order, by their key in the plan's ``widths``."""
+
+    style: str
+    parts: tuple[str, ...] = ("attention",)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One family's sharding, as data. Patterns are ``fnmatch`` patterns of module names."""
+
+    family: str
+    heads: Callable[[object], int]  # config -> attention heads
+    widths: Callable[[object], dict[str, int]]  # config -> width of each kind of part ("attention", "MLP hidden")
+    linears: dict[str, Shard]
+    # module pattern -> attributes that count heads or features of the whole layer, divided by T after sharding
+    local_attributes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+COLUMN = Shard("column")
+ROW = Shard("row")
+COLUMN_MLP = Shard("column", ("MLP hidden",))
+ROW_MLP = Shard("row", ("MLP hidden",))
+
+
+def _flux2_widths(config) -> dict[str, int]:
+    return {"attention": config.inner_dim, "MLP hidden": int(config.inner_dim * config.mlp_ratio)}
+
+
+def _mmdit_widths(config) -> dict[str, int]:
+    # Qwen-Image and SD3 share diffusers' 4x GELU FeedForward.
+    return {"attention": config.inner_dim, "MLP hidden": 4 * config.inner_dim}
+
+
+def _zimage_widths(config) -> dict[str, int]:
+    return {"attention": config.dim, "MLP hidden": int(config.dim / 3 * 8)}
+
+
+def _joint_attention(prefix: str, out_projection: bool = True) -> dict[str, Shard]:
+    """Both streams' Q/K/V column-parallel, both output projections row-parallel (``to_add_out`` may be absent)."""
+    plan = {f"{prefix}.{name}": COLUMN for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")}
+    plan[f"{prefix}.to_out.0"] = ROW
+    if out_projection:
+        plan[f"{prefix}.to_add_out"] = ROW
+    return plan
+
+
+FLUX2_PLAN = TensorPlan(
+    family="FLUX.2",
+    heads=lambda c: c.num_attention_heads,
+    widths=_flux2_widths,
+    linears={
+        **_joint_attention("transformer_blocks.*.attn"),
+        "transformer_blocks.*.ff.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),  # [gate, up]
+        "transformer_blocks.*.ff.linear_out": ROW_MLP,
+        "transformer_blocks.*.ff_context.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),
+        "transformer_blocks.*.ff_context.linear_out": ROW_MLP,
+        "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Shard(
+            "column", ("attention", "attention", "attention", "MLP hidden", "MLP hidden")
+        ),
+        "single_transformer_blocks.*.attn.to_out": Shard("row", ("attention", "MLP hidden")),
+    },
+    local_attributes={
+        "transformer_blocks.*.attn": ("heads",),
+        "single_transformer_blocks.*.attn": ("heads", "inner_dim", "mlp_hidden_dim"),
+    },
+)
+
+QWEN_IMAGE_PLAN = TensorPlan(
+    family="Qwen-Image",
+    heads=lambda c: c.num_attention_heads,
+    widths=_mmdit_widths,
+    linears={
+        **_joint_attention("transformer_blocks.*.attn"),
+        "transformer_blocks.*.img_mlp.net.0.proj": COLUMN_MLP,
+        "transformer_blocks.*.img_mlp.net.2": ROW_MLP,
+        "transformer_blocks.*.txt_mlp.net.0.proj": COLUMN_MLP,
+        "transformer_blocks.*.txt_mlp.net.2": ROW_MLP,
+    },
+    local_attributes={"transformer_blocks.*.attn": ("heads",)},
+)
+
+SD3_PLAN = TensorPlan(
+    family="SD3.5",
+    heads=lambda c: c.num_attention_heads,
+    widths=_mmdit_widths,
+    linears={
+        # The last block has no to_add_out (its text output is never read): the pattern matches the others.
+        **_joint_attention("transformer_blocks.*.attn"),
+        # SD3.5-medium's image-only attention (attn2) in its first blocks.
+        "transformer_blocks.*.attn2.to_[qkv]": COLUMN,
+        "transformer_blocks.*.attn2.to_out.0": ROW,
+        "transformer_blocks.*.ff.net.0.proj": COLUMN_MLP,
+        "transformer_blocks.*.ff.net.2": ROW_MLP,
+        "transformer_blocks.*.ff_context.net.0.proj": COLUMN_MLP,
+        "transformer_blocks.*.ff_context.net.2": ROW_MLP,
+    },
+)
+
+ZIMAGE_PLAN = TensorPlan(
+    family="Z-Image",
+    heads=lambda c: c.n_heads,
+    widths=_zimage_widths,
+    linears={
+        # The noise refiner, the context refiner and the joint layers share one block layout.
+        "*.attention.to_[qkv]": COLUMN,
+        "*.attention.to_out.0": ROW,
+        "*.feed_forward.w[13]": COLUMN_MLP,  # w1 the gate, w3 the up projection
+        "*.feed_forward.w2": ROW_MLP,
+    },
+)
+
+PLANS: dict[type[nn.Module], TensorPlan] = {
+    Flux2Transformer: FLUX2_PLAN,
+    QwenImageTransformer: QWEN_IMAGE_PLAN,
+    SD3Transformer: SD3_PLAN,
+    ZImageTransformer: ZIMAGE_PLAN,
+}
+
+
+class RowParallelLinear(nn.Module):
+    """A linear over this rank's slice of the input features: partial outputs summed over the tensor group, then the
+    bias added once. The sharded linear stays a plain ``nn.Linear`` (``linear``), so FP8 can still swap it."""
+
+    def __init__(self, linear: nn.Linear, bias: nn.Parameter | None, context: ParallelContext) -> None:
+        super().__init__()
+        self.linear = linear
+        self.bias = bias
+        self.group = context.group("tensor")
+        self.stats = context.stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce_sum(self.linear(x), self.group, self.stats)
+        return out if self.bias is None else out + self.bias
+
+
+def tensor_plan(model: nn.Module, degree: int) -> TensorPlan:
+    """``model``'s plan, once its heads and widths are known to split into ``degree`` equal shares."""
+    plan = PLANS.get(type(model))
+    if plan is None:
+        families = ", ".join(p.family for p in PLANS.values())
+        raise InvalidRequest(
+            f"tensor parallelism has no plan for {type(model).__name__}; the families with one: {families}"
+        )
+    heads = plan.heads(model.config)
+    if heads % degree:
+        raise InvalidRequest(f"tensor degree {degree} does not divide {plan.family}'s {heads} attention heads")
+    for kind, width in plan.widths(model.config).items():
+        if width % degree:
+            raise InvalidRequest(
+                f"tensor degree {degree} does not divide {plan.family}'s {kind} width {width}; "
+                f"give a degree that divides it and the {heads} attention heads"
+            )
+    return plan
+
+
+def _slice_parts(tensor: torch.Tensor, dim: int, sizes: list[int], degree: int, rank: int) -> torch.Tensor:
+    """This rank's share of each packed part along ``dim``, concatenated in the parts' order. A copy, so that the
+    full tensor is freed once the module lets go of it."""
+    if tensor.shape[dim] != sum(sizes):
+        raise ValueError(f"a tensor-parallel plan expects {sum(sizes)} features along dim {dim}, found {tensor.shape}")
+    shares = [part.chunk(degree, dim)[rank] for part in tensor.split(sizes, dim)]
+    return torch.cat(shares, dim).clone()
+
+
+def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    found = [(name, module) for name, module in model.named_modules() if fnmatchcase(name, pattern)]
+    if not found:  # a plan that has drifted from its model must not leave layers silently replicated
+        raise ValueError(f"tensor-parallel plan pattern {pattern!r} matches no module of {type(model).__name__}")
+    return found
+
+
+@torch.no_grad()
+def parallelize_tensor(model: nn.Module, context: ParallelContext) -> nn.Module:
+    """Shard ``model``'s blocks in place across ``context``'s tensor group; returns the model."""
+    degree = context.config.tensor
+    plan = tensor_plan(model, degree)
+    rank = context.local_rank("tensor")
+    widths = plan.widths(model.config)
+    for pattern, shard in plan.linears.items():
+        sizes = [widths[part] for part in shard.parts]
+        for name, linear in _matching(model, pattern):
+            if shard.style == "column":
+                linear.weight = nn.Parameter(_slice_parts(linear.weight, 0, sizes, degree, rank), requires_grad=False)
+                if linear.bias is not None:
+                    linear.bias = nn.Parameter(_slice_parts(linear.bias, 0, sizes, degree, rank), requires_grad=False)
+                linear.out_features = linear.weight.shape[0]
+            else:
+                bias = linear.bias
+                linear.weight = nn.Parameter(_slice_parts(linear.weight, 1, sizes, degree, rank), requires_grad=False)
+                linear.register_parameter("bias", None)  # added once, after the sum, by the wrapper
+                linear.in_features = linear.weight.shape[1]
+                owner_name, _, leaf = name.rpartition(".")
+                model.get_submodule(owner_name).register_module(leaf, RowParallelLinear(linear, bias, context))
+    for pattern, attributes in plan.local_attributes.items():
+        for _, module in _matching(model, pattern):
+            for attribute in attributes:
+                setattr(module, attribute, getattr(module, attribute) // degree)
+    return model
