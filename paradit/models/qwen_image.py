@@ -253,10 +253,9 @@ class QwenImageTokens:
     txt: torch.Tensor
     img_rope: tuple[torch.Tensor, torch.Tensor]
     txt_rope: tuple[torch.Tensor, torch.Tensor]
-    # (batch, text) bool, True for real tokens. Always a tensor so that the runtime can split it; it is read only
-    # when ``text_padded``, so unpadded batches keep attention mask-free (the fast kernels).
-    txt_mask: torch.Tensor
-    text_padded: bool
+    # (batch, text) bool, True for real tokens; None when no sample is padded, so attention runs unmasked (the fast
+    # kernels). The runtime splits it with the text tokens and passes None through.
+    txt_mask: torch.Tensor | None
     temb: torch.Tensor
 
 
@@ -289,11 +288,8 @@ class QwenImageTransformer(nn.Module):
         ``timestep`` is sigma in [0, 1] per sample, as the pipeline passes it; ``encoder_hidden_states_mask``
         (batch, text), nonzero for real tokens, or None when no sample is padded."""
         img = self.img_in(hidden_states)
-        batch, text_len = encoder_hidden_states.shape[:2]
-        if encoder_hidden_states_mask is None:
-            txt_mask = torch.ones(batch, text_len, dtype=torch.bool, device=hidden_states.device)
-        else:
-            txt_mask = encoder_hidden_states_mask.to(torch.bool)
+        text_len = encoder_hidden_states.shape[1]
+        txt_mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)
         device = hidden_states.device
         axes = self.config.axes_dims_rope
         return QwenImageTokens(
@@ -302,7 +298,6 @@ class QwenImageTransformer(nn.Module):
             img_rope=rope_tables(image_positions(rows, cols, device), axes),
             txt_rope=rope_tables(text_positions(rows, cols, text_len, device), axes),
             txt_mask=txt_mask,
-            text_padded=encoder_hidden_states_mask is not None,
             temb=self.time_text_embed(timestep.to(img.dtype), img.dtype),
         )
 
@@ -311,7 +306,7 @@ class QwenImageTransformer(nn.Module):
         img, txt = tokens.img, tokens.txt
         # One key mask for the whole forward (the parallel runtime gathers it once per tensor it sees).
         key_mask = None
-        if tokens.text_padded:
+        if tokens.txt_mask is not None:
             image_keys = tokens.txt_mask.new_ones(img.shape[0], img.shape[1])
             key_mask = torch.cat([tokens.txt_mask, image_keys], dim=1)
         for block in self.transformer_blocks:

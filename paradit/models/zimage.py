@@ -226,8 +226,9 @@ class ZImageTokens:
     txt: torch.Tensor  # (B, longest caption rounded up to 32, dim)
     img_rope: torch.Tensor  # complex (B, image tokens, head_dim / 2): the first axis depends on the caption
     txt_rope: torch.Tensor  # complex (1, text tokens, head_dim / 2)
-    txt_mask: torch.Tensor  # (B, text tokens) bool: False past a caption's own rounded length
-    text_padded: bool  # whether any key is masked; decided before the split so every rank agrees
+    # (B, text tokens) bool, False past a caption's own rounded length; None when no caption is masked (decided
+    # before the split, so every rank agrees), which keeps attention mask-free.
+    txt_mask: torch.Tensor | None
     temb: torch.Tensor  # (B, adaln_dim)
 
 
@@ -316,8 +317,7 @@ class ZImageTransformer(nn.Module):
             txt=txt,
             img_rope=self.rope(img_positions),
             txt_rope=self.rope(txt_positions),
-            txt_mask=text_index < caption_lens[:, None],
-            text_padded=encoder_attention_mask is not None,
+            txt_mask=None if encoder_attention_mask is None else text_index < caption_lens[:, None],
             temb=temb,
         )
 
@@ -325,14 +325,13 @@ class ZImageTransformer(nn.Module):
         img, txt = tokens.img, tokens.txt
         for block in self.noise_refiner:
             img = block(img, tokens.img_rope, None, tokens.temb)
-        txt_mask = tokens.txt_mask if tokens.text_padded else None
         for block in self.context_refiner:
-            txt = block(txt, tokens.txt_rope, txt_mask)
+            txt = block(txt, tokens.txt_rope, tokens.txt_mask)
 
         batch = img.shape[0]
         rope = torch.cat([tokens.img_rope, tokens.txt_rope.expand(batch, -1, -1)], dim=1)
         joint_mask = None
-        if tokens.text_padded:
+        if tokens.txt_mask is not None:
             image_keys = torch.ones(batch, img.shape[1], dtype=torch.bool, device=img.device)
             joint_mask = torch.cat([image_keys, tokens.txt_mask], dim=1)
         x = torch.cat([img, txt], dim=1)
