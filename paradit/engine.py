@@ -104,14 +104,15 @@ class Engine:
         self.parallel = parallel or ParallelConfig()
         check_plan(self.spec, self.parallel, self.parallel.world_size, self.device)
         self.memory_cap = None if max_gpu_memory is None else parse_size(max_gpu_memory)
+        self.memory_plan = None
         if self.memory_cap is not None:
-            self.memory_plan = check_fits(
-                self.spec, self.parallel, self.dtype, self.options.quantize == "fp8", self.memory_cap
-            )
-            hold_to_cap(self.device, self.memory_cap)
+            fp8 = self.options.quantize == "fp8"
+            self.memory_plan = check_fits(self.spec, self.parallel, self.dtype, fp8, self.memory_cap)
         dummy = load_format == "dummy" or "folder" not in self.spec.extra
         self._pipeline = self._group = None
         if self.parallel.world_size == 1:
+            if self.memory_cap is not None:
+                hold_to_cap(self.device, self.memory_cap)
             self._pipeline = FAMILIES[self.spec.family].pipeline.load(self.spec, self.device, self.dtype, dummy=dummy)
             self._pipeline.transformer = apply_execution_options(self._pipeline.transformer, self.options, self.device)
             return
