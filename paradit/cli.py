@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument(
         "--comm-dtype", choices=["auto", "fp8"], default="auto", help="fp8: Ulysses/Ring traffic in FP8 with scales"
     )
+    par.add_argument("--pipefusion", type=int, help="pipeline stages over the blocks (FLUX.2; least traffic)")
+    par.add_argument("--patches", type=int, default=1, help="pipefusion: image patches in flight per step")
+    par.add_argument("--warmup-steps", type=int, default=1, help="pipefusion: exact steps before patching")
     par.add_argument("--max-gpu-memory", help="per-GPU cap, e.g. 32GiB: a plan that cannot fit is refused up front")
     par.add_argument(
         "--verify-serial", action="store_true", help="also run the request in one process and report the difference"
@@ -98,13 +101,15 @@ def parallel_plan(args: argparse.Namespace, spec) -> ParallelConfig:
     """The plan the flags ask for: explicit degrees, or for ``--gpus N`` alone the default plan for N."""
     heads = spec.attention_heads
     has_cfg = spec.guidance_mode == "cfg"
-    explicit = args.ulysses is not None or args.ring is not None or args.tensor is not None or args.cfg_parallel
+    degrees = (args.ulysses, args.ring, args.tensor, args.pipefusion)
+    explicit = any(degree is not None for degree in degrees) or args.cfg_parallel
     plan = default_plan(args.gpus or 1, has_cfg, heads)
     if explicit:
         plan = ParallelConfig(
-            ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1, tensor=args.tensor or 1
-        )
-    return dataclasses.replace(plan, comm_dtype=args.comm_dtype)
+            ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1, tensor=args.tensor or 1,
+            pipefusion=args.pipefusion or 1,
+        )  # fmt: skip
+    return dataclasses.replace(plan, comm_dtype=args.comm_dtype, patches=args.patches, warmup_steps=args.warmup_steps)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -20,17 +20,24 @@ class ParallelConfig:
     ``ring`` x ``ulysses`` split the token sequence (USP when both are > 1, Ulysses innermost); ``tensor`` shards
     every projection's weights (and the attention heads) across the ranks. ``comm_dtype`` "fp8" sends Ulysses'
     all-to-alls and Ring's K/V as FP8 with scales ("auto": in the model dtype, exact).
+
+    ``pipefusion`` splits the blocks into that many pipeline stages, one per rank; after ``warmup_steps`` exact
+    steps, each step's image tokens flow through the stages as ``patches`` patches attending to the previous step's
+    (stale) K/V for the other patches.
     """
 
     ulysses: int = 1
     ring: int = 1
     cfg: int = 1
     tensor: int = 1
+    pipefusion: int = 1
+    patches: int = 1
+    warmup_steps: int = 1
     comm_dtype: str = "auto"
 
     @property
     def world_size(self) -> int:
-        return self.ulysses * self.ring * self.cfg * self.tensor
+        return self.ulysses * self.ring * self.cfg * self.pipefusion * self.tensor
 
     @property
     def sequence_degree(self) -> int:
@@ -39,11 +46,16 @@ class ParallelConfig:
     def describe(self) -> str:
         parts = [f"{name} {degree}" for name, degree in self.degrees() if degree > 1]
         plan = " x ".join(parts) if parts else "1 GPU"
+        if self.pipefusion > 1:
+            plan += f" ({self.patches} patches after {self.warmup_steps} warm-up steps)"
         return plan + (" (fp8 transport)" if self.comm_dtype == "fp8" else "")
 
     def degrees(self) -> tuple[tuple[str, int], ...]:
         """(name, degree) in mesh order, outermost first."""
-        return (("cfg", self.cfg), ("ring", self.ring), ("ulysses", self.ulysses), ("tensor", self.tensor))
+        return (
+            ("cfg", self.cfg), ("pipefusion", self.pipefusion), ("ring", self.ring), ("ulysses", self.ulysses),
+            ("tensor", self.tensor),
+        )  # fmt: skip
 
     def validate(self, gpus: int, has_cfg: bool, heads: int) -> None:
         """Raises InvalidRequest naming the problem and the plans that do work for ``gpus``."""
@@ -63,6 +75,13 @@ class ParallelConfig:
             problem = (
                 f"ulysses degree {self.ulysses} exceeds the {heads // self.tensor} attention heads each rank holds"
             )
+        elif self.pipefusion > 1 and (self.sequence_degree > 1 or self.tensor > 1):
+            problem = "pipefusion does not combine with ulysses, ring or tensor yet (it does with cfg)"
+        elif self.patches < 1 or self.warmup_steps < 1:
+            # The warm-up steps fill every layer's K/V buffer that the patched steps read.
+            problem = f"patches {self.patches} and warmup steps {self.warmup_steps} must both be 1 or more"
+        elif self.patches > 1 and self.pipefusion == 1:
+            problem = "patches only apply to pipefusion; give pipefusion 2 or more"
         elif self.world_size != gpus:
             problem = f"{self.describe()} uses {self.world_size} GPUs, not the {gpus} asked for"
         if problem:

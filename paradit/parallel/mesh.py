@@ -1,8 +1,9 @@
-"""The process group, the device mesh (cfg x ring x ulysses x tensor) and this rank's place in it.
+"""The process group, the device mesh (cfg x pipefusion x ring x ulysses x tensor) and this rank's place in it.
 
 The heaviest traffic sits innermost, between neighbouring ranks (the same NVLink island or PCIe switch on most
 boxes): tensor parallelism's per-layer reductions, then Ulysses' all-to-alls; the ring passes K/V between Ulysses
-groups; CFG halves exchange one noise prediction per step.
+groups; PipeFusion stages pass one patch's activations per stage boundary; CFG halves exchange one noise prediction
+per step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from paradit.parallel.comm import CommStats, broadcast
 from paradit.parallel.config import ParallelConfig
 
-MESH_DIMS = ("cfg", "ring", "ulysses", "tensor")
+MESH_DIMS = ("cfg", "pipefusion", "ring", "ulysses", "tensor")
 
 
 def backend_for(device: torch.device) -> str:
@@ -49,7 +50,7 @@ class ParallelContext:
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         # A sequence group is the ring x ulysses ranks sharing every other coordinate, in chunk order (ring-major).
         ranks = torch.arange(config.world_size).reshape(shape)
-        groups = ranks.permute(0, 3, 1, 2).reshape(-1, config.sequence_degree).tolist()
+        groups = ranks.permute(0, 1, 4, 2, 3).reshape(-1, config.sequence_degree).tolist()
         sequence_group, _ = dist.new_subgroups_by_enumeration(groups)
         return cls(config, device, mesh, sequence_group)
 

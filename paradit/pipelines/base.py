@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from paradit.errors import InvalidRequest
 from paradit.parallel.mesh import ParallelContext
+from paradit.parallel.pipefusion import PipeFusion, parallelize_pipefusion
 from paradit.parallel.sequence import parallelize_sequence
 from paradit.parallel.tensor import parallelize_tensor
 from paradit.request import GenerationRequest, GenerationResult, Timings
@@ -209,6 +210,7 @@ class DiffusionPipeline:
             # Tensor first: it shards the plain model's linears, which the sequence wrapper then runs unchanged.
             if parallel.config.tensor > 1:
                 transformer = parallelize_tensor(transformer, parallel)
+            transformer = parallelize_pipefusion(transformer, parallel)
             transformer = parallelize_sequence(transformer, parallel)
         if parallel is not None and not parallel.is_leader:
             return cls(spec, transformer, None, None, device, dtype, parallel)
@@ -234,6 +236,9 @@ class DiffusionPipeline:
         stats = self.parallel.stats if self.parallel else None
         if stats:
             stats.reset()
+        for module in self.transformer.modules():  # PipeFusion's step count decides warm-up and patched steps
+            if isinstance(module, PipeFusion):
+                module.begin_request()
         reset_peak_memory(self.device)
         start = time.perf_counter()
         conditioning = self.conditioning(resolved)
