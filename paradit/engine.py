@@ -99,6 +99,9 @@ class Engine:
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.options = options or ExecutionOptions()
+        if self.options.cuda_graphs and parallel is not None and parallel.pipefusion > 1:
+            # PipeFusion counts steps on the host to choose warm-up or patched steps; a graph replay would skip that.
+            raise InvalidRequest("CUDA graphs do not combine with pipefusion yet; drop --cuda-graphs or --pipefusion")
         self.options.validate(self.device)
         self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, load_format)
         self.parallel = parallel or ParallelConfig()

@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
-from paradit import Engine, GenerationRequest
+from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.models.flux2 import Flux2Config, Flux2Transformer
+from paradit.optimize import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.pipefusion import parallelize_pipefusion
@@ -135,3 +136,9 @@ def test_engine_with_warmup_only_gives_the_serial_image(plan, serial_pixels):
     assert result.timings.comm_bytes_per_step > 0
     assert (result.pixels - serial_pixels).abs().max().item() <= 1e-4
     assert torch.equal(again.pixels, result.pixels)
+
+
+def test_cuda_graphs_are_refused_with_pipefusion():
+    options = ExecutionOptions(cuda_graphs=True)
+    with pytest.raises(InvalidRequest, match="CUDA graphs do not combine with pipefusion yet"):
+        Engine("flux2-tiny", device="cpu", parallel=ParallelConfig(pipefusion=2), options=options)
