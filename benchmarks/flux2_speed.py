@@ -20,13 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, measured_bf16_matmul_tflops, print_table, time_cuda_ms, write_json  # noqa: E402
-from benchmarks.flux2_step import TFLOP_PER_STEP_1024, step_inputs  # noqa: E402
+from benchmarks.flux2_step import TFLOP_PER_STEP_1024, shared_weight_models, step_inputs  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.cuda_graphs import GraphedModule  # noqa: E402
-from paradit.models.flux2 import Flux2Config, Flux2Transformer  # noqa: E402
-from paradit.presets import PRESETS  # noqa: E402
 from paradit.quantize import quantize_fp8  # noqa: E402
-from paradit.weights import init_dummy_weights  # noqa: E402
 
 
 def gpu_time_share(run) -> float:
@@ -48,18 +45,8 @@ def weight_gib(module: torch.nn.Module) -> float:
 
 
 def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
-    from diffusers import Flux2Transformer2DModel
-
     device = torch.device("cuda")
-    config = Flux2Config.from_dict(PRESETS[name].transformer)
-    with torch.device("meta"):
-        ours = Flux2Transformer(config)
-    init_dummy_weights(ours, device, torch.bfloat16)
-    ours.eval()
-    with torch.device("meta"):
-        reference = Flux2Transformer2DModel(**PRESETS[name].transformer)
-    reference.load_state_dict(ours.state_dict(), assign=True, strict=True)
-    reference.eval()
+    config, ours, reference = shared_weight_models(name, device)
     inputs = step_inputs(config, args.height, args.width, args.text_len, device)
     ref_inputs = {**inputs, "img_ids": inputs["img_ids"][None], "txt_ids": inputs["txt_ids"][None]}
     tflop = TFLOP_PER_STEP_1024.get(name)

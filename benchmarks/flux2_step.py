@@ -49,19 +49,24 @@ def step_inputs(config: Flux2Config, height: int, width: int, text_len: int, dev
     return inputs
 
 
-def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
+def shared_weight_models(name: str, device: torch.device):
+    """paradit's transformer with random weights, and diffusers' built on the meta device and handed the very same
+    tensors (identical parameter names): one copy of the weights in memory. Returns (config, ours, reference)."""
     from diffusers import Flux2Transformer2DModel
 
-    device = torch.device("cuda")
     config = Flux2Config.from_dict(PRESETS[name].transformer)
     with torch.device("meta"):
         ours = Flux2Transformer(config)
     init_dummy_weights(ours, device, torch.bfloat16)
-    ours.eval()
     with torch.device("meta"):
         reference = Flux2Transformer2DModel(**PRESETS[name].transformer)
     reference.load_state_dict(ours.state_dict(), assign=True, strict=True)
-    reference.eval()
+    return config, ours.eval(), reference.eval()
+
+
+def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
+    device = torch.device("cuda")
+    config, ours, reference = shared_weight_models(name, device)
 
     inputs = step_inputs(config, args.height, args.width, args.text_len, device)
     ref_inputs = {**inputs, "img_ids": inputs["img_ids"][None], "txt_ids": inputs["txt_ids"][None]}
