@@ -7,9 +7,39 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
+
+# The noise level every single-step measurement runs at (the middle of a flow-matching schedule).
+MID_SIGMA = 0.5
+
+
+@dataclass
+class ModelPair:
+    """paradit's transformer and diffusers' on the very same weights, with one step's inputs bound.
+
+    ``step_ours(model, latents, sigma)`` calls ``model`` (paradit's transformer, or a compiled, graphed or
+    parallel wrapper of it) on ``latents`` at noise level ``sigma`` with the bound text inputs; ``run_reference``
+    runs diffusers on ``latents`` at ``MID_SIGMA``; both return the prediction in the layout of ``latents``.
+    ``tflop`` is the exact FLOPs of one step at the reference workload, else None.
+    """
+
+    name: str
+    ours: nn.Module
+    reference: nn.Module
+    run_reference: Callable[[], torch.Tensor]
+    step_ours: Callable[[nn.Module, torch.Tensor, float], torch.Tensor]
+    latents: torch.Tensor
+    tokens: int
+    tflop: float | None
+
+    def run_ours(self, model: nn.Module | None = None) -> torch.Tensor:
+        """One step of ``model`` (default: paradit's plain transformer) on the bound inputs."""
+        return self.step_ours(self.ours if model is None else model, self.latents, MID_SIGMA)
 
 
 def measured_bf16_matmul_tflops(size: int = 8192, iters: int = 10) -> float:
@@ -71,11 +101,11 @@ def write_json(out_dir: str | None, name: str, payload: dict) -> None:
         print(f"wrote {path}")
 
 
-def compare_runners(
-    name: str, runners: dict, tokens: int, tflop: float | None, matmul_tflops: float, warmup: int, iters: int
-) -> list[dict]:
-    """Time ``runners`` ({"paradit": fn, "diffusers": fn}, same weights) and compare their outputs: one row each
-    with ms/step, TFLOP/s and MFU (when ``tflop`` per step is known), peak memory, and the relative L2 between them."""
+def compare_pair(pair: ModelPair, matmul_tflops: float, warmup: int, iters: int) -> list[dict]:
+    """Time paradit and diffusers on the same weights and compare their outputs: one row each with ms/step,
+    TFLOP/s and MFU (when the step's FLOPs are known), peak memory, and the relative L2 between them."""
+    name, tokens, tflop = pair.name, pair.tokens, pair.tflop
+    runners = {"paradit": pair.run_ours, "diffusers": pair.run_reference}
     rows, outputs = [], {}
     for impl, run in runners.items():
         torch.cuda.reset_peak_memory_stats()
@@ -97,9 +127,9 @@ def compare_runners(
     return rows
 
 
-def step_benchmark_main(description: str, bench_model, models: list[str], text_len: int, json_name: str) -> None:
-    """The command line every per-family step script shares: time ``bench_model(name, args, matmul_tflops)`` for
-    each model, print the table, write ``json_name`` under ``--out-dir``."""
+def step_benchmark_main(description: str, model_pair, models: list[str], text_len: int, json_name: str) -> None:
+    """The command line every per-family step script shares: build ``model_pair(name, args, device)`` for each
+    model, compare paradit with diffusers on it, print the table, write ``json_name`` under ``--out-dir``."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -117,8 +147,8 @@ def step_benchmark_main(description: str, bench_model, models: list[str], text_l
     print(f"{env['gpu']} torch {env['torch']} diffusers {env['diffusers']}; bf16 matmul {matmul:.0f} TFLOP/s")
     rows = []
     for name in args.models:
-        rows += bench_model(name, args, matmul)
-        torch.cuda.empty_cache()  # the model's weights were freed when bench_model returned
+        rows += compare_pair(model_pair(name, args, torch.device("cuda")), matmul, args.warmup, args.iters)
+        torch.cuda.empty_cache()  # the pair's weights are freed once it is dropped
     print_table(
         rows,
         [

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compare_runners, step_benchmark_main  # noqa: E402
+from benchmarks.common import ModelPair, step_benchmark_main  # noqa: E402
 from paradit.models.flux2 import Flux2Config, Flux2Transformer  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
@@ -64,23 +64,27 @@ def shared_weight_models(name: str, device: torch.device):
     return config, ours.eval(), reference.eval()
 
 
-def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
-    device = torch.device("cuda")
+def model_pair(name: str, args, device: torch.device) -> ModelPair:
     config, ours, reference = shared_weight_models(name, device)
-
     inputs = step_inputs(config, args.height, args.width, args.text_len, device)
     ref_inputs = {**inputs, "img_ids": inputs["img_ids"][None], "txt_ids": inputs["txt_ids"][None]}
-    runners = {
-        "paradit": lambda: ours(**inputs),
-        "diffusers": lambda: reference(**ref_inputs, return_dict=False)[0],
-    }
-    tokens = args.height * args.width // 256 + args.text_len
-    tflop = TFLOP_PER_STEP_1024.get(name) if (args.height, args.width, args.text_len) == (1024, 1024, 512) else None
-    return compare_runners(name, runners, tokens, tflop, matmul_tflops, args.warmup, args.iters)
+
+    def step_ours(model, latents: torch.Tensor, sigma: float) -> torch.Tensor:
+        return model(**{**inputs, "hidden_states": latents, "timestep": torch.full_like(inputs["timestep"], sigma)})
+
+    workload = (args.height, args.width, args.text_len)
+    return ModelPair(
+        name, ours, reference,
+        run_reference=lambda: reference(**ref_inputs, return_dict=False)[0],
+        step_ours=step_ours,
+        latents=inputs["hidden_states"],
+        tokens=args.height * args.width // 256 + args.text_len,
+        tflop=TFLOP_PER_STEP_1024.get(name) if workload == (1024, 1024, 512) else None,
+    )  # fmt: skip
 
 
 def main() -> None:
-    step_benchmark_main(__doc__.splitlines()[0], bench_model, ["flux2-dev", "flux2-klein-4b"], 512, "flux2_step.json")
+    step_benchmark_main(__doc__.splitlines()[0], model_pair, ["flux2-dev", "flux2-klein-4b"], 512, "flux2_step.json")
 
 
 if __name__ == "__main__":

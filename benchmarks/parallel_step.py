@@ -1,12 +1,14 @@
-"""One transformer step of each image family on 1 GPU and split over the group: CFG parallel, Ulysses, Ring.
+"""One transformer step of each image family on 1 GPU and split over the group: CFG parallel, Ulysses, Ring, each
+in eager, compiled, compiled + CUDA graphs, and FP8 (compiled + graphs) execution.
 
 Run under torchrun, one process per GPU; every rank builds the same full-size model with random weights. Models
 with classifier-free guidance run their two branches as a batch of 2 on one GPU and one branch per rank under CFG
 parallel (one all-gather of the prediction); the sequence plans split that same batch's tokens. Prints ms/step on
-rank 0, the speedup over one GPU, what rank 0 sent per step, and the relative L2 against the one-GPU output.
+rank 0, the speedup over one GPU in the same execution mode, what rank 0 sent per step, and the relative L2 against
+the one-GPU output of that mode.
 
     torchrun --nproc-per-node 2 benchmarks/parallel_step.py --out-dir $OUT
-    python benchmarks/parallel_step.py --device cpu --models qwen-image-tiny   (a smoke run on gloo, 1 process)
+    python benchmarks/parallel_step.py --device cpu --models qwen-image-tiny --modes eager  (a smoke run, 1 process)
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
+from paradit.cuda_graphs import GraphedModule  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 from paradit.parallel.cfg import SplitBranches  # noqa: E402
 from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
 from paradit.parallel.sequence import parallelize_sequence, restore_local_attention  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
+from paradit.quantize import quantize_fp8  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
 
 # preset family -> (benchmark module with step_inputs, model module, config class, model class, text tokens)
 BENCHES = {
+    "flux2": ("benchmarks.flux2_step", "paradit.models.flux2", "Flux2Config", "Flux2Transformer", 512),
     "qwen_image": (
         "benchmarks.qwen_image_step", "paradit.models.qwen_image", "QwenImageConfig", "QwenImageTransformer", 256
     ),
@@ -55,14 +60,15 @@ def build(name: str, device: torch.device, size: int):
         pos_embed.fill_position_table()
     inputs = importlib.import_module(bench_module).step_inputs(config, size, size, text_len, device)
     batch = 2 if spec.guidance_mode == "cfg" else 1
-    return model.eval(), with_batch(inputs, batch), batch
+    return model.eval(), inputs, batch
 
 
 def with_batch(inputs, batch: int):
-    """The inputs with ``batch`` copies of their first sample."""
+    """The inputs with ``batch`` copies of their first sample. Per-sample tensors lead with a batch of 1; the others
+    (FLUX.2's position ids) are shared by the batch and stay as they are."""
 
     def grow(value):
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or value.shape[0] != 1:
             return value
         return value[:1].expand(batch, *value.shape[1:]).contiguous()
 
@@ -87,57 +93,80 @@ def timed(run, args, device) -> float:
         return (time.perf_counter() - start) / args.iters * 1000
 
 
+# Execution modes, in the order they run: each adds to the last (the blocks compiled once; graphs per runner; FP8
+# linears swapped in last, for which the compiled blocks recompile).
+MODES = ("eager", "compiled", "graphs", "fp8")
+
+
 def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]:
-    model, inputs, batch = build(name, device, args.size)
+    model, one_branch, batch = build(name, device, args.size)
+    inputs = with_batch(one_branch, batch)
     rows = []
-    with torch.inference_mode():
-        serial = call(model, inputs).float()
-
-    def record(plan: str, run, context=None, compiled=False):
-        ms = timed(run, args, device)
-        if context is not None:
-            context.stats.reset()
-        with torch.inference_mode():
-            out = run().float()
-        error = ((out - serial).norm() / serial.norm()).item()
-        sent = sum(context.stats.bytes_sent.values()) / 2**20 if context is not None else None
-        rows.append({"model": name, "plan": plan, "compiled": compiled, "ms_per_step": ms, "mib_sent": sent,
-                     "rel_l2_vs_1gpu": error})  # fmt: skip
-        if dist.get_rank() == 0:
-            print(f"{name} {plan}{' compiled' if compiled else ''}: {ms:.1f} ms/step, rel L2 {error:.1e}", flush=True)
-
-    record("1 GPU", lambda: call(model, inputs))
     plans = [ParallelConfig(ulysses=world), ParallelConfig(ring=world)]
     if batch == 2 and world == 2:
         plans.insert(0, ParallelConfig(cfg=2))
-    for compiled in (mode == "compiled" for mode in args.modes):
-        if compiled:
-            restore_local_attention(model)
+
+    def record(plan: str, mode: str, run, serial, context=None):
+        try:
+            ms = timed(run, args, device)
+            if context is not None:
+                context.stats.reset()
+            with torch.inference_mode():
+                out = run().float()
+        except Exception as exc:  # noqa: BLE001 - one plan failing must not lose the others' figures
+            if dist.get_rank() == 0:
+                print(f"{name} {plan} {mode}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"model": name, "plan": plan, "mode": mode, "error": f"{type(exc).__name__}: {exc}"})
+            return None
+        error = ((out - serial).norm() / serial.norm()).item() if serial is not None else 0.0
+        sent = sum(context.stats.bytes_sent.values()) / 2**20 if context is not None else None
+        rows.append({"model": name, "plan": plan, "mode": mode, "ms_per_step": ms, "mib_sent": sent,
+                     "rel_l2_vs_1gpu": error})  # fmt: skip
+        if dist.get_rank() == 0:
+            print(f"{name} {plan} {mode}: {ms:.1f} ms/step, rel L2 {error:.1e}", flush=True)
+        return out
+
+    compiled = False
+    for mode in sorted(args.modes, key=MODES.index):
+        restore_local_attention(model)
+        if mode != "eager" and not compiled:
             compile_blocks(model)
-            record("1 GPU", lambda: call(model, inputs), compiled=True)
+            compiled = True
+        if mode == "fp8":
+            quantize_fp8(model, device)
+        graphs = mode in ("graphs", "fp8")
+        single = GraphedModule(model) if graphs else model
+        serial = record("1 GPU", mode, lambda single=single: call(single, inputs), None)
         for plan in plans:
             context = ParallelContext.build(plan, device)
             if plan.cfg == 2:
                 branches = SplitBranches(context)
-                local = with_batch(inputs, 1)  # each rank's half of the [cond; uncond] batch (same values here)
+                runner = single
 
-                def run(branches=branches, local=local):
-                    return branches.combine(call(model, local))
+                # each rank's half of the [cond; uncond] batch: one branch (both branches hold the same values here)
+                def run(branches=branches, runner=runner):
+                    return branches.combine(call(runner, one_branch))
             else:
+                restore_local_attention(model)  # the previous plan's attention swap, undone
                 parallel = parallelize_sequence(model, context)
+                runner = GraphedModule(parallel) if graphs else parallel
 
-                def run(parallel=parallel):
-                    return call(parallel, inputs)
+                def run(runner=runner):
+                    return call(runner, inputs)
 
-            record(plan.describe(), run, context, compiled)
+            record(plan.describe(), mode, run, serial, context)
+            del runner
+        del single
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["qwen-image", "z-image-turbo", "sd3.5-large"])
+    parser.add_argument("--models", nargs="+", default=["flux2-dev", "qwen-image", "z-image-turbo", "sd3.5-large"])
     parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES[1:]), choices=MODES)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -158,15 +187,16 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rank == 0:
-        one_gpu = {(row["model"], row["compiled"]): row["ms_per_step"] for row in rows if row["plan"] == "1 GPU"}
+        one_gpu = {(row["model"], row["mode"]): row.get("ms_per_step") for row in rows if row["plan"] == "1 GPU"}
         for row in rows:
-            row["speedup_vs_1gpu"] = one_gpu[(row["model"], row["compiled"])] / row["ms_per_step"]
+            if row.get("ms_per_step") and one_gpu.get((row["model"], row["mode"])):
+                row["speedup_vs_1gpu"] = one_gpu[(row["model"], row["mode"])] / row["ms_per_step"]
         env = environment() if device.type == "cuda" else {}
         print(f"{env.get('gpu', 'cpu')} x{world}; NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', 'unset')}")
         print_table(
             rows,
             [
-                ("model", "model", "s"), ("plan", "plan", "s"), ("compiled", "compiled", ""),
+                ("model", "model", "s"), ("plan", "plan", "s"), ("mode", "mode", "s"),
                 ("ms_per_step", "ms/step", ".1f"), ("speedup_vs_1gpu", "vs 1 GPU", ".2f"),
                 ("mib_sent", "MiB sent/step", ".0f"), ("rel_l2_vs_1gpu", "rel L2 vs 1 GPU", ".1e"),
             ],

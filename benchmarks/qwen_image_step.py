@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compare_runners, step_benchmark_main  # noqa: E402
+from benchmarks.common import ModelPair, step_benchmark_main  # noqa: E402
 from paradit.models.qwen_image import QwenImageConfig, QwenImageTransformer  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
@@ -43,11 +43,10 @@ def step_inputs(config: QwenImageConfig, height: int, width: int, text_len: int,
     )
 
 
-def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
+def model_pair(name: str, args, device: torch.device) -> ModelPair:
     from diffusers import QwenImageTransformer2DModel
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
-    device = torch.device("cuda")
     config = QwenImageConfig.from_dict(PRESETS[name].transformer)
     with torch.device("meta"):
         ours = QwenImageTransformer(config)
@@ -62,19 +61,25 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
 
     inputs = step_inputs(config, args.height, args.width, args.text_len, device)
     rows, cols = inputs.pop("rows"), inputs.pop("cols")
-    runners = {
-        "paradit": lambda: ours(**inputs, rows=rows, cols=cols),
-        "diffusers": lambda: reference(**inputs, img_shapes=[[(1, rows, cols)]], return_dict=False)[0],
-    }
-    tokens = rows * cols + args.text_len
+
+    def step_ours(model, latents: torch.Tensor, sigma: float) -> torch.Tensor:
+        timestep = torch.full_like(inputs["timestep"], sigma)
+        return model(**{**inputs, "hidden_states": latents, "timestep": timestep}, rows=rows, cols=cols)
+
     at_reference_size = (args.height, args.width, args.text_len) == (1024, 1024, REFERENCE_TEXT_LEN)
-    tflop = TFLOP_PER_STEP_1024.get(name) if at_reference_size else None
-    return compare_runners(name, runners, tokens, tflop, matmul_tflops, args.warmup, args.iters)
+    return ModelPair(
+        name, ours, reference,
+        run_reference=lambda: reference(**inputs, img_shapes=[[(1, rows, cols)]], return_dict=False)[0],
+        step_ours=step_ours,
+        latents=inputs["hidden_states"],
+        tokens=rows * cols + args.text_len,
+        tflop=TFLOP_PER_STEP_1024.get(name) if at_reference_size else None,
+    )  # fmt: skip
 
 
 def main() -> None:
     step_benchmark_main(
-        __doc__.splitlines()[0], bench_model, list(TFLOP_PER_STEP_1024), REFERENCE_TEXT_LEN, "qwen_image_step.json"
+        __doc__.splitlines()[0], model_pair, list(TFLOP_PER_STEP_1024), REFERENCE_TEXT_LEN, "qwen_image_step.json"
     )
 
 

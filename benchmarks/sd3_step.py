@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compare_runners, step_benchmark_main  # noqa: E402
+from benchmarks.common import ModelPair, step_benchmark_main  # noqa: E402
 from paradit.models.sd3 import SD3Config, SD3Transformer, unpatchify  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
@@ -44,10 +44,9 @@ def step_inputs(config: SD3Config, height: int, width: int, text_len: int, devic
     )
 
 
-def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
+def model_pair(name: str, args, device: torch.device) -> ModelPair:
     from diffusers import SD3Transformer2DModel
 
-    device = torch.device("cuda")
     config = SD3Config.from_dict(PRESETS[name].transformer)
     with torch.device("meta"):
         ours = SD3Transformer(config)
@@ -61,18 +60,26 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
 
     inputs = step_inputs(config, args.height, args.width, args.text_len, device)
     latent_size = inputs["hidden_states"].shape[-2:]
-    runners = {
+
+    def step_ours(model, latents: torch.Tensor, sigma: float) -> torch.Tensor:
         # The prediction in the latent layout, as the pipeline uses it: unpatchify is part of the step.
-        "paradit": lambda: unpatchify(ours(**inputs), config.patch_size, *latent_size),
-        "diffusers": lambda: reference(**inputs, return_dict=False)[0],
-    }
-    tokens = args.height * args.width // (VAE_STRIDE * config.patch_size) ** 2 + args.text_len
-    tflop = TFLOP_PER_STEP_1024.get(name) if (args.height, args.width, args.text_len) == (1024, 1024, 333) else None
-    return compare_runners(name, runners, tokens, tflop, matmul_tflops, args.warmup, args.iters)
+        timestep = torch.full_like(inputs["timestep"], sigma * 1000)
+        out = model(**{**inputs, "hidden_states": latents, "timestep": timestep})
+        return unpatchify(out, config.patch_size, *latent_size)
+
+    workload = (args.height, args.width, args.text_len)
+    return ModelPair(
+        name, ours, reference,
+        run_reference=lambda: reference(**inputs, return_dict=False)[0],
+        step_ours=step_ours,
+        latents=inputs["hidden_states"],
+        tokens=args.height * args.width // (VAE_STRIDE * config.patch_size) ** 2 + args.text_len,
+        tflop=TFLOP_PER_STEP_1024.get(name) if workload == (1024, 1024, 333) else None,
+    )  # fmt: skip
 
 
 def main() -> None:
-    step_benchmark_main(__doc__.splitlines()[0], bench_model, list(TFLOP_PER_STEP_1024), 333, "sd3_step.json")
+    step_benchmark_main(__doc__.splitlines()[0], model_pair, list(TFLOP_PER_STEP_1024), 333, "sd3_step.json")
 
 
 if __name__ == "__main__":

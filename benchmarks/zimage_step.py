@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import compare_runners, step_benchmark_main  # noqa: E402
+from benchmarks.common import ModelPair, step_benchmark_main  # noqa: E402
 from paradit.models.zimage import ZImageConfig, ZImageTransformer, unpatchify  # noqa: E402
 from paradit.presets import PRESETS  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
@@ -37,10 +37,9 @@ def step_inputs(config: ZImageConfig, height: int, width: int, text_len: int, de
     return latents.bfloat16(), torch.full((1,), 0.5, device=device), captions.bfloat16()
 
 
-def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
+def model_pair(name: str, args, device: torch.device) -> ModelPair:
     from diffusers import ZImageTransformer2DModel
 
-    device = torch.device("cuda")
     config = ZImageConfig.from_dict(PRESETS[name].transformer)
     with torch.device("meta"):
         ours = ZImageTransformer(config)
@@ -58,18 +57,24 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
         out = reference([latents[0][:, None]], timestep, [captions[0]], return_dict=False)[0]
         return torch.stack(out)[:, :, 0]
 
-    runners = {
-        "paradit": lambda: unpatchify(ours(latents, timestep, captions), rows, cols, config.patch_size),
-        "diffusers": run_reference,
-    }
-    tokens = rows * cols + args.text_len
+    def step_ours(model, noisy: torch.Tensor, sigma: float) -> torch.Tensor:
+        # Z-Image's pipeline feeds 1 - sigma (its time runs from 0 at noise to 1 at the image).
+        prediction = model(noisy, torch.full_like(timestep, 1 - sigma), captions)
+        return unpatchify(prediction, rows, cols, config.patch_size)
+
     workload = (args.height, args.width, args.text_len)
-    tflop = TFLOP_PER_STEP_1024.get(name) if workload == REFERENCE_WORKLOAD else None
-    return compare_runners(name, runners, tokens, tflop, matmul_tflops, args.warmup, args.iters)
+    return ModelPair(
+        name, ours, reference,
+        run_reference=run_reference,
+        step_ours=step_ours,
+        latents=latents,
+        tokens=rows * cols + args.text_len,
+        tflop=TFLOP_PER_STEP_1024.get(name) if workload == REFERENCE_WORKLOAD else None,
+    )  # fmt: skip
 
 
 def main() -> None:
-    step_benchmark_main(__doc__.splitlines()[0], bench_model, ["z-image-turbo", "z-image"], 256, "zimage_step.json")
+    step_benchmark_main(__doc__.splitlines()[0], model_pair, ["z-image-turbo", "z-image"], 256, "zimage_step.json")
 
 
 if __name__ == "__main__":
