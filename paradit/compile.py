@@ -9,7 +9,13 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import torch._dynamo
 from torch import nn
+
+# Every shape a process serves (resolutions, batch sizes, the local lengths of each parallel plan) and every
+# attention implementation swapped in is one more compiled graph of the same block code. Dynamo's default of 8 per
+# code object is soon spent by a server and then silently falls back to eager blocks, so allow many more.
+RECOMPILE_LIMIT = 64
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -23,6 +29,7 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 def compile_blocks(model: nn.Module, mode: str | None = None) -> int:
     """Compile every repeated block in place; returns how many were wrapped."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     blocks = repeated_blocks(model)
     for block in blocks:
         block.compile(mode=mode, dynamic=False)
