@@ -1,0 +1,126 @@
+"""Whole requests on 2 GPUs capped at a per-GPU memory budget (32 GB cards emulated on H200s), against one uncapped
+GPU running the same model with the same execution options.
+
+For each model and each plan (PipeFusion 2, tensor 2, Ulysses 2), in bf16 and in FP8, the engine is built with
+``max_gpu_memory``: a plan whose estimate does not fit is refused before anything loads, and the refusal (with its
+numbers) is the row. A plan that runs reports the median denoise step, bytes rank 0 sent per step, every rank's peak
+memory, where the prompt encoders were placed, text-encode and decode seconds, and its speed over the uncapped GPU.
+Each plan runs with NVLink and with ``NCCL_P2P_DISABLE=1`` (the PCIe-like regime). Dummy weights, end to end: text
+encoders, transformer and VAE.
+
+    python benchmarks/memory_pooling.py --out-dir $OUT
+    python benchmarks/memory_pooling.py --device cpu --models flux2-tiny --quantize none --cap 2GiB --size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, print_table, write_json  # noqa: E402
+from paradit import Engine, GenerationRequest  # noqa: E402
+from paradit.errors import ParaditError  # noqa: E402
+from paradit.optimize import ExecutionOptions  # noqa: E402
+from paradit.parallel import ParallelConfig  # noqa: E402
+
+PLANS = {
+    "pipefusion 2": ParallelConfig(pipefusion=2, patches=2, warmup_steps=1),
+    "tensor 2": ParallelConfig(tensor=2),
+    "ulysses 2": ParallelConfig(ulysses=2),
+}
+
+
+def run_one(model: str, plan_name: str, quantize: str, cap: str | None, regime: str, args) -> dict:
+    """One engine: built (or refused), one request timed, closed."""
+    os.environ.pop("NCCL_P2P_DISABLE", None)
+    if regime == "p2p-off":
+        os.environ["NCCL_P2P_DISABLE"] = "1"  # spawned workers inherit it before NCCL starts
+    parallel = PLANS.get(plan_name)
+    row = {"model": model, "plan": plan_name, "quantize": quantize, "cap": cap or "none", "regime": regime}
+    request = GenerationRequest(
+        prompt="a lighthouse on a cliff at dusk", height=args.size, width=args.size, steps=args.steps, seed=0
+    )
+    start = time.perf_counter()
+    try:
+        with Engine(
+            model,
+            device=args.device,
+            load_format="dummy",
+            parallel=parallel,
+            options=ExecutionOptions(quantize=quantize),
+            max_gpu_memory=cap,
+        ) as engine:
+            row["load_s"] = time.perf_counter() - start
+            engine.generate(request)  # compiles the blocks; the second request is the one timed
+            result = engine.generate(request)
+    except ParaditError as exc:  # a refused plan (with its numbers) or a failed worker is the row's result
+        row["refused"] = str(exc).splitlines()[0]
+        print(f"{model} {plan_name} {quantize} cap {cap} {regime}: {row['refused']}", flush=True)
+        return row
+    t = result.timings
+    row.update(
+        ms_per_step=t.median_step_ms,
+        mib_sent=t.comm_bytes_per_step / 2**20,
+        peak_gib=[b / 2**30 for b in t.peak_memory_per_rank] or [t.peak_memory_bytes / 2**30],
+        text_encoders=t.text_encoders,
+        text_encode_s=t.text_encode_s,
+        decode_s=t.vae_decode_s,
+        total_s=t.total_s,
+    )
+    peaks = " ".join(f"{p:.1f}" for p in row["peak_gib"])
+    print(f"{model} {plan_name} {quantize} cap {cap} {regime}: {t.median_step_ms:.1f} ms/step, peak GiB {peaks}, "
+          f"text encoders {t.text_encoders}", flush=True)  # fmt: skip
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["flux2-dev", "qwen-image"])
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    parser.add_argument("--quantize", nargs="+", default=["none", "fp8"], choices=["none", "fp8"])
+    parser.add_argument("--regimes", nargs="+", default=["nvlink", "p2p-off"], choices=["nvlink", "p2p-off"])
+    parser.add_argument("--cap", default="32GiB")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run on gloo")
+    parser.add_argument("--tag", default="memory_pooling")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+
+    env = environment() if args.device == "cuda" else {"gpu": "cpu"}
+    rows = []
+    for model in args.models:
+        for quantize in args.quantize:
+            baseline = run_one(model, "1 GPU", quantize, None, "nvlink", args)
+            rows.append(baseline)
+            for regime in args.regimes:
+                for plan in args.plans:
+                    row = run_one(model, plan, quantize, args.cap, regime, args)
+                    if row.get("ms_per_step") and baseline.get("ms_per_step"):
+                        row["speedup_vs_1gpu_uncapped"] = baseline["ms_per_step"] / row["ms_per_step"]
+                    rows.append(row)
+                    write_json(args.out_dir, f"{args.tag}.json", {"env": env, "args": vars(args), "rows": rows})
+    for row in rows:
+        row["peaks"] = " ".join(f"{p:.1f}" for p in row.get("peak_gib", []))
+        if "refused" in row:  # the table keeps the head of the reason; the JSON has all of it
+            row["refused_head"] = row["refused"][:90]
+    print(f"{env['gpu']}; cap {args.cap} per GPU; {args.size}x{args.size}, {args.steps} steps, second request timed")
+    print_table(
+        rows,
+        [
+            ("model", "model", "s"), ("plan", "plan", "s"), ("quantize", "weights", "s"), ("cap", "cap", "s"),
+            ("regime", "link", "s"), ("ms_per_step", "ms/step", ".1f"),
+            ("speedup_vs_1gpu_uncapped", "vs 1 GPU", ".2f"), ("mib_sent", "MiB/step", ".0f"),
+            ("peaks", "peak GiB per rank", "s"), ("text_encoders", "text enc.", "s"),
+            ("text_encode_s", "encode s", ".1f"), ("refused_head", "refused", "s"),
+        ],
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
