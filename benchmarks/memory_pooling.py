@@ -1,7 +1,8 @@
 """Whole requests on 2 GPUs capped at a per-GPU memory budget (32 GB cards emulated on H200s), against one uncapped
 GPU running the same model with the same execution options.
 
-For each model and each plan (PipeFusion 2, tensor 2, Ulysses 2), in bf16 and in FP8, the engine is built with
+For each model and each plan (default PipeFusion 2, tensor 2, Ulysses 2; any ParallelConfig, as
+``--plans pipefusion=2,ulysses=2 ulysses=4`` on 4 GPUs), in bf16 and in FP8, the engine is built with
 ``max_gpu_memory``: a plan whose estimate does not fit is refused before anything loads, and the refusal (with its
 numbers) is the row. A plan that runs reports the median denoise step, bytes rank 0 sent per step, every rank's peak
 memory, where the prompt encoders were placed, text-encode and decode seconds, and its speed over the uncapped GPU.
@@ -28,19 +29,24 @@ from paradit.errors import ParaditError  # noqa: E402
 from paradit.optimize import ExecutionOptions  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 
-PLANS = {
-    "pipefusion 2": ParallelConfig(pipefusion=2, patches=2, warmup_steps=1),
-    "tensor 2": ParallelConfig(tensor=2),
-    "ulysses 2": ParallelConfig(ulysses=2),
-}
+DEFAULT_PLANS = ["pipefusion=2,patches=2", "tensor=2", "ulysses=2"]
 
 
-def run_one(model: str, plan_name: str, quantize: str, cap: str | None, regime: str, args) -> dict:
+def parse_plan(text: str) -> ParallelConfig:
+    """'pipefusion=2,ulysses=2,patches=2' -> ParallelConfig; the keys are ParallelConfig's fields."""
+    fields = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        fields[key.strip()] = value.strip() if key.strip() == "comm_dtype" else int(value)
+    return ParallelConfig(**fields)
+
+
+def run_one(model: str, parallel: ParallelConfig | None, quantize: str, cap: str | None, regime: str, args) -> dict:
     """One engine: built (or refused), one request timed, closed."""
     os.environ.pop("NCCL_P2P_DISABLE", None)
     if regime == "p2p-off":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # spawned workers inherit it before NCCL starts
-    parallel = PLANS.get(plan_name)
+    plan_name = parallel.describe() if parallel else "1 GPU"
     row = {"model": model, "plan": plan_name, "quantize": quantize, "cap": cap or "none", "regime": regime}
     request = GenerationRequest(
         prompt="a lighthouse on a cliff at dusk", height=args.size, width=args.size, steps=args.steps, seed=0
@@ -81,7 +87,7 @@ def run_one(model: str, plan_name: str, quantize: str, cap: str | None, regime: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["flux2-dev", "qwen-image"])
-    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    parser.add_argument("--plans", nargs="+", default=DEFAULT_PLANS, help="ParallelConfig fields, e.g. tensor=2")
     parser.add_argument("--quantize", nargs="+", default=["none", "fp8"], choices=["none", "fp8"])
     parser.add_argument("--regimes", nargs="+", default=["nvlink", "p2p-off"], choices=["nvlink", "p2p-off"])
     parser.add_argument("--cap", default="32GiB")
@@ -96,11 +102,11 @@ def main() -> None:
     rows = []
     for model in args.models:
         for quantize in args.quantize:
-            baseline = run_one(model, "1 GPU", quantize, None, "nvlink", args)
+            baseline = run_one(model, None, quantize, None, "nvlink", args)
             rows.append(baseline)
             for regime in args.regimes:
                 for plan in args.plans:
-                    row = run_one(model, plan, quantize, args.cap, regime, args)
+                    row = run_one(model, parse_plan(plan), quantize, args.cap, regime, args)
                     if row.get("ms_per_step") and baseline.get("ms_per_step"):
                         row["speedup_vs_1gpu_uncapped"] = baseline["ms_per_step"] / row["ms_per_step"]
                     rows.append(row)
