@@ -98,14 +98,25 @@ def timed(run, args, device) -> float:
 MODES = ("eager", "compiled", "graphs", "fp8")
 
 
+def sequence_plans(world: int, has_cfg: bool, comm_dtypes: list[str]) -> list[ParallelConfig]:
+    """CFG parallel first where the model has two branches, then every Ulysses x Ring split of the rest (Ulysses
+    alone, USP, Ring alone), each in every transport asked for."""
+    plans = []
+    for cfg in (2, 1) if has_cfg and world % 2 == 0 else (1,):
+        sequence = world // cfg
+        for ring in (r for r in range(1, sequence + 1) if sequence % r == 0):
+            if sequence == 1:
+                plans.append(ParallelConfig(cfg=cfg))
+                continue
+            plans += [ParallelConfig(cfg=cfg, ulysses=sequence // ring, ring=ring, comm_dtype=c) for c in comm_dtypes]
+    return plans
+
+
 def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]:
     model, one_branch, batch = build(name, device, args.size)
     inputs = with_batch(one_branch, batch)
     rows = []
-    plans = [ParallelConfig(ulysses=world, comm_dtype=c) for c in args.comm_dtypes]
-    plans += [ParallelConfig(ring=world, comm_dtype=c) for c in args.comm_dtypes]
-    if batch == 2 and world == 2:
-        plans.insert(0, ParallelConfig(cfg=2))
+    plans = sequence_plans(world, batch == 2, args.comm_dtypes)
 
     def record(plan: str, mode: str, run, serial, context=None):
         try:
@@ -142,17 +153,18 @@ def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]
         serial = record("1 GPU", mode, lambda single=single: call(single, inputs), None)
         for plan in plans:
             context = ParallelContext.build(plan, device)
+            runner = single
+            if plan.sequence_degree > 1:
+                restore_local_attention(model)  # the previous plan's attention swap, undone
+                parallel = parallelize_sequence(model, context)
+                runner = GraphedModule(parallel) if graphs else parallel
             if plan.cfg == 2:
                 branches = SplitBranches(context)
-                runner = single
 
                 # each rank's half of the [cond; uncond] batch: one branch (both branches hold the same values here)
                 def run(branches=branches, runner=runner):
                     return branches.combine(call(runner, one_branch))
             else:
-                restore_local_attention(model)  # the previous plan's attention swap, undone
-                parallel = parallelize_sequence(model, context)
-                runner = GraphedModule(parallel) if graphs else parallel
 
                 def run(runner=runner):
                     return call(runner, inputs)
