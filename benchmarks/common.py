@@ -127,24 +127,35 @@ def compare_pair(pair: ModelPair, matmul_tflops: float, warmup: int, iters: int)
     return rows
 
 
-def step_benchmark_main(description: str, model_pair, models: list[str], text_len: int, json_name: str) -> None:
-    """The command line every per-family step script shares: build ``model_pair(name, args, device)`` for each
-    model, compare paradit with diffusers on it, print the table, write ``json_name`` under ``--out-dir``."""
+def single_gpu_parser(description: str, models: list[str]):
+    """The options every single-GPU benchmark takes: models, image size, warm-up and timed iterations, output."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--models", nargs="+", default=models)
     parser.add_argument("--height", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--text-len", type=int, default=text_len)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args()
+    return parser
 
+
+def announce_device() -> tuple[dict, float]:
+    """The environment and the measured bf16 matmul rate, printed as the run's first line."""
     env = environment()
     matmul = measured_bf16_matmul_tflops()
     print(f"{env['gpu']} torch {env['torch']} diffusers {env['diffusers']}; bf16 matmul {matmul:.0f} TFLOP/s")
+    return env, matmul
+
+
+def step_benchmark_main(description: str, model_pair, models: list[str], text_len: int, json_name: str) -> None:
+    """The command line every per-family step script shares: build ``model_pair(name, args, device)`` for each
+    model, compare paradit with diffusers on it, print the table, write ``json_name`` under ``--out-dir``."""
+    parser = single_gpu_parser(description, models)
+    parser.add_argument("--text-len", type=int, default=text_len)
+    args = parser.parse_args()
+    env, matmul = announce_device()
     rows = []
     for name in args.models:
         rows += compare_pair(model_pair(name, args, torch.device("cuda")), matmul, args.warmup, args.iters)

@@ -14,7 +14,6 @@ same run is printed beside it as the floor that compilation alone gives).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 import time
@@ -26,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     ModelPair,
-    environment,
-    measured_bf16_matmul_tflops,
+    announce_device,
     print_table,
+    single_gpu_parser,
     time_cuda_ms,
     write_json,
 )
@@ -171,20 +170,14 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=sorted(PRESETS))
-    parser.add_argument("--height", type=int, default=1024)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    parser = single_gpu_parser(__doc__.splitlines()[0], DEFAULT_MODELS)
     parser.add_argument("--denoise-steps", type=int, default=8)
     parser.add_argument("--tag", default="speed", help="JSON file name (one per concurrent run)")
-    parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
-
-    env = environment()
-    matmul = measured_bf16_matmul_tflops()
-    print(f"{env['gpu']} torch {env['torch']} diffusers {env['diffusers']}; bf16 matmul {matmul:.0f} TFLOP/s")
+    unknown = sorted(set(args.models) - set(PRESETS))
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {', '.join(PRESETS)}")
+    env, matmul = announce_device()
     rows = []
     for name in args.models:
         rows += bench_model(name, args, matmul)
