@@ -157,8 +157,8 @@ class Engine:
 def check_plan(spec: ModelSpec, parallel: ParallelConfig, gpus: int, device: torch.device) -> None:
     """Refuse a plan the model or the machine cannot run, naming the plans that work."""
     parallel.validate(gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
-    if parallel.pipefusion > 1 and spec.family != "flux2":
-        raise InvalidRequest(f"pipefusion supports FLUX.2 only so far, not the {spec.family} family")
+    if parallel.pipefusion > 1 and spec.family not in ("flux2", "qwen_image", "sd3", "zimage"):
+        raise InvalidRequest(f"pipefusion supports FLUX.2, Qwen-Image, SD3.5 and Z-Image, not the {spec.family} family")
     if parallel.tensor > 1:  # the MLP widths must split too; the model on the meta device tells them
         with torch.device("meta"):
             tensor_plan(FAMILIES[spec.family].pipeline.build_transformer(spec), parallel.tensor)

@@ -46,8 +46,9 @@ class AttentionDispatch(torch.nn.Module):
 
     Attention modules inherit from this and call ``self.attend``; ``set_attention_fn`` is how the runtime replaces it.
     ``sequence_streams`` names the token streams (fields of the model's token state) this module attends over, in
-    any order; None means all of them (joint attention). A module that attends over the image tokens alone, say,
-    sets ``("img",)`` so that the sequence-parallel runtime knows how many tokens each rank holds in that call.
+    the order it concatenates them; None means all of them, in an order left unsaid. A module that attends over the
+    image tokens alone, say, sets ``("img",)`` so that the sequence-parallel runtime knows how many tokens each rank
+    holds in that call; PipeFusion needs the order too, to place each stream's keys in its K/V buffer.
     """
 
     def __init__(self, sequence_streams: tuple[str, ...] | None = None) -> None:

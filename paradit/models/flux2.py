@@ -94,7 +94,7 @@ class JointAttention(AttentionDispatch):
     """Attention over [text, image] with separate projections per stream (double-stream blocks)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
-        super().__init__()
+        super().__init__(sequence_streams=("txt", "img"))
         self.heads = heads
         self.head_dim = head_dim
         inner = heads * head_dim
@@ -125,7 +125,7 @@ class ParallelSelfAttention(AttentionDispatch):
     """Single-stream block body: one projection yields Q, K, V and the MLP input; one projection mixes both back."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: float, eps: float) -> None:
-        super().__init__()
+        super().__init__(sequence_streams=("txt", "img"))
         self.heads = heads
         self.head_dim = head_dim
         self.inner_dim = heads * head_dim
@@ -244,6 +244,10 @@ class Flux2Tokens:
 
 
 class Flux2Transformer(nn.Module):
+    # The block stacks in the order run_blocks runs them; run_blocks runs whichever blocks they hold (PipeFusion
+    # leaves each stage only its own).
+    BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
+
     def __init__(self, config: Flux2Config) -> None:
         super().__init__()
         self.config = config

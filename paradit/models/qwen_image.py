@@ -154,7 +154,7 @@ class JointAttention(AttentionDispatch):
     """Attention over [text, image] with separate Q/K/V/out projections and QK RMS norms per stream."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
-        super().__init__()
+        super().__init__(sequence_streams=("txt", "img"))
         self.heads = heads
         self.head_dim = head_dim
         inner = heads * head_dim
@@ -260,6 +260,9 @@ class QwenImageTokens:
 
 
 class QwenImageTransformer(nn.Module):
+    # The block stacks in run order; run_blocks runs whichever blocks they hold (PipeFusion leaves a stage its own).
+    BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+
     def __init__(self, config: QwenImageConfig) -> None:
         super().__init__()
         self.config = config

@@ -194,7 +194,7 @@ class JointAttention(AttentionDispatch):
     stream is read (keys, values and, as in the reference, queries) but its output is not projected back."""
 
     def __init__(self, config: SD3Config, context_pre_only: bool) -> None:
-        super().__init__()
+        super().__init__(sequence_streams=("img", "txt"))
         dim, self.head_dim = config.inner_dim, config.attention_head_dim
         self.to_q = nn.Linear(dim, dim)
         self.to_k = nn.Linear(dim, dim)
@@ -296,6 +296,9 @@ class SD3Tokens:
 
 
 class SD3Transformer(nn.Module):
+    # The block stacks in run order; run_blocks runs whichever blocks they hold (PipeFusion leaves a stage its own).
+    BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+
     def __init__(self, config: SD3Config) -> None:
         super().__init__()
         self.config = config

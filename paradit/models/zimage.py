@@ -233,6 +233,10 @@ class ZImageTokens:
 
 
 class ZImageTransformer(nn.Module):
+    # The block stacks in run order; run_blocks runs whichever blocks they hold (PipeFusion leaves a stage its own,
+    # so a stage may hold refiner blocks, joint blocks or both).
+    BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("noise_refiner", "context_refiner", "layers")
+
     def __init__(self, config: ZImageConfig) -> None:
         super().__init__()
         self.config = config
@@ -255,7 +259,9 @@ class ZImageTransformer(nn.Module):
         )
         self.x_pad_token = nn.Parameter(torch.zeros(1, dim))
         self.cap_pad_token = nn.Parameter(torch.zeros(1, dim))
-        self.layers = nn.ModuleList(ZImageBlock(config, modulated=True, streams=None) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(
+            ZImageBlock(config, modulated=True, streams=("img", "txt")) for _ in range(config.n_layers)
+        )
         self._rope_tables: dict[torch.device, list[torch.Tensor]] = {}
 
     def rope_tables(self, device: torch.device) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ Must not import torch.distributed (it is imported by the CLI before any process 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from paradit.errors import InvalidRequest
@@ -21,9 +22,9 @@ class ParallelConfig:
     every projection's weights (and the attention heads) across the ranks. ``comm_dtype`` "fp8" sends Ulysses'
     all-to-alls and Ring's K/V as FP8 with scales ("auto": in the model dtype, exact).
 
-    ``pipefusion`` splits the blocks into that many pipeline stages, one per rank; after ``warmup_steps`` exact
-    steps, each step's image tokens flow through the stages as ``patches`` patches attending to the previous step's
-    (stale) K/V for the other patches.
+    ``pipefusion`` splits the blocks into that many pipeline stages, each ``ring`` x ``ulysses`` ranks wide; after
+    ``warmup_steps`` exact steps, each step's image tokens flow through the stages as ``patches`` patches attending
+    to the previous step's (stale) K/V for the other patches.
     """
 
     ulysses: int = 1
@@ -75,8 +76,12 @@ class ParallelConfig:
             problem = (
                 f"ulysses degree {self.ulysses} exceeds the {heads // self.tensor} attention heads each rank holds"
             )
-        elif self.pipefusion > 1 and (self.sequence_degree > 1 or self.tensor > 1):
-            problem = "pipefusion does not combine with ulysses, ring or tensor yet (it does with cfg)"
+        elif self.pipefusion > 1 and self.tensor > 1:
+            options = "; ".join(plan.describe() for plan in pipefusion_plans(gpus, has_cfg, heads, self.pipefusion))
+            raise InvalidRequest(
+                f"pipefusion does not combine with tensor yet (it does with ulysses, ring and cfg); "
+                f"pipefusion plans for {gpus} GPUs: {options or 'none'}"
+            )
         elif self.patches < 1 or self.warmup_steps < 1:
             # The warm-up steps fill every layer's K/V buffer that the patched steps read.
             problem = f"patches {self.patches} and warmup steps {self.warmup_steps} must both be 1 or more"
@@ -100,6 +105,14 @@ def plans_for(gpus: int, has_cfg: bool, heads: int) -> list[ParallelConfig]:
             if sequence % ring == 0 and sequence // ring <= heads:
                 plans.append(ParallelConfig(ulysses=sequence // ring, ring=ring, cfg=cfg))
     return plans
+
+
+def pipefusion_plans(gpus: int, has_cfg: bool, heads: int, stages: int) -> list[ParallelConfig]:
+    """The plans with ``stages`` pipeline stages for ``gpus`` GPUs: each stage as many GPUs as ``plans_for`` splits
+    (CFG, Ring and Ulysses) over ``gpus / stages``."""
+    if gpus % stages:
+        return []
+    return [dataclasses.replace(plan, pipefusion=stages) for plan in plans_for(gpus // stages, has_cfg, heads)]
 
 
 def default_plan(gpus: int, has_cfg: bool, heads: int) -> ParallelConfig:

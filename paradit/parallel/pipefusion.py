@@ -1,92 +1,152 @@
 """PipeFusion: the blocks split into pipeline stages, image patches flowing through them against stale K/V.
 
-The low-communication strategy for slow links. FLUX.2's blocks (the double-stream blocks, then the single-stream
-ones, as one sequence) are split into P contiguous stages; rank p of the pipefusion group keeps only stage p's
-blocks and frees the rest. Every rank runs ``embed`` (cheap, and every stage needs the modulation vectors and
-rotary tables); activations pass point to point from stage p to stage p + 1; the last stage runs ``head`` and
-broadcasts the prediction, which every rank needs for its scheduler step.
+The low-communication strategy for slow links, for every family. A model lists its block stacks in run order
+(``BLOCK_LISTS``: FLUX.2's double then single blocks, Z-Image's noise refiner, context refiner, then joint layers,
+...); taken as one sequence they are split into P contiguous stages, and rank p of the pipefusion group keeps only
+stage p's blocks in those stacks and frees the rest, so the model's own ``run_blocks`` runs exactly its stage.
+Every rank runs ``embed`` (cheap, and every stage needs the modulation vectors, rotary tables and masks);
+activations pass point to point from stage p to stage p + 1; the last stage runs ``head`` and broadcasts the
+prediction, which every rank needs for its scheduler step.
 
 - **Warm-up steps** (the first ``warmup_steps`` of a request) run the whole sequence as one piece: a plain layer
   pipeline, exactly the serial result. They also fill each attention layer's K/V buffer.
-- **Patched steps** split the image tokens into ``patches`` contiguous patches (row bands) that enter the pipeline
-  one after another, so stage p works on patch m while stage p + 1 works on patch m - 1. Each attention layer
-  writes the patch's fresh K/V over its rows of the buffer and attends to the whole buffer: rows of earlier patches
-  are this step's, rows of later patches the previous step's (stale), an approximation that neighbouring diffusion
-  steps make small.
+- **Patched steps** split the output stream (the image tokens) into ``patches`` contiguous patches (row bands) that
+  enter the pipeline one after another, so stage p works on patch m while stage p + 1 works on patch m - 1. Each
+  attention layer writes the patch's fresh K/V over its rows of the buffer and attends to the whole buffer: rows of
+  earlier patches are this step's, rows of later patches the previous step's (stale), an approximation that
+  neighbouring diffusion steps make small.
 
-Text tokens travel with the first patch only, so they are computed once per step: patch 0 is [text, image band 0],
-a contiguous range of the [text, image] sequence, and the later patches carry a zero-length text stream. Their
-attention reads this step's text K/V, which patch 0 wrote into the buffer before them in every layer.
+The other streams (the text) travel with the first patch only, so they are computed once per step: patch 0 is the
+whole text plus image band 0, and later patches carry zero-length text. Their attention reads this step's text
+K/V, which patch 0 wrote into the buffer before them in every layer. A key mask (Qwen-Image's padded text) is kept
+in a buffer beside the keys, so attention over the buffer masks exactly what serial attention masks.
+
+Z-Image's refiners are ordinary pipeline blocks here: the noise refiner attends over the image stream (patched and
+stale like any layer), the context refiner over the text, which rides whole with patch 0, so for text it is exact
+and for later patches it runs on zero tokens (its attention returns at once). Treating them as blocks rather than
+as a preamble keeps one code path for every family, keeps their weights on one stage only, and lets the stage
+split balance them with the joint layers.
+
+**Ulysses inside a stage** (pipefusion x ulysses): each stage is a sequence-parallel group. Every patch is split
+across the stage's ranks (``SequenceParallel.split``); rank r of stage p sends its chunk to rank r of stage p + 1.
+Each attention layer runs Ulysses' all-to-all and, as its local attention, the stale-K/V attention over what this
+rank then sees: its heads, the patch's whole sequence. Its buffer holds those heads for the whole sequence. The
+gathered rows of a call are every rank's chunk of each stream, rank by rank, each rank's streams in the module's
+concatenation order (its ``sequence_streams``); the ``Window`` says which rows of each stream every rank holds, so
+each piece lands on its own rows of the buffer whatever the patching. **Ring** inside a stage works the same way:
+the buffer needs every key at once, so instead of passing K/V blocks round, the ring members all-gather the patch's
+K/V (the same bytes, in sequence-rank order), and each rank buffers the whole sequence for its heads. Tensor
+parallelism inside a stage is not supported yet.
 
 The step index comes from ``begin_request()``, which the pipeline calls before its denoise loop, and one count per
-forward (FLUX.2's pipeline calls the transformer once per step, with both guidance branches batched).
+forward (every family's pipeline calls the transformer once per step, with both guidance branches batched).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from paradit.errors import InvalidRequest
-from paradit.layers.attention import sdpa_attention
-from paradit.models.flux2 import Flux2Tokens, Flux2Transformer
+from paradit.layers.attention import AttentionDispatch, sdpa_attention
 from paradit.parallel.comm import broadcast, split_sizes
 from paradit.parallel.mesh import ParallelContext
+from paradit.parallel.sequence import SequenceParallel, narrow_streams, token_streams
 
 
 @dataclass
 class Window:
-    """The rows of the whole [text, image] sequence (``total`` tokens) the tokens in flight occupy."""
+    """The tokens in flight: for each stream, the (start, stop) rows each sequence rank holds (one entry without
+    sequence parallelism), and the stream's whole length; ``whole`` when they cover every row."""
 
-    start: int = 0
-    stop: int = 0
-    total: int = 0
+    pieces: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    lengths: dict[str, int] = field(default_factory=dict)
+    whole: bool = True
+    _copies: dict[tuple[str, ...], list[tuple[int, int, int]]] = field(default_factory=dict)
+
+    def set(self, pieces: dict[str, list[tuple[int, int]]], lengths: dict[str, int]) -> None:
+        self.pieces, self.lengths, self._copies = pieces, lengths, {}
+        self.whole = all(sum(b - a for a, b in pieces[s]) == lengths[s] for s in lengths)
+
+    def copies(self, streams: tuple[str, ...]) -> list[tuple[int, int, int]]:
+        """(row in the call, row in the buffer, count) runs for a module concatenating ``streams`` in that order;
+        the buffer lays the streams out in the same order, each whole."""
+        if streams not in self._copies:
+            offsets, total = {}, 0
+            for stream in streams:
+                offsets[stream], total = total, total + self.lengths[stream]
+            runs, source = [], 0
+            for rank in range(len(self.pieces[streams[0]])):
+                for stream in streams:
+                    start, stop = self.pieces[stream][rank]
+                    target = offsets[stream] + start
+                    if runs and runs[-1][0] + runs[-1][2] == source and runs[-1][1] + runs[-1][2] == target:
+                        runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + stop - start)  # contiguous: one copy
+                    elif stop > start:
+                        runs.append((source, target, stop - start))
+                    source += stop - start
+            self._copies[streams] = runs
+        return self._copies[streams]
+
+    def total(self, streams: tuple[str, ...]) -> int:
+        return sum(self.lengths[s] for s in streams)
 
 
 class StaleKVAttention:
-    """One attention layer's K/V buffer over the whole sequence: the tokens in flight write their rows, then attend
-    to every row (fresh for this step where already written, stale from the previous step elsewhere)."""
+    """One attention layer's K/V buffer over the whole sequence of its streams: the tokens in flight write their
+    rows (and their key mask's), then attend to every row (fresh for this step where already written, stale from
+    the previous step elsewhere)."""
 
-    def __init__(self, window: Window) -> None:
+    def __init__(self, window: Window, streams: tuple[str, ...]) -> None:
         self.window = window
+        self.streams = streams
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
 
+    # Compiled blocks break their graph here, as around the sequence-parallel collectives: the rows written change
+    # with every patch, which would otherwise recompile the block.
+    @torch.compiler.disable
     def __call__(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if key_mask is not None:
-            raise ValueError("PipeFusion's K/V buffers take no key mask (FLUX.2 passes none)")
-        start, stop, total = self.window.start, self.window.stop, self.window.total
-        shape = (key.shape[0], total, *key.shape[2:])
-        if self.key is None or self.key.shape != shape:
-            if (start, stop) != (0, total):  # only a whole-sequence (warm-up) step can fill a new buffer
-                raise RuntimeError("PipeFusion patched step without a filled K/V buffer; run a warm-up step first")
-            self.key, self.value = key.new_empty(shape), value.new_empty(shape)
-        self.key[:, start:stop] = key
-        self.value[:, start:stop] = value
-        return sdpa_attention(query, self.key, self.value)
+        if key.shape[1] == 0:  # a patch without tokens of these streams: nothing to write or attend
+            return query
+        shape = (key.shape[0], self.window.total(self.streams), *key.shape[2:])
+        if self.window.whole:
+            if self.key is None or self.key.shape != shape:
+                self.key, self.value = key.new_empty(shape), value.new_empty(shape)
+            # A whole-sequence step sets the mask for the request: None (nothing padded) or every row rewritten.
+            self.mask = None if key_mask is None else key_mask.new_ones(shape[:2])
+        elif self.key is None or self.key.shape != shape:
+            raise RuntimeError("PipeFusion patched step without a filled K/V buffer; run a warm-up step first")
+        for source, target, count in self.window.copies(self.streams):
+            self.key[:, target : target + count] = key[:, source : source + count]
+            self.value[:, target : target + count] = value[:, source : source + count]
+            if key_mask is not None and self.mask is not None:
+                self.mask[:, target : target + count] = key_mask[:, source : source + count]
+        return sdpa_attention(query, self.key, self.value, self.mask)
 
 
 def stage_range(blocks: int, stages: int, stage: int) -> range:
-    """The indices, in [double blocks, single blocks] order, of the blocks ``stage`` runs."""
+    """The indices, in the model's run order, of the blocks ``stage`` runs."""
     sizes = split_sizes(blocks, stages)
     start = sum(sizes[:stage])
     return range(start, start + sizes[stage])
 
 
 class PipeFusion(nn.Module):
-    """Wraps a FLUX.2 transformer: this rank runs only its stage's blocks, and the last stage's prediction is
-    broadcast to the pipefusion group."""
+    """Wraps a plain model (or a ``SequenceParallel`` one: Ulysses inside each stage): this rank runs only its
+    stage's blocks, and the last stage's prediction is broadcast to the pipefusion group."""
 
-    def __init__(self, model: Flux2Transformer, context: ParallelContext) -> None:
+    def __init__(self, model: nn.Module, context: ParallelContext) -> None:
         super().__init__()
         config = context.config
-        self.model = model
+        self.sequence = model if isinstance(model, SequenceParallel) else None
+        self.model = model.model if self.sequence is not None else model
         self.context = context
         self.group = context.group("pipefusion")
         self.stages = config.pipefusion
@@ -98,20 +158,30 @@ class PipeFusion(nn.Module):
         self.patches = config.patches
         self.warmup_steps = config.warmup_steps
         self.step = 0
+        self._out_channels: int | None = None
 
-        doubles, singles = len(model.transformer_blocks), len(model.single_transformer_blocks)
-        if self.stages > doubles + singles:
-            raise InvalidRequest(f"pipefusion {self.stages} exceeds the model's {doubles + singles} blocks")
-        mine = stage_range(doubles + singles, self.stages, self.stage)
-        self.double_blocks = nn.ModuleList(model.transformer_blocks[i] for i in mine if i < doubles)
-        self.single_blocks = nn.ModuleList(model.single_transformer_blocks[i - doubles] for i in mine if i >= doubles)
-        # The other stages' blocks are dropped, so their weights are freed; the model's own run_blocks is not used.
-        model.transformer_blocks = nn.ModuleList()
-        model.single_transformer_blocks = nn.ModuleList()
+        stacks = [(name, list(getattr(self.model, name))) for name in type(self.model).BLOCK_LISTS]
+        total = sum(len(blocks) for _, blocks in stacks)
+        if self.stages > total:
+            raise InvalidRequest(f"pipefusion {self.stages} exceeds the model's {total} blocks")
+        mine = stage_range(total, self.stages, self.stage)
+        start = 0
+        for name, blocks in stacks:
+            # The other stages' blocks are dropped, so their weights are freed.
+            kept = [block for i, block in enumerate(blocks, start) if i in mine]
+            setattr(self.model, name, nn.ModuleList(kept))
+            start += len(blocks)
 
         self.window = Window()
-        for block in [*self.double_blocks, *self.single_blocks]:
-            block.attn.set_attention_fn(StaleKVAttention(self.window))
+        for module in self.model.modules():
+            if isinstance(module, AttentionDispatch):
+                if module.sequence_streams is None:
+                    raise InvalidRequest(f"pipefusion needs {type(module).__name__} to name its streams in order")
+                stale = StaleKVAttention(self.window, module.sequence_streams)
+                if self.sequence is not None:
+                    self.sequence.set_local_attention(module, stale)
+                else:
+                    module.set_attention_fn(stale)
 
     @property
     def config(self):
@@ -125,74 +195,100 @@ class PipeFusion(nn.Module):
         tokens = self.model.embed(*args, **kwargs)
         patches = 1 if self.step < self.warmup_steps else self.patches
         self.step += 1
-        batch, image, width = tokens.img.shape
-        text = tokens.txt.shape[1]
-        self.window.total = text + image
-        sends, outputs = [], []
+        fields = type(tokens).SEQUENCE_FIELDS
+        output = type(tokens).OUTPUT_STREAM
+        streams = token_streams(tokens)
+        lengths = {s: getattr(tokens, s).shape[fields[s][1]] for s in streams}
+        sends, outputs, local_sizes = [], [], []
         start = 0
-        for index, size in enumerate(split_sizes(image, patches)):
-            with_text = index == 0
-            # Patch 0 is [text, its image band]: rows [0, text + stop) of the sequence; the others their band alone.
-            self.window.start = 0 if with_text else text + start
-            self.window.stop = text + start + size
-            if self.prev_rank is None:
-                img = tokens.img[:, start : start + size]
-                txt = tokens.txt if with_text else tokens.txt[:, :0]
+        for index, size in enumerate(split_sizes(lengths[output], patches)):
+            # The output stream's band; every other stream rides whole with patch 0.
+            ranges = {
+                s: (start, start + size) if s == output else (0, lengths[s] if index == 0 else 0) for s in streams
+            }
+            patch = narrow_streams(tokens, ranges)
+            if self.sequence is not None:
+                patch, sizes = self.sequence.split(patch)
             else:
-                img = self._receive((batch, size, width), tokens.img)
-                txt = self._receive((batch, text, width), tokens.txt) if with_text else tokens.txt[:, :0]
-            img, txt = self._run_stage(tokens, img, txt, start)
+                sizes = {s: [stop - begin] for s, (begin, stop) in ranges.items()}
+            self.window.set({s: _pieces(ranges[s][0], sizes[s]) for s in streams}, lengths)
+            local_sizes.append(sizes[output])
+            if self.prev_rank is not None:
+                for s in streams:
+                    setattr(patch, s, self._receive(getattr(patch, s)))
+            patch = self.model.run_blocks(patch)
             if self.next_rank is not None:
-                sends += self._send(img, txt if with_text else None)
+                sends += self._send([getattr(patch, s) for s in streams])
             else:
-                outputs.append(self.model.head(dataclasses.replace(tokens, img=img)))
+                outputs.append(self.model.head(patch))
             start += size
         for work, _ in sends:
             work.wait()
-        if self.next_rank is None:
-            prediction = torch.cat(outputs, dim=1)
+        return self._share_prediction(tokens, outputs, local_sizes)
+
+    def _share_prediction(self, tokens, outputs: list[torch.Tensor], local_sizes: list[list[int]]) -> torch.Tensor:
+        """The last stage's prediction on every rank: each rank's chunks of every patch travel down its pipefusion
+        group, then (with Ulysses) the stage's ranks gather them and put the rows back in order, patch by patch."""
+        image = getattr(tokens, type(tokens).OUTPUT_STREAM)
+        if self._out_channels is None:  # the head's width, learnt once: the other stages hold no prediction yet
+            width = torch.tensor([outputs[0].shape[-1] if outputs else 0], device=image.device)
+            self._out_channels = int(broadcast(width, self.last_rank, self.group, self.context.stats).item())
+        me = self.context.sequence_rank if self.sequence is not None else 0
+        if outputs:
+            local = torch.cat(outputs, dim=1)
         else:
-            channels = self.model.proj_out.out_features
-            prediction = tokens.img.new_empty(batch, image, channels)
-        return broadcast(prediction, self.last_rank, self.group, self.context.stats)
+            rows = sum(sizes[me] for sizes in local_sizes)
+            local = image.new_empty(image.shape[0], rows, self._out_channels)
+        local = broadcast(local, self.last_rank, self.group, self.context.stats)
+        if self.sequence is None:
+            return local
+        per_rank = [sum(sizes[rank] for sizes in local_sizes) for rank in range(len(local_sizes[0]))]
+        gathered = self.sequence.gather(local, per_rank).split(per_rank, dim=1)
+        chunks = [part.split([sizes[rank] for sizes in local_sizes], dim=1) for rank, part in enumerate(gathered)]
+        return torch.cat([chunks[rank][m] for m in range(len(local_sizes)) for rank in range(len(chunks))], dim=1)
 
-    def _run_stage(
-        self, tokens: Flux2Tokens, img: torch.Tensor, txt: torch.Tensor, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This stage's blocks over one patch; the rotary rows are the patch's text (if any) and image band."""
-        rope = tuple(
-            torch.cat([t[: txt.shape[1]], i[start : start + img.shape[1]]], dim=0)
-            for t, i in zip(tokens.txt_rope, tokens.img_rope)
-        )
-        for block in self.double_blocks:
-            img, txt = block(img, txt, tokens.mod_img, tokens.mod_txt, rope)
-        if self.single_blocks:
-            x = torch.cat([txt, img], dim=1)
-            for block in self.single_blocks:
-                x = block(x, tokens.mod_single, rope)
-            txt, img = x.split([txt.shape[1], img.shape[1]], dim=1)
-        return img, txt
-
-    def _send(self, img: torch.Tensor, txt: torch.Tensor | None) -> list[tuple[dist.Work, torch.Tensor]]:
+    def _send(self, tensors: list[torch.Tensor | None]) -> list[tuple[dist.Work, torch.Tensor]]:
         """Post the patch's activations to the next stage, so this stage goes on to its next patch while they travel.
         Returns (work, tensor) pairs: the caller waits on the work at the end of the step, holding the tensor alive
-        until then."""
+        until then. Empty streams (the text of later patches) are not sent; the receiver knows their shapes."""
         sends = []
-        for tensor in (img, txt) if txt is not None else (img,):
+        for tensor in tensors:
+            if tensor is None or tensor.numel() == 0:
+                continue
             tensor = tensor.contiguous()
             sends.append((dist.isend(tensor, self.next_rank, group=self.group), tensor))
             self.context.stats.add(tensor.numel() * tensor.element_size())
         return sends
 
-    def _receive(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        tensor = like.new_empty(shape)
-        dist.irecv(tensor, self.prev_rank, group=self.group).wait()
+    def _receive(self, like: torch.Tensor) -> torch.Tensor:
+        """The previous stage's activations for the rows ``like`` (this rank's embedded tokens of the patch) holds."""
+        tensor = torch.empty_like(like)
+        if tensor.numel():
+            dist.irecv(tensor, self.prev_rank, group=self.group).wait()
         return tensor
 
 
+def _pieces(start: int, sizes: list[int]) -> list[tuple[int, int]]:
+    """The (start, stop) rows of each rank's contiguous chunk of a range beginning at ``start``."""
+    pieces = []
+    for size in sizes:
+        pieces.append((start, start + size))
+        start += size
+    return pieces
+
+
 def parallelize_pipefusion(model: nn.Module, context: ParallelContext) -> nn.Module:
-    if context.config.pipefusion == 1:
+    """Pipeline stages over ``model``'s blocks; apply after ``parallelize_sequence``, whose wrapper (Ulysses inside
+    each stage) PipeFusion takes apart to split each patch across the stage."""
+    config = context.config
+    if config.pipefusion == 1:
         return model
-    if not isinstance(model, Flux2Transformer):
-        raise InvalidRequest(f"pipefusion supports FLUX.2 only so far, not {type(model).__name__}")
+    if config.tensor > 1:
+        raise InvalidRequest(
+            "pipefusion combines with ulysses, ring and cfg, not yet with tensor; "
+            "give pipefusion x ring x ulysses (x cfg) = the number of GPUs"
+        )
+    plain = model.model if isinstance(model, SequenceParallel) else model
+    if not hasattr(type(plain), "BLOCK_LISTS"):
+        raise InvalidRequest(f"pipefusion needs a model that lists its block stacks; {type(plain).__name__} does not")
     return PipeFusion(model, context)

@@ -13,6 +13,10 @@ a ``SequenceParallelAttention`` in place of local SDPA:
 Uneven splits are carried as per-rank sizes rather than padding, so no attention mask is needed and no byte is
 sent for padding. Attention is order-invariant over keys and the all-to-alls return every query to its own rank,
 so the chunk order seen inside attention does not matter.
+
+Each attention module's *local* attention, run on this rank's heads over the gathered sequence, is plain SDPA;
+PipeFusion, applied over this wrapper, makes it its stale-K/V attention (``set_local_attention``) and uses
+``split`` and ``gather`` to split each patch across a stage's sequence group.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import functools
 import torch
 from torch import nn
 
-from paradit.layers.attention import AttentionDispatch, attention_with_lse, sdpa_attention
+from paradit.layers.attention import AttentionDispatch, AttentionFn, attention_with_lse, sdpa_attention
 from paradit.layers.fp8 import quantize_rowwise
 from paradit.parallel.comm import RingExchange, all_gather_uneven, all_to_all_uneven, split_sizes
 from paradit.parallel.mesh import ParallelContext
@@ -150,6 +154,18 @@ class SequenceParallelAttention:
                 kv = self._from_wire(wire, k.dtype)
         return out_acc.to(q.dtype)
 
+    def ring_gather(
+        self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Every ring member's K/V (and key mask) in ring order: with the Ulysses gather inside each member, the
+        whole call's sequence in sequence-rank order, for this rank's heads."""
+        lengths, group = self._ring_lengths(), self.context.group("ring")
+        gathered = [all_gather_uneven(t, 1, lengths, group, self.context.stats) for t in self._to_wire([k, v])]
+        k, v = self._from_wire(gathered, k.dtype)
+        if key_mask is not None:
+            key_mask = all_gather_uneven(key_mask.to(torch.uint8), 1, lengths, group, self.context.stats).bool()
+        return k, v, key_mask
+
     def _to_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if not self.fp8_transport:
             return tensors
@@ -183,27 +199,50 @@ class SequenceParallelAttention:
         value: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         streams: tuple[str, ...] | None = None,
+        local: AttentionFn = sdpa_attention,
     ) -> torch.Tensor:
+        """``local`` attends this rank's heads over the gathered sequence. With Ring, plain SDPA runs block by block
+        as the K/V blocks travel; any other local attention (PipeFusion's K/V buffer) needs every key at once, so the
+        ring members' K/V are all-gathered for it instead (the same bytes, without the overlap)."""
         sizes = [self.stream_sizes[name] for name in (streams or self.stream_sizes)]
         self.local_lengths = [sum(column) for column in zip(*sizes)]
+        if not any(self.local_lengths):  # no rank holds a token of these streams (PipeFusion's text-less patches)
+            return query
         heads = query.shape[2]
         if self.ulysses > 1:
             query, key, value = (self.heads_to_sequence(t) for t in (query, key, value))
             if key_mask is not None:
                 key_mask = self.gather_key_mask(key_mask)
-        if self.ring > 1:
+        if self.ring > 1 and local is sdpa_attention:
             out = self.ring_attention(query, key, value, key_mask)
+        elif self.ring > 1:
+            out = local(query, *self.ring_gather(key, value, key_mask))
         else:
-            out = sdpa_attention(query, key, value, key_mask)
+            out = local(query, key, value, key_mask)
         return self.sequence_to_heads(out, heads) if self.ulysses > 1 else out
 
 
-def _split(value, dim: int, sizes: list[int], index: int):
+def _narrow(value, dim: int, start: int, length: int):
     if value is None:  # an optional per-token field (a text mask when nothing is padded)
         return None
     if isinstance(value, tuple):
-        return tuple(_split(part, dim, sizes, index) for part in value)
-    return value.split(sizes, dim=dim)[index]
+        return tuple(_narrow(part, dim, start, length) for part in value)
+    return value.narrow(dim, start, length)
+
+
+def token_streams(tokens) -> list[str]:
+    """The token streams of a model's token state: the ``SEQUENCE_FIELDS`` that are their own stream."""
+    return [name for name, (stream, _) in type(tokens).SEQUENCE_FIELDS.items() if name == stream]
+
+
+def narrow_streams(tokens, ranges: dict[str, tuple[int, int]]):
+    """The token state with every per-token field narrowed to its stream's ``(start, stop)`` rows: the stream
+    itself, its rotary rows, its mask columns."""
+    changes = {}
+    for name, (stream, dim) in type(tokens).SEQUENCE_FIELDS.items():
+        start, stop = ranges[stream]
+        changes[name] = _narrow(getattr(tokens, name), dim, start, stop - start)
+    return dataclasses.replace(tokens, **changes)
 
 
 class SequenceParallel(nn.Module):
@@ -217,28 +256,37 @@ class SequenceParallel(nn.Module):
         self.attention = SequenceParallelAttention(context)
         for module in model.modules():
             if isinstance(module, AttentionDispatch):
-                module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams))
+                self.set_local_attention(module, sdpa_attention)
 
     @property
     def config(self):
         return self.model.config
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        tokens = self.model.embed(*args, **kwargs)
+    def set_local_attention(self, module: AttentionDispatch, local: AttentionFn) -> None:
+        """``module`` attends through the sequence group, running ``local`` on this rank's heads over the gathered
+        sequence (after the Ulysses all-to-all)."""
+        module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams, local=local))
+
+    def split(self, tokens):
+        """This rank's contiguous chunk of every stream; the per-rank sizes go to the attention, which every call
+        until the next ``split`` uses. Returns (local tokens, {stream: per-rank sizes})."""
         degree, me = self.context.config.sequence_degree, self.context.sequence_rank
         fields = type(tokens).SEQUENCE_FIELDS
-        stream_sizes = {}
-        for name, (stream, dim) in fields.items():
-            if stream == name:
-                stream_sizes[stream] = split_sizes(getattr(tokens, name).shape[dim], degree)
-        changes = {
-            name: _split(getattr(tokens, name), dim, stream_sizes[stream], me) for name, (stream, dim) in fields.items()
+        sizes = {
+            name: split_sizes(getattr(tokens, name).shape[fields[name][1]], degree) for name in token_streams(tokens)
         }
-        tokens = dataclasses.replace(tokens, **changes)
-        self.attention.stream_sizes = stream_sizes
+        self.attention.stream_sizes = sizes
+        ranges = {stream: (sum(s[:me]), sum(s[: me + 1])) for stream, s in sizes.items()}
+        return narrow_streams(tokens, ranges), sizes
+
+    def gather(self, out: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Every sequence rank's ``out`` (``sizes[r]`` rows on rank r) concatenated along dim 1."""
+        return all_gather_uneven(out, 1, sizes, self.context.sequence_group, self.context.stats)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        tokens, sizes = self.split(self.model.embed(*args, **kwargs))
         out = self.model.head(self.model.run_blocks(tokens))
-        output_sizes = stream_sizes[type(tokens).OUTPUT_STREAM]
-        return all_gather_uneven(out, 1, output_sizes, self.context.sequence_group, self.context.stats)
+        return self.gather(out, sizes[type(tokens).OUTPUT_STREAM])
 
 
 def restore_local_attention(model: nn.Module) -> None:

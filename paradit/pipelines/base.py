@@ -208,10 +208,11 @@ class DiffusionPipeline:
         transformer = transformer.eval()
         if parallel is not None:
             # Tensor first: it shards the plain model's linears, which the sequence wrapper then runs unchanged.
+            # PipeFusion last: its stages are sequence-parallel groups, each patch split across one.
             if parallel.config.tensor > 1:
                 transformer = parallelize_tensor(transformer, parallel)
-            transformer = parallelize_pipefusion(transformer, parallel)
             transformer = parallelize_sequence(transformer, parallel)
+            transformer = parallelize_pipefusion(transformer, parallel)
         if parallel is not None and not parallel.is_leader:
             return cls(spec, transformer, None, None, device, dtype, parallel)
         prompt_encoder, vae = cls.load_conditioners(spec, device, dtype, dummy)
