@@ -1,5 +1,6 @@
-"""PipeFusion on gloo: with every step a warm-up step it equals the one-process FLUX.2 transformer over a short
-denoise-like run; patched steps are exact when the stale K/V happen to be fresh, and measured otherwise."""
+"""PipeFusion on gloo: with every step a warm-up step it equals the one-process transformer of every family over a
+short denoise-like run, alone and with Ulysses or Ring inside the stages; patched steps are exact when the stale
+K/V happen to be fresh, and measured otherwise."""
 
 from __future__ import annotations
 
