@@ -70,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify-serial", action="store_true", help="also run the request in one process and report the difference"
     )
 
+    quant = commands.add_parser(
+        "quantize", help="write an FP8 checkpoint folder (e4m3 linears, one scale per output channel), on the CPU"
+    )
+    quant.add_argument("--model", required=True, help="preset name, checkpoint folder or hub id")
+    quant.add_argument("--out", required=True, help="a new folder for the FP8 checkpoint")
+    quant.add_argument(
+        "--load-format", choices=["auto", "dummy"], default="auto", help="dummy: quantize random weights"
+    )
+    quant.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the layers kept unquantized")
+
     commands.add_parser("models", help="list the model presets")
     return parser
 
@@ -173,11 +183,24 @@ def run_models() -> int:
     return 0
 
 
+def run_quantize(args: argparse.Namespace) -> int:
+    from paradit.engine import DTYPES, resolve_model
+    from paradit.quantize import write_fp8_checkpoint
+
+    spec = resolve_model(args.model, args.load_format)
+    dummy = args.load_format == "dummy" or "folder" not in spec.extra
+    layers = write_fp8_checkpoint(spec, Path(args.out), DTYPES[args.dtype], dummy)
+    print(f"wrote {args.out}: {len(layers)} FP8 linears; run it with --model {args.out} --quantize fp8")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "models":
             return run_models()
+        if args.command == "quantize":
+            return run_quantize(args)
         return run_generate(args)
     except ParaditError as exc:
         print(f"paradit: error: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ from paradit.parallel.config import ParallelConfig
 from paradit.parallel.tensor import tensor_plan
 from paradit.pipelines import FAMILIES, spec_from_folder
 from paradit.presets import PRESETS
+from paradit.quantize import PRESET_FILE, fp8_checkpoint_layers, spec_with_fp8_transformer
 from paradit.request import GenerationRequest, GenerationResult
 from paradit.spec import ModelSpec
 from paradit.weights import resolve_checkpoint
@@ -59,6 +60,8 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSpec:
         if load_format == "dummy" or spec.hub_id is None:
             return spec
         return spec_from_folder(resolve_checkpoint(spec.hub_id))
+    if (Path(model).expanduser() / PRESET_FILE).is_file():
+        return spec_with_fp8_transformer(Path(model).expanduser())
     if not Path(model).expanduser().is_dir() and model.count("/") != 1:
         raise InvalidRequest(
             f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder or hub id (org/name)"
@@ -105,6 +108,8 @@ class Engine:
         self.options.validate(self.device)
         self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, load_format)
         self.parallel = parallel or ParallelConfig()
+        if fp8_checkpoint_layers(self.spec.transformer) is not None and self.options.quantize != "fp8":
+            raise InvalidRequest(f"{self.spec.name} holds an FP8 transformer; run it with --quantize fp8")
         check_plan(self.spec, self.parallel, self.parallel.world_size, self.device)
         self.memory_cap = None if max_gpu_memory is None else parse_size(max_gpu_memory)
         self.memory_plan = None
@@ -116,7 +121,9 @@ class Engine:
         if self.parallel.world_size == 1:
             if self.memory_cap is not None:
                 hold_to_cap(self.device, self.memory_cap)
-            self._pipeline = FAMILIES[self.spec.family].pipeline.load(self.spec, self.device, self.dtype, dummy=dummy)
+            self._pipeline = FAMILIES[self.spec.family].pipeline.load(
+                self.spec, self.device, self.dtype, dummy=dummy, quantize=self.options.quantize
+            )
             self._pipeline.transformer = apply_execution_options(self._pipeline.transformer, self.options, self.device)
             return
         plan = WorkerPlan(

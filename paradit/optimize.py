@@ -1,6 +1,8 @@
-"""Execution options applied to a loaded transformer from outside: FP8 linears, regional compilation, CUDA graphs.
+"""Execution options applied to a transformer from outside: FP8 linears, regional compilation, CUDA graphs.
 
-Applied after the parallel runtime has wrapped the model, so every strategy gets them unchanged.
+FP8 is applied while loading (``DiffusionPipeline.load(quantize=...)`` converts each linear as it is read, so the
+high-precision model never exists whole); compilation and graphs after the parallel runtime has wrapped the model, so
+every strategy gets them unchanged.
 Must not import torch.distributed.
 """
 
@@ -14,7 +16,6 @@ from torch import nn
 from paradit.compile import compile_blocks
 from paradit.cuda_graphs import GraphedModule
 from paradit.errors import InvalidRequest
-from paradit.quantize import quantize_fp8
 
 QUANTIZATIONS = ("none", "fp8")
 
@@ -43,9 +44,8 @@ class ExecutionOptions:
 
 
 def apply_execution_options(transformer: nn.Module, options: ExecutionOptions, device: torch.device) -> nn.Module:
-    """Returns the module to call in place of ``transformer`` (itself, or its CUDA-graphed wrapper)."""
-    if options.quantize == "fp8":
-        quantize_fp8(transformer, device)
+    """Returns the module to call in place of ``transformer`` (itself, or its CUDA-graphed wrapper). FP8 is not
+    applied here: ``options.quantize`` goes to the loader."""
     if options.compiles(device):
         compile_blocks(transformer)
     return GraphedModule(transformer) if options.cuda_graphs else transformer

@@ -1,23 +1,32 @@
 """Weights: diffusers-layout checkpoint folders, hub ids, and random ("dummy") initialisation on the device.
 
-The transformer is built on the meta device and every tensor is read from the memory-mapped safetensors shards
-straight into its final device and dtype, one tensor at a time, so the weights never exist twice. Keys must match
-the model exactly: a missing or unexpected key is an error that names it.
+The transformer is built on the meta device, the parallel runtime shards and prunes it there, and only then are the
+tensors this rank kept materialised (``materialize``): read from the memory-mapped safetensors shards (just the
+slice a tensor-parallel rank keeps) or drawn at random (``dummy``), one tensor at a time, straight into their final
+device and dtype. Linears converted to FP8 while loading become FP8 as they are read. So a rank's memory while
+loading is its own share plus at most one full tensor. Keys must match the model exactly: a missing or unexpected
+key is an error that names it.
 
 Must not import torch.distributed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from paradit.errors import CheckpointError
+from paradit.layers.fp8 import Fp8Linear, quantize_weight
 
 INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
 SINGLE_FILE = "diffusion_pytorch_model.safetensors"
@@ -72,53 +81,210 @@ def safetensors_files(component: Path) -> list[Path]:
     raise CheckpointError(f"{component} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
-def iter_checkpoint_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in files:
-        # safe_open memory-maps the file; on CUDA it copies each tensor straight from the map to the device.
-        with safe_open(str(file), framework="pt", device=str(device)) as handle:
-            for key in handle.keys():
-                yield key, handle.get_tensor(key)
+@dataclass(frozen=True)
+class TensorSlice:
+    """The part of a full tensor one rank keeps: the ``ranges`` [start, stop) along ``dim`` (``size`` long in the full
+    tensor), concatenated in order (one range per packed part, so every rank holds matching shares of each part)."""
+
+    dim: int
+    size: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def indices(self, ndim: int) -> list[tuple[slice, ...]]:
+        """One index per range, for anything indexed like a tensor (a tensor, a safetensors slice)."""
+        before = (slice(None),) * self.dim
+        return [(*before, slice(start, stop), *(slice(None),) * (ndim - self.dim - 1)) for start, stop in self.ranges]
+
+    def shape(self, full: Sequence[int]) -> tuple[int, ...]:
+        kept = sum(stop - start for start, stop in self.ranges)
+        return (*full[: self.dim], kept, *full[self.dim + 1 :])
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a full ``tensor``, as a copy, so that the full tensor can be freed."""
+        if tensor.shape[self.dim] != self.size:
+            raise ValueError(
+                f"a tensor-parallel plan expects {self.size} features along dim {self.dim}, found {tensor.shape}"
+            )
+        return torch.cat([tensor[index] for index in self.indices(tensor.ndim)], self.dim)
 
 
-def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    if leaf in owner._parameters:
-        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-    else:
-        owner._buffers[leaf] = value
+class CheckpointTensors:
+    """The tensors of safetensors ``files`` by name, each read (or just the slice a rank keeps) from the memory map
+    when asked for, so that no more than one tensor's share is in flight."""
+
+    def __init__(self, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.folder = files[0].parent
+        self._stack = ExitStack()
+        self._handles = {}
+        for file in files:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            self._handles.update(dict.fromkeys(handle.keys(), handle))
+
+    def keys(self) -> set[str]:
+        return set(self._handles)
+
+    def read(self, name: str, full_shape: tuple[int, ...], cut: TensorSlice | None, dtype: torch.dtype | None):
+        """On the device, floating tensors cast to ``dtype`` (None: as stored, for FP8 weights and their scales)."""
+        handle = self._handles[name]
+        stored = handle.get_slice(name)
+        if tuple(stored.get_shape()) != tuple(full_shape):
+            raise CheckpointError(f"{name}: checkpoint shape {tuple(stored.get_shape())} != model shape {full_shape}")
+        if cut is None:
+            tensor = handle.get_tensor(name)
+        else:
+            pieces = [stored[index] for index in cut.indices(len(full_shape))]
+            tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, cut.dim)
+        # Moved first, then cast: the device converts faster, and the bus carries the stored bytes once.
+        tensor = tensor.to(self.device)
+        return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+    def close(self) -> None:
+        self._stack.close()
 
 
-def load_module_weights(
-    module: nn.Module,
-    files: list[Path],
-    device: torch.device,
-    dtype: torch.dtype,
-    keep: Callable[[str], bool] = lambda name: True,
+class DummyTensors:
+    """Random weights for speed measurements (vLLM's ``dummy`` format), generated on the device.
+
+    Each tensor's values come from a generator seeded by its name, drawn for its full shape and then sliced, so every
+    rank holds the same values for a replicated tensor and matching shares of a sharded one, whatever else it holds.
+    Scales keep activations bounded through deep stacks (std 1/sqrt(fan_in) for matrices, 1 for norm weights, 0 for
+    biases and buffers), so timings are not distorted by inf/NaN arithmetic.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, buffers: set[str], seed: int = 0) -> None:
+        self.device, self.dtype, self.buffers, self.seed = device, dtype, buffers, seed
+
+    def read(self, name: str, full_shape: tuple[int, ...], cut: TensorSlice | None, dtype: torch.dtype):
+        if name in self.buffers or name.endswith("bias") or len(full_shape) < 2:
+            fill = 0 if name in self.buffers or name.endswith("bias") else 1
+            shape = full_shape if cut is None else cut.shape(full_shape)
+            return torch.full(shape, fill, dtype=dtype, device=self.device)
+        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        fan_in = math.prod(full_shape[1:])
+        full = torch.empty(full_shape, dtype=dtype, device=self.device).normal_(0.0, fan_in**-0.5, generator=generator)
+        return full if cut is None else cut.take(full)
+
+
+TensorSource = CheckpointTensors | DummyTensors
+
+
+class ModelNames:
+    """The names (diffusers') of a plain model's modules, parameters and buffers, and each tensor's full shape, taken
+    before the parallel runtime shards, prunes and wraps it: they still name whatever it kept, wherever that now
+    lives. A tensor is found by identity, or, where tensor parallelism replaced it by its slice, by the module and
+    attribute that hold it. Everything named is kept referenced, so no identity is reused while this lives."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._modules = {id(module): (name, module) for name, module in model.named_modules(remove_duplicate=False)}
+        self._tensors, self._slots = {}, {}
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for leaf, tensor in _own_tensors(module):
+                entry = (f"{module_name}.{leaf}" if module_name else leaf, tuple(tensor.shape), tensor)
+                self._tensors[id(tensor)] = self._slots[(id(module), leaf)] = entry
+
+    def module(self, module: nn.Module) -> str | None:
+        entry = self._modules.get(id(module))
+        return None if entry is None else entry[0]
+
+    def tensor(self, owner: nn.Module, leaf: str, tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+        """The name and full shape of ``tensor``, held as ``owner.leaf``."""
+        entry = self._tensors.get(id(tensor)) or self._slots.get((id(owner), leaf))
+        if entry is None:  # a parallel wrapper built on the meta device must hold only the model's own tensors
+            raise ValueError(f"{type(owner).__name__}.{leaf} is on the meta device but is none of the model's tensors")
+        return entry[0], entry[1]
+
+    def all(self) -> set[str]:
+        return {name for name, _, _ in self._tensors.values()}
+
+
+@dataclass(frozen=True)
+class Fp8Load:
+    """Linears to build as ``Fp8Linear`` while loading (their names by module identity), the FP8 format, and the
+    ``weight_scale`` names an FP8 checkpoint holds (empty when converting from high precision)."""
+
+    modules: dict[int, str]
+    dtype: torch.dtype
+    scales: frozenset[str] = field(default_factory=frozenset)
+
+
+@torch.no_grad()
+def materialize(
+    root: nn.Module,
+    names: ModelNames,
+    source: TensorSource,
+    slices: dict[str, TensorSlice] | None = None,
+    fp8: Fp8Load | None = None,
 ) -> None:
-    """Fill a meta-device ``module`` from safetensors ``files``; ``keep`` selects the names this process holds."""
-    targets = {name: t for name, t in [*module.named_parameters(), *module.named_buffers()] if keep(name)}
-    expected = set(targets)
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    for key, tensor in iter_checkpoint_tensors(files, device):
-        if key not in expected:
-            if keep(key):
-                unexpected.append(key)
+    """Fill every meta tensor still reachable from ``root`` from ``source``: only what this rank kept is read, and of
+    a sharded tensor only its slice. ``names`` (of the plain model) gives each tensor's checkpoint name and full
+    shape; ``slices`` the cut of each sharded one. The linears in ``fp8`` become ``Fp8Linear`` as they
+    are read, so at most one of their high-precision weights exists at a time."""
+    slices = slices or {}
+    fp8 = fp8 or Fp8Load({}, torch.float8_e4m3fn)
+    owners = list(root.modules())
+    if isinstance(source, CheckpointTensors):
+        held = [names.tensor(owner, leaf, t)[0] for owner in owners for leaf, t in _own_tensors(owner) if t.is_meta]
+        scales = {scale for name in fp8.modules.values() if (scale := f"{name}.weight_scale") in fp8.scales}
+        _check_keys(source, names.all() | fp8.scales, set(held) | scales)
+    done: dict[int, torch.Tensor] = {}
+    for owner in owners:
+        if id(owner) in fp8.modules:
             continue
-        target = targets[key]
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise CheckpointError(f"{key}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
-        _set_tensor(module, key, tensor.to(dtype) if tensor.is_floating_point() else tensor)
-        seen.add(key)
-    missing = sorted(expected - seen)
+        for leaf, child in list(owner.named_children()):
+            if id(child) in fp8.modules:
+                setattr(owner, leaf, _fp8_linear(child, fp8.modules[id(child)], names, source, slices, fp8))
+        for table in (owner._parameters, owner._buffers):
+            for leaf, tensor in table.items():
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in done:
+                    name, shape = names.tensor(owner, leaf, tensor)
+                    dtype = source.dtype if tensor.is_floating_point() else tensor.dtype
+                    done[id(tensor)] = source.read(name, shape, slices.get(name), dtype)
+                value = done[id(tensor)]
+                table[leaf] = nn.Parameter(value, requires_grad=False) if table is owner._parameters else value
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(leaf, t) for leaf, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
+
+
+def _fp8_linear(linear: nn.Linear, name: str, names: ModelNames, source: TensorSource, slices: dict[str, TensorSlice],
+                fp8: Fp8Load) -> Fp8Linear:  # fmt: skip
+    """One linear as FP8: an FP8 checkpoint's weight and scale as stored, or else its high-precision weight converted
+    (and freed when this returns)."""
+    weight_name, scale_name = f"{name}.weight", f"{name}.weight_scale"
+    shape = names.tensor(linear, "weight", linear.weight)[1]
+    if scale_name in fp8.scales:
+        weight = source.read(weight_name, shape, slices.get(weight_name), None)
+        scale = source.read(scale_name, (shape[0], 1), slices.get(scale_name), torch.float32)
+        if weight.dtype != fp8.dtype:  # an OCP (e4m3fn) checkpoint on MI300's "fnuz" format: re-scaled into its range
+            weight, scale = quantize_weight(weight.float() * scale, fp8.dtype)
+    else:
+        weight, scale = quantize_weight(
+            source.read(weight_name, shape, slices.get(weight_name), source.dtype), fp8.dtype
+        )
+    bias = None
+    if linear.bias is not None:
+        bias_name, bias_shape = names.tensor(linear, "bias", linear.bias)
+        bias = source.read(bias_name, bias_shape, slices.get(bias_name), source.dtype)
+    return Fp8Linear(weight, scale, bias, source.dtype)
+
+
+def _check_keys(source: CheckpointTensors, known: set[str], wanted: set[str]) -> None:
+    """Every tensor this rank holds must be in the checkpoint, and every checkpoint tensor must be one of the
+    model's (held here or not)."""
+    keys = source.keys()
+    missing, unexpected = sorted(wanted - keys), sorted(keys - known)
     if missing or unexpected:
         parts = []
         if missing:
             parts.append(f"missing keys {_few(missing)}")
         if unexpected:
-            parts.append(f"unexpected keys {_few(sorted(unexpected))}")
-        raise CheckpointError(f"checkpoint {files[0].parent} does not match the model: " + "; ".join(parts))
+            parts.append(f"unexpected keys {_few(unexpected)}")
+        raise CheckpointError(f"checkpoint {source.folder} does not match the model: " + "; ".join(parts))
 
 
 def _few(names: list[str], limit: int = 8) -> str:
@@ -126,23 +292,43 @@ def _few(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-@torch.no_grad()
-def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
-    """Random weights on ``device`` for a meta-device ``module``, for speed measurements (vLLM's ``dummy`` format).
+def load_module_weights(module: nn.Module, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
+    """Fill a whole meta-device ``module`` from safetensors ``files``."""
+    source = CheckpointTensors(files, device, dtype)
+    try:
+        materialize(module, ModelNames(module), source)
+    finally:
+        source.close()
 
-    Scales keep activations bounded through deep stacks (std 1/sqrt(fan_in) for matrices, 1 for norm weights), so
-    timings are not distorted by inf/NaN arithmetic.
-    """
-    module.to(dtype).to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in module.named_parameters():
-        param.requires_grad_(False)
-        if param.ndim >= 2:
-            fan_in = param[0].numel()
-            param.normal_(0.0, fan_in**-0.5, generator=generator)
-        elif name.endswith("bias"):
-            param.zero_()
-        else:
-            param.fill_(1.0)
-    for buffer in module.buffers():
-        buffer.zero_()
+
+def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+    """Random weights (``DummyTensors``) on ``device`` for a whole meta-device ``module``."""
+    buffers = {name for name, _ in module.named_buffers()}
+    materialize(module, ModelNames(module), DummyTensors(device, dtype, buffers, seed))
+
+
+def save_component(state: dict[str, torch.Tensor], config: dict, folder: Path, max_shard_bytes: int) -> None:
+    """A diffusers-layout component: ``config.json``, and the tensors in safetensors shards of at most
+    ``max_shard_bytes`` (a larger tensor alone in its shard) with their index, or one file if they fit in one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().to("cpu").contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE_FILE))
+        return
+    weight_map = {}
+    for number, shard in enumerate(shards, 1):
+        file = f"diffusion_pytorch_model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file))
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

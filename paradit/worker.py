@@ -59,7 +59,9 @@ def build_worker_pipeline(plan: WorkerPlan, rank: int, local_rank: int):
         hold_to_cap(device, plan.memory_cap)
     init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
     context = ParallelContext.build(plan.parallel, device)
-    pipeline = FAMILIES[plan.spec.family].pipeline.load(plan.spec, device, plan.dtype, plan.dummy, parallel=context)
+    pipeline = FAMILIES[plan.spec.family].pipeline.load(
+        plan.spec, device, plan.dtype, plan.dummy, parallel=context, quantize=plan.options.quantize
+    )
     pipeline.transformer = apply_execution_options(pipeline.transformer, plan.options, device)
     return pipeline
 

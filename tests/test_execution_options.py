@@ -7,7 +7,7 @@ import torch
 
 from paradit import Engine, InvalidRequest
 from paradit.compile import compile_blocks
-from paradit.layers.fp8 import Fp8Linear, check_fp8_supported, quantize_rowwise
+from paradit.layers.fp8 import Fp8Linear, check_fp8_supported, quantize_rowwise, quantize_weight
 from paradit.models.flux2 import Flux2Config, Flux2Transformer
 from paradit.optimize import ExecutionOptions
 from paradit.quantize import quantizable
@@ -101,3 +101,12 @@ def test_regional_compile_equals_eager():
 )
 def test_layer_selection_across_families(name, expected):
     assert quantizable(name, torch.nn.Linear(32, 32)) is expected
+
+
+def test_weights_convert_block_by_block_to_the_same_bits():
+    """``quantize_weight`` works through 2^24 elements at a time (8 rows here): the same FP8 bits and scales as
+    converting the whole weight at once."""
+    weight = torch.randn(9, 2**21, dtype=torch.bfloat16) * torch.logspace(-2, 2, 9, dtype=torch.bfloat16)[:, None]
+    blocks, block_scales = quantize_weight(weight, E4M3)
+    whole, scales = quantize_rowwise(weight, E4M3)
+    assert torch.equal(blocks.view(torch.uint8), whole.view(torch.uint8)) and torch.equal(block_scales, scales)

@@ -18,8 +18,9 @@ heads without change; the head and width counts attention modules store are divi
 what the module holds. The result is exact: sequence parallelism composes with it (the sequence group splits tokens,
 the tensor group splits heads and hidden units), and so does CFG parallelism.
 
-Weights are sharded after loading: each rank briefly holds the full weights before the slices are cut and the rest
-freed. Loading only the shard is later work.
+The plan describes, per parameter name, the slice of the full tensor a rank keeps (``tensor_slices``), so the loader
+reads only that slice from the checkpoint; ``parallelize_tensor`` applies the same slices to a model's tensors, which
+on the meta device (before loading) only reshapes them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from paradit.models.sd3 import SD3Transformer
 from paradit.models.zimage import ZImageTransformer
 from paradit.parallel.comm import all_reduce_sum
 from paradit.parallel.mesh import ParallelContext
+from paradit.weights import TensorSlice
 
 
 @dataclass(frozen=True)
@@ -198,15 +200,6 @@ def tensor_plan(model: nn.Module, degree: int) -> TensorPlan:
     return plan
 
 
-def _slice_parts(tensor: torch.Tensor, dim: int, sizes: list[int], degree: int, rank: int) -> torch.Tensor:
-    """This rank's share of each packed part along ``dim``, concatenated in the parts' order. A copy, so that the
-    full tensor is freed once the module lets go of it."""
-    if tensor.shape[dim] != sum(sizes):
-        raise ValueError(f"a tensor-parallel plan expects {sum(sizes)} features along dim {dim}, found {tensor.shape}")
-    shares = [part.chunk(degree, dim)[rank] for part in tensor.split(sizes, dim)]
-    return torch.cat(shares, dim).clone()
-
-
 def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     found = [(name, module) for name, module in model.named_modules() if fnmatchcase(name, pattern)]
     if not found:  # a plan that has drifted from its model must not leave layers silently replicated
@@ -214,26 +207,44 @@ def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def tensor_slices(model: nn.Module, degree: int, rank: int) -> dict[str, TensorSlice]:
+    """The slice ``rank`` of ``degree`` keeps of each sharded tensor of the plain ``model``, by its (diffusers)
+    name: ``<linear>.weight``, and for column-parallel linears ``.bias`` and FP8's ``.weight_scale`` (one per output
+    feature). Tensors not named here are replicated."""
+    plan = tensor_plan(model, degree)
+    widths = plan.widths(model.config)
+    slices = {}
+    for pattern, shard in plan.linears.items():
+        ranges, offset = [], 0
+        for part in shard.parts:
+            share = widths[part] // degree
+            ranges.append((offset + rank * share, offset + (rank + 1) * share))
+            offset += widths[part]
+        for name, _ in _matching(model, pattern):
+            if shard.style == "column":
+                for leaf in ("weight", "bias", "weight_scale"):
+                    slices[f"{name}.{leaf}"] = TensorSlice(0, offset, tuple(ranges))
+            else:
+                slices[f"{name}.weight"] = TensorSlice(1, offset, tuple(ranges))
+    return slices
+
+
 @torch.no_grad()
 def parallelize_tensor(model: nn.Module, context: ParallelContext) -> nn.Module:
-    """Shard ``model``'s blocks in place across ``context``'s tensor group; returns the model."""
+    """Shard ``model``'s blocks in place across ``context``'s tensor group; returns the model. On the meta device
+    this only gives the tensors their sharded shapes; the loader then fills them with ``tensor_slices``."""
     degree = context.config.tensor
     plan = tensor_plan(model, degree)
-    rank = context.local_rank("tensor")
-    widths = plan.widths(model.config)
+    slices = tensor_slices(model, degree, context.local_rank("tensor"))
     for pattern, shard in plan.linears.items():
-        sizes = [widths[part] for part in shard.parts]
         for name, linear in _matching(model, pattern):
-            if shard.style == "column":
-                linear.weight = nn.Parameter(_slice_parts(linear.weight, 0, sizes, degree, rank), requires_grad=False)
-                if linear.bias is not None:
-                    linear.bias = nn.Parameter(_slice_parts(linear.bias, 0, sizes, degree, rank), requires_grad=False)
-                linear.out_features = linear.weight.shape[0]
-            else:
+            for leaf, param in list(linear.named_parameters(recurse=False)):
+                if f"{name}.{leaf}" in slices:
+                    setattr(linear, leaf, nn.Parameter(slices[f"{name}.{leaf}"].take(param), requires_grad=False))
+            linear.out_features, linear.in_features = linear.weight.shape
+            if shard.style == "row":
                 bias = linear.bias
-                linear.weight = nn.Parameter(_slice_parts(linear.weight, 1, sizes, degree, rank), requires_grad=False)
                 linear.register_parameter("bias", None)  # added once, after the sum, by the wrapper
-                linear.in_features = linear.weight.shape[1]
                 owner_name, _, leaf = name.rpartition(".")
                 model.get_submodule(owner_name).register_module(leaf, RowParallelLinear(linear, bias, context))
     for pattern, attributes in plan.local_attributes.items():

@@ -16,13 +16,22 @@ from torch import nn
 from tqdm import tqdm
 
 from paradit.errors import InvalidRequest
+from paradit.layers.fp8 import fp8_dtype
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.pipefusion import PipeFusion, parallelize_pipefusion
 from paradit.parallel.sequence import parallelize_sequence
-from paradit.parallel.tensor import parallelize_tensor
+from paradit.parallel.tensor import parallelize_tensor, tensor_slices
+from paradit.quantize import fp8_load
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.spec import ModelSpec
-from paradit.weights import component_dir, init_dummy_weights, load_module_weights, safetensors_files
+from paradit.weights import (
+    CheckpointTensors,
+    DummyTensors,
+    ModelNames,
+    component_dir,
+    materialize,
+    safetensors_files,
+)
 
 NoisePredictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -172,7 +181,7 @@ class DiffusionPipeline:
 
     A family supplies ``CONDITIONING`` (the names of the tensors its prompt encoding produces) and the hooks:
     ``build_transformer``, ``load_conditioners``, ``resolve``, ``encode``, ``initial_latents``, ``make_scheduler``,
-    ``predictor`` and ``decode``; ``after_dummy_init`` where random weights need more than ``init_dummy_weights``.
+    ``predictor`` and ``decode``; ``after_dummy_init`` where random weights need more than ``DummyTensors``.
     """
 
     CONDITIONING: tuple[str, ...] = ()
@@ -196,28 +205,59 @@ class DiffusionPipeline:
         dtype: torch.dtype,
         dummy: bool,
         parallel: ParallelContext | None = None,
+        quantize: str = "none",
     ) -> DiffusionPipeline:
-        with torch.device("meta"):
-            transformer = cls.build_transformer(spec)
-        folder = spec.extra.get("folder")
-        if dummy:
-            init_dummy_weights(transformer, device, dtype)
-            cls.after_dummy_init(transformer)
-        else:
-            load_module_weights(transformer, safetensors_files(component_dir(folder, "transformer")), device, dtype)
-        transformer = transformer.eval()
-        if parallel is not None:
-            # Tensor first: it shards the plain model's linears, which the sequence wrapper then runs unchanged.
-            # PipeFusion last: its stages are sequence-parallel groups, each patch split across one.
-            if parallel.config.tensor > 1:
-                transformer = parallelize_tensor(transformer, parallel)
-            transformer = parallelize_sequence(transformer, parallel)
-            transformer = parallelize_pipefusion(transformer, parallel)
+        """``quantize``: see ``load_transformer``."""
+        transformer = cls.load_transformer(spec, device, dtype, dummy, parallel, quantize)
         if parallel is not None and not parallel.is_leader:
             return cls(spec, transformer, None, None, device, dtype, parallel)
         prompt_encoder, vae = cls.load_conditioners(spec, device, dtype, dummy)
         vae = vae.to(device).eval().requires_grad_(False)
         return cls(spec, transformer, prompt_encoder, vae, device, dtype, parallel)
+
+    @classmethod
+    def load_transformer(
+        cls,
+        spec: ModelSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        dummy: bool,
+        parallel: ParallelContext | None = None,
+        quantize: str = "none",
+    ) -> nn.Module:
+        """This rank's transformer, parallelized: built and parallelized on the meta device, then only the tensors
+        (and tensor-parallel slices) the rank kept are read or drawn. ``quantize="fp8"`` converts the quantizable
+        linears as they load; an FP8 checkpoint's linears load as FP8 whatever ``quantize`` says. No check that
+        FP8 can run here: converting on the CPU is allowed (``ExecutionOptions.validate`` guards execution)."""
+        with torch.device("meta"):
+            plain = cls.build_transformer(spec).eval()
+        names = ModelNames(plain)
+        transformer, slices = plain, {}
+        if parallel is not None:
+            # Tensor first: it shards the plain model's linears, which the sequence wrapper then runs unchanged.
+            # PipeFusion last: its stages are sequence-parallel groups, each patch split across one.
+            if parallel.config.tensor > 1:
+                slices = tensor_slices(plain, parallel.config.tensor, parallel.local_rank("tensor"))
+                transformer = parallelize_tensor(transformer, parallel)
+            transformer = parallelize_sequence(transformer, parallel)
+            transformer = parallelize_pipefusion(transformer, parallel)
+        fp8 = fp8_load(transformer, names, spec.transformer, quantize, fp8_dtype(device))
+        # A folder written by ``paradit quantize`` for a preset holds the transformer alone, read even when the
+        # rest of the pipeline is random.
+        component = spec.extra.get("transformer_folder")
+        if component is None and not dummy:
+            component = component_dir(spec.extra["folder"], "transformer")
+        if component is None:
+            buffers = {name for name, _ in plain.named_buffers()}
+            materialize(transformer, names, DummyTensors(device, dtype, buffers), slices, fp8)
+            cls.after_dummy_init(plain)
+        else:
+            source = CheckpointTensors(safetensors_files(component), device, dtype)
+            try:
+                materialize(transformer, names, source, slices, fp8)
+            finally:
+                source.close()
+        return transformer
 
     @classmethod
     def after_dummy_init(cls, transformer: nn.Module) -> None:
