@@ -28,13 +28,9 @@ import torch
 from torch import nn
 
 from paradit.layers.attention import AttentionDispatch, AttentionFn, attention_with_lse, sdpa_attention
-from paradit.layers.fp8 import quantize_rowwise
 from paradit.parallel.comm import RingExchange, all_gather_uneven, all_to_all_uneven, split_sizes
 from paradit.parallel.mesh import ParallelContext
-
-# FP8 transport (--comm-dtype fp8): e4m3 values with one float32 scale per (token, head) row of head_dim values,
-# about 1/2 of bf16's bytes on the wire at head_dim 128. It travels as raw bytes, which every backend carries.
-TRANSPORT_FP8 = torch.float8_e4m3fn
+from paradit.parallel.transport import decode_fp8_rows, encode_fp8_rows
 
 
 class SequenceParallelAttention:
@@ -68,17 +64,13 @@ class SequenceParallelAttention:
         """(B, L_me, H, D) -> (B, L_group, H_me, D): gather this Ulysses group's tokens, keep a share of the heads."""
         if not self.fp8_transport:
             return self._heads_to_sequence(x)
-        payload, scale = quantize_rowwise(x, TRANSPORT_FP8)
-        payload = self._heads_to_sequence(payload.view(torch.uint8)).view(TRANSPORT_FP8)
-        return (payload.float() * self._heads_to_sequence(scale)).to(x.dtype)
+        return decode_fp8_rows(self._heads_to_sequence(encode_fp8_rows(x)), x.dtype)
 
     def sequence_to_heads(self, out: torch.Tensor, heads: int) -> torch.Tensor:
         """(B, L_group, H_me, D) -> (B, L_me, H, D): the inverse of ``heads_to_sequence``."""
         if not self.fp8_transport:
             return self._sequence_to_heads(out, heads)
-        payload, scale = quantize_rowwise(out, TRANSPORT_FP8)
-        payload = self._sequence_to_heads(payload.view(torch.uint8), heads).view(TRANSPORT_FP8)
-        return (payload.float() * self._sequence_to_heads(scale, heads)).to(out.dtype)
+        return decode_fp8_rows(self._sequence_to_heads(encode_fp8_rows(out), heads), out.dtype)
 
     def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """One copy lays the send buffer out by destination; with batch 1 the receive buffer already is the result."""
@@ -167,19 +159,10 @@ class SequenceParallelAttention:
         return k, v, key_mask
 
     def _to_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        if not self.fp8_transport:
-            return tensors
-        wire = []
-        for tensor in tensors:
-            payload, scale = quantize_rowwise(tensor, TRANSPORT_FP8)
-            wire += [payload.view(torch.uint8), scale]
-        return wire
+        return [encode_fp8_rows(t) for t in tensors] if self.fp8_transport else tensors
 
     def _from_wire(self, wire: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        if not self.fp8_transport:
-            return wire
-        pairs = zip(wire[0::2], wire[1::2])
-        return [(payload.view(TRANSPORT_FP8).float() * scale).to(dtype) for payload, scale in pairs]
+        return [decode_fp8_rows(t, dtype) for t in wire] if self.fp8_transport else wire
 
     def gather_key_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
         """This Ulysses group's key masks in the order ``heads_to_sequence`` gathers the keys. Every layer of a
