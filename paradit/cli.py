@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--warmup-steps", type=int, default=1, help="pipefusion: exact steps before patching")
     par.add_argument("--max-gpu-memory", help="per-GPU cap, e.g. 32GiB: a plan that cannot fit is refused up front")
     par.add_argument(
+        "--text-encoder-placement",
+        choices=["auto", "gpu", "fp8", "offload"],
+        default="auto",
+        help="prompt encoders on rank 0's GPU, there with FP8 linears (with --quantize fp8), or in CPU memory streamed "
+        "to it while encoding; auto: the first that fits under --max-gpu-memory (on the GPU without a cap)",
+    )
+    par.add_argument(
         "--verify-serial", action="store_true", help="also run the request in one process and report the difference"
     )
 
@@ -100,6 +107,7 @@ def format_table(result: GenerationResult) -> str:
         ("total", f"{t.total_s:.3f} s"),
         (f"peak memory ({t.peak_memory_kind})", f"{t.peak_memory_bytes / 2**30:.2f} GiB"),
         ("parallel plan", t.plan),
+        ("text encoder placement", t.text_encoders),
     ]
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
@@ -144,7 +152,13 @@ def run_generate(args: argparse.Namespace) -> int:
     options = ExecutionOptions(quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs)
     options.validate(device)
     engine_args = dict(device=device, dtype=dtype, load_format=args.load_format, options=options)
-    with Engine(spec, parallel=parallel, max_gpu_memory=args.max_gpu_memory, **engine_args) as engine:
+    with Engine(
+        spec,
+        parallel=parallel,
+        max_gpu_memory=args.max_gpu_memory,
+        text_encoder_placement=args.text_encoder_placement,
+        **engine_args,
+    ) as engine:
         result = engine.generate(request, progress=not args.no_progress)
     if result is None:  # a non-zero rank under torchrun: rank 0 writes the images
         return 0

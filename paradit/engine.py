@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from paradit.errors import InvalidRequest
-from paradit.memory import check_fits, hold_to_cap, parse_size
+from paradit.memory import check_fits, check_placement, hold_to_cap, parse_size
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.tensor import tensor_plan
@@ -83,7 +83,11 @@ class Engine:
 
     ``model`` is a preset name, a checkpoint folder, a hub id, or a ModelSpec already resolved. ``options`` selects
     FP8 linears and regional compilation (on by default on GPUs). ``max_gpu_memory`` ("32GiB") is checked against
-    the plan's estimate before anything loads, and every GPU worker holds its allocator to it. With a
+    the plan's estimate before anything loads, and every GPU worker holds its allocator to it.
+    ``text_encoder_placement`` is ``gpu`` (prompt encoders resident on rank 0's GPU), ``fp8`` (resident with FP8
+    linears; FP8 runs only), ``offload`` (kept in CPU memory and streamed to the GPU while encoding) or ``auto``: under
+    a cap, the first of those that fits (the choice is ``memory_plan.text_encoder_placement``); without one, resident.
+    With a
     ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host (``cpu``
     spawns CPU processes joined by gloo); in a script started by torchrun, each process is one worker of the
     torchrun group, and ``generate`` returns the result on rank 0 and None elsewhere.
@@ -98,6 +102,7 @@ class Engine:
         parallel: ParallelConfig | None = None,
         options: ExecutionOptions | None = None,
         max_gpu_memory: str | int | None = None,
+        text_encoder_placement: Literal["auto", "gpu", "fp8", "offload"] = "auto",
     ) -> None:
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -111,24 +116,35 @@ class Engine:
         if fp8_checkpoint_layers(self.spec.transformer) is not None and self.options.quantize != "fp8":
             raise InvalidRequest(f"{self.spec.name} holds an FP8 transformer; run it with --quantize fp8")
         check_plan(self.spec, self.parallel, self.parallel.world_size, self.device)
+        fp8 = self.options.quantize == "fp8"
+        check_placement(text_encoder_placement, fp8)
         self.memory_cap = None if max_gpu_memory is None else parse_size(max_gpu_memory)
         self.memory_plan = None
+        self.text_encoder_placement = "gpu" if text_encoder_placement == "auto" else text_encoder_placement
         if self.memory_cap is not None:
-            fp8 = self.options.quantize == "fp8"
-            self.memory_plan = check_fits(self.spec, self.parallel, self.dtype, fp8, self.memory_cap)
+            self.memory_plan = check_fits(
+                self.spec, self.parallel, self.dtype, fp8, self.memory_cap, text_encoder_placement
+            )
+            self.text_encoder_placement = self.memory_plan.text_encoder_placement
         dummy = load_format == "dummy" or "folder" not in self.spec.extra
         self._pipeline = self._group = None
         if self.parallel.world_size == 1:
             if self.memory_cap is not None:
                 hold_to_cap(self.device, self.memory_cap)
             self._pipeline = FAMILIES[self.spec.family].pipeline.load(
-                self.spec, self.device, self.dtype, dummy=dummy, quantize=self.options.quantize
+                self.spec,
+                self.device,
+                self.dtype,
+                dummy=dummy,
+                quantize=self.options.quantize,
+                text_encoder_placement=self.text_encoder_placement,
             )
             self._pipeline.transformer = apply_execution_options(self._pipeline.transformer, self.options, self.device)
             return
         plan = WorkerPlan(
-            self.spec, self.device.type, self.dtype, dummy, self.parallel, self.options, self.memory_cap, "env://"
-        )
+            self.spec, self.device.type, self.dtype, dummy, self.parallel, self.options, self.memory_cap, "env://",
+            text_encoder_placement=self.text_encoder_placement,
+        )  # fmt: skip
         if launched_by_torchrun():
             rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
             self._pipeline = build_worker_pipeline(plan, rank, local_rank)
@@ -143,10 +159,13 @@ class Engine:
     def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
         validate_request(self.spec, request)
         if self._group is not None:
-            return self._group.generate(request)
-        result = self._pipeline.generate(request, progress=progress)
+            result = self._group.generate(request)
+        else:
+            result = self._pipeline.generate(request, progress=progress)
+            if result is not None:
+                result.timings.plan = self.parallel.describe()
         if result is not None:
-            result.timings.plan = self.parallel.describe()
+            result.timings.text_encoders = self.text_encoder_placement
         return result
 
     def close(self) -> None:

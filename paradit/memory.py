@@ -5,6 +5,10 @@ built on the meta device (no memory, milliseconds) and their parameters counted 
 estimated from the tokens each rank holds. Rank 0 carries the prompt encoders and the VAE, so it is the rank that
 must fit.
 
+The plan also places the prompt encoders (``text_encoder.PLACEMENTS``), taking the first that fits: resident on the
+GPU; resident with FP8 linears, when the run executes in FP8 anyway; offloaded to CPU memory and streamed to the GPU
+while encoding, which leaves only the largest streamed piece on it.
+
 Must not import torch.distributed.
 """
 
@@ -19,7 +23,10 @@ from torch import nn
 from paradit.errors import InvalidRequest
 from paradit.parallel.config import ParallelConfig
 from paradit.spec import ModelSpec
+from paradit.text_encoder import PLACEMENTS, converts_to_fp8
 
+TEXT_ENCODER_PLACEMENTS = ("auto", *PLACEMENTS)
+_PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -31,6 +38,22 @@ def parse_size(text: str | int) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise InvalidRequest(f"memory size {text!r} is not understood; write e.g. 32GiB, 30GB or 512MiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def check_placement(placement: str, fp8: bool) -> None:
+    """Refuse an unknown placement, or FP8 prompt encoders in a run that does not execute in FP8."""
+    if placement not in TEXT_ENCODER_PLACEMENTS:
+        raise InvalidRequest(
+            f"text encoder placement {placement!r} is not allowed; choose one of {', '.join(TEXT_ENCODER_PLACEMENTS)}"
+        )
+    if placement == "fp8" and not fp8:
+        raise InvalidRequest("text encoder placement fp8 needs FP8 execution (--quantize fp8); choose gpu or offload")
+
+
+def _candidates(placement: str, fp8: bool) -> tuple[str, ...]:
+    if placement != "auto":
+        return (placement,)
+    return PLACEMENTS if fp8 else tuple(p for p in PLACEMENTS if p != "fp8")
 
 
 def _modules(holder) -> list[nn.Module]:
@@ -51,14 +74,35 @@ def _bytes(modules: list[nn.Module], dtype: torch.dtype) -> int:
     return sum(p.numel() for module in modules for p in module.parameters()) * size
 
 
+def _fp8_bytes(encoders: list[nn.Module], dtype: torch.dtype) -> int:
+    """Resident encoders with their linears in FP8 (``converts_to_fp8``): a byte a weight, a float32 scale a row."""
+    element = torch.finfo(dtype).bits // 8
+    saved = sum(
+        m.weight.numel() * (element - 1) - m.out_features * 4
+        for encoder in encoders
+        for name, m in encoder.named_modules()
+        if converts_to_fp8(encoder, name, m)
+    )
+    return _bytes(encoders, dtype) - saved
+
+
+def _streamed_bytes(encoders: list[nn.Module], dtype: torch.dtype) -> int:
+    """What offloaded encoders keep on the GPU: the most weights one offload hook brings over at a time (one
+    submodule's own parameters), and the buffers, which stay there."""
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for e in encoders for m in e.modules())
+    buffers = sum(b.numel() * b.element_size() for encoder in encoders for b in encoder.buffers())
+    return largest * (torch.finfo(dtype).bits // 8) + buffers
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes rank 0 needs: the transformer's share, the prompt encoders, the VAE, and working memory."""
+    """Bytes rank 0 needs: the transformer's share, the prompt encoders (as placed), the VAE, and working memory."""
 
     transformer: int
     text_encoders: int
     vae: int
     activations: int
+    text_encoder_placement: str = "gpu"
 
     @property
     def total(self) -> int:
@@ -68,19 +112,27 @@ class MemoryPlan:
         gib = 2**30
         return (
             f"{self.total / gib:.1f} GiB on rank 0 (transformer weights {self.transformer / gib:.1f}, text encoders "
-            f"{self.text_encoders / gib:.1f}, VAE {self.vae / gib:.1f}, activations ~{self.activations / gib:.1f})"
+            f"{self.text_encoders / gib:.1f} {_PLACEMENT_NOTES[self.text_encoder_placement]}, VAE "
+            f"{self.vae / gib:.1f}, activations ~{self.activations / gib:.1f})"
         )
 
 
-def estimate(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool) -> MemoryPlan:
+def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool) -> dict[str, MemoryPlan]:
+    """Rank 0's plan for each prompt encoder placement."""
+    from paradit.parallel.pipefusion import stage_range
     from paradit.pipelines import FAMILIES
 
     pipeline = FAMILIES[spec.family].pipeline
     with torch.device("meta"):
         transformer = pipeline.build_transformer(spec)
-    # Tensor parallelism divides the repeated blocks; FP8 halves their linears (one byte a weight, scales aside).
-    blocks = [m for m in transformer.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
-    block_bytes = _bytes(blocks, dtype)
+    # The repeated blocks are the transformer's ModuleList children (lists nested in a block belong to the block).
+    blocks = [block for child in transformer.children() if isinstance(child, nn.ModuleList) for block in child]
+    # PipeFusion keeps only the first stage's blocks on rank 0; tensor parallelism divides them; FP8 halves their
+    # linears (one byte a weight, scales aside).
+    kept = blocks
+    if parallel.pipefusion > 1:
+        kept = [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
+    block_bytes = _bytes(kept, dtype)
     if fp8:
         block_bytes //= 2
     transformer_bytes = (_bytes([transformer], dtype) - _bytes(blocks, dtype)) + block_bytes // parallel.tensor
@@ -96,20 +148,45 @@ def estimate(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8:
     element = torch.finfo(dtype).bits // 8
     block_activations = 24 * batch * local_tokens * width * element // parallel.tensor
     vae_activations = 16 * spec.height * spec.width * 128 * element
-    return MemoryPlan(transformer_bytes, _bytes(_modules(encoder), dtype), _bytes([vae], dtype),
-                      max(block_activations, vae_activations))  # fmt: skip
+    activations = max(block_activations, vae_activations)
+    if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
+        activations += len(kept) * 2 * batch * local_tokens * width * element
+    encoders = _modules(encoder)
+    on_gpu = {
+        "gpu": _bytes(encoders, dtype),
+        "fp8": _fp8_bytes(encoders, dtype),
+        "offload": _streamed_bytes(encoders, dtype),
+    }
+    vae_bytes = _bytes([vae], dtype)
+    return {
+        placement: MemoryPlan(transformer_bytes, on_gpu[placement], vae_bytes, activations, placement)
+        for placement in PLACEMENTS
+    }
 
 
-def check_fits(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int) -> MemoryPlan:
-    """The plan's estimate, or an InvalidRequest with the numbers when rank 0 would not fit under ``cap``."""
-    plan = estimate(spec, parallel, dtype, fp8)
-    if plan.total > cap:
-        raise InvalidRequest(
-            f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {cap / 2**30:.1f} GiB: it "
-            f"needs {plan.describe()}; give more GPUs to the plan (--tensor shards the weights), use --quantize fp8, "
-            "or raise the cap"
-        )
-    return plan
+def estimate(
+    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, placement: str = "gpu"
+) -> MemoryPlan:
+    return estimates(spec, parallel, dtype, fp8)[placement]
+
+
+def check_fits(
+    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int, placement: str = "auto"
+) -> MemoryPlan:
+    """The first plan that fits rank 0 under ``cap``, with the prompt encoders placed as asked or, for ``auto``,
+    resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; an InvalidRequest with the numbers
+    when none fits."""
+    check_placement(placement, fp8)
+    plans = estimates(spec, parallel, dtype, fp8)
+    tried = [plans[p] for p in _candidates(placement, fp8)]
+    for plan in tried:
+        if plan.total <= cap:
+            return plan
+    needs = ", or ".join(plan.describe() for plan in tried)
+    raise InvalidRequest(
+        f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {cap / 2**30:.1f} GiB: it "
+        f"needs {needs}; give more GPUs to the plan (--tensor shards the weights), use --quantize fp8, or raise the cap"
+    )
 
 
 def hold_to_cap(device: torch.device, cap: int) -> None:

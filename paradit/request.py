@@ -39,6 +39,7 @@ class Timings:
     peak_memory_kind: str = "device"
     comm_bytes_per_step: int = 0  # sent by the rank that reports, per denoise step
     plan: str = "1 GPU"
+    text_encoders: str = "gpu"  # their placement on rank 0 (text_encoder.PLACEMENTS)
 
     @property
     def median_step_ms(self) -> float:

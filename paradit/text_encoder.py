@@ -4,6 +4,11 @@ Only the decoder layers up to the deepest one read are built and loaded: FLUX.2-
 Small's 40, so a quarter of the encoder's weights and time are never spent. The final norm is replaced by identity so
 that the last kept layer's output is the raw hidden state, exactly what the full model reports for that layer.
 
+Every family's prompt encoders are placed one of three ways (``PLACEMENTS``), chosen by the memory plan: ``gpu``,
+resident on the device in the run dtype; ``fp8``, resident with their linears in FP8 (``quantize_to``), where the run
+already executes in FP8; or ``offload``, weights kept in host memory and streamed to the device submodule by submodule
+while encoding (``stream_weights``), for when the encoder does not fit beside the transformer.
+
 Must not import torch.distributed.
 """
 
@@ -15,10 +20,88 @@ from typing import Any, Literal
 
 import torch
 import transformers
+from accelerate import cpu_offload
+from accelerate.utils import set_module_tensor_to_device
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from torch import nn
 
+from paradit.layers.fp8 import Fp8Linear, fp8_dtype
 from paradit.offline_tokenizer import build_offline_tokenizer
+from paradit.quantize import quantizable
+
+PLACEMENTS = ("gpu", "fp8", "offload")
+# Host copies are packed into buffers of at least this size: fewer, larger page-locked allocations.
+_MIN_HOST_BUFFER = 2**28
+
+
+def weights_device(placement: str, device: torch.device) -> torch.device:
+    """Where a prompt encoder's weights are loaded: the device it runs on, or host memory when they are streamed to
+    it or converted on their way to it."""
+    return device if placement == "gpu" else torch.device("cpu")
+
+
+def _move_to_host_buffers(module: nn.Module, pin: bool) -> dict[str, torch.Tensor]:
+    """Move ``module``'s parameters into a few large host buffers, page-locked when ``pin``, leaving the module's own
+    on the meta device; returns the moved tensors by name (tied weights share one). Page-locked memory is what lets
+    host-to-device copies run at full link speed. Packing matters because PyTorch's pinned allocator rounds each
+    allocation up to a power of two, which tensor by tensor would cost up to twice the encoder's size in host memory;
+    moving one tensor at a time keeps the peak near one encoder rather than two."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    size = max(_MIN_HOST_BUFFER, 1 << (max(p.nbytes for p in params.values()) - 1).bit_length())
+    moved: dict[str, torch.Tensor] = {}
+    by_storage: dict[int, torch.Tensor] = {}
+    buffer, used = None, size
+    for name in list(params):
+        param = params.pop(name)
+        if param.data_ptr() not in by_storage:
+            if buffer is None or used + param.nbytes > size:
+                buffer, used = torch.empty(size, dtype=torch.uint8, pin_memory=pin), 0
+            copy = buffer[used : used + param.nbytes].view(param.dtype).view(param.shape)
+            by_storage[param.data_ptr()] = copy.copy_(param.detach())
+            used += -(-param.nbytes // 64) * 64  # each tensor starts 64-byte aligned, whatever its dtype
+        moved[name] = by_storage[param.data_ptr()]
+        set_module_tensor_to_device(module, name, "meta")
+    return moved
+
+
+def stream_weights(module: nn.Module, device: torch.device) -> nn.Module:
+    """Keep ``module``'s weights in host memory and run it on ``device``: accelerate's ``cpu_offload`` hooks copy
+    each submodule's own weights to the device just before its forward and drop them after, so the device holds one
+    submodule's weights at a time (the largest is usually the token embedding, else an MLP projection) and gets it
+    all back once encoding ends. The cost is the whole encoder crossing the host link on every encode, with no
+    overlap (the hooks copy synchronously) and an allocator cache flush per weight (accelerate empties the cache each
+    time it places a tensor). Buffers (rotary tables) stay on the device."""
+    weights = _move_to_host_buffers(module, pin=device.type == "cuda")
+    return cpu_offload(module, execution_device=device, state_dict=weights)
+
+
+def converts_to_fp8(encoder: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether ``quantize_to`` converts ``encoder``'s submodule ``name``: a linear ``quantize.quantizable`` accepts,
+    unless transformers keeps it in float32 for precision (T5's ``wo``, whose input it casts to the weight's dtype)."""
+    keep = getattr(encoder, "_keep_in_fp32_modules", None) or ()
+    return quantizable(name, module) and not any(part in keep for part in name.split("."))
+
+
+@torch.no_grad()
+def quantize_to(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module`` on ``device`` with its linears in FP8 (``converts_to_fp8``), each converted as it arrives, so that
+    the encoder never sits whole on the device in the run dtype; the rest follows as it is."""
+    dtype = fp8_dtype(device)
+    for name, child in list(module.named_modules()):
+        if converts_to_fp8(module, name, child):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            setattr(owner, leaf, Fp8Linear.from_linear(child.to(device), dtype))
+    return module.to(device)
+
+
+def place(module: nn.Module, placement: str, device: torch.device) -> nn.Module:
+    """``module``, loaded on ``weights_device(placement, device)``, made to run on ``device``."""
+    if placement == "offload":
+        return stream_weights(module, device)
+    if placement == "fp8":
+        return quantize_to(module, device)
+    return module
 
 
 @dataclass(frozen=True)
@@ -45,16 +128,24 @@ def _decoder_without_final_norm(model: nn.Module) -> nn.Module:
 
 
 class PromptEncoder:
-    """Tokenizer + truncated decoder; ``encode`` returns (batch, max_length, len(layers) * hidden) embeddings."""
+    """Tokenizer + truncated decoder running on ``device``; ``encode`` returns (batch, max_length, len(layers) *
+    hidden) embeddings."""
 
-    def __init__(self, decoder: nn.Module, tokenizer, spec: TextEncoderSpec) -> None:
+    def __init__(self, decoder: nn.Module, tokenizer, spec: TextEncoderSpec, device: torch.device) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.spec = spec
+        self.device = device
 
     @classmethod
     def from_folder(
-        cls, folder: Path, class_name: str, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype
+        cls,
+        folder: Path,
+        class_name: str,
+        spec: TextEncoderSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        placement: str = "gpu",
     ) -> PromptEncoder:
         config = transformers.AutoConfig.from_pretrained(folder / "text_encoder")
         _truncate_config(config, max(spec.layers))
@@ -63,20 +154,25 @@ class PromptEncoder:
         # The dropped layers' weights are reported as unexpected keys; that is the point, so keep the log quiet.
         transformers.logging.set_verbosity_error()
         try:
-            model = model_cls.from_pretrained(folder / "text_encoder", config=config, dtype=dtype, device_map=device)
+            model = model_cls.from_pretrained(
+                folder / "text_encoder", config=config, dtype=dtype, device_map=weights_device(placement, device)
+            )
         finally:
             transformers.logging.set_verbosity(verbosity)
         tokenizer = transformers.AutoProcessor.from_pretrained(folder / "tokenizer")
-        return cls(_decoder_without_final_norm(model), tokenizer, spec)
+        return cls(place(_decoder_without_final_norm(model), placement, device), tokenizer, spec, device)
 
     @classmethod
-    def dummy(cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, seed: int = 0) -> PromptEncoder:
+    def dummy(
+        cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
+    ) -> PromptEncoder:
         config = transformers.AutoConfig.for_model(**spec.config)
         _truncate_config(config, max(spec.layers))
-        with torch.random.fork_rng(devices=[]), torch.device(device):
+        with torch.random.fork_rng(devices=[]), torch.device(weights_device(placement, device)):
             torch.manual_seed(seed)
             model = transformers.AutoModel.from_config(config, dtype=dtype)
-        return cls(_decoder_without_final_norm(model), build_offline_tokenizer(spec.max_length), spec)
+        decoder = place(_decoder_without_final_norm(model), placement, device)
+        return cls(decoder, build_offline_tokenizer(spec.max_length), spec, device)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         padding = {"padding": "max_length", "truncation": True, "max_length": self.spec.max_length}
@@ -110,10 +206,9 @@ class PromptEncoder:
     @torch.no_grad()
     def encode(self, prompts: list[str], dtype: torch.dtype) -> torch.Tensor:
         input_ids, attention_mask = self.tokenize(prompts)
-        device = next(self.decoder.parameters()).device
         output = self.decoder(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
             output_hidden_states=True,
             use_cache=False,
         )

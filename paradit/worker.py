@@ -46,6 +46,7 @@ class WorkerPlan:
     options: ExecutionOptions
     memory_cap: int | None
     init_method: str
+    text_encoder_placement: str = "gpu"
 
 
 def worker_device(device_type: str, local_rank: int) -> torch.device:
@@ -60,7 +61,13 @@ def build_worker_pipeline(plan: WorkerPlan, rank: int, local_rank: int):
     init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
     context = ParallelContext.build(plan.parallel, device)
     pipeline = FAMILIES[plan.spec.family].pipeline.load(
-        plan.spec, device, plan.dtype, plan.dummy, parallel=context, quantize=plan.options.quantize
+        plan.spec,
+        device,
+        plan.dtype,
+        plan.dummy,
+        parallel=context,
+        quantize=plan.options.quantize,
+        text_encoder_placement=plan.text_encoder_placement,
     )
     pipeline.transformer = apply_execution_options(pipeline.transformer, plan.options, device)
     return pipeline

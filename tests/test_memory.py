@@ -1,5 +1,6 @@
-"""The per-GPU memory cap: sizes parse, the estimate counts the real modules, and a plan over the cap is refused
-with its numbers before anything loads."""
+"""The per-GPU memory cap: sizes parse, the estimate counts the real modules (PipeFusion's stage, the prompt encoders
+as placed), the plan offloads the prompt encoders only when they do not fit beside the rest, and a plan over the cap
+is refused with its numbers before anything loads."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import torch
 
 from paradit import Engine, InvalidRequest
 from paradit.cli import main
-from paradit.memory import estimate, parse_size
+from paradit.memory import check_fits, estimate, estimates, parse_size
 from paradit.parallel import ParallelConfig
+from paradit.pipelines.flux2 import Flux2Pipeline
 from paradit.presets import PRESETS
+
+CAP_32 = 32 * 2**30
 
 
 @pytest.mark.parametrize(
@@ -59,4 +63,91 @@ def test_a_plan_over_the_cap_is_refused_before_loading(capsys):
     assert time.monotonic() - start < 10  # nothing was built: a 32B model would take far longer
     error = capsys.readouterr().err.strip()
     assert error.startswith("paradit: error: flux2-dev with 1 GPU does not fit under --max-gpu-memory 32.0 GiB")
-    assert "transformer weights 60.0" in error and "text encoders 32.3" in error and len(error.splitlines()) == 1
+    assert len(error.splitlines()) == 1
+    # Both placements were tried, and each one's numbers are given.
+    assert "needs 96.5 GiB on rank 0 (transformer weights 60.0, text encoders 32.3 resident" in error
+    assert "or 65.4 GiB on rank 0 (transformer weights 60.0, text encoders 1.3 streamed from CPU memory" in error
+
+
+def test_pipefusion_keeps_only_the_first_stage_on_rank_0():
+    spec = PRESETS["flux2-dev"]
+    whole = estimate(spec, ParallelConfig(), torch.bfloat16, fp8=False)
+    staged = estimate(spec, ParallelConfig(pipefusion=2), torch.bfloat16, fp8=False)
+    with torch.device("meta"):
+        model = Flux2Pipeline.build_transformer(spec)
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    later_stage = sum(p.numel() for block in blocks[len(blocks) // 2 :] for p in block.parameters()) * 2
+    assert staged.transformer == whole.transformer - later_stage
+    # Each of the stage's blocks keeps the whole sequence's K and V for the patched steps.
+    tokens, width = 1024 * 1024 // 256 + 512, 48 * 128
+    assert staged.activations == whole.activations + len(blocks) // 2 * 2 * tokens * width * 2
+
+
+@pytest.mark.parametrize(
+    "model,parallel,fp8,placement",
+    [
+        ("flux2-dev", ParallelConfig(tensor=2), True, "offload"),  # 16 GiB of blocks leave no room for 32 GiB
+        ("flux2-dev", ParallelConfig(pipefusion=2), True, "offload"),
+        ("qwen-image", ParallelConfig(tensor=2), False, "offload"),
+        ("qwen-image", ParallelConfig(tensor=2), True, "gpu"),  # 9.6 GiB of blocks leave room for its 13.2
+        ("qwen-image", ParallelConfig(), True, "fp8"),  # 19.1 GiB of blocks leave room for 7.1 in FP8, not 13.2
+    ],
+)
+def test_the_plan_offloads_the_prompt_encoders_only_when_they_do_not_fit(model, parallel, fp8, placement):
+    plan = check_fits(PRESETS[model], parallel, torch.bfloat16, fp8, CAP_32)
+    assert plan.text_encoder_placement == placement
+    assert plan.total <= CAP_32
+    resident = estimate(PRESETS[model], parallel, torch.bfloat16, fp8, placement="gpu")
+    if placement != "gpu":
+        assert resident.total > CAP_32
+    if placement == "offload":
+        assert not fp8 or estimate(PRESETS[model], parallel, torch.bfloat16, fp8, placement="fp8").total > CAP_32
+        assert plan.text_encoders < 2 * 2**30 < resident.text_encoders  # about one embedding table on the GPU
+        assert "streamed from CPU memory" in plan.describe()
+
+
+def test_a_tiny_model_offloads_under_a_tiny_cap_and_not_above_it():
+    spec = PRESETS["flux2-tiny"]
+    plans = estimates(spec, ParallelConfig(), torch.float32, fp8=False)
+    resident, offloaded = plans["gpu"], plans["offload"]
+    assert offloaded.total < resident.total
+    assert check_fits(spec, ParallelConfig(), torch.float32, False, resident.total).text_encoder_placement == "gpu"
+    squeezed = check_fits(spec, ParallelConfig(), torch.float32, False, resident.total - 1)
+    assert squeezed == offloaded
+    with pytest.raises(InvalidRequest, match=r"does not fit .* or .* streamed from CPU memory"):
+        check_fits(spec, ParallelConfig(), torch.float32, False, offloaded.total - 1)
+
+
+def test_engine_offloads_under_a_tiny_cap_and_a_forced_placement_is_kept():
+    spec = PRESETS["flux2-tiny"]
+    resident = estimate(spec, ParallelConfig(), torch.float32, fp8=False)
+    squeezed = Engine(spec, device="cpu", dtype="fp32", max_gpu_memory=resident.total - 1)
+    assert squeezed.text_encoder_placement == squeezed.memory_plan.text_encoder_placement == "offload"
+    assert hasattr(squeezed.pipeline.prompt_encoder.decoder, "_hf_hook")  # accelerate's offload hooks
+    with pytest.raises(InvalidRequest, match="text encoders .* resident"):
+        Engine(spec, device="cpu", dtype="fp32", max_gpu_memory=resident.total - 1, text_encoder_placement="gpu")
+    forced = Engine(spec, device="cpu", dtype="fp32", text_encoder_placement="offload")
+    assert forced.text_encoder_placement == "offload" and forced.memory_plan is None
+    assert Engine(spec, device="cpu", dtype="fp32").text_encoder_placement == "gpu"  # no cap: resident
+
+
+def test_fp8_prompt_encoders_need_an_fp8_run():
+    spec = PRESETS["qwen-image"]
+    with pytest.raises(InvalidRequest, match=r"placement fp8 needs FP8 execution \(--quantize fp8\)"):
+        check_fits(spec, ParallelConfig(), torch.bfloat16, False, CAP_32, placement="fp8")
+    with pytest.raises(InvalidRequest, match="placement fp8 needs FP8 execution"):
+        Engine("flux2-tiny", device="cpu", text_encoder_placement="fp8")
+    # Without FP8 execution the plan does not try FP8 encoders: offloaded, though FP8 ones would fit.
+    bf16 = check_fits(spec, ParallelConfig(tensor=2), torch.bfloat16, False, CAP_32)
+    assert bf16.text_encoder_placement == "offload"
+    assert estimate(spec, ParallelConfig(tensor=2), torch.bfloat16, False, placement="fp8").total < CAP_32
+
+
+def test_an_unknown_placement_is_refused_naming_the_allowed_ones(capsys):
+    with pytest.raises(InvalidRequest, match="placement 'disk' is not allowed; choose one of auto, gpu, fp8, offload"):
+        Engine("flux2-tiny", device="cpu", text_encoder_placement="disk")
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--text-encoder-placement", "disk"])
+    error = capsys.readouterr().err
+    assert "--text-encoder-placement: invalid choice: 'disk'" in error
+    assert all(name in error for name in ("auto", "gpu", "fp8", "offload"))

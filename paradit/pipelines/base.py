@@ -180,8 +180,9 @@ class DiffusionPipeline:
     the VAE), text conditioning encoded once per group and shared, the denoise loop, decoding on rank 0, timings.
 
     A family supplies ``CONDITIONING`` (the names of the tensors its prompt encoding produces) and the hooks:
-    ``build_transformer``, ``load_conditioners``, ``resolve``, ``encode``, ``initial_latents``, ``make_scheduler``,
-    ``predictor`` and ``decode``; ``after_dummy_init`` where random weights need more than ``DummyTensors``.
+    ``build_transformer``, ``load_conditioners`` (the prompt encoders, placed as asked, and the VAE), ``resolve``,
+    ``encode``, ``initial_latents``, ``make_scheduler``, ``predictor`` and ``decode``; ``after_dummy_init`` where
+    random weights need more than ``DummyTensors``.
     """
 
     CONDITIONING: tuple[str, ...] = ()
@@ -206,12 +207,14 @@ class DiffusionPipeline:
         dummy: bool,
         parallel: ParallelContext | None = None,
         quantize: str = "none",
+        text_encoder_placement: str = "gpu",
     ) -> DiffusionPipeline:
-        """``quantize``: see ``load_transformer``."""
+        """``quantize``: see ``load_transformer``. ``text_encoder_placement`` (one of ``text_encoder.PLACEMENTS``): how
+        rank 0 holds the prompt encoders."""
         transformer = cls.load_transformer(spec, device, dtype, dummy, parallel, quantize)
         if parallel is not None and not parallel.is_leader:
             return cls(spec, transformer, None, None, device, dtype, parallel)
-        prompt_encoder, vae = cls.load_conditioners(spec, device, dtype, dummy)
+        prompt_encoder, vae = cls.load_conditioners(spec, device, dtype, dummy, placement=text_encoder_placement)
         vae = vae.to(device).eval().requires_grad_(False)
         return cls(spec, transformer, prompt_encoder, vae, device, dtype, parallel)
 

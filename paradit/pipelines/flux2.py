@@ -98,13 +98,15 @@ class Flux2Pipeline(DiffusionPipeline):
         return Flux2Transformer(Flux2Config.from_dict(spec.transformer))
 
     @classmethod
-    def load_conditioners(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool):
+    def load_conditioners(
+        cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
+    ):
         if dummy:
             vae = random_vae(lambda config: AutoencoderKLFlux2(**config), spec.vae, device, dtype)
-            return PromptEncoder.dummy(spec.text_encoder, device, dtype), vae
+            return PromptEncoder.dummy(spec.text_encoder, device, dtype, placement), vae
         folder = spec.extra["folder"]
         encoder_class = spec.extra["text_encoder_class"]
-        prompt_encoder = PromptEncoder.from_folder(folder, encoder_class, spec.text_encoder, device, dtype)
+        prompt_encoder = PromptEncoder.from_folder(folder, encoder_class, spec.text_encoder, device, dtype, placement)
         return prompt_encoder, AutoencoderKLFlux2.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:

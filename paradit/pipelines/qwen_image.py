@@ -43,6 +43,7 @@ from paradit.pipelines.base import (
 )
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
+from paradit.text_encoder import place, weights_device
 from paradit.weights import component_dir, read_json
 
 PIPELINE_CLASSES = ("QwenImagePipeline",)
@@ -111,29 +112,36 @@ def uses_cfg(request: ResolvedRequest) -> bool:
 
 
 class QwenPromptEncoder:
-    """Tokenizer + the Qwen2.5-VL language model; ``encode`` gives each prompt's last hidden states past the template
-    prefix, padded to the longest in the batch, with the mask of real tokens."""
+    """Tokenizer + the Qwen2.5-VL language model running on ``device``; ``encode`` gives each prompt's last hidden
+    states past the template prefix, padded to the longest in the batch, with the mask of real tokens."""
 
-    def __init__(self, language_model: nn.Module, tokenizer) -> None:
-        self.language_model = language_model.eval().requires_grad_(False)
+    def __init__(self, language_model: nn.Module, tokenizer, device: torch.device) -> None:
+        self.language_model = language_model
         self.tokenizer = tokenizer
+        self.device = device
 
     @classmethod
-    def from_folder(cls, folder: Path, device: torch.device, dtype: torch.dtype) -> QwenPromptEncoder:
+    def from_folder(
+        cls, folder: Path, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
+    ) -> QwenPromptEncoder:
         model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            component_dir(folder, "text_encoder"), dtype=dtype, device_map=device
+            component_dir(folder, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device)
         )
         tokenizer = transformers.AutoTokenizer.from_pretrained(component_dir(folder, "tokenizer"))
         # Keeping only the language model frees the vision tower and the LM head once loading returns.
-        return cls(model.model.language_model, tokenizer)
+        language_model = model.model.language_model.eval().requires_grad_(False)
+        return cls(place(language_model, placement, device), tokenizer, device)
 
     @classmethod
-    def dummy(cls, config: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> QwenPromptEncoder:
+    def dummy(
+        cls, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
+    ) -> QwenPromptEncoder:
         text_config = transformers.Qwen2_5_VLTextConfig(**config["text_config"])
-        with torch.random.fork_rng(devices=[]), torch.device(device):
+        with torch.random.fork_rng(devices=[]), torch.device(weights_device(placement, device)):
             torch.manual_seed(seed)
             model = transformers.AutoModel.from_config(text_config, dtype=dtype)
-        return cls(model, build_offline_tokenizer(TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS))
+        tokenizer = build_offline_tokenizer(TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS)
+        return cls(place(model.eval().requires_grad_(False), placement, device), tokenizer, device)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,9 +153,8 @@ class QwenPromptEncoder:
             truncation=True,
             return_tensors="pt",
         )
-        device = next(self.language_model.parameters()).device
-        attention_mask = inputs["attention_mask"].to(device)
-        hidden = self.language_model(input_ids=inputs["input_ids"].to(device), attention_mask=attention_mask)
+        attention_mask = inputs["attention_mask"].to(self.device)
+        hidden = self.language_model(input_ids=inputs["input_ids"].to(self.device), attention_mask=attention_mask)
         hidden = hidden.last_hidden_state
         # Real tokens wherever the padding put them, then the template prefix off the front of each prompt.
         prompts_hidden = [
@@ -179,12 +186,14 @@ class QwenImagePipeline(DiffusionPipeline):
         return QwenImageTransformer(QwenImageConfig.from_dict(spec.transformer))
 
     @classmethod
-    def load_conditioners(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool):
+    def load_conditioners(
+        cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
+    ):
         if dummy:
-            encoder = QwenPromptEncoder.dummy(spec.text_encoder, device, dtype)
+            encoder = QwenPromptEncoder.dummy(spec.text_encoder, device, dtype, placement)
             return encoder, random_vae(lambda config: AutoencoderKLQwenImage(**config), spec.vae, device, dtype)
         folder = spec.extra["folder"]
-        encoder = QwenPromptEncoder.from_folder(folder, device, dtype)
+        encoder = QwenPromptEncoder.from_folder(folder, device, dtype, placement)
         return encoder, AutoencoderKLQwenImage.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:

@@ -34,6 +34,7 @@ from paradit.pipelines.base import (
 from paradit.presets.sd3 import SD3_PRESETS, SD3TextEncoders
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
+from paradit.text_encoder import place, weights_device
 from paradit.weights import component_dir, read_json
 
 PIPELINE_CLASSES = ("StableDiffusion3Pipeline",)
@@ -121,12 +122,23 @@ def offline_t5_tokenizer() -> transformers.T5Tokenizer:
 
 
 class SD3PromptEncoder:
-    """CLIP-L, OpenCLIP bigG and T5 with their tokenizers; ``encode`` gives diffusers' ``prompt_embeds`` and
-    ``pooled_prompt_embeds``."""
+    """CLIP-L, OpenCLIP bigG and T5 with their tokenizers, loaded on ``weights_device(placement, device)`` and run on
+    ``device``; ``encode`` gives diffusers' ``prompt_embeds`` and ``pooled_prompt_embeds``."""
 
-    def __init__(self, clip_encoders: list[nn.Module], t5: nn.Module, tokenizers: list, max_sequence_length: int):
-        self.clip_encoders = [encoder.eval().requires_grad_(False) for encoder in clip_encoders]
-        self.t5 = t5.eval().requires_grad_(False)
+    def __init__(
+        self,
+        clip_encoders: list[nn.Module],
+        t5: nn.Module,
+        tokenizers: list,
+        max_sequence_length: int,
+        device: torch.device,
+        placement: str = "gpu",
+    ) -> None:
+        self.clip_encoders = [
+            place(encoder.eval().requires_grad_(False), placement, device) for encoder in clip_encoders
+        ]
+        self.t5 = place(t5.eval().requires_grad_(False), placement, device)
+        self.device = device
         self.clip_tokenizers, self.t5_tokenizer = tokenizers[:2], tokenizers[2]
         self.max_sequence_length = max_sequence_length
         # Both CLIP tokenizers pad to the first one's length, as the reference pipeline does.
@@ -134,10 +146,10 @@ class SD3PromptEncoder:
 
     @classmethod
     def from_folder(
-        cls, folder: Path, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype
+        cls, folder: Path, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
     ) -> SD3PromptEncoder:
         index = read_json(folder / "model_index.json")
-        load = {"dtype": dtype, "device_map": device}
+        load = {"dtype": dtype, "device_map": weights_device(placement, device)}
         clip_encoders = [
             CLIPTextModelWithProjection.from_pretrained(component_dir(folder, name), **load)
             for name in ("text_encoder", "text_encoder_2")
@@ -147,11 +159,13 @@ class SD3PromptEncoder:
             getattr(transformers, index[name][1]).from_pretrained(component_dir(folder, name))
             for name in ("tokenizer", "tokenizer_2", "tokenizer_3")
         ]
-        return cls(clip_encoders, t5, tokenizers, spec.max_sequence_length)
+        return cls(clip_encoders, t5, tokenizers, spec.max_sequence_length, device, placement)
 
     @classmethod
-    def dummy(cls, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, seed: int = 0) -> SD3PromptEncoder:
-        with torch.random.fork_rng(devices=[]), torch.device(device):
+    def dummy(
+        cls, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
+    ) -> SD3PromptEncoder:
+        with torch.random.fork_rng(devices=[]), torch.device(weights_device(placement, device)):
             torch.manual_seed(seed)
             clip_encoders = [
                 CLIPTextModelWithProjection._from_config(CLIPTextConfig.from_dict(config), dtype=dtype)
@@ -160,7 +174,7 @@ class SD3PromptEncoder:
             t5 = T5EncoderModel._from_config(T5Config.from_dict(spec.t5), dtype=dtype)
         # The published bigG tokenizer pads with "!", CLIP-L's with its end token.
         tokenizers = [offline_clip_tokenizer("<|endoftext|>"), offline_clip_tokenizer("!"), offline_t5_tokenizer()]
-        return cls(clip_encoders, t5, tokenizers, spec.max_sequence_length)
+        return cls(clip_encoders, t5, tokenizers, spec.max_sequence_length, device, placement)
 
     def _clip(self, which: int, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(penultimate hidden states, pooled projection) of CLIP encoder ``which``."""
@@ -168,7 +182,7 @@ class SD3PromptEncoder:
         ids = self.clip_tokenizers[which](
             prompts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
         ).input_ids
-        output = encoder(ids.to(encoder.device), output_hidden_states=True)
+        output = encoder(ids.to(self.device), output_hidden_states=True)
         return output.hidden_states[-2], output.text_embeds
 
     @torch.no_grad()
@@ -183,7 +197,7 @@ class SD3PromptEncoder:
             add_special_tokens=True,
             return_tensors="pt",
         ).input_ids
-        t5_hidden = self.t5(ids.to(self.t5.device))[0]
+        t5_hidden = self.t5(ids.to(self.device))[0]
         clip_hidden = torch.cat([hidden_l, hidden_g], dim=-1)
         clip_hidden = nn.functional.pad(clip_hidden, (0, t5_hidden.shape[-1] - clip_hidden.shape[-1]))
         embeds = torch.cat([clip_hidden.to(t5_hidden.device, t5_hidden.dtype), t5_hidden], dim=-2)
@@ -202,12 +216,14 @@ class SD3Pipeline(DiffusionPipeline):
         transformer.pos_embed.fill_position_table()  # a fixed sin-cos buffer, not a weight
 
     @classmethod
-    def load_conditioners(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool):
+    def load_conditioners(
+        cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
+    ):
         if dummy:
-            encoder = SD3PromptEncoder.dummy(spec.text_encoder, device, dtype)
+            encoder = SD3PromptEncoder.dummy(spec.text_encoder, device, dtype, placement)
             return encoder, random_vae(AutoencoderKL.from_config, spec.vae, device, dtype)
         folder = spec.extra["folder"]
-        encoder = SD3PromptEncoder.from_folder(folder, spec.text_encoder, device, dtype)
+        encoder = SD3PromptEncoder.from_folder(folder, spec.text_encoder, device, dtype, placement)
         return encoder, AutoencoderKL.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:

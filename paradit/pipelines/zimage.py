@@ -118,10 +118,12 @@ class CaptionEncoder(PromptEncoder):
     @torch.no_grad()
     def encode(self, prompts: list[str], dtype: torch.dtype) -> list[torch.Tensor]:
         input_ids, attention_mask = self.tokenize(prompts)
-        device = next(self.decoder.parameters()).device
-        attention_mask = attention_mask.to(device)
+        attention_mask = attention_mask.to(self.device)
         output = self.decoder(
-            input_ids=input_ids.to(device), attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask,
+            output_hidden_states=True,
+            use_cache=False,
         )
         (layer,) = self.spec.layers
         hidden = output.hidden_states[layer].to(dtype)
@@ -143,13 +145,15 @@ class ZImagePipeline(DiffusionPipeline):
         return ZImageTransformer(ZImageConfig.from_dict(spec.transformer))
 
     @classmethod
-    def load_conditioners(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool):
+    def load_conditioners(
+        cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
+    ):
         if dummy:
-            encoder = CaptionEncoder.dummy(spec.text_encoder, device, dtype)
+            encoder = CaptionEncoder.dummy(spec.text_encoder, device, dtype, placement)
             return encoder, random_vae(lambda config: AutoencoderKL(**config), spec.vae, device, dtype)
         folder = spec.extra["folder"]
         encoder_class = spec.extra["text_encoder_class"]
-        encoder = CaptionEncoder.from_folder(folder, encoder_class, spec.text_encoder, device, dtype)
+        encoder = CaptionEncoder.from_folder(folder, encoder_class, spec.text_encoder, device, dtype, placement)
         return encoder, AutoencoderKL.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
