@@ -102,7 +102,7 @@ def test_tied_weights_share_one_host_copy():
     assert torch.equal(model(ids), expected)
 
 
-@pytest.mark.parametrize("preset", ["flux2-tiny", "sd3.5-tiny"])
+@pytest.mark.parametrize("preset", ["qwen-image-tiny", "sd3.5-tiny"])
 def test_fp8_prompt_encoder_converts_its_linears_as_the_estimate_counts(preset):
     spec = PRESETS[preset]
     pipeline = FAMILIES[spec.family].pipeline
@@ -128,5 +128,7 @@ def test_fp8_prompt_encoder_converts_its_linears_as_the_estimate_counts(preset):
     assert held == estimate(spec, ParallelConfig(), torch.float32, fp8=True, placement="fp8").text_encoders
     expected, got = resident.encode(PROMPTS, torch.float32), converted.encode(PROMPTS, torch.float32)
     expected, got = flat(expected)[0], flat(got)[0]
-    # FP8 is lossy: about 5% relative on these tiny random encoders (27 and 2 x 2 + 2 layers deep).
-    assert 0 < ((got - expected).norm() / expected.norm()).item() < 0.1
+    # FP8 is lossy: ~3% (Qwen2.5-VL) and ~7% (CLIP-L, bigG and T5) relative on these tiny random encoders.
+    error = ((got - expected).norm() / expected.norm()).item()
+    print(f"{preset}: FP8 prompt embeddings, relative L2 {error:.3f}")
+    assert 0 < error < 0.1
