@@ -109,6 +109,8 @@ def format_table(result: GenerationResult) -> str:
         ("parallel plan", t.plan),
         ("text encoder placement", t.text_encoders),
     ]
+    if t.peak_memory_per_rank:
+        rows.append(("peak memory per rank", " ".join(f"{b / 2**30:.2f}" for b in t.peak_memory_per_rank) + " GiB"))
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
     width = max(len(name) for name, _ in rows)

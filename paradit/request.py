@@ -37,6 +37,7 @@ class Timings:
     total_s: float = 0.0
     peak_memory_bytes: int = 0
     peak_memory_kind: str = "device"
+    peak_memory_per_rank: list[int] = field(default_factory=list)  # in a group: every rank's peak, rank order
     comm_bytes_per_step: int = 0  # sent by the rank that reports, per denoise step
     plan: str = "1 GPU"
     text_encoders: str = "gpu"  # their placement on rank 0 (text_encoder.PLACEMENTS)

@@ -44,6 +44,10 @@ def test_plan_gives_the_serial_image(plan, serial_pixels):
         result = engine.generate(REQUEST)
         assert result.timings.plan == plan.describe()
         assert result.timings.comm_bytes_per_step > 0
+        # Every worker reports its own peak (process RSS on the CPU: at least the tiny model and the interpreter).
+        peaks = result.timings.peak_memory_per_rank
+        assert len(peaks) == plan.world_size and min(peaks) > 100 * 2**20
+        assert peaks[0] == result.timings.peak_memory_bytes
         # The group keeps serving: a second request with another seed differs and is again exact.
         again = engine.generate(REQUEST)
     assert result.pixels.shape == serial_pixels.shape

@@ -72,6 +72,13 @@ class ParallelContext:
     def sequence_rank(self) -> int:
         return dist.get_rank(self.sequence_group)
 
+    def gather_int(self, value: int) -> list[int]:
+        """Every rank's ``value``, in rank order, on every rank (one tiny all-gather)."""
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        return [int(v.item()) for v in everyone]
+
     def share_from_leader(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's ``tensor`` on every rank (the others pass None). Shape and dtype travel first, so prompt
         embeddings of any length can be shared; bool tensors travel as bytes (gloo carries no bool)."""

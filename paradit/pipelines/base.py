@@ -86,14 +86,18 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def record_peak_memory(timings: Timings, device: torch.device) -> None:
+def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
-        timings.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
-        timings.peak_memory_kind = "device"
-    else:
-        # ru_maxrss is KiB on Linux: the process's peak resident memory, the CPU's closest equivalent.
-        timings.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        timings.peak_memory_kind = "process RSS"
+        return torch.cuda.max_memory_allocated(device)
+    # ru_maxrss is KiB on Linux: the process's peak resident memory, the CPU's closest equivalent.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def record_peak_memory(timings: Timings, device: torch.device) -> None:
+    timings.peak_memory_bytes = peak_memory(device)
+    timings.peak_memory_kind = "device" if device.type == "cuda" else "process RSS"
+    if timings.peak_memory_per_rank:  # rank 0 decodes after the others reported: its own peak is final only now
+        timings.peak_memory_per_rank[0] = timings.peak_memory_bytes
 
 
 @dataclasses.dataclass
@@ -300,6 +304,8 @@ class DiffusionPipeline:
         if stats:
             stats.phase = "decode"
             timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
+        if self.parallel is not None:
+            timings.peak_memory_per_rank = self.parallel.gather_int(peak_memory(self.device))
         if self.vae is None:
             return None
 
