@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument(
         "--comm-dtype", choices=["auto", "fp8"], default="auto", help="fp8: Ulysses/Ring traffic in FP8 with scales"
     )
-    par.add_argument("--pipefusion", type=int, help="pipeline stages over the blocks (FLUX.2; least traffic)")
+    par.add_argument("--pipefusion", type=int, help="pipeline stages over the blocks (least traffic)")
     par.add_argument("--patches", type=int, default=1, help="pipefusion: image patches in flight per step")
     par.add_argument("--warmup-steps", type=int, default=1, help="pipefusion: exact steps before patching")
     par.add_argument("--max-gpu-memory", help="per-GPU cap, e.g. 32GiB: a plan that cannot fit is refused up front")
