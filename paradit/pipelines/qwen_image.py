@@ -43,7 +43,7 @@ from paradit.pipelines.base import (
 )
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
-from paradit.text_encoder import place, weights_device
+from paradit.text_encoder import place, random_encoder, weights_device
 from paradit.weights import component_dir, read_json
 
 PIPELINE_CLASSES = ("QwenImagePipeline",)
@@ -137,11 +137,11 @@ class QwenPromptEncoder:
         cls, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
     ) -> QwenPromptEncoder:
         text_config = transformers.Qwen2_5_VLTextConfig(**config["text_config"])
-        with torch.random.fork_rng(devices=[]), torch.device(weights_device(placement, device)):
-            torch.manual_seed(seed)
-            model = transformers.AutoModel.from_config(text_config, dtype=dtype)
+        model = random_encoder(
+            lambda: transformers.AutoModel.from_config(text_config, dtype=dtype), placement, device, dtype, seed
+        )
         tokenizer = build_offline_tokenizer(TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS)
-        return cls(place(model.eval().requires_grad_(False), placement, device), tokenizer, device)
+        return cls(place(model, placement, device), tokenizer, device)
 
     @torch.no_grad()
     def encode(self, prompts: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from paradit.pipelines.base import (
 from paradit.presets.sd3 import SD3_PRESETS, SD3TextEncoders
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
-from paradit.text_encoder import place, weights_device
+from paradit.text_encoder import place, random_encoder, weights_device
 from paradit.weights import component_dir, read_json
 
 PIPELINE_CLASSES = ("StableDiffusion3Pipeline",)
@@ -165,13 +165,19 @@ class SD3PromptEncoder:
     def dummy(
         cls, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
     ) -> SD3PromptEncoder:
-        with torch.random.fork_rng(devices=[]), torch.device(weights_device(placement, device)):
-            torch.manual_seed(seed)
-            clip_encoders = [
-                CLIPTextModelWithProjection._from_config(CLIPTextConfig.from_dict(config), dtype=dtype)
-                for config in (spec.clip_l, spec.clip_g)
-            ]
-            t5 = T5EncoderModel._from_config(T5Config.from_dict(spec.t5), dtype=dtype)
+        clip_encoders = [
+            random_encoder(
+                lambda config=config: CLIPTextModelWithProjection._from_config(
+                    CLIPTextConfig.from_dict(config), dtype=dtype
+                ),
+                placement, device, dtype, seed + index,
+            )
+            for index, config in enumerate((spec.clip_l, spec.clip_g))
+        ]  # fmt: skip
+        t5 = random_encoder(
+            lambda: T5EncoderModel._from_config(T5Config.from_dict(spec.t5), dtype=dtype), placement, device, dtype,
+            seed + 2,
+        )  # fmt: skip
         # The published bigG tokenizer pads with "!", CLIP-L's with its end token.
         tokenizers = [offline_clip_tokenizer("<|endoftext|>"), offline_clip_tokenizer("!"), offline_t5_tokenizer()]
         return cls(clip_encoders, t5, tokenizers, spec.max_sequence_length, device, placement)
