@@ -67,6 +67,19 @@ def time_cuda_ms(fn, warmup: int, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_ms(run, include_communication: bool = True) -> float:
+    """Milliseconds of kernels one call launches (the profiler's device time): busy time, not wall time. NCCL's
+    kernels count as busy while they wait for a peer, so a parallel step's share of *computing* leaves them out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if include_communication or "nccl" not in e.key.lower()]
+    return sum(event.self_device_time_total for event in events) / 1000
+
+
 def environment() -> dict:
     import diffusers
     import transformers

@@ -4,8 +4,9 @@ in eager, compiled, compiled + CUDA graphs, and FP8 (compiled + graphs) executio
 Run under torchrun, one process per GPU; every rank builds the same full-size model with random weights. Models
 with classifier-free guidance run their two branches as a batch of 2 on one GPU and one branch per rank under CFG
 parallel (one all-gather of the prediction); the sequence plans split that same batch's tokens. Prints ms/step on
-rank 0, the speedup over one GPU in the same execution mode, what rank 0 sent per step, and the relative L2 against
-the one-GPU output of that mode.
+rank 0, the speedup over one GPU in the same execution mode, the share of the step rank 0's GPU spends computing
+(kernel time without NCCL's, over the step's time), what rank 0 sent per step, and the relative L2 against the
+one-GPU output of that mode.
 
     torchrun --nproc-per-node 2 benchmarks/parallel_step.py --out-dir $OUT
     python benchmarks/parallel_step.py --device cpu --models qwen-image-tiny --modes eager  (a smoke run, 1 process)
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import environment, kernel_ms, print_table, time_cuda_ms, write_json  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.cuda_graphs import GraphedModule  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
@@ -121,6 +122,7 @@ def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]
     def record(plan: str, mode: str, run, serial, context=None):
         try:
             ms = timed(run, args, device)
+            compute = kernel_ms(run, include_communication=False) / ms if device.type == "cuda" else None
             if context is not None:
                 context.stats.reset()
             with torch.inference_mode():
@@ -135,7 +137,7 @@ def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]
         counted = context is not None and mode in ("eager", "compiled")
         sent = sum(context.stats.bytes_sent.values()) / 2**20 if counted else None
         rows.append({"model": name, "plan": plan, "mode": mode, "ms_per_step": ms, "mib_sent": sent,
-                     "rel_l2_vs_1gpu": error})  # fmt: skip
+                     "compute_share": compute, "rel_l2_vs_1gpu": error})  # fmt: skip
         if dist.get_rank() == 0:
             print(f"{name} {plan} {mode}: {ms:.1f} ms/step, rel L2 {error:.1e}", flush=True)
         return out
@@ -215,6 +217,7 @@ def main() -> None:
             [
                 ("model", "model", "s"), ("plan", "plan", "s"), ("mode", "mode", "s"),
                 ("ms_per_step", "ms/step", ".1f"), ("speedup_vs_1gpu", "vs 1 GPU", ".2f"),
+                ("compute_share", "GPU computing", ".1%"),
                 ("mib_sent", "MiB sent/step", ".0f"), ("rel_l2_vs_1gpu", "rel L2 vs 1 GPU", ".1e"),
             ],
         )  # fmt: skip

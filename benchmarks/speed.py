@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     ModelPair,
     announce_device,
+    kernel_ms,
     print_table,
     single_gpu_parser,
     time_cuda_ms,
@@ -44,17 +45,6 @@ FAMILY_BENCHES = {
     "sd3": ("benchmarks.sd3_step", 333),
 }
 DEFAULT_MODELS = ["flux2-dev", "flux2-klein-4b", "qwen-image", "z-image-turbo", "sd3.5-large", "sd3.5-medium"]
-
-
-def kernel_ms(run) -> float:
-    """Milliseconds of kernels one call launches (the profiler's device time): busy time, not wall time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    return sum(event.self_device_time_total for event in prof.key_averages()) / 1000
 
 
 def attention_kernels(name: str, tokens: int, args) -> dict[str, float]:
