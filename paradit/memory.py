@@ -150,7 +150,7 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     vae_activations = 16 * spec.height * spec.width * 128 * element
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
-        activations += len(kept) * 2 * batch * local_tokens * width * element
+        activations += len(kept) * 2 * batch * local_tokens * width * element // parallel.tensor
     encoders = _modules(encoder)
     on_gpu = {
         "gpu": _bytes(encoders, dtype),

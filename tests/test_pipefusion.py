@@ -19,6 +19,7 @@ from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.pipefusion import parallelize_pipefusion
 from paradit.parallel.sequence import parallelize_sequence
+from paradit.parallel.tensor import parallelize_tensor
 from tests.checkpoints import randomize, tiny_transformer_config
 from tests.distributed import run_on_processes
 from tests.qwen_image_checkpoints import tiny_transformer_config as qwen_config
@@ -134,6 +135,7 @@ def serial_pixels() -> torch.Tensor:
     [
         ParallelConfig(pipefusion=2, patches=2, warmup_steps=ENGINE_REQUEST.steps),
         ParallelConfig(cfg=2, pipefusion=2, patches=2, warmup_steps=ENGINE_REQUEST.steps),
+        ParallelConfig(pipefusion=2, tensor=2, patches=2, warmup_steps=ENGINE_REQUEST.steps),
     ],
     ids=lambda plan: plan.describe(),
 )
@@ -158,9 +160,10 @@ FAMILY_CASES = ("flux2", "qwen-image", "sd3.5-large", "sd3.5-medium", "z-image")
 F_ROWS, F_COLS, F_TEXT = 5, 3, 7  # 15 image tokens (Z-Image pads its streams to 32) and 7 text tokens
 
 
-def _family_case(name: str):
+def _family_case(name: str, heads: int = 3):
     """A tiny random model of ``name`` and ``inputs(sigma)``: the keyword arguments of one step on a straight path
-    from a fixed image to fixed noise, as a flow-matching denoise loop walks it (two samples per batch)."""
+    from a fixed image to fixed noise, as a flow-matching denoise loop walks it (two samples per batch). ``heads``
+    sets the head count of every family but FLUX.2 (whose case has 2)."""
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     batch = 2
@@ -172,7 +175,7 @@ def _family_case(name: str):
             **inputs, "hidden_states": (1 - sigma) * image + sigma * noise, "timestep": torch.full((batch,), sigma)
         }  # fmt: skip
     if name == "qwen-image":
-        model = QwenImageTransformer(QwenImageConfig.from_dict(qwen_config()))
+        model = QwenImageTransformer(QwenImageConfig.from_dict(qwen_config(heads)))
         latent_shape = (batch, F_ROWS * F_COLS, model.config.in_channels)
         mask = torch.ones(batch, F_TEXT, dtype=torch.bool)
         mask[1, 4:] = False  # two prompts of different lengths: the second padded from token 4
@@ -184,7 +187,7 @@ def _family_case(name: str):
         latent_name = "hidden_states"
     elif name.startswith("sd3"):
         dual = (0,) if name == "sd3.5-medium" else ()
-        model = SD3Transformer(SD3Config.from_dict(sd3_config(heads=3, dual_attention_layers=dual)))
+        model = SD3Transformer(SD3Config.from_dict(sd3_config(heads=heads, dual_attention_layers=dual)))
         latent_shape = (batch, model.config.in_channels, 2 * F_ROWS, 2 * F_COLS)
         fixed = dict(
             encoder_hidden_states=torch.randn(batch, F_TEXT, model.config.joint_attention_dim, generator=gen),
@@ -193,7 +196,7 @@ def _family_case(name: str):
         time = lambda sigma: torch.full((batch,), 1000 * sigma)  # noqa: E731
         latent_name = "hidden_states"
     else:
-        model = ZImageTransformer(ZImageConfig.from_dict(zimage_config()))
+        model = ZImageTransformer(ZImageConfig.from_dict(zimage_config(heads)))
         latent_shape = (batch, model.config.in_channels, 2 * F_ROWS, 2 * F_COLS)
         mask = torch.ones(batch, F_TEXT, dtype=torch.bool)
         mask[0, 5:] = False
@@ -211,8 +214,11 @@ def _family_case(name: str):
 
 
 def _parallel_model(model, plan: ParallelConfig, context: ParallelContext):
-    """As the pipeline applies them: sequence parallelism, then PipeFusion stages of sequence-parallel groups."""
-    return parallelize_pipefusion(parallelize_sequence(copy.deepcopy(model), context), context)
+    """As the pipeline applies them: tensor shards, sequence parallelism, then PipeFusion stages of those groups."""
+    model = copy.deepcopy(model)
+    if plan.tensor > 1:
+        model = parallelize_tensor(model, context)
+    return parallelize_pipefusion(parallelize_sequence(model, context), context)
 
 
 def _family_errors(cases: tuple[str, ...], runs: list[tuple[ParallelConfig, list[float], tuple[str, ...]]]) -> dict:
@@ -222,19 +228,23 @@ def _family_errors(cases: tuple[str, ...], runs: list[tuple[ParallelConfig, list
     contexts = {}
     with torch.no_grad():
         for name in cases:
-            model, inputs = _family_case(name)
-            serial = {}
+            models, serial = {}, {}
             for plan, sigmas, covered in runs:
                 if name not in covered:
                     continue
+                heads = 4 if plan.tensor > 1 else 3  # tensor 2 needs an even head count; Ulysses 2 an uneven one
+                if heads not in models:
+                    models[heads] = _family_case(name, heads)
+                model, inputs = models[heads]
                 if plan not in contexts:  # one set of process groups per plan, shared by every case
                     contexts[plan] = ParallelContext.build(plan, torch.device("cpu"))
                 parallel = _parallel_model(model, plan, contexts[plan])
                 parallel.begin_request()
                 outputs = [parallel(**inputs(sigma)) for sigma in sigmas[:-1]]
-                if tuple(sigmas) not in serial:
-                    serial[tuple(sigmas)] = [model(**inputs(sigma)) for sigma in sigmas[:-1]]
-                errors = [((out - ref).norm() / ref.norm()).item() for out, ref in zip(outputs, serial[tuple(sigmas)])]
+                key = (heads, tuple(sigmas))
+                if key not in serial:
+                    serial[key] = [model(**inputs(sigma)) for sigma in sigmas[:-1]]
+                errors = [((out - ref).norm() / ref.norm()).item() for out, ref in zip(outputs, serial[key])]
                 results[name, plan.describe(), tuple(sigmas)] = errors
     return results
 
@@ -249,11 +259,14 @@ WORLD2_RUNS = [
 ]
 ULYSSES_CASES = ("flux2", "qwen-image", "sd3.5-medium", "z-image")  # SD3.5 medium: large's blocks and more
 RING_CASES = ("flux2", "qwen-image")  # Ring's all-gather of K/V and of the key mask
+TENSOR_CASES = ("flux2", "qwen-image", "z-image")  # sharded heads in the K/V buffers, the masked text, the refiners
 WORLD4_RUNS = [
     (ParallelConfig(pipefusion=2, ulysses=2, patches=3, warmup_steps=STEPS), SIGMAS, ULYSSES_CASES),
     (ParallelConfig(pipefusion=2, ulysses=2, patches=3, warmup_steps=1), SAME, ULYSSES_CASES),
     (ParallelConfig(pipefusion=2, ring=2, patches=3, warmup_steps=STEPS), SIGMAS, RING_CASES),
     (ParallelConfig(pipefusion=2, ring=2, patches=3, warmup_steps=1), SAME, RING_CASES),
+    (ParallelConfig(pipefusion=2, tensor=2, patches=3, warmup_steps=STEPS), SIGMAS, TENSOR_CASES),
+    (ParallelConfig(pipefusion=2, tensor=2, patches=3, warmup_steps=1), SAME, TENSOR_CASES),
 ]
 
 
@@ -269,7 +282,7 @@ def world4_errors() -> dict:
 
 @pytest.mark.parametrize("case", FAMILY_CASES)
 def test_every_family_with_warmup_only_equals_serial(case, world2_errors, world4_errors):
-    """Warm-up steps are exact with 1 or 3 patches, alone or with Ulysses 2 (or Ring 2) inside each of 2 stages;
+    """Warm-up steps are exact with 1 or 3 patches, alone or with Ulysses 2, Ring 2 or tensor 2 inside each of 2 stages;
     with unchanged inputs patched steps are exact as well, which checks where every stream's rows land in the K/V
     buffers (Qwen-Image and Z-Image with a padded prompt beside a longer one: the buffered key masks too)."""
     for errors, runs in ((world2_errors, WORLD2_RUNS[:3]), (world4_errors, WORLD4_RUNS)):
@@ -293,11 +306,6 @@ def test_every_family_patched_steps_deviate_boundedly(case, world2_errors):
     errors = world2_errors[case, plan.describe(), tuple(sigmas)]
     assert errors[0] <= 1e-5, errors  # the warm-up step is exact
     assert 1e-5 < max(errors[1:]) <= PATCHED_BOUNDS[case], errors  # stale K/V: a real deviation, but bounded
-
-
-def test_pipefusion_with_tensor_is_refused_naming_the_plans():
-    with pytest.raises(InvalidRequest, match="not combine with tensor.*pipefusion 2 x ulysses 2"):
-        ParallelConfig(pipefusion=2, tensor=2).validate(4, has_cfg=True, heads=4)
 
 
 QWEN_REQUEST = GenerationRequest(

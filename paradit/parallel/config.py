@@ -5,7 +5,6 @@ Must not import torch.distributed (it is imported by the CLI before any process 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from paradit.errors import InvalidRequest
@@ -76,12 +75,6 @@ class ParallelConfig:
             problem = (
                 f"ulysses degree {self.ulysses} exceeds the {heads // self.tensor} attention heads each rank holds"
             )
-        elif self.pipefusion > 1 and self.tensor > 1:
-            options = "; ".join(plan.describe() for plan in pipefusion_plans(gpus, has_cfg, heads, self.pipefusion))
-            raise InvalidRequest(
-                f"pipefusion does not combine with tensor yet (it does with ulysses, ring and cfg); "
-                f"pipefusion plans for {gpus} GPUs: {options or 'none'}"
-            )
         elif self.patches < 1 or self.warmup_steps < 1:
             # The warm-up steps fill every layer's K/V buffer that the patched steps read.
             problem = f"patches {self.patches} and warmup steps {self.warmup_steps} must both be 1 or more"
@@ -105,14 +98,6 @@ def plans_for(gpus: int, has_cfg: bool, heads: int) -> list[ParallelConfig]:
             if sequence % ring == 0 and sequence // ring <= heads:
                 plans.append(ParallelConfig(ulysses=sequence // ring, ring=ring, cfg=cfg))
     return plans
-
-
-def pipefusion_plans(gpus: int, has_cfg: bool, heads: int, stages: int) -> list[ParallelConfig]:
-    """The plans with ``stages`` pipeline stages for ``gpus`` GPUs: each stage as many GPUs as ``plans_for`` splits
-    (CFG, Ring and Ulysses) over ``gpus / stages``."""
-    if gpus % stages:
-        return []
-    return [dataclasses.replace(plan, pipefusion=stages) for plan in plans_for(gpus // stages, has_cfg, heads)]
 
 
 def default_plan(gpus: int, has_cfg: bool, heads: int) -> ParallelConfig:

@@ -283,11 +283,6 @@ def parallelize_pipefusion(model: nn.Module, context: ParallelContext) -> nn.Mod
     config = context.config
     if config.pipefusion == 1:
         return model
-    if config.tensor > 1:
-        raise InvalidRequest(
-            "pipefusion combines with ulysses, ring and cfg, not yet with tensor; "
-            "give pipefusion x ring x ulysses (x cfg) = the number of GPUs"
-        )
     plain = model.model if isinstance(model, SequenceParallel) else model
     if not hasattr(type(plain), "BLOCK_LISTS"):
         raise InvalidRequest(f"pipefusion needs a model that lists its block stacks; {type(plain).__name__} does not")
