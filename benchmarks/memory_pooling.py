@@ -16,10 +16,13 @@ encoders, transformer and VAE.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,7 +45,17 @@ def parse_plan(text: str) -> ParallelConfig:
 
 
 def run_one(model: str, parallel: ParallelConfig | None, quantize: str, cap: str | None, regime: str, args) -> dict:
-    """One engine: built (or refused), one request timed, closed."""
+    """One engine: built (or refused), one request timed, closed, and its memory in this process given back (the
+    uncapped one-GPU engine runs here, beside the next plan's workers)."""
+    try:
+        return measure_one(model, parallel, quantize, cap, regime, args)
+    finally:
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure_one(model: str, parallel: ParallelConfig | None, quantize: str, cap: str | None, regime: str, args) -> dict:
     os.environ.pop("NCCL_P2P_DISABLE", None)
     if regime == "p2p-off":
         os.environ["NCCL_P2P_DISABLE"] = "1"  # spawned workers inherit it before NCCL starts
