@@ -13,7 +13,7 @@ from paradit.models.flux2 import Flux2Config, Flux2Transformer
 from paradit.parallel import ParallelConfig
 from paradit.parallel.comm import all_gather_uneven, split_sizes
 from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.sequence import SequenceParallelAttention, parallelize_sequence
+from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention, parallelize_sequence
 from tests.checkpoints import randomize, tiny_transformer_config
 from tests.distributed import run_on_processes
 
@@ -133,3 +133,17 @@ def test_fp8_transport_error_is_bounded_and_bytes_shrink():
         assert 1e-4 < results[f"{name} fp8"] < 5e-2, results
         # fp32 model: 1 byte a value plus a 4-byte scale per 16-value row, against 4 bytes a value.
         assert results[f"{name} fp8 bytes"] <= 0.35 * results[f"{name} auto bytes"], results
+
+
+@pytest.mark.parametrize("heads", [4, 5, 7, 48])
+@pytest.mark.parametrize("degree", [2, 3, 4])
+def test_ulysses_head_chunks_cover_each_ranks_heads_once_in_order(heads, degree):
+    """The overlapped exchange sends each rank its heads chunk by chunk: together, exactly the heads it attends."""
+    attention = object.__new__(SequenceParallelAttention)  # only the degree matters here, no process group
+    attention.ulysses = degree
+    whole = attention._head_ranges(heads)
+    assert [first for first, _ in whole] == [sum(split_sizes(heads, degree)[:r]) for r in range(degree)]
+    chunks = [attention._head_ranges(heads, c, ULYSSES_CHUNKS) for c in range(ULYSSES_CHUNKS)]
+    for rank, (first, count) in enumerate(whole):
+        covered = [head for chunk in chunks for start, size in [chunk[rank]] for head in range(start, start + size)]
+        assert covered == list(range(first, first + count))

@@ -38,17 +38,18 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def all_to_all_uneven(
+def start_all_to_all_uneven(
     send: torch.Tensor, send_numels: list[int], recv_numels: list[int], group: dist.ProcessGroup, stats: CommStats
-) -> torch.Tensor:
-    """``send`` is flat, ``send_numels[j]`` elements for group rank j in rank order; returns the flat receive
-    buffer, ``recv_numels[j]`` elements from rank j in rank order. Callers lay the buffers out so that building and
-    reading them costs at most one copy each way."""
+) -> tuple[torch.Tensor, dist.Work]:
+    """Post an all-to-all of uneven parts and return (receive buffer, work) without waiting, so the caller can
+    compute while it travels; read the buffer only after ``work.wait()``. ``send`` is flat, ``send_numels[j]``
+    elements for group rank j in rank order; the flat receive buffer holds ``recv_numels[j]`` elements from rank j in
+    rank order. Callers lay the buffers out so that building and reading them costs at most one copy each way."""
     recv = send.new_empty(sum(recv_numels))
-    dist.all_to_all_single(recv, send, recv_numels, send_numels, group=group)
+    work = dist.all_to_all_single(recv, send, recv_numels, send_numels, group=group, async_op=True)
     me = dist.get_rank(group)
     stats.add((send.numel() - send_numels[me]) * send.element_size())
-    return recv
+    return recv, work
 
 
 def all_gather_uneven(

@@ -5,7 +5,8 @@ runs the model's blocks on it unchanged. Only attention needs the whole sequence
 a ``SequenceParallelAttention`` in place of local SDPA:
 
 - **Ulysses**: one all-to-all trades the sequence split for a head split (heads need not divide the degree: ranks
-  take ``tensor_split`` shares), full attention on those heads, one all-to-all back.
+  take ``tensor_split`` shares), full attention on those heads, one all-to-all back. The heads travel in chunks so
+  that each chunk's attention runs while the next chunk's Q/K/V and the last chunk's output are in flight.
 - **Ring**: K/V blocks travel round the ring; each rank attends its queries to every block as it arrives, merging
   partial results by log-sum-exp, with the next transfer in flight during the current block's attention.
 - **USP**: Ulysses inside groups of neighbouring ranks, Ring across the groups.
@@ -28,9 +29,14 @@ import torch
 from torch import nn
 
 from paradit.layers.attention import AttentionDispatch, AttentionFn, attention_with_lse, sdpa_attention
-from paradit.parallel.comm import RingExchange, all_gather_uneven, all_to_all_uneven, split_sizes
+from paradit.parallel.comm import RingExchange, all_gather_uneven, split_sizes, start_all_to_all_uneven
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.transport import decode_fp8_rows, encode_fp8_rows
+
+# Ulysses' exchanges overlap its attention: the heads travel in this many chunks, so that while one chunk is attended
+# the next chunk's Q/K/V and the previous chunk's output are in flight. More chunks hide more of the exchange behind
+# attention but send smaller messages and run smaller attention calls.
+ULYSSES_CHUNKS = 2
 
 
 class SequenceParallelAttention:
@@ -72,39 +78,100 @@ class SequenceParallelAttention:
             return self._sequence_to_heads(out, heads)
         return decode_fp8_rows(self._sequence_to_heads(encode_fp8_rows(out), heads), out.dtype)
 
+    def _head_ranges(self, heads: int, chunk: int = 0, chunks: int = 1) -> list[tuple[int, int]]:
+        """(first head, count) that each Ulysses rank attends, in rank order: its ``tensor_split`` share of ``heads``,
+        or the ``chunk``-th of ``chunks`` parts of that share."""
+        owned = split_sizes(heads, self.ulysses)
+        ranges = []
+        for rank, count in enumerate(owned):
+            parts = split_sizes(count, chunks)
+            ranges.append((sum(owned[:rank]) + sum(parts[:chunk]), parts[chunk]))
+        return ranges
+
     def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """One copy lays the send buffer out by destination; with batch 1 the receive buffer already is the result."""
-        batch, length, heads, dim = x.shape
-        head_sizes = split_sizes(heads, self.ulysses)
-        me = self.context.local_rank("ulysses")
-        lengths = self._ulysses_lengths()
-        send = x.new_empty(x.numel())
-        send_numels = [batch * length * h * dim for h in head_sizes]
-        start = 0
-        for chunk, h in zip(send.split(send_numels), head_sizes):
-            chunk.view(batch, length, h, dim).copy_(x[:, :, start : start + h])
-            start += h
-        recv_numels = [batch * n * head_sizes[me] * dim for n in lengths]
-        recv = all_to_all_uneven(send, send_numels, recv_numels, self.ulysses_group, self.context.stats)
-        if batch == 1:
-            return recv.view(1, sum(lengths), head_sizes[me], dim)
-        parts = [part.view(batch, n, head_sizes[me], dim) for part, n in zip(recv.split(recv_numels), lengths)]
-        return torch.cat(parts, dim=1)
+        return self._post_heads_to_sequence(x, self._head_ranges(x.shape[2]))()
 
     def _sequence_to_heads(self, out: torch.Tensor, heads: int) -> torch.Tensor:
+        batch, _, _, dim = out.shape
+        me = self.context.local_rank("ulysses")
+        into = out.new_empty(batch, self._ulysses_lengths()[me], heads, dim)
+        self._post_sequence_to_heads(out, self._head_ranges(heads), into)()
+        return into
+
+    def _post_heads_to_sequence(self, x: torch.Tensor, ranges: list[tuple[int, int]]):
+        """Post the exchange that gives Ulysses rank j the heads ``ranges[j]`` of the group's tokens; returns the
+        function that waits for it and gives (B, L_group, this rank's count, D). One copy lays the send buffer out by
+        destination; with batch 1 the receive buffer already is the result."""
+        batch, length, _, dim = x.shape
+        me = self.context.local_rank("ulysses")
+        lengths = self._ulysses_lengths()
+        send_numels = [batch * length * count * dim for _, count in ranges]
+        send = x.new_empty(sum(send_numels))
+        for chunk, (first, count) in zip(send.split(send_numels), ranges):
+            chunk.view(batch, length, count, dim).copy_(x[:, :, first : first + count])
+        mine = ranges[me][1]
+        recv_numels = [batch * n * mine * dim for n in lengths]
+        recv, work = start_all_to_all_uneven(send, send_numels, recv_numels, self.ulysses_group, self.context.stats)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            if batch == 1:
+                return recv.view(1, sum(lengths), mine, dim)
+            parts = [part.view(batch, n, mine, dim) for part, n in zip(recv.split(recv_numels), lengths)]
+            return torch.cat(parts, dim=1)
+
+        return finish
+
+    def _post_sequence_to_heads(self, out: torch.Tensor, ranges: list[tuple[int, int]], into: torch.Tensor):
+        """Post the exchange that returns ``out`` (B, L_group, heads ``ranges[me]``, D) to the ranks its tokens came
+        from; returns the function that waits for it and writes every rank's heads ``ranges[j]`` of this rank's
+        tokens into ``into`` (B, L_me, H, D)."""
         batch, _, local_heads, dim = out.shape
         me = self.context.local_rank("ulysses")
         lengths = self._ulysses_lengths()
-        head_sizes = split_sizes(heads, self.ulysses)
         if batch == 1:  # the chunks for each destination are already consecutive
             send = out.contiguous().view(-1)
         else:
             send = torch.cat([part.reshape(-1) for part in out.split(lengths, dim=1)])
         send_numels = [batch * n * local_heads * dim for n in lengths]
-        recv_numels = [batch * lengths[me] * h * dim for h in head_sizes]
-        recv = all_to_all_uneven(send, send_numels, recv_numels, self.ulysses_group, self.context.stats)
-        parts = [part.view(batch, lengths[me], h, dim) for part, h in zip(recv.split(recv_numels), head_sizes)]
-        return torch.cat(parts, dim=2)
+        recv_numels = [batch * lengths[me] * count * dim for _, count in ranges]
+        recv, work = start_all_to_all_uneven(send, send_numels, recv_numels, self.ulysses_group, self.context.stats)
+
+        def finish() -> None:
+            work.wait()
+            for part, (first, count) in zip(recv.split(recv_numels), ranges):
+                into[:, :, first : first + count] = part.view(batch, lengths[me], count, dim)
+
+        return finish
+
+    def ulysses_overlapped(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Ulysses attention (no Ring, plain SDPA) in head chunks: chunk c is attended while chunk c + 1's Q/K/V and
+        chunk c - 1's output travel. Exact: attention is independent per head. ``key_mask``: the gathered mask."""
+        heads = query.shape[2]
+        chunks = [self._head_ranges(heads, c, ULYSSES_CHUNKS) for c in range(ULYSSES_CHUNKS)]
+        chunks = [ranges for ranges in chunks if any(count for _, count in ranges)]
+        wire = [encode_fp8_rows(t) for t in (query, key, value)] if self.fp8_transport else [query, key, value]
+        batch, length, _, width = wire[0].shape
+        into = wire[0].new_empty(batch, length, heads, width)  # the output, in the wire's form
+
+        def post(ranges):
+            return [self._post_heads_to_sequence(t, ranges) for t in wire]
+
+        pending, returning = post(chunks[0]), []
+        for index, ranges in enumerate(chunks):
+            q, k, v = (finish() for finish in pending)
+            if self.fp8_transport:
+                q, k, v = (decode_fp8_rows(t, query.dtype) for t in (q, k, v))
+            if index + 1 < len(chunks):
+                pending = post(chunks[index + 1])
+            out = sdpa_attention(q, k, v, key_mask)
+            out = encode_fp8_rows(out) if self.fp8_transport else out
+            returning.append(self._post_sequence_to_heads(out, ranges, into))
+        for finish in returning:
+            finish()
+        return decode_fp8_rows(into, query.dtype) if self.fp8_transport else into
 
     def ring_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
@@ -192,6 +259,9 @@ class SequenceParallelAttention:
         if not any(self.local_lengths):  # no rank holds a token of these streams (PipeFusion's text-less patches)
             return query
         heads = query.shape[2]
+        if self.ulysses > 1 and self.ring == 1 and local is sdpa_attention:
+            gathered_mask = None if key_mask is None else self.gather_key_mask(key_mask)
+            return self.ulysses_overlapped(query, key, value, gathered_mask)
         if self.ulysses > 1:
             query, key, value = (self.heads_to_sequence(t) for t in (query, key, value))
             if key_mask is not None:
