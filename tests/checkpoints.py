@@ -21,6 +21,11 @@ from paradit.presets.flux2 import FLUX2_SCHEDULER
 TEXT_HIDDEN = 16
 
 
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, computed in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 def tiny_transformer_config(guidance_embeds: bool, heads: int = 3) -> dict:
     return {
         "patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,

@@ -9,7 +9,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from paradit.parallel.mesh import init_process_group
+from paradit.parallel import ParallelConfig
+from paradit.parallel.mesh import ParallelContext, init_process_group
+from paradit.parallel.sequence import parallelize_sequence
+from tests.checkpoints import relative_l2
+
+# (processes, plans): the sequence plans every family is checked with — Ulysses and Ring at 2, 3 and 4, USP at 4.
+SEQUENCE_PLANS = [
+    (2, [ParallelConfig(ulysses=2), ParallelConfig(ring=2)]),
+    (3, [ParallelConfig(ulysses=3), ParallelConfig(ring=3)]),
+    (4, [ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)]),
+]
 
 
 def _entry(rank: int, world: int, folder: str, fn, args) -> None:
@@ -21,6 +31,14 @@ def _entry(rank: int, world: int, folder: str, fn, args) -> None:
             torch.save(result, Path(folder) / "result.pt")
     finally:
         dist.destroy_process_group()
+
+
+def sequence_parallel_error(model, plan: ParallelConfig, run, serial: torch.Tensor) -> tuple[float, int]:
+    """``run(m)`` (one call of ``m``) with ``model`` split by ``plan`` over this process group: the relative L2 of
+    its output against ``serial``, and the bytes this rank sent. The split swaps the model's attention in place."""
+    context = ParallelContext.build(plan, torch.device("cpu"))
+    out = run(parallelize_sequence(model, context))
+    return relative_l2(out, serial), sum(context.stats.bytes_sent.values())
 
 
 def run_on_processes(world: int, fn, *args):

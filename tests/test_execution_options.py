@@ -11,13 +11,9 @@ from paradit.layers.fp8 import Fp8Linear, check_fp8_supported, quantize_rowwise,
 from paradit.models.flux2 import Flux2Config, Flux2Transformer
 from paradit.optimize import ExecutionOptions
 from paradit.quantize import quantizable
-from tests.checkpoints import randomize, tiny_transformer_config
+from tests.checkpoints import randomize, relative_l2, tiny_transformer_config
 
 E4M3 = torch.float8_e4m3fn
-
-
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def test_rowwise_scales_map_each_rows_absmax_to_the_format_maximum():

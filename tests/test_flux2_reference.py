@@ -10,10 +10,7 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 from paradit import Engine, GenerationRequest
 from paradit.models.flux2 import Flux2Config, Flux2Transformer
 from paradit.weights import load_module_weights, safetensors_files
-
-
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.checkpoints import relative_l2
 
 
 def load_ours(folder) -> Flux2Transformer:

@@ -16,19 +16,14 @@ from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.errors import CheckpointError
 from paradit.models.qwen_image import QwenImageConfig, QwenImageTransformer
 from paradit.parallel import ParallelConfig
-from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.sequence import parallelize_sequence
 from paradit.pipelines.qwen_image import resolve_request, uses_cfg
 from paradit.presets import PRESETS
 from paradit.weights import load_module_weights, safetensors_files
-from tests.distributed import run_on_processes
+from tests.checkpoints import relative_l2
+from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
 from tests.qwen_image_checkpoints import build_qwen_image_checkpoint, tiny_transformer
 
 CPU = torch.device("cpu")
-
-
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -251,21 +246,13 @@ def _compare_sequence_plans(plans: list[ParallelConfig]) -> dict[str, float]:
     for name, (inputs, serial) in cases.items():
         with torch.no_grad():
             for plan in plans:
-                context = ParallelContext.build(plan, CPU)
-                out = parallelize_sequence(model, context)(**inputs)
-                errors[f"{plan.describe()} {name}"] = relative_l2(out, serial)
-                errors[f"{plan.describe()} {name} bytes"] = sum(context.stats.bytes_sent.values())
+                error, sent = sequence_parallel_error(model, plan, lambda m, inputs=inputs: m(**inputs), serial)
+                errors[f"{plan.describe()} {name}"] = error
+                errors[f"{plan.describe()} {name} bytes"] = sent
     return errors
 
 
-@pytest.mark.parametrize(
-    "world,plans",
-    [
-        (2, [ParallelConfig(ulysses=2), ParallelConfig(ring=2)]),
-        (3, [ParallelConfig(ulysses=3), ParallelConfig(ring=3)]),
-        (4, [ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)]),
-    ],
-)
+@pytest.mark.parametrize("world,plans", SEQUENCE_PLANS)
 def test_sequence_parallel_equals_serial(world, plans):
     errors = run_on_processes(world, _compare_sequence_plans, plans)
     for plan in plans:

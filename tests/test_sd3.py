@@ -12,19 +12,13 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, 
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.models.sd3 import SD3Config, SD3Transformer, sincos_position_table, unpatchify
 from paradit.parallel import ParallelConfig
-from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.sequence import parallelize_sequence
 from paradit.pipelines.sd3 import published_defaults, resolve_request, spec_from_folder
 from paradit.presets import PRESETS
 from paradit.presets.sd3 import SD3_TEXT_ENCODERS
 from paradit.weights import load_module_weights, read_json, safetensors_files
-from tests.checkpoints import randomize
-from tests.distributed import run_on_processes
+from tests.checkpoints import randomize, relative_l2
+from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
 from tests.sd3_checkpoints import build_sd3_checkpoint, tiny_transformer, tiny_transformer_config
-
-
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -192,21 +186,13 @@ def _compare_plans(plans: list[ParallelConfig]) -> dict[str, float]:
         with torch.no_grad():
             serial = model(**inputs)
             for plan in plans:
-                context = ParallelContext.build(plan, torch.device("cpu"))
-                out = parallelize_sequence(model, context)(**inputs)
-                errors[f"{plan.describe()} batch {batch}"] = relative_l2(out, serial)
-                errors[f"{plan.describe()} bytes"] = sum(context.stats.bytes_sent.values())
+                error, sent = sequence_parallel_error(model, plan, lambda m, inputs=inputs: m(**inputs), serial)
+                errors[f"{plan.describe()} batch {batch}"] = error
+                errors[f"{plan.describe()} bytes"] = sent
     return errors
 
 
-@pytest.mark.parametrize(
-    "world,plans",
-    [
-        (2, [ParallelConfig(ulysses=2), ParallelConfig(ring=2)]),
-        (3, [ParallelConfig(ulysses=3), ParallelConfig(ring=3)]),
-        (4, [ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)]),
-    ],
-)
+@pytest.mark.parametrize("world,plans", SEQUENCE_PLANS)
 def test_sequence_parallel_equals_serial(world, plans):
     errors = run_on_processes(world, _compare_plans, plans)
     for plan in plans:

@@ -15,7 +15,7 @@ from paradit.parallel.comm import all_gather_uneven, split_sizes
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention, parallelize_sequence
 from tests.checkpoints import randomize, tiny_transformer_config
-from tests.distributed import run_on_processes
+from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
 
 HEADS = 5  # 5 heads over Ulysses 2, 3 and 4: shares (3, 2), (2, 2, 1), (2, 1, 1, 1)
 ROWS, COLS, TEXT = 5, 3, 7  # 15 image + 7 text tokens: divisible by none of 2, 3, 4
@@ -46,21 +46,13 @@ def _compare_plans(plans: list[ParallelConfig], guidance: bool) -> dict[str, flo
         with torch.no_grad():
             serial = model(**inputs)
             for plan in plans:
-                context = ParallelContext.build(plan, torch.device("cpu"))
-                out = parallelize_sequence(model, context)(**inputs)
-                errors[f"{plan.describe()} batch {batch}"] = ((out - serial).norm() / serial.norm()).item()
-                errors[f"{plan.describe()} bytes"] = sum(context.stats.bytes_sent.values())
+                error, sent = sequence_parallel_error(model, plan, lambda m, inputs=inputs: m(**inputs), serial)
+                errors[f"{plan.describe()} batch {batch}"] = error
+                errors[f"{plan.describe()} bytes"] = sent
     return errors
 
 
-@pytest.mark.parametrize(
-    "world,plans",
-    [
-        (2, [ParallelConfig(ulysses=2), ParallelConfig(ring=2)]),
-        (3, [ParallelConfig(ulysses=3), ParallelConfig(ring=3)]),
-        (4, [ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)]),
-    ],
-)
+@pytest.mark.parametrize("world,plans", SEQUENCE_PLANS)
 def test_sequence_parallel_equals_serial(world, plans):
     errors = run_on_processes(world, _compare_plans, plans, world % 2 == 0)
     for plan in plans:

@@ -11,13 +11,11 @@ from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.models.zimage import ZImageConfig, ZImageTransformer, unpatchify
 from paradit.parallel import ParallelConfig
-from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.sequence import parallelize_sequence
 from paradit.pipelines.zimage import resolve_request
 from paradit.presets import PRESETS
 from paradit.weights import load_module_weights, safetensors_files
-from tests.checkpoints import randomize
-from tests.distributed import run_on_processes
+from tests.checkpoints import randomize, relative_l2
+from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
 from tests.zimage_checkpoints import build_zimage_checkpoint, tiny_transformer_config
 
 
@@ -36,10 +34,6 @@ def transformers(base_checkpoint) -> tuple[ZImageTransformer2DModel, ZImageTrans
     """The reference transformer and ours, loaded from the same folder."""
     reference = ZImageTransformer2DModel.from_pretrained(base_checkpoint / "transformer").eval()
     return reference, load_ours(base_checkpoint)
-
-
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def load_ours(folder) -> ZImageTransformer:
@@ -159,21 +153,13 @@ def _compare_plans(plans: list[ParallelConfig]) -> dict[str, float]:
     for name, (inputs, serial) in cases.items():
         with torch.no_grad():
             for plan in plans:
-                context = ParallelContext.build(plan, torch.device("cpu"))
-                out = parallelize_sequence(model, context)(*inputs)
-                errors[f"{plan.describe()} {name}"] = relative_l2(out, serial)
-                errors[f"{plan.describe()} bytes"] = sum(context.stats.bytes_sent.values())
+                error, sent = sequence_parallel_error(model, plan, lambda m, inputs=inputs: m(*inputs), serial)
+                errors[f"{plan.describe()} {name}"] = error
+                errors[f"{plan.describe()} bytes"] = sent
     return errors
 
 
-@pytest.mark.parametrize(
-    "world,plans",
-    [
-        (2, [ParallelConfig(ulysses=2), ParallelConfig(ring=2)]),
-        (3, [ParallelConfig(ulysses=3), ParallelConfig(ring=3)]),
-        (4, [ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)]),
-    ],
-)
+@pytest.mark.parametrize("world,plans", SEQUENCE_PLANS)
 def test_sequence_parallel_equals_serial(world, plans):
     errors = run_on_processes(world, _compare_plans, plans)
     for plan in plans:
