@@ -17,16 +17,26 @@ TRANSPORT_FP8 = torch.float8_e4m3fn
 SCALE_BYTES = 4  # a float32 per row
 
 
+# The scale's bytes are cut out of (and put back into) its bit pattern with shifts rather than a float32 -> uint8
+# view: inductor may lay a (..., 1) scale out with a non-unit last stride, and a view between element sizes then
+# fails to compile. Same-size views (float32 <-> int32) have no such limit.
+_BYTE_SHIFTS = (0, 8, 16, 24)  # little-endian, the order a float32 -> uint8 view gives
+
+
 def _encode(x: torch.Tensor) -> torch.Tensor:
     fmax = torch.finfo(TRANSPORT_FP8).max
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / fmax
     payload = (x.float() / scale).clamp(-fmax, fmax).to(TRANSPORT_FP8).view(torch.uint8)
-    return torch.cat([payload, scale.view(torch.uint8)], dim=-1)
+    bits = scale.view(torch.int32)
+    scale_bytes = [((bits >> shift) & 0xFF).to(torch.uint8) for shift in _BYTE_SHIFTS]
+    return torch.cat([payload, *scale_bytes], dim=-1)
 
 
 def _decode(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    payload, scale = packed.split([packed.shape[-1] - SCALE_BYTES, SCALE_BYTES], dim=-1)
-    return (payload.view(TRANSPORT_FP8).float() * scale.contiguous().view(torch.float32)).to(dtype)
+    payload, scale_bytes = packed.split([packed.shape[-1] - SCALE_BYTES, SCALE_BYTES], dim=-1)
+    bits = scale_bytes.to(torch.int32)
+    bits = sum(bits[..., i : i + 1] << shift for i, shift in enumerate(_BYTE_SHIFTS))
+    return (payload.view(TRANSPORT_FP8).float() * bits.view(torch.float32)).to(dtype)
 
 
 _encode_compiled = torch.compile(_encode, dynamic=False)
