@@ -68,6 +68,16 @@ class ParallelContext:
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.mesh.get_group(dim)
 
+    def second_group(self, dim: str) -> dist.ProcessGroup:
+        """A second communicator over the ranks of this rank's ``dim`` group. Its operations queue apart from the
+        first one's (their own NCCL stream), so traffic flowing the other way need not wait in line behind it.
+        Every rank must call this, in the same order."""
+        shape = tuple(degree for _, degree in self.config.degrees())
+        axis = MESH_DIMS.index(dim)
+        ranks = torch.arange(self.config.world_size).reshape(shape).movedim(axis, -1).reshape(-1, shape[axis])
+        group, _ = dist.new_subgroups_by_enumeration(ranks.tolist())
+        return group
+
     @property
     def sequence_rank(self) -> int:
         return dist.get_rank(self.sequence_group)

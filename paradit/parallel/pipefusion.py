@@ -5,8 +5,9 @@ The low-communication strategy for slow links, for every family. A model lists i
 ...); taken as one sequence they are split into P contiguous stages, and rank p of the pipefusion group keeps only
 stage p's blocks in those stacks and frees the rest, so the model's own ``run_blocks`` runs exactly its stage.
 Every rank runs ``embed`` (cheap, and every stage needs the modulation vectors, rotary tables and masks);
-activations pass point to point from stage p to stage p + 1; the last stage runs ``head`` and broadcasts the
-prediction, which every rank needs for its scheduler step.
+activations pass point to point from stage p to stage p + 1; the last stage runs ``head`` and broadcasts each
+patch's prediction (which every rank needs for its scheduler step) as soon as it has it, on a second communicator,
+so predictions flowing back never queue behind activations flowing forward.
 
 - **Warm-up steps** (the first ``warmup_steps`` of a request) run the whole sequence as one piece: a plain layer
   pipeline, exactly the serial result. They also fill each attention layer's K/V buffer.
@@ -38,12 +39,14 @@ the buffer needs every key at once, so instead of passing K/V blocks round, the 
 K/V (the same bytes, in sequence-rank order), and each rank buffers the whole sequence for its heads. Tensor
 parallelism inside a stage is not supported yet.
 
-The step index comes from ``begin_request()``, which the pipeline calls before its denoise loop, and one count per
-forward (every family's pipeline calls the transformer once per step, with both guidance branches batched).
+Called as a plain model, one forward is one step: the step index comes from ``begin_request()``, which the pipeline
+calls before its denoise loop, and one count per forward. The pipelines drive it patch by patch instead
+(``schedule``, and ``paradit.pipelines.patch_loop``), so that the stages never wait for one another between steps.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -131,6 +134,13 @@ class StaleKVAttention:
         return sdpa_attention(query, self.key, self.value, self.mask)
 
 
+def band_rows(length: int, band: int, bands: int) -> tuple[int, int]:
+    """The (first, end) rows of band ``band`` when ``length`` rows split into ``bands`` contiguous bands."""
+    sizes = split_sizes(length, bands)
+    start = sum(sizes[:band])
+    return start, start + sizes[band]
+
+
 def stage_range(blocks: int, stages: int, stage: int) -> range:
     """The indices, in the model's run order, of the blocks ``stage`` runs."""
     sizes = split_sizes(blocks, stages)
@@ -138,9 +148,37 @@ def stage_range(blocks: int, stages: int, stage: int) -> range:
     return range(start, start + sizes[stage])
 
 
+@dataclass(frozen=True)
+class PatchItem:
+    """Patch ``patch`` of the ``patches`` bands of the output stream at denoise step ``step`` (one band: the whole
+    step)."""
+
+    step: int
+    patch: int
+    patches: int
+
+
+@dataclass
+class InFlight:
+    """A submitted item whose prediction is still on its way from the last stage: the output-stream rows it covers,
+    how many of them each sequence rank holds, and the broadcast carrying this rank's rows."""
+
+    item: PatchItem
+    rows: tuple[int, int]
+    local_sizes: list[int]
+    prediction: torch.Tensor
+    work: dist.Work | None
+
+
 class PipeFusion(nn.Module):
     """Wraps a plain model (or a ``SequenceParallel`` one: Ulysses inside each stage): this rank runs only its
-    stage's blocks, and the last stage's prediction is broadcast to the pipefusion group."""
+    stage's blocks, and the last stage's predictions reach every rank of the pipefusion group.
+
+    Called like the model, one call is one whole step (its patches submitted, then all their predictions
+    collected). A denoise loop that updates the latents patch by patch instead drives ``schedule``: each call then
+    submits at most one patch and returns the predictions of the oldest patches in flight, so that the first stage
+    starts step k + 1's first patch while the last stage still works on step k's last (no pipeline drain per step;
+    see ``paradit.pipelines.patch_loop``)."""
 
     def __init__(self, model: nn.Module, context: ParallelContext) -> None:
         super().__init__()
@@ -149,6 +187,9 @@ class PipeFusion(nn.Module):
         self.model = model.model if self.sequence is not None else model
         self.context = context
         self.group = context.group("pipefusion")
+        # Predictions flow from the last stage back to the first while activations flow forwards: on one
+        # communicator a prediction would queue behind the next patch's activations.
+        self.prediction_group = context.second_group("pipefusion")
         self.stages = config.pipefusion
         self.stage = context.local_rank("pipefusion")
         ranks = dist.get_process_group_ranks(self.group)
@@ -159,6 +200,11 @@ class PipeFusion(nn.Module):
         self.warmup_steps = config.warmup_steps
         self.step = 0
         self._out_channels: int | None = None
+        self._in_flight: deque[InFlight] = deque()
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._schedule: tuple[PatchItem | None, int] | None = None
+        self.collected: list[InFlight] = []
+        self.output_length = 0
 
         stacks = [(name, list(getattr(self.model, name))) for name in type(self.model).BLOCK_LISTS]
         total = sum(len(blocks) for _, blocks in stacks)
@@ -190,75 +236,111 @@ class PipeFusion(nn.Module):
     def begin_request(self) -> None:
         """The next forward is step 0 of a new request: a warm-up step."""
         self.step = 0
+        self._in_flight.clear()
+        self._schedule = None
+
+    def patches_at(self, step: int) -> int:
+        """Warm-up steps run whole; the others in ``patches`` bands."""
+        return 1 if step < self.warmup_steps else self.patches
+
+    def schedule(self, submit: PatchItem | None, collect: int) -> None:
+        """The next call submits ``submit`` (None: nothing) and then collects the ``collect`` oldest items in flight:
+        it returns a prediction of the whole output stream whose rows are valid only where those items lie, and
+        lists them in ``collected``."""
+        self._schedule = (submit, collect)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        tokens = self.model.embed(*args, **kwargs)
-        patches = 1 if self.step < self.warmup_steps else self.patches
-        self.step += 1
+        if self._schedule is None:  # called as the plain model: one whole step
+            patches = self.patches_at(self.step)
+            submits = [PatchItem(self.step, m, patches) for m in range(patches)]
+            collect = len(self._in_flight) + patches
+            self.step += 1
+        else:
+            (submit, collect), self._schedule = self._schedule, None
+            submits = [submit] if submit is not None else []
+        if submits:
+            tokens = self.model.embed(*args, **kwargs)
+            for item in submits:
+                self._submit(tokens, item)
+        return self._collect(collect)
+
+    def _submit(self, tokens, item: PatchItem) -> None:
+        """Runs this stage's blocks on the item's patch and passes it on; the last stage runs the head and posts the
+        prediction to the group at once, the others post their receive for it."""
         fields = type(tokens).SEQUENCE_FIELDS
         output = type(tokens).OUTPUT_STREAM
         streams = token_streams(tokens)
         lengths = {s: getattr(tokens, s).shape[fields[s][1]] for s in streams}
-        sends, outputs, local_sizes = [], [], []
-        start = 0
-        for index, size in enumerate(split_sizes(lengths[output], patches)):
-            # The output stream's band; every other stream rides whole with patch 0.
-            ranges = {
-                s: (start, start + size) if s == output else (0, lengths[s] if index == 0 else 0) for s in streams
-            }
-            patch = narrow_streams(tokens, ranges)
-            if self.sequence is not None:
-                patch, sizes = self.sequence.split(patch)
-            else:
-                sizes = {s: [stop - begin] for s, (begin, stop) in ranges.items()}
-            self.window.set({s: _pieces(ranges[s][0], sizes[s]) for s in streams}, lengths)
-            local_sizes.append(sizes[output])
-            if self.prev_rank is not None:
-                for s in streams:
-                    setattr(patch, s, self._receive(getattr(patch, s)))
-            patch = self.model.run_blocks(patch)
-            if self.next_rank is not None:
-                sends += self._send([getattr(patch, s) for s in streams])
-            else:
-                outputs.append(self.model.head(patch))
-            start += size
-        for work, _ in sends:
-            work.wait()
-        return self._share_prediction(tokens, outputs, local_sizes)
-
-    def _share_prediction(self, tokens, outputs: list[torch.Tensor], local_sizes: list[list[int]]) -> torch.Tensor:
-        """The last stage's prediction on every rank: each rank's chunks of every patch travel down its pipefusion
-        group, then (with Ulysses) the stage's ranks gather them and put the rows back in order, patch by patch."""
-        image = getattr(tokens, type(tokens).OUTPUT_STREAM)
-        if self._out_channels is None:  # the head's width, learnt once: the other stages hold no prediction yet
-            width = torch.tensor([outputs[0].shape[-1] if outputs else 0], device=image.device)
-            self._out_channels = int(broadcast(width, self.last_rank, self.group, self.context.stats).item())
-        me = self.context.sequence_rank if self.sequence is not None else 0
-        if outputs:
-            local = torch.cat(outputs, dim=1)
+        start, stop = band_rows(lengths[output], item.patch, item.patches)
+        # The output stream's band; every other stream rides whole with patch 0.
+        ranges = {s: (start, stop) if s == output else (0, lengths[s] if item.patch == 0 else 0) for s in streams}
+        patch = narrow_streams(tokens, ranges)
+        if self.sequence is not None:
+            patch, sizes = self.sequence.split(patch)
         else:
-            rows = sum(sizes[me] for sizes in local_sizes)
-            local = image.new_empty(image.shape[0], rows, self._out_channels)
-        local = broadcast(local, self.last_rank, self.group, self.context.stats)
-        if self.sequence is None:
-            return local
-        per_rank = [sum(sizes[rank] for sizes in local_sizes) for rank in range(len(local_sizes[0]))]
-        gathered = self.sequence.gather(local, per_rank).split(per_rank, dim=1)
-        chunks = [part.split([sizes[rank] for sizes in local_sizes], dim=1) for rank, part in enumerate(gathered)]
-        return torch.cat([chunks[rank][m] for m in range(len(local_sizes)) for rank in range(len(chunks))], dim=1)
+            sizes = {s: [stop - begin] for s, (begin, stop) in ranges.items()}
+        self.window.set({s: _pieces(ranges[s][0], sizes[s]) for s in streams}, lengths)
+        if self.prev_rank is not None:
+            for s in streams:
+                setattr(patch, s, self._receive(getattr(patch, s)))
+        patch = self.model.run_blocks(patch)
+        if self.next_rank is not None:
+            self._send([getattr(patch, s) for s in streams])
+            prediction = None
+        else:
+            prediction = self.model.head(patch)
+        image = getattr(tokens, output)
+        self.output_length, self._image = lengths[output], image
+        me = self.context.sequence_rank if self.sequence is not None else 0
+        prediction, work = self._post_prediction(prediction, image, sizes[output][me])
+        self._in_flight.append(InFlight(item, (start, stop), sizes[output], prediction, work))
 
-    def _send(self, tensors: list[torch.Tensor | None]) -> list[tuple[dist.Work, torch.Tensor]]:
+    def _post_prediction(self, prediction, image: torch.Tensor, rows: int) -> tuple[torch.Tensor, dist.Work | None]:
+        """The last stage broadcasts this rank's rows of the item's prediction; the others post the receive."""
+        if self._out_channels is None:  # the head's width, learnt once: only the last stage has run it
+            width = torch.tensor([prediction.shape[-1] if prediction is not None else 0], device=image.device)
+            width = broadcast(width, self.last_rank, self.prediction_group, self.context.stats)
+            self._out_channels = int(width.item())
+        if prediction is None:
+            prediction = image.new_empty(image.shape[0], rows, self._out_channels)
+        else:
+            prediction = prediction.contiguous()
+            self.context.stats.add(prediction.numel() * prediction.element_size() * (self.stages - 1))
+        work = dist.broadcast(prediction, self.last_rank, group=self.prediction_group, async_op=True)
+        return prediction, work
+
+    def _collect(self, count: int) -> torch.Tensor:
+        """The predictions of the ``count`` oldest items in flight, placed on their rows of the output stream."""
+        image = self._image
+        out = image.new_zeros(image.shape[0], self.output_length, self._out_channels)
+        self.collected = [self._in_flight.popleft() for _ in range(count)]
+        for done in self.collected:
+            done.work.wait()
+            rows = done.prediction
+            if self.sequence is not None:  # each stage rank holds its chunk of the band: gather them in rank order
+                rows = self.sequence.gather(rows, done.local_sizes)
+            out[:, done.rows[0] : done.rows[1]] = rows
+        if not self._in_flight:
+            self._wait_for_sends()
+        return out
+
+    def _send(self, tensors: list[torch.Tensor | None]) -> None:
         """Post the patch's activations to the next stage, so this stage goes on to its next patch while they travel.
-        Returns (work, tensor) pairs: the caller waits on the work at the end of the step, holding the tensor alive
-        until then. Empty streams (the text of later patches) are not sent; the receiver knows their shapes."""
-        sends = []
+        Empty streams (the text of later patches) are not sent; the receiver knows their shapes."""
+        # The previous patch's activations left long ago (the next stage needed them to get this far); waiting for
+        # them only lets their buffers go.
+        self._wait_for_sends()
         for tensor in tensors:
             if tensor is None or tensor.numel() == 0:
                 continue
             tensor = tensor.contiguous()
-            sends.append((dist.isend(tensor, self.next_rank, group=self.group), tensor))
+            self._sends.append((dist.isend(tensor, self.next_rank, group=self.group), tensor))
             self.context.stats.add(tensor.numel() * tensor.element_size())
-        return sends
+
+    def _wait_for_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
 
     def _receive(self, like: torch.Tensor) -> torch.Tensor:
         """The previous stage's activations for the rows ``like`` (this rank's embedded tokens of the patch) holds."""

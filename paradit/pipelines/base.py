@@ -21,6 +21,7 @@ from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.pipefusion import PipeFusion, parallelize_pipefusion
 from paradit.parallel.sequence import parallelize_sequence
 from paradit.parallel.tensor import parallelize_tensor, tensor_slices
+from paradit.pipelines.patch_loop import denoise_by_patches, token_band_mask
 from paradit.quantize import fp8_load
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.spec import ModelSpec
@@ -270,6 +271,11 @@ class DiffusionPipeline:
     def after_dummy_init(cls, transformer: nn.Module) -> None:
         """Random weights are complete for most models; a model with fixed buffers fills them here."""
 
+    def band_mask(self, latents: torch.Tensor, length: int, start: int, stop: int) -> torch.Tensor:
+        """Which latent elements rows ``start:stop`` of the transformer's output stream become (PipeFusion updates
+        the latents band by band): packed latents, one token per row, unless a family says otherwise."""
+        return token_band_mask(latents, length, start, stop)
+
     def conditioning(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
         """The family's prompt encoding on rank 0, shared with the group tensor by tensor."""
         encoded = self.encode(request) if self.prompt_encoder is not None else {}
@@ -299,7 +305,13 @@ class DiffusionPipeline:
         predict = self.predictor(resolved, conditioning, layout)
         if stats:
             stats.phase = "denoise"
-        latents = denoise(predict, scheduler, latents, timesteps, clock, progress)
+        pipefusion = next((m for m in self.transformer.modules() if isinstance(m, PipeFusion)), None)
+        if pipefusion is not None and pipefusion.patches > 1:
+            latents = denoise_by_patches(
+                predict, scheduler, latents, timesteps, pipefusion, self.band_mask, clock.mark, progress
+            )
+        else:
+            latents = denoise(predict, scheduler, latents, timesteps, clock, progress)
         timings.step_ms = clock.durations_ms()
         if stats:
             stats.phase = "decode"

@@ -31,6 +31,7 @@ from paradit.pipelines.base import (
     resolve_common,
     seeded_noise,
 )
+from paradit.pipelines.patch_loop import patch_grid_band_mask
 from paradit.presets.sd3 import SD3_PRESETS, SD3TextEncoders
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
@@ -258,6 +259,9 @@ class SD3Pipeline(DiffusionPipeline):
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.spec.scheduler)
         scheduler.set_timesteps(num_inference_steps=request.steps, device=self.device)
         return scheduler, scheduler.timesteps
+
+    def band_mask(self, latents: torch.Tensor, length: int, start: int, stop: int) -> torch.Tensor:
+        return patch_grid_band_mask(latents, self.transformer.config.patch_size, start, stop)
 
     def predictor(
         self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: None

@@ -25,6 +25,7 @@ from paradit.pipelines.base import (
     resolve_common,
     seeded_noise,
 )
+from paradit.pipelines.patch_loop import patch_grid_band_mask
 from paradit.presets.zimage import TURBO_SCHEDULER, text_encoder_spec
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
@@ -193,6 +194,9 @@ class ZImagePipeline(DiffusionPipeline):
         )
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
+
+    def band_mask(self, latents: torch.Tensor, length: int, start: int, stop: int) -> torch.Tensor:
+        return patch_grid_band_mask(latents, self.transformer.config.patch_size, start, stop)
 
     def predictor(
         self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: None

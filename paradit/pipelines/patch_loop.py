@@ -1,0 +1,109 @@
+"""PipeFusion's denoise loop: the latents advance patch by patch, so the pipeline never drains between steps.
+
+With the plain loop every step ends with the whole prediction: the first stage waits while the last stage finishes
+the step's last patch, and the last stage waits at the start of the next step while the first stage works on the
+first patch, so a step costs (patches + stages - 1) patch-times instead of patches. Yet a flow-matching update is
+elementwise: patch m's latents at step k + 1 need only patch m's prediction at step k. This loop therefore updates
+each patch's rows as soon as its prediction arrives and submits the next step's patch m right behind it, keeping
+``patches - 1`` patches in flight; with ``patches >= stages`` every stage computes all the time and a step costs
+``patches`` patch-times. The numbers are those of the plain loop: each patch sees the same latents and the same
+fresh and stale K/V rows in the same order.
+
+Requirements, which every family's pipeline meets: the scheduler's update is elementwise (one copy per patch keeps
+its step count), and ``predict``'s work after the transformer (guidance combination, unpatchify) treats rows
+independently and does not depend on the step, since one call may return rows of an earlier step than its ``t``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from paradit.parallel.pipefusion import PatchItem, PipeFusion, band_rows
+
+# (latents, output-stream length, first row, end row) -> a mask broadcastable to the latents: the elements those
+# rows of the output stream become.
+BandMask = Callable[[torch.Tensor, int, int, int], torch.Tensor]
+
+
+def denoise_by_patches(
+    predict: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    scheduler,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    pipefusion: PipeFusion,
+    band_mask: BandMask,
+    mark_step: Callable[[], None],
+    progress: bool,
+) -> torch.Tensor:
+    """Run ``scheduler`` over ``timesteps`` with ``predict(latents, t)`` as the plain loop does, the transformer
+    being ``pipefusion``; ``mark_step`` is called once at the start and once as each step's last patch lands."""
+    steps = len(timesteps)
+    # One scheduler per band of a patched step: each advances its own step count once per step.
+    band_schedulers = [copy.deepcopy(scheduler) for _ in range(pipefusion.patches)]
+    in_flight: deque[PatchItem] = deque()
+    landed = [0] * steps
+    bar = tqdm(total=steps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False)
+
+    def call(submit: PatchItem | None, collect: int, t: torch.Tensor) -> None:
+        nonlocal latents
+        pipefusion.schedule(submit, collect)
+        prediction = predict(latents, t)
+        for done in pipefusion.collected:
+            item = done.item
+            step_t = timesteps[item.step]
+            # A whole (warm-up) step covers every band: each band's scheduler takes its own rows.
+            bands = range(pipefusion.patches) if item.patches == 1 else [item.patch]
+            for band in bands:
+                rows = done.rows if item.patches > 1 else band_rows(pipefusion.output_length, band, len(bands))
+                mask = band_mask(latents, pipefusion.output_length, *rows)
+                stepped = band_schedulers[band].step(prediction, step_t, latents, return_dict=False)[0]
+                latents = torch.where(mask, stepped.to(latents.dtype), latents)
+            in_flight.popleft()
+            landed[item.step] += 1
+            if landed[item.step] == item.patches:
+                mark_step()
+                bar.update()
+
+    mark_step()
+    for step, t in enumerate(timesteps):
+        patches = pipefusion.patches_at(step)
+        for patch in range(patches):
+            # This patch's latents need the previous step's prediction for its rows: land what precedes it.
+            waiting = 0
+            for earlier in in_flight:
+                if earlier.step == step or (earlier.patches == patches and earlier.patch > patch):
+                    break
+                waiting += 1
+            if waiting:
+                call(None, waiting, t)
+            item = PatchItem(step, patch, patches)
+            in_flight.append(item)
+            # Keep patches - 1 in flight: the last stage's work on them overlaps the first stage's next patches.
+            call(item, max(0, len(in_flight) - (patches - 1)), t)
+    if in_flight:
+        call(None, len(in_flight), timesteps[-1])
+    bar.close()
+    return latents
+
+
+def token_band_mask(latents: torch.Tensor, length: int, start: int, stop: int) -> torch.Tensor:
+    """Packed latents (batch, tokens, channels), one token per output-stream row."""
+    mask = torch.zeros(latents.shape[1], dtype=torch.bool, device=latents.device)
+    mask[start:stop] = True
+    return mask.view(1, -1, 1)
+
+
+def patch_grid_band_mask(latents: torch.Tensor, patch: int, start: int, stop: int) -> torch.Tensor:
+    """Image latents (batch, channels, height, width) whose output-stream rows are ``patch`` x ``patch`` squares in
+    row-major order; rows past the grid (a stream's pad tokens) cover no latent."""
+    rows, cols = latents.shape[-2] // patch, latents.shape[-1] // patch
+    tokens = torch.arange(rows * cols, device=latents.device)
+    grid = ((tokens >= start) & (tokens < stop)).view(rows, cols)
+    grid = grid.repeat_interleave(patch, 0).repeat_interleave(patch, 1)
+    return grid.view(1, 1, *grid.shape)
