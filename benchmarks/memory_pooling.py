@@ -75,8 +75,11 @@ def measure_one(model: str, parallel: ParallelConfig | None, quantize: str, cap:
             max_gpu_memory=cap,
         ) as engine:
             row["load_s"] = time.perf_counter() - start
-            # One request: the blocks compile during its first step (and PipeFusion's warm-up step is whole), so
-            # the median step is a steady one.
+            # The first request compiles the blocks for every shape they meet (PipeFusion's whole warm-up step and
+            # each patch's shape, met in its first patched steps): the second is timed.
+            start = time.perf_counter()
+            engine.generate(request)
+            row["first_request_s"] = time.perf_counter() - start
             result = engine.generate(request)
     except ParaditError as exc:  # a refused plan (with its numbers) or a failed worker is the row's result
         row["refused"] = str(exc).splitlines()[0]
@@ -89,6 +92,7 @@ def measure_one(model: str, parallel: ParallelConfig | None, quantize: str, cap:
     t = result.timings
     row.update(
         ms_per_step=t.median_step_ms,
+        step_ms=t.step_ms,
         mib_sent=t.comm_bytes_per_step / 2**20,
         peak_gib=[b / 2**30 for b in t.peak_memory_per_rank] or [t.peak_memory_bytes / 2**30],
         text_encoders=t.text_encoders,
