@@ -19,8 +19,10 @@ so predictions flowing back never queue behind activations flowing forward.
 
 The other streams (the text) travel with the first patch only, so they are computed once per step: patch 0 is the
 whole text plus image band 0, and later patches carry zero-length text. Their attention reads this step's text
-K/V, which patch 0 wrote into the buffer before them in every layer. A key mask (Qwen-Image's padded text) is kept
-in a buffer beside the keys, so attention over the buffer masks exactly what serial attention masks.
+K/V, which patch 0 wrote into the buffer before them in every layer. Band 0 is narrower by the text's length, so
+that every patch holds about the same number of tokens (``band_rows``): the largest patch paces the pipeline. A key
+mask (Qwen-Image's padded text) is kept in a buffer beside the keys, so attention over the buffer masks exactly what
+serial attention masks.
 
 Z-Image's refiners are ordinary pipeline blocks here: the noise refiner attends over the image stream (patched and
 stale like any layer), the context refiner over the text, which rides whole with patch 0, so for text it is exact
@@ -134,11 +136,21 @@ class StaleKVAttention:
         return sdpa_attention(query, self.key, self.value, self.mask)
 
 
-def band_rows(length: int, band: int, bands: int) -> tuple[int, int]:
-    """The (first, end) rows of band ``band`` when ``length`` rows split into ``bands`` contiguous bands."""
-    sizes = split_sizes(length, bands)
-    start = sum(sizes[:band])
-    return start, start + sizes[band]
+def band_rows(length: int, band: int, bands: int, lead: int = 0) -> tuple[int, int]:
+    """The (first, end) rows of band ``band`` when ``length`` output-stream rows split into ``bands`` contiguous
+    bands, band 0 also carrying ``lead`` tokens of the other streams. Patches cost in proportion to their tokens
+    (their projections, and their queries against the whole K/V buffer), and the slowest patch paces the pipeline,
+    so band 0 gets that many fewer rows: every patch then holds about the same number of tokens."""
+    if bands == 1:
+        return 0, length
+    first = split_sizes(length, bands)[0]
+    if length >= bands:  # every band keeps at least one row
+        first = min(max((length + lead) // bands - lead, 1), length - (bands - 1))
+    if band == 0:
+        return 0, first
+    sizes = split_sizes(length - first, bands - 1)
+    start = first + sum(sizes[: band - 1])
+    return start, start + sizes[band - 1]
 
 
 def stage_range(blocks: int, stages: int, stage: int) -> range:
@@ -205,6 +217,7 @@ class PipeFusion(nn.Module):
         self._schedule: tuple[PatchItem | None, int] | None = None
         self.collected: list[InFlight] = []
         self.output_length = 0
+        self._lead = 0
 
         stacks = [(name, list(getattr(self.model, name))) for name in type(self.model).BLOCK_LISTS]
         total = sum(len(blocks) for _, blocks in stacks)
@@ -243,6 +256,10 @@ class PipeFusion(nn.Module):
         """Warm-up steps run whole; the others in ``patches`` bands."""
         return 1 if step < self.warmup_steps else self.patches
 
+    def band(self, band: int, bands: int) -> tuple[int, int]:
+        """The output-stream rows of band ``band`` of ``bands`` in this request (known once a patch was submitted)."""
+        return band_rows(self.output_length, band, bands, self._lead)
+
     def schedule(self, submit: PatchItem | None, collect: int) -> None:
         """The next call submits ``submit`` (None: nothing) and then collects the ``collect`` oldest items in flight:
         it returns a prediction of the whole output stream whose rows are valid only where those items lie, and
@@ -271,7 +288,9 @@ class PipeFusion(nn.Module):
         output = type(tokens).OUTPUT_STREAM
         streams = token_streams(tokens)
         lengths = {s: getattr(tokens, s).shape[fields[s][1]] for s in streams}
-        start, stop = band_rows(lengths[output], item.patch, item.patches)
+        self.output_length = lengths[output]
+        self._lead = sum(length for s, length in lengths.items() if s != output)  # rides with patch 0
+        start, stop = self.band(item.patch, item.patches)
         # The output stream's band; every other stream rides whole with patch 0.
         ranges = {s: (start, stop) if s == output else (0, lengths[s] if item.patch == 0 else 0) for s in streams}
         patch = narrow_streams(tokens, ranges)
@@ -290,7 +309,7 @@ class PipeFusion(nn.Module):
         else:
             prediction = self.model.head(patch)
         image = getattr(tokens, output)
-        self.output_length, self._image = lengths[output], image
+        self._image = image
         me = self.context.sequence_rank if self.sequence is not None else 0
         prediction, work = self._post_prediction(prediction, image, sizes[output][me])
         self._in_flight.append(InFlight(item, (start, stop), sizes[output], prediction, work))

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from paradit.parallel.pipefusion import PatchItem, PipeFusion, band_rows
+from paradit.parallel.pipefusion import PatchItem, PipeFusion
 
 # (latents, output-stream length, first row, end row) -> a mask broadcastable to the latents: the elements those
 # rows of the output stream become.
@@ -60,7 +60,7 @@ def denoise_by_patches(
             # A whole (warm-up) step covers every band: each band's scheduler takes its own rows.
             bands = range(pipefusion.patches) if item.patches == 1 else [item.patch]
             for band in bands:
-                rows = done.rows if item.patches > 1 else band_rows(pipefusion.output_length, band, len(bands))
+                rows = done.rows if item.patches > 1 else pipefusion.band(band, len(bands))
                 mask = band_mask(latents, pipefusion.output_length, *rows)
                 stepped = band_schedulers[band].step(prediction, step_t, latents, return_dict=False)[0]
                 latents = torch.where(mask, stepped.to(latents.dtype), latents)
