@@ -24,6 +24,7 @@ from tests.checkpoints import randomize, tiny_transformer_config
 from tests.distributed import run_on_processes
 from tests.qwen_image_checkpoints import tiny_transformer_config as qwen_config
 from tests.sd3_checkpoints import tiny_transformer_config as sd3_config
+from tests.test_flux2_reference import transformer_inputs as flux2_inputs
 from tests.zimage_checkpoints import tiny_transformer_config as zimage_config
 
 ROWS, COLS, TEXT = 5, 3, 7  # 15 image tokens: 4 patches of (4, 4, 4, 3)
@@ -37,16 +38,9 @@ def _model_and_inputs():
     config["num_single_layers"] = 3
     model = Flux2Transformer(Flux2Config.from_dict(config))
     randomize(model)
-    gen = torch.Generator().manual_seed(1)
-    one = torch.arange(1)
     batch = 2
-    inputs = dict(
-        hidden_states=torch.randn(batch, ROWS * COLS, model.config.in_channels, generator=gen),
-        encoder_hidden_states=torch.randn(batch, TEXT, model.config.joint_attention_dim, generator=gen),
-        img_ids=torch.cartesian_prod(one, torch.arange(ROWS), torch.arange(COLS), one),
-        txt_ids=torch.cartesian_prod(one, one, one, torch.arange(TEXT)),
-        guidance=torch.full((batch,), 3.0),
-    )
+    # Each step sets its own timestep over the drawn one.
+    inputs = dict(flux2_inputs(config, batch, ROWS, COLS, TEXT, seed=1), guidance=torch.full((batch,), 3.0))
     return model.eval(), inputs
 
 

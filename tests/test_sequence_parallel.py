@@ -16,6 +16,7 @@ from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention, parallelize_sequence
 from tests.checkpoints import randomize, tiny_transformer_config
 from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
+from tests.test_flux2_reference import transformer_inputs as flux2_inputs
 
 HEADS = 5  # 5 heads over Ulysses 2, 3 and 4: shares (3, 2), (2, 2, 1), (2, 1, 1, 1)
 ROWS, COLS, TEXT = 5, 3, 7  # 15 image + 7 text tokens: divisible by none of 2, 3, 4
@@ -23,18 +24,11 @@ ROWS, COLS, TEXT = 5, 3, 7  # 15 image + 7 text tokens: divisible by none of 2, 
 
 def _model_and_inputs(guidance: bool, batch: int):
     torch.manual_seed(0)
-    model = Flux2Transformer(Flux2Config.from_dict(tiny_transformer_config(guidance_embeds=guidance, heads=HEADS)))
+    config = tiny_transformer_config(guidance_embeds=guidance, heads=HEADS)
+    model = Flux2Transformer(Flux2Config.from_dict(config))
     randomize(model)
-    gen = torch.Generator().manual_seed(1)
-    one = torch.arange(1)
-    inputs = dict(
-        hidden_states=torch.randn(batch, ROWS * COLS, model.config.in_channels, generator=gen),
-        encoder_hidden_states=torch.randn(batch, TEXT, model.config.joint_attention_dim, generator=gen),
-        timestep=torch.rand(batch, generator=gen),
-        img_ids=torch.cartesian_prod(one, torch.arange(ROWS), torch.arange(COLS), one),
-        txt_ids=torch.cartesian_prod(one, one, one, torch.arange(TEXT)),
-        guidance=torch.full((batch,), 3.0) if guidance else None,
-    )
+    inputs = flux2_inputs(config, batch, ROWS, COLS, TEXT, seed=1)
+    inputs["guidance"] = torch.full((batch,), 3.0) if guidance else None
     return model.eval(), inputs
 
 

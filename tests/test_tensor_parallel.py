@@ -27,6 +27,7 @@ from paradit.parallel.tensor import parallelize_tensor, tensor_plan
 from tests import qwen_image_checkpoints, sd3_checkpoints, zimage_checkpoints
 from tests.checkpoints import randomize, tiny_transformer_config
 from tests.distributed import run_on_processes
+from tests.test_flux2_reference import transformer_inputs as flux2_inputs
 from tests.test_qwen_image import transformer_inputs as qwen_inputs
 from tests.test_sd3 import transformer_inputs as sd3_inputs
 from tests.test_zimage import caption_batch
@@ -38,20 +39,13 @@ ROWS, COLS, TEXT = 5, 3, 7  # 15 image + 7 text tokens: uneven sequence splits w
 
 def _flux2(guidance: bool):
     torch.manual_seed(0)
-    model = Flux2Transformer(Flux2Config.from_dict(tiny_transformer_config(guidance_embeds=guidance, heads=HEADS)))
+    config = tiny_transformer_config(guidance_embeds=guidance, heads=HEADS)
+    model = Flux2Transformer(Flux2Config.from_dict(config))
     randomize(model)
     cases = {}
     for batch in (1, 2):
-        gen = torch.Generator().manual_seed(batch)
-        one = torch.arange(1)
-        cases[f"batch {batch}"] = dict(
-            hidden_states=torch.randn(batch, ROWS * COLS, model.config.in_channels, generator=gen),
-            encoder_hidden_states=torch.randn(batch, TEXT, model.config.joint_attention_dim, generator=gen),
-            timestep=torch.rand(batch, generator=gen),
-            img_ids=torch.cartesian_prod(one, torch.arange(ROWS), torch.arange(COLS), one),
-            txt_ids=torch.cartesian_prod(one, one, one, torch.arange(TEXT)),
-            guidance=torch.full((batch,), 3.0) if guidance else None,
-        )
+        inputs = flux2_inputs(config, batch, ROWS, COLS, TEXT, seed=batch)
+        cases[f"batch {batch}"] = dict(inputs, guidance=torch.full((batch,), 3.0) if guidance else None)
     return model, cases
 
 
