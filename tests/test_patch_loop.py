@@ -84,5 +84,5 @@ def test_patch_grid_band_mask_marks_the_latents_a_band_of_tokens_becomes(unpatch
 
 def test_token_band_mask_marks_its_rows():
     latents = torch.zeros(2, 10, 3)
-    mask = token_band_mask(latents, 10, 2, 5).expand_as(latents)
+    mask = token_band_mask(latents, 2, 5).expand_as(latents)
     assert mask[:, 2:5].all() and mask.sum().item() == 2 * 3 * 3

@@ -179,7 +179,7 @@ class InFlight:
     rows: tuple[int, int]
     local_sizes: list[int]
     prediction: torch.Tensor
-    work: dist.Work | None
+    work: dist.Work
 
 
 class PipeFusion(nn.Module):
@@ -218,6 +218,7 @@ class PipeFusion(nn.Module):
         self.collected: list[InFlight] = []
         self.output_length = 0
         self._lead = 0
+        self._image: torch.Tensor | None = None  # the last submitted step's embedded output stream
 
         stacks = [(name, list(getattr(self.model, name))) for name in type(self.model).BLOCK_LISTS]
         total = sum(len(blocks) for _, blocks in stacks)
@@ -251,6 +252,11 @@ class PipeFusion(nn.Module):
         self.step = 0
         self._in_flight.clear()
         self._schedule = None
+
+    @property
+    def in_flight(self) -> list[PatchItem]:
+        """The items submitted and not yet collected, oldest first."""
+        return [pending.item for pending in self._in_flight]
 
     def patches_at(self, step: int) -> int:
         """Warm-up steps run whole; the others in ``patches`` bands."""
@@ -308,13 +314,12 @@ class PipeFusion(nn.Module):
             prediction = None
         else:
             prediction = self.model.head(patch)
-        image = getattr(tokens, output)
-        self._image = image
+        image = self._image = getattr(tokens, output)
         me = self.context.sequence_rank if self.sequence is not None else 0
         prediction, work = self._post_prediction(prediction, image, sizes[output][me])
         self._in_flight.append(InFlight(item, (start, stop), sizes[output], prediction, work))
 
-    def _post_prediction(self, prediction, image: torch.Tensor, rows: int) -> tuple[torch.Tensor, dist.Work | None]:
+    def _post_prediction(self, prediction, image: torch.Tensor, rows: int) -> tuple[torch.Tensor, dist.Work]:
         """The last stage broadcasts this rank's rows of the item's prediction; the others post the receive."""
         if self._out_channels is None:  # the head's width, learnt once: only the last stage has run it
             width = torch.tensor([prediction.shape[-1] if prediction is not None else 0], device=image.device)

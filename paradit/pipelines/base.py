@@ -271,10 +271,10 @@ class DiffusionPipeline:
     def after_dummy_init(cls, transformer: nn.Module) -> None:
         """Random weights are complete for most models; a model with fixed buffers fills them here."""
 
-    def band_mask(self, latents: torch.Tensor, length: int, start: int, stop: int) -> torch.Tensor:
+    def band_mask(self, latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Which latent elements rows ``start:stop`` of the transformer's output stream become (PipeFusion updates
         the latents band by band): packed latents, one token per row, unless a family says otherwise."""
-        return token_band_mask(latents, length, start, stop)
+        return token_band_mask(latents, start, stop)
 
     def conditioning(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
         """The family's prompt encoding on rank 0, shared with the group tensor by tensor."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -26,9 +25,9 @@ from tqdm import tqdm
 
 from paradit.parallel.pipefusion import PatchItem, PipeFusion
 
-# (latents, output-stream length, first row, end row) -> a mask broadcastable to the latents: the elements those
-# rows of the output stream become.
-BandMask = Callable[[torch.Tensor, int, int, int], torch.Tensor]
+# (latents, first row, end row) -> a mask broadcastable to the latents: the elements those rows of the output
+# stream become.
+BandMask = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 def denoise_by_patches(
@@ -46,7 +45,7 @@ def denoise_by_patches(
     steps = len(timesteps)
     # One scheduler per band of a patched step: each advances its own step count once per step.
     band_schedulers = [copy.deepcopy(scheduler) for _ in range(pipefusion.patches)]
-    in_flight: deque[PatchItem] = deque()
+    masks: dict[int, torch.Tensor] = {}  # per band; the bands are fixed for the request
     landed = [0] * steps
     bar = tqdm(total=steps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False)
 
@@ -58,13 +57,11 @@ def denoise_by_patches(
             item = done.item
             step_t = timesteps[item.step]
             # A whole (warm-up) step covers every band: each band's scheduler takes its own rows.
-            bands = range(pipefusion.patches) if item.patches == 1 else [item.patch]
-            for band in bands:
-                rows = done.rows if item.patches > 1 else pipefusion.band(band, len(bands))
-                mask = band_mask(latents, pipefusion.output_length, *rows)
+            for band in range(pipefusion.patches) if item.patches == 1 else [item.patch]:
+                if band not in masks:
+                    masks[band] = band_mask(latents, *pipefusion.band(band, pipefusion.patches))
                 stepped = band_schedulers[band].step(prediction, step_t, latents, return_dict=False)[0]
-                latents = torch.where(mask, stepped.to(latents.dtype), latents)
-            in_flight.popleft()
+                latents = torch.where(masks[band], stepped.to(latents.dtype), latents)
             landed[item.step] += 1
             if landed[item.step] == item.patches:
                 mark_step()
@@ -76,23 +73,21 @@ def denoise_by_patches(
         for patch in range(patches):
             # This patch's latents need the previous step's prediction for its rows: land what precedes it.
             waiting = 0
-            for earlier in in_flight:
+            for earlier in pipefusion.in_flight:
                 if earlier.step == step or (earlier.patches == patches and earlier.patch > patch):
                     break
                 waiting += 1
             if waiting:
                 call(None, waiting, t)
-            item = PatchItem(step, patch, patches)
-            in_flight.append(item)
             # Keep patches - 1 in flight: the last stage's work on them overlaps the first stage's next patches.
-            call(item, max(0, len(in_flight) - (patches - 1)), t)
-    if in_flight:
-        call(None, len(in_flight), timesteps[-1])
+            call(PatchItem(step, patch, patches), max(0, len(pipefusion.in_flight) + 1 - (patches - 1)), t)
+    if pipefusion.in_flight:
+        call(None, len(pipefusion.in_flight), timesteps[-1])
     bar.close()
     return latents
 
 
-def token_band_mask(latents: torch.Tensor, length: int, start: int, stop: int) -> torch.Tensor:
+def token_band_mask(latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Packed latents (batch, tokens, channels), one token per output-stream row."""
     mask = torch.zeros(latents.shape[1], dtype=torch.bool, device=latents.device)
     mask[start:stop] = True

@@ -260,7 +260,7 @@ class SD3Pipeline(DiffusionPipeline):
         scheduler.set_timesteps(num_inference_steps=request.steps, device=self.device)
         return scheduler, scheduler.timesteps
 
-    def band_mask(self, latents: torch.Tensor, length: int, start: int, stop: int) -> torch.Tensor:
+    def band_mask(self, latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return patch_grid_band_mask(latents, self.transformer.config.patch_size, start, stop)
 
     def predictor(

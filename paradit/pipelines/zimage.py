@@ -195,7 +195,7 @@ class ZImagePipeline(DiffusionPipeline):
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
 
-    def band_mask(self, latents: torch.Tensor, length: int, start: int, stop: int) -> torch.Tensor:
+    def band_mask(self, latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return patch_grid_band_mask(latents, self.transformer.config.patch_size, start, stop)
 
     def predictor(
