@@ -1,0 +1,411 @@
+"""Wan 2.1 / 2.2 video transformer (T2V-A14B, I2V-A14B, TI2V-5B) as plain single-device math.
+
+Parameter names are those of diffusers' ``WanTransformer3DModel``, so the ``transformer/`` and ``transformer_2/``
+folders of the published ``Wan-AI/Wan2.2-*-Diffusers`` checkpoints load without key surgery. The forward pass is
+three stages the parallel runtime can act between:
+
+- ``embed``: latents (B, C, F, H, W), timestep, text features -> ``WanTokens``: the video tokens (a Conv3d patch
+  embedding, (1, 2, 2) patches, raster order frame-row-column), their 3D rotary tables, the projected text, and the
+  timestep modulation, per sample or (TI2V-5B) per token;
+- ``run_blocks``: per block, modulated self-attention over the video tokens, cross-attention from the video tokens to
+  the text (and, for Wan 2.1 I2V-style checkpoints, to CLIP image features), a modulated GELU MLP;
+- ``head``: video tokens -> prediction, one row of patch values per token; ``unpatchify`` makes it a video.
+
+The video tokens are the one token stream the runtime splits. The text is no stream: cross-attention takes its keys
+and values from the whole text, which every rank holds, so under sequence parallelism each rank's queries attend to
+it locally, without any exchange. Its attention module says so with ``sequence_streams == ()`` (keys from no split
+stream), where the self-attention names ``("video",)``.
+
+Numerics follow the reference: layer norms and the modulation arithmetic run in float32 and are rounded to the model
+dtype where it rounds; the RMS norms on Q and K span all heads at once (one statistic over ``heads * head_dim``).
+
+Every attention layer calls ``AttentionDispatch.attend``; nothing here knows about devices other than its own.
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from paradit.layers.attention import AttentionDispatch
+from paradit.layers.embeddings import TimestepMLP, sinusoidal_embedding
+from paradit.layers.rotary import apply_rope_interleaved, multi_axis_rope
+
+ROPE_THETA = 10000.0
+MODULATION_SETS = 6  # shift, scale, gate for self-attention, then for the MLP
+
+
+@dataclass(frozen=True)
+class WanConfig:
+    """The keyword arguments of diffusers' ``WanTransformer3DModel`` (its ``transformer/config.json``)."""
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    num_attention_heads: int = 40
+    attention_head_dim: int = 128
+    in_channels: int = 16
+    out_channels: int | None = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 13824
+    num_layers: int = 40
+    cross_attn_norm: bool = True
+    # The reference builds the across-heads RMS norms on Q and K whatever this says; kept for the config's sake.
+    qk_norm: str | None = "rms_norm_across_heads"
+    eps: float = 1e-6
+    image_dim: int | None = None  # CLIP image features (Wan 2.1 I2V); None for every Wan 2.2 checkpoint
+    added_kv_proj_dim: int | None = None
+    rope_max_seq_len: int = 1024
+    pos_embed_seq_len: int | None = None
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> WanConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in names}
+        return cls(**values)
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def output_channels(self) -> int:
+        return self.out_channels or self.in_channels
+
+    @property
+    def rope_axes(self) -> tuple[int, int, int]:
+        """Rotary channels per head for (frame, row, column): height and width get 2 * (head_dim // 6) each, frames
+        the rest (128 -> 44, 42, 42)."""
+        spatial = 2 * (self.attention_head_dim // 6)
+        return self.attention_head_dim - 2 * spatial, spatial, spatial
+
+    def token_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """Latent (frames, height, width) -> the token grid (frames, rows, columns)."""
+        p_t, p_h, p_w = self.patch_size
+        return frames // p_t, height // p_h, width // p_w
+
+
+def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[int, int, int]) -> torch.Tensor:
+    """(B, frames * rows * cols, p_t * p_h * p_w * C) -> (B, C, frames * p_t, rows * p_h, cols * p_w). Each token's
+    row holds its patch as (p_t, p_h, p_w, C), channels last, as the reference's ``proj_out`` lays it out."""
+    frames, rows, cols = grid
+    p_t, p_h, p_w = patch
+    x = tokens.reshape(tokens.shape[0], frames, rows, cols, p_t, p_h, p_w, -1)
+    x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.reshape(tokens.shape[0], -1, frames * p_t, rows * p_h, cols * p_w)
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 (weights too) and returned in the input's dtype. The blocks hand it float32
+    already and round its result themselves, after the modulation, where the reference rounds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+class GeluProjection(nn.Module):
+    """A linear named ``proj`` followed by GELU: diffusers' ``GELU`` activation module, whose name the checkpoints
+    carry (``ffn.net.0.proj``)."""
+
+    def __init__(self, dim: int, hidden: int, approximate: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(self.proj(x), approximate=self.approximate)
+
+
+class FeedForward(nn.Module):
+    """GELU MLP laid out as diffusers' ``FeedForward``: ``net`` = [projection + GELU, dropout slot, output linear]."""
+
+    def __init__(self, dim: int, hidden: int, out: int, approximate: str) -> None:
+        super().__init__()
+        # The middle entry holds the reference's dropout, so that the output linear keeps its index (net.2).
+        self.net = nn.ModuleList([GeluProjection(dim, hidden, approximate), nn.Identity(), nn.Linear(hidden, out)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))
+
+
+def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    # Heads are counted from the width, so a tensor-parallel shard that holds some heads needs no change here.
+    return x.unflatten(-1, (-1, head_dim))
+
+
+class WanSelfAttention(AttentionDispatch):
+    """Self-attention over the video tokens with rotary positions; Q and K are RMS-normed across all heads."""
+
+    def __init__(self, dim: int, heads: int, eps: float) -> None:
+        super().__init__(sequence_streams=("video",))
+        self.head_dim = dim // heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q = _split_heads(self.norm_q(self.to_q(x)), self.head_dim)
+        k = _split_heads(self.norm_k(self.to_k(x)), self.head_dim)
+        v = _split_heads(self.to_v(x), self.head_dim)
+        q, k = apply_rope_interleaved(q, *rope), apply_rope_interleaved(k, *rope)
+        return self.to_out[0](self.attend(q, k, v).flatten(2).to(q.dtype))
+
+
+class WanCrossAttention(AttentionDispatch):
+    """Attention from the video tokens to the text, plus (when the checkpoint has ``add_k_proj``) a second attention
+    to image features whose output is added before ``to_out``. No rotary positions.
+
+    ``sequence_streams`` is empty: the keys belong to no split stream (every rank holds the whole text), so a
+    sequence-parallel runtime attends each rank's own queries locally and exchanges nothing."""
+
+    def __init__(self, dim: int, heads: int, eps: float, added_kv_proj_dim: int | None) -> None:
+        super().__init__(sequence_streams=())
+        self.head_dim = dim // heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
+        self.add_k_proj = self.add_v_proj = self.norm_added_k = None
+        if added_kv_proj_dim is not None:
+            self.add_k_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.norm_added_k = nn.RMSNorm(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, context_image: torch.Tensor | None) -> torch.Tensor:
+        q = _split_heads(self.norm_q(self.to_q(x)), self.head_dim)
+        k = _split_heads(self.norm_k(self.to_k(context)), self.head_dim)
+        v = _split_heads(self.to_v(context), self.head_dim)
+        out = self.attend(q, k, v).flatten(2).to(q.dtype)
+        if context_image is not None and self.add_k_proj is not None:
+            k_image = _split_heads(self.norm_added_k(self.add_k_proj(context_image)), self.head_dim)
+            v_image = _split_heads(self.add_v_proj(context_image), self.head_dim)
+            out = out + self.attend(q, k_image, v_image).flatten(2).to(q.dtype)
+        return self.to_out[0](out)
+
+
+class WanBlock(nn.Module):
+    """Modulated self-attention, unmodulated cross-attention, modulated MLP. The six modulation vectors are the
+    block's learnt ``scale_shift_table`` plus the timestep projection, summed in float32."""
+
+    def __init__(self, config: WanConfig) -> None:
+        super().__init__()
+        dim, heads, eps = config.inner_dim, config.num_attention_heads, config.eps
+        self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
+        self.attn1 = WanSelfAttention(dim, heads, eps)
+        self.attn2 = WanCrossAttention(dim, heads, eps, config.added_kv_proj_dim)
+        self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
+        self.ffn = FeedForward(dim, config.ffn_dim, dim, approximate="tanh")
+        self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
+        self.scale_shift_table = nn.Parameter(torch.empty(1, MODULATION_SETS, dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        context_image: torch.Tensor | None,
+        modulation: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """``modulation``: (B, 1, 6, dim) for one timestep per sample, (B, tokens, 6, dim) for one per token."""
+        # float32 whatever the parameters' dtype: the reference keeps the table in float32 and adds in float32.
+        mod = self.scale_shift_table.float() + modulation.float()
+        shift, scale, gate, mlp_shift, mlp_scale, mlp_gate = mod.unbind(2)
+        attn = self.attn1((self.norm1(x.float()) * (1 + scale) + shift).to(x.dtype), rope)
+        x = (x.float() + attn * gate).to(x.dtype)
+        x = x + self.attn2(self.norm2(x.float()).to(x.dtype), context, context_image)
+        mlp = self.ffn((self.norm3(x.float()) * (1 + mlp_scale) + mlp_shift).to(x.dtype))
+        return (x.float() + mlp.float() * mlp_gate).to(x.dtype)
+
+
+class TextProjection(nn.Module):
+    """linear_1 -> tanh-GELU -> linear_2 (diffusers' ``PixArtAlphaTextProjection``)."""
+
+    def __init__(self, in_features: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_features, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(nn.functional.gelu(self.linear_1(x), approximate="tanh"))
+
+
+class ImageEmbedding(nn.Module):
+    """CLIP image features -> model width (Wan 2.1 I2V/FLF2V; no Wan 2.2 checkpoint has it). With ``pos_embed``
+    (FLF2V) the first- and last-frame features, stacked along the batch, are joined into one sequence first."""
+
+    def __init__(self, in_features: int, dim: int, pos_embed_seq_len: int | None) -> None:
+        super().__init__()
+        self.norm1 = FP32LayerNorm(in_features)
+        self.ff = FeedForward(in_features, in_features, dim, approximate="none")
+        self.norm2 = FP32LayerNorm(dim)
+        self.pos_embed = None
+        if pos_embed_seq_len is not None:
+            self.pos_embed = nn.Parameter(torch.empty(1, pos_embed_seq_len, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pos_embed is not None:
+            x = x.reshape(-1, 2 * x.shape[1], x.shape[2]) + self.pos_embed
+        return self.norm2(self.ff(self.norm1(x)))
+
+
+class ConditionEmbedder(nn.Module):
+    """Timestep -> (``temb`` for the output norm, its projection to the blocks' six modulation vectors); text (and
+    image) features -> model width. Named as diffusers' ``WanTimeTextImageEmbedding``."""
+
+    def __init__(self, config: WanConfig) -> None:
+        super().__init__()
+        dim = config.inner_dim
+        self.freq_dim = config.freq_dim
+        self.time_embedder = TimestepMLP(config.freq_dim, dim)
+        self.time_proj = nn.Linear(dim, MODULATION_SETS * dim)
+        self.text_embedder = TextProjection(config.text_dim, dim)
+        self.image_embedder = None
+        if config.image_dim is not None:
+            self.image_embedder = ImageEmbedding(config.image_dim, dim, config.pos_embed_seq_len)
+
+    def time(self, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N,) timesteps in [0, 1000] -> temb (N, dim) and modulation (N, 6, dim), both in ``dtype``."""
+        # The sinusoid goes in at the MLP's own dtype: the reference keeps time_embedder in float32 when it can.
+        freqs = sinusoidal_embedding(timestep, self.freq_dim).to(self.time_embedder.linear_1.weight.dtype)
+        temb = self.time_embedder(freqs).to(dtype)
+        return temb, self.time_proj(nn.functional.silu(temb)).unflatten(-1, (MODULATION_SETS, -1))
+
+
+@dataclass
+class WanTokens:
+    """What flows between the stages. The runtime may slice the video stream along the sequence (dim 1) together
+    with the matching rows of its rotary tables and of the per-token timestep fields; the text and the per-sample
+    fields stay whole on every rank. Exactly one of ``temb`` / ``token_temb`` is set (and of the two modulations):
+    per token when the timestep came per token (TI2V-5B), per sample otherwise. Not frozen, like the other families'
+    token states: PipeFusion sets the streams it receives on a patch's state."""
+
+    # field -> (the token stream it belongs to, its sequence dimension); the prediction comes from OUTPUT_STREAM.
+    SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
+        "video": ("video", 1), "rope": ("video", 0), "token_temb": ("video", 1), "token_modulation": ("video", 1),
+    }  # fmt: skip
+    OUTPUT_STREAM: ClassVar[str] = "video"
+
+    video: torch.Tensor  # (B, frames * rows * cols, dim), raster order (frame, row, column)
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin float32 (video tokens, head_dim), pairs interleaved
+    context: torch.Tensor  # (B, text tokens, dim): the projected text, whole on every rank
+    context_image: torch.Tensor | None  # (B, image tokens, dim): projected CLIP features, or None
+    temb: torch.Tensor | None  # (B, dim), one timestep per sample
+    modulation: torch.Tensor | None  # (B, 6, dim)
+    token_temb: torch.Tensor | None  # (B, video tokens, dim), one timestep per token
+    token_modulation: torch.Tensor | None  # (B, video tokens, 6, dim)
+
+
+class WanTransformer(nn.Module):
+    # The block stack run_blocks runs (PipeFusion leaves each stage only its own blocks).
+    BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("blocks",)
+    # Name components of the parameters diffusers keeps in float32 under a half-precision load (its
+    # ``_keep_in_fp32_modules``). The math here reads them at whatever dtype they are loaded in, as float32 where the
+    # reference does, so a loader that honours this list reproduces the reference's rounding.
+    FP32_MODULES: ClassVar[tuple[str, ...]] = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+    def __init__(self, config: WanConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim, patch = config.inner_dim, config.patch_size
+        if len(patch) != 3:
+            raise ValueError(f"patch_size {patch} must be (frames, height, width)")
+        self.patch_embedding = nn.Conv3d(config.in_channels, dim, kernel_size=patch, stride=patch)
+        self.condition_embedder = ConditionEmbedder(config)
+        self.blocks = nn.ModuleList(WanBlock(config) for _ in range(config.num_layers))
+        self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
+        self.proj_out = nn.Linear(dim, config.output_channels * math.prod(patch))
+        self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
+
+    def rope(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (frames * rows * cols, head_dim) of the token grid: channels split (frame, row, column) per
+        ``rope_axes``, each axis rotating its own frequency band by its own index."""
+        if max(grid) > self.config.rope_max_seq_len:
+            raise ValueError(f"token grid {grid} exceeds rope_max_seq_len {self.config.rope_max_seq_len}")
+        axes = [torch.arange(n, device=device) for n in grid]
+        ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+        return multi_axis_rope(ids, self.config.rope_axes, ROPE_THETA)
+
+    def embed(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None = None,
+    ) -> WanTokens:
+        """``hidden_states``: latents (B, in_channels, F, H, W) (I2V: noise, mask and image latents already
+        concatenated); ``timestep``: (B,) in [0, 1000] as the scheduler gives it, or (B, video tokens) per token
+        (TI2V-5B); ``encoder_hidden_states``: text features (B, T, text_dim), zero-padded, no mask;
+        ``encoder_hidden_states_image``: CLIP features (B, T_img, image_dim), for checkpoints with ``image_dim``."""
+        config = self.config
+        *_, frames, height, width = hidden_states.shape
+        if any(n % p for n, p in zip((frames, height, width), config.patch_size)):
+            raise ValueError(f"latents {(frames, height, width)} are not a multiple of the patch {config.patch_size}")
+        grid = config.token_grid(frames, height, width)
+        video = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+
+        embedder = self.condition_embedder
+        dtype = encoder_hidden_states.dtype
+        temb = modulation = token_temb = token_modulation = None
+        if timestep.ndim == 2:
+            if timestep.shape[1] != video.shape[1]:
+                raise ValueError(f"per-token timestep has {timestep.shape[1]} entries for {video.shape[1]} tokens")
+            # One row per token through the time MLPs, as the reference does: (B * tokens,) -> (B, tokens, ...).
+            rows = embedder.time(timestep.flatten(), dtype)
+            token_temb, token_modulation = (t.unflatten(0, timestep.shape) for t in rows)
+        else:
+            temb, modulation = embedder.time(timestep, dtype)
+
+        context_image = None
+        if encoder_hidden_states_image is not None:
+            if embedder.image_embedder is None:
+                raise ValueError("image features given to a checkpoint without an image embedder (image_dim None)")
+            context_image = embedder.image_embedder(encoder_hidden_states_image)
+        return WanTokens(
+            video=video,
+            rope=self.rope(grid, hidden_states.device),
+            context=embedder.text_embedder(encoder_hidden_states),
+            context_image=context_image,
+            temb=temb,
+            modulation=modulation,
+            token_temb=token_temb,
+            token_modulation=token_modulation,
+        )
+
+    def run_blocks(self, tokens: WanTokens) -> WanTokens:
+        modulation = tokens.modulation[:, None] if tokens.token_modulation is None else tokens.token_modulation
+        x = tokens.video
+        for block in self.blocks:
+            x = block(x, tokens.context, tokens.context_image, modulation, tokens.rope)
+        return dataclasses.replace(tokens, video=x)
+
+    def head(self, tokens: WanTokens) -> torch.Tensor:
+        """(B, video tokens, p_t * p_h * p_w * out_channels): ``unpatchify`` makes it (B, C, F, H, W)."""
+        temb = tokens.temb[:, None] if tokens.token_temb is None else tokens.token_temb
+        # (1, 1, 2, dim) + (B, 1 or tokens, 1, dim) in float32, as the reference's float32 table promotes it.
+        shift, scale = (self.scale_shift_table.float()[None] + temb.float()[:, :, None]).unbind(2)
+        x = tokens.video
+        return self.proj_out((self.norm_out(x.float()) * (1 + scale) + shift).to(x.dtype))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Per-token prediction, as the parallel wrappers return it; ``unpatchify(out, grid, patch)`` gives diffusers'
+        (B, out_channels, F, H, W)."""
+        tokens = self.embed(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
+        return self.head(self.run_blocks(tokens))
