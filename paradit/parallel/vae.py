@@ -1,0 +1,506 @@
+"""Patch-parallel VAE decode and encode for diffusers' autoencoders, exact.
+
+What for: the VAE ends every request, and at 2048²-4096² or on 720p video its decode is seconds on one GPU and
+many GiB of activations, while the other GPUs of the group sit idle. Here every rank of a process group decodes
+(or encodes) one horizontal band of the image, and every rank gets the whole result back.
+
+Method. The latent is cut along its height into contiguous bands, one per rank, with ``torch.tensor_split``'s sizes
+(the first ``h % world`` bands one row longer; every band needs at least one latent row). The VAE's own code runs
+unchanged on the band; only for the duration of one call, the ``forward`` of its own module instances that see
+more than one row at a time is swapped (nothing global: no ``torch.nn`` class is touched):
+
+- convolutions (``Conv2d``, and Wan / Qwen-Image's causal ``Conv3d``, which concatenate their temporal cache
+  first) receive the halo rows their kernel needs from the neighbouring bands (point-to-point) and zero-pad only at
+  the image's real top and bottom edge. The band's row offset and the global height are read off the band's height
+  at each layer: a tensor ``f`` times the latent's height holds rows ``[f * P_r, f * P_{r+1})`` on rank ``r``
+  (``P_r``: the latent rows of the bands above ``r``). The halos travel while the band's own rows are convolved.
+  Stride-2 convolutions in the encoders pad bottom/right in front of the convolution (``Downsample2D``'s
+  ``F.pad``, Wan's ``ZeroPad2d``); those pads are moved into the convolution, so only the last band pads;
+- group norms (``AutoencoderKL``, FLUX.2) reduce per-channel count, mean and squared deviation over the ranks
+  and combine them in float64 (Chan's parallel variance), so the statistics are the whole image's;
+- the mid-block attention gathers its normalised input from all bands: each rank's queries attend to the whole
+  image's keys and values;
+- everything else is local to a band: activations, nearest upsampling, Wan's RMS norm (it normalises over the
+  channels of one position), the temporal caches, Wan 2.2's patchify, the final clamp.
+
+Use: ``parallel_decode(vae, latents, group)`` in place of ``vae.decode(latents).sample`` and
+``parallel_encode(vae, images, group)`` in place of ``vae.encode(images).latent_dist``, on every rank of ``group``
+with the whole input; ``banded(vae, rows, group)`` is the context manager under both, for callers that feed and
+keep bands themselves. Inference only (no autograd through the exchanges).
+
+Exact: the result equals one process's ``vae.decode(...).sample`` / ``vae.encode(...).latent_dist`` up to
+floating-point reassociation (relative L2 <= 1e-5 in fp32; tests/test_parallel_vae.py checks every layout at
+world sizes 2-4). Tiling must be off: it is a different computation, so it is switched off for the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from paradit.parallel.comm import split_sizes
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+__all__ = ["banded", "parallel_decode", "parallel_encode"]
+
+# Statistics of a low-precision group norm are taken in float32 chunks of at most this many elements, so the
+# float32 copy stays small next to the activation itself.
+_STATS_CHUNK = 1 << 26
+
+
+@dataclass(frozen=True)
+class _Bands:
+    """Where this rank's band lies: latent rows per rank, this rank, the group and the peers' global ranks."""
+
+    rows: tuple[int, ...]
+    rank: int
+    group: dist.ProcessGroup | None
+    peers: tuple[int, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.rows)
+
+    def scaled(self, local_rows: int) -> tuple[int, ...]:
+        """Rows per rank of a tensor whose band on this rank is ``local_rows`` high."""
+        factor, rest = divmod(local_rows, self.rows[self.rank])
+        if rest or not factor:
+            raise RuntimeError(
+                f"a band of {local_rows} rows is no whole multiple of this rank's {self.rows[self.rank]} latent "
+                "rows: the VAE changed the height by other than whole factors (image size not a multiple of the "
+                "VAE's downsampling?)"
+            )
+        return tuple(r * factor for r in self.rows)
+
+
+def _bands(rows: list[int], group: dist.ProcessGroup | None) -> _Bands:
+    if not dist.is_available() or not dist.is_initialized():
+        if len(rows) != 1:
+            raise ValueError("no process group: only one band can be decoded")
+        return _Bands(tuple(rows), 0, None, (0,))
+    world = dist.get_world_size(group)
+    if len(rows) != world:
+        raise ValueError(f"{len(rows)} bands for a group of {world}")
+    if min(rows) < 1:
+        raise ValueError(f"every rank needs at least one latent row; bands {rows}")
+    peers = tuple(dist.get_global_rank(group, r) if group is not None else r for r in range(world))
+    return _Bands(tuple(rows), dist.get_rank(group), group, peers)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Communication: the only three places ranks talk (tests replace them to prove the checks have teeth).
+
+
+@torch.compiler.disable
+def _exchange_halos(x: torch.Tensor, bands: _Bands, plan: _ConvPlan) -> Callable[[], tuple[torch.Tensor | None, ...]]:
+    """Start sending and receiving the rows above and below this rank's band that its convolution windows reach
+    into; ``x`` is the band, rows at dim -2. Returns ``finish()``, which waits and gives (above, below), None where
+    nothing comes."""
+    r, n = bands.rank, x.shape[-2]
+    ops, above, below = [], None, None
+    if plan.send_up[r]:
+        ops.append(dist.P2POp(dist.isend, x.narrow(-2, 0, plan.send_up[r]).contiguous(), bands.peers[r - 1],
+                              bands.group))  # fmt: skip
+    if plan.recv_up[r]:
+        above = x.new_empty(*x.shape[:-2], plan.recv_up[r], x.shape[-1])
+        ops.append(dist.P2POp(dist.irecv, above, bands.peers[r - 1], bands.group))
+    if plan.send_down[r]:
+        count = plan.send_down[r]
+        ops.append(dist.P2POp(dist.isend, x.narrow(-2, n - count, count).contiguous(), bands.peers[r + 1],
+                              bands.group))  # fmt: skip
+    if plan.recv_down[r]:
+        below = x.new_empty(*x.shape[:-2], plan.recv_down[r], x.shape[-1])
+        ops.append(dist.P2POp(dist.irecv, below, bands.peers[r + 1], bands.group))
+    works = dist.batch_isend_irecv(ops) if ops else []
+
+    def finish() -> tuple[torch.Tensor | None, ...]:
+        # ``ops`` holds the send buffers until here, so they outlive the transfers.
+        for work in works:
+            work.wait()
+        ops.clear()
+        return above, below
+
+    return finish
+
+
+@torch.compiler.disable
+def _gather_moments(moments: torch.Tensor, bands: _Bands) -> torch.Tensor:
+    """Every rank's (count, mean, M2) per (batch, channel): (world, 3, B, C) from this rank's (3, B, C)."""
+    if bands.world == 1:
+        return moments.unsqueeze(0)
+    parts = [torch.empty_like(moments) for _ in range(bands.world)]
+    dist.all_gather(parts, moments.contiguous(), group=bands.group)
+    return torch.stack(parts)
+
+
+@torch.compiler.disable
+def _gather_rows(x: torch.Tensor, dim: int, sizes: tuple[int, ...], bands: _Bands) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, rank r holding ``sizes[r]`` (padded in transit, since
+    all_gather wants equal shapes)."""
+    if bands.world == 1:
+        return x
+    longest = max(sizes)
+    if x.shape[dim] < longest:
+        pad = list(x.shape)
+        pad[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    x = x.contiguous()  # collectives want dense tensors; empty_like would copy a channels-last layout
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x, group=bands.group)
+    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Convolutions.
+
+
+@dataclass(frozen=True)
+class _ConvPlan:
+    """For every rank: the input rows its output band reads (``need``: [lo, hi), may reach past the image where the
+    convolution zero-pads), and the halo row counts it sends to / receives from the rank above and below."""
+
+    height: int
+    bands: tuple[tuple[int, int], ...]
+    need: tuple[tuple[int, int], ...]
+    send_up: tuple[int, ...]
+    recv_up: tuple[int, ...]
+    send_down: tuple[int, ...]
+    recv_down: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _conv_plan(rows: tuple[int, ...], kernel: int, stride: int, pad_top: int, pad_bottom: int) -> _ConvPlan:
+    """``rows``: every rank's input rows at this layer."""
+    # Every rank computes the whole plan, so a band too thin for a halo raises on all ranks alike (no hang).
+    height = sum(rows)
+    out_height = (height + pad_top + pad_bottom - kernel) // stride + 1
+    # Output bands are the latent bands at the output's scale: the rows the one-process output has there.
+    if any(size * out_height % height for size in rows):
+        raise ValueError(f"a convolution maps {height} rows to {out_height}: bands {rows} do not map to whole rows")
+    starts = [0]
+    for size in rows:
+        starts.append(starts[-1] + size)
+    bands = tuple(zip(starts, starts[1:]))
+    outs = [(a * out_height // height, b * out_height // height) for a, b in bands]
+    need = tuple((c * stride - pad_top, (d - 1) * stride - pad_top + kernel) for c, d in outs)
+    world = len(rows)
+    recv_up = [max(0, a - max(lo, 0)) for (a, _), (lo, _) in zip(bands, need)]
+    recv_down = [max(0, min(hi, height) - b) for (_, b), (_, hi) in zip(bands, need)]
+    for r in range(world):
+        if (r and recv_up[r] > rows[r - 1]) or (r < world - 1 and recv_down[r] > rows[r + 1]):
+            raise ValueError(f"bands {rows} are too thin for a {kernel}-row convolution's halo")
+    send_up = [0] + recv_down[:-1]
+    send_down = recv_up[1:] + [0]
+    return _ConvPlan(height, bands, need, tuple(send_up), tuple(recv_up), tuple(send_down), tuple(recv_down))
+
+
+def _conv_forward(module: nn.Module, bands: _Bands, pad_h: tuple[int, int], pad_w: tuple[int, int],
+                  temporal_pad: int) -> Callable:  # fmt: skip
+    weight = module.weight
+    three_d = weight.ndim == 5
+    conv = F.conv3d if three_d else F.conv2d
+    kernel, stride = weight.shape[-2], module.stride[-2]
+    if any(d != 1 for d in module.dilation) or module.padding_mode != "zeros":
+        raise NotImplementedError(f"{type(module).__name__}: only undilated, zero-padded convolutions are banded")
+
+    def run(x: torch.Tensor, rows_pad: int) -> torch.Tensor:
+        left, right = pad_w
+        if left != right:
+            x = F.pad(x, (left, right))
+            left = 0
+        padding = (0, rows_pad, left) if three_d else (rows_pad, left)
+        return conv(x, weight, module.bias, module.stride, padding, 1, module.groups)
+
+    def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+        if three_d:
+            # Wan's causal time axis, as the module itself does it: cached frames first, then zeros for the rest.
+            front = temporal_pad
+            if cache_x is not None and front > 0:
+                x = torch.cat([cache_x.to(x.device), x], dim=2)
+                front -= cache_x.shape[2]
+            if front > 0:
+                x = F.pad(x, (0, 0, 0, 0, front, 0))
+        top, bottom = pad_h
+        if kernel == 1 and top == bottom == 0 and stride == 1:
+            return run(x, 0)
+        plan = _conv_plan(bands.scaled(x.shape[-2]), kernel, stride, top, bottom)
+        halos = _exchange_halos(x, bands, plan)
+        n = x.shape[-2]
+        (a, b), (lo, hi) = plan.bands[bands.rank], plan.need[bands.rank]
+        if stride == 1 and top == bottom and lo == a - top and hi == b + top and n >= 2 * top:
+            # Same-size convolution: run it on the band as the module would (zero rows at both band edges) while
+            # the halos travel, then recompute the few rows next to an inner edge from a thin strip with the
+            # neighbour's rows. No copy of the whole band.
+            out = run(x, top)
+            above, below = halos()
+            if above is not None:
+                out[..., :top, :] = run(torch.cat([above, x[..., : 2 * top, :]], dim=-2), 0)
+            if below is not None:
+                out[..., n - top :, :] = run(torch.cat([x[..., n - 2 * top :, :], below], dim=-2), 0)
+            return out
+        above, below = halos()
+        pieces = []
+        if lo < 0:
+            pieces.append(x.new_zeros(*x.shape[:-2], -lo, x.shape[-1]))
+        if above is not None:
+            pieces.append(above)
+        pieces.append(x[..., max(lo - a, 0) : n - max(b - hi, 0), :])
+        if below is not None:
+            pieces.append(below)
+        if hi > max(plan.height, b):
+            pieces.append(x.new_zeros(*x.shape[:-2], hi - max(plan.height, b), x.shape[-1]))
+        return run(torch.cat(pieces, dim=-2) if len(pieces) > 1 else pieces[0], 0)
+
+    return forward
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Group norm.
+
+
+def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        batch, channels = x.shape[:2]
+        dims = tuple(range(2, x.ndim))
+        count = x[0, 0].numel()
+        # Per-channel moments (Welford inside var_mean), so any memory layout works without a copy in float32;
+        # lower precisions are upcast a chunk of channels at a time.
+        if x.dtype in (torch.float32, torch.float64):
+            var, mean = torch.var_mean(x, dim=dims, correction=0)
+        else:
+            step = max(1, _STATS_CHUNK // max(1, batch * count))
+            pieces = [torch.var_mean(x[:, c : c + step].float(), dim=dims, correction=0)
+                      for c in range(0, channels, step)]  # fmt: skip
+            var, mean = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1)
+        mean = mean.double()
+        moments = torch.stack([torch.full_like(mean, count), mean, var.double() * count])
+        every = _gather_moments(moments, bands)  # (world, 3, B, C)
+        groups = module.num_groups
+        every = every.view(-1, 3, batch, groups, channels // groups)
+        n, m, m2 = every[:, 0], every[:, 1], every[:, 2]
+        total = n.sum(dim=(0, 3))
+        group_mean = (n * m).sum(dim=(0, 3)) / total
+        spread = m - group_mean[None, :, :, None]
+        group_var = (m2 + n * spread * spread).sum(dim=(0, 3)) / total
+        rstd = torch.rsqrt(group_var + module.eps).repeat_interleave(channels // groups, dim=1)
+        mean_c = group_mean.repeat_interleave(channels // groups, dim=1)
+        scale = rstd if module.weight is None else rstd * module.weight.double()
+        shift = -mean_c * scale if module.bias is None else module.bias.double() - mean_c * scale
+        shape = (batch, channels) + (1,) * (x.ndim - 2)
+        # As the native kernel: y = x * scale + shift in float32, rounded once to the input's dtype.
+        out = torch.empty_like(x)
+        torch.addcmul(shift.float().view(shape), x, scale.float().view(shape), out=out)
+        return out
+
+    return forward
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mid-block attention.
+
+
+def _attention_forward(attn: nn.Module, bands: _Bands) -> Callable:
+    """diffusers ``Attention`` as ``UNetMidBlock2D`` uses it (self-attention over an image, AttnProcessor2_0's
+    math), with keys and values over the whole image."""
+
+    def forward(hidden_states: torch.Tensor, encoder_hidden_states=None, attention_mask=None, **kwargs):
+        if hidden_states.ndim != 4 or encoder_hidden_states is not None or attention_mask is not None:
+            raise NotImplementedError("banded attention covers image self-attention without a mask")
+        if attn.spatial_norm is not None or attn.norm_q is not None or attn.norm_k is not None:
+            raise NotImplementedError("banded attention covers the VAE mid-block's attention only")
+        residual = hidden_states
+        batch, channels, height, width = hidden_states.shape
+        x = hidden_states.view(batch, channels, height * width).transpose(1, 2)
+        if attn.group_norm is not None:
+            x = attn.group_norm(x.transpose(1, 2)).transpose(1, 2)
+        whole = _gather_rows(x, 1, tuple(r * width for r in bands.scaled(height)), bands)
+        query, key, value = attn.to_q(x), attn.to_k(whole), attn.to_v(whole)
+        head_dim = key.shape[-1] // attn.heads
+        query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+        key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+        value = value.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+        out = attn.to_out[1](attn.to_out[0](out))
+        out = out.transpose(-1, -2).reshape(batch, channels, height, width)
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor
+
+    return forward
+
+
+def _causal_attention_forward(block: nn.Module, bands: _Bands) -> Callable:
+    """Wan / Qwen-Image's single-head attention over each frame, with keys and values over the whole frame."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        batch, channels, time, height, width = x.shape
+        x = x.permute(0, 2, 1, 3, 4).reshape(batch * time, channels, height, width)
+        x = block.norm(x)
+        whole = _gather_rows(x, 2, bands.scaled(height), bands)
+        weight, bias = block.to_qkv.weight, block.to_qkv.bias
+        query = F.conv2d(x, weight[:channels], None if bias is None else bias[:channels])
+        key_value = F.conv2d(whole, weight[channels:], None if bias is None else bias[channels:])
+        query = query.reshape(batch * time, 1, channels, -1).permute(0, 1, 3, 2)
+        key_value = key_value.reshape(batch * time, 1, 2 * channels, -1).permute(0, 1, 3, 2)
+        key, value = key_value.chunk(2, dim=-1)
+        out = F.scaled_dot_product_attention(query.contiguous(), key.contiguous(), value.contiguous())
+        out = out.squeeze(1).permute(0, 2, 1).reshape(batch * time, channels, height, width)
+        out = block.proj(out)
+        return out.view(batch, time, channels, height, width).permute(0, 2, 1, 3, 4) + identity
+
+    return forward
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Applying it.
+
+
+def _width_only_pad(pad: tuple[int, int, int, int]) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, (pad[0], pad[1], 0, 0)) if pad[0] or pad[1] else x
+
+    return forward
+
+
+def _downsample_forward(block: nn.Module) -> Callable:
+    """``Downsample2D`` with ``padding=0`` pads right and bottom by one before its stride-2 convolution; the
+    bottom pad belongs to the image, not the band, so it moves into the (banded) convolution."""
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return block.conv(F.pad(hidden_states, (0, 1, 0, 0)))
+
+    return forward
+
+
+def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callable]]:
+    """(module, its banded forward) for every module of ``vae`` that sees more than one row at a time; raises,
+    before anything is swapped, on one it cannot band."""
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.downsampling import Downsample2D
+
+    swaps: list[tuple[nn.Module, Callable]] = []
+    conv_pads: dict[nn.Module, tuple[int, int, int, int]] = {}  # (left, right, top, bottom) padded in front
+    for module in vae.modules():
+        if isinstance(module, Downsample2D) and module.use_conv and module.padding == 0:
+            if module.norm is not None:
+                raise NotImplementedError("Downsample2D with a norm")
+            conv_pads[module.conv] = (0, 1, 0, 1)
+            swaps.append((module, _downsample_forward(module)))
+        if isinstance(module, nn.Sequential):
+            children = list(module)
+            for first, second in zip(children, children[1:]):
+                if isinstance(first, nn.ZeroPad2d) and isinstance(second, nn.Conv2d):
+                    conv_pads[second] = tuple(first.padding)
+                    swaps.append((first, _width_only_pad(tuple(first.padding))))
+    pads_moved = {module for module, _ in swaps}
+    for module in vae.modules():
+        if isinstance(module, nn.ZeroPad2d) and module not in pads_moved:
+            raise NotImplementedError("a ZeroPad2d that does not feed a convolution")
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+            if hasattr(module, "_padding"):  # Wan / Qwen-Image causal conv: (w, w, h, h, 2 t, 0)
+                p = module._padding
+                pad_w, pad_h, temporal = (p[0], p[1]), (p[2], p[3]), p[4]
+            else:
+                if isinstance(module.padding, str) or (module.weight.ndim == 5 and module.padding[0]):
+                    raise NotImplementedError(f"{type(module).__name__} with padding={module.padding!r}")
+                pad_w, pad_h, temporal = (module.padding[-1],) * 2, (module.padding[-2],) * 2, 0
+                if module in conv_pads:
+                    # The pad in front keeps doing the width (never split); its rows move into the convolution.
+                    _, _, top, bottom = conv_pads[module]
+                    pad_h = (pad_h[0] + top, pad_h[1] + bottom)
+            swaps.append((module, _conv_forward(module, bands, pad_h, pad_w, temporal)))
+        elif isinstance(module, nn.GroupNorm):
+            swaps.append((module, _group_norm_forward(module, bands)))
+        elif isinstance(module, Attention):
+            swaps.append((module, _attention_forward(module, bands)))
+        elif type(module).__name__.endswith("AttentionBlock") and hasattr(module, "to_qkv"):
+            swaps.append((module, _causal_attention_forward(module, bands)))
+        elif isinstance(module, (nn.ConvTranspose2d, nn.ConvTranspose3d)):
+            raise NotImplementedError(f"{type(module).__name__} is not banded")
+    return swaps
+
+
+@contextmanager
+def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Within the block, ``vae`` runs on this rank's band of ``rows`` (latent rows per rank, ``split_sizes``):
+    feed it the band of the latent (or of the image, at the VAE's scale) and it returns the band of the result.
+    Swaps the forward of the VAE's own convolution, group-norm, attention and padding instances; restores them
+    (and ``use_tiling``) on exit."""
+    swaps = _replacements(vae, _bands(rows, group))
+    missing = object()
+    # An instance may carry its own forward already (accelerate's offload hooks do): that one comes back.
+    previous = [module.__dict__.get("forward", missing) for module, _ in swaps]
+    tiling = getattr(vae, "use_tiling", None)
+    try:
+        if tiling:
+            vae.use_tiling = False
+        for module, forward in swaps:
+            module.forward = forward
+        yield
+    finally:
+        for (module, _), forward in zip(swaps, previous):
+            if forward is missing:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
+        if tiling:
+            vae.use_tiling = tiling
+
+
+def _group_layout(height: int, group: dist.ProcessGroup | None) -> tuple[list[int], int]:
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank(group) if world > 1 else 0
+    if height < world:
+        raise ValueError(f"a latent of {height} rows cannot give each of {world} ranks a row")
+    return split_sizes(height, world), rank
+
+
+def _spatial_factor(vae: nn.Module) -> int:
+    """Image rows per latent row (Wan 2.2's patchify included)."""
+    factor = getattr(vae, "spatial_compression_ratio", None)
+    return factor or 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+@torch.no_grad()
+def parallel_decode(vae: nn.Module, latents: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``vae.decode(latents).sample``, every rank of ``group`` (None: the default group) decoding one band of the
+    latent's rows; every rank returns the whole image (video). ``latents`` is the whole latent on every rank."""
+    rows, rank = _group_layout(latents.shape[-2], group)
+    start = sum(rows[:rank])
+    with banded(vae, rows, group):
+        band = vae.decode(latents.narrow(-2, start, rows[rank])).sample
+        bands = _bands(rows, group)
+        return _gather_rows(band, band.ndim - 2, bands.scaled(band.shape[-2]), bands)
+
+
+@torch.no_grad()
+def parallel_encode(
+    vae: nn.Module, images: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> DiagonalGaussianDistribution:
+    """``vae.encode(images).latent_dist`` (a ``DiagonalGaussianDistribution``), every rank of ``group`` encoding
+    one band of rows; every rank returns the whole distribution. The image height must be a multiple of the VAE's
+    spatial factor (8; 16 for Wan 2.2), so that bands stay aligned to every stride-2 step."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    factor = _spatial_factor(vae)
+    if images.shape[-2] % factor:
+        raise ValueError(f"image height {images.shape[-2]} is not a multiple of the VAE's factor {factor}")
+    rows, rank = _group_layout(images.shape[-2] // factor, group)
+    start = sum(rows[:rank]) * factor
+    with banded(vae, rows, group):
+        band = vae.encode(images.narrow(-2, start, rows[rank] * factor)).latent_dist.parameters
+        bands = _bands(rows, group)
+        whole = _gather_rows(band, band.ndim - 2, bands.scaled(band.shape[-2]), bands)
+    return DiagonalGaussianDistribution(whole)
