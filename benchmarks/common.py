@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from paradit.layers.attention import AttentionDispatch, sdpa_attention
+
 # The noise level every single-step measurement runs at (the middle of a flow-matching schedule).
 MID_SIGMA = 0.5
 
@@ -40,6 +42,14 @@ class ModelPair:
     def run_ours(self, model: nn.Module | None = None) -> torch.Tensor:
         """One step of ``model`` (default: paradit's plain transformer) on the bound inputs."""
         return self.step_ours(self.ours if model is None else model, self.latents, MID_SIGMA)
+
+
+def local_attention_again(model: nn.Module) -> None:
+    """Every attention of ``model`` back to local SDPA. ``parallelize`` acts on a model in place and for good; the
+    benchmarks time several plans on one full-size model (a copy per plan would not fit), so they undo its swap."""
+    for module in model.modules():
+        if isinstance(module, AttentionDispatch):
+            module.set_attention_fn(sdpa_attention)
 
 
 def measured_bf16_matmul_tflops(size: int = 8192, iters: int = 10) -> float:

@@ -20,13 +20,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    environment,
+    local_attention_again,  # noqa: E402
+    print_table,
+    time_cuda_ms,
+    write_json,
+)
 from benchmarks.flux2_step import step_inputs  # noqa: E402
-from paradit.models.flux2 import Flux2Config, Flux2Transformer  # noqa: E402
+from paradit.families import PRESETS  # noqa: E402
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
-from paradit.parallel.sequence import parallelize_sequence, restore_local_attention  # noqa: E402
-from paradit.presets import PRESETS  # noqa: E402
+from paradit.parallel.parallelize import parallelize  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
 
 
@@ -70,13 +76,14 @@ def main() -> None:
     record("paradit", "1 GPU", timed(lambda: model(**inputs), args), serial, serial, None)
     for plan in (ParallelConfig(ulysses=world), ParallelConfig(ring=world)):
         context = ParallelContext.build(plan, device)
-        parallel = parallelize_sequence(model, context)
+        local_attention_again(model)
+        parallel = parallelize(model, None, context).forward
         ms = timed(lambda parallel=parallel: parallel(**inputs), args)
         context.stats.reset()
         with torch.inference_mode():
             out = parallel(**inputs)
         record("paradit", plan.describe(), ms, out, serial, sum(context.stats.bytes_sent.values()) / 2**20)
-    restore_local_attention(model)
+    local_attention_again(model)
 
     from diffusers import ContextParallelConfig, Flux2Transformer2DModel
 

@@ -26,40 +26,42 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, kernel_ms, print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    environment,
+    kernel_ms,
+    local_attention_again,  # noqa: E402
+    print_table,
+    time_cuda_ms,
+    write_json,
+)
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.cuda_graphs import GraphedModule  # noqa: E402
+from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 from paradit.parallel.cfg import SplitBranches  # noqa: E402
 from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
-from paradit.parallel.sequence import parallelize_sequence, restore_local_attention  # noqa: E402
-from paradit.presets import PRESETS  # noqa: E402
+from paradit.parallel.parallelize import parallelize  # noqa: E402
 from paradit.quantize import quantize_fp8  # noqa: E402
 from paradit.weights import init_dummy_weights  # noqa: E402
 
-# preset family -> (benchmark module with step_inputs, model module, config class, model class, text tokens)
+# preset family -> (benchmark module with step_inputs, text tokens)
 BENCHES = {
-    "flux2": ("benchmarks.flux2_step", "paradit.models.flux2", "Flux2Config", "Flux2Transformer", 512),
-    "qwen_image": (
-        "benchmarks.qwen_image_step", "paradit.models.qwen_image", "QwenImageConfig", "QwenImageTransformer", 256
-    ),
-    "zimage": ("benchmarks.zimage_step", "paradit.models.zimage", "ZImageConfig", "ZImageTransformer", 256),
-    "sd3": ("benchmarks.sd3_step", "paradit.models.sd3", "SD3Config", "SD3Transformer", 333),
-}  # fmt: skip
+    "flux2": ("benchmarks.flux2_step", 512),
+    "qwen_image": ("benchmarks.qwen_image_step", 256),
+    "zimage": ("benchmarks.zimage_step", 256),
+    "sd3": ("benchmarks.sd3_step", 333),
+}
 
 
 def build(name: str, device: torch.device, size: int):
     spec = PRESETS[name]
-    bench_module, model_module, config_name, model_name, text_len = BENCHES[spec.family]
-    models = importlib.import_module(model_module)
-    config = getattr(models, config_name).from_dict(spec.transformer)
+    bench_module, text_len = BENCHES[spec.family]
+    pipeline = FAMILIES[spec.family].pipeline
     with torch.device("meta"):
-        model = getattr(models, model_name)(config)
+        model = pipeline.build_transformer(spec)
     init_dummy_weights(model, device, torch.bfloat16)  # same seed on every rank: identical weights
-    pos_embed = getattr(model, "pos_embed", None)
-    if hasattr(pos_embed, "fill_position_table"):  # SD3's fixed sin-cos table is a buffer, not a weight
-        pos_embed.fill_position_table()
-    inputs = importlib.import_module(bench_module).step_inputs(config, size, size, text_len, device)
+    pipeline.after_dummy_init(model)
+    inputs = importlib.import_module(bench_module).step_inputs(model.config, size, size, text_len, device)
     batch = 2 if spec.guidance_mode == "cfg" else 1
     return model.eval(), inputs, batch
 
@@ -144,12 +146,12 @@ def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]
 
     compiled = False
     for mode in sorted(args.modes, key=MODES.index):
-        restore_local_attention(model)
+        local_attention_again(model)
         if mode != "eager" and not compiled:
             compile_blocks(model)
             compiled = True
         if mode == "fp8":
-            quantize_fp8(model, device)
+            quantize_fp8(model, device, FAMILIES[PRESETS[name].family].keep_high_precision)
         graphs = mode in ("graphs", "fp8")
         single = GraphedModule(model) if graphs else model
         serial = record("1 GPU", mode, lambda single=single: call(single, inputs), None)
@@ -157,8 +159,8 @@ def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]
             context = ParallelContext.build(plan, device)
             runner = single
             if plan.sequence_degree > 1:
-                restore_local_attention(model)  # the previous plan's attention swap, undone
-                parallel = parallelize_sequence(model, context)
+                local_attention_again(model)  # the previous plan's attention swap, undone
+                parallel = parallelize(model, None, context).forward
                 runner = GraphedModule(parallel) if graphs else parallel
             if plan.cfg == 2:
                 branches = SplitBranches(context)

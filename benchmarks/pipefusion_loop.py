@@ -1,5 +1,5 @@
 """PipeFusion's two denoise loops on a FLUX.2 transformer: the plain loop (one call per step, the pipeline drained
-at every step's end) against the patch-by-patch loop (``paradit.pipelines.patch_loop``), with one process as the
+at every step's end) against the patch-by-patch loop (``paradit.parallel.patch_loop``), with one process as the
 reference.
 
 Run under torchrun, one process per GPU (or CPU process): every rank builds the same random-weight model, the stages
@@ -30,13 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, print_table, write_json  # noqa: E402
 from benchmarks.flux2_step import step_inputs  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
-from paradit.models.flux2 import Flux2Config, Flux2Transformer  # noqa: E402
+from paradit.families import PRESETS  # noqa: E402
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
-from paradit.parallel.pipefusion import parallelize_pipefusion  # noqa: E402
-from paradit.pipelines.base import StepClock  # noqa: E402
-from paradit.pipelines.patch_loop import denoise_by_patches, token_band_mask  # noqa: E402
-from paradit.presets import PRESETS  # noqa: E402
+from paradit.parallel.parallelize import parallelize  # noqa: E402
+from paradit.parallel.patch_loop import denoise_by_patches  # noqa: E402
+from paradit.parallel.pipefusion import PipeFusion  # noqa: E402
+from paradit.pipelines.base import (
+    StepClock,  # noqa: E402
+    token_band_mask,  # noqa: E402
+)
 from paradit.weights import init_dummy_weights  # noqa: E402
 
 
@@ -65,11 +69,11 @@ def run_loop(model, inputs: dict, args, device, by_patches: bool) -> tuple[torch
     clock = StepClock(device)
     latents = inputs["hidden_states"]
 
-    def predict(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
         timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-        return model(**{**inputs, "hidden_states": latents, "timestep": timestep})
+        return transformer(**{**inputs, "hidden_states": latents, "timestep": timestep})
 
-    if hasattr(model, "begin_request"):
+    if isinstance(model, PipeFusion):
         model.begin_request()
     with torch.inference_mode():
         if by_patches:
@@ -79,7 +83,7 @@ def run_loop(model, inputs: dict, args, device, by_patches: bool) -> tuple[torch
         else:
             clock.mark()
             for t in scheduler.timesteps:
-                latents = scheduler.step(predict(latents, t), t, latents, return_dict=False)[0]
+                latents = scheduler.step(predict(latents, t, model), t, latents, return_dict=False)[0]
                 clock.mark()
     return latents, clock.durations_ms()
 
@@ -126,7 +130,7 @@ def main() -> None:
         plan = ParallelConfig(pipefusion=world, patches=patches, warmup_steps=1)
         context = ParallelContext.build(plan, device)
         # A fresh model each time (the same seed: the same weights): the stages drop the blocks they do not run.
-        pipelined = parallelize_pipefusion(build(config, device, dtype), context)
+        pipelined = parallelize(build(config, device, dtype), None, context).forward
         results = {}
         for by_patches in (True, False):
             context.stats.reset()

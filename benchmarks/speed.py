@@ -34,7 +34,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.cuda_graphs import GraphedModule  # noqa: E402
-from paradit.presets import PRESETS  # noqa: E402
+from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.quantize import quantize_fp8  # noqa: E402
 
 # family -> (module with model_pair, text tokens of the reference workload)
@@ -145,7 +145,8 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
     finals["bf16 compiled+graphs"] = denoise(pair, graphed, args.denoise_steps)
     del graphed  # its captured memory pool
     torch.cuda.empty_cache()
-    measure("paradit fp8 compiled", pair.run_ours, ours, prepare=lambda: quantize_fp8(ours, torch.device("cuda")))
+    keep = FAMILIES[PRESETS[name].family].keep_high_precision
+    measure("paradit fp8 compiled", pair.run_ours, ours, prepare=lambda: quantize_fp8(ours, torch.device("cuda"), keep))
     graphed = GraphedModule(ours)
     fp8 = measure("paradit fp8 compiled+graphs", lambda: pair.run_ours(graphed), ours)
     finals["fp8 compiled+graphs"] = denoise(pair, graphed, args.denoise_steps)

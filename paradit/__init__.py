@@ -1,20 +1,31 @@
 """paradit: multi-GPU inference for diffusion transformers.
 
-Public API: ``Engine``, ``GenerationRequest``, ``GenerationResult``, ``ParallelConfig``.
+Public API: ``Engine``, ``GenerationRequest``, ``GenerationResult``, ``ParallelConfig``. They are imported on first
+use, so that the command line answers ``--help``, ``models`` and refusals without loading torch.
 """
 
-from paradit.engine import Engine
-from paradit.errors import CheckpointError, InvalidRequest, ParaditError
-from paradit.parallel import ParallelConfig
-from paradit.request import GenerationRequest, GenerationResult, Timings
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
 
-__all__ = [
-    "Engine",
-    "GenerationRequest",
-    "GenerationResult",
-    "ParallelConfig",
-    "Timings",
-    "ParaditError",
-    "InvalidRequest",
-    "CheckpointError",
-]
+try:
+    __version__ = version("paradit")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+_EXPORTS = {
+    "Engine": "paradit.engine",
+    "GenerationRequest": "paradit.request",
+    "GenerationResult": "paradit.request",
+    "Timings": "paradit.request",
+    "ParallelConfig": "paradit.parallel.config",
+    "ParaditError": "paradit.errors",
+    "InvalidRequest": "paradit.errors",
+    "CheckpointError": "paradit.errors",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'paradit' has no attribute {name!r}")

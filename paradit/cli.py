@@ -1,6 +1,8 @@
 """``paradit`` command line: a thin face over ``paradit.Engine``.
 
-Errors paradit can name (bad input, missing checkpoints) print one line and exit 2, with no traceback.
+Errors paradit can name (bad input, missing checkpoints) print one line and exit 2, with no traceback; an
+unexpected error prints one line naming the file that holds its trace, and exits 1. Everything heavy (torch, the
+model families) is imported only by the command that needs it, so that help and refusals answer at once.
 Must not import torch.distributed.
 """
 
@@ -8,16 +10,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
-import numpy as np
+from paradit import __version__
+from paradit.errors import InvalidRequest, ParaditError, report_warnings
+from paradit.families import DEFAULT_MODEL
+from paradit.parallel.config import ParallelConfig
 
-from paradit.errors import ParaditError
-from paradit.optimize import ExecutionOptions
-from paradit.parallel.config import ParallelConfig, default_plan
-from paradit.presets import PRESETS
-from paradit.request import GenerationRequest, GenerationResult
+# --verify-serial: the least PSNR against the one-process image that a lossy plan must keep (measured CPU deviations
+# of PipeFusion and FP8 transport on the tiny models sit well above it: docs/benchmarks.md).
+LOSSY_PSNR_DB = 30.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,24 +33,81 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown in --help, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def positive(text: str) -> int:
+    """A whole number of 1 or more (degrees, counts, sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 1 or more")
+    return value
+
+
+def finite(text: str) -> float:
+    value = float(text) if text.strip().lower() not in ("nan", "inf", "+inf", "-inf", "infinity") else None
+    if value is None or value != value:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def seed(text: str) -> int | None:
+    """A 64-bit seed, or ``random`` (drawn, then printed)."""
+    if text == "random":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor 'random'") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 to {2**64 - 1} or 'random'")
+    return value
+
+
+IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="paradit", description="Multi-GPU inference for diffusion transformers.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"paradit {__version__}")
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser)
 
-    gen = commands.add_parser("generate", help="generate images from a prompt")
-    gen.add_argument("--model", default="flux2-tiny", help="preset name, checkpoint folder or hub id")
+    gen = commands.add_parser("generate", help="generate images from a prompt", formatter_class=_Help)
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="preset name, checkpoint folder or hub id")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts in one batch")
     gen.add_argument("--negative-prompt", default=None, help="for models with true classifier-free guidance")
-    gen.add_argument("--height", type=int)
-    gen.add_argument("--width", type=int)
-    gen.add_argument("--steps", type=int)
-    gen.add_argument("--guidance", type=float)
-    gen.add_argument("--seed", type=int, default=0)
+    # Sizes and steps are checked against the model, which knows its bounds.
+    gen.add_argument("--height", type=int, help="pixels (default: the model's)")
+    gen.add_argument("--width", type=int, help="pixels (default: the model's)")
+    gen.add_argument("--steps", type=int, help="denoise steps (default: the model's)")
+    gen.add_argument("--guidance", type=finite, help="guidance scale (default: the model's)")
+    gen.add_argument("--seed", type=seed, default=0, help="a 64-bit seed, or 'random'")
     gen.add_argument("--images-per-prompt", type=int, default=1)
-    gen.add_argument("--out", default="out/paradit.png", help="PNG path; with several images, _N is appended")
+    gen.add_argument(
+        "--out",
+        default="out/paradit.png",
+        help=f"image path, its format from the extension ({', '.join(IMAGE_FORMATS)}); with several images, _N is "
+        "appended to the name",
+    )
+    gen.add_argument("--json", help="also write the closing table, the seed and the plan to this JSON file")
     gen.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-    gen.add_argument("--device", choices=["cuda", "cpu"])
-    gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    gen.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
+    gen.add_argument(
+        "--devices", help="which GPUs, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES for this run)"
+    )
+    gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto", help="dummy: random weights")
+    gen.add_argument(
+        "--allow-pickle", action="store_true", help="load a checkpoint's pickle (.bin) weights: they can run code"
+    )
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     gen.add_argument("--quantize", choices=["none", "fp8"], default="none", help="fp8: e4m3 linears (sm89+, MI300)")
     gen.add_argument(
@@ -54,18 +118,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
     par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
-    par.add_argument("--gpus", type=int, help="processes in the group; default: the product of the degrees")
-    par.add_argument("--ulysses", type=int, help="Ulysses (all-to-all over heads) degree")
-    par.add_argument("--ring", type=int, help="Ring attention degree")
+    par.add_argument("--gpus", type=positive, help="processes in the group; default: the product of the degrees")
+    par.add_argument("--ulysses", type=positive, help="Ulysses (all-to-all over heads) degree")
+    par.add_argument("--ring", type=positive, help="Ring attention degree")
     par.add_argument("--cfg-parallel", action="store_true", help="guidance branches on the two halves of the group")
-    par.add_argument("--tensor", type=int, help="tensor parallel degree (weights and heads sharded; fast links)")
+    par.add_argument("--tensor", type=positive, help="tensor parallel degree (weights and heads sharded; fast links)")
     par.add_argument(
         "--comm-dtype", choices=["auto", "fp8"], default="auto", help="fp8: Ulysses/Ring traffic in FP8 with scales"
     )
-    par.add_argument("--pipefusion", type=int, help="pipeline stages over the blocks (least traffic)")
-    par.add_argument("--patches", type=int, default=1, help="pipefusion: image patches in flight per step")
-    par.add_argument("--warmup-steps", type=int, default=1, help="pipefusion: exact steps before patching")
-    par.add_argument("--max-gpu-memory", help="per-GPU cap, e.g. 32GiB: a plan that cannot fit is refused up front")
+    par.add_argument("--pipefusion", type=positive, help="pipeline stages over the blocks (least traffic)")
+    par.add_argument("--patches", type=positive, default=1, help="pipefusion: image patches in flight per step")
+    par.add_argument("--warmup-steps", type=positive, default=1, help="pipefusion: exact steps before patching")
+    par.add_argument(
+        "--max-gpu-memory", help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused"
+    )
     par.add_argument(
         "--text-encoder-placement",
         choices=["auto", "gpu", "fp8", "offload"],
@@ -74,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
         "to it while encoding; auto: the first that fits under --max-gpu-memory (on the GPU without a cap)",
     )
     par.add_argument(
-        "--verify-serial", action="store_true", help="also run the request in one process and report the difference"
+        "--verify-serial",
+        action="store_true",
+        help="also run the request in one process and compare: exit 3 when an exact plan differs by more than one "
+        f"8-bit level, or a lossy one (FP8 transport, PipeFusion patches) falls under {LOSSY_PSNR_DB:.0f} dB PSNR",
     )
 
     quant = commands.add_parser(
@@ -92,15 +161,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def output_paths(out: str, count: int) -> list[Path]:
+    """The files ``--out`` names, checked before anything runs: a known image extension, a writable folder."""
     path = Path(out)
+    if out.endswith(("/", os.sep)) or path.is_dir():
+        raise InvalidRequest(f"--out {out} is a folder; give a file name ending in {', '.join(IMAGE_FORMATS)}")
+    if path.suffix.lower() not in IMAGE_FORMATS:
+        raise InvalidRequest(f"--out {out} has no image extension; end it in one of {', '.join(IMAGE_FORMATS)}")
+    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
+    try:  # a file made and removed there: permissions, read-only mounts and pseudo file systems all answer
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError:
+        raise InvalidRequest(f"--out {out}: {folder} is not a folder paradit can write to") from None
     if count == 1:
         return [path]
     return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
 
 
-def format_table(result: GenerationResult) -> str:
+def save_images(result, paths: list[Path], metadata: dict[str, str]) -> None:
+    """Each image in the format its extension names; PNGs carry ``metadata`` as text chunks."""
+    from PIL.PngImagePlugin import PngInfo
+
+    for path, image in zip(paths, result.images):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kind = IMAGE_FORMATS[path.suffix.lower()]
+        if kind == "PNG":
+            info = PngInfo()
+            for key, value in metadata.items():
+                info.add_itxt(key, value)
+            image.save(path, format=kind, pnginfo=info)
+        else:  # PIL's default quality (75) visibly blurs generated detail
+            image.save(path, format=kind, quality=95)
+
+
+def table_rows(result) -> list[tuple[str, str]]:
     t = result.timings
     rows = [
+        ("seed", str(result.seed)),
         ("text encoding", f"{t.text_encode_s:.3f} s"),
         ("denoise step (median)", f"{t.median_step_ms:.1f} ms x {len(t.step_ms)}"),
         ("VAE decode", f"{t.vae_decode_s:.3f} s"),
@@ -113,17 +210,24 @@ def format_table(result: GenerationResult) -> str:
         rows.append(("peak memory per rank", " ".join(f"{b / 2**30:.2f}" for b in t.peak_memory_per_rank) + " GiB"))
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
+    return rows
+
+
+def format_table(result) -> str:
+    rows = table_rows(result)
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def parallel_plan(args: argparse.Namespace, spec) -> ParallelConfig:
+def parallel_plan(args: argparse.Namespace, spec, request) -> ParallelConfig:
     """The plan the flags ask for: explicit degrees, or for ``--gpus N`` alone the default plan for N."""
-    heads = spec.attention_heads
-    has_cfg = spec.guidance_mode == "cfg"
+    from paradit.engine import default_plan_for
+
     degrees = (args.ulysses, args.ring, args.tensor, args.pipefusion)
     explicit = any(degree is not None for degree in degrees) or args.cfg_parallel
-    plan = default_plan(args.gpus or 1, has_cfg, heads)
+    plan = ParallelConfig()
+    if args.gpus is not None and not explicit:
+        plan = default_plan_for(spec, args.gpus, request)
     if explicit:
         plan = ParallelConfig(
             ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1, tensor=args.tensor or 1,
@@ -133,15 +237,26 @@ def parallel_plan(args: argparse.Namespace, spec) -> ParallelConfig:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from paradit.engine import Engine, check_plan, parse_device, parse_dtype, resolve_model, validate_request
+    if args.devices is not None:  # before torch sees the GPUs; spawned workers inherit it
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = args.devices
+    if args.no_progress:  # spawned workers' transformers and diffusers read this when they are imported
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from paradit.engine import Engine, resolve_model
+    from paradit.optimize import ExecutionOptions
+    from paradit.request import GenerationRequest
 
-    device = parse_device(args.device)
-    dtype = parse_dtype(args.dtype, device)
-    spec = resolve_model(args.model, args.load_format)
-    parallel = parallel_plan(args, spec)
-    check_plan(spec, parallel, args.gpus or parallel.world_size, device)
+    if args.no_progress:  # this process imported them already
+        import diffusers
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        diffusers.utils.logging.disable_progress_bar()
+
+    prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
+    paths = output_paths(args.out, len(args.prompt) * args.images_per_prompt)
+    spec = resolve_model(args.model, args.load_format, args.allow_pickle)
     request = GenerationRequest(
-        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0],
+        prompt=prompts,
         negative_prompt=args.negative_prompt,
         height=args.height,
         width=args.width,
@@ -150,48 +265,69 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_images_per_prompt=args.images_per_prompt,
     )
-    validate_request(spec, request)
+    parallel = parallel_plan(args, spec, request)
+    if args.gpus is not None and args.gpus != parallel.world_size:  # the flags disagree: say which plans fit --gpus
+        parallel.validate(args.gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
     options = ExecutionOptions(quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs)
-    options.validate(device)
-    engine_args = dict(device=device, dtype=dtype, load_format=args.load_format, options=options)
+    engine_args = dict(device=args.device, dtype=args.dtype, options=options)
     with Engine(
         spec,
         parallel=parallel,
         max_gpu_memory=args.max_gpu_memory,
         text_encoder_placement=args.text_encoder_placement,
+        request=request,
         **engine_args,
     ) as engine:
         result = engine.generate(request, progress=not args.no_progress)
     if result is None:  # a non-zero rank under torchrun: rank 0 writes the images
         return 0
-    paths = output_paths(args.out, len(result.images))
-    for path, image in zip(paths, result.images):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path)
+    resolved = engine.check(dataclasses.replace(request, seed=result.seed))
+    settings = {
+        "prompt": resolved.prompts, "negative_prompt": resolved.negative_prompts, "seed": result.seed,
+        "model": spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
+        "software": f"paradit {__version__}",
+    }  # fmt: skip
+    save_images(result, paths, {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()})
     print(format_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))
+    code, comparison = 0, None
     if args.verify_serial and parallel.world_size > 1:
         with Engine(spec, **engine_args) as serial_engine:
-            serial = serial_engine.generate(request, progress=False)
-        print(serial_comparison(result, serial))
-    return 0
+            serial = serial_engine.generate(dataclasses.replace(request, seed=result.seed), progress=False)
+        code, comparison = serial_comparison(result, serial, exact=parallel.exact)
+        print(comparison)
+    if args.json:
+        timings = {**dataclasses.asdict(result.timings), "median_step_ms": result.timings.median_step_ms}
+        record = {**settings, "timings": timings, "files": [str(p) for p in paths], "verify_serial": comparison}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    return code
 
 
-def serial_comparison(parallel: GenerationResult, serial: GenerationResult) -> str:
-    """How far the parallel images are from the one-process ones, in float pixels and in 8-bit levels."""
+def serial_comparison(parallel, serial, exact: bool) -> tuple[int, str]:
+    """How far the parallel images are from the one-process ones (float pixels, 8-bit levels, PSNR), and the exit
+    code: 3 when an exact plan differs by more than one level or a lossy one falls under ``LOSSY_PSNR_DB``."""
+    import numpy as np
+
     float_diff = (parallel.pixels - serial.pixels).abs().max().item()
+    mse = ((parallel.pixels - serial.pixels) ** 2).mean().item()
+    psnr = 10 * np.log10(1 / mse) if mse > 0 else float("inf")
     levels = max(
         int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max())
         for a, b in zip(parallel.images, serial.images)
     )
-    verdict = "equals" if levels <= 1 else "DIFFERS FROM"
-    return (
-        f"{parallel.timings.plan} image {verdict} the 1-process image: "
-        f"max diff {float_diff:.2e} on [0, 1], {levels} 8-bit level(s)"
+    within = levels <= 1 if exact else psnr >= LOSSY_PSNR_DB
+    verdict = "equals" if levels <= 1 else "is within tolerance of" if within else "DIFFERS FROM"
+    line = (
+        f"{parallel.timings.plan} image {verdict} the 1-process image: max diff {float_diff:.2e} on [0, 1], "
+        f"{levels} 8-bit level(s), PSNR {psnr:.1f} dB ({'exact plan' if exact else 'lossy plan'})"
     )
+    return (0 if within else 3), line
 
 
 def run_models() -> int:
+    from paradit.families import PRESETS
+
     width = max(len(name) for name in PRESETS)
     for name, spec in PRESETS.items():
         size = f"{spec.width}x{spec.height}"
@@ -204,15 +340,37 @@ def run_quantize(args: argparse.Namespace) -> int:
     from paradit.quantize import write_fp8_checkpoint
 
     spec = resolve_model(args.model, args.load_format)
-    dummy = args.load_format == "dummy" or "folder" not in spec.extra
-    layers = write_fp8_checkpoint(spec, Path(args.out), DTYPES[args.dtype], dummy)
+    layers = write_fp8_checkpoint(spec, Path(args.out), DTYPES[args.dtype])
     print(f"wrote {args.out}: {len(layers)} FP8 linears; run it with --model {args.out} --quantize fp8")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    import signal
+    import threading
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    report_warnings()
+    received = []
+
+    def interrupt(signum, frame) -> None:
+        """SIGINT or SIGTERM: unwind, so that the engine stops its workers and removes its files on the way out; a
+        second signal would cut that short, so it is ignored."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    # Handlers can only be set on the main thread; main() called elsewhere keeps the defaults.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM) if on_main_thread}
+    for sig in previous:
+        signal.signal(sig, interrupt)
     try:
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
         if args.command == "models":
             return run_models()
         if args.command == "quantize":
@@ -221,6 +379,19 @@ def main(argv: list[str] | None = None) -> int:
     except ParaditError as exc:
         print(f"paradit: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        terminated = received == [signal.SIGTERM]
+        print(f"paradit: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)  # the shell's code for death by that signal
+    except Exception as exc:  # noqa: BLE001 - a user sees one line; the trace goes to a file for the bug report
+        with tempfile.NamedTemporaryFile("w", prefix="paradit-error-", suffix=".log", delete=False) as log:
+            traceback.print_exc(file=log)
+        print(f"paradit: internal error: {type(exc).__name__}: {exc}; full trace in {log.name}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler set outside Python, which cannot be put back from here
+                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -18,19 +18,16 @@ from torch import nn
 RECOMPILE_LIMIT = 64
 
 
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The modules of every ModuleList of the model whose members all share one class: the transformer stacks."""
-    blocks = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
-            blocks.extend(module)
-    return blocks
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a plain model, from the block stacks it lists in run order (``BLOCK_LISTS``): what
+    compilation, the memory estimate and PipeFusion's stages all act on."""
+    return [block for name in type(model).BLOCK_LISTS for block in getattr(model, name)]
 
 
 def compile_blocks(model: nn.Module, mode: str | None = None) -> int:
     """Compile every repeated block in place; returns how many were wrapped."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    blocks = repeated_blocks(model)
+    blocks = model_blocks(model)
     for block in blocks:
         block.compile(mode=mode, dynamic=False)
     return len(blocks)

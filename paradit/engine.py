@@ -1,29 +1,32 @@
 """The Engine: turns a model name (preset, checkpoint folder or hub id) into a loaded pipeline and serves requests.
 
-A request that fails validation raises ``InvalidRequest`` (before any worker sees it) and leaves the engine ready
-for the next one.
+Every check of a setting or a request is made here, once, before anything loads: a request that fails raises
+``InvalidRequest`` (before any worker sees it) and leaves the engine ready for the next one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
-from paradit.memory import check_fits, check_placement, hold_to_cap, parse_size
-from paradit.optimize import ExecutionOptions, apply_execution_options
-from paradit.parallel.config import ParallelConfig
-from paradit.parallel.tensor import tensor_plan
-from paradit.pipelines import FAMILIES, spec_from_folder
-from paradit.presets import PRESETS
+from paradit.families import DEFAULT_MODEL, FAMILIES, PRESETS, spec_from_folder
+from paradit.loader import WorkerPlan, build_pipeline
+from paradit.memory import check_fits, check_placement, parse_size
+from paradit.optimize import ExecutionOptions
+from paradit.parallel.config import ParallelConfig, default_plan
+from paradit.parallel.tensor import check_tensor_plan
+from paradit.pipelines.base import ResolvedRequest
 from paradit.quantize import PRESET_FILE, fp8_checkpoint_layers, spec_with_fp8_transformer
 from paradit.request import GenerationRequest, GenerationResult
-from paradit.spec import ModelSpec
+from paradit.spec import ModelSpec, RandomWeights
 from paradit.weights import resolve_checkpoint
-from paradit.worker import WorkerGroup, WorkerPlan, build_worker_pipeline
+from paradit.worker import WorkerGroup
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOAD_FORMATS = ("auto", "dummy")
@@ -50,28 +53,34 @@ def parse_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def resolve_model(model: str, load_format: str = "auto") -> ModelSpec:
-    """The spec of a preset, checkpoint folder or hub id. A preset with real weights to load (load format auto and a
-    hub id) resolves to its checkpoint; a spec without a checkpoint folder runs on random weights."""
+def resolve_model(model: str, load_format: str = "auto", allow_pickle: bool = False) -> ModelSpec:
+    """The spec of a preset, checkpoint folder or hub id, with its weight source: a preset with a hub id resolves to
+    its checkpoint; ``dummy`` (or a preset without a checkpoint) gives random weights of the same architecture."""
     if load_format not in LOAD_FORMATS:
         raise InvalidRequest(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+    path = Path(model).expanduser()
     if model in PRESETS:
         spec = PRESETS[model]
-        if load_format == "dummy" or spec.hub_id is None:
-            return spec
-        return spec_from_folder(resolve_checkpoint(spec.hub_id))
-    if (Path(model).expanduser() / PRESET_FILE).is_file():
-        return spec_with_fp8_transformer(Path(model).expanduser())
-    if not Path(model).expanduser().is_dir() and model.count("/") != 1:
+        if load_format == "auto" and spec.hub_id is not None:
+            spec = spec_from_folder(resolve_checkpoint(spec.hub_id), allow_pickle)
+    elif (path / PRESET_FILE).is_file():
+        spec = spec_with_fp8_transformer(path)
+    elif path.is_dir() or model.count("/") == 1:
+        spec = spec_from_folder(resolve_checkpoint(model), allow_pickle)
+    else:
         raise InvalidRequest(
             f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder or hub id (org/name)"
         )
-    return spec_from_folder(resolve_checkpoint(model))
+    return dataclasses.replace(spec, weights=RandomWeights()) if load_format == "dummy" else spec
 
 
-def validate_request(spec: ModelSpec, request: GenerationRequest) -> None:
-    """Raises InvalidRequest for a request ``spec``'s model cannot serve, before any weight is loaded."""
-    FAMILIES[spec.family].resolve_request(spec, request)
+def default_plan_for(spec: ModelSpec, gpus: int, request: GenerationRequest | None = None) -> ParallelConfig:
+    """The plan ``--gpus N`` alone gets: CFG parallel only when the request (or, without one, the model's defaults)
+    runs both guidance branches, so that no half of the group idles; the rest Ulysses, then Ring."""
+    pipeline = FAMILIES[spec.family].pipeline
+    request = request or GenerationRequest(prompt="a")
+    guides = spec.guidance_mode == "cfg" and pipeline.uses_cfg(spec, pipeline.resolve_request(spec, request))
+    return default_plan(gpus, guides, spec.attention_heads)
 
 
 def launched_by_torchrun() -> bool:
@@ -87,15 +96,17 @@ class Engine:
     ``text_encoder_placement`` is ``gpu`` (prompt encoders resident on rank 0's GPU), ``fp8`` (resident with FP8
     linears; FP8 runs only), ``offload`` (kept in CPU memory and streamed to the GPU while encoding) or ``auto``: under
     a cap, the first of those that fits (the choice is ``memory_plan.text_encoder_placement``); without one, resident.
-    With a
-    ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host (``cpu``
-    spawns CPU processes joined by gloo); in a script started by torchrun, each process is one worker of the
+    ``request``, when given, is checked too before anything loads (the CLI's one request). ``allow_pickle`` lets a
+    checkpoint folder's pickle weights load (they can run code).
+
+    With a ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host
+    (``cpu`` spawns CPU processes joined by gloo); in a script started by torchrun, each process is one worker of the
     torchrun group, and ``generate`` returns the result on rank 0 and None elsewhere.
     """
 
     def __init__(
         self,
-        model: str | ModelSpec = "flux2-tiny",
+        model: str | ModelSpec = DEFAULT_MODEL,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         load_format: Literal["auto", "dummy"] = "auto",
@@ -103,53 +114,58 @@ class Engine:
         options: ExecutionOptions | None = None,
         max_gpu_memory: str | int | None = None,
         text_encoder_placement: Literal["auto", "gpu", "fp8", "offload"] = "auto",
+        request: GenerationRequest | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.options = options or ExecutionOptions()
-        if self.options.cuda_graphs and parallel is not None and parallel.pipefusion > 1:
+        self.parallel = parallel or ParallelConfig()
+        if self.options.cuda_graphs and self.parallel.pipefusion > 1:
             # PipeFusion counts steps on the host to choose warm-up or patched steps; a graph replay would skip that.
             raise InvalidRequest("CUDA graphs do not combine with pipefusion yet; drop --cuda-graphs or --pipefusion")
+        self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, load_format, allow_pickle)
+        if fp8_checkpoint_layers(self.spec.transformer) is not None:  # it runs in FP8 or not at all
+            if self.options.quantize != "fp8":
+                raise InvalidRequest(f"{self.spec.name} holds an FP8 transformer; run it with --quantize fp8")
+            try:
+                self.options.validate(self.device)
+            except InvalidRequest:  # its own advice (drop --quantize fp8) would lead to the refusal above
+                raise InvalidRequest(
+                    f"{self.spec.name} holds an FP8 transformer, which needs a GPU with FP8 kernels (compute "
+                    "capability 8.9+, MI300 or RDNA 4); on this device run the checkpoint it was quantized from"
+                ) from None
         self.options.validate(self.device)
-        self.spec = model if isinstance(model, ModelSpec) else resolve_model(model, load_format)
-        self.parallel = parallel or ParallelConfig()
-        if fp8_checkpoint_layers(self.spec.transformer) is not None and self.options.quantize != "fp8":
-            raise InvalidRequest(f"{self.spec.name} holds an FP8 transformer; run it with --quantize fp8")
-        check_plan(self.spec, self.parallel, self.parallel.world_size, self.device)
+        check_plan(self.spec, self.parallel, self.device)
+        resolved = None if request is None else self.check(request)
         fp8 = self.options.quantize == "fp8"
         check_placement(text_encoder_placement, fp8)
         self.memory_cap = None if max_gpu_memory is None else parse_size(max_gpu_memory)
         self.memory_plan = None
         self.text_encoder_placement = "gpu" if text_encoder_placement == "auto" else text_encoder_placement
-        if self.memory_cap is not None:
+        if self.memory_cap is not None:  # estimated at the request's size when there is one, else the model's
+            size = {} if resolved is None else {"height": resolved.height, "width": resolved.width}
+            sized = dataclasses.replace(self.spec, **size)
             self.memory_plan = check_fits(
-                self.spec, self.parallel, self.dtype, fp8, self.memory_cap, text_encoder_placement
+                sized, self.parallel, self.dtype, fp8, self.memory_cap, text_encoder_placement
             )
             self.text_encoder_placement = self.memory_plan.text_encoder_placement
-        dummy = load_format == "dummy" or "folder" not in self.spec.extra
-        self._pipeline = self._group = None
-        if self.parallel.world_size == 1:
-            if self.memory_cap is not None:
-                hold_to_cap(self.device, self.memory_cap)
-            self._pipeline = FAMILIES[self.spec.family].pipeline.load(
-                self.spec,
-                self.device,
-                self.dtype,
-                dummy=dummy,
-                quantize=self.options.quantize,
-                text_encoder_placement=self.text_encoder_placement,
-            )
-            self._pipeline.transformer = apply_execution_options(self._pipeline.transformer, self.options, self.device)
-            return
         plan = WorkerPlan(
-            self.spec, self.device.type, self.dtype, dummy, self.parallel, self.options, self.memory_cap, "env://",
+            self.spec, self.device.type, self.dtype, self.parallel, self.options, self.memory_cap,
             text_encoder_placement=self.text_encoder_placement,
         )  # fmt: skip
-        if launched_by_torchrun():
-            rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-            self._pipeline = build_worker_pipeline(plan, rank, local_rank)
+        self._pipeline = self._group = None
+        if self.parallel.world_size == 1:
+            self._pipeline = build_pipeline(plan, 0, self.device.index or 0)
+        elif launched_by_torchrun():
+            self._pipeline = build_pipeline(plan, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
         else:
             self._group = WorkerGroup(plan)
+
+    def check(self, request: GenerationRequest) -> ResolvedRequest:
+        """The request with the model's defaults filled in, or InvalidRequest for one this engine's model cannot
+        serve (nothing runs)."""
+        return FAMILIES[self.spec.family].pipeline.resolve_request(self.spec, request)
 
     @property
     def pipeline(self):
@@ -157,19 +173,24 @@ class Engine:
         return self._pipeline
 
     def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
-        validate_request(self.spec, request)
+        self.check(request)
         if self._group is not None:
-            result = self._group.generate(request)
+            result = self._group.generate(request, progress)
         else:
             result = self._pipeline.generate(request, progress=progress)
-            if result is not None:
-                result.timings.plan = self.parallel.describe()
         if result is not None:
-            result.timings.text_encoders = self.text_encoder_placement
+            on_cpu = self.device.type == "cpu"
+            plan = self.parallel.describe()
+            result.timings.plan = plan.replace("1 GPU", "1 process") if on_cpu else plan
+            # "gpu" names the device the encoders stay resident on; on the CPU that is the CPU's memory.
+            placement = self.text_encoder_placement
+            result.timings.text_encoders = "resident" if on_cpu and placement == "gpu" else placement
         return result
 
     def close(self) -> None:
-        """Stop the worker processes, if any. The engine serves no more requests after this."""
+        """Stop the worker processes, if any, and remove their rendezvous folder; a request cut short (an interrupt)
+        is not waited for. Also done when the engine is garbage-collected or the interpreter exits. The engine serves
+        no more requests after this."""
         if self._group is not None:
             self._group.close()
 
@@ -180,13 +201,20 @@ class Engine:
         self.close()
 
 
-def check_plan(spec: ModelSpec, parallel: ParallelConfig, gpus: int, device: torch.device) -> None:
+def check_plan(spec: ModelSpec, parallel: ParallelConfig, device: torch.device) -> None:
     """Refuse a plan the model or the machine cannot run, naming the plans that work."""
+    gpus = parallel.world_size
     parallel.validate(gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
-    if parallel.pipefusion > 1 and spec.family not in ("flux2", "qwen_image", "sd3", "zimage"):
-        raise InvalidRequest(f"pipefusion supports FLUX.2, Qwen-Image, SD3.5 and Z-Image, not the {spec.family} family")
-    if parallel.tensor > 1:  # the MLP widths must split too; the model on the meta device tells them
+    if parallel.tensor > 1 or parallel.pipefusion > 1:  # the model on the meta device tells its widths and blocks
+        family = FAMILIES[spec.family]
         with torch.device("meta"):
-            tensor_plan(FAMILIES[spec.family].pipeline.build_transformer(spec), parallel.tensor)
+            model = family.pipeline.build_transformer(spec)
+        if parallel.tensor > 1:
+            check_tensor_plan(family.tensor_plan, model, parallel.tensor)
+        if parallel.pipefusion > len(model_blocks(model)):
+            raise InvalidRequest(
+                f"pipefusion {parallel.pipefusion} exceeds the model's {len(model_blocks(model))} blocks; give at most "
+                f"{len(model_blocks(model))} stages"
+            )
     if device.type == "cuda" and not launched_by_torchrun() and gpus > torch.cuda.device_count():
         raise InvalidRequest(f"{gpus} GPUs asked for, but this machine has {torch.cuda.device_count()}")

@@ -14,3 +14,10 @@ class InvalidRequest(ParaditError, ValueError):
 
 class CheckpointError(ParaditError):
     """A checkpoint folder that is missing, incomplete or does not match the model."""
+
+
+def report_warnings() -> None:
+    """paradit's warnings (a prompt cut short, ...) as one line each on stderr, in every process of a run."""
+    import logging
+
+    logging.basicConfig(format="paradit: %(levelname)s: %(message)s", level=logging.WARNING)

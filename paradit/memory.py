@@ -27,14 +27,21 @@ from paradit.text_encoder import PLACEMENTS, converts_to_fp8
 
 TEXT_ENCODER_PLACEMENTS = ("auto", *PLACEMENTS)
 _PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def gib(size: int) -> str:
+    """Bytes as GiB: one decimal, or three significant digits below 1 GiB, so that tiny models' megabytes show."""
+    return f"{size / 2**30:.1f}" if size >= 2**30 else f"{size / 2**30:.3g}"
 
 
 def parse_size(text: str | int) -> int:
-    """'32GiB', '30GB', '512MiB' or a byte count -> bytes."""
+    """'32GiB', '30GB', '512MiB' (text needs its unit: a bare 32 could be bytes or GiB) or a byte count (int)."""
     if isinstance(text, int):
         return text
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if match and not match.group(2):
+        raise InvalidRequest(f"memory size {text!r} has no unit; write it with one, e.g. {match.group(1)}GiB")
     if not match or match.group(2).lower() not in _UNITS:
         raise InvalidRequest(f"memory size {text!r} is not understood; write e.g. 32GiB, 30GB or 512MiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
@@ -109,24 +116,23 @@ class MemoryPlan:
         return self.transformer + self.text_encoders + self.vae + self.activations
 
     def describe(self) -> str:
-        gib = 2**30
         return (
-            f"{self.total / gib:.1f} GiB on rank 0 (transformer weights {self.transformer / gib:.1f}, text encoders "
-            f"{self.text_encoders / gib:.1f} {_PLACEMENT_NOTES[self.text_encoder_placement]}, VAE "
-            f"{self.vae / gib:.1f}, activations ~{self.activations / gib:.1f})"
+            f"{gib(self.total)} GiB on rank 0 (transformer weights {gib(self.transformer)}, text encoders "
+            f"{gib(self.text_encoders)} {_PLACEMENT_NOTES[self.text_encoder_placement]}, VAE {gib(self.vae)}, "
+            f"activations ~{gib(self.activations)})"
         )
 
 
 def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool) -> dict[str, MemoryPlan]:
     """Rank 0's plan for each prompt encoder placement."""
+    from paradit.compile import model_blocks
+    from paradit.families import FAMILIES
     from paradit.parallel.pipefusion import stage_range
-    from paradit.pipelines import FAMILIES
 
-    pipeline = FAMILIES[spec.family].pipeline
+    family = FAMILIES[spec.family]
     with torch.device("meta"):
-        transformer = pipeline.build_transformer(spec)
-    # The repeated blocks are the transformer's ModuleList children (lists nested in a block belong to the block).
-    blocks = [block for child in transformer.children() if isinstance(child, nn.ModuleList) for block in child]
+        transformer = family.pipeline.build_transformer(spec)
+    blocks = model_blocks(transformer)
     # PipeFusion keeps only the first stage's blocks on rank 0; tensor parallelism divides them; FP8 halves their
     # linears (one byte a weight, scales aside).
     kept = blocks
@@ -136,18 +142,19 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     if fp8:
         block_bytes //= 2
     transformer_bytes = (_bytes([transformer], dtype) - _bytes(blocks, dtype)) + block_bytes // parallel.tensor
-    encoder, vae = pipeline.load_conditioners(spec, torch.device("meta"), dtype, dummy=True)
-    config = spec.transformer
-    width = config.get("dim") or spec.attention_heads * config["attention_head_dim"]
+    encoder = family.pipeline.load_prompt_encoder(spec, torch.device("meta"), dtype, dummy=True)
+    vae = family.pipeline.load_vae(spec, torch.device("meta"), dtype, dummy=True)
+    # The token width, from the attention projections (every family's blocks attend at the model width).
+    width = family.tensor_plan.widths(transformer)["attention"]
     tokens = spec.height * spec.width // 256 + 512
     batch = 2 if spec.guidance_mode == "cfg" and parallel.cfg == 1 else 1
     local_tokens = -(-tokens // parallel.sequence_degree)
     # A block's working set: ~24 activations of the model width per token (Q, K, V, attention output, the MLP's
     # widened hidden state, residuals), the last layer's output kept; the VAE decoder at full resolution works on
-    # ~16 feature maps of 128 channels.
+    # ~16 feature maps of 128 channels, split across the group's ranks.
     element = torch.finfo(dtype).bits // 8
     block_activations = 24 * batch * local_tokens * width * element // parallel.tensor
-    vae_activations = 16 * spec.height * spec.width * 128 * element
+    vae_activations = 16 * spec.height * spec.width * 128 * element // parallel.world_size  # a band per rank
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
         activations += len(kept) * 2 * batch * local_tokens * width * element // parallel.tensor
@@ -184,7 +191,7 @@ def check_fits(
             return plan
     needs = ", or ".join(plan.describe() for plan in tried)
     raise InvalidRequest(
-        f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {cap / 2**30:.1f} GiB: it "
+        f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {gib(cap)} GiB: it "
         f"needs {needs}; give more GPUs to the plan (--tensor shards the weights), use --quantize fp8, or raise the cap"
     )
 
@@ -193,5 +200,6 @@ def hold_to_cap(device: torch.device, cap: int) -> None:
     """Make the CUDA caching allocator refuse to grow past ``cap`` on this device (CPU processes rely on the
     up-front check alone)."""
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        index = torch.cuda.current_device() if device.index is None else device.index  # "cuda" names no index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)

@@ -1,7 +1,7 @@
 """Execution options applied to a transformer from outside: FP8 linears, regional compilation, CUDA graphs.
 
-FP8 is applied while loading (``DiffusionPipeline.load(quantize=...)`` converts each linear as it is read, so the
-high-precision model never exists whole); compilation and graphs after the parallel runtime has wrapped the model, so
+FP8 is applied while loading (``loader.load_transformer(quantize=...)`` converts each linear as it is read, so the
+high-precision model never exists whole); compilation and graphs after the parallel runtime has been applied, so
 every strategy gets them unchanged.
 Must not import torch.distributed.
 """
@@ -16,6 +16,7 @@ from torch import nn
 from paradit.compile import compile_blocks
 from paradit.cuda_graphs import GraphedModule
 from paradit.errors import InvalidRequest
+from paradit.parallel.parallelize import Parallelized
 
 QUANTIZATIONS = ("none", "fp8")
 
@@ -43,9 +44,9 @@ class ExecutionOptions:
         return device.type == "cuda" if self.compile is None else self.compile
 
 
-def apply_execution_options(transformer: nn.Module, options: ExecutionOptions, device: torch.device) -> nn.Module:
-    """Returns the module to call in place of ``transformer`` (itself, or its CUDA-graphed wrapper). FP8 is not
-    applied here: ``options.quantize`` goes to the loader."""
+def apply_execution_options(transformer: Parallelized, options: ExecutionOptions, device: torch.device) -> nn.Module:
+    """Compiles the plain model's blocks in place; returns the module to call in place of ``transformer.forward``
+    (itself, or its CUDA-graphed wrapper). FP8 is not applied here: ``options.quantize`` goes to the loader."""
     if options.compiles(device):
-        compile_blocks(transformer)
-    return GraphedModule(transformer) if options.cuda_graphs else transformer
+        compile_blocks(transformer.model)
+    return GraphedModule(transformer.forward) if options.cuda_graphs else transformer.forward

@@ -26,39 +26,32 @@ from torch import nn
 
 from paradit.errors import CheckpointError, InvalidRequest
 from paradit.layers.fp8 import Fp8Linear, check_fp8_supported, fp8_dtype
-from paradit.spec import ModelSpec
+from paradit.spec import Fp8PresetFolder, ModelSpec
 from paradit.weights import Fp8Load, ModelNames, component_dir, read_json, save_component
 
 FP8_METHOD = "paradit-fp8"
 CHECKPOINT_FORMAT = torch.float8_e4m3fn  # OCP e4m3, what every FP8 GPU but MI300 multiplies natively
 PRESET_FILE = "paradit_preset.json"  # in an FP8 folder written for a preset: which one (see write_fp8_checkpoint)
 
-# Name fragments of linear layers that stay in the model dtype (see module docstring), across the families:
-# embedders (FLUX.2 x_/context_embedder, Qwen-Image img_in/txt_in, Z-Image all_x_embedder/cap_embedder), timestep and
-# guidance MLPs, modulation projections (FLUX.2 *_modulation, Qwen-Image img_mod/txt_mod, Z-Image adaLN_modulation,
-# SD3 norm1.linear: AdaLN layers live under "norm" names) and output layers (proj_out, Z-Image all_final_layer).
-KEEP_HIGH_PRECISION = (
-    "embed", "img_in", "txt_in", "time_", "guidance", "modulation", "_mod.", "adaLN", "norm", "proj_out", "final_layer",
-)  # fmt: skip
 
-
-def quantizable(name: str, module: nn.Module) -> bool:
-    """Linear layers inside the repeated blocks, whose dimensions the FP8 GEMM accepts (multiples of 16)."""
+def quantizable(name: str, module: nn.Module, keep: tuple[str, ...]) -> bool:
+    """Linear layers whose name holds none of the family's ``keep`` fragments (its embedders, modulation and output
+    layers), and whose dimensions the FP8 GEMM accepts (multiples of 16)."""
     return (
         isinstance(module, nn.Linear)
-        and not any(fragment in name for fragment in KEEP_HIGH_PRECISION)
+        and not any(fragment in name for fragment in keep)
         and module.in_features % 16 == 0
         and module.out_features % 16 == 0
     )
 
 
 @torch.no_grad()
-def convert_fp8(model: nn.Module, dtype: torch.dtype) -> list[str]:
+def convert_fp8(model: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> list[str]:
     """Replace the quantizable linears of ``model`` with ``dtype`` ones, one at a time, so that at most one layer's
     high-precision weight exists beside the FP8 copies; returns the names replaced."""
     replaced = []
     for name, module in list(model.named_modules()):
-        if quantizable(name, module):
+        if quantizable(name, module, keep):
             owner_name, _, leaf = name.rpartition(".")
             owner = model.get_submodule(owner_name) if owner_name else model
             setattr(owner, leaf, Fp8Linear.from_linear(module, dtype))
@@ -66,10 +59,10 @@ def convert_fp8(model: nn.Module, dtype: torch.dtype) -> list[str]:
     return replaced
 
 
-def quantize_fp8(model: nn.Module, device: torch.device) -> list[str]:
+def quantize_fp8(model: nn.Module, device: torch.device, keep: tuple[str, ...]) -> list[str]:
     """``convert_fp8`` into the format ``device`` multiplies, where it can (a loaded model, for benchmarks)."""
     check_fp8_supported(device)
-    return convert_fp8(model, fp8_dtype(device))
+    return convert_fp8(model, fp8_dtype(device), keep)
 
 
 def fp8_checkpoint_layers(config: dict) -> list[str] | None:
@@ -86,10 +79,11 @@ def fp8_checkpoint_layers(config: dict) -> list[str] | None:
     return list(quantization["modules"])
 
 
-def fp8_load(model: nn.Module, names: ModelNames, config: dict, quantize: str, dtype: torch.dtype) -> Fp8Load | None:
+def fp8_load(model: nn.Module, names: ModelNames, config: dict, quantize: str, dtype: torch.dtype,
+             keep: tuple[str, ...]) -> Fp8Load | None:  # fmt: skip
     """The linears of the (parallelized, still meta) ``model`` to load as ``dtype`` FP8, by ``names`` (of the plain
-    model): those of an FP8 checkpoint (``config`` declares them), else with ``quantize="fp8"``
-    the quantizable ones at their sharded sizes. None when nothing loads as FP8."""
+    model): those of an FP8 checkpoint (``config`` declares them), else with ``quantize="fp8"`` the quantizable ones
+    (``keep``: the family's high-precision fragments) at their sharded sizes. None when nothing loads as FP8."""
     layers = fp8_checkpoint_layers(config)
     if layers is None and quantize != "fp8":
         return None
@@ -99,7 +93,7 @@ def fp8_load(model: nn.Module, names: ModelNames, config: dict, quantize: str, d
         if not isinstance(module, nn.Linear) or name is None:
             continue
         if layers is None:
-            if quantizable(name, module):
+            if quantizable(name, module, keep):
                 modules[id(module)] = name
         elif name in layers:
             if module.in_features % 16 or module.out_features % 16:
@@ -129,21 +123,25 @@ def save_fp8_transformer(model: nn.Module, config: dict, folder: Path, max_shard
     save_component(model.state_dict(), {**config, "quantization_config": marker}, folder, max_shard_bytes)
 
 
-def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype, dummy: bool) -> list[str]:
+def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list[str]:
     """Quantize ``spec``'s transformer on the CPU, linear by linear as it loads, and write an FP8 checkpoint folder at
     ``out``; returns the FP8 layers. A checkpoint folder's other components are hard-linked (copied across file
     systems), so ``out`` is a complete diffusers-layout folder. A preset without one (random weights) gets its
     transformer component and ``PRESET_FILE`` naming the preset, whose prompt encoders and VAE paradit then draws at
     random: a full-size FP8 load path for benchmarks without the real weights. ``dtype``: the layers kept in high
     precision."""
-    from paradit.pipelines import FAMILIES
+    from paradit.families import FAMILIES, PRESETS
+    from paradit.loader import load_transformer
 
     if out.exists() and any(out.iterdir()):
         raise InvalidRequest(f"{out} is not empty; give a new folder for the FP8 checkpoint")
-    pipeline = FAMILIES[spec.family].pipeline
-    model = pipeline.load_transformer(spec, torch.device("cpu"), dtype, dummy, quantize="fp8")
+    folder = spec.folder
+    if folder is None and spec.name not in PRESETS:
+        raise InvalidRequest(
+            f"random weights are quantized for presets only; {spec.name} is quantized from its weights"
+        )
+    model = load_transformer(FAMILIES[spec.family], spec, torch.device("cpu"), dtype, quantize="fp8").model
     save_fp8_transformer(model, spec.transformer, out / "transformer")
-    folder = spec.extra.get("folder")
     if folder is None:
         (out / PRESET_FILE).write_text(json.dumps({"preset": spec.name}, indent=2) + "\n")
     else:
@@ -167,7 +165,7 @@ def _link_or_copy(source: str | Path, target: str | Path) -> None:
 def spec_with_fp8_transformer(folder: Path) -> ModelSpec:
     """The spec of a folder ``write_fp8_checkpoint`` wrote for a preset: the preset, with its transformer read from
     the folder's FP8 component and everything else random."""
-    from paradit.presets import PRESETS
+    from paradit.families import PRESETS
 
     preset = read_json(folder / PRESET_FILE).get("preset")
     if preset not in PRESETS:
@@ -178,5 +176,5 @@ def spec_with_fp8_transformer(folder: Path) -> ModelSpec:
         name=str(folder),
         description=f"{spec.description}; FP8 transformer from {folder}, the rest random",
         transformer=read_json(component_dir(folder, "transformer") / "config.json"),
-        extra={**spec.extra, "transformer_folder": folder / "transformer"},
+        weights=Fp8PresetFolder(folder / "transformer"),
     )

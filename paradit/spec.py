@@ -6,9 +6,44 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 GuidanceMode = Literal["embedded", "cfg", "none"]
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """A transformers decoder (its ``config``) and how a family reads it: the hidden states of ``layers``,
+    concatenated per token, of prompts of at most ``max_length`` tokens."""
+
+    config: dict[str, Any]
+    layers: tuple[int, ...]
+    max_length: int = 512
+
+
+@dataclass(frozen=True)
+class CheckpointFolder:
+    """Every component read from a diffusers-layout folder."""
+
+    path: Path
+
+
+@dataclass(frozen=True)
+class RandomWeights:
+    """The full-size architecture with seeded random weights (``--load-format dummy``, or a preset without a
+    checkpoint): for speed measurements without the real weights."""
+
+
+@dataclass(frozen=True)
+class Fp8PresetFolder:
+    """A folder ``paradit quantize`` wrote for a preset: its FP8 transformer read from ``transformer``, the prompt
+    encoders and the VAE random."""
+
+    transformer: Path
+
+
+WeightSource = CheckpointFolder | RandomWeights | Fp8PresetFolder
 
 
 @dataclass(frozen=True)
@@ -31,7 +66,20 @@ class ModelSpec:
     height: int
     width: int
     hub_id: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    weights: WeightSource = RandomWeights()
+    extra: dict[str, Any] = field(default_factory=dict)  # family facts read from a checkpoint (its encoder class)
+
+    @property
+    def folder(self) -> Path | None:
+        """The checkpoint folder the prompt encoders and the VAE are read from (None: they are random)."""
+        return self.weights.path if isinstance(self.weights, CheckpointFolder) else None
+
+    @property
+    def transformer_folder(self) -> Path | None:
+        """The transformer component to read (None: random weights)."""
+        if isinstance(self.weights, Fp8PresetFolder):
+            return self.weights.transformer
+        return None if self.folder is None else self.folder / "transformer"
 
     @property
     def attention_heads(self) -> int:

@@ -1,7 +1,7 @@
-"""Prompt encoding with a transformers decoder, read at chosen hidden layers (FLUX.2's scheme).
+"""Prompt encoding with a transformers decoder, read at chosen hidden layers.
 
-Only the decoder layers up to the deepest one read are built and loaded: FLUX.2-dev reads layer 30 of Mistral
-Small's 40, so a quarter of the encoder's weights and time are never spent. The final norm is replaced by identity so
+Only the decoder layers up to the deepest one read are built and loaded: a model that reads layer 30 of a 40-layer
+encoder never spends a quarter of the encoder's weights and time. The final norm is replaced by identity so
 that the last kept layer's output is the raw hidden state, exactly what the full model reports for that layer.
 
 Every family's prompt encoders are placed one of three ways (``PLACEMENTS``), chosen by the memory plan: ``gpu``,
@@ -14,25 +14,36 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 import transformers
 from accelerate import cpu_offload, init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
-from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from torch import nn
 
 from paradit.layers.fp8 import Fp8Linear, fp8_dtype
 from paradit.offline_tokenizer import build_offline_tokenizer
 from paradit.quantize import quantizable
+from paradit.spec import TextEncoderSpec
 from paradit.weights import DummyTensors
 
+logger = logging.getLogger(__name__)
 PLACEMENTS = ("gpu", "fp8", "offload")
 # Host copies are packed into buffers of at least this size: fewer, larger page-locked allocations.
 _MIN_HOST_BUFFER = 2**28
+
+
+def warn_if_truncated(tokenizer, texts: list[str], limit: int, reader: str = "the text encoder") -> None:
+    """Say, as diffusers does, when a prompt is longer than ``reader`` reads: its tokens past ``limit`` are dropped.
+    ``texts`` are the prompts as the encoder is given them (templates applied)."""
+    longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"])
+    if longest > limit:
+        logger.warning(
+            "a prompt is %d tokens long and %s reads %d: its last %d tokens are dropped", longest, reader, limit,
+            longest - limit,
+        )  # fmt: skip
 
 
 def weights_device(placement: str, device: torch.device) -> torch.device:
@@ -104,7 +115,7 @@ def converts_to_fp8(encoder: nn.Module, name: str, module: nn.Module) -> bool:
     """Whether ``quantize_to`` converts ``encoder``'s submodule ``name``: a linear ``quantize.quantizable`` accepts,
     unless transformers keeps it in float32 for precision (T5's ``wo``, whose input it casts to the weight's dtype)."""
     keep = getattr(encoder, "_keep_in_fp32_modules", None) or ()
-    return quantizable(name, module) and not any(part in keep for part in name.split("."))
+    return quantizable(name, module, keep=()) and not any(part in keep for part in name.split("."))
 
 
 @torch.no_grad()
@@ -127,16 +138,6 @@ def place(module: nn.Module, placement: str, device: torch.device) -> nn.Module:
     if placement == "fp8":
         return quantize_to(module, device)
     return module
-
-
-@dataclass(frozen=True)
-class TextEncoderSpec:
-    """A transformers decoder and how FLUX.2 reads it: hidden states of ``layers``, concatenated per token."""
-
-    config: dict[str, Any]
-    layers: tuple[int, ...]
-    prompt_format: Literal["mistral", "qwen3"]
-    max_length: int = 512
 
 
 def _truncate_config(config: transformers.PretrainedConfig, num_layers: int) -> None:
@@ -202,29 +203,18 @@ class PromptEncoder:
         return cls(decoder, build_offline_tokenizer(spec.max_length), spec, device)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each prompt as one user turn of the tokenizer's chat template, with the generation prompt (no thinking),
+        padded to ``max_length``."""
         padding = {"padding": "max_length", "truncation": True, "max_length": self.spec.max_length}
-        if self.spec.prompt_format == "mistral":
-            conversations = [
-                [
-                    {"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
-                    {"role": "user", "content": [{"type": "text", "text": prompt.replace("[IMG]", "")}]},
-                ]
-                for prompt in prompts
-            ]
-            inputs = self.tokenizer.apply_chat_template(
-                conversations,
-                add_generation_prompt=False,
-                tokenize=True,
-                return_dict=True,
-                return_tensors="pt",
-                **padding,
-            )
-            return inputs["input_ids"], inputs["attention_mask"]
-        ids, masks = [], []
-        for prompt in prompts:
-            text = self.tokenizer.apply_chat_template(
+        texts = [
+            self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
             )
+            for prompt in prompts
+        ]
+        warn_if_truncated(self.tokenizer, texts, self.spec.max_length)
+        ids, masks = [], []
+        for text in texts:
             inputs = self.tokenizer(text, return_tensors="pt", **padding)
             ids.append(inputs["input_ids"])
             masks.append(inputs["attention_mask"])

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from paradit.errors import CheckpointError
 from paradit.layers.fp8 import Fp8Linear, quantize_weight
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
 SINGLE_FILE = "diffusion_pytorch_model.safetensors"
 
@@ -59,7 +60,29 @@ def resolve_checkpoint(model: str) -> Path:
 def read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"missing {path}")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def check_components(folder: Path, index: dict, allow_pickle: bool) -> None:
+    """Every component ``model_index.json`` lists is a folder; none holds only pickle weights, which can run code
+    as they load, unless ``allow_pickle``."""
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or None in entry:
+            continue  # metadata, and components the pipeline declares absent
+        component = component_dir(folder, name)
+        pickles = sorted(p.name for p in component.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles and not allow_pickle and not any(component.glob("*.safetensors")):
+            raise CheckpointError(
+                f"{component} holds pickle weights ({', '.join(pickles)}), which can run code when loaded; convert "
+                "them to safetensors (load and save_pretrained them once: safetensors is its default), or pass "
+                "--allow-pickle if you trust their source"
+            )
 
 
 def component_dir(folder: Path, name: str) -> Path:
@@ -118,7 +141,11 @@ class CheckpointTensors:
         self._stack = ExitStack()
         self._handles = {}
         for file in files:
-            handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            try:
+                handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            except (SafetensorError, OSError) as exc:  # truncated, corrupted, empty, missing
+                self._stack.close()
+                raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); download it again") from None
             self._handles.update(dict.fromkeys(handle.keys(), handle))
 
     def keys(self) -> set[str]:

@@ -2,89 +2,94 @@
 engine broadcasts to the group. ``WorkerGroup`` is the engine's side of them.
 
 If a worker fails, the group is stopped and the engine raises the worker's reason instead of waiting on a
-collective that will never finish.
+collective that will never finish. The group never outlives the engine: ``close()``, an interrupt, the engine being
+garbage-collected and interpreter exit all stop the workers and remove the rendezvous folder; if the engine's process
+is killed outright, each worker notices that its parent is gone, removes the folder and exits.
+
+This module imports nothing heavy at the top: a spawned worker imports it first, and sets up its signal handling and
+its watch on the parent before the imports of torch and the model code, which take seconds on a busy machine.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import dataclasses
+import multiprocessing
 import os
+import pickle
 import queue
+import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+import weakref
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from paradit.errors import ParaditError, report_warnings
 
-from paradit.errors import ParaditError
-from paradit.memory import hold_to_cap
-from paradit.optimize import ExecutionOptions, apply_execution_options
-from paradit.parallel.config import ParallelConfig
-from paradit.parallel.mesh import ParallelContext, init_process_group
-from paradit.pipelines import FAMILIES
-from paradit.request import GenerationRequest, GenerationResult
-from paradit.spec import ModelSpec
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
+
+    from paradit.loader import WorkerPlan
+    from paradit.request import GenerationRequest, GenerationResult
 
 POLL_S = 0.5
+CLOSE_S = 30  # idle workers asked to finish get this long, together, before they are terminated
+STOP_S = 10  # terminated workers get this long, together, before they are killed
+# An orphan's grace to unwind after its SIGTERM: nobody waits for it, and a main thread deep in an import or a
+# collective may never reach the handler.
+ORPHAN_EXIT_S = 3
+PARENT_WATCH_S = 1.0  # how often a worker checks its parent's PID besides waiting on the parent's pipe
+
+# The exit code of a spawned child that found itself re-running an unguarded main script; any code worker_main never
+# uses (1 on error, 128 + SIGTERM when stopped, negative when killed by a signal) would do.
+UNGUARDED_MAIN_EXIT = 87
+UNGUARDED_MAIN = (
+    'paradit: error: a script that starts worker processes must guard its entry point with `if __name__ == "__main__":`'
+    " (spawned workers import the main module)"
+)
 
 
 class WorkerFailure(ParaditError):
     """A worker process died or raised; the group has been stopped."""
 
 
-@dataclass(frozen=True)
-class WorkerPlan:
-    """Everything a worker needs to build its part of the pipeline (picklable, sent to each spawned process)."""
+def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: Queue, rendezvous: str) -> None:
+    """A spawned worker: build this rank's pipeline from the pickled ``WorkerPlan`` and serve requests until told to
+    stop (None), reporting readiness, results and any failure on ``results``."""
+    # A terminal's Ctrl-C reaches the whole process group; the engine stops the workers, which must not answer it
+    # themselves with a traceback each. WorkerGroup starts them with SIGINT ignored already where it can (a POSIX
+    # engine on its main thread), which also covers interpreter start-up.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    threading.Thread(target=exit_with_parent, args=(rendezvous,), name="paradit-parent-watch", daemon=True).start()
+    report_warnings()
+    # Imported only now, so that the above covers them too; torch also registers the reductions that send the
+    # result's tensors through shared memory.
+    import torch
+    import torch.distributed as dist
 
-    spec: ModelSpec
-    device_type: str
-    dtype: torch.dtype
-    dummy: bool
-    parallel: ParallelConfig
-    options: ExecutionOptions
-    memory_cap: int | None
-    init_method: str
-    text_encoder_placement: str = "gpu"
+    from paradit.loader import build_pipeline
 
-
-def worker_device(device_type: str, local_rank: int) -> torch.device:
-    return torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
-
-
-def build_worker_pipeline(plan: WorkerPlan, rank: int, local_rank: int):
-    """Join the group, build the mesh and load this rank's pipeline."""
-    device = worker_device(plan.device_type, local_rank)
-    if plan.memory_cap is not None:
-        hold_to_cap(device, plan.memory_cap)
-    init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
-    context = ParallelContext.build(plan.parallel, device)
-    pipeline = FAMILIES[plan.spec.family].pipeline.load(
-        plan.spec,
-        device,
-        plan.dtype,
-        plan.dummy,
-        parallel=context,
-        quantize=plan.options.quantize,
-        text_encoder_placement=plan.text_encoder_placement,
-    )
-    pipeline.transformer = apply_execution_options(pipeline.transformer, plan.options, device)
-    return pipeline
-
-
-def worker_main(rank: int, plan: WorkerPlan, requests: list[mp.Queue], results: mp.Queue) -> None:
+    plan: WorkerPlan = pickle.loads(pickled_plan)
     if plan.device_type == "cpu":
         # Processes sharing the CPU would otherwise each start one thread per core and thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.parallel.world_size))
     try:
-        pipeline = build_worker_pipeline(plan, rank, rank)
+        pipeline = build_pipeline(plan, rank, rank)
         results.put(("ready", rank, None))
-        while (request := requests[rank].get()) is not None:
-            result = pipeline.generate(request)
+        while (message := requests[rank].get()) is not None:
+            request, progress = message
+            result = pipeline.generate(request, progress=progress and rank == 0)
             if result is not None:
-                result.timings.plan = plan.parallel.describe()
                 results.put(("result", rank, result))
+    except SystemExit:  # stopped (exit_on_sigterm): nothing to report
+        raise
     except BaseException:  # noqa: BLE001 - whatever it is, the engine must hear it rather than hang
         results.put(("error", rank, traceback.format_exc(limit=8)))
         raise SystemExit(1) from None
@@ -93,24 +98,101 @@ def worker_main(rank: int, plan: WorkerPlan, requests: list[mp.Queue], results: 
             dist.destroy_process_group()
 
 
+def exit_on_sigterm(signum: int, frame) -> None:
+    """SIGTERM (the engine stopping its workers, or exit_with_parent): leave through Python's exit rather than die on
+    the spot, so that multiprocessing's finalizers unlink the named semaphores this worker made (tqdm's lock among
+    them) and remove its temporary folders; killed outright, it leaves them to the resource tracker, which warns about
+    each on the terminal. A second SIGTERM kills at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise SystemExit(128 + signum)
+
+
+def exit_with_parent(rendezvous: str) -> None:
+    """Wait until the engine's process is gone, then remove the rendezvous folder and end this worker.
+
+    A parent killed outright (SIGKILL, the OOM killer) cannot stop its workers; without this they would keep their
+    GPUs and the folder for good, waiting for requests that never come. The parent's end of multiprocessing's pipe
+    closes when it dies (a process handle on Windows); a change of parent PID is also checked, for a pipe kept open
+    by a child the parent forked. prctl(PR_SET_PDEATHSIG) is not used: it is Linux-only, fires when the spawning
+    *thread* exits, and adds nothing to this thread's prompt wake-up."""
+    parent = multiprocessing.parent_process()
+    while os.getppid() == parent.pid and not wait([parent.sentinel], timeout=PARENT_WATCH_S):
+        pass
+    shutil.rmtree(rendezvous, ignore_errors=True)
+    if hasattr(signal, "pthread_kill"):  # POSIX: sent to the main thread, it also interrupts a blocking read there
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+        time.sleep(ORPHAN_EXIT_S)
+    os._exit(1)  # no SIGTERM to unwind with, or the main thread is stuck in a collective that will never finish
+
+
+@contextlib.contextmanager
+def sigint_ignored_by_children():
+    """Processes started inside inherit SIGINT ignored, and Python keeps an ignored SIGINT ignored at start-up, so a
+    Ctrl-C while they start prints no traceback. Only the main thread may set handlers; elsewhere (and on Windows,
+    where dispositions are not inherited) worker_main's own call comes a moment later. A Ctrl-C in this short window
+    is lost."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def stop_processes(processes: list[BaseProcess], rendezvous: tempfile.TemporaryDirectory) -> None:
+    """Terminate the workers still running, kill those that outlast ``STOP_S``, and remove the rendezvous folder."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + STOP_S
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=STOP_S)
+    rendezvous.cleanup()
+
+
 class WorkerGroup:
     """Spawns ``plan.parallel.world_size`` workers on this host and talks to them through queues."""
 
     def __init__(self, plan: WorkerPlan) -> None:
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # We are a spawned child re-running a main script that creates an engine at import; each child would
+            # otherwise print multiprocessing's traceback. The parent reports it once (see _failure).
+            raise SystemExit(UNGUARDED_MAIN_EXIT)
         self.world_size = plan.parallel.world_size
         self._rendezvous = tempfile.TemporaryDirectory(prefix="paradit-")
-        plan = WorkerPlan(**{**plan.__dict__, "init_method": f"file://{self._rendezvous.name}/store"})
-        context = mp.get_context("spawn")
+        # Pickled here, unpickled by each worker once its signal handling is set up (unpickling imports torch).
+        plan = pickle.dumps(dataclasses.replace(plan, init_method=f"file://{self._rendezvous.name}/store"))
+        context = multiprocessing.get_context("spawn")
         self.requests = [context.Queue() for _ in range(self.world_size)]
         self.results = context.Queue()
-        self.processes = [
-            context.Process(target=worker_main, args=(rank, plan, self.requests, self.results), daemon=True)
-            for rank in range(self.world_size)
-        ]
-        for process in self.processes:
-            process.start()
-        for _ in range(self.world_size):
-            self._next_message()  # each worker says "ready" once its share of the model is loaded
+        self.processes: list[BaseProcess] = []  # the started ones: stop_processes joins only those
+        # Runs once: on stop(), when the group is garbage-collected, or at interpreter exit. Registered with atexit
+        # as well, so that at exit it runs before multiprocessing's own handler, which joins the workers without a
+        # time limit.
+        self._stop = weakref.finalize(self, stop_processes, self.processes, self._rendezvous)
+        atexit.register(self._stop)
+        self._in_flight = False  # a request is being served: close() does not wait for it
+        try:
+            for rank in range(self.world_size):
+                process = context.Process(
+                    target=worker_main,
+                    args=(rank, plan, self.requests, self.results, self._rendezvous.name),
+                    daemon=True,
+                )
+                with sigint_ignored_by_children():
+                    process.start()
+                self.processes.append(process)
+            for _ in range(self.world_size):
+                self._next_message()  # each worker says "ready" once its share of the model is loaded
+        except BaseException:  # an interrupt while loading, or a worker's failure: no worker outlives the engine
+            self.stop()
+            raise
 
     def _next_message(self) -> tuple[str, int, object]:
         """The next message from the workers; a worker's error or death stops the group and raises."""
@@ -125,42 +207,49 @@ class WorkerGroup:
                 raise self._failure(rank, payload)
             return kind, rank, payload
 
-    def _failure(self, reporter: int | None = None, trace: str = "") -> WorkerFailure:
+    def _failure(self, reporter: int | None = None, trace: str = "") -> WorkerFailure | SystemExit:
         """Stop the group and say why. A worker that died outright is the cause; the errors its peers then raise
-        (a collective whose partner vanished) are consequences, so the dead are named first."""
+        (a collective whose partner vanished) are consequences, so the dead are named first. Workers that found an
+        unguarded main script give one line and no traceback: that script cannot run as written."""
         deadline = time.monotonic() + 2 * POLL_S
         while time.monotonic() < deadline and not self._dead(reporter):
             time.sleep(0.05)
-        reasons = [f"worker {rank} exited with code {code}" for rank, code in self._dead(reporter)]
+        dead = self._dead(reporter)
+        self.stop()
+        if any(code == UNGUARDED_MAIN_EXIT for _, code in dead):
+            return SystemExit(UNGUARDED_MAIN)
+        reasons = [f"worker {rank} exited with code {code}" for rank, code in dead]
         if reporter is not None:
             reasons.append(f"worker {reporter} failed:\n{trace}")
-        self.stop()
         return WorkerFailure("; ".join(reasons) + "\nthe worker group was stopped")
 
     def _dead(self, exclude: int | None) -> list[tuple[int, int]]:
         return [(r, p.exitcode) for r, p in enumerate(self.processes) if p.exitcode is not None and r != exclude]
 
-    def generate(self, request: GenerationRequest) -> GenerationResult:
+    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult:
+        """Rank 0's result; ``progress``: rank 0 shows the denoise progress bar (on this process's terminal)."""
         if not self.processes:
             raise WorkerFailure("this engine's worker group was stopped; create a new Engine")
+        self._in_flight = True
         for requests in self.requests:
-            requests.put(request)
+            requests.put((request, progress))
         _, _, result = self._next_message()
+        self._in_flight = False
         return result
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in self.processes:
-            process.join(timeout=10)
+        """Terminate the workers now and remove the rendezvous folder."""
+        self._stop()
+        atexit.unregister(self._stop)
         self.processes = []
-        self._rendezvous.cleanup()
 
     def close(self) -> None:
-        """Ask the workers to finish, then stop whatever did not."""
-        for requests in self.requests if self.processes else []:
-            requests.put(None)
-        for process in self.processes:
-            process.join(timeout=30)
+        """Ask idle workers to finish, then stop whatever did not; a request cut short (an interrupt) is not waited
+        for."""
+        if not self._in_flight:
+            for requests in self.requests if self.processes else []:
+                requests.put(None)
+            deadline = time.monotonic() + CLOSE_S
+            for process in self.processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
         self.stop()

@@ -15,8 +15,8 @@ from diffusers import (
 )
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
 
+from paradit.families.flux2.presets import FLUX2_SCHEDULER
 from paradit.offline_tokenizer import build_offline_tokenizer
-from paradit.presets.flux2 import FLUX2_SCHEDULER
 
 TEXT_HIDDEN = 16
 

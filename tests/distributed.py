@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
-from paradit.parallel.sequence import parallelize_sequence
+from paradit.parallel.parallelize import parallelize
 from tests.checkpoints import relative_l2
 
 # (processes, plans): the sequence plans every family is checked with — Ulysses and Ring at 2, 3 and 4, USP at 4.
@@ -37,7 +37,7 @@ def sequence_parallel_error(model, plan: ParallelConfig, run, serial: torch.Tens
     """``run(m)`` (one call of ``m``) with ``model`` split by ``plan`` over this process group: the relative L2 of
     its output against ``serial``, and the bytes this rank sent. The split swaps the model's attention in place."""
     context = ParallelContext.build(plan, torch.device("cpu"))
-    out = run(parallelize_sequence(model, context))
+    out = run(parallelize(model, None, context).forward)
     return relative_l2(out, serial), sum(context.stats.bytes_sent.values())
 
 

@@ -10,8 +10,8 @@ from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Q
 from diffusers import QwenImageTransformer2DModel as ReferenceTransformer
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+from paradit.families.qwen_image.presets import QWEN_IMAGE_SCHEDULER
 from paradit.offline_tokenizer import build_offline_tokenizer
-from paradit.presets.qwen_image import QWEN_IMAGE_SCHEDULER
 from tests.checkpoints import randomize
 
 TEXT_HIDDEN = 24

@@ -7,8 +7,9 @@ import torch
 
 from paradit import Engine, InvalidRequest
 from paradit.compile import compile_blocks
+from paradit.families import FAMILIES
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.layers.fp8 import Fp8Linear, check_fp8_supported, quantize_rowwise, quantize_weight
-from paradit.models.flux2 import Flux2Config, Flux2Transformer
 from paradit.optimize import ExecutionOptions
 from paradit.quantize import quantizable
 from tests.checkpoints import randomize, relative_l2, tiny_transformer_config
@@ -42,7 +43,8 @@ def test_fp8_linear_matches_its_dequantized_math_and_stays_near_bf16():
 
 def test_layer_selection_keeps_embedders_modulation_and_output_in_high_precision():
     model = Flux2Transformer(Flux2Config.from_dict(tiny_transformer_config(guidance_embeds=True)))
-    chosen = {name for name, module in model.named_modules() if quantizable(name, module)}
+    keep = FAMILIES["flux2"].keep_high_precision
+    chosen = {name for name, module in model.named_modules() if quantizable(name, module, keep)}
     linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     kept = linears - chosen
     assert kept == {
@@ -84,19 +86,20 @@ def test_regional_compile_equals_eager():
 
 
 @pytest.mark.parametrize(
-    "name,expected",
+    "family,name,expected",
     [
-        ("transformer_blocks.3.norm1.linear", False),  # SD3 AdaLN modulation
-        ("transformer_blocks.3.img_mod.1", False),  # Qwen-Image modulation
-        ("layers.0.adaLN_modulation.0", False),  # Z-Image modulation
-        ("all_final_layer.2-1.linear", False),  # Z-Image output layer
-        ("img_in", False),
-        ("transformer_blocks.3.attn.to_q", True),
-        ("layers.0.feed_forward.w1", True),
+        ("sd3", "transformer_blocks.3.norm1.linear", False),  # SD3 AdaLN modulation
+        ("qwen_image", "transformer_blocks.3.img_mod.1", False),  # Qwen-Image modulation
+        ("zimage", "layers.0.adaLN_modulation.0", False),  # Z-Image modulation
+        ("zimage", "all_final_layer.2-1.linear", False),  # Z-Image output layer
+        ("qwen_image", "img_in", False),
+        ("qwen_image", "transformer_blocks.3.attn.to_q", True),
+        ("sd3", "transformer_blocks.3.attn.to_q", True),
+        ("zimage", "layers.0.feed_forward.w1", True),
     ],
 )
-def test_layer_selection_across_families(name, expected):
-    assert quantizable(name, torch.nn.Linear(32, 32)) is expected
+def test_layer_selection_across_families(family, name, expected):
+    assert quantizable(name, torch.nn.Linear(32, 32), FAMILIES[family].keep_high_precision) is expected
 
 
 def test_weights_convert_block_by_block_to_the_same_bits():

@@ -8,7 +8,7 @@ import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 
 from paradit import Engine, GenerationRequest
-from paradit.models.flux2 import Flux2Config, Flux2Transformer
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.weights import load_module_weights, safetensors_files
 from tests.checkpoints import relative_l2
 

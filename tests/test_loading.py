@@ -16,13 +16,15 @@ from paradit import Engine, InvalidRequest
 from paradit.cli import main
 from paradit.engine import resolve_model
 from paradit.errors import CheckpointError
+from paradit.families import FAMILIES, PRESETS
+from paradit.families.flux2.pipeline import Flux2Pipeline
 from paradit.layers.fp8 import Fp8Linear
+from paradit.loader import load_transformer
 from paradit.parallel import ParallelConfig
 from paradit.parallel.comm import CommStats
 from paradit.parallel.tensor import RowParallelLinear, parallelize_tensor, tensor_slices
-from paradit.pipelines.flux2 import Flux2Pipeline
-from paradit.presets import PRESETS
 from paradit.quantize import convert_fp8, fp8_checkpoint_layers
+from paradit.spec import CheckpointFolder, RandomWeights
 from paradit.weights import INDEX_FILE, CheckpointTensors, save_component
 
 CPU = torch.device("cpu")
@@ -49,16 +51,22 @@ class OneRankOfTensorGroup:
         return None
 
 
-def load(spec, context=None, quantize="none", dummy=False) -> nn.Module:
+FLUX2 = FAMILIES["flux2"]
+
+
+def load(spec, context=None, quantize="none", dummy=False, dtype=torch.bfloat16) -> nn.Module:
     """The loader under test: the transformer built, sharded and pruned on meta, then only what is kept read."""
-    return Flux2Pipeline.load_transformer(spec, CPU, torch.bfloat16, dummy, parallel=context, quantize=quantize)
+    spec = dataclasses.replace(spec, weights=RandomWeights()) if dummy else spec
+    return load_transformer(FLUX2, spec, CPU, dtype, parallel=context, quantize=quantize).model
 
 
 def load_then_shard(spec, context, quantize="none", dummy=False) -> nn.Module:
     """What paradit did before: the whole model loaded, sliced afterwards, converted to FP8 last."""
-    model = parallelize_tensor(load(spec, dummy=dummy), context) if context else load(spec, dummy=dummy)
+    model = load(spec, dummy=dummy)
+    if context:
+        parallelize_tensor(model, FLUX2.tensor_plan, context)
     if quantize == "fp8":
-        convert_fp8(model, E4M3)
+        convert_fp8(model, E4M3, FLUX2.keep_high_precision)
     return model
 
 
@@ -74,7 +82,7 @@ def assert_same_tensors(a: nn.Module, b: nn.Module) -> None:
 @pytest.fixture(scope="module")
 def checkpoint_spec(tmp_path_factory):
     """A FLUX.2 transformer with 4 heads (T = 2 divides them) in a sharded diffusers-layout component."""
-    from paradit.models.flux2 import Flux2Config, Flux2Transformer
+    from paradit.families.flux2.model import Flux2Config, Flux2Transformer
     from tests.checkpoints import randomize, tiny_transformer_config
 
     folder = tmp_path_factory.mktemp("tp")
@@ -85,7 +93,7 @@ def checkpoint_spec(tmp_path_factory):
     save_component(model.state_dict(), config, folder / "transformer", max_shard_bytes=40_000)
     assert (folder / "transformer" / INDEX_FILE).is_file()
     spec = PRESETS["flux2-tiny"]
-    return dataclasses.replace(spec, transformer=config, extra={**spec.extra, "folder": folder})
+    return dataclasses.replace(spec, transformer=config, weights=CheckpointFolder(folder))
 
 
 @pytest.mark.parametrize("quantize", ["none", "fp8"])
@@ -119,7 +127,7 @@ def test_a_tensor_parallel_rank_reads_only_its_slices(checkpoint_spec, monkeypat
     assert reads["transformer_blocks.0.attn.to_out.0.weight"] == ((64, 64), (64, 32))  # row-parallel: columns
     assert reads["x_embedder.weight"][0] == reads["x_embedder.weight"][1]  # replicated: whole
     with torch.device("meta"):
-        sharded = set(tensor_slices(Flux2Pipeline.build_transformer(checkpoint_spec), 2, 1))
+        sharded = set(tensor_slices(FLUX2.tensor_plan, Flux2Pipeline.build_transformer(checkpoint_spec), 2, 1))
     assert {name for name, (full, kept) in reads.items() if full != kept} == sharded & set(reads)
 
 
@@ -156,16 +164,16 @@ def fp8_folder(klein_checkpoint, tmp_path_factory):
 
 def test_fp8_checkpoint_round_trips_every_tensor(klein_checkpoint, fp8_folder):
     source = resolve_model(str(klein_checkpoint))
-    quantized = Flux2Pipeline.load_transformer(source, CPU, torch.bfloat16, dummy=False, quantize="fp8")
+    quantized = load(source, quantize="fp8")
     spec = resolve_model(str(fp8_folder))
     layers = fp8_checkpoint_layers(spec.transformer)
     assert layers == [name for name, m in quantized.named_modules() if isinstance(m, Fp8Linear)] and len(layers) == 28
     # quantize "none": an FP8 checkpoint's layers load as FP8 regardless, straight from its bytes.
-    loaded = Flux2Pipeline.load_transformer(spec, CPU, torch.bfloat16, dummy=False)
+    loaded = load(spec)
     assert_same_tensors(loaded, quantized)
     # The FP8 weights stand for the source's within e4m3's rounding: 3 mantissa bits (half a step: 2^-4 relative),
     # and half the subnormal step (2^-9 of the scale) near zero.
-    reference = Flux2Pipeline.load_transformer(source, CPU, torch.float32, dummy=False)
+    reference = load(source, dtype=torch.float32)
     for name in layers:
         fp8, exact = loaded.get_submodule(name), reference.get_submodule(name).weight
         bound = exact.abs() * (2**-4 + 2**-8) + fp8.weight_scale * 2**-10  # 2^-8: the bf16 the FP8 was made from
@@ -182,13 +190,13 @@ def test_fp8_checkpoint_round_trips_every_tensor(klein_checkpoint, fp8_folder):
 
 def test_fp8_checkpoint_shards_for_tensor_parallel_from_its_fp8_bytes(fp8_folder):
     spec = resolve_model(str(fp8_folder))
-    whole = Flux2Pipeline.load_transformer(spec, CPU, torch.bfloat16, dummy=False)
+    whole = load(spec)
     with torch.device("meta"):
         heads = Flux2Pipeline.build_transformer(spec).config.num_attention_heads
     assert heads == 3  # the klein fixture's: degree 3 shards it
     context = OneRankOfTensorGroup(rank=2, degree=3)
     sharded = load(spec, context)
-    expected = tensor_slices(whole, 3, 2)
+    expected = tensor_slices(FLUX2.tensor_plan, whole, 3, 2)
     wrappers = [name for name, m in sharded.named_modules() if isinstance(m, RowParallelLinear)]
     assert len(wrappers) == 10  # to_out.0 and to_add_out, the MLPs' outputs of 2 double blocks; 2 single to_out
     for name, tensor in sharded.state_dict().items():
@@ -214,8 +222,8 @@ def test_quantize_a_preset_with_random_weights_writes_a_loadable_transformer(tmp
     assert main(["quantize", "--model", "flux2-tiny", "--load-format", "dummy", "--out", str(out)]) == 0
     assert "28 FP8 linears" in capsys.readouterr().out
     spec = resolve_model(str(out))
-    assert spec.family == "flux2" and "folder" not in spec.extra  # the prompt encoder and VAE stay random
-    loaded = Flux2Pipeline.load_transformer(spec, CPU, torch.bfloat16, dummy=True)
+    assert spec.family == "flux2" and spec.folder is None  # the prompt encoder and VAE stay random
+    loaded = load(spec)
     assert_same_tensors(loaded, load_then_shard(PRESETS["flux2-tiny"], None, "fp8", dummy=True))
     assert main(["quantize", "--model", "flux2-tiny", "--load-format", "dummy", "--out", str(out)]) == 2
     assert "is not empty" in capsys.readouterr().err

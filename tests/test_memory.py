@@ -11,10 +11,10 @@ import torch
 
 from paradit import Engine, InvalidRequest
 from paradit.cli import main
+from paradit.families import PRESETS
+from paradit.families.flux2.pipeline import Flux2Pipeline
 from paradit.memory import check_fits, estimate, estimates, parse_size
 from paradit.parallel import ParallelConfig
-from paradit.pipelines.flux2 import Flux2Pipeline
-from paradit.presets import PRESETS
 
 CAP_32 = 32 * 2**30
 
@@ -78,9 +78,12 @@ def test_pipefusion_keeps_only_the_first_stage_on_rank_0():
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
     later_stage = sum(p.numel() for block in blocks[len(blocks) // 2 :] for p in block.parameters()) * 2
     assert staged.transformer == whole.transformer - later_stage
-    # Each of the stage's blocks keeps the whole sequence's K and V for the patched steps.
+    # Each of the stage's blocks keeps the whole sequence's K and V for the patched steps, on top of the working set:
+    # the larger of a block's (~24 activations a token) and the VAE decode's band (half of one GPU's decode).
     tokens, width = 1024 * 1024 // 256 + 512, 48 * 128
-    assert staged.activations == whole.activations + len(blocks) // 2 * 2 * tokens * width * 2
+    assert whole.activations == 16 * 1024 * 1024 * 128 * 2  # one GPU: the whole decode dominates
+    working = max(24 * tokens * width * 2, whole.activations // 2)
+    assert staged.activations == working + len(blocks) // 2 * 2 * tokens * width * 2
 
 
 @pytest.mark.parametrize(

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import paradit.pipelines.base as pipeline_base
+import paradit.parallel.parallelize as parallelize
 from paradit.engine import resolve_model
-from paradit.models.sd3 import unpatchify as sd3_unpatchify
-from paradit.models.zimage import unpatchify as zimage_unpatchify
+from paradit.families.sd3.model import unpatchify as sd3_unpatchify
+from paradit.families.zimage.model import unpatchify as zimage_unpatchify
+from paradit.loader import load_pipeline
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
-from paradit.pipelines import FAMILIES
-from paradit.pipelines.patch_loop import patch_grid_band_mask, token_band_mask
+from paradit.pipelines.base import patch_grid_band_mask, token_band_mask
 from paradit.request import GenerationRequest
 from tests.distributed import run_on_processes
 
@@ -24,7 +24,7 @@ def _plain_loop(predict, scheduler, latents, timesteps, pipefusion, band_mask, m
     """The plain loop, each call of the PipeFusion model one whole step (its drain included)."""
     mark_step()
     for t in timesteps:
-        latents = scheduler.step(predict(latents, t), t, latents, return_dict=False)[0]
+        latents = scheduler.step(predict(latents, t, pipefusion), t, latents, return_dict=False)[0]
         mark_step()
     return latents
 
@@ -33,13 +33,13 @@ def _both_loops(model: str, plan: ParallelConfig) -> tuple[torch.Tensor, torch.T
     device = torch.device("cpu")
     context = ParallelContext.build(plan, device)
     spec = resolve_model(model, "dummy")
-    pipeline = FAMILIES[spec.family].pipeline.load(spec, device, torch.float32, True, parallel=context)
+    pipeline = load_pipeline(spec, device, torch.float32, context)
     by_patches = pipeline.generate(REQUEST)
-    patched_loop, pipeline_base.denoise_by_patches = pipeline_base.denoise_by_patches, _plain_loop
+    patched_loop, parallelize.denoise_by_patches = parallelize.denoise_by_patches, _plain_loop
     try:
         plain = pipeline.generate(REQUEST)
     finally:
-        pipeline_base.denoise_by_patches = patched_loop
+        parallelize.denoise_by_patches = patched_loop
     if by_patches is None:
         return None
     return by_patches.pixels, plain.pixels

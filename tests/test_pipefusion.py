@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from paradit import Engine, GenerationRequest, InvalidRequest
-from paradit.models.flux2 import Flux2Config, Flux2Transformer
-from paradit.models.qwen_image import QwenImageConfig, QwenImageTransformer
-from paradit.models.sd3 import SD3Config, SD3Transformer
-from paradit.models.zimage import ZImageConfig, ZImageTransformer
+from paradit.families import FAMILIES
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer
+from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
+from paradit.families.sd3.model import SD3Config, SD3Transformer
+from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
 from paradit.optimize import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.pipefusion import parallelize_pipefusion
-from paradit.parallel.sequence import parallelize_sequence
-from paradit.parallel.tensor import parallelize_tensor
+from paradit.parallel.parallelize import parallelize
 from tests.checkpoints import randomize, tiny_transformer_config
 from tests.distributed import run_on_processes
 from tests.qwen_image_checkpoints import tiny_transformer_config as qwen_config
@@ -64,10 +63,10 @@ def _relative_errors(plans: list[ParallelConfig], sigmas: list[float]) -> dict:
         serial = _denoise(model, inputs, sigmas)
         for plan in plans:
             context = ParallelContext.build(plan, torch.device("cpu"))
-            pipelined = parallelize_pipefusion(copy.deepcopy(model), context)
+            pipelined = parallelize(copy.deepcopy(model), None, context)
             for _ in range(2):  # a second request must start afresh with its warm-up steps
-                pipelined.begin_request()
-                outputs = _denoise(pipelined, inputs, sigmas)
+                pipelined.loop.begin_request()
+                outputs = _denoise(pipelined.forward, inputs, sigmas)
             errors = [((out - ref).norm() / ref.norm()).item() for out, ref in zip(outputs, serial)]
             results[plan.describe()] = errors
             results[plan.describe() + " bytes"] = sum(context.stats.bytes_sent.values())
@@ -207,12 +206,19 @@ def _family_case(name: str, heads: int = 3):
     }  # fmt: skip
 
 
-def _parallel_model(model, plan: ParallelConfig, context: ParallelContext):
-    """As the pipeline applies them: tensor shards, sequence parallelism, then PipeFusion stages of those groups."""
-    model = copy.deepcopy(model)
-    if plan.tensor > 1:
-        model = parallelize_tensor(model, context)
-    return parallelize_pipefusion(parallelize_sequence(model, context), context)
+# Each case's family in the registry, whose tensor plan shards it.
+REGISTERED = {
+    "flux2": "flux2",
+    "qwen-image": "qwen_image",
+    "sd3.5-large": "sd3",
+    "sd3.5-medium": "sd3",
+    "z-image": "zimage",
+}
+
+
+def _parallel_model(name: str, model, context: ParallelContext):
+    """As the loader applies them: tensor shards, sequence parallelism, then PipeFusion stages of those groups."""
+    return parallelize(copy.deepcopy(model), FAMILIES[REGISTERED[name]].tensor_plan, context)
 
 
 def _family_errors(cases: tuple[str, ...], runs: list[tuple[ParallelConfig, list[float], tuple[str, ...]]]) -> dict:
@@ -232,9 +238,9 @@ def _family_errors(cases: tuple[str, ...], runs: list[tuple[ParallelConfig, list
                 model, inputs = models[heads]
                 if plan not in contexts:  # one set of process groups per plan, shared by every case
                     contexts[plan] = ParallelContext.build(plan, torch.device("cpu"))
-                parallel = _parallel_model(model, plan, contexts[plan])
-                parallel.begin_request()
-                outputs = [parallel(**inputs(sigma)) for sigma in sigmas[:-1]]
+                parallel = _parallel_model(name, model, contexts[plan])
+                parallel.loop.begin_request()
+                outputs = [parallel.forward(**inputs(sigma)) for sigma in sigmas[:-1]]
                 key = (heads, tuple(sigmas))
                 if key not in serial:
                     serial[key] = [model(**inputs(sigma)) for sigma in sigmas[:-1]]

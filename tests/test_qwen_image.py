@@ -14,10 +14,10 @@ from diffusers import QwenImageTransformer2DModel
 
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.errors import CheckpointError
-from paradit.models.qwen_image import QwenImageConfig, QwenImageTransformer
+from paradit.families import PRESETS
+from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
+from paradit.families.qwen_image.pipeline import resolve_request, uses_cfg
 from paradit.parallel import ParallelConfig
-from paradit.pipelines.qwen_image import resolve_request, uses_cfg
-from paradit.presets import PRESETS
 from paradit.weights import load_module_weights, safetensors_files
 from tests.checkpoints import relative_l2
 from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
@@ -203,10 +203,12 @@ def test_bad_requests_are_refused(overrides, message):
 
 def test_cfg_needs_a_negative_prompt_and_guidance_above_one():
     spec = PRESETS["qwen-image-tiny"]
-    assert not uses_cfg(resolve_request(spec, GenerationRequest(prompt="a fox")))
-    assert not uses_cfg(resolve_request(spec, GenerationRequest(prompt="a fox", negative_prompt=" ", guidance=1.0)))
+    assert not uses_cfg(spec, resolve_request(spec, GenerationRequest(prompt="a fox")))
+    assert not uses_cfg(
+        spec, resolve_request(spec, GenerationRequest(prompt="a fox", negative_prompt=" ", guidance=1.0))
+    )
     both = resolve_request(spec, GenerationRequest(prompt=["a", "b"], negative_prompt=" "))
-    assert uses_cfg(both) and both.negative_prompts == [" ", " "]
+    assert uses_cfg(spec, both) and both.negative_prompts == [" ", " "]
 
 
 def test_full_size_preset_matches_published_sizes():

@@ -10,11 +10,11 @@ from diffusers import StableDiffusion3Pipeline
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from paradit import Engine, GenerationRequest, InvalidRequest
-from paradit.models.sd3 import SD3Config, SD3Transformer, sincos_position_table, unpatchify
+from paradit.families import PRESETS
+from paradit.families.sd3.model import SD3Config, SD3Transformer, sincos_position_table, unpatchify
+from paradit.families.sd3.pipeline import published_defaults, resolve_request, spec_from_folder
+from paradit.families.sd3.presets import SD3_TEXT_ENCODERS
 from paradit.parallel import ParallelConfig
-from paradit.pipelines.sd3 import published_defaults, resolve_request, spec_from_folder
-from paradit.presets import PRESETS
-from paradit.presets.sd3 import SD3_TEXT_ENCODERS
 from paradit.weights import load_module_weights, read_json, safetensors_files
 from tests.checkpoints import randomize, relative_l2
 from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error

@@ -8,12 +8,13 @@ import dataclasses
 import pytest
 import torch
 
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.layers.attention import sdpa_attention
-from paradit.models.flux2 import Flux2Config, Flux2Transformer
 from paradit.parallel import ParallelConfig
 from paradit.parallel.comm import all_gather_uneven, split_sizes
 from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention, parallelize_sequence
+from paradit.parallel.parallelize import parallelize
+from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention
 from tests.checkpoints import randomize, tiny_transformer_config
 from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
 from tests.test_flux2_reference import transformer_inputs as flux2_inputs
@@ -102,7 +103,7 @@ def _compare_fp8_transport(plans: list[ParallelConfig]) -> dict[str, float]:
         for plan in plans:
             for comm_dtype in ("auto", "fp8"):
                 context = ParallelContext.build(dataclasses.replace(plan, comm_dtype=comm_dtype), torch.device("cpu"))
-                out = parallelize_sequence(model, context)(**inputs)
+                out = parallelize(model, None, context).forward(**inputs)
                 key = f"{plan.describe()} {comm_dtype}"
                 results[key] = ((out - serial).norm() / serial.norm()).item()
                 results[key + " bytes"] = sum(context.stats.bytes_sent.values())

@@ -16,14 +16,15 @@ from torch import nn
 
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.cli import main
-from paradit.models.flux2 import Flux2Config, Flux2Transformer
-from paradit.models.qwen_image import QwenImageConfig, QwenImageTransformer
-from paradit.models.sd3 import SD3Config, SD3Transformer
-from paradit.models.zimage import ZImageConfig, ZImageTransformer
+from paradit.families import FAMILIES as REGISTRY
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer
+from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
+from paradit.families.sd3.model import SD3Config, SD3Transformer
+from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.sequence import parallelize_sequence
-from paradit.parallel.tensor import parallelize_tensor, tensor_plan
+from paradit.parallel.parallelize import parallelize
+from paradit.parallel.tensor import check_tensor_plan
 from tests import qwen_image_checkpoints, sd3_checkpoints, zimage_checkpoints
 from tests.checkpoints import randomize, tiny_transformer_config
 from tests.distributed import run_on_processes
@@ -92,6 +93,16 @@ FAMILIES = {
 }
 
 
+# Each case's family in the registry, whose tensor plan shards it.
+REGISTERED = {
+    "FLUX.2": "flux2",
+    "FLUX.2 guidance": "flux2",
+    "Qwen-Image": "qwen_image",
+    "SD3.5": "sd3",
+    "Z-Image": "zimage",
+}
+
+
 def _call(model, inputs):
     return model(*inputs) if isinstance(inputs, tuple) else model(**inputs)
 
@@ -106,7 +117,7 @@ def _compare_plans(plans: list[ParallelConfig]) -> dict[str, float]:
             for plan in plans:
                 model, _ = build()  # a fresh copy: sharding acts on the model in place
                 context = ParallelContext.build(plan, torch.device("cpu"))
-                sharded = parallelize_sequence(parallelize_tensor(model.eval(), context), context)
+                sharded = parallelize(model.eval(), REGISTRY[REGISTERED[family]].tensor_plan, context).forward
                 for name, inputs in cases.items():
                     out = _call(sharded, inputs)
                     error = ((out - serial[name]).norm() / serial[name].norm()).item()
@@ -137,16 +148,16 @@ def test_sharded_transformers_equal_serial():
 
 
 def test_what_cannot_be_sharded_is_refused():
-    with pytest.raises(InvalidRequest, match="no plan for Linear; the families with one: FLUX.2, Qwen-Image, SD3.5"):
-        tensor_plan(nn.Linear(4, 4), 2)
+    with pytest.raises(InvalidRequest, match="no plan for Linear"):
+        check_tensor_plan(None, nn.Linear(4, 4), 2)
     # Z-Image at dim 64: 4 heads, but an MLP hidden width of int(64 / 3 * 8) = 170, which 4 does not divide.
     zimage = ZImageTransformer(ZImageConfig.from_dict(zimage_checkpoints.tiny_transformer_config(heads=4)))
     with pytest.raises(InvalidRequest, match="tensor degree 4 does not divide Z-Image's MLP hidden width 170"):
-        tensor_plan(zimage, 4)
-    assert tensor_plan(zimage, 2).family == "Z-Image"
+        check_tensor_plan(REGISTRY["zimage"].tensor_plan, zimage, 4)
+    assert check_tensor_plan(REGISTRY["zimage"].tensor_plan, zimage, 2).family == "Z-Image"
     flux2 = Flux2Transformer(Flux2Config.from_dict(tiny_transformer_config(guidance_embeds=False, heads=3)))
     with pytest.raises(InvalidRequest, match="tensor degree 2 does not divide FLUX.2's 3 attention heads"):
-        tensor_plan(flux2, 2)
+        check_tensor_plan(REGISTRY["flux2"].tensor_plan, flux2, 2)
 
 
 REQUEST = GenerationRequest(prompt=["a red fox", "a blue bird"], height=48, width=80, steps=2, seed=11, guidance=3.0)

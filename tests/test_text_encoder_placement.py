@@ -15,11 +15,10 @@ from torch import nn
 
 from paradit import Engine, GenerationRequest
 from paradit.cli import main
+from paradit.families import FAMILIES, PRESETS
 from paradit.layers.fp8 import Fp8Linear
 from paradit.memory import estimate
 from paradit.parallel import ParallelConfig
-from paradit.pipelines import FAMILIES
-from paradit.presets import PRESETS
 from paradit.text_encoder import converts_to_fp8, stream_weights
 
 CPU = torch.device("cpu")
@@ -51,8 +50,8 @@ def flat(output) -> list[torch.Tensor]:
 def test_offloaded_prompt_encoder_gives_the_resident_ones_embeddings(preset):
     spec = PRESETS[preset]
     pipeline = FAMILIES[spec.family].pipeline
-    resident, _ = pipeline.load_conditioners(spec, CPU, torch.float32, True, "gpu")
-    offloaded, _ = pipeline.load_conditioners(spec, CPU, torch.float32, True, "offload")
+    resident = pipeline.load_prompt_encoder(spec, CPU, torch.float32, True, "gpu")
+    offloaded = pipeline.load_prompt_encoder(spec, CPU, torch.float32, True, "offload")
     modules = encoder_modules(offloaded)
     assert len(modules) == (3 if spec.family == "sd3" else 1)
     for module in modules:
@@ -77,7 +76,7 @@ def test_engine_with_offloaded_encoder_from_a_checkpoint_makes_the_same_image(de
     assert_streamed(decoder)
     image, expected_image = offloaded.generate(request), resident.generate(request)
     assert torch.equal(image.pixels, expected_image.pixels)
-    assert (image.timings.text_encoders, expected_image.timings.text_encoders) == ("offload", "gpu")
+    assert (image.timings.text_encoders, expected_image.timings.text_encoders) == ("offload", "resident")
 
 
 def test_cli_reports_the_placement(tmp_path, capsys):
@@ -106,8 +105,8 @@ def test_tied_weights_share_one_host_copy():
 def test_fp8_prompt_encoder_converts_its_linears_as_the_estimate_counts(preset):
     spec = PRESETS[preset]
     pipeline = FAMILIES[spec.family].pipeline
-    resident, _ = pipeline.load_conditioners(spec, CPU, torch.float32, True, "gpu")
-    converted, _ = pipeline.load_conditioners(spec, CPU, torch.float32, True, "fp8")
+    resident = pipeline.load_prompt_encoder(spec, CPU, torch.float32, True, "gpu")
+    converted = pipeline.load_prompt_encoder(spec, CPU, torch.float32, True, "fp8")
     modules = encoder_modules(converted)
     fp8 = [
         f"{i}.{name}"

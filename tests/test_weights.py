@@ -14,8 +14,8 @@ from torch import nn
 
 from paradit import Engine, GenerationRequest
 from paradit.errors import CheckpointError
-from paradit.models.flux2 import Flux2Config, Flux2Transformer
-from paradit.presets.flux2 import FLUX2_TINY_TRANSFORMER
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer
+from paradit.families.flux2.presets import FLUX2_TINY_TRANSFORMER
 from paradit.weights import (
     INDEX_FILE,
     SINGLE_FILE,

@@ -9,8 +9,8 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
+from paradit.families.zimage.presets import BASE_SCHEDULER, TURBO_SCHEDULER
 from paradit.offline_tokenizer import build_offline_tokenizer
-from paradit.presets.zimage import BASE_SCHEDULER, TURBO_SCHEDULER
 from tests.checkpoints import randomize
 
 TEXT_HIDDEN = 16

@@ -43,6 +43,12 @@ class ParallelConfig:
     def sequence_degree(self) -> int:
         return self.ulysses * self.ring
 
+    @property
+    def exact(self) -> bool:
+        """Whether the plan computes what one process does (up to float rounding): not with FP8 on the wire, nor
+        with PipeFusion's patched steps against stale K/V."""
+        return self.comm_dtype != "fp8" and not (self.pipefusion > 1 and self.patches > 1)
+
     def describe(self) -> str:
         parts = [f"{name} {degree}" for name, degree in self.degrees() if degree > 1]
         plan = " x ".join(parts) if parts else "1 GPU"

@@ -12,6 +12,7 @@ fresh and stale K/V rows in the same order.
 Requirements, which every family's pipeline meets: the scheduler's update is elementwise (one copy per patch keeps
 its step count), and ``predict``'s work after the transformer (guidance combination, unpatchify) treats rows
 independently and does not depend on the step, since one call may return rows of an earlier step than its ``t``.
+``predict`` calls the transformer it is handed: here, one ``PipeFusion.run`` that submits and collects patches.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ BandMask = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 def denoise_by_patches(
-    predict: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    predict: Callable[[torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor],
     scheduler,
     latents: torch.Tensor,
     timesteps: torch.Tensor,
@@ -40,8 +41,9 @@ def denoise_by_patches(
     mark_step: Callable[[], None],
     progress: bool,
 ) -> torch.Tensor:
-    """Run ``scheduler`` over ``timesteps`` with ``predict(latents, t)`` as the plain loop does, the transformer
-    being ``pipefusion``; ``mark_step`` is called once at the start and once as each step's last patch lands."""
+    """Run ``scheduler`` over ``timesteps`` with ``predict(latents, t, transformer)`` as the plain loop does, the
+    transformer being ``pipefusion``; ``mark_step`` is called once at the start and once as each step's last patch
+    lands."""
     steps = len(timesteps)
     # One scheduler per band of a patched step: each advances its own step count once per step.
     band_schedulers = [copy.deepcopy(scheduler) for _ in range(pipefusion.patches)]
@@ -51,9 +53,15 @@ def denoise_by_patches(
 
     def call(submit: PatchItem | None, collect: int, t: torch.Tensor) -> None:
         nonlocal latents
-        pipefusion.schedule(submit, collect)
-        prediction = predict(latents, t)
-        for done in pipefusion.collected:
+        collected = []
+
+        def transformer(*args, **kwargs) -> torch.Tensor:
+            out, items = pipefusion.run(submit, collect, *args, **kwargs)
+            collected.extend(items)
+            return out
+
+        prediction = predict(latents, t, transformer)
+        for done in collected:
             item = done.item
             step_t = timesteps[item.step]
             # A whole (warm-up) step covers every band: each band's scheduler takes its own rows.
@@ -85,20 +93,3 @@ def denoise_by_patches(
         call(None, len(pipefusion.in_flight), timesteps[-1])
     bar.close()
     return latents
-
-
-def token_band_mask(latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Packed latents (batch, tokens, channels), one token per output-stream row."""
-    mask = torch.zeros(latents.shape[1], dtype=torch.bool, device=latents.device)
-    mask[start:stop] = True
-    return mask.view(1, -1, 1)
-
-
-def patch_grid_band_mask(latents: torch.Tensor, patch: int, start: int, stop: int) -> torch.Tensor:
-    """Image latents (batch, channels, height, width) whose output-stream rows are ``patch`` x ``patch`` squares in
-    row-major order; rows past the grid (a stream's pad tokens) cover no latent."""
-    rows, cols = latents.shape[-2] // patch, latents.shape[-1] // patch
-    tokens = torch.arange(rows * cols, device=latents.device)
-    grid = ((tokens >= start) & (tokens < stop)).view(rows, cols)
-    grid = grid.repeat_interleave(patch, 0).repeat_interleave(patch, 1)
-    return grid.view(1, 1, *grid.shape)

@@ -38,12 +38,12 @@ gathered rows of a call are every rank's chunk of each stream, rank by rank, eac
 concatenation order (its ``sequence_streams``); the ``Window`` says which rows of each stream every rank holds, so
 each piece lands on its own rows of the buffer whatever the patching. **Ring** inside a stage works the same way:
 the buffer needs every key at once, so instead of passing K/V blocks round, the ring members all-gather the patch's
-K/V (the same bytes, in sequence-rank order), and each rank buffers the whole sequence for its heads. Tensor
-parallelism inside a stage is not supported yet.
+K/V (the same bytes, in sequence-rank order), and each rank buffers the whole sequence for its heads. **Tensor
+parallelism inside a stage** shards the stage's blocks as anywhere else; each K/V buffer then holds the rank's heads.
 
-Called as a plain model, one forward is one step: the step index comes from ``begin_request()``, which the pipeline
-calls before its denoise loop, and one count per forward. The pipelines drive it patch by patch instead
-(``schedule``, and ``paradit.pipelines.patch_loop``), so that the stages never wait for one another between steps.
+Called as a plain model, one forward is one step: the step index comes from ``begin_request()``, which the denoise
+loop calls first, and one count per forward. With patches the loop drives it patch by patch instead (``run``, and
+``paradit.parallel.patch_loop``), so that the stages never wait for one another between steps.
 """
 
 from __future__ import annotations
@@ -183,20 +183,21 @@ class InFlight:
 
 
 class PipeFusion(nn.Module):
-    """Wraps a plain model (or a ``SequenceParallel`` one: Ulysses inside each stage): this rank runs only its
-    stage's blocks, and the last stage's predictions reach every rank of the pipefusion group.
+    """Runs a plain model as this rank's pipeline stage: only its stage's blocks are kept, and the last stage's
+    predictions reach every rank of the pipefusion group. ``sequence``: the stage's sequence split (Ulysses or Ring
+    inside each stage), whose ``split`` and ``gather`` carry each patch across the stage's ranks.
 
     Called like the model, one call is one whole step (its patches submitted, then all their predictions
-    collected). A denoise loop that updates the latents patch by patch instead drives ``schedule``: each call then
+    collected). A denoise loop that updates the latents patch by patch instead calls ``run``: each call then
     submits at most one patch and returns the predictions of the oldest patches in flight, so that the first stage
     starts step k + 1's first patch while the last stage still works on step k's last (no pipeline drain per step;
-    see ``paradit.pipelines.patch_loop``)."""
+    see ``paradit.parallel.patch_loop``)."""
 
-    def __init__(self, model: nn.Module, context: ParallelContext) -> None:
+    def __init__(self, model: nn.Module, context: ParallelContext, sequence: SequenceParallel | None = None) -> None:
         super().__init__()
         config = context.config
-        self.sequence = model if isinstance(model, SequenceParallel) else None
-        self.model = model.model if self.sequence is not None else model
+        self.sequence = sequence
+        self.model = model
         self.context = context
         self.group = context.group("pipefusion")
         # Predictions flow from the last stage back to the first while activations flow forwards: on one
@@ -214,8 +215,6 @@ class PipeFusion(nn.Module):
         self._out_channels: int | None = None
         self._in_flight: deque[InFlight] = deque()
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._schedule: tuple[PatchItem | None, int] | None = None
-        self.collected: list[InFlight] = []
         self.output_length = 0
         self._lead = 0
         self._image: torch.Tensor | None = None  # the last submitted step's embedded output stream
@@ -251,7 +250,6 @@ class PipeFusion(nn.Module):
         """The next forward is step 0 of a new request: a warm-up step."""
         self.step = 0
         self._in_flight.clear()
-        self._schedule = None
 
     @property
     def in_flight(self) -> list[PatchItem]:
@@ -266,21 +264,19 @@ class PipeFusion(nn.Module):
         """The output-stream rows of band ``band`` of ``bands`` in this request (known once a patch was submitted)."""
         return band_rows(self.output_length, band, bands, self._lead)
 
-    def schedule(self, submit: PatchItem | None, collect: int) -> None:
-        """The next call submits ``submit`` (None: nothing) and then collects the ``collect`` oldest items in flight:
-        it returns a prediction of the whole output stream whose rows are valid only where those items lie, and
-        lists them in ``collected``."""
-        self._schedule = (submit, collect)
-
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        if self._schedule is None:  # called as the plain model: one whole step
-            patches = self.patches_at(self.step)
-            submits = [PatchItem(self.step, m, patches) for m in range(patches)]
-            collect = len(self._in_flight) + patches
-            self.step += 1
-        else:
-            (submit, collect), self._schedule = self._schedule, None
-            submits = [submit] if submit is not None else []
+        """One whole step: its patches submitted, then every item in flight collected."""
+        patches = self.patches_at(self.step)
+        self.step += 1
+        submits = [PatchItem(self.step - 1, m, patches) for m in range(patches)]
+        return self._run(submits, len(self._in_flight) + patches, args, kwargs)[0]
+
+    def run(self, submit: PatchItem | None, collect: int, *args, **kwargs) -> tuple[torch.Tensor, list[InFlight]]:
+        """Submit ``submit`` (None: nothing), then collect the ``collect`` oldest items in flight: a prediction of
+        the whole output stream whose rows are valid only where the collected items lie, and those items."""
+        return self._run([submit] if submit is not None else [], collect, args, kwargs)
+
+    def _run(self, submits: list[PatchItem], collect: int, args, kwargs) -> tuple[torch.Tensor, list[InFlight]]:
         if submits:
             tokens = self.model.embed(*args, **kwargs)
             for item in submits:
@@ -333,12 +329,13 @@ class PipeFusion(nn.Module):
         work = dist.broadcast(prediction, self.last_rank, group=self.prediction_group, async_op=True)
         return prediction, work
 
-    def _collect(self, count: int) -> torch.Tensor:
-        """The predictions of the ``count`` oldest items in flight, placed on their rows of the output stream."""
+    def _collect(self, count: int) -> tuple[torch.Tensor, list[InFlight]]:
+        """The predictions of the ``count`` oldest items in flight, placed on their rows of the output stream, and
+        those items."""
         image = self._image
         out = image.new_zeros(image.shape[0], self.output_length, self._out_channels)
-        self.collected = [self._in_flight.popleft() for _ in range(count)]
-        for done in self.collected:
+        collected = [self._in_flight.popleft() for _ in range(count)]
+        for done in collected:
             done.work.wait()
             rows = done.prediction
             if self.sequence is not None:  # each stage rank holds its chunk of the band: gather them in rank order
@@ -346,7 +343,7 @@ class PipeFusion(nn.Module):
             out[:, done.rows[0] : done.rows[1]] = rows
         if not self._in_flight:
             self._wait_for_sends()
-        return out
+        return out, collected
 
     def _send(self, tensors: list[torch.Tensor | None]) -> None:
         """Post the patch's activations to the next stage, so this stage goes on to its next patch while they travel.
@@ -381,15 +378,3 @@ def _pieces(start: int, sizes: list[int]) -> list[tuple[int, int]]:
         pieces.append((start, start + size))
         start += size
     return pieces
-
-
-def parallelize_pipefusion(model: nn.Module, context: ParallelContext) -> nn.Module:
-    """Pipeline stages over ``model``'s blocks; apply after ``parallelize_sequence``, whose wrapper (Ulysses inside
-    each stage) PipeFusion takes apart to split each patch across the stage."""
-    config = context.config
-    if config.pipefusion == 1:
-        return model
-    plain = model.model if isinstance(model, SequenceParallel) else model
-    if not hasattr(type(plain), "BLOCK_LISTS"):
-        raise InvalidRequest(f"pipefusion needs a model that lists its block stacks; {type(plain).__name__} does not")
-    return PipeFusion(model, context)

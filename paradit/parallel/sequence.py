@@ -340,16 +340,3 @@ class SequenceParallel(nn.Module):
         tokens, sizes = self.split(self.model.embed(*args, **kwargs))
         out = self.model.head(self.model.run_blocks(tokens))
         return self.gather(out, sizes[type(tokens).OUTPUT_STREAM])
-
-
-def restore_local_attention(model: nn.Module) -> None:
-    """Undo ``parallelize_sequence``'s swap, which acts on the model in place: every attention back to local SDPA."""
-    for module in model.modules():
-        if isinstance(module, AttentionDispatch):
-            module.set_attention_fn(sdpa_attention)
-
-
-def parallelize_sequence(model: nn.Module, context: ParallelContext) -> nn.Module:
-    if context.config.sequence_degree == 1:
-        return model
-    return SequenceParallel(model, context)

@@ -33,10 +33,6 @@ import torch
 from torch import nn
 
 from paradit.errors import InvalidRequest
-from paradit.models.flux2 import Flux2Transformer
-from paradit.models.qwen_image import QwenImageTransformer
-from paradit.models.sd3 import SD3Transformer
-from paradit.models.zimage import ZImageTransformer
 from paradit.parallel.comm import all_reduce_sum
 from paradit.parallel.mesh import ParallelContext
 from paradit.weights import TensorSlice
@@ -56,8 +52,9 @@ class TensorPlan:
     """One family's sharding, as data. Patterns are ``fnmatch`` patterns of module names."""
 
     family: str
-    heads: Callable[[object], int]  # config -> attention heads
-    widths: Callable[[object], dict[str, int]]  # config -> width of each kind of part ("attention", "MLP hidden")
+    heads: Callable[[nn.Module], int]  # model -> attention heads
+    # model -> width of each kind of part ("attention", "MLP hidden"), read from its modules' shapes
+    widths: Callable[[nn.Module], dict[str, int]]
     linears: dict[str, Shard]
     # module pattern -> attributes that count heads or features of the whole layer, divided by T after sharding
     local_attributes: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -69,99 +66,13 @@ COLUMN_MLP = Shard("column", ("MLP hidden",))
 ROW_MLP = Shard("row", ("MLP hidden",))
 
 
-def _flux2_widths(config) -> dict[str, int]:
-    return {"attention": config.inner_dim, "MLP hidden": int(config.inner_dim * config.mlp_ratio)}
-
-
-def _mmdit_widths(config) -> dict[str, int]:
-    # Qwen-Image and SD3 share diffusers' 4x GELU FeedForward.
-    return {"attention": config.inner_dim, "MLP hidden": 4 * config.inner_dim}
-
-
-def _zimage_widths(config) -> dict[str, int]:
-    return {"attention": config.dim, "MLP hidden": int(config.dim / 3 * 8)}
-
-
-def _joint_attention(prefix: str, out_projection: bool = True) -> dict[str, Shard]:
+def joint_attention(prefix: str, out_projection: bool = True) -> dict[str, Shard]:
     """Both streams' Q/K/V column-parallel, both output projections row-parallel (``to_add_out`` may be absent)."""
     plan = {f"{prefix}.{name}": COLUMN for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")}
     plan[f"{prefix}.to_out.0"] = ROW
     if out_projection:
         plan[f"{prefix}.to_add_out"] = ROW
     return plan
-
-
-FLUX2_PLAN = TensorPlan(
-    family="FLUX.2",
-    heads=lambda c: c.num_attention_heads,
-    widths=_flux2_widths,
-    linears={
-        **_joint_attention("transformer_blocks.*.attn"),
-        "transformer_blocks.*.ff.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),  # [gate, up]
-        "transformer_blocks.*.ff.linear_out": ROW_MLP,
-        "transformer_blocks.*.ff_context.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),
-        "transformer_blocks.*.ff_context.linear_out": ROW_MLP,
-        "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Shard(
-            "column", ("attention", "attention", "attention", "MLP hidden", "MLP hidden")
-        ),
-        "single_transformer_blocks.*.attn.to_out": Shard("row", ("attention", "MLP hidden")),
-    },
-    local_attributes={
-        "transformer_blocks.*.attn": ("heads",),
-        "single_transformer_blocks.*.attn": ("heads", "inner_dim", "mlp_hidden_dim"),
-    },
-)
-
-QWEN_IMAGE_PLAN = TensorPlan(
-    family="Qwen-Image",
-    heads=lambda c: c.num_attention_heads,
-    widths=_mmdit_widths,
-    linears={
-        **_joint_attention("transformer_blocks.*.attn"),
-        "transformer_blocks.*.img_mlp.net.0.proj": COLUMN_MLP,
-        "transformer_blocks.*.img_mlp.net.2": ROW_MLP,
-        "transformer_blocks.*.txt_mlp.net.0.proj": COLUMN_MLP,
-        "transformer_blocks.*.txt_mlp.net.2": ROW_MLP,
-    },
-    local_attributes={"transformer_blocks.*.attn": ("heads",)},
-)
-
-SD3_PLAN = TensorPlan(
-    family="SD3.5",
-    heads=lambda c: c.num_attention_heads,
-    widths=_mmdit_widths,
-    linears={
-        # The last block has no to_add_out (its text output is never read): the pattern matches the others.
-        **_joint_attention("transformer_blocks.*.attn"),
-        # SD3.5-medium's image-only attention (attn2) in its first blocks.
-        "transformer_blocks.*.attn2.to_[qkv]": COLUMN,
-        "transformer_blocks.*.attn2.to_out.0": ROW,
-        "transformer_blocks.*.ff.net.0.proj": COLUMN_MLP,
-        "transformer_blocks.*.ff.net.2": ROW_MLP,
-        "transformer_blocks.*.ff_context.net.0.proj": COLUMN_MLP,
-        "transformer_blocks.*.ff_context.net.2": ROW_MLP,
-    },
-)
-
-ZIMAGE_PLAN = TensorPlan(
-    family="Z-Image",
-    heads=lambda c: c.n_heads,
-    widths=_zimage_widths,
-    linears={
-        # The noise refiner, the context refiner and the joint layers share one block layout.
-        "*.attention.to_[qkv]": COLUMN,
-        "*.attention.to_out.0": ROW,
-        "*.feed_forward.w[13]": COLUMN_MLP,  # w1 the gate, w3 the up projection
-        "*.feed_forward.w2": ROW_MLP,
-    },
-)
-
-PLANS: dict[type[nn.Module], TensorPlan] = {
-    Flux2Transformer: FLUX2_PLAN,
-    QwenImageTransformer: QWEN_IMAGE_PLAN,
-    SD3Transformer: SD3_PLAN,
-    ZImageTransformer: ZIMAGE_PLAN,
-}
 
 
 class RowParallelLinear(nn.Module):
@@ -180,18 +91,14 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def tensor_plan(model: nn.Module, degree: int) -> TensorPlan:
-    """``model``'s plan, once its heads and widths are known to split into ``degree`` equal shares."""
-    plan = PLANS.get(type(model))
+def check_tensor_plan(plan: TensorPlan | None, model: nn.Module, degree: int) -> TensorPlan:
+    """``plan``, once ``model``'s heads and widths are known to split into ``degree`` equal shares."""
     if plan is None:
-        families = ", ".join(p.family for p in PLANS.values())
-        raise InvalidRequest(
-            f"tensor parallelism has no plan for {type(model).__name__}; the families with one: {families}"
-        )
-    heads = plan.heads(model.config)
+        raise InvalidRequest(f"tensor parallelism has no plan for {type(model).__name__}; drop --tensor")
+    heads = plan.heads(model)
     if heads % degree:
         raise InvalidRequest(f"tensor degree {degree} does not divide {plan.family}'s {heads} attention heads")
-    for kind, width in plan.widths(model.config).items():
+    for kind, width in plan.widths(model).items():
         if width % degree:
             raise InvalidRequest(
                 f"tensor degree {degree} does not divide {plan.family}'s {kind} width {width}; "
@@ -207,12 +114,11 @@ def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def tensor_slices(model: nn.Module, degree: int, rank: int) -> dict[str, TensorSlice]:
+def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) -> dict[str, TensorSlice]:
     """The slice ``rank`` of ``degree`` keeps of each sharded tensor of the plain ``model``, by its (diffusers)
     name: ``<linear>.weight``, and for column-parallel linears ``.bias`` and FP8's ``.weight_scale`` (one per output
     feature). Tensors not named here are replicated."""
-    plan = tensor_plan(model, degree)
-    widths = plan.widths(model.config)
+    widths = check_tensor_plan(plan, model, degree).widths(model)
     slices = {}
     for pattern, shard in plan.linears.items():
         ranges, offset = [], 0
@@ -230,12 +136,12 @@ def tensor_slices(model: nn.Module, degree: int, rank: int) -> dict[str, TensorS
 
 
 @torch.no_grad()
-def parallelize_tensor(model: nn.Module, context: ParallelContext) -> nn.Module:
-    """Shard ``model``'s blocks in place across ``context``'s tensor group; returns the model. On the meta device
-    this only gives the tensors their sharded shapes; the loader then fills them with ``tensor_slices``."""
+def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelContext) -> dict[str, TensorSlice]:
+    """Shard ``model``'s blocks in place across ``context``'s tensor group; returns the slice of each sharded tensor
+    this rank keeps. On the meta device this only gives the tensors their sharded shapes; the loader then fills
+    them with those slices."""
     degree = context.config.tensor
-    plan = tensor_plan(model, degree)
-    slices = tensor_slices(model, degree, context.local_rank("tensor"))
+    slices = tensor_slices(plan, model, degree, context.local_rank("tensor"))
     for pattern, shard in plan.linears.items():
         for name, linear in _matching(model, pattern):
             for leaf, param in list(linear.named_parameters(recurse=False)):
@@ -251,4 +157,4 @@ def parallelize_tensor(model: nn.Module, context: ParallelContext) -> nn.Module:
         for _, module in _matching(model, pattern):
             for attribute in attributes:
                 setattr(module, attribute, getattr(module, attribute) // degree)
-    return model
+    return slices

@@ -1,40 +1,30 @@
-"""What every family's pipeline shares: request checks, the pipeline skeleton (``DiffusionPipeline``), the denoise
-loop, and the clocks that time it without stalling the device.
+"""What every family's pipeline shares: request checks, the pipeline skeleton (``DiffusionPipeline``, whose hooks
+each family implements), and the clocks that time the denoise loop without stalling the device.
+
+Names no family and no parallel strategy: the parallel runtime hands a pipeline what it needs (``Parallelized``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import resource
-import sys
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from paradit.errors import InvalidRequest
-from paradit.layers.fp8 import fp8_dtype
+from paradit.parallel.cfg import BatchedBranches, SplitBranches
 from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.pipefusion import PipeFusion, parallelize_pipefusion
-from paradit.parallel.sequence import parallelize_sequence
-from paradit.parallel.tensor import parallelize_tensor, tensor_slices
-from paradit.pipelines.patch_loop import denoise_by_patches, token_band_mask
-from paradit.quantize import fp8_load
+from paradit.parallel.parallelize import NoisePredictor, Parallelized
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.spec import ModelSpec
-from paradit.weights import (
-    CheckpointTensors,
-    DummyTensors,
-    ModelNames,
-    component_dir,
-    materialize,
-    safetensors_files,
-)
-
-NoisePredictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from paradit.weights import component_dir
 
 
 class StepClock:
@@ -64,22 +54,6 @@ class StepClock:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def denoise(
-    predict: NoisePredictor,
-    scheduler,
-    latents: torch.Tensor,
-    timesteps: torch.Tensor,
-    clock: StepClock,
-    progress: bool,
-) -> torch.Tensor:
-    """Run the scheduler over ``timesteps``; ``predict(latents, t)`` returns the (guided) noise prediction."""
-    clock.mark()
-    for t in tqdm(timesteps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False):
-        latents = scheduler.step(predict(latents, t), t, latents, return_dict=False)[0]
-        clock.mark()
-    return latents
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -119,6 +93,23 @@ class ResolvedRequest:
         return len(self.prompts) * self.images_per_prompt
 
 
+# Bounds of what a request may ask for, where the model sets none tighter: a side far past any published model's
+# training size, more steps than any schedule uses, a batch that still fits a server's queue, torch's 64-bit seeds.
+MAX_SIDE = 8192
+MAX_STEPS = 10_000
+MAX_BATCH = 64
+SEED_LIMIT = 2**64
+
+
+def check_text(name: str, texts: list[str]) -> None:
+    """Refuse text that is not valid Unicode (a command line's undecodable bytes arrive as lone surrogates)."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"{name} is not valid UTF-8 text (at character {exc.start}); re-encode it") from None
+
+
 def resolve_common(
     spec: ModelSpec,
     request: GenerationRequest,
@@ -131,36 +122,43 @@ def resolve_common(
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
+    check_text("prompt", prompts)
     height = spec.height if request.height is None else request.height
     width = spec.width if request.width is None else request.width
     for index, (name, value) in enumerate((("height", height), ("width", width))):
-        limit = largest[index] if largest else None
-        if value < granularity or value % granularity or (limit and value > limit):
-            allowed = f"from {granularity} to {limit}" if limit else f"(>= {granularity})"
+        limit = largest[index] if largest else MAX_SIDE
+        if value < granularity or value % granularity or value > limit:
             raise InvalidRequest(
-                f"{name} {value} is not allowed; this model takes multiples of {granularity} {allowed}"
+                f"{name} {value} is not allowed; this model takes multiples of {granularity} from {granularity} to "
+                f"{limit}"
             )
     steps = spec.steps if request.steps is None else request.steps
-    if steps < 1:
-        raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more")
+    if not 1 <= steps <= MAX_STEPS:
+        raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more (at most {MAX_STEPS})")
     guidance = spec.guidance if request.guidance is None else float(request.guidance)
-    if guidance is not None and guidance < 0:
-        raise InvalidRequest(f"guidance {guidance} is not allowed; give a value >= 0")
+    if guidance is not None and not 0 <= guidance < math.inf:  # NaN fails both comparisons
+        raise InvalidRequest(f"guidance {guidance} is not allowed; give a finite value >= 0")
     negative = request.negative_prompt if request.negative_prompt is not None else default_negative
     negatives = None
     if negative is not None:
         negatives = [negative] if isinstance(negative, str) else list(negative)
         if any(not isinstance(n, str) for n in negatives):
             raise InvalidRequest("negative_prompt must be a string or a list of strings")
+        check_text("negative_prompt", negatives)
         if len(negatives) == 1:
             negatives = negatives * len(prompts)
         if len(negatives) != len(prompts):
             raise InvalidRequest(
                 f"{len(negatives)} negative prompts for {len(prompts)} prompts; give 1 or {len(prompts)}"
             )
-    if request.num_images_per_prompt < 1:
-        raise InvalidRequest(f"num_images_per_prompt {request.num_images_per_prompt} is not allowed; give 1 or more")
+    if not 1 <= request.num_images_per_prompt <= MAX_BATCH:
+        raise InvalidRequest(
+            f"num_images_per_prompt {request.num_images_per_prompt} is not allowed; give 1 or more (at most "
+            f"{MAX_BATCH})"
+        )
     seed = random.randrange(2**31) if request.seed is None else int(request.seed)
+    if not 0 <= seed < SEED_LIMIT:
+        raise InvalidRequest(f"seed {seed} is not allowed; give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
     return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt)
 
 
@@ -180,94 +178,87 @@ def random_vae(build, config: dict, device: torch.device, dtype: torch.dtype) ->
     return nn.Module.to(vae, dtype)
 
 
-class DiffusionPipeline:
-    """The skeleton every family shares: loading (every rank the transformer, rank 0 alone the prompt encoder and
-    the VAE), text conditioning encoded once per group and shared, the denoise loop, decoding on rank 0, timings.
-
-    A family supplies ``CONDITIONING`` (the names of the tensors its prompt encoding produces) and the hooks:
-    ``build_transformer``, ``load_conditioners`` (the prompt encoders, placed as asked, and the VAE), ``resolve``,
-    ``encode``, ``initial_latents``, ``make_scheduler``, ``predictor`` and ``decode``; ``after_dummy_init`` where
-    random weights need more than ``DummyTensors``.
+class DiffusionPipeline(ABC):
+    """The skeleton every family shares: text conditioning encoded once per group (on rank 0, which alone holds the
+    prompt encoders and the VAE) and shared, the denoise loop the parallel runtime chose, decoding on rank 0,
+    timings. A family implements the abstract hooks and names in ``CONDITIONING`` the tensors its encoding makes.
     """
 
-    CONDITIONING: tuple[str, ...] = ()
+    CONDITIONING: ClassVar[tuple[str, ...]] = ()
+    DIFFUSERS_PIPELINES: ClassVar[tuple[str, ...]] = ()  # the diffusers pipeline classes whose checkpoints it serves
+    VAE: ClassVar[type]  # the diffusers autoencoder class of the family's ``vae/`` component
 
-    def __init__(self, spec: ModelSpec, transformer: nn.Module, prompt_encoder, vae, device: torch.device,
+    def __init__(self, spec: ModelSpec, transformer: Parallelized, prompt_encoder, vae, device: torch.device,
                  dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:  # fmt: skip
-        """In a group, only rank 0 holds the prompt encoder and the VAE (None elsewhere)."""
+        """In a group, only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so that the
+        group decodes together."""
         self.spec = spec
-        self.transformer = transformer
+        self.parallelized = transformer
+        self.transformer = transformer.forward
         self.prompt_encoder = prompt_encoder
         self.vae = vae
         self.device = device
         self.dtype = dtype
         self.parallel = parallel
 
-    @classmethod
-    def load(
-        cls,
-        spec: ModelSpec,
-        device: torch.device,
-        dtype: torch.dtype,
-        dummy: bool,
-        parallel: ParallelContext | None = None,
-        quantize: str = "none",
-        text_encoder_placement: str = "gpu",
-    ) -> DiffusionPipeline:
-        """``quantize``: see ``load_transformer``. ``text_encoder_placement`` (one of ``text_encoder.PLACEMENTS``): how
-        rank 0 holds the prompt encoders."""
-        transformer = cls.load_transformer(spec, device, dtype, dummy, parallel, quantize)
-        if parallel is not None and not parallel.is_leader:
-            return cls(spec, transformer, None, None, device, dtype, parallel)
-        prompt_encoder, vae = cls.load_conditioners(spec, device, dtype, dummy, placement=text_encoder_placement)
-        vae = vae.to(device).eval().requires_grad_(False)
-        return cls(spec, transformer, prompt_encoder, vae, device, dtype, parallel)
+    @staticmethod
+    @abstractmethod
+    def spec_from_folder(folder: Path, index: dict[str, Any]) -> ModelSpec:
+        """The ModelSpec of a checkpoint folder whose ``model_index.json`` (``index``) names one of
+        ``DIFFUSERS_PIPELINES``: architecture from its configs, defaults from the diffusers pipeline."""
+
+    @staticmethod
+    @abstractmethod
+    def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
+        """The request with defaults filled in, or an InvalidRequest naming what is wrong and what is allowed
+        (before anything loads)."""
+
+    @staticmethod
+    @abstractmethod
+    def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
+        """Whether the resolved request runs classifier-free guidance (two branches a step), by diffusers' rule."""
 
     @classmethod
-    def load_transformer(
-        cls,
-        spec: ModelSpec,
-        device: torch.device,
-        dtype: torch.dtype,
-        dummy: bool,
-        parallel: ParallelContext | None = None,
-        quantize: str = "none",
-    ) -> nn.Module:
-        """This rank's transformer, parallelized: built and parallelized on the meta device, then only the tensors
-        (and tensor-parallel slices) the rank kept are read or drawn. ``quantize="fp8"`` converts the quantizable
-        linears as they load; an FP8 checkpoint's linears load as FP8 whatever ``quantize`` says. No check that
-        FP8 can run here: converting on the CPU is allowed (``ExecutionOptions.validate`` guards execution)."""
-        with torch.device("meta"):
-            plain = cls.build_transformer(spec).eval()
-        names = ModelNames(plain)
-        transformer, slices = plain, {}
-        if parallel is not None:
-            # Tensor first: it shards the plain model's linears, which the sequence wrapper then runs unchanged.
-            # PipeFusion last: its stages are sequence-parallel groups, each patch split across one.
-            if parallel.config.tensor > 1:
-                slices = tensor_slices(plain, parallel.config.tensor, parallel.local_rank("tensor"))
-                transformer = parallelize_tensor(transformer, parallel)
-            transformer = parallelize_sequence(transformer, parallel)
-            transformer = parallelize_pipefusion(transformer, parallel)
-        fp8 = fp8_load(transformer, names, spec.transformer, quantize, fp8_dtype(device))
-        # A folder written by ``paradit quantize`` for a preset holds the transformer alone, read even when the
-        # rest of the pipeline is random.
-        component = spec.extra.get("transformer_folder")
-        if component is None and not dummy:
-            component = component_dir(spec.extra["folder"], "transformer")
-        if component is None:
-            buffers = {name for name, _ in plain.named_buffers()}
-            materialize(transformer, names, DummyTensors(device, dtype, buffers), slices, fp8)
-            cls.after_dummy_init(plain)
-        else:
-            source = CheckpointTensors(safetensors_files(component), device, dtype)
-            try:
-                materialize(transformer, names, source, slices, fp8)
-            finally:
-                source.close()
-        return transformer
+    @abstractmethod
+    def build_transformer(cls, spec: ModelSpec) -> nn.Module:
+        """The plain transformer (built on the meta device by the loader)."""
 
     @classmethod
+    @abstractmethod
+    def load_prompt_encoder(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool,
+                            placement: str = "gpu") -> Any:  # fmt: skip
+        """The prompt encoder(s), placed as ``placement`` says (``text_encoder.PLACEMENTS``): read from
+        ``spec.folder``, or random (``dummy``; on the meta device for memory estimates)."""
+
+    @classmethod
+    def load_vae(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool) -> nn.Module:
+        """The family's ``VAE``, read from ``spec.folder`` or random (``dummy``)."""
+        if dummy:
+            return random_vae(cls.VAE.from_config, spec.vae, device, dtype)
+        return cls.VAE.from_pretrained(component_dir(spec.folder, "vae"), dtype=dtype)
+
+    @abstractmethod
+    def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
+        """The ``CONDITIONING`` tensors of the request's prompts (rank 0 only)."""
+
+    @abstractmethod
+    def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, Any]:
+        """Seeded noise as diffusers draws it, and whatever layout ``predictor`` and ``decode`` need."""
+
+    @abstractmethod
+    def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """The diffusers scheduler, its timesteps set."""
+
+    @abstractmethod
+    def predictor(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout) -> NoisePredictor:
+        """``predict(latents, t, transformer)``: the guided noise prediction, calling ``transformer`` like the
+        model. Its work after the transformer must treat output rows independently (PipeFusion's patch loop)."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, layout) -> torch.Tensor:
+        """Pixels in [0, 1], (batch, 3, H, W)."""
+
+    @classmethod  # noqa: B027 - a hook most families leave as it is
     def after_dummy_init(cls, transformer: nn.Module) -> None:
         """Random weights are complete for most models; a model with fixed buffers fills them here."""
 
@@ -275,6 +266,18 @@ class DiffusionPipeline:
         """Which latent elements rows ``start:stop`` of the transformer's output stream become (PipeFusion updates
         the latents band by band): packed latents, one token per row, unless a family says otherwise."""
         return token_band_mask(latents, start, stop)
+
+    def branches(self, cfg: bool) -> BatchedBranches | SplitBranches:
+        """The guidance branches this rank computes of the [conditional; unconditional] rows (every row without
+        CFG)."""
+        return self.parallelized.branches if cfg else BatchedBranches()
+
+    def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """``self.vae.decode(latents)``'s sample, computed by the whole group when there is one."""
+        return self.parallelized.vae_decode(self.vae, latents)
+
+    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
+        return self.resolve_request(self.spec, request)
 
     def conditioning(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
         """The family's prompt encoding on rank 0, shared with the group tensor by tensor."""
@@ -290,9 +293,8 @@ class DiffusionPipeline:
         stats = self.parallel.stats if self.parallel else None
         if stats:
             stats.reset()
-        for module in self.transformer.modules():  # PipeFusion's step count decides warm-up and patched steps
-            if isinstance(module, PipeFusion):
-                module.begin_request()
+        loop = self.parallelized.loop
+        loop.begin_request()
         reset_peak_memory(self.device)
         start = time.perf_counter()
         conditioning = self.conditioning(resolved)
@@ -305,28 +307,39 @@ class DiffusionPipeline:
         predict = self.predictor(resolved, conditioning, layout)
         if stats:
             stats.phase = "denoise"
-        pipefusion = next((m for m in self.transformer.modules() if isinstance(m, PipeFusion)), None)
-        if pipefusion is not None and pipefusion.patches > 1:
-            latents = denoise_by_patches(
-                predict, scheduler, latents, timesteps, pipefusion, self.band_mask, clock.mark, progress
-            )
-        else:
-            latents = denoise(predict, scheduler, latents, timesteps, clock, progress)
+        latents = loop.run(predict, self.transformer, scheduler, latents, timesteps, self.band_mask, clock.mark,
+                           progress)  # fmt: skip
         timings.step_ms = clock.durations_ms()
         if stats:
             stats.phase = "decode"
             timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
-        if self.parallel is not None:
-            timings.peak_memory_per_rank = self.parallel.gather_int(peak_memory(self.device))
-        if self.vae is None:
-            return None
-
         decode_start = time.perf_counter()
         pixels = self.decode(latents, layout).float().cpu()
         timings.vae_decode_s = time.perf_counter() - decode_start
+        if self.parallel is not None:
+            timings.peak_memory_per_rank = self.parallel.gather_int(peak_memory(self.device))
+            if not self.parallel.is_leader:
+                return None
         timings.total_s = time.perf_counter() - start
         record_peak_memory(timings, self.device)
         return GenerationResult(pixels=pixels, seed=resolved.seed, timings=timings)
+
+
+def token_band_mask(latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Packed latents (batch, tokens, channels), one token per output-stream row."""
+    mask = torch.zeros(latents.shape[1], dtype=torch.bool, device=latents.device)
+    mask[start:stop] = True
+    return mask.view(1, -1, 1)
+
+
+def patch_grid_band_mask(latents: torch.Tensor, patch: int, start: int, stop: int) -> torch.Tensor:
+    """Image latents (batch, channels, height, width) whose output-stream rows are ``patch`` x ``patch`` squares in
+    row-major order; rows past the grid (a stream's pad tokens) cover no latent."""
+    rows, cols = latents.shape[-2] // patch, latents.shape[-1] // patch
+    tokens = torch.arange(rows * cols, device=latents.device)
+    grid = ((tokens >= start) & (tokens < stop)).view(rows, cols)
+    grid = grid.repeat_interleave(patch, 0).repeat_interleave(patch, 1)
+    return grid.view(1, 1, *grid.shape)
 
 
 def cfg_step_inputs(branches, cfg: bool, latents: torch.Tensor, timestep: torch.Tensor):

@@ -9,30 +9,31 @@ read at.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
 from paradit.errors import InvalidRequest
-from paradit.models.flux2 import Flux2Config, Flux2Transformer
-from paradit.parallel.cfg import BatchedBranches, guidance_branches
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.pipelines.base import (
     DiffusionPipeline,
     NoisePredictor,
     ResolvedRequest,
     cfg_step_inputs,
-    random_vae,
     resolve_common,
     seeded_noise,
 )
 from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
-from paradit.text_encoder import PromptEncoder, TextEncoderSpec
+from paradit.spec import CheckpointFolder, ModelSpec, TextEncoderSpec
+from paradit.text_encoder import PromptEncoder, warn_if_truncated
 from paradit.weights import component_dir, read_json
 
-PIPELINE_CLASSES = ("Flux2Pipeline", "Flux2KleinPipeline")
+logger = logging.getLogger(__name__)
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
@@ -52,11 +53,13 @@ def spec_from_folder(folder: Path, index: dict) -> ModelSpec:
     """The ModelSpec of a diffusers FLUX.2 checkpoint: architecture from its configs, defaults from its pipeline."""
     pipeline_class = index["_class_name"]
     transformer = read_json(component_dir(folder, "transformer") / "config.json")
+    # The encoder's own config too: memory estimates (and random weights) build it without reading its weights.
+    encoder_config = read_json(component_dir(folder, "text_encoder") / "config.json")
     if pipeline_class == "Flux2Pipeline":
-        encoder = TextEncoderSpec({}, layers=(10, 20, 30), prompt_format="mistral")
+        encoder = TextEncoderSpec(encoder_config, layers=(10, 20, 30))
         mode, steps, guidance = "embedded", 50, 4.0
     else:
-        encoder = TextEncoderSpec({}, layers=(9, 18, 27), prompt_format="qwen3")
+        encoder = TextEncoderSpec(encoder_config, layers=(9, 18, 27))
         distilled = bool(index.get("is_distilled", False))
         mode, steps, guidance = ("none", 4, None) if distilled else ("cfg", 50, 4.0)
     return ModelSpec(
@@ -72,7 +75,8 @@ def spec_from_folder(folder: Path, index: dict) -> ModelSpec:
         guidance=guidance,
         height=1024,
         width=1024,
-        extra={"folder": folder, "text_encoder_class": index.get("text_encoder", [None, None])[1]},
+        weights=CheckpointFolder(folder),
+        extra={"text_encoder_class": index.get("text_encoder", [None, None])[1]},
     )
 
 
@@ -84,13 +88,39 @@ def pixel_granularity(vae_config) -> int:
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
     """The request with defaults filled in, or an InvalidRequest naming what is wrong and what is allowed."""
     if spec.guidance_mode == "none" and request.guidance is not None:
-        raise InvalidRequest(f"{spec.name} is step-distilled and takes no guidance; leave guidance unset")
+        # diffusers' Flux2KleinPipeline takes the scale and ignores it for a step-distilled checkpoint: so do we.
+        logger.warning("guidance %s is ignored: %s is step-distilled", request.guidance, spec.name)
+        request = dataclasses.replace(request, guidance=None)
     if request.negative_prompt is not None and spec.guidance_mode != "cfg":
         raise InvalidRequest(f"{spec.name} does not use classifier-free guidance, so it takes no negative prompt")
     return resolve_common(spec, request, pixel_granularity(spec.vae))
 
 
+class MistralPromptEncoder(PromptEncoder):
+    """FLUX.2-dev's prompts: diffusers' system turn, then the prompt (image tokens removed), parts-list contents."""
+
+    def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        conversations = [
+            [
+                {"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
+                {"role": "user", "content": [{"type": "text", "text": prompt.replace("[IMG]", "")}]},
+            ]
+            for prompt in prompts
+        ]
+        texts = self.tokenizer.apply_chat_template(conversations, tokenize=False)
+        warn_if_truncated(self.tokenizer, texts, self.spec.max_length)
+        inputs = self.tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=False, tokenize=True, return_dict=True, return_tensors="pt",
+            padding="max_length", truncation=True, max_length=self.spec.max_length,
+        )  # fmt: skip
+        return inputs["input_ids"], inputs["attention_mask"]
+
+
 class Flux2Pipeline(DiffusionPipeline):
+    DIFFUSERS_PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
+    VAE = AutoencoderKLFlux2
+    spec_from_folder = staticmethod(spec_from_folder)
+    resolve_request = staticmethod(resolve_request)
     CONDITIONING = ("embeds",)
 
     @classmethod
@@ -98,22 +128,20 @@ class Flux2Pipeline(DiffusionPipeline):
         return Flux2Transformer(Flux2Config.from_dict(spec.transformer))
 
     @classmethod
-    def load_conditioners(
+    def load_prompt_encoder(
         cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
-    ):
+    ) -> PromptEncoder:
+        # dev's Mistral gets diffusers' system turn; klein's Qwen3 a plain user turn.
+        mistral = spec.text_encoder.config.get("model_type", "").startswith("mistral")
+        encoder_type = MistralPromptEncoder if mistral else PromptEncoder
         if dummy:
-            vae = random_vae(lambda config: AutoencoderKLFlux2(**config), spec.vae, device, dtype)
-            return PromptEncoder.dummy(spec.text_encoder, device, dtype, placement), vae
-        folder = spec.extra["folder"]
+            return encoder_type.dummy(spec.text_encoder, device, dtype, placement)
         encoder_class = spec.extra["text_encoder_class"]
-        prompt_encoder = PromptEncoder.from_folder(folder, encoder_class, spec.text_encoder, device, dtype, placement)
-        return prompt_encoder, AutoencoderKLFlux2.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
+        return encoder_type.from_folder(spec.folder, encoder_class, spec.text_encoder, device, dtype, placement)
 
-    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        return resolve_request(self.spec, request)
-
-    def uses_cfg(self, request: ResolvedRequest) -> bool:
-        return self.spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
+    @staticmethod
+    def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
+        return spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
 
     def encode_prompts(self, prompts: list[str], images_per_prompt: int) -> torch.Tensor:
         embeds = self.prompt_encoder.encode(prompts, self.dtype).to(self.device)
@@ -122,7 +150,7 @@ class Flux2Pipeline(DiffusionPipeline):
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
         """[conditional; unconditional] prompt embeddings (the negative prompt defaults to "", as in diffusers)."""
         embeds = self.encode_prompts(request.prompts, request.images_per_prompt)
-        if self.uses_cfg(request):
+        if self.uses_cfg(self.spec, request):
             negatives = request.negative_prompts or [""] * len(request.prompts)
             embeds = torch.cat([embeds, self.encode_prompts(negatives, request.images_per_prompt)])
         return {"embeds": embeds}
@@ -148,8 +176,8 @@ class Flux2Pipeline(DiffusionPipeline):
     ) -> NoisePredictor:
         """The embeddings hold [conditional; unconditional] rows under CFG; the branches object decides which of
         them this rank computes (all of them on one GPU, one half under CFG parallelism)."""
-        cfg = self.uses_cfg(request)
-        branches = guidance_branches(self.parallel) if cfg else BatchedBranches()
+        cfg = self.uses_cfg(self.spec, request)
+        branches = self.branches(cfg)
         embeds = branches.local(conditioning["embeds"])
         one = torch.arange(1)
         img_ids = torch.cartesian_prod(one, torch.arange(layout[0]), torch.arange(layout[1]), one).to(self.device)
@@ -159,12 +187,12 @@ class Flux2Pipeline(DiffusionPipeline):
             guidance = torch.full((embeds.shape[0],), request.guidance, device=self.device, dtype=torch.float32)
         scale = request.guidance
 
-        def predict(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
             # The reference casts t to the latent dtype before dividing; matching it keeps bf16 runs bit-faithful.
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
             model_input, timestep = cfg_step_inputs(branches, cfg, latents, timestep)
             with torch.inference_mode():
-                noise = self.transformer(model_input.to(self.dtype), embeds, timestep, img_ids, txt_ids, guidance)
+                noise = transformer(model_input.to(self.dtype), embeds, timestep, img_ids, txt_ids, guidance)
             if not cfg:
                 return noise
             cond, uncond = branches.combine(noise).chunk(2)
@@ -182,5 +210,5 @@ class Flux2Pipeline(DiffusionPipeline):
         batch, channels = latents.shape[:2]
         latents = latents.reshape(batch, channels // 4, 2, 2, rows, cols).permute(0, 1, 4, 2, 5, 3)
         latents = latents.reshape(batch, channels // 4, rows * 2, cols * 2)
-        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        image = self.vae_decode(latents.to(self.vae.dtype))
         return (image / 2 + 0.5).clamp(0, 1)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paradit.spec import ModelSpec
-from paradit.text_encoder import TextEncoderSpec
+from paradit.spec import ModelSpec, TextEncoderSpec
 
 # The scheduler config FLUX.2 ships: dynamic shifting, with mu computed by the pipeline from the image size.
 FLUX2_SCHEDULER = {
@@ -80,7 +79,7 @@ FLUX2_PRESETS: list[ModelSpec] = [
         family="flux2",
         description="FLUX.2 [dev], 32B, guidance-distilled; Mistral Small 3.1 24B text encoder",
         transformer=_FLUX2_DEV,
-        text_encoder=TextEncoderSpec(MISTRAL_SMALL_31, layers=(10, 20, 30), prompt_format="mistral"),
+        text_encoder=TextEncoderSpec(MISTRAL_SMALL_31, layers=(10, 20, 30)),
         vae=FLUX2_VAE,
         scheduler=FLUX2_SCHEDULER,
         guidance_mode="embedded",
@@ -102,7 +101,7 @@ FLUX2_PRESETS: list[ModelSpec] = [
             "joint_attention_dim": 7680,
             "guidance_embeds": False,
         },  # fmt: skip
-        text_encoder=TextEncoderSpec(QWEN3_4B, layers=(9, 18, 27), prompt_format="qwen3"),
+        text_encoder=TextEncoderSpec(QWEN3_4B, layers=(9, 18, 27)),
         vae=FLUX2_VAE,
         scheduler=FLUX2_SCHEDULER,
         guidance_mode="none",
@@ -124,7 +123,7 @@ FLUX2_PRESETS: list[ModelSpec] = [
             "joint_attention_dim": 12288,
             "guidance_embeds": False,
         },  # fmt: skip
-        text_encoder=TextEncoderSpec(QWEN3_8B, layers=(9, 18, 27), prompt_format="qwen3"),
+        text_encoder=TextEncoderSpec(QWEN3_8B, layers=(9, 18, 27)),
         vae=FLUX2_VAE,
         scheduler=FLUX2_SCHEDULER,
         guidance_mode="none",
@@ -139,7 +138,7 @@ FLUX2_PRESETS: list[ModelSpec] = [
         family="flux2",
         description="a few-million-parameter FLUX.2 (klein layout, true CFG), random weights, for demos and tests",
         transformer=FLUX2_TINY_TRANSFORMER,
-        text_encoder=TextEncoderSpec(FLUX2_TINY_TEXT_ENCODER, layers=(9, 18, 27), prompt_format="qwen3"),
+        text_encoder=TextEncoderSpec(FLUX2_TINY_TEXT_ENCODER, layers=(9, 18, 27)),
         vae=FLUX2_TINY_VAE,
         scheduler=FLUX2_SCHEDULER,
         guidance_mode="cfg",

@@ -29,24 +29,20 @@ import transformers
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 from torch import nn
 
-from paradit.models.qwen_image import QwenImageConfig, QwenImageTransformer
+from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
 from paradit.offline_tokenizer import build_offline_tokenizer
-from paradit.parallel.cfg import BatchedBranches, guidance_branches
 from paradit.pipelines.base import (
     DiffusionPipeline,
     NoisePredictor,
     ResolvedRequest,
     cfg_step_inputs,
-    random_vae,
     resolve_common,
     seeded_noise,
 )
 from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
-from paradit.text_encoder import place, random_encoder, weights_device
+from paradit.spec import CheckpointFolder, ModelSpec
+from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 from paradit.weights import component_dir, read_json
-
-PIPELINE_CLASSES = ("QwenImagePipeline",)
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -94,7 +90,7 @@ def spec_from_folder(folder: Path, index: dict) -> ModelSpec:
         guidance=4.0,
         height=1024,
         width=1024,
-        extra={"folder": folder},
+        weights=CheckpointFolder(folder),
     )
 
 
@@ -106,7 +102,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     return resolve_common(spec, request, pixel_granularity(spec.vae))
 
 
-def uses_cfg(request: ResolvedRequest) -> bool:
+def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
     """diffusers' rule: true CFG needs both a negative prompt and a guidance above 1."""
     return request.negative_prompts is not None and request.guidance > 1.0
 
@@ -146,8 +142,10 @@ class QwenPromptEncoder:
     @torch.no_grad()
     def encode(self, prompts: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, tokens, hidden) embeddings and the (batch, tokens) bool mask of real tokens."""
+        texts = [PROMPT_TEMPLATE.format(prompt) for prompt in prompts]
+        warn_if_truncated(self.tokenizer, texts, MAX_SEQUENCE_LENGTH + TEMPLATE_PREFIX_TOKENS)
         inputs = self.tokenizer(
-            [PROMPT_TEMPLATE.format(prompt) for prompt in prompts],
+            texts,
             max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS,
             padding=True,
             truncation=True,
@@ -179,6 +177,11 @@ def pad_text(embeds: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[tor
 
 
 class QwenImagePipeline(DiffusionPipeline):
+    DIFFUSERS_PIPELINES = ("QwenImagePipeline",)
+    VAE = AutoencoderKLQwenImage
+    spec_from_folder = staticmethod(spec_from_folder)
+    resolve_request = staticmethod(resolve_request)
+    uses_cfg = staticmethod(uses_cfg)
     CONDITIONING = ("embeds", "mask")
 
     @classmethod
@@ -186,18 +189,12 @@ class QwenImagePipeline(DiffusionPipeline):
         return QwenImageTransformer(QwenImageConfig.from_dict(spec.transformer))
 
     @classmethod
-    def load_conditioners(
+    def load_prompt_encoder(
         cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
-    ):
+    ) -> QwenPromptEncoder:
         if dummy:
-            encoder = QwenPromptEncoder.dummy(spec.text_encoder, device, dtype, placement)
-            return encoder, random_vae(lambda config: AutoencoderKLQwenImage(**config), spec.vae, device, dtype)
-        folder = spec.extra["folder"]
-        encoder = QwenPromptEncoder.from_folder(folder, device, dtype, placement)
-        return encoder, AutoencoderKLQwenImage.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
-
-    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        return resolve_request(self.spec, request)
+            return QwenPromptEncoder.dummy(spec.text_encoder, device, dtype, placement)
+        return QwenPromptEncoder.from_folder(spec.folder, device, dtype, placement)
 
     def encode_prompts(self, prompts: list[str], images_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, mask = self.prompt_encoder.encode(prompts, self.dtype)
@@ -210,7 +207,7 @@ class QwenImagePipeline(DiffusionPipeline):
         """[conditional; unconditional] prompt embeddings and their text mask. The two branches are encoded
         separately, as diffusers does, then padded to one length."""
         embeds, mask = self.encode_prompts(request.prompts, request.images_per_prompt)
-        if uses_cfg(request):
+        if uses_cfg(self.spec, request):
             negative, negative_mask = self.encode_prompts(request.negative_prompts, request.images_per_prompt)
             length = max(embeds.shape[1], negative.shape[1])
             embeds, mask = pad_text(embeds, mask, length)
@@ -242,19 +239,19 @@ class QwenImagePipeline(DiffusionPipeline):
         """The conditioning holds [conditional; unconditional] rows under CFG; the branches object decides which of
         them this rank computes (all of them on one GPU, one half under CFG parallelism). The mask becomes None
         when no token is padding, so attention runs unmasked (every rank holds the same mask: same decision)."""
-        cfg = uses_cfg(request)
-        branches = guidance_branches(self.parallel) if cfg else BatchedBranches()
+        cfg = uses_cfg(self.spec, request)
+        branches = self.branches(cfg)
         embeds, mask = branches.local(conditioning["embeds"]), conditioning["mask"]
         mask = None if bool(mask.all()) else branches.local(mask)
         rows, cols = layout
         scale = request.guidance
 
-        def predict(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
             # The reference casts t to the latent dtype before dividing; matching it keeps bf16 runs bit-faithful.
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
             model_input, timestep = cfg_step_inputs(branches, cfg, latents, timestep)
             with torch.inference_mode():
-                noise = self.transformer(model_input.to(self.dtype), embeds, timestep, rows, cols, mask)
+                noise = transformer(model_input.to(self.dtype), embeds, timestep, rows, cols, mask)
             if not cfg:
                 return noise
             cond, uncond = branches.combine(noise).chunk(2)
@@ -275,5 +272,5 @@ class QwenImagePipeline(DiffusionPipeline):
         mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(latents.device, latents.dtype)
         # The reference divides by the reciprocal of std, in the latent dtype; the same rounding keeps it exact.
         inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(latents.device, latents.dtype)
-        image = self.vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
+        image = self.vae_decode(latents / inverse_std + mean)[:, :, 0]
         return (image / 2 + 0.5).clamp(0, 1)

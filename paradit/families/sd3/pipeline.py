@@ -20,25 +20,21 @@ from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from paradit.errors import CheckpointError
-from paradit.models.sd3 import SD3Config, SD3Transformer, unpatchify
-from paradit.parallel.cfg import BatchedBranches, guidance_branches
+from paradit.families.sd3.model import SD3Config, SD3Transformer, unpatchify
+from paradit.families.sd3.presets import SD3_PRESETS, SD3TextEncoders
 from paradit.pipelines.base import (
     DiffusionPipeline,
     NoisePredictor,
     ResolvedRequest,
     cfg_step_inputs,
-    random_vae,
+    patch_grid_band_mask,
     resolve_common,
     seeded_noise,
 )
-from paradit.pipelines.patch_loop import patch_grid_band_mask
-from paradit.presets.sd3 import SD3_PRESETS, SD3TextEncoders
 from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
-from paradit.text_encoder import place, random_encoder, weights_device
+from paradit.spec import CheckpointFolder, ModelSpec
+from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 from paradit.weights import component_dir, read_json
-
-PIPELINE_CLASSES = ("StableDiffusion3Pipeline",)
 
 # diffusers' StableDiffusion3Pipeline.__call__ defaults, for checkpoints that are not a published SD3.5.
 PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE = 28, 7.0
@@ -92,7 +88,7 @@ def spec_from_folder(folder: Path, index: dict) -> ModelSpec:
         guidance=guidance,
         height=size,
         width=size,
-        extra={"folder": folder},
+        weights=CheckpointFolder(folder),
     )
 
 
@@ -186,6 +182,8 @@ class SD3PromptEncoder:
     def _clip(self, which: int, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(penultimate hidden states, pooled projection) of CLIP encoder ``which``."""
         encoder = self.clip_encoders[which]
+        if which == 0:  # both CLIPs read the same 77 tokens: said once
+            warn_if_truncated(self.clip_tokenizers[0], prompts, self.clip_length, "CLIP")
         ids = self.clip_tokenizers[which](
             prompts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
         ).input_ids
@@ -196,6 +194,7 @@ class SD3PromptEncoder:
     def encode(self, prompts: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, clip length + max_sequence_length, T5 width) embeddings and (batch, pooled width) vectors."""
         (hidden_l, pooled_l), (hidden_g, pooled_g) = self._clip(0, prompts), self._clip(1, prompts)
+        warn_if_truncated(self.t5_tokenizer, prompts, self.max_sequence_length, "T5")
         ids = self.t5_tokenizer(
             prompts,
             padding="max_length",
@@ -212,6 +211,10 @@ class SD3PromptEncoder:
 
 
 class SD3Pipeline(DiffusionPipeline):
+    DIFFUSERS_PIPELINES = ("StableDiffusion3Pipeline",)
+    VAE = AutoencoderKL
+    spec_from_folder = staticmethod(spec_from_folder)
+    resolve_request = staticmethod(resolve_request)
     CONDITIONING = ("embeds", "pooled")
 
     @classmethod
@@ -223,26 +226,21 @@ class SD3Pipeline(DiffusionPipeline):
         transformer.pos_embed.fill_position_table()  # a fixed sin-cos buffer, not a weight
 
     @classmethod
-    def load_conditioners(
+    def load_prompt_encoder(
         cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
-    ):
+    ) -> SD3PromptEncoder:
         if dummy:
-            encoder = SD3PromptEncoder.dummy(spec.text_encoder, device, dtype, placement)
-            return encoder, random_vae(AutoencoderKL.from_config, spec.vae, device, dtype)
-        folder = spec.extra["folder"]
-        encoder = SD3PromptEncoder.from_folder(folder, spec.text_encoder, device, dtype, placement)
-        return encoder, AutoencoderKL.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
+            return SD3PromptEncoder.dummy(spec.text_encoder, device, dtype, placement)
+        return SD3PromptEncoder.from_folder(spec.folder, spec.text_encoder, device, dtype, placement)
 
-    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        return resolve_request(self.spec, request)
-
-    def uses_cfg(self, request: ResolvedRequest) -> bool:
+    @staticmethod
+    def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
         return request.guidance > 1.0
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
         """Prompt embeddings and pooled vectors, [conditional; unconditional] rows under CFG, each prompt's rows
         repeated per image."""
-        prompts = request.prompts + (request.negative_prompts if self.uses_cfg(request) else [])
+        prompts = request.prompts + (request.negative_prompts if self.uses_cfg(self.spec, request) else [])
         embeds, pooled = self.prompt_encoder.encode(prompts, self.dtype)
         repeat = request.images_per_prompt
         return {
@@ -268,15 +266,15 @@ class SD3Pipeline(DiffusionPipeline):
     ) -> NoisePredictor:
         """Under CFG the conditioning holds [conditional; unconditional] rows; the branches object decides which of
         them this rank computes (all of them on one GPU, one half under CFG parallelism)."""
-        cfg = self.uses_cfg(request)
-        branches = guidance_branches(self.parallel) if cfg else BatchedBranches()
+        cfg = self.uses_cfg(self.spec, request)
+        branches = self.branches(cfg)
         embeds, pooled = branches.local(conditioning["embeds"]), branches.local(conditioning["pooled"])
         scale, patch = request.guidance, self.transformer.config.patch_size
 
-        def predict(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
             model_input, timestep = cfg_step_inputs(branches, cfg, latents, t.expand(latents.shape[0]))
             with torch.inference_mode():
-                patches = self.transformer(model_input, embeds, pooled, timestep)
+                patches = transformer(model_input, embeds, pooled, timestep)
             noise = unpatchify(patches, patch, *latents.shape[-2:])
             if not cfg:
                 return noise
@@ -288,5 +286,5 @@ class SD3Pipeline(DiffusionPipeline):
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, layout: None) -> torch.Tensor:
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        image = self.vae_decode(latents.to(self.vae.dtype))
         return (image / 2 + 0.5).clamp(0, 1)

@@ -14,25 +14,21 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 from torch import nn
 
 from paradit.errors import InvalidRequest
-from paradit.models.zimage import ZImageConfig, ZImageTransformer, unpatchify
-from paradit.parallel.cfg import BatchedBranches, guidance_branches
+from paradit.families.zimage.model import ZImageConfig, ZImageTransformer, unpatchify
+from paradit.families.zimage.presets import TURBO_SCHEDULER, text_encoder_spec
 from paradit.pipelines.base import (
     DiffusionPipeline,
     NoisePredictor,
     ResolvedRequest,
     cfg_step_inputs,
-    random_vae,
+    patch_grid_band_mask,
     resolve_common,
     seeded_noise,
 )
-from paradit.pipelines.patch_loop import patch_grid_band_mask
-from paradit.presets.zimage import TURBO_SCHEDULER, text_encoder_spec
 from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
-from paradit.text_encoder import PromptEncoder
+from paradit.spec import CheckpointFolder, ModelSpec
+from paradit.text_encoder import PromptEncoder, warn_if_truncated
 from paradit.weights import component_dir, read_json
-
-PIPELINE_CLASSES = ("ZImagePipeline",)
 
 # diffusers' ZImagePipeline defaults; a checkpoint scheduled like the published Turbo gets Turbo's instead.
 DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_SIZE = 50, 5.0, 1024
@@ -55,15 +51,16 @@ def spec_from_folder(folder: Path, index: dict) -> ModelSpec:
         family="zimage",
         description=f"ZImagePipeline checkpoint ({'Turbo, step-distilled' if turbo else 'true CFG'})",
         transformer=transformer,
-        text_encoder=text_encoder_spec({}, encoder["num_hidden_layers"]),
+        text_encoder=text_encoder_spec(encoder, encoder["num_hidden_layers"]),
         vae=read_json(component_dir(folder, "vae") / "config.json"),
         scheduler=scheduler,
-        guidance_mode="none" if turbo else "cfg",
+        guidance_mode="cfg",
         steps=TURBO_STEPS if turbo else DEFAULT_STEPS,
-        guidance=None if turbo else DEFAULT_GUIDANCE,
+        guidance=0.0 if turbo else DEFAULT_GUIDANCE,
         height=DEFAULT_SIZE,
         width=DEFAULT_SIZE,
-        extra={"folder": folder, "text_encoder_class": index.get("text_encoder", [None, None])[1]},
+        weights=CheckpointFolder(folder),
+        extra={"text_encoder_class": index.get("text_encoder", [None, None])[1]},
     )
 
 
@@ -82,10 +79,6 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
             raise InvalidRequest(
                 f"{name} {value} is not allowed; this model takes multiples of {g} from {g} to {limit}"
             )
-    if spec.guidance_mode == "none" and request.guidance is not None:
-        raise InvalidRequest(f"{spec.name} is step-distilled and takes no guidance; leave guidance unset")
-    if request.negative_prompt is not None and spec.guidance_mode != "cfg":
-        raise InvalidRequest(f"{spec.name} does not use classifier-free guidance, so it takes no negative prompt")
     return resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g))
 
 
@@ -111,6 +104,7 @@ class CaptionEncoder(PromptEncoder):
             )
             for prompt in prompts
         ]
+        warn_if_truncated(self.tokenizer, texts, self.spec.max_length)
         inputs = self.tokenizer(
             texts, padding="max_length", max_length=self.spec.max_length, truncation=True, return_tensors="pt"
         )
@@ -139,6 +133,10 @@ def pad_captions(captions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
 
 
 class ZImagePipeline(DiffusionPipeline):
+    DIFFUSERS_PIPELINES = ("ZImagePipeline",)
+    VAE = AutoencoderKL
+    spec_from_folder = staticmethod(spec_from_folder)
+    resolve_request = staticmethod(resolve_request)
     CONDITIONING = ("embeds", "mask")
 
     @classmethod
@@ -146,23 +144,19 @@ class ZImagePipeline(DiffusionPipeline):
         return ZImageTransformer(ZImageConfig.from_dict(spec.transformer))
 
     @classmethod
-    def load_conditioners(
+    def load_prompt_encoder(
         cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
-    ):
+    ) -> CaptionEncoder:
         if dummy:
-            encoder = CaptionEncoder.dummy(spec.text_encoder, device, dtype, placement)
-            return encoder, random_vae(lambda config: AutoencoderKL(**config), spec.vae, device, dtype)
-        folder = spec.extra["folder"]
+            return CaptionEncoder.dummy(spec.text_encoder, device, dtype, placement)
         encoder_class = spec.extra["text_encoder_class"]
-        encoder = CaptionEncoder.from_folder(folder, encoder_class, spec.text_encoder, device, dtype, placement)
-        return encoder, AutoencoderKL.from_pretrained(component_dir(folder, "vae"), dtype=dtype)
+        return CaptionEncoder.from_folder(spec.folder, encoder_class, spec.text_encoder, device, dtype, placement)
 
-    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        return resolve_request(self.spec, request)
-
-    def uses_cfg(self, request: ResolvedRequest) -> bool:
-        # The reference guides whenever the scale is above 0 (its formula adds scale * (cond - uncond) to cond).
-        return self.spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 0
+    @staticmethod
+    def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
+        # The reference guides whenever the scale is above 0 (its formula adds scale * (cond - uncond) to cond), the
+        # step-distilled Turbo too: its default of 0 turns guidance off, a request may turn it on.
+        return request.guidance > 0
 
     def encode_prompts(self, prompts: list[str], images_per_prompt: int) -> list[torch.Tensor]:
         captions = self.prompt_encoder.encode(prompts, self.dtype)
@@ -171,7 +165,7 @@ class ZImagePipeline(DiffusionPipeline):
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
         """[conditional; unconditional] caption features padded to a common length, and the mask of real tokens."""
         captions = self.encode_prompts(request.prompts, request.images_per_prompt)
-        if self.uses_cfg(request):
+        if self.uses_cfg(self.spec, request):
             negatives = request.negative_prompts or [""] * len(request.prompts)
             captions += self.encode_prompts(negatives, request.images_per_prompt)
         embeds, mask = pad_captions(captions)
@@ -204,18 +198,18 @@ class ZImagePipeline(DiffusionPipeline):
         """The conditioning holds [conditional; unconditional] rows under CFG; the branches object decides which of
         them this rank computes (all of them on one GPU, one half under CFG parallelism). The mask becomes None when
         every caption has the same length (every rank holds the same mask: same decision)."""
-        cfg = self.uses_cfg(request)
-        branches = guidance_branches(self.parallel) if cfg else BatchedBranches()
+        cfg = self.uses_cfg(self.spec, request)
+        branches = self.branches(cfg)
         embeds, mask = branches.local(conditioning["embeds"]), conditioning["mask"]
         mask = None if bool(mask.all()) else branches.local(mask)
         scale, patch = request.guidance, self.transformer.config.patch_size
 
-        def predict(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
             # The transformer is conditioned on 1 - sigma, which the reference derives from the scheduler's t.
             timestep = (1000 - t.expand(latents.shape[0])) / 1000
             model_input, timestep = cfg_step_inputs(branches, cfg, latents.to(self.dtype), timestep)
             with torch.inference_mode():
-                tokens = self.transformer(model_input, timestep, embeds, mask)
+                tokens = transformer(model_input, timestep, embeds, mask)
             rows, cols = (side // patch for side in latents.shape[2:])
             prediction = unpatchify(tokens, rows, cols, patch).float()
             if cfg:
@@ -230,5 +224,5 @@ class ZImagePipeline(DiffusionPipeline):
     def decode(self, latents: torch.Tensor, layout: None) -> torch.Tensor:
         latents = latents.to(self.vae.dtype)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        image = self.vae.decode(latents, return_dict=False)[0]
+        image = self.vae_decode(latents)
         return (image * 0.5 + 0.5).clamp(0, 1)

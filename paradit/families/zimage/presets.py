@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from paradit.presets.flux2 import QWEN3_4B
-from paradit.spec import ModelSpec
-from paradit.text_encoder import TextEncoderSpec
+from paradit.families.flux2.presets import QWEN3_4B
+from paradit.spec import ModelSpec, TextEncoderSpec
 
 # Both checkpoints use a fixed timestep shift (no dynamic shifting): 3.0 for Turbo, 6.0 for the base model.
 TURBO_SCHEDULER = {"num_train_timesteps": 1000, "use_dynamic_shifting": False, "shift": 3.0}
@@ -48,21 +47,21 @@ ZIMAGE_TINY_VAE = {**FLUX1_VAE, "block_out_channels": [16, 16, 16, 16], "layers_
 def text_encoder_spec(config: dict[str, Any], num_hidden_layers: int) -> TextEncoderSpec:
     """The pipeline reads ``hidden_states[-2]``: the output of the second-to-last decoder layer, so the last layer is
     never run. Captions are at most 512 tokens (the reference's max_sequence_length)."""
-    return TextEncoderSpec(config, layers=(num_hidden_layers - 1,), prompt_format="qwen3", max_length=512)
+    return TextEncoderSpec(config, layers=(num_hidden_layers - 1,), max_length=512)
 
 
 ZIMAGE_PRESETS: list[ModelSpec] = [
     ModelSpec(
         name="z-image-turbo",
         family="zimage",
-        description="Z-Image-Turbo, 6.2B, step-distilled (8 steps, no guidance); Qwen3-4B text encoder",
+        description="Z-Image-Turbo, 6.2B, step-distilled (8 steps, guidance 0: off); Qwen3-4B text encoder",
         transformer=_ZIMAGE_TRANSFORMER,
         text_encoder=text_encoder_spec(QWEN3_4B, QWEN3_4B["num_hidden_layers"]),
         vae=FLUX1_VAE,
         scheduler=TURBO_SCHEDULER,
-        guidance_mode="none",
+        guidance_mode="cfg",
         steps=8,
-        guidance=None,
+        guidance=0.0,
         height=1024,
         width=1024,
         hub_id="Tongyi-MAI/Z-Image-Turbo",

@@ -1,0 +1,102 @@
+"""Builds a rank's pipeline, the same way for one process, spawned workers and torchrun: the transformer built on
+the meta device, parallelized there, then only the tensors (and tensor-parallel slices) this rank keeps read or
+drawn; the prompt encoders and the VAE on the group's rank 0 alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+
+from paradit.errors import CheckpointError
+from paradit.families import FAMILIES, Family
+from paradit.layers.fp8 import fp8_dtype
+from paradit.memory import hold_to_cap
+from paradit.optimize import ExecutionOptions, apply_execution_options
+from paradit.parallel.config import ParallelConfig
+from paradit.parallel.mesh import ParallelContext, init_process_group
+from paradit.parallel.parallelize import Parallelized, parallelize
+from paradit.pipelines.base import DiffusionPipeline
+from paradit.quantize import fp8_load
+from paradit.spec import ModelSpec
+from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, materialize, safetensors_files
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """Everything a rank needs to build its part of the pipeline (picklable, sent to each spawned process)."""
+
+    spec: ModelSpec
+    device_type: str
+    dtype: torch.dtype
+    parallel: ParallelConfig
+    options: ExecutionOptions
+    memory_cap: int | None
+    init_method: str = "env://"
+    text_encoder_placement: str = "gpu"
+
+
+def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+                     parallel: ParallelContext | None = None, quantize: str = "none") -> Parallelized:  # fmt: skip
+    """This rank's transformer, parallelized: built and parallelized on the meta device, then only the tensors the
+    rank kept are read from ``spec``'s transformer folder or drawn at random. ``quantize="fp8"`` converts the
+    quantizable linears as they load; an FP8 checkpoint's linears load as FP8 whatever ``quantize`` says. No check
+    that FP8 can run here: converting on the CPU is allowed (``ExecutionOptions.validate`` guards execution)."""
+    with torch.device("meta"):
+        plain = family.pipeline.build_transformer(spec).eval()
+    names = ModelNames(plain)
+    parallelized = parallelize(plain, family.tensor_plan, parallel)
+    fp8 = fp8_load(plain, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
+    if spec.transformer_folder is None:
+        buffers = {name for name, _ in plain.named_buffers()}
+        materialize(plain, names, DummyTensors(device, dtype, buffers), parallelized.slices, fp8)
+        family.pipeline.after_dummy_init(plain)
+    else:
+        source = CheckpointTensors(safetensors_files(spec.transformer_folder), device, dtype)
+        try:
+            materialize(plain, names, source, parallelized.slices, fp8)
+        finally:
+            source.close()
+    return parallelized
+
+
+def rank_device(device_type: str, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def load_pipeline(
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    context: ParallelContext | None = None,
+    options: ExecutionOptions | None = None,
+    placement: str = "gpu",
+) -> DiffusionPipeline:
+    """This rank's pipeline in ``context``'s group (None: one process): its share of the transformer, with the
+    execution options applied; the prompt encoders (placed as ``placement`` says) on rank 0 alone; the VAE."""
+    options = options or ExecutionOptions()
+    pipeline = FAMILIES[spec.family].pipeline
+    transformer = load_transformer(FAMILIES[spec.family], spec, device, dtype, context, options.quantize)
+    transformer.forward = apply_execution_options(transformer, options, device)
+    dummy, prompt_encoder = spec.folder is None, None
+    try:
+        if context is None or context.is_leader:
+            prompt_encoder = pipeline.load_prompt_encoder(spec, device, dtype, dummy, placement)
+        vae = pipeline.load_vae(spec, device, dtype, dummy).to(device).eval().requires_grad_(False)
+    except (OSError, ValueError, SafetensorError) as exc:  # transformers' and diffusers' words for a bad folder
+        raise CheckpointError(f"{spec.folder}: its prompt encoders or VAE did not load: {exc}") from None
+    return pipeline(spec, transformer, prompt_encoder, vae, device, dtype, context)
+
+
+def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:
+    """Rank ``rank``'s pipeline: holds its device to the memory cap, joins the group (when there is one), loads."""
+    device = rank_device(plan.device_type, local_rank)
+    if plan.memory_cap is not None:
+        hold_to_cap(device, plan.memory_cap)
+    context = None
+    if plan.parallel.world_size > 1:
+        init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
+        context = ParallelContext.build(plan.parallel, device)
+    return load_pipeline(plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement)

@@ -1,0 +1,109 @@
+"""``parallelize``: the one place that applies parallelism to a plain model, every strategy in a fixed order.
+
+Like torchtitan's ``parallelize_*`` functions, each strategy acts on the plain model in place, on the meta device
+before any weight is loaded:
+
+1. **tensor**: shards every block's projections (the slices each rank keeps go to the loader);
+2. **sequence** (Ulysses, Ring, USP): swaps every attention module's implementation for one that attends across the
+   sequence group, and splits the token streams between ``embed`` and the blocks;
+3. **PipeFusion**: keeps this rank's stage of the blocks, and turns each attention into its stale-K/V form (inside
+   the sequence group's, when both are on);
+4. **CFG**: the guidance branches this rank computes;
+5. **VAE**: the group decodes together, each rank a band of the latents (``parallel.vae``).
+
+What comes back is what loading and the denoise loop need: the module to call, the tensor slices, the guidance
+branches and the denoise loop. Pipelines use these and never name a strategy. FP8 (``quantize.fp8_load``) and
+compilation (``optimize``) act on the parallelized plain model afterwards, so every strategy gets them unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from paradit.parallel.cfg import BatchedBranches, SplitBranches, guidance_branches
+from paradit.parallel.mesh import ParallelContext
+from paradit.parallel.patch_loop import BandMask, denoise_by_patches
+from paradit.parallel.pipefusion import PipeFusion
+from paradit.parallel.sequence import SequenceParallel
+from paradit.parallel.tensor import TensorPlan, check_tensor_plan, parallelize_tensor
+from paradit.parallel.vae import parallel_decode
+from paradit.weights import TensorSlice
+
+# predict(latents, t, transformer) -> the (guided) noise prediction, calling ``transformer`` like the model.
+NoisePredictor = Callable[[torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor]
+
+
+class DenoiseLoop:
+    """The scheduler run over the timesteps, one whole prediction per step."""
+
+    def begin_request(self) -> None:
+        """Called before each request's loop."""
+
+    def run(self, predict: NoisePredictor, transformer, scheduler, latents: torch.Tensor, timesteps: torch.Tensor,
+            band_mask: BandMask, mark_step: Callable[[], None], progress: bool) -> torch.Tensor:  # fmt: skip
+        """``mark_step`` is called once at the start and once after each step."""
+        mark_step()
+        for t in tqdm(timesteps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False):
+            latents = scheduler.step(predict(latents, t, transformer), t, latents, return_dict=False)[0]
+            mark_step()
+        return latents
+
+
+class PipeFusionLoop(DenoiseLoop):
+    """PipeFusion's loop: each request starts with warm-up steps; with patches, the latents advance patch by patch
+    (``patch_loop``) so that the pipeline never drains between steps."""
+
+    def __init__(self, pipefusion: PipeFusion) -> None:
+        self.pipefusion = pipefusion
+
+    def begin_request(self) -> None:
+        self.pipefusion.begin_request()
+
+    def run(self, predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress):
+        if self.pipefusion.patches == 1:
+            return super().run(predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress)
+        return denoise_by_patches(predict, scheduler, latents, timesteps, self.pipefusion, band_mask, mark_step,
+                                  progress)  # fmt: skip
+
+
+def plain_vae_decode(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    return vae.decode(latents, return_dict=False)[0]
+
+
+@dataclass
+class Parallelized:
+    """A model with its parallelism applied: ``model`` is the plain model, parallelized in place (what FP8 and
+    compilation act on); ``forward`` is what to call in its place; ``slices`` the part of each sharded tensor this
+    rank loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop; ``vae_decode``
+    how the VAE decodes (the whole group together, each rank a band, when there is a group)."""
+
+    model: nn.Module
+    forward: nn.Module
+    slices: dict[str, TensorSlice] = field(default_factory=dict)
+    branches: BatchedBranches | SplitBranches = field(default_factory=BatchedBranches)
+    loop: DenoiseLoop = field(default_factory=DenoiseLoop)
+    vae_decode: Callable[[nn.Module, torch.Tensor], torch.Tensor] = plain_vae_decode
+
+
+def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: ParallelContext | None) -> Parallelized:
+    """Apply ``context``'s plan to the plain ``model`` (on the meta device, before loading); ``tensor_plan`` is the
+    model family's. Without a context (one process), the model runs as it is."""
+    if context is None:
+        return Parallelized(model, model)
+    config = context.config
+    slices = {}
+    if config.tensor > 1:
+        slices = parallelize_tensor(model, check_tensor_plan(tensor_plan, model, config.tensor), context)
+    sequence = SequenceParallel(model, context) if config.sequence_degree > 1 else None
+    forward, loop = sequence or model, DenoiseLoop()
+    if config.pipefusion > 1:
+        forward = PipeFusion(model, context, sequence)
+        loop = PipeFusionLoop(forward)
+    # Every rank ends the loop with the same latents: the whole group decodes them, a band each (exact).
+    return Parallelized(model, forward, slices, guidance_branches(context), loop, parallel_decode)
