@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--guidance", type=finite, help="guidance scale (default: the model's)")
     gen.add_argument("--seed", type=seed, default=0, help="a 64-bit seed, or 'random'")
     gen.add_argument("--images-per-prompt", type=int, default=1)
+    gen.add_argument("--frames", type=int, help="video models: frames per video, 4k+1 (default: the model's)")
+    gen.add_argument("--guidance-2", type=finite, help="models with a low-noise expert: its guidance scale")
     gen.add_argument(
         "--out",
         default="out/paradit.png",
@@ -264,6 +266,8 @@ def run_generate(args: argparse.Namespace) -> int:
         guidance=args.guidance,
         seed=args.seed,
         num_images_per_prompt=args.images_per_prompt,
+        frames=args.frames,
+        guidance_2=args.guidance_2,
     )
     parallel = parallel_plan(args, spec, request)
     if args.gpus is not None and args.gpus != parallel.world_size:  # the flags disagree: say which plans fit --gpus
@@ -287,7 +291,16 @@ def run_generate(args: argparse.Namespace) -> int:
         "model": spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
         "software": f"paradit {__version__}",
     }  # fmt: skip
-    save_images(result, paths, {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()})
+    metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
+    if result.is_video:  # each video's frames into a folder named after its file: x.png -> x/0000.png, ...
+        folders = [path.with_suffix("") for path in paths]
+        for folder, frames in zip(folders, result.frames):
+            folder.mkdir(parents=True, exist_ok=True)
+            for index, frame in enumerate(frames):
+                frame.save(folder / f"{index:04d}{paths[0].suffix}", format=IMAGE_FORMATS[paths[0].suffix.lower()])
+        paths = folders
+    else:
+        save_images(result, paths, metadata)
     print(format_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))
     code, comparison = 0, None

@@ -216,5 +216,8 @@ def check_plan(spec: ModelSpec, parallel: ParallelConfig, device: torch.device) 
                 f"pipefusion {parallel.pipefusion} exceeds the model's {len(model_blocks(model))} blocks; give at most "
                 f"{len(model_blocks(model))} stages"
             )
+        if parallel.pipefusion > 1 and family.pipeline.expert_configs(spec):
+            # The patch loop drives one pipeline of stages; a second transformer would need its own.
+            raise InvalidRequest(f"pipefusion does not run {spec.name}'s second transformer yet; drop --pipefusion")
     if device.type == "cuda" and not launched_by_torchrun() and gpus > torch.cuda.device_count():
         raise InvalidRequest(f"{gpus} GPUs asked for, but this machine has {torch.cuda.device_count()}")

@@ -5,6 +5,7 @@ drawn; the prompt encoders and the VAE on the group's rank 0 alone.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,22 +40,27 @@ class WorkerPlan:
 
 
 def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                     parallel: ParallelContext | None = None, quantize: str = "none") -> Parallelized:  # fmt: skip
+                     parallel: ParallelContext | None = None, quantize: str = "none",
+                     component: str = "transformer") -> Parallelized:  # fmt: skip
     """This rank's transformer, parallelized: built and parallelized on the meta device, then only the tensors the
     rank kept are read from ``spec``'s transformer folder or drawn at random. ``quantize="fp8"`` converts the
     quantizable linears as they load; an FP8 checkpoint's linears load as FP8 whatever ``quantize`` says. No check
-    that FP8 can run here: converting on the CPU is allowed (``ExecutionOptions.validate`` guards execution)."""
+    that FP8 can run here: converting on the CPU is allowed (``ExecutionOptions.validate`` guards execution).
+    ``component``: another transformer of the checkpoint (``expert_configs``; ``spec.transformer`` is its config)."""
     with torch.device("meta"):
         plain = family.pipeline.build_transformer(spec).eval()
     names = ModelNames(plain)
     parallelized = parallelize(plain, family.tensor_plan, parallel)
     fp8 = fp8_load(plain, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
-    if spec.transformer_folder is None:
+    folder = spec.transformer_folder if component == "transformer" else spec.folder and spec.folder / component
+    if folder is None:
         buffers = {name for name, _ in plain.named_buffers()}
-        materialize(plain, names, DummyTensors(device, dtype, buffers), parallelized.slices, fp8)
+        # Each component its own random weights (two experts drawn alike would hide a swapped expert).
+        seed = 0 if component == "transformer" else sum(component.encode())
+        materialize(plain, names, DummyTensors(device, dtype, buffers, seed), parallelized.slices, fp8)
         family.pipeline.after_dummy_init(plain)
     else:
-        source = CheckpointTensors(safetensors_files(spec.transformer_folder), device, dtype)
+        source = CheckpointTensors(safetensors_files(folder), device, dtype)
         try:
             materialize(plain, names, source, parallelized.slices, fp8)
         finally:
@@ -80,6 +86,13 @@ def load_pipeline(
     pipeline = FAMILIES[spec.family].pipeline
     transformer = load_transformer(FAMILIES[spec.family], spec, device, dtype, context, options.quantize)
     transformer.forward = apply_execution_options(transformer, options, device)
+    experts = {}
+    for component, config in pipeline.expert_configs(spec).items():  # Engine.check_plan refused PipeFusion for these
+        expert_spec = dataclasses.replace(spec, transformer=config)
+        experts[component] = load_transformer(
+            FAMILIES[spec.family], expert_spec, device, dtype, context, options.quantize, component
+        )
+        experts[component].forward = apply_execution_options(experts[component], options, device)
     dummy, prompt_encoder = spec.folder is None, None
     try:
         if context is None or context.is_leader:
@@ -87,7 +100,7 @@ def load_pipeline(
         vae = pipeline.load_vae(spec, device, dtype, dummy).to(device).eval().requires_grad_(False)
     except (OSError, ValueError, SafetensorError) as exc:  # transformers' and diffusers' words for a bad folder
         raise CheckpointError(f"{spec.folder}: its prompt encoders or VAE did not load: {exc}") from None
-    return pipeline(spec, transformer, prompt_encoder, vae, device, dtype, context)
+    return pipeline(spec, transformer, prompt_encoder, vae, device, dtype, context, experts)
 
 
 def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:

@@ -144,8 +144,10 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     transformer_bytes = (_bytes([transformer], dtype) - _bytes(blocks, dtype)) + block_bytes // parallel.tensor
     encoder = family.pipeline.load_prompt_encoder(spec, torch.device("meta"), dtype, dummy=True)
     vae = family.pipeline.load_vae(spec, torch.device("meta"), dtype, dummy=True)
-    # The token width, from the attention projections (every family's blocks attend at the model width).
-    width = family.tensor_plan.widths(transformer)["attention"]
+    # The token width, from the attention projections (every family's blocks attend at the model width); a family
+    # without a tensor plan states it in its config.
+    plan = family.tensor_plan
+    width = plan.widths(transformer)["attention"] if plan else transformer.config.inner_dim
     tokens = spec.height * spec.width // 256 + 512
     batch = 2 if spec.guidance_mode == "cfg" and parallel.cfg == 1 else 1
     local_tokens = -(-tokens // parallel.sequence_degree)

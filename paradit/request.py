@@ -23,6 +23,8 @@ class GenerationRequest:
     guidance: float | None = None
     seed: int | None = None
     num_images_per_prompt: int = 1
+    frames: int | None = None  # video models: frames per video (the model's default when unset)
+    guidance_2: float | None = None  # models with a low-noise expert: its guidance (diffusers' guidance_scale_2)
 
     @property
     def prompts(self) -> list[str]:
@@ -50,13 +52,26 @@ class Timings:
 
 @dataclass
 class GenerationResult:
-    """``pixels`` is (batch, 3, H, W) float in [0, 1] on the CPU, before 8-bit quantisation; ``images`` are PIL."""
+    """``pixels`` is (batch, 3, H, W) float in [0, 1] on the CPU, before 8-bit quantisation, or for a video model
+    (batch, frames, 3, H, W); ``images`` are PIL (one per image, or every frame of every video in order), ``frames``
+    the PIL frames of each video."""
 
     pixels: torch.Tensor
     seed: int
     timings: Timings
 
     @property
+    def is_video(self) -> bool:
+        return self.pixels.ndim == 5
+
+    @property
     def images(self) -> list[Image.Image]:
-        array = (self.pixels.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()
+        pixels = self.pixels.flatten(0, 1) if self.is_video else self.pixels
+        array = (pixels.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()
         return [Image.fromarray(frame) for frame in array]
+
+    @property
+    def frames(self) -> list[list[Image.Image]]:
+        """Each video's frames (an image result: each image as a one-frame video)."""
+        images, count = self.images, self.pixels.shape[1] if self.is_video else 1
+        return [images[i : i + count] for i in range(0, len(images), count)]

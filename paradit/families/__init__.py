@@ -21,6 +21,7 @@ from paradit.errors import CheckpointError
 from paradit.families.flux2.presets import FLUX2_PRESETS
 from paradit.families.qwen_image.presets import QWEN_IMAGE_PRESETS
 from paradit.families.sd3.presets import SD3_PRESETS
+from paradit.families.wan.presets import WAN_PRESETS
 from paradit.families.zimage.presets import ZIMAGE_PRESETS
 from paradit.spec import ModelSpec
 
@@ -33,10 +34,11 @@ PIPELINES = {
     "flux2": ("paradit.families.flux2", "Flux2Pipeline"),
     "qwen_image": ("paradit.families.qwen_image", "QwenImagePipeline"),
     "sd3": ("paradit.families.sd3", "SD3Pipeline"),
+    "wan": ("paradit.families.wan", "WanPipeline"),
     "zimage": ("paradit.families.zimage", "ZImagePipeline"),
 }
 PRESETS: dict[str, ModelSpec] = {
-    spec.name: spec for spec in [*FLUX2_PRESETS, *QWEN_IMAGE_PRESETS, *SD3_PRESETS, *ZIMAGE_PRESETS]
+    spec.name: spec for spec in [*FLUX2_PRESETS, *QWEN_IMAGE_PRESETS, *SD3_PRESETS, *WAN_PRESETS, *ZIMAGE_PRESETS]
 }
 DEFAULT_MODEL = "flux2-tiny"  # the demo's: a tiny random model that runs anywhere
 

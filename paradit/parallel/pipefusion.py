@@ -233,7 +233,9 @@ class PipeFusion(nn.Module):
 
         self.window = Window()
         for module in self.model.modules():
-            if isinstance(module, AttentionDispatch):
+            # Keys from no split stream (Wan's text): whole on every stage and fresh every step, so there is no stale
+            # K/V to buffer; the patch's queries attend to them as they are.
+            if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
                 if module.sequence_streams is None:
                     raise InvalidRequest(f"pipefusion needs {type(module).__name__} to name its streams in order")
                 stale = StaleKVAttention(self.window, module.sequence_streams)

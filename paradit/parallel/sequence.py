@@ -15,6 +15,10 @@ Uneven splits are carried as per-rank sizes rather than padding, so no attention
 sent for padding. Attention is order-invariant over keys and the all-to-alls return every query to its own rank,
 so the chunk order seen inside attention does not matter.
 
+An attention module whose ``sequence_streams`` is empty takes its keys from no split stream: every rank holds them
+whole (Wan's cross-attention to the text), so each rank's query chunk attends to them with its plain local attention
+and nothing is exchanged; such modules are left as they are.
+
 Each attention module's *local* attention, run on this rank's heads over the gathered sequence, is plain SDPA;
 PipeFusion, applied over this wrapper, makes it its stale-K/V attention (``set_local_attention``) and uses
 ``split`` and ``gather`` to split each patch across a stage's sequence group.
@@ -308,7 +312,7 @@ class SequenceParallel(nn.Module):
         self.context = context
         self.attention = SequenceParallelAttention(context)
         for module in model.modules():
-            if isinstance(module, AttentionDispatch):
+            if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
                 self.set_local_attention(module, sdpa_attention)
 
     @property
@@ -317,7 +321,8 @@ class SequenceParallel(nn.Module):
 
     def set_local_attention(self, module: AttentionDispatch, local: AttentionFn) -> None:
         """``module`` attends through the sequence group, running ``local`` on this rank's heads over the gathered
-        sequence (after the Ulysses all-to-all)."""
+        sequence (after the Ulysses all-to-all). Not for modules whose ``sequence_streams`` is empty: their keys are
+        whole on every rank, and they keep their own attention."""
         module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams, local=local))
 
     def split(self, tokens):

@@ -87,6 +87,8 @@ class ResolvedRequest:
     guidance: float | None
     seed: int
     images_per_prompt: int
+    frames: int | None = None  # video families: frames per video
+    guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
 
     @property
     def batch(self) -> int:
@@ -187,14 +189,17 @@ class DiffusionPipeline(ABC):
     CONDITIONING: ClassVar[tuple[str, ...]] = ()
     DIFFUSERS_PIPELINES: ClassVar[tuple[str, ...]] = ()  # the diffusers pipeline classes whose checkpoints it serves
     VAE: ClassVar[type]  # the diffusers autoencoder class of the family's ``vae/`` component
+    VIDEO: ClassVar[bool] = False  # whether ``decode`` gives videos (batch, frames, 3, H, W) rather than images
 
     def __init__(self, spec: ModelSpec, transformer: Parallelized, prompt_encoder, vae, device: torch.device,
-                 dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:  # fmt: skip
+                 dtype: torch.dtype, parallel: ParallelContext | None = None,
+                 experts: dict[str, Parallelized] | None = None) -> None:  # fmt: skip
         """In a group, only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so that the
-        group decodes together."""
+        group decodes together. ``experts``: the further transformers ``expert_configs`` asked for, by component."""
         self.spec = spec
         self.parallelized = transformer
         self.transformer = transformer.forward
+        self.experts = experts or {}
         self.prompt_encoder = prompt_encoder
         self.vae = vae
         self.device = device
@@ -222,6 +227,13 @@ class DiffusionPipeline(ABC):
     @abstractmethod
     def build_transformer(cls, spec: ModelSpec) -> nn.Module:
         """The plain transformer (built on the meta device by the loader)."""
+
+    @classmethod
+    def expert_configs(cls, spec: ModelSpec) -> dict[str, dict]:
+        """Further transformers the pipeline runs besides ``transformer`` (a low-noise expert, say): checkpoint
+        component name -> its config, built by ``build_transformer`` and parallelized like the first. None by
+        default."""
+        return {}
 
     @classmethod
     @abstractmethod
@@ -256,7 +268,7 @@ class DiffusionPipeline(ABC):
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, layout) -> torch.Tensor:
-        """Pixels in [0, 1], (batch, 3, H, W)."""
+        """Pixels in [0, 1], (batch, 3, H, W); for a ``VIDEO`` family (batch, frames, 3, H, W)."""
 
     @classmethod  # noqa: B027 - a hook most families leave as it is
     def after_dummy_init(cls, transformer: nn.Module) -> None:
@@ -295,6 +307,8 @@ class DiffusionPipeline(ABC):
             stats.reset()
         loop = self.parallelized.loop
         loop.begin_request()
+        for expert in self.experts.values():
+            expert.loop.begin_request()
         reset_peak_memory(self.device)
         start = time.perf_counter()
         conditioning = self.conditioning(resolved)
