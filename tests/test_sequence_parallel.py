@@ -14,7 +14,7 @@ from paradit.parallel import ParallelConfig
 from paradit.parallel.comm import all_gather_uneven, split_sizes
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import parallelize
-from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention
+from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention, sequence_layout
 from tests.checkpoints import randomize, tiny_transformer_config
 from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
 from tests.test_flux2_reference import transformer_inputs as flux2_inputs
@@ -72,10 +72,10 @@ def _compare_masked_attention(plans: list[ParallelConfig]) -> dict[str, float]:
         expected = sdpa_attention(q, k, v, key_mask_plan)
         context = ParallelContext.build(plan, torch.device("cpu"))
         attention = SequenceParallelAttention(context)
-        attention.stream_sizes = {"tokens": sizes}
         me = context.sequence_rank
         local = [t.split(sizes, dim=1)[me] for t in (q, k, v, key_mask_plan)]
-        out = attention(*local, streams=("tokens",))
+        with sequence_layout({"tokens": sizes}):
+            out = attention(*local, streams=("tokens",))
         out = all_gather_uneven(out, 1, sizes, context.sequence_group, context.stats)
         errors[plan.describe()] = ((out - expected).norm() / expected.norm()).item()
     return errors

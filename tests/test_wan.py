@@ -200,4 +200,3 @@ def test_cli_writes_each_videos_frames_and_refuses_what_wan_cannot_run(tmp_path,
     for flags, fragment in ((["--gpus", "2", "--pipefusion", "2"], "second transformer"), (["--frames", "4"], "4k+1")):
         code, _, err = run_cli([*args, *flags, "--out", str(tmp_path / "x.png")], capsys)
         assert_one_line_error(code, err, fragment)
-

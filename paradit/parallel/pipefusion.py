@@ -48,7 +48,10 @@ loop calls first, and one count per forward. With patches the loop drives it pat
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +62,7 @@ from paradit.errors import InvalidRequest
 from paradit.layers.attention import AttentionDispatch, sdpa_attention
 from paradit.parallel.comm import broadcast, split_sizes
 from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.sequence import SequenceParallel, narrow_streams, token_streams
+from paradit.parallel.sequence import SequenceParallel, narrow_streams, sequence_layout, token_streams
 
 
 @dataclass
@@ -100,13 +103,26 @@ class Window:
         return sum(self.lengths[s] for s in streams)
 
 
-class StaleKVAttention:
-    """One attention layer's K/V buffer over the whole sequence of its streams: the tokens in flight write their
-    rows (and their key mask's), then attend to every row (fresh for this step where already written, stale from
-    the previous step elsewhere)."""
+# The window of the patch in flight, set around its blocks (``patch_window``) and read by every StaleKVAttention in
+# them: like the sequence layout, it travels with the tokens instead of living on the modules.
+_WINDOW: ContextVar[Window] = ContextVar("paradit_pipefusion_window")
 
-    def __init__(self, window: Window, streams: tuple[str, ...]) -> None:
-        self.window = window
+
+@contextlib.contextmanager
+def patch_window(window: Window) -> Iterator[None]:
+    token = _WINDOW.set(window)
+    try:
+        yield
+    finally:
+        _WINDOW.reset(token)
+
+
+class StaleKVAttention:
+    """One attention layer's K/V buffer over the whole sequence of its streams: the tokens in flight (their
+    ``patch_window``) write their rows (and their key mask's), then attend to every row (fresh for this step where
+    already written, stale from the previous step elsewhere)."""
+
+    def __init__(self, streams: tuple[str, ...]) -> None:
         self.streams = streams
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
@@ -120,15 +136,16 @@ class StaleKVAttention:
     ) -> torch.Tensor:
         if key.shape[1] == 0:  # a patch without tokens of these streams: nothing to write or attend
             return query
-        shape = (key.shape[0], self.window.total(self.streams), *key.shape[2:])
-        if self.window.whole:
+        window = _WINDOW.get()
+        shape = (key.shape[0], window.total(self.streams), *key.shape[2:])
+        if window.whole:
             if self.key is None or self.key.shape != shape:
                 self.key, self.value = key.new_empty(shape), value.new_empty(shape)
             # A whole-sequence step sets the mask for the request: None (nothing padded) or every row rewritten.
             self.mask = None if key_mask is None else key_mask.new_ones(shape[:2])
         elif self.key is None or self.key.shape != shape:
             raise RuntimeError("PipeFusion patched step without a filled K/V buffer; run a warm-up step first")
-        for source, target, count in self.window.copies(self.streams):
+        for source, target, count in window.copies(self.streams):
             self.key[:, target : target + count] = key[:, source : source + count]
             self.value[:, target : target + count] = value[:, source : source + count]
             if key_mask is not None and self.mask is not None:
@@ -231,14 +248,13 @@ class PipeFusion(nn.Module):
             setattr(self.model, name, nn.ModuleList(kept))
             start += len(blocks)
 
-        self.window = Window()
         for module in self.model.modules():
             # Keys from no split stream (Wan's text): whole on every stage and fresh every step, so there is no stale
             # K/V to buffer; the patch's queries attend to them as they are.
             if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
                 if module.sequence_streams is None:
                     raise InvalidRequest(f"pipefusion needs {type(module).__name__} to name its streams in order")
-                stale = StaleKVAttention(self.window, module.sequence_streams)
+                stale = StaleKVAttention(module.sequence_streams)
                 if self.sequence is not None:
                     self.sequence.set_local_attention(module, stale)
                 else:
@@ -302,11 +318,13 @@ class PipeFusion(nn.Module):
             patch, sizes = self.sequence.split(patch)
         else:
             sizes = {s: [stop - begin] for s, (begin, stop) in ranges.items()}
-        self.window.set({s: _pieces(ranges[s][0], sizes[s]) for s in streams}, lengths)
+        window = Window()
+        window.set({s: _pieces(ranges[s][0], sizes[s]) for s in streams}, lengths)
         if self.prev_rank is not None:
             for s in streams:
                 setattr(patch, s, self._receive(getattr(patch, s)))
-        patch = self.model.run_blocks(patch)
+        with sequence_layout(sizes), patch_window(window):
+            patch = self.model.run_blocks(patch)
         if self.next_rank is not None:
             self._send([getattr(patch, s) for s in streams])
             prediction = None

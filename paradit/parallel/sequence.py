@@ -26,8 +26,11 @@ PipeFusion, applied over this wrapper, makes it its stale-K/V attention (``set_l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -43,12 +46,29 @@ from paradit.parallel.transport import decode_fp8_rows, encode_fp8_rows
 ULYSSES_CHUNKS = 2
 
 
+# The layout of the forward in flight: stream -> tokens per sequence rank. It travels with the tokens: whoever splits
+# them (``SequenceParallel.forward``, PipeFusion for each patch) runs the blocks inside ``sequence_layout(sizes)``,
+# and the attention calls within read it. A context variable rather than an attribute, so that no state outlives its
+# forward and two forwards in flight (threads, tasks) never see each other's.
+_LAYOUT: ContextVar[dict[str, list[int]]] = ContextVar("paradit_sequence_layout")
+
+
+@contextlib.contextmanager
+def sequence_layout(sizes: dict[str, list[int]]) -> Iterator[None]:
+    """Attention calls inside see ``sizes`` (stream -> tokens per sequence rank) as their forward's layout."""
+    token = _LAYOUT.set(sizes)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
 class SequenceParallelAttention:
     """Attention over a sequence split across the group.
 
-    ``stream_sizes`` (stream -> tokens per sequence rank) is set per forward by the wrapper; each call names the
-    streams its tokens are made of (an attention module's ``sequence_streams``; None: all of them), which gives
-    every rank's token count for that call without any communication.
+    Each call names the streams its tokens are made of (an attention module's ``sequence_streams``; None: all of
+    them); with the forward's layout (``sequence_layout``) that gives every rank's token count for the call without
+    any communication.
     """
 
     def __init__(self, context: ParallelContext) -> None:
@@ -58,7 +78,6 @@ class SequenceParallelAttention:
         self.ulysses_group = context.group("ulysses")
         self.ring_exchange = RingExchange(context.group("ring"), context.stats) if self.ring > 1 else None
         self.fp8_transport = context.config.comm_dtype == "fp8"
-        self.stream_sizes: dict[str, list[int]] = {}
         self.local_lengths: list[int] = []  # tokens per sequence rank in this call, in chunk order
         self._mask_seen: torch.Tensor | None = None
         self._mask_gathered: torch.Tensor | None = None
@@ -258,7 +277,8 @@ class SequenceParallelAttention:
         """``local`` attends this rank's heads over the gathered sequence. With Ring, plain SDPA runs block by block
         as the K/V blocks travel; any other local attention (PipeFusion's K/V buffer) needs every key at once, so the
         ring members' K/V are all-gathered for it instead (the same bytes, without the overlap)."""
-        sizes = [self.stream_sizes[name] for name in (streams or self.stream_sizes)]
+        layout = _LAYOUT.get()
+        sizes = [layout[name] for name in (streams or layout)]
         self.local_lengths = [sum(column) for column in zip(*sizes)]
         if not any(self.local_lengths):  # no rank holds a token of these streams (PipeFusion's text-less patches)
             return query
@@ -326,14 +346,13 @@ class SequenceParallel(nn.Module):
         module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams, local=local))
 
     def split(self, tokens):
-        """This rank's contiguous chunk of every stream; the per-rank sizes go to the attention, which every call
-        until the next ``split`` uses. Returns (local tokens, {stream: per-rank sizes})."""
+        """This rank's contiguous chunk of every stream: (local tokens, {stream: per-rank sizes}); run the blocks on
+        them inside ``sequence_layout`` of those sizes."""
         degree, me = self.context.config.sequence_degree, self.context.sequence_rank
         fields = type(tokens).SEQUENCE_FIELDS
         sizes = {
             name: split_sizes(getattr(tokens, name).shape[fields[name][1]], degree) for name in token_streams(tokens)
         }
-        self.attention.stream_sizes = sizes
         ranges = {stream: (sum(s[:me]), sum(s[: me + 1])) for stream, s in sizes.items()}
         return narrow_streams(tokens, ranges), sizes
 
@@ -343,5 +362,6 @@ class SequenceParallel(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         tokens, sizes = self.split(self.model.embed(*args, **kwargs))
-        out = self.model.head(self.model.run_blocks(tokens))
+        with sequence_layout(sizes):
+            out = self.model.head(self.model.run_blocks(tokens))
         return self.gather(out, sizes[type(tokens).OUTPUT_STREAM])
