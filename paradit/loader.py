@@ -1,6 +1,6 @@
 """Builds a rank's pipeline, the same way for one process, spawned workers and torchrun: the transformer built on
 the meta device, parallelized there, then only the tensors (and tensor-parallel slices) this rank keeps read or
-drawn; the prompt encoders and the VAE on the group's rank 0 alone.
+drawn; the prompt encoders on the group's rank 0 alone; the VAE on every rank (the group decodes together).
 """
 
 from __future__ import annotations
@@ -83,16 +83,17 @@ def load_pipeline(
     """This rank's pipeline in ``context``'s group (None: one process): its share of the transformer, with the
     execution options applied; the prompt encoders (placed as ``placement`` says) on rank 0 alone; the VAE."""
     options = options or ExecutionOptions()
-    pipeline = FAMILIES[spec.family].pipeline
-    transformer = load_transformer(FAMILIES[spec.family], spec, device, dtype, context, options.quantize)
-    transformer.forward = apply_execution_options(transformer, options, device)
+    family = FAMILIES[spec.family]
+    pipeline = family.pipeline
+    # The transformer, and the further ones the family runs (a low-noise expert; Engine.check_plan refused PipeFusion
+    # for those), each parallelized alike.
     experts = {}
-    for component, config in pipeline.expert_configs(spec).items():  # Engine.check_plan refused PipeFusion for these
-        expert_spec = dataclasses.replace(spec, transformer=config)
-        experts[component] = load_transformer(
-            FAMILIES[spec.family], expert_spec, device, dtype, context, options.quantize, component
-        )
-        experts[component].forward = apply_execution_options(experts[component], options, device)
+    for component, config in {"transformer": spec.transformer, **pipeline.expert_configs(spec)}.items():
+        component_spec = dataclasses.replace(spec, transformer=config)
+        loaded = load_transformer(family, component_spec, device, dtype, context, options.quantize, component)
+        loaded.forward = apply_execution_options(loaded, options, device)
+        experts[component] = loaded
+    transformer = experts.pop("transformer")
     dummy, prompt_encoder = spec.folder is None, None
     try:
         if context is None or context.is_leader:
