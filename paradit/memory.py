@@ -14,6 +14,7 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -130,18 +131,26 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     from paradit.parallel.pipefusion import stage_range
 
     family = FAMILIES[spec.family]
+    # The transformer and the further ones every rank keeps resident beside it (a low-noise expert).
+    configs = [spec.transformer, *family.pipeline.expert_configs(spec).values()]
     with torch.device("meta"):
-        transformer = family.pipeline.build_transformer(spec)
-    blocks = model_blocks(transformer)
-    # PipeFusion keeps only the first stage's blocks on rank 0; tensor parallelism divides them; FP8 halves their
-    # linears (one byte a weight, scales aside).
-    kept = blocks
-    if parallel.pipefusion > 1:
-        kept = [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
-    block_bytes = _bytes(kept, dtype)
-    if fp8:
-        block_bytes //= 2
-    transformer_bytes = (_bytes([transformer], dtype) - _bytes(blocks, dtype)) + block_bytes // parallel.tensor
+        models = [family.pipeline.build_transformer(dataclasses.replace(spec, transformer=c)) for c in configs]
+    transformer = models[0]
+
+    def rank0_blocks(model: nn.Module) -> list[nn.Module]:
+        """PipeFusion keeps only the first stage's blocks on rank 0."""
+        blocks = model_blocks(model)
+        if parallel.pipefusion == 1:
+            return blocks
+        return [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
+
+    # Tensor parallelism divides the kept blocks; FP8 halves their linears (one byte a weight, scales aside).
+    transformer_bytes = sum(
+        _bytes([model], dtype) - _bytes(model_blocks(model), dtype)
+        + _bytes(rank0_blocks(model), dtype) // (2 if fp8 else 1) // parallel.tensor
+        for model in models
+    )  # fmt: skip
+    kept = rank0_blocks(transformer)
     encoder = family.pipeline.load_prompt_encoder(spec, torch.device("meta"), dtype, dummy=True)
     vae = family.pipeline.load_vae(spec, torch.device("meta"), dtype, dummy=True)
     # The token width, from the attention projections (every family's blocks attend at the model width); a family

@@ -4,6 +4,7 @@ is refused with its numbers before anything loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -154,3 +155,12 @@ def test_an_unknown_placement_is_refused_naming_the_allowed_ones(capsys):
     error = capsys.readouterr().err
     assert "--text-encoder-placement: invalid choice: 'disk'" in error
     assert all(name in error for name in ("auto", "gpu", "fp8", "offload"))
+
+
+def test_both_experts_of_a_two_expert_model_are_counted():
+    """Wan 2.2 A14B keeps its high- and low-noise experts resident on every rank: the estimate holds both."""
+    spec = PRESETS["wan2.2-t2v-a14b"]
+    both = estimate(spec, ParallelConfig(), torch.bfloat16, fp8=False).transformer
+    one = estimate(dataclasses.replace(spec, extra={**spec.extra, "transformer_2": None}), ParallelConfig(),
+                   torch.bfloat16, fp8=False).transformer  # fmt: skip
+    assert both == 2 * one and one == 14_288_491_584 * 2  # the published expert's parameters, in bf16
