@@ -180,11 +180,11 @@ def output_paths(out: str, count: int) -> list[Path]:
     return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
 
 
-def save_images(result, paths: list[Path], metadata: dict[str, str]) -> None:
+def save_images(images: list, paths: list[Path], metadata: dict[str, str]) -> None:
     """Each image in the format its extension names; PNGs carry ``metadata`` as text chunks."""
     from PIL.PngImagePlugin import PngInfo
 
-    for path, image in zip(paths, result.images):
+    for path, image in zip(paths, images):
         path.parent.mkdir(parents=True, exist_ok=True)
         kind = IMAGE_FORMATS[path.suffix.lower()]
         if kind == "PNG":
@@ -293,14 +293,12 @@ def run_generate(args: argparse.Namespace) -> int:
     }  # fmt: skip
     metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
     if result.is_video:  # each video's frames into a folder named after its file: x.png -> x/0000.png, ...
-        folders = [path.with_suffix("") for path in paths]
+        suffix, folders = paths[0].suffix, [path.with_suffix("") for path in paths]
         for folder, frames in zip(folders, result.frames):
-            folder.mkdir(parents=True, exist_ok=True)
-            for index, frame in enumerate(frames):
-                frame.save(folder / f"{index:04d}{paths[0].suffix}", format=IMAGE_FORMATS[paths[0].suffix.lower()])
+            save_images(frames, [folder / f"{i:04d}{suffix}" for i in range(len(frames))], metadata)
         paths = folders
     else:
-        save_images(result, paths, metadata)
+        save_images(result.images, paths, metadata)
     print(format_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))
     code, comparison = 0, None
