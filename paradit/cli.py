@@ -74,6 +74,7 @@ def seed(text: str) -> int | None:
 
 
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+VIDEO_SUFFIX = ".mp4"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,12 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=seed, default=0, help="a 64-bit seed, or 'random'")
     gen.add_argument("--images-per-prompt", type=int, default=1)
     gen.add_argument("--frames", type=int, help="video models: frames per video, 4k+1 (default: the model's)")
+    gen.add_argument("--fps", type=positive, help="video models: frames per second of the MP4 (default: the model's)")
+    gen.add_argument("--image", help="image-to-video models: the first frame (resized to the video's size)")
     gen.add_argument("--guidance-2", type=finite, help="models with a low-noise expert: its guidance scale")
     gen.add_argument(
         "--out",
-        default="out/paradit.png",
-        help=f"image path, its format from the extension ({', '.join(IMAGE_FORMATS)}); with several images, _N is "
-        "appended to the name",
+        help=f"image path, its format from the extension ({', '.join(IMAGE_FORMATS)}); a video's: {VIDEO_SUFFIX} "
+        "(H.264), or a folder (or an image extension: x.png -> x/) for one image per frame; with several images or "
+        "videos, _N is appended to the name (default: out/paradit.png, out/paradit.mp4 for video models)",
     )
     gen.add_argument("--json", help="also write the closing table, the seed and the plan to this JSON file")
     gen.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
@@ -162,13 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def output_paths(out: str, count: int) -> list[Path]:
-    """The files ``--out`` names, checked before anything runs: a known image extension, a writable folder."""
+def output_paths(out: str, count: int, video: bool = False) -> list[Path]:
+    """The files ``--out`` names, checked before anything runs: a known image extension (or for a video, .mp4, an
+    image extension or a folder, which hold its frames), a writable folder."""
     path = Path(out)
-    if out.endswith(("/", os.sep)) or path.is_dir():
+    is_folder = out.endswith(("/", os.sep)) or path.is_dir()
+    if is_folder and not video:
         raise InvalidRequest(f"--out {out} is a folder; give a file name ending in {', '.join(IMAGE_FORMATS)}")
-    if path.suffix.lower() not in IMAGE_FORMATS:
-        raise InvalidRequest(f"--out {out} has no image extension; end it in one of {', '.join(IMAGE_FORMATS)}")
+    if path.suffix.lower() == VIDEO_SUFFIX and not video:
+        allowed = ", ".join(IMAGE_FORMATS)
+        raise InvalidRequest(f"--out {out} names a video; this model makes images: end it in {allowed}")
+    if not is_folder and path.suffix.lower() not in {*IMAGE_FORMATS, *([VIDEO_SUFFIX] if video else [])}:
+        allowed = ", ".join([VIDEO_SUFFIX, *IMAGE_FORMATS]) + " or a folder" if video else ", ".join(IMAGE_FORMATS)
+        raise InvalidRequest(f"--out {out} has no {'video' if video else 'image'} extension; end it in {allowed}")
     folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
     try:  # a file made and removed there: permissions, read-only mounts and pseudo file systems all answer
         with tempfile.TemporaryFile(dir=folder):
@@ -177,6 +186,8 @@ def output_paths(out: str, count: int) -> list[Path]:
         raise InvalidRequest(f"--out {out}: {folder} is not a folder paradit can write to") from None
     if count == 1:
         return [path]
+    if is_folder:
+        return [path / str(i) for i in range(count)]
     return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
 
 
@@ -194,6 +205,35 @@ def save_images(images: list, paths: list[Path], metadata: dict[str, str]) -> No
             image.save(path, format=kind, pnginfo=info)
         else:  # PIL's default quality (75) visibly blurs generated detail
             image.save(path, format=kind, quality=95)
+
+
+def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: dict[str, str]) -> list[Path]:
+    """Each video as an MP4, or its frames into a folder (``x.png`` -> ``x/0000.png``, ``x/`` -> ``x/0000.png``);
+    returns what was written."""
+    from paradit.video import write_mp4
+
+    written = []
+    for path, frames in zip(paths, videos):
+        if path.suffix.lower() == VIDEO_SUFFIX:
+            write_mp4(frames, path, fps, metadata)
+            written.append(path)
+            continue
+        suffix = path.suffix if path.suffix.lower() in IMAGE_FORMATS else ".png"
+        folder = path.with_suffix("") if path.suffix.lower() in IMAGE_FORMATS else path
+        save_images(frames, [folder / f"{i:04d}{suffix}" for i in range(len(frames))], metadata)
+        written.append(folder)
+    return written
+
+
+def read_image(path: str):
+    """``--image``'s picture, refused with the reason when it cannot be read as one."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError) as exc:
+        raise InvalidRequest(f"--image {path} cannot be read as an image ({exc.__class__.__name__}: {exc})") from None
 
 
 def table_rows(result) -> list[tuple[str, str]]:
@@ -254,9 +294,13 @@ def run_generate(args: argparse.Namespace) -> int:
         transformers.utils.logging.disable_progress_bar()
         diffusers.utils.logging.disable_progress_bar()
 
+    from paradit.families import FAMILIES
+
     prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
-    paths = output_paths(args.out, len(args.prompt) * args.images_per_prompt)
     spec = resolve_model(args.model, args.load_format, args.allow_pickle)
+    video = FAMILIES[spec.family].pipeline.VIDEO
+    out = args.out or ("out/paradit.mp4" if video else "out/paradit.png")
+    paths = output_paths(out, len(args.prompt) * args.images_per_prompt, video)
     request = GenerationRequest(
         prompt=prompts,
         negative_prompt=args.negative_prompt,
@@ -268,6 +312,8 @@ def run_generate(args: argparse.Namespace) -> int:
         num_images_per_prompt=args.images_per_prompt,
         frames=args.frames,
         guidance_2=args.guidance_2,
+        image=None if args.image is None else read_image(args.image),
+        fps=args.fps,
     )
     parallel = parallel_plan(args, spec, request)
     if args.gpus is not None and args.gpus != parallel.world_size:  # the flags disagree: say which plans fit --gpus
@@ -291,12 +337,11 @@ def run_generate(args: argparse.Namespace) -> int:
         "model": spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
         "software": f"paradit {__version__}",
     }  # fmt: skip
+    if result.is_video:
+        settings.update(frames=resolved.frames, fps=resolved.fps, image=args.image)
     metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
-    if result.is_video:  # each video's frames into a folder named after its file: x.png -> x/0000.png, ...
-        suffix, folders = paths[0].suffix, [path.with_suffix("") for path in paths]
-        for folder, frames in zip(folders, result.frames):
-            save_images(frames, [folder / f"{i:04d}{suffix}" for i in range(len(frames))], metadata)
-        paths = folders
+    if result.is_video:
+        paths = save_videos(result.frames, paths, resolved.fps, metadata)
     else:
         save_images(result.images, paths, metadata)
     print(format_table(result))

@@ -25,6 +25,8 @@ class GenerationRequest:
     num_images_per_prompt: int = 1
     frames: int | None = None  # video models: frames per video (the model's default when unset)
     guidance_2: float | None = None  # models with a low-noise expert: its guidance (diffusers' guidance_scale_2)
+    image: Image.Image | None = None  # image-to-video: the first frame to animate (resized and cropped to the size)
+    fps: int | None = None  # video models: frames per second of the written file (the model's default when unset)
 
     @property
     def prompts(self) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ from paradit.parallel.patch_loop import BandMask, denoise_by_patches
 from paradit.parallel.pipefusion import PipeFusion
 from paradit.parallel.sequence import SequenceParallel
 from paradit.parallel.tensor import TensorPlan, check_tensor_plan, parallelize_tensor
-from paradit.parallel.vae import parallel_decode
+from paradit.parallel.vae import parallel_decode, parallel_encode
 from paradit.weights import TensorSlice
 
 # predict(latents, t, transformer) -> the (guided) noise prediction, calling ``transformer`` like the model.
@@ -76,12 +77,17 @@ def plain_vae_decode(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     return vae.decode(latents, return_dict=False)[0]
 
 
+def plain_vae_encode(vae: nn.Module, images: torch.Tensor):
+    return vae.encode(images).latent_dist
+
+
 @dataclass
 class Parallelized:
     """A model with its parallelism applied: ``model`` is the plain model, parallelized in place (what FP8 and
     compilation act on); ``forward`` is what to call in its place; ``slices`` the part of each sharded tensor this
-    rank loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop; ``vae_decode``
-    how the VAE decodes (the whole group together, each rank a band, when there is a group)."""
+    rank loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop; ``vae_decode`` and
+    ``vae_encode`` how the VAE decodes and encodes (the whole group together, each rank a band, when there is a
+    group; encode returns the latent distribution)."""
 
     model: nn.Module
     forward: nn.Module
@@ -89,6 +95,7 @@ class Parallelized:
     branches: BatchedBranches | SplitBranches = field(default_factory=BatchedBranches)
     loop: DenoiseLoop = field(default_factory=DenoiseLoop)
     vae_decode: Callable[[nn.Module, torch.Tensor], torch.Tensor] = plain_vae_decode
+    vae_encode: Callable[[nn.Module, torch.Tensor], Any] = plain_vae_encode
 
 
 def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: ParallelContext | None) -> Parallelized:
@@ -105,5 +112,6 @@ def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: Paral
     if config.pipefusion > 1:
         forward = PipeFusion(model, context, sequence)
         loop = PipeFusionLoop(forward)
-    # Every rank ends the loop with the same latents: the whole group decodes them, a band each (exact).
-    return Parallelized(model, forward, slices, guidance_branches(context), loop, parallel_decode)
+    # Every rank ends the loop with the same latents: the whole group decodes them, a band each (exact); likewise
+    # every rank has the request's images and encodes them with the group.
+    return Parallelized(model, forward, slices, guidance_branches(context), loop, parallel_decode, parallel_encode)

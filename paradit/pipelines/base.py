@@ -13,7 +13,7 @@ import resource
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from paradit.parallel.parallelize import NoisePredictor, Parallelized
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.spec import ModelSpec
 from paradit.weights import component_dir
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 class StepClock:
@@ -89,6 +92,8 @@ class ResolvedRequest:
     images_per_prompt: int
     frames: int | None = None  # video families: frames per video
     guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
+    image: Image.Image | None = None  # image-to-video families: the first frame, RGB
+    fps: int | None = None  # video families: frames per second of the written file
 
     @property
     def batch(self) -> int:
@@ -287,6 +292,10 @@ class DiffusionPipeline(ABC):
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """``self.vae.decode(latents)``'s sample, computed by the whole group when there is one."""
         return self.parallelized.vae_decode(self.vae, latents)
+
+    def vae_encode(self, images: torch.Tensor):
+        """``self.vae.encode(images).latent_dist``, computed by the whole group when there is one."""
+        return self.parallelized.vae_encode(self.vae, images)
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
         return self.resolve_request(self.spec, request)

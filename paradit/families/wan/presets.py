@@ -1,6 +1,7 @@
-"""Wan 2.2 presets: T2V-A14B (two 14B experts, high-noise then low-noise, switched at ``boundary_ratio``) and
-TI2V-5B (one transformer, per-token timesteps, the 2.2 VAE), with the umT5-XXL prompt encoder, the schedulers as
-published, and a tiny model for tests.
+"""Wan 2.2 presets: T2V-A14B (two 14B experts, high-noise then low-noise, switched at ``boundary_ratio``), I2V-A14B
+(the same with the image's latents as extra input channels), and TI2V-5B (one transformer, per-token timesteps, the
+2.2 VAE; text or text and image), with the umT5-XXL prompt encoder, the schedulers as published, and a tiny model for
+tests.
 
 Must not import torch.distributed.
 """
@@ -44,6 +45,8 @@ A14B_TRANSFORMER: dict[str, Any] = {
     "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "image_dim": None,
     "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None,
 }  # fmt: skip
+# Wan-AI/Wan2.2-I2V-A14B-Diffusers': 16 noise channels, 4 first-frame mask channels, 16 image-latent channels in.
+I2V_A14B_TRANSFORMER: dict[str, Any] = {**A14B_TRANSFORMER, "in_channels": 36}
 TI2V_5B_TRANSFORMER: dict[str, Any] = {
     **A14B_TRANSFORMER, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48, "ffn_dim": 14336,
     "num_layers": 30,
@@ -98,9 +101,26 @@ WAN_PRESETS: list[ModelSpec] = [
         extra=expert_extra(0.875, A14B_TRANSFORMER, False, frames=81, fps=16, guidance_2=3.0),
     ),
     ModelSpec(
+        name="wan2.2-i2v-a14b",
+        family="wan",
+        description="Wan 2.2 I2V-A14B image-to-video (--image): two 14B experts (high-noise, low-noise); umT5-XXL",
+        transformer=I2V_A14B_TRANSFORMER,
+        text_encoder=WanTextEncoder(UMT5_XXL),
+        vae=WAN21_VAE,
+        scheduler={**UNIPC_FLOW, "flow_shift": 5.0},
+        guidance_mode="cfg",
+        steps=40,
+        guidance=3.5,
+        height=720,
+        width=1280,
+        hub_id="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+        extra=expert_extra(0.9, I2V_A14B_TRANSFORMER, False, frames=81, fps=16, guidance_2=3.5),
+    ),
+    ModelSpec(
         name="wan2.2-ti2v-5b",
         family="wan",
-        description="Wan 2.2 TI2V-5B text-to-video: one 5B transformer, the 2.2 VAE (4x16x16); umT5-XXL",
+        description="Wan 2.2 TI2V-5B text-to-video, or image-to-video with --image: one 5B transformer, the 2.2 VAE "
+        "(4x16x16); umT5-XXL",
         transformer=TI2V_5B_TRANSFORMER,
         text_encoder=WanTextEncoder(UMT5_XXL),
         vae=WAN22_VAE,
