@@ -161,7 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quant.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the layers kept unquantized")
 
-    commands.add_parser("models", help="list the model presets")
+    models = commands.add_parser("models", help="list the model presets, or with --local the checkpoints on disk")
+    models.add_argument("--local", action="store_true", help="list the pipelines in the hub cache, with their sizes")
+    models.add_argument(
+        "--dir", action="append", default=[], help="a checkpoint folder, or a folder of them, to list (implies --local)"
+    )
+
+    down = commands.add_parser(
+        "download", help="fetch a checkpoint from the Hugging Face hub: only the files paradit reads"
+    )
+    down.add_argument("model", help="preset name or hub id (org/name)")
+    down.add_argument("--dir", help="the checkpoint folder to write (default: the hub cache, where --model finds it)")
     return parser
 
 
@@ -391,6 +401,20 @@ def run_models() -> int:
     return 0
 
 
+def run_local_models(folders: list[str]) -> int:
+    from paradit.download import format_local_models, local_models
+
+    print(format_local_models(local_models(folders)))
+    return 0
+
+
+def run_download(args: argparse.Namespace) -> int:
+    from paradit.download import download
+
+    download(args.model, args.dir)
+    return 0
+
+
 def run_quantize(args: argparse.Namespace) -> int:
     from paradit.engine import DTYPES, resolve_model
     from paradit.quantize import write_fp8_checkpoint
@@ -428,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             return 2
         if args.command == "models":
-            return run_models()
+            return run_local_models(args.dir) if args.local or args.dir else run_models()
+        if args.command == "download":
+            return run_download(args)
         if args.command == "quantize":
             return run_quantize(args)
         return run_generate(args)

@@ -42,11 +42,14 @@ def resolve_checkpoint(model: str) -> Path:
         return path
     if model.count("/") != 1 or path.exists() or model.startswith((".", "/", "~")):
         raise CheckpointError(f"checkpoint folder {model!r} does not exist")
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
-    try:
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    from paradit.download import MODEL_INDEX, pipeline_patterns
+
+    try:  # the files `paradit download` fetches, so that a downloaded checkpoint is complete offline too
+        allow, ignore = pipeline_patterns(read_json(Path(hf_hub_download(model, MODEL_INDEX))))
+        return Path(snapshot_download(model, allow_patterns=allow, ignore_patterns=ignore))
     except LocalEntryNotFoundError as exc:
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
         raise CheckpointError(f"{model!r} is not a local folder and is not in the hub cache, and {reason}") from exc

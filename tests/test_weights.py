@@ -183,12 +183,13 @@ def test_resolve_hub_id_offline_names_hf_hub_offline(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("error_cls", [hf_errors.RepositoryNotFoundError, hf_errors.GatedRepoError])
 def test_resolve_unknown_or_gated_hub_id_is_checkpoint_error(monkeypatch, error_cls):
-    # What snapshot_download raises online for a misspelt repo, or a gated one (FLUX.2-dev) without a token.
-    def refuse(repo_id, **kwargs):
+    # What the hub's downloads raise online for a misspelt repo, or a gated one (FLUX.2-dev) without a token.
+    def refuse(repo_id, *args, **kwargs):
         error = error_cls.__new__(error_cls)  # skip __init__, which wants a live HTTP response
         Exception.__init__(error, f"401 Client Error: repository {repo_id} is gated or does not exist")
         raise error
 
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
     with pytest.raises(CheckpointError, match="org/name"):
         resolve_checkpoint("org/name")

@@ -1,0 +1,280 @@
+"""Checkpoints from the Hugging Face hub: ``paradit download`` and ``paradit models --local``.
+
+A download fetches only what paradit's loader reads: ``model_index.json`` and, in each component folder it lists,
+the configs, the default-variant safetensors weights and the tokenizer files. Published repositories also carry
+single-file checkpoints at their root, pickle and ONNX/Flax copies and fp16 variants, often more bytes than the
+pipeline itself; those are skipped. huggingface_hub does the transfers (the token from ``HF_TOKEN`` or a prior
+``hf auth login``; files already on disk are not fetched again; a connection cut mid-file resumes with a Range
+request); this module picks the files, checks the free disk space first and turns hub errors into one line.
+
+Light on imports (no torch): the CLI answers at once. Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from paradit.errors import ParaditError
+from paradit.families import PRESETS
+
+MODEL_INDEX = "model_index.json"
+# What the loader opens in a component folder: configs and weight indexes (.json), weights (.safetensors), and the
+# tokenizers' vocabularies and merges (.txt), SentencePiece models (.model) and chat templates (.jinja).
+READ_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja")
+# Not read even so: files in sub-folders of a component (onnx/, ...), weight variants (``name.fp16.safetensors``,
+# ``name.fp16-00001-of-00002.safetensors``, ``name.safetensors.index.fp16.json``) and indexes of pickle weights.
+NOT_READ = ["*/*/*", "*.*.safetensors", "*.index.*.json", "*.bin.index.json"]
+
+
+class DownloadError(ParaditError):
+    """A download that cannot start or did not finish: gated or missing repository, no space, hub unreachable."""
+
+
+def pipeline_patterns(model_index: dict) -> tuple[list[str], list[str]]:
+    """The allow and ignore patterns (huggingface_hub's ``allow_patterns``/``ignore_patterns``) that select the files
+    the loader reads of a pipeline whose ``model_index.json`` is ``model_index``: every component it lists, as
+    ``paradit.weights.check_components`` expects them."""
+    components = [
+        name
+        for name, entry in model_index.items()
+        if not name.startswith("_") and isinstance(entry, list) and None not in entry
+    ]
+    allow = [MODEL_INDEX, *(f"{name}/*{suffix}" for name in components for suffix in READ_SUFFIXES)]
+    return allow, NOT_READ
+
+
+def hub_id(model: str) -> str:
+    """The hub repository of a preset, or ``model`` itself when it is a hub id (org/name)."""
+    if model in PRESETS:
+        if PRESETS[model].hub_id is None:
+            raise DownloadError(f"{model} has random weights only: there is no checkpoint to download")
+        return PRESETS[model].hub_id
+    if Path(model).expanduser().exists():
+        raise DownloadError(f"{model} is on disk already: give a preset or a hub id (org/name) to download")
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return model
+    published = ", ".join(name for name, spec in PRESETS.items() if spec.hub_id is not None)
+    raise DownloadError(f"{model!r} is neither a preset with a checkpoint ({published}) nor a hub id (org/name)")
+
+
+def count_files(files: dict) -> str:
+    return f"{len(files)} file{'' if len(files) == 1 else 's'} ({human_size(sum(files.values()))})"
+
+
+def human_size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    return f"{size:.2f} TiB"
+
+
+@dataclass(frozen=True)
+class DownloadPlan:
+    """What a download of ``repo_id`` into ``local_dir`` (None: the hub cache) reads, skips and still has to fetch,
+    each file with its size in bytes."""
+
+    repo_id: str
+    local_dir: Path | None
+    allow: list[str]
+    ignore: list[str]
+    reads: dict[str, int]
+    skips: dict[str, int]
+    to_fetch: dict[str, int]
+
+    @property
+    def target(self) -> Path:
+        from huggingface_hub import constants
+
+        return self.local_dir if self.local_dir is not None else Path(constants.HF_HUB_CACHE)
+
+    def summary(self) -> str:
+        lines = [f"{self.repo_id}: {count_files(self.reads)} the pipeline reads; skipping {count_files(self.skips)}"]
+        if self.to_fetch:
+            free = human_size(free_bytes(self.target))
+            lines.append(f"fetching {count_files(self.to_fetch)} into {self.target} ({free} free)")
+        else:
+            lines.append(f"all of them are already in {self.target}")
+        return "\n".join(lines)
+
+
+class Quiet(tqdm):
+    """No bar: a dry run's bars would show a download that does not happen."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "disable": True})
+
+
+def free_bytes(folder: Path) -> int:
+    """Free space on the disk that holds ``folder``, or will once it is created."""
+    existing = next(path for path in [folder, *folder.parents] if path.exists())
+    return shutil.disk_usage(existing).free
+
+
+@contextmanager
+def hub_errors(repo_id: str) -> Iterator[None]:
+    """huggingface_hub's errors as one line that says what to do."""
+    import httpx2
+    from huggingface_hub import constants, get_token
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    page = f"{constants.ENDPOINT}/{repo_id}"
+    try:
+        yield
+    except GatedRepoError:
+        if get_token() is None:
+            raise DownloadError(
+                f"{repo_id} is gated: accept its licence at {page}, then log in (`hf auth login`) or set HF_TOKEN"
+            ) from None
+        raise DownloadError(f"{repo_id} is gated and this token has no access yet: request it at {page}") from None
+    except RepositoryNotFoundError:
+        raise DownloadError(
+            f"no model {repo_id} on the hub ({page}); if it is private, log in (`hf auth login`) or set HF_TOKEN"
+        ) from None
+    except RemoteEntryNotFoundError:
+        raise DownloadError(f"{repo_id} has no {MODEL_INDEX}: it is not a diffusers pipeline paradit loads") from None
+    except HfHubHTTPError as exc:
+        reason = str(exc).strip().splitlines()[0]
+        raise DownloadError(f"the hub answered {exc.response.status_code} for {repo_id}: {reason}") from None
+    except (LocalEntryNotFoundError, httpx2.TransportError) as exc:
+        raise DownloadError(f"could not reach the hub at {constants.ENDPOINT} ({type(exc).__name__})") from None
+    except OSError as exc:  # the target folder: not writable, or the disk filled up during the download
+        raise DownloadError(f"cannot write {exc.filename or 'the download'}: {exc.strerror or exc}") from None
+
+
+def plan_download(repo_id: str, local_dir: Path | None = None) -> DownloadPlan:
+    """Fetches ``model_index.json`` (it names the components) and lists the repository, to say which files the
+    pipeline reads and which of them are not on disk yet."""
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import filter_repo_objects
+
+    if constants.is_offline_mode():
+        raise DownloadError("HF_HUB_OFFLINE is set: unset it to download from the hub")
+    with hub_errors(repo_id):
+        index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, local_dir=local_dir))
+        try:
+            model_index = json.loads(index_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DownloadError(f"{repo_id}'s {MODEL_INDEX} is not valid JSON ({exc})") from None
+        if not isinstance(model_index, dict):
+            raise DownloadError(f"{repo_id}'s {MODEL_INDEX} holds a JSON {type(model_index).__name__}, not an object")
+        allow, ignore = pipeline_patterns(model_index)
+        sizes = {
+            entry.path: entry.size
+            for entry in HfApi().list_repo_tree(repo_id, recursive=True)
+            if isinstance(entry, RepoFile)
+        }
+        reads = set(filter_repo_objects(sizes, allow_patterns=allow, ignore_patterns=ignore))
+        preview = snapshot_download(
+            repo_id, allow_patterns=allow, ignore_patterns=ignore, local_dir=local_dir, dry_run=True, tqdm_class=Quiet
+        )
+    return DownloadPlan(
+        repo_id=repo_id,
+        local_dir=local_dir,
+        allow=allow,
+        ignore=ignore,
+        reads={path: size for path, size in sizes.items() if path in reads},
+        skips={path: size for path, size in sizes.items() if path not in reads},
+        to_fetch={file.filename: sizes[file.filename] for file in preview if file.will_download},
+    )
+
+
+def check_free_space(plan: DownloadPlan) -> None:
+    needed, free = sum(plan.to_fetch.values()), free_bytes(plan.target)
+    if needed > free:
+        raise DownloadError(
+            f"not enough disk space for {plan.repo_id}: {human_size(needed)} to fetch into {plan.target}, "
+            f"{human_size(free)} free there; make room or choose another disk with --dir"
+        )
+
+
+def fetch(plan: DownloadPlan) -> Path:
+    """The files the plan selects, fetched (those on disk are kept); the checkpoint folder."""
+    from huggingface_hub import snapshot_download
+
+    with hub_errors(plan.repo_id):
+        return Path(
+            snapshot_download(
+                plan.repo_id, allow_patterns=plan.allow, ignore_patterns=plan.ignore, local_dir=plan.local_dir
+            )
+        )
+
+
+def download(model: str, local_dir: str | Path | None = None) -> Path:
+    """``paradit download``: the checkpoint of a preset or hub id, into ``local_dir`` or the hub cache (where
+    ``--model <preset or hub id>`` finds it), after checking the disk has room for it."""
+    repo_id = hub_id(model)
+    plan = plan_download(repo_id, None if local_dir is None else Path(local_dir).expanduser().resolve())
+    print(plan.summary(), flush=True)
+    check_free_space(plan)
+    folder = fetch(plan)
+    print(f"{folder}: run it with --model {local_dir if local_dir is not None else model}")
+    return folder
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A checkpoint on disk: ``name`` is what ``--model`` takes for it (a preset, a hub id or the folder)."""
+
+    name: str
+    size: int
+    path: Path
+
+
+def local_models(folders: Sequence[str | Path] = ()) -> list[LocalModel]:
+    """The pipelines in the hub cache, then the checkpoint folders among ``folders`` and their sub-folders."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    presets = {spec.hub_id: name for name, spec in PRESETS.items() if spec.hub_id is not None}
+    try:
+        repos = sorted(scan_cache_dir().repos, key=lambda repo: repo.repo_id)
+    except CacheNotFound:
+        repos = []
+    found = [
+        LocalModel(presets.get(repo.repo_id, repo.repo_id), repo.size_on_disk, repo.repo_path)
+        for repo in repos
+        if repo.repo_type == "model"
+        and any((revision.snapshot_path / MODEL_INDEX).is_file() for revision in repo.revisions)
+    ]
+    for folder in map(Path, folders):
+        if not folder.is_dir():
+            raise DownloadError(f"--dir {folder} is not a folder")
+        checkpoints = [folder] if (folder / MODEL_INDEX).is_file() else sorted(folder.iterdir())
+        for checkpoint in checkpoints:
+            if (checkpoint / MODEL_INDEX).is_file():
+                found.append(LocalModel(str(checkpoint), checkpoint_bytes(checkpoint), checkpoint))
+    return found
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """The size of a checkpoint folder's files, without hidden ones (huggingface_hub's ``.cache/``, ``.git/``)."""
+    files = (path for path in folder.rglob("*") if path.is_file())
+    return sum(
+        path.stat().st_size
+        for path in files
+        if not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
+
+
+def format_local_models(models: list[LocalModel]) -> str:
+    from huggingface_hub import constants
+
+    if not models:
+        return f"no checkpoints on disk (hub cache: {constants.HF_HUB_CACHE})"
+    width = max(len(model.name) for model in models)
+    return "\n".join(f"{model.name:<{width}}  {human_size(model.size):>10}  {model.path}" for model in models)
