@@ -1,6 +1,6 @@
 """Tensor parallelism equals one process: every planned family's transformer sharded at T = 2 and 4 (and T x Ulysses,
-T x Ring) on gloo, whole requests through the Engine (T, CFG x T) and the CLI, and the refusals of what cannot be
-sharded."""
+T x Ring) on gloo (Wan's Q/K norms over all heads included), whole requests through the Engine (T, CFG x T) and the
+CLI, and the refusals of what cannot be sharded."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from paradit.families import FAMILIES as REGISTRY
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
 from paradit.families.sd3.model import SD3Config, SD3Transformer
+from paradit.families.wan.model import WanConfig, WanTransformer
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
@@ -31,6 +32,7 @@ from tests.distributed import run_on_processes
 from tests.test_flux2_reference import transformer_inputs as flux2_inputs
 from tests.test_qwen_image import transformer_inputs as qwen_inputs
 from tests.test_sd3 import transformer_inputs as sd3_inputs
+from tests.test_wan_model import TEXT_DIM, first_frame_timesteps, tiny_config
 from tests.test_zimage import caption_batch
 from tests.test_zimage import transformer_inputs as zimage_inputs
 
@@ -84,12 +86,27 @@ def _zimage():
     return model, cases
 
 
+def _wan():
+    # ffn_dim 40 and 4 heads of 12: both divide by T = 2 and 4. One timestep per sample, and TI2V's one per token.
+    torch.manual_seed(0)
+    config = WanConfig.from_dict(tiny_config(16, 16, heads=HEADS, head_dim=12))
+    model = WanTransformer(config)
+    randomize(model, std=0.1)
+    gen = torch.Generator().manual_seed(1)
+    latents = torch.randn(2, 16, 3, 6, 10, generator=gen)
+    text = torch.randn(2, TEXT, TEXT_DIM, generator=gen)
+    timesteps = torch.tensor([937.0, 281.5])
+    per_token = first_frame_timesteps(config.token_grid(3, 6, 10), timesteps)
+    return model, {"batch 2": (latents, timesteps, text), "batch 2 per token": (latents, per_token, text)}
+
+
 FAMILIES = {
     "FLUX.2": lambda: _flux2(guidance=False),
     "FLUX.2 guidance": lambda: _flux2(guidance=True),
     "Qwen-Image": _qwen_image,
     "SD3.5": _sd3,
     "Z-Image": _zimage,
+    "Wan": _wan,
 }
 
 
@@ -100,6 +117,7 @@ REGISTERED = {
     "Qwen-Image": "qwen_image",
     "SD3.5": "sd3",
     "Z-Image": "zimage",
+    "Wan": "wan",
 }
 
 

@@ -113,12 +113,12 @@ def _generate_in_group(folder: str, layout: str, plans: list[ParallelConfig]) ->
 
 
 @pytest.mark.parametrize("layout,plans", [
-    ("i2v", [ParallelConfig(), ParallelConfig(ulysses=2), ParallelConfig(cfg=2, ring=2)]),
+    ("i2v", [ParallelConfig(), ParallelConfig(ulysses=2), ParallelConfig(cfg=2, ring=2), ParallelConfig(tensor=2)]),
     ("ti2v", [ParallelConfig(), ParallelConfig(ring=3)]),
 ])  # fmt: skip
 def test_parallel_plans_equal_one_process(tmp_path, layout, plans):
-    """The group encodes the image together (a band of rows each) and runs the sequence split over the conditioned
-    latents: the frames equal one process's (relative L2 <= 1e-5)."""
+    """The group encodes the image together (a band of rows each) and runs the sequence split (or the tensor shards)
+    over the conditioned latents: the frames equal one process's (relative L2 <= 1e-5)."""
     reference_checkpoint(tmp_path, layout)
     serial, *parallel = _generate_in_group(str(tmp_path), layout, plans)
     for plan, video in zip(plans[1:], parallel):

@@ -11,7 +11,9 @@ Megatron's pairing, applied to each attention and MLP of the repeated blocks:
 Packed layouts are sharded part by part, so that every rank holds matching slices: FLUX.2's single-block
 ``to_qkv_mlp_proj`` packs [q, k, v, MLP gate, MLP up] and its ``to_out`` reads [attention, MLP]; its
 ``ff.linear_in`` packs [gate, up]. Everything else (embedders, modulation, norms, the output projection) stays
-replicated: it is small next to the blocks, and every rank needs its whole output.
+replicated: it is small next to the blocks, and every rank needs its whole output. The exception is a norm over the
+whole attention width that a column-parallel projection feeds (Wan's RMS norms on Q and K, one statistic across all
+heads): it keeps its slice of the weight, and its squared sums are added over the tensor group before the root.
 
 The models infer head counts from tensor shapes (``unflatten(-1, (-1, head_dim))``), so attention sees heads / T
 heads without change; the head and width counts attention modules store are divided here too, so that they describe
@@ -58,6 +60,8 @@ class TensorPlan:
     linears: dict[str, Shard]
     # module pattern -> attributes that count heads or features of the whole layer, divided by T after sharding
     local_attributes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # RMS norms (patterns) over the whole "attention" width, after a column-parallel projection
+    norms_across_heads: tuple[str, ...] = ()
 
 
 COLUMN = Shard("column")
@@ -89,6 +93,27 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = all_reduce_sum(self.linear(x), self.group, self.stats)
         return out if self.bias is None else out + self.bias
+
+
+class HeadShardedRMSNorm(nn.Module):
+    """An RMS norm over the whole attention width on a rank that holds a share of the heads: each token's squared sum
+    is added over the tensor group (one value per token on the wire) before the root is taken, then the rank's slice
+    of the weight applies. Computed as ``torch.nn.RMSNorm`` does: normalised in float32, rounded, then weighted. The
+    sharded norm stays the module that holds the weight (``norm``), where the loader finds it."""
+
+    def __init__(self, norm: nn.RMSNorm, width: int, context: ParallelContext) -> None:
+        super().__init__()
+        self.norm = norm
+        self.width = width
+        self.group = context.group("tensor")
+        self.stats = context.stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = x.float().square().sum(-1, keepdim=True)
+        mean = all_reduce_sum(squares, self.group, self.stats) / self.width
+        eps = torch.finfo(x.dtype).eps if self.norm.eps is None else self.norm.eps
+        out = (x.float() * torch.rsqrt(mean + eps)).to(x.dtype)
+        return out if self.norm.weight is None else out * self.norm.weight
 
 
 def check_tensor_plan(plan: TensorPlan | None, model: nn.Module, degree: int) -> TensorPlan:
@@ -132,6 +157,10 @@ def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) ->
                     slices[f"{name}.{leaf}"] = TensorSlice(0, offset, tuple(ranges))
             else:
                 slices[f"{name}.weight"] = TensorSlice(1, offset, tuple(ranges))
+    share = widths["attention"] // degree
+    for pattern in plan.norms_across_heads:
+        for name, _ in _matching(model, pattern):
+            slices[f"{name}.weight"] = TensorSlice(0, widths["attention"], ((rank * share, (rank + 1) * share),))
     return slices
 
 
@@ -142,6 +171,7 @@ def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelCont
     them with those slices."""
     degree = context.config.tensor
     slices = tensor_slices(plan, model, degree, context.local_rank("tensor"))
+    attention_width = plan.widths(model)["attention"]  # read before sharding changes the modules it reads
     for pattern, shard in plan.linears.items():
         for name, linear in _matching(model, pattern):
             for leaf, param in list(linear.named_parameters(recurse=False)):
@@ -157,4 +187,10 @@ def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelCont
         for _, module in _matching(model, pattern):
             for attribute in attributes:
                 setattr(module, attribute, getattr(module, attribute) // degree)
+    for pattern in plan.norms_across_heads:
+        for name, norm in _matching(model, pattern):
+            if norm.weight is not None:
+                norm.weight = nn.Parameter(slices[f"{name}.weight"].take(norm.weight), requires_grad=False)
+            owner_name, _, leaf = name.rpartition(".")
+            model.get_submodule(owner_name).register_module(leaf, HeadShardedRMSNorm(norm, attention_width, context))
     return slices
