@@ -73,6 +73,16 @@ def seed(text: str) -> int | None:
     return value
 
 
+def group_size(text: str) -> int | str:
+    """GPUs per serving group, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; give 1 or more, or auto") from None
+
+
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
 VIDEO_SUFFIX = ".mp4"
 
@@ -104,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         "videos, _N is appended to the name (default: out/paradit.png, out/paradit.mp4 for video models)",
     )
     gen.add_argument("--json", help="also write the closing table, the seed and the plan to this JSON file")
+    gen.add_argument(
+        "--server", help="send the request to a running `paradit serve` at this URL (http://host:port) instead"
+    )
+    gen.add_argument("--api-key", help="with --server: the server's API key (default: $PARADIT_API_KEY)")
     gen.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
     gen.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
     gen.add_argument(
@@ -114,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-pickle", action="store_true", help="load a checkpoint's pickle (.bin) weights: they can run code"
     )
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    gen.add_argument("--quantize", choices=["none", "fp8"], default="none", help="fp8: e4m3 linears (sm89+, MI300)")
+    gen.add_argument(
+        "--quantize", choices=["none", "fp8"], help="fp8: e4m3 linears (sm89+, MI300); default none, or the planner's"
+    )
     gen.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -122,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="regional torch.compile of the repeated blocks (default: on GPUs only)",
     )
     gen.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
+    gen.add_argument(
+        "--swap-experts", action="store_true",
+        help="models with two experts: one expert on the GPU, the other in pinned host memory, swapped at "
+        "the boundary (chosen by itself when --max-gpu-memory leaves no room for both)",
+    )  # fmt: skip
     par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
     par.add_argument("--gpus", type=positive, help="processes in the group; default: the product of the degrees")
     par.add_argument("--ulysses", type=positive, help="Ulysses (all-to-all over heads) degree")
@@ -129,11 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--cfg-parallel", action="store_true", help="guidance branches on the two halves of the group")
     par.add_argument("--tensor", type=positive, help="tensor parallel degree (weights and heads sharded; fast links)")
     par.add_argument(
-        "--comm-dtype", choices=["auto", "fp8"], default="auto", help="fp8: Ulysses/Ring traffic in FP8 with scales"
+        "--comm-dtype", choices=["auto", "fp8"], help="fp8: Ulysses/Ring traffic in FP8 with scales (default auto)"
     )
     par.add_argument("--pipefusion", type=positive, help="pipeline stages over the blocks (least traffic)")
-    par.add_argument("--patches", type=positive, default=1, help="pipefusion: image patches in flight per step")
-    par.add_argument("--warmup-steps", type=positive, default=1, help="pipefusion: exact steps before patching")
+    par.add_argument("--patches", type=positive, help="pipefusion: image patches in flight per step (default 1)")
+    par.add_argument("--warmup-steps", type=positive, help="pipefusion: exact steps before patching (default 1)")
     par.add_argument(
         "--max-gpu-memory", help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused"
     )
@@ -161,11 +182,63 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quant.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the layers kept unquantized")
 
+    planner = commands.add_parser(
+        "plan", help="rank every parallel plan for a model on N GPUs by predicted time, and say why the best wins",
+        formatter_class=_Help,
+    )  # fmt: skip
+    planner.add_argument("--model", default=DEFAULT_MODEL, help="preset name, checkpoint folder or hub id")
+    planner.add_argument("--gpus", type=positive, required=True)
+    planner.add_argument("--profile", help="hardware profile (default: this machine's, else h200-nvlink)")
+    planner.add_argument(
+        "--link", choices=["nvlink", "pcie", "measure"],
+        help="the profile's GPU with these links; measure: probe this machine's matmul, attention and collectives",
+    )  # fmt: skip
+    planner.add_argument("--gpu-memory", help="memory per GPU with its unit, e.g. 32GiB (default: the profile's)")
+    planner.add_argument("--size", help="WIDTHxHEIGHT (default: the model's)")
+    planner.add_argument("--frames", type=positive, help="video models: frames (default: the model's)")
+    planner.add_argument(
+        "--quantize", choices=["none", "fp8"], help="FP8 compute or not (default: bf16 unless nothing fits without FP8)"
+    )
+
     models = commands.add_parser("models", help="list the model presets, or with --local the checkpoints on disk")
     models.add_argument("--local", action="store_true", help="list the pipelines in the hub cache, with their sizes")
     models.add_argument(
         "--dir", action="append", default=[], help="a checkpoint folder, or a folder of them, to list (implies --local)"
     )
+
+    serve = commands.add_parser(
+        "serve", help="serve a model over HTTP: OpenAI's Images API, video jobs, metrics", formatter_class=_Help
+    )
+    serve.add_argument("--model", default=DEFAULT_MODEL, help="preset name, checkpoint folder or hub id")
+    serve.add_argument("--gpus", type=positive, default=1, help="GPUs to serve with (CPU processes with --device cpu)")
+    serve.add_argument(
+        "--group-size", type=group_size,
+        help="GPUs per group, each running the plan generate chooses for that many: --gpus (the default) splits each "
+        "request over all of them (lowest latency), 1 serves independent requests on each (most throughput); auto "
+        "chooses per batch from the queue (each GPU then holds the model twice)",
+    )  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` on every route but /health (default: $PARADIT_API_KEY)"
+    )
+    serve.add_argument(
+        "--max-batch", type=positive, default=1,
+        help="images per forward pass: queued requests of the same size, steps and guidance run together (more "
+        "throughput; a batched image can differ from the unbatched one in its last bits)",
+    )  # fmt: skip
+    serve.add_argument("--max-queue", type=positive, default=64, help="requests waiting; more get 429 (Retry-After)")
+    serve.add_argument("--timeout", type=positive, default=600, help="seconds a request may take, its wait included")
+    serve.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
+    serve.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    serve.add_argument("--load-format", choices=["auto", "dummy"], default="auto", help="dummy: random weights")
+    serve.add_argument("--quantize", choices=["none", "fp8"], default="none", help="fp8: e4m3 linears (sm89+, MI300)")
+    serve.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="regional torch.compile of the repeated blocks (default: on GPUs only)",
+    )  # fmt: skip
+    serve.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
+    serve.add_argument("--max-gpu-memory", help="per-GPU cap with its unit, e.g. 32GiB: a plan that cannot fit fails")
 
     down = commands.add_parser(
         "download", help="fetch a checkpoint from the Hugging Face hub: only the files paradit reads"
@@ -271,30 +344,72 @@ def format_table(result) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def parallel_plan(args: argparse.Namespace, spec, request) -> ParallelConfig:
-    """The plan the flags ask for: explicit degrees, or for ``--gpus N`` alone the default plan for N."""
+def explicit_plan(args: argparse.Namespace) -> bool:
+    degrees = (args.ulysses, args.ring, args.tensor, args.pipefusion)
+    return any(degree is not None for degree in degrees) or args.cfg_parallel
+
+
+def gpus_alone(args: argparse.Namespace) -> bool:
+    """``--gpus N`` without any parallel flag: the plan is paradit's to choose."""
+    return args.gpus is not None and not explicit_plan(args)
+
+
+def planned_settings(args: argparse.Namespace, spec, request):
+    """For ``--gpus N`` alone on a GPU the planner knows: the tuned configuration (or a plan for this request),
+    announced; None elsewhere, and whenever a parallel flag is given."""
+    from paradit.planner.choose import settings_for
+
+    planned = settings_for(spec, args.gpus, request, args.device) if gpus_alone(args) else None
+    if planned is not None:
+        print(f"paradit: {planned.origin}; parallel flags replace it")
+    return planned
+
+
+def parallel_plan(args: argparse.Namespace, spec, request, planned=None) -> ParallelConfig:
+    """The plan the flags ask for: explicit degrees, or for ``--gpus N`` alone the planned one (``planned``), else
+    the default plan for N."""
     from paradit.engine import default_plan_for
 
-    degrees = (args.ulysses, args.ring, args.tensor, args.pipefusion)
-    explicit = any(degree is not None for degree in degrees) or args.cfg_parallel
     plan = ParallelConfig()
-    if args.gpus is not None and not explicit:
-        plan = default_plan_for(spec, args.gpus, request)
-    if explicit:
+    if gpus_alone(args):
+        plan = planned.parallel if planned is not None else default_plan_for(spec, args.gpus, request, args.device)
+    if explicit_plan(args):
         plan = ParallelConfig(
             ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1, tensor=args.tensor or 1,
             pipefusion=args.pipefusion or 1,
         )  # fmt: skip
-    return dataclasses.replace(plan, comm_dtype=args.comm_dtype, patches=args.patches, warmup_steps=args.warmup_steps)
+    return dataclasses.replace(
+        plan, comm_dtype=args.comm_dtype or plan.comm_dtype, patches=args.patches or plan.patches,
+        warmup_steps=args.warmup_steps or plan.warmup_steps,
+    )  # fmt: skip
+
+
+def execution_settings(args: argparse.Namespace, planned=None):
+    """(ExecutionOptions, text encoder placement): the flags, with the planned settings where a flag is not given
+    (under --max-gpu-memory the engine places the encoders for that cap itself)."""
+    from paradit.optimize import ExecutionOptions
+
+    quantize = args.quantize or (planned.quantize if planned else "none")
+    cuda_graphs = args.cuda_graphs or (planned is not None and planned.cuda_graphs)
+    placement = args.text_encoder_placement
+    if planned is not None and placement == "auto" and args.max_gpu_memory is None:
+        placement = planned.text_encoder_placement
+    options = ExecutionOptions(
+        quantize=quantize, compile=args.compile, cuda_graphs=cuda_graphs, swap_experts=args.swap_experts
+    )  # fmt: skip
+    return options, placement
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.server is not None:
+        from paradit.serving.client import generate_remote
+
+        return generate_remote(args)
     if args.devices is not None:  # before torch sees the GPUs; spawned workers inherit it
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = args.devices
     if args.no_progress:  # spawned workers' transformers and diffusers read this when they are imported
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     from paradit.engine import Engine, resolve_model
-    from paradit.optimize import ExecutionOptions
     from paradit.request import GenerationRequest
 
     if args.no_progress:  # this process imported them already
@@ -325,16 +440,17 @@ def run_generate(args: argparse.Namespace) -> int:
         image=None if args.image is None else read_image(args.image),
         fps=args.fps,
     )
-    parallel = parallel_plan(args, spec, request)
+    planned = planned_settings(args, spec, request)
+    parallel = parallel_plan(args, spec, request, planned)
     if args.gpus is not None and args.gpus != parallel.world_size:  # the flags disagree: say which plans fit --gpus
         parallel.validate(args.gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
-    options = ExecutionOptions(quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs)
+    options, placement = execution_settings(args, planned)
     engine_args = dict(device=args.device, dtype=args.dtype, options=options)
     with Engine(
         spec,
         parallel=parallel,
         max_gpu_memory=args.max_gpu_memory,
-        text_encoder_placement=args.text_encoder_placement,
+        text_encoder_placement=placement,
         request=request,
         **engine_args,
     ) as engine:
@@ -415,6 +531,28 @@ def run_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from paradit.optimize import ExecutionOptions
+    from paradit.serving.launch import ServeSettings, serve
+
+    settings = ServeSettings(
+        model=args.model, gpus=args.gpus, group_size=args.group_size, device=args.device, dtype=args.dtype,
+        load_format=args.load_format, max_gpu_memory=args.max_gpu_memory, max_batch=args.max_batch,
+        max_queue=args.max_queue, timeout_s=args.timeout, api_key=args.api_key or os.environ.get("PARADIT_API_KEY"),
+        options=ExecutionOptions(quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs),
+    )  # fmt: skip
+    serve(settings, host=args.host, port=args.port)
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from paradit.planner.command import plan_text
+
+    print(plan_text(args.model, args.gpus, args.profile, args.link, args.gpu_memory, args.size, args.frames,
+                    args.quantize))  # fmt: skip
+    return 0
+
+
 def run_quantize(args: argparse.Namespace) -> int:
     from paradit.engine import DTYPES, resolve_model
     from paradit.quantize import write_fp8_checkpoint
@@ -457,6 +595,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_download(args)
         if args.command == "quantize":
             return run_quantize(args)
+        if args.command == "plan":
+            return run_plan(args)
+        if args.command == "serve":
+            return run_serve(args)
         return run_generate(args)
     except ParaditError as exc:
         print(f"paradit: error: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ Every check of a setting or a request is made here, once, before anything loads:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Literal
@@ -26,7 +27,7 @@ from paradit.quantize import PRESET_FILE, fp8_checkpoint_layers, spec_with_fp8_t
 from paradit.request import GenerationRequest, GenerationResult
 from paradit.spec import ModelSpec, RandomWeights
 from paradit.weights import resolve_checkpoint
-from paradit.worker import WorkerGroup
+from paradit.worker import StepSignals, WorkerGroup
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOAD_FORMATS = ("auto", "dummy")
@@ -74,9 +75,18 @@ def resolve_model(model: str, load_format: str = "auto", allow_pickle: bool = Fa
     return dataclasses.replace(spec, weights=RandomWeights()) if load_format == "dummy" else spec
 
 
-def default_plan_for(spec: ModelSpec, gpus: int, request: GenerationRequest | None = None) -> ParallelConfig:
-    """The plan ``--gpus N`` alone gets: CFG parallel only when the request (or, without one, the model's defaults)
-    runs both guidance branches, so that no half of the group idles; the rest Ulysses, then Ring."""
+def default_plan_for(
+    spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None
+) -> ParallelConfig:
+    """The plan ``--gpus N`` alone gets. On GPUs of a known hardware profile, the planner's (the tuned entry for the
+    request, else a plan made for it: ``paradit.planner.choose``). Elsewhere (CPU processes, an unknown GPU): CFG
+    parallel only when the request (or, without one, the model's defaults) runs both guidance branches, so that no
+    half of the group idles; the rest Ulysses, then Ring."""
+    from paradit.planner.choose import settings_for
+
+    planned = settings_for(spec, gpus, request, device) if gpus > 1 else None
+    if planned is not None:
+        return planned.parallel
     pipeline = FAMILIES[spec.family].pipeline
     request = request or GenerationRequest(prompt="a")
     guides = spec.guidance_mode == "cfg" and pipeline.uses_cfg(spec, pipeline.resolve_request(spec, request))
@@ -100,8 +110,11 @@ class Engine:
     checkpoint folder's pickle weights load (they can run code).
 
     With a ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host
-    (``cpu`` spawns CPU processes joined by gloo); in a script started by torchrun, each process is one worker of the
-    torchrun group, and ``generate`` returns the result on rank 0 and None elsewhere.
+    (``cpu`` spawns CPU processes joined by gloo), using the GPUs from ``device``'s index on; ``isolate`` spawns one
+    worker for a one-GPU plan too, so that a crash of the model code cannot take the caller down (the server's groups).
+    ``cpu_threads``: torch's threads per CPU worker process (default: the cores shared among the group). In a script
+    started by torchrun, each process is one worker of the torchrun group, and ``generate`` returns the result on rank
+    0 and None elsewhere.
     """
 
     def __init__(
@@ -116,6 +129,8 @@ class Engine:
         text_encoder_placement: Literal["auto", "gpu", "fp8", "offload"] = "auto",
         request: GenerationRequest | None = None,
         allow_pickle: bool = False,
+        isolate: bool = False,
+        cpu_threads: int | None = None,
     ) -> None:
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -144,23 +159,36 @@ class Engine:
         self.memory_plan = None
         self.text_encoder_placement = "gpu" if text_encoder_placement == "auto" else text_encoder_placement
         if self.memory_cap is not None:  # estimated at the request's size when there is one, else the model's
-            size = {} if resolved is None else {"height": resolved.height, "width": resolved.width}
-            sized = dataclasses.replace(self.spec, **size)
-            self.memory_plan = check_fits(
-                sized, self.parallel, self.dtype, fp8, self.memory_cap, text_encoder_placement
-            )
+            sized = self.spec
+            if resolved is not None:
+                frames = {} if resolved.frames is None else {"extra": {**self.spec.extra, "frames": resolved.frames}}
+                sized = dataclasses.replace(self.spec, height=resolved.height, width=resolved.width, **frames)
+            fits = functools.partial(check_fits, sized, self.parallel, self.dtype, fp8, self.memory_cap,
+                                     text_encoder_placement)  # fmt: skip
+            try:
+                self.memory_plan = fits(swap_experts=self.options.swap_experts)
+            except InvalidRequest:
+                # Experts that do not fit side by side may take turns: the idle one waits in host memory.
+                if self.options.swap_experts or not FAMILIES[self.spec.family].pipeline.expert_configs(self.spec):
+                    raise
+                self.memory_plan = fits(swap_experts=True)
+                self.options = dataclasses.replace(self.options, swap_experts=True)
+                self.options.validate(self.device)
             self.text_encoder_placement = self.memory_plan.text_encoder_placement
         plan = WorkerPlan(
             self.spec, self.device.type, self.dtype, self.parallel, self.options, self.memory_cap,
             text_encoder_placement=self.text_encoder_placement,
+            vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled,
         )  # fmt: skip
-        self._pipeline = self._group = None
-        if self.parallel.world_size == 1:
+        self._pipeline = self._group = self._signals = None
+        if self.parallel.world_size == 1 and not isolate:
             self._pipeline = build_pipeline(plan, 0, self.device.index or 0)
-        elif launched_by_torchrun():
+            self._signals = StepSignals(1)
+        elif launched_by_torchrun():  # each process is its own engine: there is no one to agree a cancellation with
             self._pipeline = build_pipeline(plan, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
         else:
-            self._group = WorkerGroup(plan)
+            self._group = WorkerGroup(plan, self.device.index or 0, cpu_threads)
+            self._signals = self._group.signals
 
     def check(self, request: GenerationRequest) -> ResolvedRequest:
         """The request with the model's defaults filled in, or InvalidRequest for one this engine's model cannot
@@ -172,20 +200,48 @@ class Engine:
         """The pipeline this process runs (None when the work happens in spawned worker processes)."""
         return self._pipeline
 
-    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
-        self.check(request)
+    def generate(
+        self, request: GenerationRequest | list[GenerationRequest], progress: bool = False
+    ) -> GenerationResult | list[GenerationResult] | None:
+        """The request's result; for a list of requests that differ only in prompts, seeds and image counts, one
+        batch and a list of results, each what its request gives alone (``DiffusionPipeline.generate``). Raises
+        RequestCancelled when ``cancel`` stopped it."""
+        for each in request if isinstance(request, list) else [request]:
+            self.check(each)
         if self._group is not None:
             result = self._group.generate(request, progress)
         else:
-            result = self._pipeline.generate(request, progress=progress)
+            signals = self._signals
+            on_step = None if signals is None else functools.partial(signals.check, 0, signals.begin())
+            result = self._pipeline.generate(request, progress=progress, on_step=on_step)
         if result is not None:
-            on_cpu = self.device.type == "cpu"
-            plan = self.parallel.describe()
-            result.timings.plan = plan.replace("1 GPU", "1 process") if on_cpu else plan
+            timings = (result[0] if isinstance(result, list) else result).timings  # one run: the batch shares them
+            timings.plan = self.plan
             # "gpu" names the device the encoders stay resident on; on the CPU that is the CPU's memory.
             placement = self.text_encoder_placement
-            result.timings.text_encoders = "resident" if on_cpu and placement == "gpu" else placement
+            timings.text_encoders = "resident" if self.device.type == "cpu" and placement == "gpu" else placement
         return result
+
+    @property
+    def plan(self) -> str:
+        """The parallel plan in words ("cfg 2 x ulysses 2", "1 GPU"; "1 process" on the CPU)."""
+        plan = self.parallel.describe()
+        return plan.replace("1 GPU", "1 process") if self.device.type == "cpu" else plan
+
+    def cancel(self) -> None:
+        """Stop the ``generate`` call in flight (called from another thread) at its next step boundary, where it
+        raises RequestCancelled; nothing happens if it is past its last step. Not under torchrun."""
+        self._signals.cancel()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of the spawned workers (none when the engine runs in this process)."""
+        return [] if self._group is None else [process.pid for process in self._group.processes]
+
+    @property
+    def steps_done(self) -> int:
+        """Denoise steps the ``generate`` call in flight has done (0 under torchrun)."""
+        return 0 if self._signals is None else self._signals.steps_done()
 
     def close(self) -> None:
         """Stop the worker processes, if any, and remove their rendezvous folder; a request cut short (an interrupt)
@@ -219,5 +275,6 @@ def check_plan(spec: ModelSpec, parallel: ParallelConfig, device: torch.device) 
         if parallel.pipefusion > 1 and family.pipeline.expert_configs(spec):
             # The patch loop drives one pipeline of stages; a second transformer would need its own.
             raise InvalidRequest(f"pipefusion does not run {spec.name}'s second transformer yet; drop --pipefusion")
-    if device.type == "cuda" and not launched_by_torchrun() and gpus > torch.cuda.device_count():
-        raise InvalidRequest(f"{gpus} GPUs asked for, but this machine has {torch.cuda.device_count()}")
+    if device.type == "cuda" and not launched_by_torchrun() and (device.index or 0) + gpus > torch.cuda.device_count():
+        start = "" if device.index is None else f" from {device}"
+        raise InvalidRequest(f"{gpus} GPUs{start} asked for, but this machine has {torch.cuda.device_count()}")

@@ -12,13 +12,14 @@ import torch
 from safetensors import SafetensorError
 
 from paradit.errors import CheckpointError
+from paradit.expert_swap import ExpertSwap
 from paradit.families import FAMILIES, Family
 from paradit.layers.fp8 import fp8_dtype
 from paradit.memory import hold_to_cap
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
-from paradit.parallel.parallelize import Parallelized, parallelize
+from paradit.parallel.parallelize import Parallelized, parallelize, plain_vae_decode, plain_vae_encode
 from paradit.pipelines.base import DiffusionPipeline
 from paradit.quantize import fp8_load
 from paradit.spec import ModelSpec
@@ -37,6 +38,7 @@ class WorkerPlan:
     memory_cap: int | None
     init_method: str = "env://"
     text_encoder_placement: str = "gpu"
+    vae_tiled: bool = False  # the memory plan's last resort: every rank decodes the whole latent tile by tile
 
 
 def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
@@ -79,29 +81,42 @@ def load_pipeline(
     context: ParallelContext | None = None,
     options: ExecutionOptions | None = None,
     placement: str = "gpu",
+    vae_tiled: bool = False,
 ) -> DiffusionPipeline:
     """This rank's pipeline in ``context``'s group (None: one process): its share of the transformer, with the
-    execution options applied; the prompt encoders (placed as ``placement`` says) on rank 0 alone; the VAE."""
+    execution options applied; the prompt encoders (placed as ``placement`` says) on rank 0 alone; the VAE, decoding
+    with the group (or, ``vae_tiled``, alone and tile by tile: diffusers' tiling, which blends the tiles' seams and so
+    differs slightly from the whole decode; tests/test_memory.py measures it)."""
     options = options or ExecutionOptions()
     family = FAMILIES[spec.family]
     pipeline = family.pipeline
     # The transformer, and the further ones the family runs (a low-noise expert; Engine.check_plan refused PipeFusion
     # for those), each parallelized alike.
     experts = {}
-    for component, config in {"transformer": spec.transformer, **pipeline.expert_configs(spec)}.items():
+    further = pipeline.expert_configs(spec)
+    swap = ExpertSwap(device) if options.swap_experts and further else None
+    # Swapped experts load one at a time on the device and leave for host memory, the resident one last: the device
+    # never holds two (and random weights and FP8 conversion run at the device's speed).
+    for component, config in {**further, "transformer": spec.transformer}.items():
         component_spec = dataclasses.replace(spec, transformer=config)
         loaded = load_transformer(family, component_spec, device, dtype, context, options.quantize, component)
         loaded.forward = apply_execution_options(loaded, options, device)
         experts[component] = loaded
+        if swap is not None:
+            swap.add(component, loaded.model, resident=component == "transformer")
     transformer = experts.pop("transformer")
+    if vae_tiled:
+        transformer = dataclasses.replace(transformer, vae_decode=plain_vae_decode, vae_encode=plain_vae_encode)
     dummy, prompt_encoder = spec.folder is None, None
     try:
         if context is None or context.is_leader:
             prompt_encoder = pipeline.load_prompt_encoder(spec, device, dtype, dummy, placement)
         vae = pipeline.load_vae(spec, device, dtype, dummy).to(device).eval().requires_grad_(False)
+        if vae_tiled:
+            vae.enable_tiling()
     except (OSError, ValueError, SafetensorError) as exc:  # transformers' and diffusers' words for a bad folder
         raise CheckpointError(f"{spec.folder}: its prompt encoders or VAE did not load: {exc}") from None
-    return pipeline(spec, transformer, prompt_encoder, vae, device, dtype, context, experts)
+    return pipeline(spec, transformer, prompt_encoder, vae, device, dtype, context, experts, swap)
 
 
 def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:
@@ -113,4 +128,5 @@ def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> Diff
     if plan.parallel.world_size > 1:
         init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
         context = ParallelContext.build(plan.parallel, device)
-    return load_pipeline(plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement)
+    return load_pipeline(plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement,
+                         plan.vae_tiled)  # fmt: skip

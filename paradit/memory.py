@@ -111,6 +111,7 @@ class MemoryPlan:
     vae: int
     activations: int
     text_encoder_placement: str = "gpu"
+    vae_tiled: bool = False  # the decode runs tile by tile (diffusers' tiling: bounded memory, blended seams)
 
     @property
     def total(self) -> int:
@@ -120,12 +121,14 @@ class MemoryPlan:
         return (
             f"{gib(self.total)} GiB on rank 0 (transformer weights {gib(self.transformer)}, text encoders "
             f"{gib(self.text_encoders)} {_PLACEMENT_NOTES[self.text_encoder_placement]}, VAE {gib(self.vae)}, "
-            f"activations ~{gib(self.activations)})"
+            f"activations ~{gib(self.activations)}{', VAE decoded in tiles' if self.vae_tiled else ''})"
         )
 
 
-def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool) -> dict[str, MemoryPlan]:
-    """Rank 0's plan for each prompt encoder placement."""
+def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool,
+              swap_experts: bool = False, vae_tiled: bool = False) -> dict[str, MemoryPlan]:  # fmt: skip
+    """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
+    (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time."""
     from paradit.compile import model_blocks
     from paradit.families import FAMILIES
     from paradit.parallel.pipefusion import stage_range
@@ -145,11 +148,12 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
         return [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
 
     # Tensor parallelism divides the kept blocks; FP8 halves their linears (one byte a weight, scales aside).
-    transformer_bytes = sum(
+    per_model = [
         _bytes([model], dtype) - _bytes(model_blocks(model), dtype)
         + _bytes(rank0_blocks(model), dtype) // (2 if fp8 else 1) // parallel.tensor
         for model in models
-    )  # fmt: skip
+    ]  # fmt: skip
+    transformer_bytes = max(per_model) if swap_experts else sum(per_model)
     kept = rank0_blocks(transformer)
     encoder = family.pipeline.load_prompt_encoder(spec, torch.device("meta"), dtype, dummy=True)
     vae = family.pipeline.load_vae(spec, torch.device("meta"), dtype, dummy=True)
@@ -157,7 +161,7 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     # without a tensor plan states it in its config.
     plan = family.tensor_plan
     width = plan.widths(transformer)["attention"] if plan else transformer.config.inner_dim
-    tokens = spec.height * spec.width // 256 + 512
+    tokens = family.pipeline.sequence_tokens(spec)
     batch = 2 if spec.guidance_mode == "cfg" and parallel.cfg == 1 else 1
     local_tokens = -(-tokens // parallel.sequence_degree)
     # A block's working set: ~24 activations of the model width per token (Q, K, V, attention output, the MLP's
@@ -165,7 +169,13 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     # ~16 feature maps of 128 channels, split across the group's ranks.
     element = torch.finfo(dtype).bits // 8
     block_activations = 24 * batch * local_tokens * width * element // parallel.tensor
-    vae_activations = 16 * spec.height * spec.width * 128 * element // parallel.world_size  # a band per rank
+    # A video decoder keeps a few frames' maps live at a time (its causal cache across the chunks): measured at ~2.7x
+    # an image's on Wan's VAE (docs/benchmarks.md); four frames' worth is counted.
+    frames = 4 if family.pipeline.VIDEO else 1
+    vae_activations = frames * 16 * spec.height * spec.width * 128 * element // parallel.world_size  # a band per rank
+    if vae_tiled:  # every rank decodes the whole latent, one tile at a time (its side as diffusers' VAE sets it)
+        tile = getattr(vae, "tile_sample_min_size", None) or vae.tile_sample_min_height
+        vae_activations = frames * 16 * min(spec.height, tile) * min(spec.width, tile) * 128 * element
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
         activations += len(kept) * 2 * batch * local_tokens * width * element // parallel.tensor
@@ -177,29 +187,33 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     }
     vae_bytes = _bytes([vae], dtype)
     return {
-        placement: MemoryPlan(transformer_bytes, on_gpu[placement], vae_bytes, activations, placement)
+        placement: MemoryPlan(transformer_bytes, on_gpu[placement], vae_bytes, activations, placement, vae_tiled)
         for placement in PLACEMENTS
     }
 
 
 def estimate(
-    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, placement: str = "gpu"
-) -> MemoryPlan:
-    return estimates(spec, parallel, dtype, fp8)[placement]
+    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, placement: str = "gpu",
+    swap_experts: bool = False,
+) -> MemoryPlan:  # fmt: skip
+    return estimates(spec, parallel, dtype, fp8, swap_experts)[placement]
 
 
 def check_fits(
-    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int, placement: str = "auto"
-) -> MemoryPlan:
+    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int, placement: str = "auto",
+    swap_experts: bool = False,
+) -> MemoryPlan:  # fmt: skip
     """The first plan that fits rank 0 under ``cap``, with the prompt encoders placed as asked or, for ``auto``,
-    resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; an InvalidRequest with the numbers
-    when none fits."""
+    resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; and only when none of those fits, the
+    same with the VAE decoding tile by tile; an InvalidRequest with the numbers when none fits."""
     check_placement(placement, fp8)
-    plans = estimates(spec, parallel, dtype, fp8)
-    tried = [plans[p] for p in _candidates(placement, fp8)]
-    for plan in tried:
-        if plan.total <= cap:
-            return plan
+    tried = []
+    for vae_tiled in (False, True):
+        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled)
+        for plan in [plans[p] for p in _candidates(placement, fp8)]:
+            if plan.total <= cap:
+                return plan
+            tried.append(plan)
     needs = ", or ".join(plan.describe() for plan in tried)
     raise InvalidRequest(
         f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {gib(cap)} GiB: it "

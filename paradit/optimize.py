@@ -24,11 +24,13 @@ QUANTIZATIONS = ("none", "fp8")
 @dataclass(frozen=True)
 class ExecutionOptions:
     """``quantize``: "none" or "fp8"; ``compile``: regional torch.compile of the repeated blocks (None: on GPUs);
-    ``cuda_graphs``: replay each step's kernels from a CUDA graph (CUDA/ROCm only)."""
+    ``cuda_graphs``: replay each step's kernels from a CUDA graph (CUDA/ROCm only); ``swap_experts``: a model with
+    several experts keeps one on the device and the others in pinned host memory, swapped at the boundary."""
 
     quantize: str = "none"
     compile: bool | None = None
     cuda_graphs: bool = False
+    swap_experts: bool = False
 
     def validate(self, device: torch.device) -> None:
         if self.quantize not in QUANTIZATIONS:
@@ -39,6 +41,8 @@ class ExecutionOptions:
             check_fp8_supported(device)
         if self.cuda_graphs and device.type != "cuda":
             raise InvalidRequest(f"CUDA graphs need a GPU, not {device.type}; run without --cuda-graphs")
+        if self.cuda_graphs and self.swap_experts:  # a graph replays the addresses it captured; a swap moves them
+            raise InvalidRequest("CUDA graphs do not combine with swapped experts; drop one of the two options")
 
     def compiles(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile is None else self.compile

@@ -1,10 +1,12 @@
 """Worker processes: one per GPU (or CPU process), each loading its share of the model and serving the requests the
 engine broadcasts to the group. ``WorkerGroup`` is the engine's side of them.
 
-If a worker fails, the group is stopped and the engine raises the worker's reason instead of waiting on a
-collective that will never finish. The group never outlives the engine: ``close()``, an interrupt, the engine being
-garbage-collected and interpreter exit all stop the workers and remove the rendezvous folder; if the engine's process
-is killed outright, each worker notices that its parent is gone, removes the folder and exits.
+A request that fails on every worker (a cancellation, an error every rank meets alike) raises its error and leaves
+the group serving. If a worker dies, or fails alone and leaves its peers waiting, the group is stopped and the engine
+raises the worker's reason instead of waiting on a collective that will never finish. The group never outlives the
+engine: ``close()``, an interrupt, the engine being garbage-collected and interpreter exit all stop the workers and
+remove the rendezvous folder; if the engine's process is killed outright, each worker notices that its parent is
+gone, removes the folder and exits.
 
 This module imports nothing heavy at the top: a spawned worker imports it first, and sets up its signal handling and
 its watch on the parent before the imports of torch and the model code, which take seconds on a busy machine.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import os
 import pickle
@@ -39,6 +42,9 @@ if TYPE_CHECKING:
     from paradit.request import GenerationRequest, GenerationResult
 
 POLL_S = 0.5
+# After one worker fails a request, how long its peers get to report that request's end before the group is taken for
+# stuck (a peer waiting on the failed worker in a collective never reports).
+FAILURE_GRACE_S = 10
 CLOSE_S = 30  # idle workers asked to finish get this long, together, before they are terminated
 STOP_S = 10  # terminated workers get this long, together, before they are killed
 # An orphan's grace to unwind after its SIGTERM: nobody waits for it, and a main thread deep in an import or a
@@ -59,9 +65,69 @@ class WorkerFailure(ParaditError):
     """A worker process died or raised; the group has been stopped."""
 
 
-def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: Queue, rendezvous: str) -> None:
-    """A spawned worker: build this rank's pipeline from the pickled ``WorkerPlan`` and serve requests until told to
-    stop (None), reporting readiness, results and any failure on ``results``."""
+class RequestCancelled(ParaditError):
+    """The request was stopped between two denoise steps (``Engine.cancel``); the engine still serves."""
+
+
+class RequestFailed(ParaditError):
+    """The request raised an unexpected error in the workers; the engine still serves."""
+
+
+def reportable(error: Exception) -> ParaditError:
+    """The error as the engine's side can receive it: paradit's own errors as they are (they pickle), any other as
+    ``RequestFailed``: its type and message on the first line, then its trace."""
+    if isinstance(error, ParaditError):
+        return error
+    return RequestFailed(f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}")
+
+
+class StepSignals:
+    """Progress and cancellation of an engine's requests, in memory shared by the engine's process and its workers.
+
+    Each request is a run with a number (``begin``). Every rank calls ``check(rank, run, k)`` when k denoise steps are
+    done; ``cancel`` may be called from any thread of the engine's process. The ranks of a group must stop at the same
+    step, or those still running would wait in a collective for those that stopped: ``cancel`` asks for a stop one
+    step past the furthest any rank has reported, which no rank has passed and every rank reaches."""
+
+    def __init__(self, world_size: int) -> None:
+        # [current run, run to stop, steps at which it stops, then (run, steps done) per rank]
+        self._state = multiprocessing.get_context("spawn").Array("q", 3 + 2 * world_size)
+        self._world_size = world_size
+
+    def begin(self) -> int:
+        """The number of a new run, which becomes the current one."""
+        with self._state.get_lock():
+            self._state[0] += 1
+            return self._state[0]
+
+    def check(self, rank: int, run: int, steps: int) -> None:
+        """Record that ``rank`` has done ``steps`` steps of ``run``; raise RequestCancelled if it stops there."""
+        with self._state.get_lock():
+            self._state[3 + 2 * rank], self._state[4 + 2 * rank] = run, steps
+            if self._state[1] == run and steps >= self._state[2]:
+                raise RequestCancelled(f"the request was cancelled after {steps} denoise steps")
+
+    def cancel(self) -> None:
+        """Stop the current run at its next step boundary (none if it is past its last). Once set, a run's stop
+        stays where it is: moved, it could let ranks that have not reached it run past those that stopped."""
+        with self._state.get_lock():
+            run = self._state[0]
+            if self._state[1] == run:
+                return
+            reached = [self._state[4 + 2 * r] for r in range(self._world_size) if self._state[3 + 2 * r] == run]
+            self._state[1], self._state[2] = run, max(reached, default=-1) + 1
+
+    def steps_done(self) -> int:
+        """Denoise steps rank 0 has done in the current run."""
+        with self._state.get_lock():
+            return self._state[4] if self._state[3] == self._state[0] else 0
+
+
+def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: Queue, rendezvous: str,
+                signals: StepSignals, first_device: int = 0, threads: int | None = None) -> None:  # fmt: skip
+    """A spawned worker: build this rank's pipeline from the pickled ``WorkerPlan`` on device ``first_device + rank``
+    and serve requests until told to stop (None), reporting readiness, each request's end and any fatal failure on
+    ``results``. ``threads``: torch's CPU threads (default: the cores shared among the group)."""
     # A terminal's Ctrl-C reaches the whole process group; the engine stops the workers, which must not answer it
     # themselves with a traceback each. WorkerGroup starts them with SIGINT ignored already where it can (a POSIX
     # engine on its main thread), which also covers interpreter start-up.
@@ -79,15 +145,20 @@ def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: 
     plan: WorkerPlan = pickle.loads(pickled_plan)
     if plan.device_type == "cpu":
         # Processes sharing the CPU would otherwise each start one thread per core and thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.parallel.world_size))
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // plan.parallel.world_size))
     try:
-        pipeline = build_pipeline(plan, rank, rank)
+        pipeline = build_pipeline(plan, rank, first_device + rank)
         results.put(("ready", rank, None))
         while (message := requests[rank].get()) is not None:
-            request, progress = message
-            result = pipeline.generate(request, progress=progress and rank == 0)
-            if result is not None:
-                results.put(("result", rank, result))
+            run, request, progress = message
+            try:
+                result = pipeline.generate(
+                    request, progress=progress and rank == 0, on_step=functools.partial(signals.check, rank, run)
+                )
+            except Exception as exc:  # noqa: BLE001 - the request's failure, not the worker's: it serves on
+                results.put(("failed", rank, reportable(exc)))
+            else:
+                results.put(("done", rank, result))
     except SystemExit:  # stopped (exit_on_sigterm): nothing to report
         raise
     except BaseException:  # noqa: BLE001 - whatever it is, the engine must hear it rather than hang
@@ -157,9 +228,10 @@ def stop_processes(processes: list[BaseProcess], rendezvous: tempfile.TemporaryD
 
 
 class WorkerGroup:
-    """Spawns ``plan.parallel.world_size`` workers on this host and talks to them through queues."""
+    """Spawns ``plan.parallel.world_size`` workers on this host, on devices ``first_device`` onwards, and talks to them
+    through queues; ``threads``: torch's CPU threads per worker (default: the cores shared among the group)."""
 
-    def __init__(self, plan: WorkerPlan) -> None:
+    def __init__(self, plan: WorkerPlan, first_device: int = 0, threads: int | None = None) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             # We are a spawned child re-running a main script that creates an engine at import; each child would
             # otherwise print multiprocessing's traceback. The parent reports it once (see _failure).
@@ -171,6 +243,7 @@ class WorkerGroup:
         context = multiprocessing.get_context("spawn")
         self.requests = [context.Queue() for _ in range(self.world_size)]
         self.results = context.Queue()
+        self.signals = StepSignals(self.world_size)
         self.processes: list[BaseProcess] = []  # the started ones: stop_processes joins only those
         # Runs once: on stop(), when the group is garbage-collected, or at interpreter exit. Registered with atexit
         # as well, so that at exit it runs before multiprocessing's own handler, which joins the workers without a
@@ -179,12 +252,9 @@ class WorkerGroup:
         atexit.register(self._stop)
         self._in_flight = False  # a request is being served: close() does not wait for it
         try:
+            shared = (plan, self.requests, self.results, self._rendezvous.name, self.signals, first_device, threads)
             for rank in range(self.world_size):
-                process = context.Process(
-                    target=worker_main,
-                    args=(rank, plan, self.requests, self.results, self._rendezvous.name),
-                    daemon=True,
-                )
+                process = context.Process(target=worker_main, args=(rank, *shared), daemon=True)
                 with sigint_ignored_by_children():
                     process.start()
                 self.processes.append(process)
@@ -194,14 +264,17 @@ class WorkerGroup:
             self.stop()
             raise
 
-    def _next_message(self) -> tuple[str, int, object]:
-        """The next message from the workers; a worker's error or death stops the group and raises."""
+    def _next_message(self, deadline: float | None = None) -> tuple[str, int, object] | None:
+        """The next message from the workers, or None once ``deadline`` (``time.monotonic``) passes; a worker's
+        error or death stops the group and raises."""
         while True:
             try:
                 kind, rank, payload = self.results.get(timeout=POLL_S)
             except queue.Empty:
                 if any(p.exitcode is not None for p in self.processes):
                     raise self._failure() from None
+                if deadline is not None and time.monotonic() > deadline:
+                    return None
                 continue
             if kind == "error":
                 raise self._failure(rank, payload)
@@ -226,16 +299,39 @@ class WorkerGroup:
     def _dead(self, exclude: int | None) -> list[tuple[int, int]]:
         return [(r, p.exitcode) for r, p in enumerate(self.processes) if p.exitcode is not None and r != exclude]
 
-    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult:
-        """Rank 0's result; ``progress``: rank 0 shows the denoise progress bar (on this process's terminal)."""
+    def generate(
+        self, request: GenerationRequest | list[GenerationRequest], progress: bool = False
+    ) -> GenerationResult | list[GenerationResult]:
+        """Rank 0's result (a list of them for a list of requests); ``progress``: rank 0 shows the denoise progress
+        bar (on this process's terminal). A request every rank ends with an error raises it, the group serving on;
+        one that some ranks fail while the others fall silent stops the group."""
         if not self.processes:
             raise WorkerFailure("this engine's worker group was stopped; create a new Engine")
         self._in_flight = True
+        run = self.signals.begin()
         for requests in self.requests:
-            requests.put((request, progress))
-        _, _, result = self._next_message()
+            requests.put((run, request, progress))
+        ends: dict[int, tuple[str, object]] = {}
+        deadline = None
+        while len(ends) < self.world_size:
+            message = self._next_message(deadline)
+            if message is None:
+                silent = sorted(set(range(self.world_size)) - ends.keys())
+                failed = sorted(rank for rank, (kind, _) in ends.items() if kind == "failed")
+                self.stop()
+                raise WorkerFailure(
+                    f"workers {silent} did not end a request that workers {failed} failed ({ends[failed[0]][1]}); "
+                    "the worker group was stopped"
+                )
+            kind, rank, payload = message
+            ends[rank] = (kind, payload)
+            if kind == "failed" and deadline is None:
+                deadline = time.monotonic() + FAILURE_GRACE_S
         self._in_flight = False
-        return result
+        failures = [payload for kind, payload in ends.values() if kind == "failed"]
+        if failures:  # a cancellation is what every rank reports; any other error is the news
+            raise next((f for f in failures if not isinstance(f, RequestCancelled)), failures[0])
+        return ends[0][1]
 
     def stop(self) -> None:
         """Terminate the workers now and remove the rendezvous folder."""

@@ -99,7 +99,7 @@ def test_usage_version_and_help_with_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "(default: flux2-tiny)" in help_text and "(default: out/paradit.png)" in help_text
+    assert "(default: flux2-tiny)" in help_text and "(default: out/paradit.png, out/paradit.mp4 for video" in help_text
 
 
 def test_help_and_refusals_do_not_import_torch():

@@ -69,8 +69,21 @@ class PipeFusionLoop(DenoiseLoop):
     def run(self, predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress):
         if self.pipefusion.patches == 1:
             return super().run(predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress)
-        return denoise_by_patches(predict, scheduler, latents, timesteps, self.pipefusion, band_mask, mark_step,
-                                  progress)  # fmt: skip
+        # A step ends while later patches are in flight between the stages: stopping there would leave their transfers
+        # unmatched. What ``mark_step`` raises (a cancellation) is raised once the loop has drained.
+        raised = []
+
+        def mark_step_deferring() -> None:
+            try:
+                mark_step()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, whatever it is
+                raised.append(exc)
+
+        latents = denoise_by_patches(predict, scheduler, latents, timesteps, self.pipefusion, band_mask,
+                                     mark_step_deferring, progress)  # fmt: skip
+        if raised:
+            raise raised[0]
+        return latents
 
 
 def plain_vae_decode(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:

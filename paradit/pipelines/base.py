@@ -12,6 +12,7 @@ import random
 import resource
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from paradit.errors import InvalidRequest
+from paradit.expert_swap import ExpertSwap
 from paradit.parallel.cfg import BatchedBranches, SplitBranches
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import NoisePredictor, Parallelized
@@ -198,13 +200,16 @@ class DiffusionPipeline(ABC):
 
     def __init__(self, spec: ModelSpec, transformer: Parallelized, prompt_encoder, vae, device: torch.device,
                  dtype: torch.dtype, parallel: ParallelContext | None = None,
-                 experts: dict[str, Parallelized] | None = None) -> None:  # fmt: skip
+                 experts: dict[str, Parallelized] | None = None,
+                 expert_swap: ExpertSwap | None = None) -> None:  # fmt: skip
         """In a group, only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so that the
-        group decodes together. ``experts``: the further transformers ``expert_configs`` asked for, by component."""
+        group decodes together. ``experts``: the further transformers ``expert_configs`` asked for, by component;
+        ``expert_swap``, when they take turns on the device (``transformer`` first), what swaps them."""
         self.spec = spec
         self.parallelized = transformer
         self.transformer = transformer.forward
         self.experts = experts or {}
+        self.expert_swap = expert_swap
         self.prompt_encoder = prompt_encoder
         self.vae = vae
         self.device = device
@@ -232,6 +237,12 @@ class DiffusionPipeline(ABC):
     @abstractmethod
     def build_transformer(cls, spec: ModelSpec) -> nn.Module:
         """The plain transformer (built on the meta device by the loader)."""
+
+    @classmethod
+    def sequence_tokens(cls, spec: ModelSpec) -> int:
+        """Tokens one sample's blocks work on at ``spec``'s size (the memory estimate's measure): an image family's
+        latent patches (1/16 of the pixels per side) and a text of 512 tokens."""
+        return spec.height * spec.width // 256 + 512
 
     @classmethod
     def expert_configs(cls, spec: ModelSpec) -> dict[str, dict]:
@@ -307,9 +318,37 @@ class DiffusionPipeline(ABC):
             return encoded
         return {name: self.parallel.share_from_leader(encoded.get(name)) for name in self.CONDITIONING}
 
-    def generate(self, request: GenerationRequest, progress: bool = False) -> GenerationResult | None:
-        """The images on the rank that decodes (rank 0 of the group); None on the other ranks."""
-        resolved = self.resolve(request)
+    def generate(
+        self,
+        request: GenerationRequest | list[GenerationRequest],
+        progress: bool = False,
+        on_step: Callable[[int], None] | None = None,
+    ) -> GenerationResult | list[GenerationResult] | None:
+        """The images on the rank that decodes (rank 0 of the group); None on the other ranks.
+
+        A list of requests that differ only in prompts, seeds and image counts runs as one batch and gives one result
+        per request, its noise drawn from its own seed as if it ran alone. ``on_step(k)`` is called when k steps are
+        done (k = 0 before the first); it may raise to stop the request between steps, which in a group every rank
+        must do at the same k."""
+        parts = [self.resolve(r) for r in (request if isinstance(request, list) else [request])]
+        resolved = parts[0]
+        if len(parts) > 1:
+            shared = {(p.height, p.width, p.steps, p.guidance, p.guidance_2, p.frames, p.negative_prompts is None)
+                      for p in parts}  # fmt: skip
+            if len(shared) > 1 or any(p.image is not None for p in parts):
+                raise InvalidRequest(
+                    "requests batched together must share size, steps, guidance, frames and the use of a negative "
+                    "prompt, and give no image"
+                )
+            # One prompt per image, so that each request keeps its own image count.
+            resolved = dataclasses.replace(
+                resolved,
+                prompts=[text for p in parts for text in p.prompts for _ in range(p.images_per_prompt)],
+                negative_prompts=None if resolved.negative_prompts is None else [
+                    text for p in parts for text in p.negative_prompts for _ in range(p.images_per_prompt)
+                ],
+                images_per_prompt=1,
+            )  # fmt: skip
         timings = Timings()
         stats = self.parallel.stats if self.parallel else None
         if stats:
@@ -324,13 +363,20 @@ class DiffusionPipeline(ABC):
         synchronize(self.device)
         timings.text_encode_s = time.perf_counter() - start
 
-        latents, layout = self.initial_latents(resolved)
+        noise = [self.initial_latents(part) for part in parts]
+        latents, layout = torch.cat([latents for latents, _ in noise]), noise[0][1]
         scheduler, timesteps = self.make_scheduler(resolved, latents)
         clock = StepClock(self.device)
+
+        def mark_step() -> None:
+            clock.mark()
+            if on_step is not None:
+                on_step(len(clock.marks) - 1)
+
         predict = self.predictor(resolved, conditioning, layout)
         if stats:
             stats.phase = "denoise"
-        latents = loop.run(predict, self.transformer, scheduler, latents, timesteps, self.band_mask, clock.mark,
+        latents = loop.run(predict, self.transformer, scheduler, latents, timesteps, self.band_mask, mark_step,
                            progress)  # fmt: skip
         timings.step_ms = clock.durations_ms()
         if stats:
@@ -345,7 +391,11 @@ class DiffusionPipeline(ABC):
                 return None
         timings.total_s = time.perf_counter() - start
         record_peak_memory(timings, self.device)
-        return GenerationResult(pixels=pixels, seed=resolved.seed, timings=timings)
+        results = [
+            GenerationResult(pixels=images, seed=part.seed, timings=timings)
+            for part, images in zip(parts, pixels.split([part.batch for part in parts]))
+        ]
+        return results if isinstance(request, list) else results[0]
 
 
 def token_band_mask(latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:

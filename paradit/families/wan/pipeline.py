@@ -238,6 +238,14 @@ class WanPipeline(DiffusionPipeline):
         return WanTransformer(WanConfig.from_dict(spec.transformer))
 
     @classmethod
+    def sequence_tokens(cls, spec: ModelSpec) -> int:
+        """The video's patches at ``spec``'s size and its ``extra["frames"]`` (the text is cross-attended apart)."""
+        temporal, spatial = vae_factors(spec.vae)
+        patch = spec.transformer["patch_size"]
+        frames = (spec.extra["frames"] - 1) // temporal + 1
+        return frames // patch[0] * (spec.height // spatial // patch[1]) * (spec.width // spatial // patch[2])
+
+    @classmethod
     def expert_configs(cls, spec: ModelSpec) -> dict[str, dict]:
         """The low-noise expert, when the checkpoint has one and a boundary to switch at."""
         transformer_2 = spec.extra.get("transformer_2")
@@ -340,9 +348,11 @@ class WanPipeline(DiffusionPipeline):
         per_token = self.spec.extra.get("expand_timesteps", False)
 
         def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
-            scale = request.guidance
+            scale, expert = request.guidance, "transformer"
             if boundary is not None and float(t) < boundary:
-                transformer, scale = low_noise.forward, request.guidance_2
+                transformer, scale, expert = low_noise.forward, request.guidance_2, "transformer_2"
+            if self.expert_swap is not None:
+                self.expert_swap.activate(expert)
             grid = config.token_grid(*latents.shape[2:])
             if per_token and layout is not None:  # the reference's mask, one value per token, times t (float32)
                 keep = layout.keep[0, 0, :: config.patch_size[0], :: config.patch_size[1], :: config.patch_size[2]]

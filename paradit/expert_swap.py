@@ -1,0 +1,89 @@
+"""Two experts on a card that holds one: the idle expert's tensors live in pinned host memory and are copied in when
+its turn comes (Wan 2.2 A14B: the high-noise expert until the boundary, then the low-noise one).
+
+Written here rather than taken from accelerate's offloading hooks: those move a module block by block around every
+forward (the price paid on each of the ~40 steps), while an expert is needed for a run of consecutive steps; one bulk
+copy per switch, from pinned memory at the host link's full rate, costs a fraction of one step.
+
+The tensors are swapped in place (``Parameter.data``, buffer slots), so compiled blocks, FP8 linears and the parallel
+wrappers keep the very modules they hold. CUDA graphs, which replay fixed addresses, do not combine with it.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+
+def _slots(model: nn.Module) -> list[tuple[nn.Module, str, bool]]:
+    """(module, name, is_parameter) of every tensor ``model`` holds, each once."""
+    seen, slots = set(), []
+    for module in model.modules():
+        for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in table.items():
+                if tensor is not None and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    slots.append((module, name, is_parameter))
+    return slots
+
+
+def _get(slot: tuple[nn.Module, str, bool]) -> torch.Tensor:
+    module, name, is_parameter = slot
+    return module._parameters[name] if is_parameter else module._buffers[name]
+
+
+def _set(slot: tuple[nn.Module, str, bool], tensor: torch.Tensor) -> None:
+    module, name, is_parameter = slot
+    if is_parameter:
+        module._parameters[name].data = tensor
+    else:
+        module._buffers[name] = tensor
+
+
+def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+    return host.copy_(tensor.detach())
+
+
+class ExpertSwap:
+    """Experts that take turns on ``device``: ``add`` each (one of them resident), then ``activate(name)`` makes
+    ``name`` the resident one. The previous one's device memory is released before the copy, so the device never
+    holds two experts; an expert added idle leaves the device at once (load the idle ones first, then the resident
+    one, and loading never holds two either)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pin = device.type == "cuda"  # page-locked memory needs an accelerator; on the CPU a copy is a copy
+        self.slots: dict[str, list[tuple[nn.Module, str, bool]]] = {}
+        self.host: dict[str, list[torch.Tensor]] = {}
+        self.active: str | None = None
+        self.switch_seconds = 0.0  # host time spent switching (the copies included)
+
+    def add(self, name: str, model: nn.Module, resident: bool) -> None:
+        self.slots[name] = _slots(model)
+        self.host[name] = [_host_copy(_get(slot), self.pin) for slot in self.slots[name]]
+        if resident:
+            self.active = name
+        else:
+            for slot, host in zip(self.slots[name], self.host[name]):
+                _set(slot, host)
+
+    def bytes_per_expert(self) -> dict[str, int]:
+        return {name: sum(t.numel() * t.element_size() for t in host) for name, host in self.host.items()}
+
+    def activate(self, name: str) -> None:
+        if name == self.active:
+            return
+        start = time.perf_counter()
+        for slot, host in zip(self.slots[self.active], self.host[self.active]):
+            _set(slot, host)
+        for slot, host in zip(self.slots[name], self.host[name]):
+            _set(slot, host.to(self.device, non_blocking=True))
+        if self.device.type == "cuda":  # the copies are queued before the next kernels; waited on only to time them
+            torch.cuda.synchronize(self.device)
+        self.switch_seconds += time.perf_counter() - start
+        self.active = name

@@ -1,0 +1,61 @@
+"""What ``--gpus N`` alone runs on a GPU the planner knows: the tuned entry of the detected hardware profile when the
+request is the one the entry was planned for, else the planner's choice for this request. None where no profile
+applies (CPU processes, an unknown GPU) or the model's architecture is none the planner has counted, which leaves the
+engine's own default.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paradit.errors import InvalidRequest
+from paradit.parallel.config import ParallelConfig
+from paradit.planner.facts import find_facts
+from paradit.planner.plan import plan, request_for
+from paradit.planner.profile import HardwareProfile, detect_profile
+from paradit.planner.tuned import PlannedRequest, tuned_entry
+from paradit.request import GenerationRequest
+from paradit.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class PlannedSettings:
+    """The settings to run with, and a line saying where they come from."""
+
+    parallel: ParallelConfig
+    quantize: str
+    text_encoder_placement: str
+    cuda_graphs: bool
+    origin: str
+
+
+def settings_for(
+    spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None,
+    profile: HardwareProfile | None = None,
+) -> PlannedSettings | None:  # fmt: skip
+    """The planned settings for ``gpus`` GPUs of ``profile`` (default: this machine's, when ``device`` is a GPU)."""
+    if device is not None and torch.device(device).type == "cpu":
+        return None
+    profile = profile or detect_profile(gpus)
+    if profile is None or find_facts(spec) is None:  # an architecture the planner has not counted: the default
+        return None
+    wanted = request_for(spec, request)
+    entry = tuned_entry(spec.name, gpus, profile.name)
+    planned_for = PlannedRequest(wanted.height, wanted.width, wanted.frames, wanted.steps, wanted.batch)
+    if entry is not None and entry.request == planned_for:
+        if entry.refused:
+            raise InvalidRequest(entry.refused)
+        origin = f"tuned configuration for {spec.name} on {gpus} x {profile.name}: {entry.describe()}"
+        return PlannedSettings(
+            entry.parallel, entry.quantize, entry.text_encoder_placement, entry.cuda_graphs, origin
+        )  # fmt: skip
+    best = plan(spec, gpus, profile, request).best
+    origin = (
+        f"planned for this request on {gpus} x {profile.name}: {best.describe()}, text encoders {best.placement}, "
+        f"{'CUDA graphs' if best.cuda_graphs else 'no CUDA graphs'} (predicted {best.mean_ms:.1f} ms/step)"
+    )
+    return PlannedSettings(best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs, origin)

@@ -1,0 +1,179 @@
+"""The cost model: one denoise step of a plan on a hardware profile, in milliseconds and bytes sent.
+
+For the rank that carries most work:
+
+- **compute**: each linear layer's FLOPs over the profile's matmul rate (FP8's for the layers FP8 converts) times the
+  model's achieved efficiency, plus each attention call's FLOPs over the profile's attention rate at its head size.
+  Sequence parallelism divides the block layers' token work by its degree, tensor parallelism the sharded layers and
+  the heads, PipeFusion the blocks (each stage holds 1/P), CFG parallelism the batch;
+- **communication**: the bytes this rank sends per step, counted as ``parallel/comm.py`` counts them, over the
+  profile's bandwidth for that collective, none of it assumed hidden behind compute (except PipeFusion's sends,
+  which travel while the next patch computes: one patch's hop is exposed);
+- **PipeFusion**: a step is one stage's work when there are at least as many patches as stages (the patch loop
+  keeps the pipeline full), else stages idle in proportion; warm-up steps run whole, the stages in turn;
+- **the host**: without CUDA graphs (PipeFusion, tensor parallelism) a step lasts at least as long as the host takes
+  to launch the blocks it runs (the profile's ``host_ms_per_block`` each), which bounds models of many short blocks.
+
+The model's efficiency comes from its own one-GPU measurement where there is one (``calibration``), else the
+profile's; everything a plan changes is counted, not fitted.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paradit.parallel.config import ParallelConfig
+from paradit.planner.facts import ModelFacts, Workload
+from paradit.planner.profile import HardwareProfile
+
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What one kind of collective sends from this rank per step, and the time it takes on the profile's link."""
+
+    collective: str
+    strategy: str
+    bytes: float
+    ms: float
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """``steady_ms``: a step in steady state; ``warmup_ms``: one of PipeFusion's exact warm-up steps (the same as a
+    steady step for other plans)."""
+
+    compute_ms: float
+    transfers: tuple[Transfer, ...]
+    steady_ms: float
+    warmup_ms: float
+    warmup_steps: int
+
+    @property
+    def bytes_sent(self) -> float:
+        return sum(t.bytes for t in self.transfers)
+
+    @property
+    def comm_ms(self) -> float:
+        return sum(t.ms for t in self.transfers)
+
+    def mean_ms(self, steps: int) -> float:
+        """The average step of a request of ``steps`` steps (PipeFusion's warm-up steps included)."""
+        warmup = min(self.warmup_steps, steps)
+        return (warmup * self.warmup_ms + (steps - warmup) * self.steady_ms) / steps
+
+
+def ideal_linear_ms(facts: ModelFacts, workload: Workload, batch: float, fp8: bool, profile: HardwareProfile) -> float:
+    """Milliseconds of one GPU's linear layers at the full matmul rates (efficiency 1), for ``batch`` samples."""
+    total = 0.0
+    for group in facts.linear:
+        rate = profile.matmul_tflops["fp8" if fp8 and group.kind.fp8 else "bf16"]
+        total += group.flops.at(workload.image_tokens, workload.text_tokens) * batch / (rate * 1e9)
+    return total
+
+
+def attention_ms(facts: ModelFacts, workload: Workload, batch: float, profile: HardwareProfile) -> float:
+    """Milliseconds of one GPU's attention calls for ``batch`` samples."""
+    total = 0.0
+    for group in facts.attention:
+        query = group.query_tokens.at(workload.image_tokens, workload.text_tokens)
+        key = group.key_tokens.at(workload.image_tokens, workload.text_tokens)
+        flops = 4.0 * group.layers * group.heads * group.head_dim * query * key * batch
+        total += flops / (profile.attention_rate(group.head_dim) * 1e9)
+    return total
+
+
+def linear_efficiency(
+    facts: ModelFacts, workload: Workload, batch: int, fp8: bool, profile: HardwareProfile, measured_ms: float
+) -> float:
+    """The share of the matmul rates a model's linear layers reach, from its measured one-GPU step: the time left
+    after attention and the rest, against the linears' time at full rate."""
+    other = facts.other_flops.at(workload.image_tokens, workload.text_tokens) * batch
+    other_ms = other / (profile.matmul_tflops["bf16"] * 1e9)
+    linear_ms = measured_ms - attention_ms(facts, workload, batch, profile) - other_ms
+    return ideal_linear_ms(facts, workload, batch, fp8, profile) / linear_ms
+
+
+def step_cost(
+    facts: ModelFacts,
+    workload: Workload,
+    batch: int,
+    parallel: ParallelConfig,
+    fp8: bool,
+    profile: HardwareProfile,
+    efficiency: float,
+    cuda_graphs: bool,
+) -> StepCost:
+    """One step of ``batch`` samples (both guidance branches count when the request runs them) under ``parallel``.
+    Without CUDA graphs a step takes at least the host's time to launch its blocks."""
+    image, text = workload.image_tokens, workload.text_tokens
+    local_batch = batch / parallel.cfg
+    sequence, tensor, stages = parallel.sequence_degree, parallel.tensor, parallel.pipefusion
+
+    compute = 0.0
+    for group in facts.linear:
+        rate = profile.matmul_tflops["fp8" if fp8 and group.kind.fp8 else "bf16"] * efficiency
+        token_flops = group.flops.at(image, text) - group.flops.fixed
+        if group.kind.in_blocks:  # the split happens after the embedders and is undone before the head
+            token_flops /= sequence * stages * (tensor if group.kind.sharded else 1)
+        compute += (token_flops + group.flops.fixed) * local_batch / (rate * 1e9)
+    compute += attention_ms(facts, workload, local_batch, profile) / (sequence * tensor * stages)
+    compute += facts.other_flops.at(image, text) * local_batch / (profile.matmul_tflops["bf16"] * efficiency * 1e9)
+
+    transfers = tuple(t for t in _transfers(facts, workload, local_batch, parallel, profile) if t.bytes > 0)
+    exchanged_ms = sum(t.ms for t in transfers if t.strategy != "pipefusion")
+    stage_ms = compute + exchanged_ms
+    # A step launches every block once per patch on each stage (once per step in a warm-up step, stages in turn).
+    launch_ms = 0.0 if cuda_graphs else facts.blocks * profile.host_ms_per_block
+    if stages == 1:
+        step = max(stage_ms, launch_ms)
+        return StepCost(compute, transfers, step, step, 0)
+    hop_ms = sum(t.ms for t in transfers if t.strategy == "pipefusion")
+    patches = parallel.patches
+    steady = max(stage_ms * max(patches, stages) / patches, launch_ms * patches / stages) + hop_ms / patches
+    warmup = max(stage_ms * stages, launch_ms) + hop_ms
+    return StepCost(compute, transfers, steady, warmup, parallel.warmup_steps)
+
+
+def transport_factor(parallel: ParallelConfig, head_dim: int) -> float:
+    """Bytes on the wire against bf16's: FP8 transport sends a byte per value and a float32 scale per token and head."""
+    return (head_dim + 4) / (BF16_BYTES * head_dim) if parallel.comm_dtype == "fp8" else 1.0
+
+
+def _transfers(
+    facts: ModelFacts, workload: Workload, batch: float, parallel: ParallelConfig, profile: HardwareProfile
+) -> list[Transfer]:
+    image, text = workload.image_tokens, workload.text_tokens
+    ulysses, ring, tensor, stages = parallel.ulysses, parallel.ring, parallel.tensor, parallel.pipefusion
+    sequence = ulysses * ring
+    ulysses_bytes = ring_bytes = 0.0
+    for group in facts.attention:
+        if not group.exchanged:
+            continue
+        query, key = group.query_tokens.at(image, text), group.key_tokens.at(image, text)
+        row = group.heads / tensor * group.head_dim * BF16_BYTES * transport_factor(parallel, group.head_dim)
+        layers = group.layers / stages * batch
+        # Q, K, V and the output each leave this rank but for its own share of the heads.
+        ulysses_bytes += layers * (2 * query + 2 * key) / sequence * row * (ulysses - 1) / ulysses
+        # K and V of this rank's tokens (its Ulysses group's heads) go round the ring once.
+        ring_bytes += layers * 2 * key / ring * row / ulysses * (ring - 1)
+    reduced = facts.all_reduce_elements.at(image, text) * batch / sequence / stages * BF16_BYTES
+    all_reduce_bytes = reduced * 2 * (tensor - 1) / tensor
+    prediction = facts.prediction_elements.at(image, text) * BF16_BYTES * batch
+    cfg_bytes = prediction * (parallel.cfg - 1)
+    # Stage 0 passes the activations of every token on (the last stage's prediction back is a small fraction).
+    stage_bytes = (image + text) * facts.width * BF16_BYTES * batch / sequence if stages > 1 else 0.0
+
+    def transfer(collective: str, strategy: str, nbytes: float) -> Transfer:
+        return Transfer(collective, strategy, nbytes, nbytes / (profile.link_gbps[collective] * 1e6))
+
+    return [
+        transfer("all_to_all", "ulysses", ulysses_bytes),
+        transfer("send_recv", "ring", ring_bytes),
+        transfer("all_reduce", "tensor", all_reduce_bytes),
+        transfer("all_gather", "cfg", cfg_bytes),
+        transfer("send_recv", "pipefusion", stage_bytes),
+    ]

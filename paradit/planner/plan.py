@@ -1,0 +1,309 @@
+"""The planner: every plan that can run a model on N GPUs, each costed (``cost.py``), checked against the GPUs'
+memory (``paradit.memory``'s estimate of rank 0, with the first prompt-encoder placement that fits), and ranked by
+the predicted time of an average denoise step of the request.
+
+Plans are CFG x PipeFusion x Ring x Ulysses x tensor degrees that multiply to N and that the model accepts
+(``engine.check_plan``), PipeFusion with as many patches as stages or twice as many, and with FP8 compute (only when
+asked for, or when nothing fits without it) also FP8 transport for the sequence plans.
+
+Ranking prefers exact plans: an approximate one (FP8 transport, PipeFusion's stale patches) must be predicted
+``EXACT_PREMIUM`` faster to rank above an exact one. Plans within ``SAME_SPEED`` of each other count as equally fast
+(the model cannot tell them apart), and among them the least approximate goes first (exact, then FP8 transport, then
+fewer patches).
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from paradit.errors import InvalidRequest
+from paradit.memory import MemoryPlan, estimates, gib
+from paradit.parallel.config import ParallelConfig
+from paradit.planner.cost import StepCost, linear_efficiency, step_cost
+from paradit.planner.facts import ModelFacts, Workload, facts_for
+from paradit.planner.measurements import Measurement, one_gpu_reference
+from paradit.planner.profile import HardwareProfile
+from paradit.request import GenerationRequest
+from paradit.spec import ModelSpec
+
+SAME_SPEED = 0.02
+EXACT_PREMIUM = 0.10
+T = TypeVar("T")
+PLACEMENT_ORDER = ("gpu", "fp8", "offload")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the planner plans for: the size, frames, steps, and samples a step (2 when both guidance branches run)."""
+
+    height: int
+    width: int
+    frames: int | None
+    steps: int
+    batch: int
+
+    @property
+    def uses_cfg(self) -> bool:
+        return self.batch == 2
+
+
+def request_for(spec: ModelSpec, request: GenerationRequest | None = None) -> Request:
+    """The request (default: the model's defaults) with the defaults filled in and checked; a model that animates
+    an image, given none, is planned for a blank first frame of the request's size."""
+    from paradit.families import FAMILIES
+
+    pipeline = FAMILIES[spec.family].pipeline
+    request = request or GenerationRequest(prompt="a")
+    try:
+        resolved = pipeline.resolve_request(spec, request)
+    except InvalidRequest:
+        if request.image is not None:
+            raise
+        from PIL import Image
+
+        blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
+        resolved = pipeline.resolve_request(spec, dataclasses.replace(request, image=blank))
+    guides = spec.guidance_mode == "cfg" and pipeline.uses_cfg(spec, resolved)
+    return Request(resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The linear layers' achieved share of the matmul rates, and the one-GPU measurement it came from (None: the
+    profile's figure for models measured nowhere)."""
+
+    efficiency: float
+    source: Measurement | None
+
+    def describe(self, profile: HardwareProfile, fp8: bool) -> str:
+        precision = "fp8" if fp8 else "bf16"
+        if self.source is None:
+            return (
+                f"no step of this model measured on {profile.name}: its linear layers are taken at "
+                f"{self.efficiency:.0%} of {profile.matmul_tflops[precision]:.0f} TFLOP/s, the profile's typical share"
+            )
+        s = self.source
+        return (
+            f"compute calibrated by {s.model}'s measured one-GPU step, {s.ms:.1f} ms ({s.precision}, {s.execution}, "
+            f'batch {s.batch}; docs/benchmarks.md "{s.run.section}", {s.run.date})'
+        )
+
+
+def calibration(facts: ModelFacts, profile: HardwareProfile, fp8: bool, cuda_graphs: bool) -> Calibration:
+    """From the latest one-GPU measurement, on the profile's GPU, of the model or of a preset with the same
+    transformer, in the execution the plan runs (else the other one); every such measurement ran at the measured
+    preset's own size."""
+    from paradit.families import PRESETS
+
+    precision = "fp8" if fp8 else "bf16"
+    same = [name for name, spec in PRESETS.items() if spec.transformer == PRESETS[facts.preset].transformer]
+    for execution in ("graphs", "compiled") if cuda_graphs else ("compiled", "graphs"):
+        found = [one_gpu_reference(name, precision, execution, profile) for name in same]
+        measured = next((m for m in found if m is not None), None)
+        if measured is not None:
+            preset = PRESETS[measured.model]
+            workload = facts.workload(preset.height, preset.width, preset.extra.get("frames"))
+            efficiency = linear_efficiency(facts, workload, measured.batch, fp8, profile, measured.ms)
+            return Calibration(efficiency, measured)
+    return Calibration(profile.linear_efficiency[precision], None)
+
+
+@dataclass(frozen=True)
+class Option:
+    """A plan with FP8 or not, its cost, and rank 0's memory: ``memory`` is that of ``placement``, the first prompt
+    encoder placement that fits (None when none fits; ``memory`` is then the smallest of them)."""
+
+    parallel: ParallelConfig
+    fp8: bool
+    cost: StepCost
+    mean_ms: float
+    memory: MemoryPlan
+    placement: str | None
+    calibration: Calibration
+
+    @property
+    def fits(self) -> bool:
+        return self.placement is not None
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return graphs_for(self.parallel)
+
+    def describe(self) -> str:
+        return self.parallel.describe() + (" + FP8" if self.fp8 else "")
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The options that fit, best first, those that do not, and for N > 1 the one-GPU option to compare against."""
+
+    spec: ModelSpec
+    gpus: int
+    profile: HardwareProfile
+    request: Request
+    ranked: tuple[Option, ...]
+    refused: tuple[Option, ...]
+    single_gpu: Option | None = None
+    fp8_needed: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def best(self) -> Option:
+        return self.ranked[0]
+
+
+def approximation(parallel: ParallelConfig) -> tuple[int, int]:
+    """How far a plan strays from one process: FP8 transport, then PipeFusion's stale patches (more are staler)."""
+    patched = parallel.patches if parallel.pipefusion > 1 and parallel.patches > 1 else 0
+    return int(parallel.comm_dtype == "fp8"), patched
+
+
+def rank(items: list[T], ms: Callable[[T], float], parallel: Callable[[T], ParallelConfig]) -> list[T]:
+    """Best first by predicted ms, approximate plans charged ``EXACT_PREMIUM``; within ``SAME_SPEED`` of the best,
+    the least approximate first."""
+    if not items:
+        return []
+
+    def charged(item: T) -> float:
+        return ms(item) * (1 if parallel(item).exact else 1 + EXACT_PREMIUM)
+
+    best = min(charged(item) for item in items)
+
+    def key(item: T) -> tuple:
+        tied = charged(item) <= best * (1 + SAME_SPEED)
+        return (not tied, approximation(parallel(item)) if tied else (0, 0), charged(item))
+
+    return sorted(items, key=key)
+
+
+def parallel_candidates(spec: ModelSpec, gpus: int, uses_cfg: bool, fp8_transport: bool) -> list[ParallelConfig]:
+    """Every plan of ``gpus`` GPUs the model accepts."""
+    from paradit.engine import check_plan
+
+    found = []
+    for cfg in (2, 1) if uses_cfg and gpus % 2 == 0 else (1,):
+        for pipefusion, ring, ulysses, tensor in _factorizations(gpus // cfg, 4):
+            base = ParallelConfig(ulysses=ulysses, ring=ring, cfg=cfg, tensor=tensor, pipefusion=pipefusion)
+            variants = [base]
+            if pipefusion > 1:
+                variants = [dataclasses.replace(base, patches=p) for p in (pipefusion, 2 * pipefusion)]
+            if fp8_transport and ulysses * ring > 1:
+                variants += [dataclasses.replace(v, comm_dtype="fp8") for v in variants]
+            for parallel in variants:
+                try:
+                    check_plan(spec, parallel, torch.device("cpu"))
+                except InvalidRequest:
+                    continue
+                found.append(parallel)
+    return found
+
+
+def _factorizations(n: int, slots: int) -> list[tuple[int, ...]]:
+    if slots == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in _factorizations(n // d, slots - 1)]
+
+
+class MemoryEstimates:
+    """``paradit.memory.estimates`` of one model at one size, kept per plan shape (building the model on the meta
+    device for each of dozens of plans would be the planner's slowest part)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self._known: dict[tuple, dict[str, MemoryPlan]] = {}
+
+    def __call__(self, parallel: ParallelConfig, fp8: bool) -> dict[str, MemoryPlan]:
+        key = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.world_size, fp8)
+        if key not in self._known:
+            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8)
+        return self._known[key]
+
+
+def plan(
+    spec: ModelSpec,
+    gpus: int,
+    profile: HardwareProfile,
+    request: GenerationRequest | None = None,
+    quantize: str | None = None,
+    memory: MemoryEstimates | None = None,
+) -> PlanChoice:
+    """Rank every plan of ``gpus`` GPUs for ``spec`` on ``profile``. ``quantize``: "fp8" or "none" to decide FP8
+    compute; None tries without FP8 first and falls back to it only when nothing fits."""
+    wanted = request_for(spec, request)
+    sized = dataclasses.replace(spec, height=wanted.height, width=wanted.width)
+    memory = memory if memory is not None and memory.spec == sized else MemoryEstimates(sized)
+    facts = facts_for(spec)
+    workload = facts.workload(wanted.height, wanted.width, wanted.frames)
+    fp8_supported = "fp8" in profile.matmul_tflops
+    if quantize == "fp8" and not fp8_supported:
+        raise InvalidRequest(f"{profile.name} has no FP8 matmul rate: its GPUs cannot run --quantize fp8")
+    attempts = [quantize == "fp8"] if quantize is not None else [False] + ([True] if fp8_supported else [])
+    refused: list[Option] = []
+    for fp8 in attempts:
+        options = [
+            _option(facts, workload, wanted, parallel, fp8, profile, memory)
+            for parallel in parallel_candidates(spec, gpus, wanted.uses_cfg, fp8_transport=fp8)
+        ]
+        refused += [o for o in options if not o.fits]
+        fitting = rank([o for o in options if o.fits], _mean_ms, _parallel)
+        if not fitting:
+            continue
+        single = _option(facts, workload, wanted, ParallelConfig(), fp8, profile, memory) if gpus > 1 else None
+        needed = fp8 and quantize is None
+        notes = (f"no plan fits {gib(profile.memory_bytes)} GiB per GPU in bf16: FP8 compute halves the weights",)
+        return PlanChoice(
+            spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, notes if needed else ()
+        )
+    raise InvalidRequest(_nothing_fits(spec, gpus, profile, refused))
+
+
+def graphs_for(parallel: ParallelConfig) -> bool:
+    """CUDA graphs for the plans they have been measured with (one GPU, CFG, Ulysses, Ring): PipeFusion counts steps
+    on the host, which a replay would skip, and tensor parallelism has run compiled only."""
+    return parallel.pipefusion == 1 and parallel.tensor == 1
+
+
+def _mean_ms(option: Option) -> float:
+    return option.mean_ms
+
+
+def _parallel(option: Option) -> ParallelConfig:
+    return option.parallel
+
+
+def _option(
+    facts: ModelFacts,
+    workload: Workload,
+    request: Request,
+    parallel: ParallelConfig,
+    fp8: bool,
+    profile: HardwareProfile,
+    memory: MemoryEstimates,
+) -> Option:
+    graphs = graphs_for(parallel)
+    calibrated = calibration(facts, profile, fp8, graphs)
+    cost = step_cost(facts, workload, request.batch, parallel, fp8, profile, calibrated.efficiency, graphs)
+    placements = memory(parallel, fp8)
+    tried = [placements[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
+    fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)
+    chosen = fitting or min(tried, key=lambda m: m.total)
+    placement = fitting.text_encoder_placement if fitting else None
+    return Option(parallel, fp8, cost, cost.mean_ms(request.steps), chosen, placement, calibrated)
+
+
+def _nothing_fits(spec: ModelSpec, gpus: int, profile: HardwareProfile, refused: list[Option]) -> str:
+    if not refused:
+        return f"{spec.name} has no plan for {gpus} GPUs"
+    smallest = min(refused, key=lambda o: o.memory.total)
+    return (
+        f"{spec.name} fits no plan on {gpus} x {gib(profile.memory_bytes)} GiB ({profile.name}): the smallest, "
+        f"{smallest.describe()} with the text encoders {smallest.memory.text_encoder_placement}, needs "
+        f"{smallest.memory.describe()}; use more GPUs or GPUs with more memory"
+    )

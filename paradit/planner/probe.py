@@ -1,0 +1,123 @@
+"""A short probe of this machine (``paradit plan --link measure``): a bf16 matmul, an SDPA call at head sizes 64 and
+128, and with two or more GPUs each collective the runtime uses, timed between that many processes. The result is a
+hardware profile whose rates are this machine's; the efficiencies and memory come from the profile it refines.
+
+Bandwidths are reported as ``parallel/comm.py`` counts bytes (what one rank sends), so the cost model divides the
+same bytes by them. torch.distributed is imported only inside the probe's worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from paradit.planner.profile import HardwareProfile
+
+MATMUL_SIZE = 8192
+SDPA_TOKENS = 4096
+SDPA_WIDTH = 3072  # heads x head size of the probed attention
+MESSAGE_BYTES = 64 * 2**20
+ITERATIONS = 10
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, iterations: int = ITERATIONS) -> float:
+    """Median seconds of ``fn`` after two warm-up calls, the device synchronised around each call."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iterations):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_tflops(device: torch.device, size: int = MATMUL_SIZE) -> float:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    return 2 * size**3 / _seconds(lambda: a @ b, device) / 1e12
+
+
+def attention_tflops(device: torch.device, head_dim: int, tokens: int = SDPA_TOKENS) -> float:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads = SDPA_WIDTH // head_dim
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype) for _ in range(3))
+    seconds = _seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), device)
+    return 4 * heads * head_dim * tokens**2 / seconds / 1e12
+
+
+def _collectives_worker(rank: int, world: int, init_file: str, backend: str, nbytes: int, results) -> None:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        elements = nbytes // 2
+        send = torch.randn(elements, device=device).to(torch.bfloat16)
+        gathered = [torch.empty_like(send) for _ in range(world)]
+        received = torch.empty_like(send)
+        peer_next, peer_prev = (rank + 1) % world, (rank - 1) % world
+
+        def ring() -> None:
+            ops = [dist.P2POp(dist.isend, send, peer_next), dist.P2POp(dist.irecv, received, peer_prev)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        # Bytes one rank sends, as the runtime's counters count them.
+        probes = {
+            "all_to_all": (lambda: dist.all_to_all_single(received, send), nbytes * (world - 1) / world),
+            "send_recv": (ring, nbytes),
+            "all_reduce": (lambda: dist.all_reduce(send), 2 * nbytes * (world - 1) / world),
+            "all_gather": (lambda: dist.all_gather(gathered, send), nbytes * (world - 1)),
+        }
+        rates = {}
+        for name, (run, sent) in probes.items():
+            dist.barrier()
+            rates[name] = sent / _seconds(run, device) / 1e9
+        if rank == 0:
+            results.put(rates)
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_gbps(world: int, device_type: str = "cuda", nbytes: int = MESSAGE_BYTES) -> dict[str, float]:
+    """GB/s each collective moves between ``world`` processes (NCCL on GPUs, gloo on the CPU)."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, f"probe-{socket.gethostname()}-{os.getpid()}")
+        mp.start_processes(
+            _collectives_worker, args=(world, init_file, backend, nbytes, results), nprocs=world, join=True,
+            start_method="spawn",
+        )  # fmt: skip
+    return results.get()
+
+
+def measured_profile(base: HardwareProfile, gpus: int) -> HardwareProfile:
+    """``base`` with this machine's matmul, attention and (for two GPUs or more) collective rates."""
+    device = torch.device("cuda", 0)
+    bf16 = matmul_tflops(device)
+    matmul = {"bf16": bf16, **({"fp8": bf16 * base.matmul_tflops["fp8"] / base.matmul_tflops["bf16"]}
+                               if "fp8" in base.matmul_tflops else {})}  # fmt: skip
+    attention = {dim: attention_tflops(device, dim) for dim in (64, 128)}
+    links = collective_gbps(gpus) if gpus > 1 else base.link_gbps
+    return dataclasses.replace(
+        base, name=f"{base.name} (measured here)", predicted=False, matmul_tflops=matmul, attention_tflops=attention,
+        link_gbps=links,
+        description=f"{torch.cuda.get_device_name(0)}, rates measured by a probe of this machine",
+    )  # fmt: skip

@@ -1,0 +1,154 @@
+"""A ``PlanChoice`` as text: the chosen plan and the runners-up with their predicted ms/step, bytes sent per step and
+memory per GPU, why the winner won, and the command that runs it.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from paradit.memory import gib
+from paradit.planner.plan import EXACT_PREMIUM, Option, PlanChoice
+
+RUNNERS_UP = 5
+RIVALS = 2
+COLLECTIVE_NAMES = {
+    "all_to_all": "all-to-all",
+    "send_recv": "point-to-point",
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+}
+
+
+def size(nbytes: float) -> str:
+    """Bytes the way the report speaks of them: GiB past 1 GiB, else MiB (KiB for less than one MiB)."""
+    if nbytes == 0:
+        return "0"
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.1f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.0f} MiB"
+    return f"{nbytes / 2**10:.0f} KiB"
+
+
+def traffic(option: Option, profile_gbps: dict[str, float]) -> str:
+    """'sends 3.0 GiB per step: 121 ms at 26.1 GB/s (all-to-all)', naming the costliest collective."""
+    cost = option.cost
+    if not cost.transfers:
+        return "sends nothing between GPUs"
+    main = max(cost.transfers, key=lambda t: t.ms)
+    text = (
+        f"sends {size(cost.bytes_sent)} per step: {main.ms:.1f} ms at {profile_gbps[main.collective]:g} GB/s "
+        f"({COLLECTIVE_NAMES[main.collective]})"
+    )
+    if option.parallel.pipefusion > 1:
+        text += ", hidden behind the next patch but for one patch's hop"
+    return text
+
+
+def approximation_note(option: Option) -> str:
+    if option.parallel.comm_dtype == "fp8":
+        return "Ulysses/Ring traffic in FP8"
+    return "each patch attends to the previous step's activations of the others"
+
+
+def _row(option: Option, marker: str) -> str:
+    placement = option.placement or f"none fits ({option.memory.text_encoder_placement} smallest)"
+    exact = "exact" if option.parallel.exact else "approximate"
+    return (
+        f"{marker} {option.describe():<52} {option.mean_ms:>9.1f} {option.cost.compute_ms:>9.1f} "
+        f"{size(option.cost.bytes_sent):>10} {gib(option.memory.total) + ' GiB':>10}  {placement:<8} {exact}"
+    )
+
+
+def why(choice: PlanChoice) -> str:
+    """The winner's compute and traffic against the best plan of each other shape, then what else decided."""
+    best = choice.best
+    link = choice.profile.link_gbps
+    rivals: dict[tuple, Option] = {}
+    for option in choice.ranked[1:]:
+        shape = tuple(name for name, degree in option.parallel.degrees() if degree > 1)
+        if option.parallel.degrees() != best.parallel.degrees() and shape not in rivals:
+            rivals[shape] = option
+    lines = [f"{best.describe()} computes {best.cost.compute_ms:.1f} ms and {traffic(best, link)}."]
+    for rival in list(rivals.values())[:RIVALS]:
+        lines.append(f"{rival.describe()} computes {rival.cost.compute_ms:.1f} ms and {traffic(rival, link)}.")
+    exact = [o for o in choice.ranked if o.parallel.exact]
+    quicker = [o for o in choice.ranked if not o.parallel.exact and o.mean_ms < best.mean_ms]
+    if not best.parallel.exact and exact:
+        lines.append(
+            f"It is approximate ({approximation_note(best)}) and ranks first because it is predicted more than "
+            f"{EXACT_PREMIUM:.0%} faster than the best exact plan, {exact[0].describe()} ({exact[0].mean_ms:.1f} ms)."
+        )
+    elif best.parallel.exact and quicker:
+        lines.append(
+            f"{quicker[0].describe()} is predicted faster ({quicker[0].mean_ms:.1f} ms) but approximate "
+            f"({approximation_note(quicker[0])}); an approximate plan must be {EXACT_PREMIUM:.0%} faster to rank first."
+        )
+    faster = [o for o in choice.refused if o.mean_ms < best.mean_ms]
+    if faster:
+        quickest = min(faster, key=lambda o: o.mean_ms)
+        lines.append(
+            f"{quickest.describe()} would take {quickest.mean_ms:.1f} ms but does not fit: it needs "
+            f"{quickest.memory.describe()} against {gib(choice.profile.memory_bytes)} GiB."
+        )
+    if best.parallel.pipefusion > 1:
+        lines.append(
+            f"PipeFusion's {best.cost.warmup_steps} warm-up step(s) run whole ({best.cost.warmup_ms:.1f} ms), "
+            f"the rest {best.cost.steady_ms:.1f} ms with {best.parallel.patches} patches in flight."
+        )
+    if choice.single_gpu is not None and choice.single_gpu.fits and choice.single_gpu.mean_ms <= best.mean_ms:
+        lines.append(
+            f"One GPU would be as fast or faster ({choice.single_gpu.mean_ms:.1f} ms/step): at this size the "
+            "exchanges cost more than the split saves."
+        )
+    return "\n".join(lines)
+
+
+def command(choice: PlanChoice) -> str:
+    """The ``paradit generate`` flags that run the chosen option."""
+    best, parallel = choice.best, choice.best.parallel
+    flags = [f"--model {choice.spec.name}", f"--gpus {choice.gpus}"]
+    for name, degree in parallel.degrees():
+        if degree > 1:
+            flags.append("--cfg-parallel" if name == "cfg" else f"--{name} {degree}")
+    if parallel.pipefusion > 1:
+        flags.append(f"--patches {parallel.patches} --warmup-steps {parallel.warmup_steps}")
+    if parallel.comm_dtype == "fp8":
+        flags.append("--comm-dtype fp8")
+    if best.fp8:
+        flags.append("--quantize fp8")
+    if best.cuda_graphs:
+        flags.append("--cuda-graphs")
+    if best.placement != "gpu":
+        flags.append(f"--text-encoder-placement {best.placement}")
+    return "paradit generate " + " ".join(flags) + ' --prompt "..."'
+
+
+def render(choice: PlanChoice) -> str:
+    request, profile = choice.request, choice.profile
+    frames = f", {request.frames} frames" if request.frames else ""
+    branches = ", both guidance branches" if request.uses_cfg else ""
+    status = "predicted from published specifications" if profile.predicted else "measured figures"
+    lines = [
+        f"{choice.spec.name} on {choice.gpus} x {profile.name} ({profile.description}; {status})",
+        f"{request.width}x{request.height}{frames}, {request.steps} steps{branches}; "
+        f"{gib(profile.memory_bytes)} GiB per GPU",
+        choice.best.calibration.describe(profile, choice.best.fp8),
+        *choice.notes,
+        "",
+        f"  {'plan':<52} {'ms/step':>9} {'compute':>9} {'sent/step':>10} {'GPU mem':>10}  {'encoders':<8} result",
+    ]
+    lines.append(_row(choice.best, "*"))
+    lines += [_row(option, " ") for option in choice.ranked[1 : 1 + RUNNERS_UP]]
+    for option in sorted(choice.refused, key=lambda o: o.mean_ms)[:2]:
+        lines.append(_row(option, "x"))
+    if choice.single_gpu is not None:
+        lines.append(_row(choice.single_gpu, "1"))
+    lines += [
+        "(* chosen; x does not fit in memory; 1 one GPU for comparison; ms/step averages the request's steps)",
+        "",
+        "Why: " + why(choice),
+        "",
+        "Run it: " + command(choice),
+    ]
+    return "\n".join(lines)

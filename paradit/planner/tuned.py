@@ -1,0 +1,102 @@
+"""Tuned configurations: for every preset, GPU count (1, 2, 4) and hardware profile, the settings to run it with,
+shipped as data in ``paradit/configs/<profile>.json`` (written by ``python -m paradit.planner.tune``).
+
+An entry holds the plan, FP8 or not, the prompt encoders' placement, CUDA graphs or not, PipeFusion's patches, the
+request it was planned for (the preset's defaults), and where its figure comes from: a measurement (where, when,
+which command) or the planner's prediction. ``paradit generate --gpus N`` with no parallel flag runs the entry of
+the detected profile when the request matches it; any parallel flag replaces it.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from paradit.parallel.config import ParallelConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+GPU_COUNTS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """The request an entry was planned for: size, frames, steps and samples a step (2: both guidance branches)."""
+
+    height: int
+    width: int
+    frames: int | None
+    steps: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class TunedEntry:
+    """Settings for ``preset`` on ``gpus`` GPUs of one profile; ``refused`` (with its reason) when nothing fits."""
+
+    preset: str
+    gpus: int
+    request: PlannedRequest
+    parallel: ParallelConfig | None = None
+    quantize: str = "none"
+    text_encoder_placement: str = "gpu"
+    cuda_graphs: bool = False
+    ms_per_step: float | None = None
+    source: dict | None = None
+    refused: str | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.source is not None and self.source.get("kind") == "measured"
+
+    def describe(self) -> str:
+        if self.refused:
+            return f"nothing fits: {self.refused}"
+        settings = [
+            self.parallel.describe(),
+            "FP8" if self.quantize == "fp8" else "bf16",
+            f"text encoders {self.text_encoder_placement}",
+            "CUDA graphs" if self.cuda_graphs else "no CUDA graphs",
+        ]
+        if self.measured:
+            s = self.source
+            figure = f'measured {s["ms_per_step"]:.1f} ms/step: docs/benchmarks.md "{s["section"]}", {s["date"]}'
+        else:
+            figure = f"predicted {self.ms_per_step:.1f} ms/step by the planner"
+        return f"{', '.join(settings)} ({figure})"
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        if self.refused:  # settings of an entry that cannot run would only mislead
+            return {key: data[key] for key in ("preset", "gpus", "request", "refused")}
+        return {key: value for key, value in data.items() if value is not None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> TunedEntry:
+        values = dict(data)
+        values["request"] = PlannedRequest(**data["request"])
+        if "parallel" in data:
+            values["parallel"] = ParallelConfig(**data["parallel"])
+        return cls(**values)
+
+
+def config_file(profile: str) -> Path:
+    return CONFIGS_DIR / f"{profile}.json"
+
+
+@cache
+def tuned_entries(profile: str) -> dict[tuple[str, int], TunedEntry]:
+    """(preset, GPUs) -> entry, for one profile (empty when the profile has no file)."""
+    path = config_file(profile)
+    if not path.is_file():
+        return {}
+    entries = (TunedEntry.from_json(entry) for entry in json.loads(path.read_text())["entries"])
+    return {(entry.preset, entry.gpus): entry for entry in entries}
+
+
+def tuned_entry(preset: str, gpus: int, profile: str) -> TunedEntry | None:
+    return tuned_entries(profile).get((preset, gpus))

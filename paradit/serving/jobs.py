@@ -1,0 +1,80 @@
+"""A request's life in the server: the ``Job`` the scheduler queues, runs and ends, and the errors it can end with.
+
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from paradit.errors import ParaditError
+
+if TYPE_CHECKING:
+    from paradit.pipelines.base import ResolvedRequest
+    from paradit.request import GenerationRequest, GenerationResult
+
+QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
+FINAL = (COMPLETED, FAILED, CANCELLED)
+
+_ORDER = itertools.count()
+
+
+class QueueFull(ParaditError):
+    """The queue holds ``--max-queue`` requests; ``retry_after`` estimates when there will be room, in seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Draining(ParaditError):
+    """The server is shutting down: it finishes the work it accepted and takes no more."""
+
+
+class JobTimeout(ParaditError):
+    """The request outlived the server's ``--timeout``."""
+
+
+class JobCancelled(ParaditError):
+    """The request was cancelled (``DELETE``, or its client went away) before it finished."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One API request: ``request`` (its seed drawn already, so that the answer can name it), ``resolved`` (the
+    model's defaults filled in), the batching ``key`` (requests with equal keys may share a forward pass; None runs
+    alone), and its outcome: ``future`` ends with the GenerationResult or the error. ``state`` and the times change
+    under the scheduler's lock."""
+
+    request: GenerationRequest
+    resolved: ResolvedRequest
+    key: tuple | None
+    deadline: float  # time.monotonic() past which it times out
+    video: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    order: int = field(default_factory=lambda: next(_ORDER))
+    created: float = field(default_factory=time.time)
+    queued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    finished_at: float | None = None
+    state: str = QUEUED
+    plan: str = ""  # the plan of the group that runs it
+    # Why nobody waits for it any more (a cancellation, a timeout): set while it runs, it stops its batch once every
+    # job in it is abandoned.
+    abandoned: ParaditError | None = None
+    future: Future[GenerationResult] = field(default_factory=Future)
+    steps_done: int = 0  # while it runs, the scheduler reads the engine's count instead
+
+    @property
+    def images(self) -> int:
+        """Images (or videos) it adds to a batch."""
+        return self.resolved.batch
+
+    @property
+    def steps(self) -> int:
+        return self.resolved.steps

@@ -1,0 +1,28 @@
+"""Image files made from what the workers return (PNG, JPEG, WebP); videos are ``paradit.video``'s MP4s. Called from
+the front end's thread pool, never from a group's thread, so that encoding overlaps the next batch.
+
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+import io
+
+from PIL import Image
+
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
+DEFAULT_QUALITY = 95  # PIL's default (75) visibly blurs generated detail
+# zlib's fastest level: a 1024x1024 image encodes in about a quarter of the default level's time (60 ms against 250
+# on one core) for a sixth more bytes, and the encoding is part of every answer's latency.
+PNG_COMPRESS_LEVEL = 1
+
+
+def encode_image(image: Image.Image, output_format: str, quality: int | None = None) -> bytes:
+    """``output_format``: png (lossless), jpeg or webp at ``quality`` (0-100, default 95)."""
+    buffer = io.BytesIO()
+    if output_format == "png":
+        image.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    else:
+        image.save(buffer, format=IMAGE_FORMATS[output_format], quality=DEFAULT_QUALITY if quality is None else quality)
+    return buffer.getvalue()

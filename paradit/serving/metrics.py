@@ -1,0 +1,68 @@
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of their own so that several servers in one
+process (tests) do not collide.
+
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# From a tiny model's step on a CPU to a long video on a loaded server.
+SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 600, 1800)
+PHASES = ("queue", "text_encode", "denoise", "decode", "encode", "total")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.queue_depth = Gauge("paradit_queue_depth", "Requests waiting for a group.", registry=registry)
+        self.requests = Counter(
+            "paradit_requests", "Requests answered, by endpoint and outcome.", ["endpoint", "outcome"],
+            registry=registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "paradit_latency_seconds",
+            "Seconds per phase: queue (waiting for a group), text_encode, denoise and decode (the group's run), "
+            "encode (the image or video file), total (the HTTP request).",
+            ["phase"], buckets=SECONDS_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.batch_images = Histogram(
+            "paradit_batch_images", "Images per forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64), registry=registry
+        )
+        self.steps = Counter("paradit_denoise_steps", "Denoise steps run.", ["group"], registry=registry)
+        self.steps_per_second = Gauge(
+            "paradit_steps_per_second", "Denoise steps per second in each group's last run.", ["group"],
+            registry=registry,
+        )  # fmt: skip
+        self.peak_memory = Gauge(
+            "paradit_peak_memory_bytes",
+            "Peak memory in each group's last run, per worker (device memory on GPUs, process RSS on the CPU).",
+            ["group", "rank"], registry=registry,
+        )  # fmt: skip
+        self.restarts = Counter(
+            "paradit_group_restarts", "Worker groups rebuilt after a worker died.", ["group"], registry=registry
+        )
+        self.mode_switches = Counter(
+            "paradit_group_mode_switches",
+            "Times --group-size auto switched between splitting batches across every GPU and independent batches.",
+            registry=registry,
+        )
+
+    def record_run(self, group: int, timings, images: int) -> None:
+        """A group's run of one batch (``timings``: its Timings)."""
+        denoise_s = sum(timings.step_ms) / 1000
+        self.latency.labels("text_encode").observe(timings.text_encode_s)
+        self.latency.labels("denoise").observe(denoise_s)
+        self.latency.labels("decode").observe(timings.vae_decode_s)
+        self.batch_images.observe(images)
+        self.steps.labels(str(group)).inc(len(timings.step_ms))
+        if denoise_s > 0:
+            self.steps_per_second.labels(str(group)).set(len(timings.step_ms) / denoise_s)
+        for rank, peak in enumerate(timings.peak_memory_per_rank or [timings.peak_memory_bytes]):
+            self.peak_memory.labels(str(group), str(rank)).set(peak)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The metrics in Prometheus' text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

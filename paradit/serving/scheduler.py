@@ -1,0 +1,352 @@
+"""The scheduler: the bounded queue of jobs, the worker groups that serve it, batching, cancellation, timeouts and
+recovery.
+
+Each group is one ``paradit.Engine`` whose workers run in their own processes, driven by one thread of the server's
+process: it takes the next batch from the queue, runs it, and ends each job with its result or its error. The HTTP
+front end never waits on a group: it awaits the job's future, and encodes the images itself.
+
+- Batching: the oldest queued job runs first, together with the queued jobs that may share its forward pass (equal
+  ``batch_key``) up to ``max_batch`` images; every job keeps its own seed (``DiffusionPipeline.generate``).
+- Cancellation and timeouts: a queued job is dropped at once; a running one is abandoned, and once every job of its
+  batch is, the engine stops the run at the next step boundary (``Engine.cancel``). The job ends when its run does.
+- Failures: a request that fails in the workers fails its jobs, the group serving on; a worker that dies fails the
+  running jobs (their clients hear at once) and the group is rebuilt as a new engine while the queue waits.
+- Draining (SIGTERM): new jobs are refused and the accepted ones finish.
+- ``auto``: group 0 spans every GPU and the other groups hold one GPU each, on the same devices (each with its own
+  copy of the model). Per batch, from the queue: while it holds at most one batch, group 0 runs it split across every
+  GPU (lowest latency); past that, the one-GPU groups run independent batches (most throughput). The two sides never
+  run at once.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from paradit.errors import ParaditError
+from paradit.serving.jobs import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    IN_PROGRESS,
+    QUEUED,
+    Draining,
+    Job,
+    JobCancelled,
+    JobTimeout,
+    QueueFull,
+)
+from paradit.worker import RequestCancelled, RequestFailed, WorkerFailure
+
+if TYPE_CHECKING:
+    from paradit.engine import Engine
+    from paradit.pipelines.base import ResolvedRequest
+    from paradit.request import GenerationRequest, GenerationResult
+    from paradit.serving.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+STARTING, SERVING, RESTARTING, STOPPED = "starting", "serving", "restarting", "stopped"
+RESTART_BACKOFF_S = 2.0  # between attempts to rebuild a group whose rebuild failed
+WATCH_S = 0.05  # how often deadlines are checked
+CLOSE_S = 30  # how long closing waits for a group's thread to end its run
+
+
+def batch_key(resolved: ResolvedRequest) -> tuple | None:
+    """What requests must share to run as one batch: everything but prompts, seeds and image counts. None for a
+    request with an input image, which runs alone."""
+    if resolved.image is not None:
+        return None
+    return (resolved.height, resolved.width, resolved.steps, resolved.guidance, resolved.guidance_2, resolved.frames,
+            resolved.negative_prompts is None)  # fmt: skip
+
+
+class Group:
+    """One engine and the thread that serves the queue with it; ``build(index)`` makes (and remakes) the engine."""
+
+    def __init__(self, index: int, build: Callable[[int], Engine], scheduler: Scheduler) -> None:
+        self.index = index
+        self.plan = ""
+        self.engine: Engine | None = None
+        self.state = STARTING
+        self.batch: list[Job] = []
+        self.restarts = 0
+        self.error: BaseException | None = None  # why its first start failed
+        self._build = build
+        self._scheduler = scheduler
+        self.thread = threading.Thread(target=self._serve, name=f"paradit-group-{index}", daemon=True)
+
+    @property
+    def workers(self) -> list[int]:
+        return self.engine.worker_pids if self.engine is not None else []
+
+    def _serve(self) -> None:
+        scheduler = self._scheduler
+        while not scheduler.closing:
+            if self.engine is None and not self._start():
+                break
+            batch = scheduler.take(self)
+            if batch is None:
+                break
+            self._run(batch)
+        if self.engine is not None:
+            self.engine.close()
+        scheduler.set_state(self, STOPPED)
+
+    def _start(self) -> bool:
+        """Build the engine; a first start that fails ends the group (the server reports it), a rebuild is retried."""
+        while not self._scheduler.closing:
+            try:
+                engine = self._build(self.index)
+            except Exception as exc:  # noqa: BLE001 - reported, or retried
+                if self.restarts == 0:
+                    self.error = exc
+                    self._scheduler.set_state(self, STOPPED)
+                    return False
+                logger.exception("group %d could not be rebuilt; retrying in %s s", self.index, RESTART_BACKOFF_S)
+                time.sleep(RESTART_BACKOFF_S)
+                continue
+            self.engine, self.plan = engine, engine.plan
+            self._scheduler.set_state(self, SERVING)
+            return True
+        return False
+
+    def _run(self, batch: list[Job]) -> None:
+        scheduler = self._scheduler
+        try:
+            results = self.engine.generate([job.request for job in batch])
+        except WorkerFailure as exc:
+            scheduler.finish(self, exc)
+            logger.error("group %d: %s; rebuilding it", self.index, exc)
+            self.engine.close()
+            self.engine = None
+            self.restarts += 1
+            scheduler.metrics.restarts.labels(str(self.index)).inc()
+            scheduler.set_state(self, RESTARTING)
+        except RequestCancelled:
+            scheduler.finish(self, JobCancelled("the request was cancelled"))
+        except RequestFailed as exc:
+            logger.error("group %d failed a batch: %s", self.index, exc)
+            scheduler.finish(self, exc)
+        except ParaditError as exc:
+            scheduler.finish(self, exc)
+        except Exception as exc:  # noqa: BLE001 - a fault on the engine's side of this batch: the group serves on
+            logger.exception("group %d failed a batch", self.index)
+            scheduler.finish(self, RequestFailed(f"{type(exc).__name__}: {exc}"))
+        else:
+            scheduler.metrics.record_run(self.index, results[0].timings, sum(job.images for job in batch))
+            scheduler.finish(self, results)
+
+
+class Scheduler:
+    """The queue and the groups. ``build(index)`` makes group ``index``'s engine; ``check(request)`` resolves a request
+    against the model (raising InvalidRequest) without running anything."""
+
+    def __init__(
+        self,
+        build: Callable[[int], Engine],
+        groups: int,
+        check: Callable[[GenerationRequest], ResolvedRequest],
+        metrics: Metrics,
+        max_batch: int = 1,
+        max_queue: int = 64,
+        timeout_s: float = 600.0,
+        auto: bool = False,
+    ) -> None:
+        self.metrics = metrics
+        self.max_batch, self.max_queue, self.timeout_s, self.auto = max_batch, max_queue, timeout_s, auto
+        self._split: bool | None = None  # under auto: whether the last batch ran split across every GPU
+        self.accepting = True
+        self.closing = False
+        self.groups = [Group(index, build, self) for index in range(groups)]
+        self._check = check
+        self._queue: list[Job] = []
+        self._changed = threading.Condition()
+        self._run_seconds: deque[float] = deque(maxlen=20)  # recent batches' run times, for Retry-After
+        self._watch = threading.Thread(target=self._watch_deadlines, name="paradit-deadlines", daemon=True)
+
+    def start(self, timeout_s: float | None = None) -> None:
+        """Start every group (together) and wait until each serves; raises the first group's start failure."""
+        for group in self.groups:
+            group.thread.start()
+        self._watch.start()
+        with self._changed:
+            self._changed.wait_for(lambda: all(g.state != STARTING for g in self.groups), timeout_s)
+        failed = next((g.error for g in self.groups if g.error is not None), None)
+        if failed is not None:
+            self.close()
+            raise failed
+
+    # The front end's side.
+
+    def submit(self, request: GenerationRequest, video: bool = False) -> Job:
+        """Queue a request, its seed drawn now if it has none; raises InvalidRequest, QueueFull or Draining."""
+        resolved = self._check(request)
+        request = dataclasses.replace(request, seed=resolved.seed)
+        key = None if video else batch_key(resolved)
+        job = Job(request, resolved, key, deadline=time.monotonic() + self.timeout_s, video=video)
+        with self._changed:
+            if not self.accepting:
+                raise Draining("the server is shutting down and takes no new requests")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(
+                    f"the queue is full ({self.max_queue} requests waiting); retry later", self._retry_after()
+                )
+            self._queue.append(job)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._changed.notify_all()
+        return job
+
+    def cancel(self, job: Job, reason: ParaditError) -> None:
+        """End a queued job with ``reason`` now; abandon a running one, stopping its batch at the next step boundary
+        once nobody waits for any of it (the job then ends with ``reason``)."""
+        with self._changed:
+            self._abandon(job, reason)
+
+    def steps_done(self, job: Job) -> int:
+        with self._changed:
+            group = self._group_of(job)
+            return group.engine.steps_done if group is not None else job.steps_done
+
+    def health(self) -> tuple[str, int, list[Group]]:
+        """(status, queue length, groups): ok when every group serves, degraded while one restarts or is stopped."""
+        with self._changed:
+            states = {group.state for group in self.groups}
+            if not self.accepting:
+                status = "draining"
+            elif states == {SERVING}:
+                status = "ok"
+            elif STARTING in states and SERVING not in states:
+                status = "starting"
+            else:
+                status = "degraded"
+            return status, len(self._queue), list(self.groups)
+
+    def drain(self) -> None:
+        """Refuse new jobs, then wait until the queued and running ones have ended."""
+        with self._changed:
+            self.accepting = False
+            self._changed.wait_for(lambda: not self._queue and not any(group.batch for group in self.groups))
+
+    def close(self) -> None:
+        """Stop: queued jobs end with Draining, running batches are stopped, the engines closed."""
+        with self._changed:
+            self.accepting, self.closing = False, True
+            for job in list(self._queue):
+                self._queue.remove(job)
+                self._end(job, Draining("the server stopped before running the request"))
+            for group in self.groups:
+                for job in group.batch:
+                    self._abandon(job, Draining("the server stopped while running the request"))
+            self._changed.notify_all()
+        for group in self.groups:
+            if group.thread.is_alive():
+                group.thread.join(CLOSE_S)
+            if group.thread.is_alive() and group.engine is not None:  # still in a run that would not stop
+                group.engine.close()
+
+    # The groups' side.
+
+    def take(self, group: Group) -> list[Job] | None:
+        """The next batch for ``group`` (waiting for one), or None when the server closes."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.closing or self._may_take(group))
+            if self.closing:
+                return None
+            if self.auto and self._split is not None and self._split != (group is self.groups[0]):
+                self.metrics.mode_switches.inc()
+            self._split = group is self.groups[0]
+            first = self._queue[0]
+            batch, images = [first], first.images
+            for job in self._queue[1:] if first.key is not None else []:
+                if job.key == first.key and images + job.images <= self.max_batch:
+                    batch.append(job)
+                    images += job.images
+            now = time.monotonic()
+            for job in batch:
+                self._queue.remove(job)
+                job.state, job.started_at, job.plan = IN_PROGRESS, now, group.plan
+                self.metrics.latency.labels("queue").observe(now - job.queued_at)
+            self.metrics.queue_depth.set(len(self._queue))
+            group.batch = batch
+            return batch
+
+    def finish(self, group: Group, outcome: list[GenerationResult] | ParaditError) -> None:
+        """End ``group``'s batch: each job with its result, or all with the error (an abandoned job with the reason
+        it was abandoned for)."""
+        with self._changed:
+            batch, group.batch = group.batch, []
+            if isinstance(outcome, list):
+                self._run_seconds.append(time.monotonic() - batch[0].started_at)
+            for index, job in enumerate(batch):
+                job.steps_done = group.engine.steps_done if group.engine is not None else 0
+                self._end(job, job.abandoned or (outcome[index] if isinstance(outcome, list) else outcome))
+            self._changed.notify_all()
+
+    def set_state(self, group: Group, state: str) -> None:
+        with self._changed:
+            group.state = state
+            self._changed.notify_all()
+
+    # Under the lock.
+
+    def _may_take(self, group: Group) -> bool:
+        """Whether ``group`` may take the next batch now. Under ``auto``, group 0 (every GPU) takes it while the
+        one-GPU groups are idle and the queue holds at most one batch's images, a one-GPU group while group 0 is idle
+        and the queue holds more or another one-GPU group is busy; a side that is not serving (being rebuilt) leaves
+        the queue to the other."""
+        if not self._queue:
+            return False
+        if not self.auto:
+            return True
+        spanning, singles = self.groups[0], self.groups[1:]
+        short = sum(job.images for job in self._queue) <= self.max_batch
+        if group is spanning:
+            return not any(g.batch for g in singles) and (short or all(g.state != SERVING for g in singles))
+        return not spanning.batch and (not short or any(g.batch for g in singles) or spanning.state != SERVING)
+
+    def _group_of(self, job: Job) -> Group | None:
+        return next((group for group in self.groups if job in group.batch), None)
+
+    def _abandon(self, job: Job, reason: ParaditError) -> None:
+        if job.state == QUEUED:
+            self._queue.remove(job)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._end(job, reason)
+        elif job.state == IN_PROGRESS and job.abandoned is None:
+            job.abandoned = reason
+            group = self._group_of(job)
+            if group is not None and all(other.abandoned for other in group.batch):
+                group.engine.cancel()
+
+    def _end(self, job: Job, outcome: GenerationResult | ParaditError) -> None:
+        job.finished_at = time.monotonic()
+        if isinstance(outcome, ParaditError):
+            job.state = CANCELLED if isinstance(outcome, JobCancelled) else FAILED
+            job.future.set_exception(outcome)
+        else:
+            job.state, job.steps_done = COMPLETED, job.steps
+            job.future.set_result(outcome)
+
+    def _retry_after(self) -> int:
+        """Seconds until the queue has room, estimated from recent batches' run times."""
+        run_s = sum(self._run_seconds) / len(self._run_seconds) if self._run_seconds else 1.0
+        return max(1, math.ceil(run_s * len(self._queue) / (len(self.groups) * self.max_batch)))
+
+    def _watch_deadlines(self) -> None:
+        with self._changed:
+            while not self.closing:
+                now = time.monotonic()
+                late = [job for job in self._queue if job.deadline <= now]
+                late += [job for group in self.groups for job in group.batch if job.deadline <= now]
+                for job in late:
+                    self._abandon(job, JobTimeout(f"the request did not finish within {self.timeout_s:g} s"))
+                self._changed.wait(WATCH_S)

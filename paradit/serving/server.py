@@ -1,0 +1,348 @@
+"""The HTTP front end (FastAPI): OpenAI's Images API, video jobs, models, health and metrics over a ``Scheduler``.
+
+Handlers never wait on a group: they queue a job and await its future, polling for the client's disconnection (a
+synchronous request whose client went away is cancelled), and encode images in the thread pool. Every error is an
+OpenAI-style ``{"error": {"message", "type", "param"}}`` answer: bad input 400 naming the field and what is allowed,
+a missing or wrong API key 401, a body past the limit 413, a full queue 429 with ``Retry-After``, a server shutting
+down 503, a request past its timeout 504, a failure in the workers 500.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from paradit import __version__
+from paradit.errors import InvalidRequest, ParaditError
+from paradit.request import GenerationRequest
+from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
+from paradit.serving.media import MEDIA_TYPES, encode_image
+from paradit.serving.metrics import Metrics
+from paradit.serving.scheduler import Scheduler
+from paradit.serving.schemas import (
+    DeletedVideo,
+    ErrorResponse,
+    GroupHealth,
+    Health,
+    ImageData,
+    ImageGenerationBody,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+    VideoBody,
+    VideoJob,
+)
+from paradit.serving.store import FileStore
+from paradit.serving.videos import VideoJobs
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler asks whether its client is still there
+CLIENT_GONE = 499  # the status logged for a request whose client left (nginx's convention): nobody reads it
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``model``: the name clients use; ``video``: whether it makes videos; ``api_key``: required as a bearer token
+    on every route but /health when set."""
+
+    model: str
+    video: bool = False
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    file_store_bytes: int = 1 << 30
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None, headers=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+ERRORS: dict[type[ParaditError], tuple[int, str]] = {
+    InvalidRequest: (400, "invalid_request_error"),
+    QueueFull: (429, "rate_limit_error"),
+    Draining: (503, "server_shutting_down"),
+    JobTimeout: (504, "timeout"),
+    JobCancelled: (409, "cancelled"),
+}
+
+
+def paradit_error(request: Request, exc: ParaditError) -> JSONResponse:
+    status, kind = next(((s, k) for t, (s, k) in ERRORS.items() if isinstance(exc, t)), (500, "server_error"))
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+    # A failure in the workers carries their traces for the server's log; the client gets its first line.
+    return error_response(status, str(exc).splitlines()[0], kind, headers=headers)
+
+
+def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """400 naming each field that is wrong and what it takes."""
+    problems, params = [], []
+    for error in exc.errors():
+        # A JSON syntax error's location is a character offset: the body is what is wrong.
+        located = error["type"] != "json_invalid"
+        field = ".".join(str(part) for part in error["loc"] if part != "body") if located else "body"
+        field, message = field or "body", error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown field; see the schema at /docs for the fields this API takes"
+        elif error["type"] == "string_pattern_mismatch" and field == "size":
+            message = 'give WIDTHxHEIGHT in pixels (such as "1024x1024") or "auto"'
+        elif error["type"] == "json_invalid":
+            message = f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'syntax')})"
+        problems.append(f"{field}: {message}")
+        params.append(field)
+    return error_response(400, "; ".join(problems), "invalid_request_error", params[0] if params else None)
+
+
+def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = "authentication_error" if exc.status_code == 401 else "invalid_request_error"
+    return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+
+
+class BodyLimit:
+    """ASGI middleware: a body past ``max_bytes`` (declared or streamed) gets 413 before anything parses it."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.max_bytes:
+            return await self.refuse(scope, receive, send)
+        received = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyTooLarge
+            return message
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self.refuse(scope, receive, send)
+
+    async def refuse(self, scope, receive, send) -> None:
+        message = f"the body is larger than this server's limit of {self.max_bytes} bytes"
+        await error_response(413, message, "invalid_request_error", "body")(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class Observe:
+    """ASGI middleware: counts every answer by route and outcome, and times the generation routes end to end."""
+
+    TIMED = {"/v1/images/generations", "/v1/videos"}
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+
+        async def recording_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = scope.get("route")  # set by the router once it matched
+            path = route.path if route is not None else "unmatched"
+            self.metrics.requests.labels(path, outcome(status)).inc()
+            if path in self.TIMED and scope["method"] == "POST":
+                self.metrics.latency.labels("total").observe(time.perf_counter() - start)
+
+
+def outcome(status: int) -> str:
+    named = {401: "unauthorized", 413: "too_large", 429: "rejected", 503: "unavailable", 504: "timeout"}
+    if status < 400:
+        return "ok"
+    if status == CLIENT_GONE:
+        return "cancelled"
+    return named.get(status, "invalid" if status < 500 else "failed")
+
+
+def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> FastAPI:
+    app = FastAPI(
+        title="paradit", version=__version__, description="OpenAI-compatible image and video generation.",
+        responses={code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 500, 503, 504)},
+    )  # fmt: skip
+    app.add_exception_handler(ParaditError, paradit_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(Observe, metrics=metrics)
+    files = FileStore(config.file_store_bytes)
+    videos = VideoJobs(scheduler, files, config.model)
+    app.state.videos = videos
+
+    async def require_key(credentials: Credentials) -> None:
+        given = "" if credentials is None else credentials.credentials
+        if not secrets.compare_digest(given.encode(), config.api_key.encode()):
+            raise HTTPException(
+                401, "a valid API key is required: send the header Authorization: Bearer <key>",
+                headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+
+    api = APIRouter(dependencies=[Depends(require_key)] if config.api_key else [])
+
+    def check_model(name: str | None, wants_video: bool) -> None:
+        if name is not None and name != config.model:
+            raise InvalidRequest(f"model {name!r} is not served here; this server serves {config.model!r}")
+        if wants_video != config.video:
+            made, route = ("videos", "POST /v1/videos") if config.video else ("images", "POST /v1/images/generations")
+            raise InvalidRequest(f"{config.model} makes {made}; use {route}")
+
+    async def outcome_of(job: Job, request: Request):
+        """The job's result; a client that leaves first cancels it."""
+        waiting = asyncio.wrap_future(job.future)
+        while True:
+            done, _ = await asyncio.wait([waiting], timeout=DISCONNECT_POLL_S)
+            if done:
+                return waiting.result()
+            if await request.is_disconnected():
+                scheduler.cancel(job, JobCancelled("the client went away"))
+                waiting.add_done_callback(lambda ended: ended.exception())  # nobody is left to read its error
+                raise ClientGone
+
+    @api.post("/v1/images/generations", response_model=ImagesResponse)
+    async def generate_images(body: ImageGenerationBody, request: Request):
+        check_model(body.model, wants_video=False)
+        if body.output_compression is not None and body.output_format == "png":
+            raise InvalidRequest("output_compression applies to jpeg and webp; png is lossless")
+        width, height = body.width_height()
+        job = scheduler.submit(
+            GenerationRequest(
+                prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
+                steps=body.steps, guidance=body.guidance, seed=body.seed, num_images_per_prompt=body.n,
+            )
+        )  # fmt: skip
+        try:
+            result = await outcome_of(job, request)
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)
+        start = time.perf_counter()
+        encoded = await run_in_threadpool(
+            lambda: [encode_image(image, body.output_format, body.output_compression) for image in result.images]
+        )
+        metrics.latency.labels("encode").observe(time.perf_counter() - start)
+        if body.response_format == "url":
+            media_type = MEDIA_TYPES[body.output_format]
+            names = [files.put(data, media_type, body.output_format) for data in encoded]
+            data = [ImageData(url=str(request.url_for("get_file", name=name))) for name in names]
+        else:
+            data = [ImageData(b64_json=base64.b64encode(item).decode()) for item in encoded]
+        resolved = job.resolved
+        return ImagesResponse(
+            created=int(job.created), data=data, output_format=body.output_format,
+            size=f"{resolved.width}x{resolved.height}", seed=resolved.seed, plan=job.plan,
+        )  # fmt: skip
+
+    @api.get("/v1/files/{name}", name="get_file")
+    async def get_file(name: str):
+        stored = files.get(name)
+        if stored is None:
+            raise HTTPException(404, f"no file {name!r}: it never existed or has expired")
+        return Response(stored[0], media_type=stored[1])
+
+    @api.post("/v1/videos", response_model=VideoJob)
+    async def create_video(body: VideoBody):
+        check_model(body.model, wants_video=True)
+        width, height = body.width_height()
+        entry = videos.create(
+            GenerationRequest(
+                prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
+                steps=body.steps, guidance=body.guidance, guidance_2=body.guidance_2, seed=body.seed,
+                frames=body.frames, fps=body.fps,
+            )
+        )  # fmt: skip
+        return videos.view(entry)
+
+    def video_entry(video_id: str):
+        entry = videos.get(video_id)
+        if entry is None:
+            raise HTTPException(404, f"no video job {video_id!r}")
+        return entry
+
+    @api.get("/v1/videos/{video_id}", response_model=VideoJob)
+    async def get_video(video_id: str):
+        return videos.view(video_entry(video_id))
+
+    @api.get("/v1/videos/{video_id}/content")
+    async def get_video_content(video_id: str):
+        entry = video_entry(video_id)
+        status = videos.view(entry).status
+        if status != "completed":
+            raise HTTPException(409, f"video job {video_id} is {status}; its content is there once it is completed")
+        content = videos.content(entry)
+        if content is None:
+            raise HTTPException(404, f"video job {video_id}'s content has expired")
+        return Response(content[0], media_type=content[1])
+
+    @api.delete("/v1/videos/{video_id}", response_model=DeletedVideo)
+    async def delete_video(video_id: str):
+        return DeletedVideo(id=video_id, status=await videos.delete(video_entry(video_id)))
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def list_models():
+        return ModelList(data=[ModelCard(id=config.model, created=int(started))])
+
+    @api.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def get_model(model: str):
+        if model != config.model:
+            raise HTTPException(404, f"model {model!r} is not served here; this server serves {config.model!r}")
+        return ModelCard(id=config.model, created=int(started))
+
+    @api.get("/metrics")
+    async def get_metrics():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    @app.get("/health", response_model=Health)
+    async def health():
+        status, queued, groups = scheduler.health()
+        answer = Health(
+            status=status, queue=queued,
+            groups=[GroupHealth(index=g.index, state=g.state, plan=g.plan, workers=g.workers, restarts=g.restarts)
+                    for g in groups],
+        )  # fmt: skip
+        return JSONResponse(answer.model_dump(), status_code=200 if status in ("ok", "degraded") else 503)
+
+    started = time.time()
+    app.include_router(api)
+    return app
+
+
+class ClientGone(Exception):
+    """The client of a synchronous request disconnected before its answer."""
