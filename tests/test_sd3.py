@@ -17,7 +17,7 @@ from paradit.families.sd3.presets import SD3_TEXT_ENCODERS
 from paradit.parallel import ParallelConfig
 from paradit.weights import load_module_weights, read_json, safetensors_files
 from tests.checkpoints import randomize, relative_l2
-from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
+from tests.distributed import FAMILY_SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
 from tests.sd3_checkpoints import build_sd3_checkpoint, tiny_transformer, tiny_transformer_config
 
 
@@ -192,7 +192,7 @@ def _compare_plans(plans: list[ParallelConfig]) -> dict[str, float]:
     return errors
 
 
-@pytest.mark.parametrize("world,plans", SEQUENCE_PLANS)
+@pytest.mark.parametrize("world,plans", FAMILY_SEQUENCE_PLANS)
 def test_sequence_parallel_equals_serial(world, plans):
     errors = run_on_processes(world, _compare_plans, plans)
     for plan in plans:

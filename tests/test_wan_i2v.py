@@ -114,12 +114,11 @@ def _generate_in_group(folder: str, layout: str, plans: list[ParallelConfig]) ->
 
 @pytest.mark.parametrize("layout,plans", [
     ("i2v", [ParallelConfig(), ParallelConfig(ulysses=2), ParallelConfig(tensor=2)]),
-    ("ti2v", [ParallelConfig(), ParallelConfig(ring=3), ParallelConfig(pipefusion=2),
-              ParallelConfig(pipefusion=2, patches=2, warmup_steps=1)]),
+    ("ti2v", [ParallelConfig(), ParallelConfig(ring=3), ParallelConfig(pipefusion=2, patches=2, warmup_steps=1)]),
 ])  # fmt: skip
 def test_parallel_plans_equal_one_process(tmp_path, layout, plans):
-    """The group encodes the image together (a band of rows each) and runs the sequence split (or the tensor shards,
-    or the pipeline stages) over the conditioned latents: the frames equal one process's (relative L2 <= 1e-5).
+    """The group encodes the image together (a band of rows each) and runs the sequence split (or the tensor shards)
+    over the conditioned latents: the frames equal one process's (relative L2 <= 1e-5).
     TI2V-5B (one transformer) under PipeFusion 2 with 2 patches after 1 warm-up step attends to the previous step's
     K/V for the other patch, so its video moves off one process's by a measured amount: relative L2 1.7e-5 on this
     tiny random checkpoint (5 steps, 4 of them patched; the exact plans stay near 1e-7); bound 1e-3."""

@@ -15,7 +15,7 @@ from paradit.families.zimage.pipeline import resolve_request
 from paradit.parallel import ParallelConfig
 from paradit.weights import load_module_weights, safetensors_files
 from tests.checkpoints import randomize, relative_l2
-from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
+from tests.distributed import FAMILY_SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
 from tests.zimage_checkpoints import build_zimage_checkpoint, tiny_transformer_config
 
 
@@ -166,7 +166,7 @@ def _compare_plans(plans: list[ParallelConfig]) -> dict[str, float]:
     return errors
 
 
-@pytest.mark.parametrize("world,plans", SEQUENCE_PLANS)
+@pytest.mark.parametrize("world,plans", FAMILY_SEQUENCE_PLANS)
 def test_sequence_parallel_equals_serial(world, plans):
     errors = run_on_processes(world, _compare_plans, plans)
     for plan in plans:
