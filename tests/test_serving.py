@@ -24,7 +24,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-import uvicorn
 from PIL import Image
 
 from paradit import Engine, GenerationRequest, ParallelConfig
@@ -33,6 +32,7 @@ from paradit.serving.launch import ServeSettings, build_scheduler
 from paradit.serving.metrics import Metrics
 from paradit.serving.server import create_app
 from paradit.worker import RequestCancelled
+from tests.test_serving_scheduler import app_in_thread
 
 MODEL, SIZE, STEPS, KEY = "flux2-tiny", 32, 1, "test-key"
 PROMPTS = ["a red fox in snow", "a lighthouse at dusk", "a bowl of ramen", "ein Haus am See, 夕暮れ"]
@@ -79,20 +79,12 @@ def live_server(**settings):
     """A server on a free port of 127.0.0.1, started in this process; yields (base URL, scheduler)."""
     metrics = Metrics()
     scheduler, config = build_scheduler(ServeSettings(device="cpu", max_queue=256, **settings), metrics)
-    app = create_app(scheduler, config, metrics)
     scheduler.start()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", scheduler
+        with app_in_thread(create_app(scheduler, config, metrics)) as url:
+            yield url, scheduler
     finally:
-        server.should_exit = True
-        thread.join(10)
         scheduler.close()
-        app.state.videos.close()
 
 
 class References:

@@ -147,8 +147,8 @@ def test_a_failed_request_fails_alone_and_a_dead_worker_rebuilds_the_group_keepi
 
 
 @contextlib.contextmanager
-def http_server(scheduling: Scheduler, **config):
-    app = create_app(scheduling, ServerConfig("flux2-tiny", **config), scheduling.metrics)
+def app_in_thread(app):
+    """``app`` served by uvicorn on a free port of 127.0.0.1 from a thread of this process; yields its base URL."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -160,6 +160,12 @@ def http_server(scheduling: Scheduler, **config):
         server.should_exit = True
         thread.join(10)
         app.state.videos.close()
+
+
+@contextlib.contextmanager
+def http_server(scheduling: Scheduler, **config):
+    with app_in_thread(create_app(scheduling, ServerConfig("flux2-tiny", **config), scheduling.metrics)) as url:
+        yield url
 
 
 def test_http_status_codes_for_a_full_queue_a_timeout_a_failure_a_large_body_and_a_missing_key():
