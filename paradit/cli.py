@@ -21,6 +21,7 @@ from paradit import __version__
 from paradit.errors import InvalidRequest, ParaditError, report_warnings
 from paradit.families import DEFAULT_MODEL
 from paradit.parallel.config import ParallelConfig
+from paradit.worker import start_worker_server
 
 # --verify-serial: the least PSNR against the one-process image that a lossy plan must keep (measured CPU deviations
 # of PipeFusion and FP8 transport on the tiny models sit well above it: docs/benchmarks.md).
@@ -349,6 +350,11 @@ def explicit_plan(args: argparse.Namespace) -> bool:
     return any(degree is not None for degree in degrees) or args.cfg_parallel
 
 
+def needs_workers(args: argparse.Namespace) -> bool:
+    degrees = (args.gpus, args.ulysses, args.ring, args.tensor, args.pipefusion)
+    return args.cfg_parallel or any((degree or 1) > 1 for degree in degrees)
+
+
 def gpus_alone(args: argparse.Namespace) -> bool:
     """``--gpus N`` without any parallel flag: the plan is paradit's to choose."""
     return args.gpus is not None and not explicit_plan(args)
@@ -407,8 +413,10 @@ def run_generate(args: argparse.Namespace) -> int:
         return generate_remote(args)
     if args.devices is not None:  # before torch sees the GPUs; spawned workers inherit it
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = args.devices
-    if args.no_progress:  # spawned workers' transformers and diffusers read this when they are imported
+    if args.no_progress:  # workers' transformers and diffusers read this when they are imported
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if needs_workers(args):
+        start_worker_server(args.device)  # its imports overlap this process's, below
     from paradit.engine import Engine, resolve_model
     from paradit.request import GenerationRequest
 
@@ -532,6 +540,7 @@ def run_download(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    start_worker_server(args.device)  # every group runs in workers; the forkserver's imports overlap this process's
     from paradit.optimize import ExecutionOptions
     from paradit.serving.launch import ServeSettings, serve
 

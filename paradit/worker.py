@@ -5,11 +5,13 @@ A request that fails on every worker (a cancellation, an error every rank meets 
 the group serving. If a worker dies, or fails alone and leaves its peers waiting, the group is stopped and the engine
 raises the worker's reason instead of waiting on a collective that will never finish. The group never outlives the
 engine: ``close()``, an interrupt, the engine being garbage-collected and interpreter exit all stop the workers and
-remove the rendezvous folder; if the engine's process is killed outright, each worker notices that its parent is
-gone, removes the folder and exits.
+remove the rendezvous folder; if the engine's process is killed outright, each worker sees its lifeline (a pipe
+whose only writer is the engine) close, removes the folder and exits.
 
-This module imports nothing heavy at the top: a spawned worker imports it first, and sets up its signal handling and
-its watch on the parent before the imports of torch and the model code, which take seconds on a busy machine.
+Workers are forked from a forkserver that imported torch and the model code once (on POSIX; spawned elsewhere), so
+a group starts in a fraction of a second instead of each worker spending seconds of CPU on imports. This module
+imports nothing heavy at the top: where workers are spawned, each imports it first and sets up its signal handling
+and its lifeline watch before the imports of torch and the model code.
 """
 
 from __future__ import annotations
@@ -19,22 +21,26 @@ import contextlib
 import dataclasses
 import functools
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 import traceback
 import weakref
+from multiprocessing import reduction
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from paradit.errors import ParaditError, report_warnings
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import Queue
 
@@ -50,7 +56,11 @@ STOP_S = 10  # terminated workers get this long, together, before they are kille
 # An orphan's grace to unwind after its SIGTERM: nobody waits for it, and a main thread deep in an import or a
 # collective may never reach the handler.
 ORPHAN_EXIT_S = 3
-PARENT_WATCH_S = 1.0  # how often a worker checks its parent's PID besides waiting on the parent's pipe
+# What the forkserver imports once for every worker it forks: all a worker needs to build its pipeline.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "paradit.loader"]
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+# A Unix socket's path: sun_path holds 108 bytes on Linux and 104 on macOS, the closing NUL included.
+UNIX_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
 
 # The exit code of a spawned child that found itself re-running an unguarded main script; any code worker_main never
 # uses (1 on error, 128 + SIGTERM when stopped, negative when killed by a signal) would do.
@@ -89,9 +99,9 @@ class StepSignals:
     step, or those still running would wait in a collective for those that stopped: ``cancel`` asks for a stop one
     step past the furthest any rank has reported, which no rank has passed and every rank reaches."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, context: multiprocessing.context.BaseContext | None = None) -> None:
         # [current run, run to stop, steps at which it stops, then (run, steps done) per rank]
-        self._state = multiprocessing.get_context("spawn").Array("q", 3 + 2 * world_size)
+        self._state = (context or multiprocessing.get_context("spawn")).Array("q", 3 + 2 * world_size)
         self._world_size = world_size
 
     def begin(self) -> int:
@@ -123,17 +133,89 @@ class StepSignals:
             return self._state[4] if self._state[3] == self._state[0] else 0
 
 
+def worker_context(device_type: str) -> multiprocessing.context.BaseContext:
+    """How workers for ``device_type`` start: forked from a forkserver that preloaded ``FORKSERVER_PRELOAD`` (started
+    here if it is not running), else spawned. Not plain fork: the engine's process may hold CUDA state and threads,
+    which a forked copy must not inherit. Spawned where the forkserver cannot serve: on Windows; where its socket,
+    which multiprocessing puts in the temporary folder, would have a path past a Unix socket's limit (a deep
+    TMPDIR); and on ROCm builds, whose imports may initialise the GPU runtime in the forkserver (a child forked after
+    that cannot use the GPU), with nothing to steer them off it as NVML does for CUDA's."""
+    socket = os.path.join(tempfile.gettempdir(), "pymp-12345678", "listener-12345678")  # the names it would use
+    too_long = len(os.fsencode(socket)) > UNIX_SOCKET_PATH_MAX
+    if "forkserver" not in multiprocessing.get_all_start_methods() or too_long or not _forkable(device_type):
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)  # read once, when the forkserver first starts
+    with _gpu_count_through_nvml(), sigint_ignored_by_children():  # the workers it forks inherit SIGINT ignored
+        multiprocessing.forkserver.ensure_running()
+    return context
+
+
+def _forkable(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    import torch
+
+    return torch.version.hip is None
+
+
+@contextlib.contextmanager
+def _gpu_count_through_nvml():
+    """diffusers asks ``torch.cuda.is_available()`` as it is imported, which initialises the CUDA driver in the
+    forkserver, and a process forked after that cannot use CUDA at all. PyTorch answers through NVML instead, without
+    touching the driver, where this variable is set; the forkserver starts with it (its workers get the engine's
+    environment back)."""
+    previous = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[NVML_CHECK]
+        else:
+            os.environ[NVML_CHECK] = previous
+
+
+class EngineStreams:
+    """This process's standard output and error as they are when a worker starts, for the worker to write to: one
+    forked from the forkserver would otherwise write to the forkserver's, from whenever that started. Sent as file
+    descriptors while the worker starts; the worker receives their numbers."""
+
+    def __reduce__(self):
+        return _detach_all, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _detach_all(*fds) -> list[int]:
+    return [fd.detach() for fd in fds]
+
+
+def start_worker_server(device: str | None) -> None:
+    """Start the forkserver now, where a run on ``device`` (None: a GPU if there is one) will need workers: its
+    imports then run beside this process's own (on another core) instead of after them."""
+    import torch
+
+    worker_context(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type)
+
+
 def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: Queue, rendezvous: str,
-                signals: StepSignals, first_device: int = 0, threads: int | None = None) -> None:  # fmt: skip
-    """A spawned worker: build this rank's pipeline from the pickled ``WorkerPlan`` on device ``first_device + rank``
-    and serve requests until told to stop (None), reporting readiness, each request's end and any fatal failure on
-    ``results``. ``threads``: torch's CPU threads (default: the cores shared among the group)."""
+                signals: StepSignals, lifeline: Connection, environment: dict[str, str], streams: list[int] | None,
+                first_device: int = 0, threads: int | None = None) -> None:  # fmt: skip
+    """A worker: build this rank's pipeline from the pickled ``WorkerPlan`` on device ``first_device + rank`` and
+    serve requests until told to stop (None), reporting readiness, each request's end and any fatal failure on
+    ``results``; it ends when ``lifeline`` closes. ``environment`` and ``streams`` (the descriptors of
+    ``EngineStreams``, or None to keep those inherited): the engine's, as they are when the group starts.
+    ``threads``: torch's CPU threads (default: the cores shared among the group)."""
     # A terminal's Ctrl-C reaches the whole process group; the engine stops the workers, which must not answer it
-    # themselves with a traceback each. WorkerGroup starts them with SIGINT ignored already where it can (a POSIX
-    # engine on its main thread), which also covers interpreter start-up.
+    # themselves with a traceback each. WorkerGroup starts them (and the forkserver) with SIGINT ignored already
+    # where it can (a POSIX engine on its main thread), which also covers interpreter start-up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
-    threading.Thread(target=exit_with_parent, args=(rendezvous,), name="paradit-parent-watch", daemon=True).start()
+    threading.Thread(target=exit_with_lifeline, args=(lifeline, rendezvous), name="lifeline", daemon=True).start()
+    os.environ.clear()
+    os.environ.update(environment)
+    for standard, fd in enumerate(streams or [], start=1):
+        os.dup2(fd, standard)
+        os.close(fd)
     report_warnings()
     # Imported only now, so that the above covers them too; torch also registers the reductions that send the
     # result's tensors through shared memory.
@@ -178,17 +260,15 @@ def exit_on_sigterm(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def exit_with_parent(rendezvous: str) -> None:
+def exit_with_lifeline(lifeline: Connection, rendezvous: str) -> None:
     """Wait until the engine's process is gone, then remove the rendezvous folder and end this worker.
 
     A parent killed outright (SIGKILL, the OOM killer) cannot stop its workers; without this they would keep their
-    GPUs and the folder for good, waiting for requests that never come. The parent's end of multiprocessing's pipe
-    closes when it dies (a process handle on Windows); a change of parent PID is also checked, for a pipe kept open
-    by a child the parent forked. prctl(PR_SET_PDEATHSIG) is not used: it is Linux-only, fires when the spawning
-    *thread* exits, and adds nothing to this thread's prompt wake-up."""
-    parent = multiprocessing.parent_process()
-    while os.getppid() == parent.pid and not wait([parent.sentinel], timeout=PARENT_WATCH_S):
-        pass
+    GPUs and the folder for good, waiting for requests that never come. The engine holds the only write end of the
+    lifeline and never writes to it, so the read end becomes ready exactly when that end closes, which the kernel
+    does when the engine dies however it dies. Not the parent's PID: a forked worker's parent is the forkserver.
+    prctl(PR_SET_PDEATHSIG) is not used: it is Linux-only and fires when the parent *thread* exits."""
+    wait([lifeline])
     shutil.rmtree(rendezvous, ignore_errors=True)
     if hasattr(signal, "pthread_kill"):  # POSIX: sent to the main thread, it also interrupts a blocking read there
         signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
@@ -213,8 +293,10 @@ def sigint_ignored_by_children():
         signal.signal(signal.SIGINT, previous)
 
 
-def stop_processes(processes: list[BaseProcess], rendezvous: tempfile.TemporaryDirectory) -> None:
-    """Terminate the workers still running, kill those that outlast ``STOP_S``, and remove the rendezvous folder."""
+def stop_processes(processes: list[BaseProcess], rendezvous: tempfile.TemporaryDirectory, lifeline: Connection) -> None:
+    """Terminate the workers still running, kill those that outlast ``STOP_S``, and remove the rendezvous folder.
+    The lifeline closes last: closed first, each worker would signal itself as the engine does, and a second
+    SIGTERM kills without the clean exit."""
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -225,6 +307,7 @@ def stop_processes(processes: list[BaseProcess], rendezvous: tempfile.TemporaryD
             process.kill()
             process.join(timeout=STOP_S)
     rendezvous.cleanup()
+    lifeline.close()
 
 
 class WorkerGroup:
@@ -233,31 +316,38 @@ class WorkerGroup:
 
     def __init__(self, plan: WorkerPlan, first_device: int = 0, threads: int | None = None) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
-            # We are a spawned child re-running a main script that creates an engine at import; each child would
-            # otherwise print multiprocessing's traceback. The parent reports it once (see _failure).
-            raise SystemExit(UNGUARDED_MAIN_EXIT)
+            # We are a worker re-running a main script that creates an engine at import; each would otherwise print
+            # multiprocessing's traceback. The parent reports it once (see _failure). Not SystemExit: a forked
+            # worker's caller (the forkserver) turns any exception during its start-up into exit code 1.
+            os._exit(UNGUARDED_MAIN_EXIT)
         self.world_size = plan.parallel.world_size
+        context = worker_context(plan.device_type)
         self._rendezvous = tempfile.TemporaryDirectory(prefix="paradit-")
         # Pickled here, unpickled by each worker once its signal handling is set up (unpickling imports torch).
         plan = pickle.dumps(dataclasses.replace(plan, init_method=f"file://{self._rendezvous.name}/store"))
-        context = multiprocessing.get_context("spawn")
+        # Each worker gets a copy of the read end; the write end stays here alone (pipes are not inherited by
+        # programs this process runs), and closes with this process.
+        lifeline, self._lifeline = context.Pipe(duplex=False)
         self.requests = [context.Queue() for _ in range(self.world_size)]
         self.results = context.Queue()
-        self.signals = StepSignals(self.world_size)
+        self.signals = StepSignals(self.world_size, context)
         self.processes: list[BaseProcess] = []  # the started ones: stop_processes joins only those
         # Runs once: on stop(), when the group is garbage-collected, or at interpreter exit. Registered with atexit
         # as well, so that at exit it runs before multiprocessing's own handler, which joins the workers without a
         # time limit.
-        self._stop = weakref.finalize(self, stop_processes, self.processes, self._rendezvous)
+        self._stop = weakref.finalize(self, stop_processes, self.processes, self._rendezvous, self._lifeline)
         atexit.register(self._stop)
         self._in_flight = False  # a request is being served: close() does not wait for it
         try:
-            shared = (plan, self.requests, self.results, self._rendezvous.name, self.signals, first_device, threads)
+            streams = EngineStreams() if context.get_start_method() == "forkserver" else None
+            shared = (plan, self.requests, self.results, self._rendezvous.name, self.signals, lifeline,
+                      dict(os.environ), streams, first_device, threads)  # fmt: skip
             for rank in range(self.world_size):
                 process = context.Process(target=worker_main, args=(rank, *shared), daemon=True)
                 with sigint_ignored_by_children():
                     process.start()
                 self.processes.append(process)
+            lifeline.close()
             for _ in range(self.world_size):
                 self._next_message()  # each worker says "ready" once its share of the model is loaded
         except BaseException:  # an interrupt while loading, or a worker's failure: no worker outlives the engine

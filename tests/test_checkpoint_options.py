@@ -23,6 +23,7 @@ from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from PIL import Image
 
 from paradit.cli import main
+from tests.checkpoint_cache import cached
 from tests.checkpoints import build_klein_checkpoint, randomize
 from tests.qwen_image_checkpoints import build_qwen_image_checkpoint
 from tests.sd3_checkpoints import build_sd3_checkpoint
@@ -48,7 +49,7 @@ def replace_transformer(folder: Path, transformer: torch.nn.Module) -> Path:
     return folder
 
 
-def build_checkpoint(family: str, folder: Path) -> Path:
+def build_checkpoint(folder: Path, family: str) -> Path:
     """A tiny folder with classifier-free guidance (klein base, Z-Image base; Qwen-Image and SD3.5 always guide)."""
     if family == "flux2":
         return build_klein_checkpoint(folder, heads=HEADS)
@@ -63,8 +64,8 @@ def build_checkpoint(family: str, folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    return {family: build_checkpoint(family, tmp_path_factory.mktemp(family)) for family in FAMILIES}
+def checkpoints() -> dict[str, Path]:
+    return {family: cached(build_checkpoint, family) for family in FAMILIES}
 
 
 def generate_args(folder: Path, out: Path, *extra: str) -> list[str]:
@@ -172,9 +173,8 @@ def test_fp8_text_encoder_without_fp8_execution_is_refused(family, checkpoints, 
 
 
 # Plans whose image must equal the one-process image (within one 8-bit level of rounding): the flags, and the plan
-# the closing table and --verify-serial name. Each worker process costs ~5 CPU seconds of imports, so the options
-# share runs: CFG and Ring in one group of 4; tensor parallelism alone, as the one exact plan that reads slices of
-# the checkpoint's safetensors.
+# the closing table and --verify-serial name: CFG and Ring together in one group of 4; tensor parallelism alone, as
+# the one exact plan that reads slices of the checkpoint's safetensors.
 EXACT_PLANS = {
     "cfg-ring": (("--gpus", "4", "--cfg-parallel", "--ring", "2"), "cfg 2 x ring 2"),
     "tensor": (("--gpus", "2", "--tensor", "2"), "tensor 2"),
@@ -206,13 +206,8 @@ def verify_serial_line(stdout: str) -> tuple[str, str, int]:
     return plan, verdict, int(levels)
 
 
-# Tensor parallelism on every family's folder; CFG x Ring (4 processes, the costliest case) on two families with
-# different text encoders and guidance, within the suite's time budget (every family's CFG and Ring runs are tested
-# on presets in its own test file).
-EXACT_CASES = [(family, "tensor") for family in FAMILIES] + [("flux2", "cfg-ring"), ("qwen_image", "cfg-ring")]
-
-
-@pytest.mark.parametrize("family,plan", EXACT_CASES)
+@pytest.mark.parametrize("plan", EXACT_PLANS)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_exact_plan_equals_the_one_process_image(family, plan, checkpoints, serial_png, tmp_path, capfd):
     flags, described = EXACT_PLANS[plan]
     out = tmp_path / "parallel.png"
@@ -238,7 +233,7 @@ def test_lossy_plan_stays_within_its_measured_bound(family, checkpoints, serial_
 
 
 def test_cfg_parallel_on_a_distilled_model_is_refused(tmp_path, capfd):
-    folder = build_klein_checkpoint(tmp_path / "klein-distilled", distilled=True, heads=HEADS)
+    folder = cached(build_klein_checkpoint, 0, True, HEADS)  # distilled
     out = tmp_path / "x.png"
     code, _, err = run_cli(generate_args(folder, out, "--gpus", "2", "--cfg-parallel"), capfd)
     assert_one_line_error(code, err, "cfg parallel", "classifier-free guidance")
@@ -280,7 +275,7 @@ def test_zimage_turbo_folder_takes_guidance_as_diffusers_does(guidance, tmp_path
     """diffusers' ZImagePipeline takes ``guidance_scale`` for any checkpoint (true CFG above 0), Turbo's included:
     paradit must not refuse a request that diffusers' pipeline accepts for the same checkpoint, and must give the
     same image."""
-    folder = build_zimage_checkpoint(tmp_path / "turbo", turbo=True)
+    folder = cached(build_zimage_checkpoint, 0, True)  # turbo
     reference = ZImagePipeline.from_pretrained(folder, dtype=torch.float32)
     expected = reference(
         prompt=PROMPT, height=32, width=48, num_inference_steps=2, guidance_scale=guidance,

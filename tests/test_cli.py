@@ -13,6 +13,7 @@ from PIL import Image
 
 from paradit.cli import main
 from paradit.families import PRESETS
+from tests.checkpoint_cache import cached
 from tests.checkpoints import build_klein_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -166,7 +167,7 @@ def test_empty_prompt_is_one_line_error(tmp_path, capsys, prompt):
 def test_guidance_on_a_step_distilled_model_is_ignored_with_a_warning_as_diffusers_does(tmp_path, capsys, caplog):
     """diffusers' Flux2KleinPipeline takes guidance_scale for a distilled checkpoint and ignores it: paradit never
     refuses what diffusers accepts. The image is the unguided one."""
-    folder = build_klein_checkpoint(tmp_path / "d", distilled=True)
+    folder = cached(build_klein_checkpoint, 0, True)  # distilled
     capsys.readouterr()
     plain, guided = tmp_path / "plain.png", tmp_path / "guided.png"
     assert run_cli(tiny_args(plain, "--model", str(folder)), capsys)[0] == 0
@@ -177,7 +178,7 @@ def test_guidance_on_a_step_distilled_model_is_ignored_with_a_warning_as_diffuse
 
 
 def test_negative_prompt_on_model_without_cfg_is_one_line_error(tmp_path, capsys):
-    folder = build_klein_checkpoint(tmp_path / "d", distilled=True)
+    folder = cached(build_klein_checkpoint, 0, True)  # distilled
     capsys.readouterr()  # drop save_pretrained's progress bars; only the CLI's own output is under test
     argv = tiny_args(tmp_path / "x.png", "--model", str(folder), "--negative-prompt", "blurry")
     code, _, err = run_cli(argv, capsys)

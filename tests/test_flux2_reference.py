@@ -89,9 +89,10 @@ def test_dev_images_match_diffusers(dev_checkpoint):
 
 
 def test_distilled_klein_matches_diffusers_without_cfg(tmp_path):
+    from tests.checkpoint_cache import cached
     from tests.checkpoints import build_klein_checkpoint
 
-    folder = build_klein_checkpoint(tmp_path / "distilled", seed=1, distilled=True)
+    folder = cached(build_klein_checkpoint, 1, True)  # distilled
     reference = Flux2KleinPipeline.from_pretrained(folder, dtype=torch.float32)
     expected = reference(
         prompt="a cat", height=32, width=32, num_inference_steps=2, generator=torch.Generator("cpu").manual_seed(0),

@@ -160,9 +160,10 @@ def test_seed_metadata_json_formats_and_the_cpu_table(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def klein_folder(tmp_path_factory):
+    from tests.checkpoint_cache import cached
     from tests.checkpoints import build_klein_checkpoint
 
-    return build_klein_checkpoint(tmp_path_factory.mktemp("damaged") / "klein")
+    return cached(build_klein_checkpoint)  # read only: each damage is done to a copy
 
 
 def _damaged_copy(source: Path, tmp_path: Path) -> Path:

@@ -3,8 +3,11 @@ group with its reason instead of hanging."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import signal
+import tempfile
 import time
 
 import numpy as np
@@ -16,7 +19,7 @@ from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.cli import main
 from paradit.optimize import ExecutionOptions
 from paradit.parallel import ParallelConfig
-from paradit.worker import WorkerFailure
+from paradit.worker import WorkerFailure, worker_context
 
 # 15 image tokens and 512 text tokens: the image split is uneven at 2 and 4, the text split at 3; the tiny
 # preset's 4 heads split unevenly over Ulysses 3.
@@ -55,6 +58,37 @@ def test_plan_gives_the_serial_image(plan, serial_pixels):
     assert torch.equal(again.pixels, result.pixels)
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ParallelConfig(ulysses=2),
+        ParallelConfig(ring=2),
+        ParallelConfig(cfg=2),
+        ParallelConfig(tensor=2),
+        ParallelConfig(pipefusion=2, patches=2, warmup_steps=REQUEST.steps),  # warm-up only: exact
+    ],
+    ids=lambda plan: plan.describe(),
+)
+def test_a_request_without_a_seed_gives_the_one_process_image_of_the_seed_it_reports(plan):
+    """The seed is drawn once, by the engine: every rank denoises the same noise, and the result names its seed."""
+    unseeded = dataclasses.replace(REQUEST, seed=None)
+    with Engine("flux2-tiny", device="cpu", dtype="fp32", parallel=plan) as engine:
+        result = engine.generate(unseeded)
+    alone = Engine("flux2-tiny", device="cpu", dtype="fp32").generate(dataclasses.replace(REQUEST, seed=result.seed))
+    assert (result.pixels - alone.pixels).abs().max().item() <= 1e-4
+
+
+def test_cli_seed_random_across_processes_writes_the_image_of_the_seed_it_prints(tmp_path, capsys):
+    args = ["generate", "--device", "cpu", "--prompt", "a castle", "--steps", "2", "--height", "48", "--width", "64",
+            "--no-progress"]  # fmt: skip
+    assert main([*args, "--gpus", "2", "--ulysses", "2", "--seed", "random", "--out", str(tmp_path / "two.png")]) == 0
+    printed = int(re.search(r"^seed\s+(\d+)$", capsys.readouterr().out, re.MULTILINE).group(1))
+    assert main([*args, "--seed", str(printed), "--out", str(tmp_path / "one.png")]) == 0
+    one = np.asarray(Image.open(tmp_path / "one.png"), dtype=np.int16)
+    two = np.asarray(Image.open(tmp_path / "two.png"), dtype=np.int16)
+    assert np.abs(one - two).max() <= 1
+
+
 def test_compiled_blocks_under_ulysses_give_the_serial_image(serial_pixels):
     """Execution options compose with the parallel runtime: compiled blocks, attention collectives between them."""
     options = ExecutionOptions(compile=True)
@@ -63,6 +97,20 @@ def test_compiled_blocks_under_ulysses_give_the_serial_image(serial_pixels):
     ) as engine:
         result = engine.generate(REQUEST)
     assert (result.pixels - serial_pixels).abs().max().item() <= 1e-4
+
+
+def test_a_temporary_folder_too_deep_for_the_forkserver_spawns_the_workers(serial_pixels, tmp_path, monkeypatch):
+    """The forkserver listens on a Unix socket in the temporary folder, whose path has a length limit (108 bytes on
+    Linux); under a deeper TMPDIR the workers are spawned instead, and serve the same image."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    assert worker_context("cpu").get_start_method() == "spawn"
+    with Engine("flux2-tiny", device="cpu", dtype="fp32", parallel=ParallelConfig(ring=2)) as engine:
+        result = engine.generate(REQUEST)
+    assert (result.pixels - serial_pixels).abs().max().item() <= 1e-4
+    monkeypatch.undo()
+    assert worker_context("cpu").get_start_method() == "forkserver"
 
 
 def test_cli_parallel_png_equals_single_process_png(tmp_path, capsys):

@@ -49,6 +49,7 @@ def _both_loops(model: str, plan: ParallelConfig) -> tuple[torch.Tensor, torch.T
     "model,world,plan",
     [
         ("flux2-tiny", 2, ParallelConfig(pipefusion=2, patches=3, warmup_steps=1)),
+        ("flux2-tiny", 4, ParallelConfig(pipefusion=4, patches=4, warmup_steps=2)),
         # fewer patches than stages: the loop still holds patches - 1 in flight, and still gives the same numbers
         ("flux2-tiny", 4, ParallelConfig(pipefusion=4, patches=2, warmup_steps=1)),
         ("qwen-image-tiny", 4, ParallelConfig(pipefusion=2, ulysses=2, patches=2, warmup_steps=1)),

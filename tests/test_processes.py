@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -39,7 +41,7 @@ def process_id(pid: int) -> tuple[int, int] | None:
 
 
 def children(pid: int) -> list[tuple[int, int]]:
-    """The live children of ``pid`` (the resource tracker and the workers of a paradit run)."""
+    """The live children of ``pid``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -51,6 +53,13 @@ def children(pid: int) -> list[tuple[int, int]]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid and (ident := process_id(int(entry.name))):
             found.append(ident)
     return found
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """The live processes below ``pid``: a paradit run's resource tracker, its forkserver and the workers forked from
+    that."""
+    found = children(pid)
+    return found + [grandchild for child, _ in found for grandchild in descendants(child)]
 
 
 def ignores_sigint(pid: int) -> bool:
@@ -124,11 +133,12 @@ class Run:
 
     def workers(self) -> list[tuple[int, int]]:
         """Wait until both workers exist and the parent is done starting them (it ignores SIGINT while it starts
-        one); the workers."""
+        one); the workers, which the run's forkserver forked."""
 
         def started():
-            spawned = [i for i in children(self.proc.pid) if b"spawn_main" in cmdline(i[0])]
-            return spawned if len(spawned) == 2 and not ignores_sigint(self.proc.pid) else None
+            servers = [pid for pid, _ in children(self.proc.pid) if b"forkserver" in cmdline(pid)]
+            forked = [worker for server in servers for worker in children(server)]
+            return forked if len(forked) == 2 and not ignores_sigint(self.proc.pid) else None
 
         return self.wait_until(started, "2 workers")
 
@@ -136,7 +146,7 @@ class Run:
         """Wait until rank 0 draws its progress bar (the request is being served); the run's workers and resource
         tracker."""
         self.wait_until(lambda: "denoise:" in self.stderr, "progress bar")
-        return children(self.proc.pid)
+        return descendants(self.proc.pid)
 
     def messages(self) -> list[str]:
         """The lines of stderr, the progress bar's drawings left out."""
@@ -160,19 +170,20 @@ def cmdline(pid: int) -> bytes:
 
 
 @pytest.fixture
-def start(tmp_path):
-    """``start(argv)`` runs ``python argv...`` with TMPDIR in this test's folder; everything it started is killed
-    at the end of the test, whatever happened."""
+def start():
+    """``start(argv)`` runs ``python argv...`` with a TMPDIR of its own; everything it started is killed at the end
+    of the test, whatever happened. The TMPDIRs are made in the system's temporary folder, not in the test's deeper
+    one: the forkserver's socket lives there, and a deep path spawns the workers instead (worker_context)."""
     runs = []
 
     def start(argv: list[str]) -> Run:
-        (tmpdir := tmp_path / f"tmp{len(runs)}").mkdir()
-        runs.append(Run([sys.executable, *argv], tmpdir))
+        runs.append(Run([sys.executable, *argv], Path(tempfile.mkdtemp(prefix="run-"))))
         return runs[-1]
 
     yield start
     for run in runs:
         run.kill_all()
+        shutil.rmtree(run.tmpdir, ignore_errors=True)
 
 
 def generate(out_dir: Path, *extra: str) -> list[str]:
@@ -203,7 +214,7 @@ def test_ctrl_c_in_a_terminal_reaches_the_workers_starting_and_they_leave_it_to_
     run = start(generate(tmp_path, "--no-progress"))
     workers = run.workers()
     ignored = all(ignores_sigint(pid) for pid, _ in workers)  # from their first instruction, imports included
-    processes = children(run.proc.pid)
+    processes = descendants(run.proc.pid)
     os.killpg(run.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground process group
     code = run.wait(timeout=30)
     assert_stopped(run, code, "paradit: interrupted", processes)
@@ -213,7 +224,7 @@ def test_ctrl_c_in_a_terminal_reaches_the_workers_starting_and_they_leave_it_to_
 def test_sigterm_to_the_engine_process_stops_the_workers(start, tmp_path):
     run = start(generate(tmp_path, "--no-progress"))
     run.workers()
-    processes = children(run.proc.pid)
+    processes = descendants(run.proc.pid)
     run.proc.terminate()
     code = run.wait(timeout=30)
     assert_stopped(run, code, "paradit: terminated", processes)
@@ -221,8 +232,8 @@ def test_sigterm_to_the_engine_process_stops_the_workers(start, tmp_path):
 
 def test_workers_of_a_killed_engine_process_remove_the_folder_and_exit(start, tmp_path):
     run = start(generate(tmp_path, "--no-progress"))
-    run.workers()  # at once: they watch their parent before they import torch
-    processes = children(run.proc.pid)  # the workers and multiprocessing's resource tracker
+    run.workers()
+    processes = descendants(run.proc.pid)  # the workers, the forkserver and multiprocessing's resource tracker
     run.proc.kill()
     assert run.wait(timeout=GONE_S) == -signal.SIGKILL
     assert not still_alive(processes)

@@ -19,16 +19,16 @@ from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransfor
 from paradit.families.qwen_image.pipeline import resolve_request, uses_cfg
 from paradit.parallel import ParallelConfig
 from paradit.weights import load_module_weights, safetensors_files
+from tests.checkpoint_cache import cached
 from tests.checkpoints import relative_l2
-from tests.distributed import FAMILY_SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
-from tests.qwen_image_checkpoints import build_qwen_image_checkpoint, tiny_transformer
+from tests.qwen_image_checkpoints import build_qwen_image_checkpoint
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_qwen_image_checkpoint(tmp_path_factory.mktemp("qwen_image"))
+def checkpoint():
+    return cached(build_qwen_image_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -224,43 +224,6 @@ def test_full_size_preset_matches_published_sizes():
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters()) == 20430401088
     assert sum(p.numel() for p in encoder.parameters()) == 8292166656
     assert ours.state_dict().keys() == reference.state_dict().keys()
-
-
-# --- parallel: sequence (Ulysses, Ring, USP) and CFG against one process -------------------------------------------
-
-HEADS = 5  # over Ulysses 2 and 4: shares (3, 2), (2, 1, 1, 1)
-ROWS, COLS = 5, 3  # 15 image tokens; 7 text tokens with sample 1 padded after 3: split unevenly at 2 and 4
-
-
-def _compare_sequence_plans(plans: list[ParallelConfig]) -> dict[str, float]:
-    reference = tiny_transformer(seed=2, heads=HEADS)
-    model = QwenImageTransformer(QwenImageConfig.from_dict(reference.config))
-    model.load_state_dict(reference.state_dict())
-    model.eval()
-    cases = {}
-    for name, batch, text_lengths in (("unmasked", 1, None), ("masked", 2, [7, 3])):
-        inputs = transformer_inputs(dataclasses.asdict(model.config), batch, ROWS, COLS, text_lengths, seed=9)
-        inputs.update(rows=ROWS, cols=COLS)
-        with torch.no_grad():
-            cases[name] = inputs, model(**inputs)
-    # parallelize_sequence swaps the model's attention in place, so every serial output is computed first.
-    errors = {}
-    for name, (inputs, serial) in cases.items():
-        with torch.no_grad():
-            for plan in plans:
-                error, sent = sequence_parallel_error(model, plan, lambda m, inputs=inputs: m(**inputs), serial)
-                errors[f"{plan.describe()} {name}"] = error
-                errors[f"{plan.describe()} {name} bytes"] = sent
-    return errors
-
-
-@pytest.mark.parametrize("world,plans", FAMILY_SEQUENCE_PLANS)
-def test_sequence_parallel_equals_serial(world, plans):
-    errors = run_on_processes(world, _compare_sequence_plans, plans)
-    for plan in plans:
-        for name in ("unmasked", "masked"):
-            assert errors[f"{plan.describe()} {name}"] <= 1e-5, errors
-            assert errors[f"{plan.describe()} {name} bytes"] > 0  # it really communicated
 
 
 # Prompts and negative prompts of different lengths, so every branch carries padding; 3 x 5 tokens per image.

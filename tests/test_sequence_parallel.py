@@ -1,5 +1,6 @@
-"""Sequence parallelism (Ulysses, Ring, USP) equals the one-process FLUX.2 transformer, on gloo at world sizes 2-4,
-with text and image lengths and a head count that the degrees do not divide."""
+"""The pieces of sequence parallelism on gloo: masked attention against SDPA at world sizes 3 and 4, FP8 transport's
+error and bytes, and Ulysses' head chunks. Every family's transformer under every sequence plan is
+test_parallel_matrix.py's."""
 
 from __future__ import annotations
 
@@ -8,52 +9,14 @@ import dataclasses
 import pytest
 import torch
 
-from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.layers.attention import sdpa_attention
 from paradit.parallel import ParallelConfig
 from paradit.parallel.comm import all_gather_uneven, split_sizes
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import parallelize
 from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention, sequence_layout
-from tests.checkpoints import randomize, tiny_transformer_config
-from tests.distributed import SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
-from tests.test_flux2_reference import transformer_inputs as flux2_inputs
-
-HEADS = 5  # 5 heads over Ulysses 2, 3 and 4: shares (3, 2), (2, 2, 1), (2, 1, 1, 1)
-ROWS, COLS, TEXT = 5, 3, 7  # 15 image + 7 text tokens: divisible by none of 2, 3, 4
-
-
-def _model_and_inputs(guidance: bool, batch: int):
-    torch.manual_seed(0)
-    config = tiny_transformer_config(guidance_embeds=guidance, heads=HEADS)
-    model = Flux2Transformer(Flux2Config.from_dict(config))
-    randomize(model)
-    inputs = flux2_inputs(config, batch, ROWS, COLS, TEXT, seed=1)
-    inputs["guidance"] = torch.full((batch,), 3.0) if guidance else None
-    return model.eval(), inputs
-
-
-def _compare_plans(plans: list[ParallelConfig], guidance: bool) -> dict[str, float]:
-    """Relative L2 against serial for batch 1 (Ulysses' zero-copy path) and batch 2, and the bytes each plan sent."""
-    errors = {}
-    for batch in (1, 2):
-        model, inputs = _model_and_inputs(guidance, batch)
-        with torch.no_grad():
-            serial = model(**inputs)
-            for plan in plans:
-                error, sent = sequence_parallel_error(model, plan, lambda m, inputs=inputs: m(**inputs), serial)
-                errors[f"{plan.describe()} batch {batch}"] = error
-                errors[f"{plan.describe()} bytes"] = sent
-    return errors
-
-
-@pytest.mark.parametrize("world,plans", SEQUENCE_PLANS)
-def test_sequence_parallel_equals_serial(world, plans):
-    errors = run_on_processes(world, _compare_plans, plans, world % 2 == 0)
-    for plan in plans:
-        for batch in (1, 2):
-            assert errors[f"{plan.describe()} batch {batch}"] <= 1e-5, errors
-        assert errors[plan.describe() + " bytes"] > 0  # it really communicated
+from tests.distributed import run_on_processes
+from tests.transformer_cases import SEQUENCE
 
 
 def _compare_masked_attention(plans: list[ParallelConfig]) -> dict[str, float]:
@@ -96,7 +59,8 @@ def test_masked_sequence_parallel_attention_equals_sdpa(world, plans):
 
 def _compare_fp8_transport(plans: list[ParallelConfig]) -> dict[str, float]:
     """FP8 transport against exact transport of the same plan: its error, and the bytes it saves."""
-    model, inputs = _model_and_inputs(guidance=False, batch=2)
+    model, cases = SEQUENCE["FLUX.2"]()
+    inputs = cases["batch 2"]
     results = {}
     with torch.no_grad():
         serial = model(**inputs)

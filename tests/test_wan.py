@@ -1,67 +1,19 @@
 """Wan 2.2 text-to-video: paradit's frames equal diffusers' ``WanPipeline`` on tiny checkpoints written by diffusers'
-own ``save_pretrained`` (two experts with a boundary, and the TI2V-5B layout), and the Wan transformer under sequence
-parallelism equals one process, its cross-attention to the whole text left local on every rank."""
+own ``save_pretrained`` (two experts with a boundary, and the TI2V-5B layout). The Wan transformer under every
+sequence and tensor plan is test_parallel_matrix.py's."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from paradit.families.wan.model import WanConfig, WanTransformer
-from paradit.layers.attention import AttentionDispatch, sdpa_attention
-from paradit.parallel import ParallelConfig
+from tests.checkpoint_cache import cached
 from tests.checkpoints import randomize
-from tests.distributed import run_on_processes, sequence_parallel_error
-from tests.test_wan_model import TEXT_DIM, first_frame_timesteps, tiny_config
-
-# 3 heads over Ulysses 2: shares (2, 1). A (3, 6, 10) latent is 3 * 3 * 5 = 45 video tokens and the text 7 tokens:
-# neither divides 2 or 4.
-SEQUENCE_LATENT = (3, 6, 10)
-SEQUENCE_TEXT_TOKENS = 7
-WAN_SEQUENCE_PLANS = [
-    (2, [ParallelConfig(ulysses=2), ParallelConfig(ring=2)]),
-    (4, [ParallelConfig(ulysses=2, ring=2)]),
-]
-
-
-def _sequence_errors(plans: list[ParallelConfig]) -> dict[str, float]:
-    """Relative L2 of each plan against one process, per-sample and per-token (TI2V) timesteps; and whether the
-    cross-attention modules kept plain SDPA."""
-    torch.manual_seed(0)
-    config = WanConfig.from_dict(tiny_config(16, 16, heads=3, head_dim=12))
-    model = WanTransformer(config)
-    randomize(model, std=0.1)
-    model.eval()
-    gen = torch.Generator().manual_seed(1)
-    latents = torch.randn(2, 16, *SEQUENCE_LATENT, generator=gen)
-    text = torch.randn(2, SEQUENCE_TEXT_TOKENS, TEXT_DIM, generator=gen)
-    timesteps = torch.tensor([937.0, 281.5])
-    per_token = first_frame_timesteps(config.token_grid(*SEQUENCE_LATENT), timesteps)
-    errors = {}
-    with torch.no_grad():
-        for kind, timestep in (("sample", timesteps), ("token", per_token)):
-            serial = model(latents, timestep, text)
-            for plan in plans:
-                plain = WanTransformer(config).eval()
-                plain.load_state_dict(model.state_dict())
-                error, sent = sequence_parallel_error(plain, plan, lambda m, t=timestep: m(latents, t, text), serial)
-                errors[f"{plan.describe()} {kind}"] = error
-                errors[f"{plan.describe()} bytes"] = sent
-                cross = [m for m in plain.modules() if isinstance(m, AttentionDispatch) and m.sequence_streams == ()]
-                errors[f"{plan.describe()} cross local"] = all(m.attention_fn is sdpa_attention for m in cross)
-    return errors
-
-
-@pytest.mark.parametrize("world,plans", WAN_SEQUENCE_PLANS)
-def test_sequence_parallel_equals_serial(world, plans):
-    errors = run_on_processes(world, _sequence_errors, plans)
-    for plan in plans:
-        name = plan.describe()
-        assert errors[f"{name} sample"] <= 1e-5 and errors[f"{name} token"] <= 1e-5, errors
-        assert errors[f"{name} bytes"] > 0 and errors[f"{name} cross local"], errors
-
+from tests.test_wan_model import tiny_config
 
 # --- whole requests against diffusers' WanPipeline, on tiny checkpoints written by diffusers' save_pretrained ---
 
@@ -105,9 +57,13 @@ def tiny_wan_vae(layout: str):
     return vae.eval()
 
 
-def build_wan_checkpoint(folder, layout: str):
+def wan_checkpoint(layout: str) -> Path:
     """``t2v``: two experts with boundary 0.875 (A14B layout); ``ti2v``: one transformer, per-token timesteps, the
-    2.2 VAE (TI2V-5B layout). Returns diffusers' pipeline as it loads from the folder."""
+    2.2 VAE (TI2V-5B layout); built once (checkpoint_cache)."""
+    return cached(write_wan_checkpoint, layout)
+
+
+def write_wan_checkpoint(folder: Path, layout: str) -> None:
     from diffusers import UniPCMultistepScheduler
     from diffusers import WanPipeline as DiffusersWan
 
@@ -124,16 +80,18 @@ def build_wan_checkpoint(folder, layout: str):
                         vae=tiny_wan_vae("wan21" if layout == "t2v" else "wan22"), scheduler=scheduler,
                         **experts)  # fmt: skip
     pipe.save_pretrained(folder)
-    return DiffusersWan.from_pretrained(folder)
 
 
 @pytest.mark.parametrize("layout,size,frames", [("t2v", (32, 48), 5), ("ti2v", (64, 32), 5)])
-def test_frames_equal_diffusers(tmp_path, layout, size, frames):
+def test_frames_equal_diffusers(layout, size, frames):
+    from diffusers import WanPipeline as DiffusersWan
+
     from paradit.families import FAMILIES, spec_from_folder
     from paradit.loader import load_pipeline
     from paradit.request import GenerationRequest
 
-    reference = build_wan_checkpoint(tmp_path, layout)
+    folder = wan_checkpoint(layout)
+    reference = DiffusersWan.from_pretrained(folder)
     height, width = size
     prompts, steps, seed = ["a red fox &amp; a  crow", "snow"], 6, 3
     guidance = {"guidance_scale": 4.0, "guidance_scale_2": 2.5} if layout == "t2v" else {"guidance_scale": 5.0}
@@ -142,7 +100,7 @@ def test_frames_equal_diffusers(tmp_path, layout, size, frames):
         generator=torch.Generator().manual_seed(seed), output_type="np", max_sequence_length=512, **guidance,
     ).frames  # fmt: skip
 
-    spec = spec_from_folder(tmp_path)
+    spec = spec_from_folder(folder)
     assert FAMILIES[spec.family].pipeline.expert_configs(spec).keys() == (
         {"transformer_2"} if layout == "t2v" else set()
     )

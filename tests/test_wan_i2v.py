@@ -5,6 +5,8 @@ across processes; and what an image request may not ask for is refused with the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +16,9 @@ from PIL import Image
 from paradit.errors import InvalidRequest
 from paradit.parallel import ParallelConfig
 from paradit.request import GenerationRequest
+from tests.checkpoint_cache import cached, copy_of
 from tests.checkpoints import randomize
-from tests.test_wan import TEXT_WIDTH, build_wan_checkpoint, tiny_umt5, tiny_wan_vae
+from tests.test_wan import TEXT_WIDTH, tiny_umt5, tiny_wan_vae, wan_checkpoint
 from tests.test_wan_model import tiny_config
 
 
@@ -34,7 +37,7 @@ def tiny_i2v_expert(seed: int) -> WanTransformer3DModel:
     return transformer.eval()
 
 
-def build_i2v_checkpoint(folder):
+def write_i2v_checkpoint(folder: Path) -> None:
     """The I2V-A14B layout: two experts with 36 input channels, boundary 0.9, no CLIP image encoder."""
     from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
 
@@ -47,18 +50,12 @@ def build_i2v_checkpoint(folder):
         transformer=tiny_i2v_expert(1), transformer_2=tiny_i2v_expert(2), boundary_ratio=0.9,
     )  # fmt: skip
     pipe.save_pretrained(folder)
-    return WanImageToVideoPipeline.from_pretrained(folder)
 
 
-def reference_checkpoint(folder, layout: str):
-    """diffusers' image-to-video pipeline on a checkpoint it wrote: I2V-A14B, or TI2V-5B (saved as a WanPipeline, as
-    published, and loaded for images as diffusers' documentation does)."""
-    from diffusers import WanImageToVideoPipeline
-
-    if layout == "i2v":
-        return build_i2v_checkpoint(folder)
-    build_wan_checkpoint(folder, "ti2v")
-    return WanImageToVideoPipeline.from_pretrained(folder)
+def checkpoint(layout: str) -> Path:
+    """A checkpoint diffusers wrote: I2V-A14B, or TI2V-5B (saved as a WanPipeline, as published, and loaded for
+    images as diffusers' documentation does); built once (checkpoint_cache)."""
+    return cached(write_i2v_checkpoint) if layout == "i2v" else wan_checkpoint("ti2v")
 
 
 CASES = {  # layout -> (height, width), frames, guidance
@@ -77,11 +74,14 @@ def request_for(layout: str, **overrides) -> GenerationRequest:
 
 
 @pytest.mark.parametrize("layout", ["i2v", "ti2v"])
-def test_frames_equal_diffusers(tmp_path, layout):
+def test_frames_equal_diffusers(layout):
+    from diffusers import WanImageToVideoPipeline
+
     from paradit.families import spec_from_folder
     from paradit.loader import load_pipeline
 
-    reference = reference_checkpoint(tmp_path, layout)
+    folder = checkpoint(layout)
+    reference = WanImageToVideoPipeline.from_pretrained(folder)
     request = request_for(layout)
     (height, width), frames, guidance = CASES[layout]
     expected = reference(
@@ -89,7 +89,7 @@ def test_frames_equal_diffusers(tmp_path, layout):
         num_inference_steps=request.steps, generator=torch.Generator().manual_seed(request.seed), output_type="np",
         max_sequence_length=512, **guidance,
     ).frames  # fmt: skip
-    pipeline = load_pipeline(spec_from_folder(tmp_path), torch.device("cpu"), torch.float32)
+    pipeline = load_pipeline(spec_from_folder(folder), torch.device("cpu"), torch.float32)
     result = pipeline.generate(request)
     ours = (result.pixels.permute(0, 1, 3, 4, 2).numpy() * 255).round()
     assert ours.shape == expected.shape == (2, frames, height, width, 3)
@@ -114,16 +114,16 @@ def _generate_in_group(folder: str, layout: str, plans: list[ParallelConfig]) ->
 
 @pytest.mark.parametrize("layout,plans", [
     ("i2v", [ParallelConfig(), ParallelConfig(ulysses=2), ParallelConfig(tensor=2)]),
-    ("ti2v", [ParallelConfig(), ParallelConfig(ring=3), ParallelConfig(pipefusion=2, patches=2, warmup_steps=1)]),
+    ("ti2v", [ParallelConfig(), ParallelConfig(ring=3), ParallelConfig(pipefusion=2),
+              ParallelConfig(pipefusion=2, patches=2, warmup_steps=1)]),
 ])  # fmt: skip
-def test_parallel_plans_equal_one_process(tmp_path, layout, plans):
-    """The group encodes the image together (a band of rows each) and runs the sequence split (or the tensor shards)
-    over the conditioned latents: the frames equal one process's (relative L2 <= 1e-5).
+def test_parallel_plans_equal_one_process(layout, plans):
+    """The group encodes the image together (a band of rows each) and runs the sequence split (or the tensor shards,
+    or the pipeline stages) over the conditioned latents: the frames equal one process's (relative L2 <= 1e-5).
     TI2V-5B (one transformer) under PipeFusion 2 with 2 patches after 1 warm-up step attends to the previous step's
     K/V for the other patch, so its video moves off one process's by a measured amount: relative L2 1.7e-5 on this
     tiny random checkpoint (5 steps, 4 of them patched; the exact plans stay near 1e-7); bound 1e-3."""
-    reference_checkpoint(tmp_path, layout)
-    serial, *parallel = _generate_in_group(str(tmp_path), layout, plans)
+    serial, *parallel = _generate_in_group(str(checkpoint(layout)), layout, plans)
     for plan, video in zip(plans[1:], parallel):
         error = ((video - serial).norm() / serial.norm()).item()
         if plan.exact:
@@ -152,15 +152,15 @@ def test_image_requests_are_checked(tmp_path):
         with pytest.raises(InvalidRequest, match="a whole number from 1 to 240"):
             resolve_request(ti2v, GenerationRequest(prompt="x", fps=fps))
     # A Wan 2.1 image-to-video checkpoint (a CLIP image encoder) is named as such, not loaded half-way.
-    build_i2v_checkpoint(tmp_path)
-    index = tmp_path / "model_index.json"
+    folder = copy_of(checkpoint("i2v"), tmp_path / "wan21")
+    index = folder / "model_index.json"
     index.write_text(index.read_text().replace('"image_encoder": [\n    null,\n    null\n  ]',
                                                '"image_encoder": ["transformers", "CLIPVisionModel"]'))  # fmt: skip
-    (tmp_path / "image_encoder").mkdir()
+    (folder / "image_encoder").mkdir()
     from paradit.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="Wan 2.1 image-to-video checkpoint"):
-        spec_from_folder(tmp_path)
+        spec_from_folder(folder)
 
 
 def test_cli_writes_an_mp4_from_an_image(tmp_path, capsys):
@@ -172,8 +172,7 @@ def test_cli_writes_an_mp4_from_an_image(tmp_path, capsys):
     from paradit.engine import Engine
     from tests.test_cli import assert_one_line_error, run_cli
 
-    folder = tmp_path / "ti2v"
-    build_wan_checkpoint(folder, "ti2v")
+    folder = wan_checkpoint("ti2v")
     first_frame().save(tmp_path / "first.png")
     args = ["generate", "--model", str(folder), "--device", "cpu", "--prompt", "a boat", "--steps", "2",
             "--height", "64", "--width", "32", "--frames", "5", "--no-progress",

@@ -14,19 +14,19 @@ from paradit.families.zimage.model import ZImageConfig, ZImageTransformer, unpat
 from paradit.families.zimage.pipeline import resolve_request
 from paradit.parallel import ParallelConfig
 from paradit.weights import load_module_weights, safetensors_files
-from tests.checkpoints import randomize, relative_l2
-from tests.distributed import FAMILY_SEQUENCE_PLANS, run_on_processes, sequence_parallel_error
-from tests.zimage_checkpoints import build_zimage_checkpoint, tiny_transformer_config
+from tests.checkpoint_cache import cached
+from tests.checkpoints import relative_l2
+from tests.zimage_checkpoints import build_zimage_checkpoint
 
 
 @pytest.fixture(scope="module")
 def base_checkpoint(tmp_path_factory):
-    return build_zimage_checkpoint(tmp_path_factory.mktemp("zimage"))
+    return cached(build_zimage_checkpoint)
 
 
 @pytest.fixture(scope="module")
 def turbo_checkpoint(tmp_path_factory):
-    return build_zimage_checkpoint(tmp_path_factory.mktemp("zimage_turbo"), seed=1, turbo=True)
+    return cached(build_zimage_checkpoint, 1, True)
 
 
 @pytest.fixture(scope="module")
@@ -136,43 +136,6 @@ def test_requests_are_checked_against_the_model():
         resolve_request(base, GenerationRequest(prompt="a cat", width=8208))
     assert resolve_request(turbo, GenerationRequest(prompt="a cat")).guidance == 0.0  # guidance off by default
     assert resolve_request(base, GenerationRequest(prompt="a cat", guidance=0.0)).guidance == 0.0
-
-
-# 30 heads of dim 8: Ulysses 4 splits them 8/8/7/7. Streams are padded to multiples of 32 tokens, which 3 does not
-# divide; the second sample's caption is rounded to 32 tokens of a 64-token text stream, so half its keys are masked.
-HEADS, ROWS, COLS = 30, 5, 3
-
-
-def _compare_plans(plans: list[ParallelConfig]) -> dict[str, float]:
-    """Relative L2 against serial for one unmasked sample and for a masked batch of two, and the bytes sent."""
-    torch.manual_seed(0)
-    config = tiny_transformer_config(heads=HEADS, head_dim=8, axes_dims=(2, 2, 4))
-    model = ZImageTransformer(ZImageConfig.from_dict(config)).eval()
-    randomize(model)
-    cases = {}
-    for lengths in ([7], [40, 9]):
-        latents, timestep, captions = transformer_inputs(config, ROWS, COLS, lengths, seed=len(lengths))
-        inputs = (latents, timestep, *caption_batch(captions))
-        with torch.no_grad():
-            cases[str(lengths)] = inputs, model(*inputs)
-    # Only now: parallelize_sequence swaps the attention of the model it wraps.
-    errors = {}
-    for name, (inputs, serial) in cases.items():
-        with torch.no_grad():
-            for plan in plans:
-                error, sent = sequence_parallel_error(model, plan, lambda m, inputs=inputs: m(*inputs), serial)
-                errors[f"{plan.describe()} {name}"] = error
-                errors[f"{plan.describe()} bytes"] = sent
-    return errors
-
-
-@pytest.mark.parametrize("world,plans", FAMILY_SEQUENCE_PLANS)
-def test_sequence_parallel_equals_serial(world, plans):
-    errors = run_on_processes(world, _compare_plans, plans)
-    for plan in plans:
-        for lengths in ([7], [40, 9]):
-            assert errors[f"{plan.describe()} {lengths}"] <= 1e-5, errors
-        assert errors[plan.describe() + " bytes"] > 0  # it really communicated
 
 
 # Two prompts of different lengths and a negative prompt: the text stream is padded and masked in both CFG halves.
