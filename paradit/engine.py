@@ -93,10 +93,6 @@ def default_plan_for(
     return default_plan(gpus, guides, spec.attention_heads)
 
 
-def _as_list(request: GenerationRequest | list[GenerationRequest]) -> list[GenerationRequest]:
-    return request if isinstance(request, list) else [request]
-
-
 def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
 
@@ -212,7 +208,8 @@ class Engine:
         RequestCancelled when ``cancel`` stopped it."""
         # Resolved here once, and each seed drawn here: the ranks resolve what they are sent, and a seed each rank drew
         # for itself would give each rank other noise, and the result a seed that is not its image's.
-        pinned = [dataclasses.replace(each, seed=self.check(each).seed) for each in _as_list(request)]
+        each_request = request if isinstance(request, list) else [request]
+        pinned = [dataclasses.replace(each, seed=self.check(each).seed) for each in each_request]
         request = pinned if isinstance(request, list) else pinned[0]
         if self._group is not None:
             result = self._group.generate(request, progress)

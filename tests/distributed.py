@@ -32,7 +32,6 @@ SEQUENCE_PLANS = [
     (3, [ParallelConfig(ulysses=3), ParallelConfig(ring=3)]),
     (4, [ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)]),
 ]
-FAMILY_SEQUENCE_PLANS = SEQUENCE_PLANS
 POOL_SIZE = max(world for world, _ in SEQUENCE_PLANS)
 CALL_S = 900  # a call still running after this is taken for hung (the slowest takes about a minute on 2 cores)
 # After one rank fails, how long the others get to report: a rank waiting for the failed one in a collective never
@@ -75,9 +74,10 @@ class ProcessPool:
         self._processes: list = [None] * size
         self._tasks: list[Connection | None] = [None] * size
 
-    def _ensure(self, ranks: range) -> None:
-        for rank in ranks:
-            if self._processes[rank] is None:
+    def _start_missing(self) -> None:
+        """Every process not running, so that a call of any world size finds its ranks started."""
+        for rank, process in enumerate(self._processes):
+            if process is None:
                 ours, theirs = self._context.Pipe()
                 process = self._context.Process(target=_serve, args=(theirs,), daemon=True, name=f"gloo-pool-{rank}")
                 process.start()
@@ -95,7 +95,7 @@ class ProcessPool:
         if world > len(self._processes):
             raise ValueError(f"world size {world} is larger than the pool's {len(self._processes)} processes")
         ranks = range(world)
-        self._ensure(range(len(self._processes)))  # all at once: their imports overlap, and later calls find them
+        self._start_missing()
         with tempfile.TemporaryDirectory() as folder:
             for rank in ranks:
                 self._tasks[rank].send_bytes(pickle.dumps((rank, world, folder, fn, args)))
