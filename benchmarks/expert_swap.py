@@ -59,7 +59,8 @@ def switch_costs(repeats: int) -> dict:
     with torch.inference_mode():
         after = experts["transformer_2"](latents, timestep, text)
     result = {
-        "expert_gib": size / 2**30, "resident_gib_after_swap_setup": resident_gib,
+        "expert_gib": size / 2**30,
+        "resident_gib_after_swap_setup": resident_gib,
         "switch_s": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
         "round_trip_bit_identical": bool(torch.equal(before, after)),
     }
@@ -87,7 +88,7 @@ def whole_video(args) -> dict:
     swap.switch_seconds = 0.0
     result = engine.generate(request)
     timings = result.timings
-    boundary = PRESETS["wan2.2-t2v-a14b"].extra["boundary_ratio"] * 1000
+    boundary = PRESETS["wan2.2-t2v-a14b"].details.boundary_ratio * 1000
     scheduler_steps = [float(t) for t in engine.pipeline.make_scheduler(engine.check(request), None)[1]]
     high = [ms for ms, t in zip(timings.step_ms, scheduler_steps) if t >= boundary]
     low = [ms for ms, t in zip(timings.step_ms, scheduler_steps) if t < boundary]
@@ -98,10 +99,13 @@ def whole_video(args) -> dict:
         "switches_s": swap.switch_seconds, "vae_decode_s": timings.vae_decode_s, "total_s": timings.total_s,
         "peak_gib": timings.peak_memory_bytes / 2**30,
     }  # fmt: skip
-    print(f"whole video {args.width}x{args.height}x{args.frames}, {args.steps} steps: text {timings.text_encode_s:.1f}"
-          f" s; high-noise steps {[round(ms) for ms in high]} ms; low-noise {[round(ms) for ms in low]} ms (their "
-          f"first includes the switch: {swap.switch_seconds:.2f} s); decode {timings.vae_decode_s:.1f} s; total "
-          f"{timings.total_s:.1f} s; peak {record['peak_gib']:.1f} GiB under {args.max_gpu_memory}", flush=True)
+    print(
+        f"whole video {args.width}x{args.height}x{args.frames}, {args.steps} steps: text {timings.text_encode_s:.1f}"
+        f" s; high-noise steps {[round(ms) for ms in high]} ms; low-noise {[round(ms) for ms in low]} ms (their "
+        f"first includes the switch: {swap.switch_seconds:.2f} s); decode {timings.vae_decode_s:.1f} s; total "
+        f"{timings.total_s:.1f} s; peak {record['peak_gib']:.1f} GiB under {args.max_gpu_memory}",
+        flush=True,
+    )
     engine.close()
     return record
 

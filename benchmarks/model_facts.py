@@ -1,8 +1,8 @@
 """Count every preset's transformer on the meta device and write the planner's model facts (planner/models.json).
 
 For each preset: three forwards of one sample (the preset's size and text length, a smaller image or fewer frames, a
-longer text), each counted by ``paradit.planner.trace.trace_step``, fitted into per-token counts by
-``paradit.planner.facts.fit_facts``. No GPU and no weights: a few seconds on the CPU. Rerun it when a preset or a
+longer text), each counted by ``benchmarks/model_trace.py``, fitted into per-token counts by
+``fit_facts``. No GPU and no weights: a few seconds on the CPU. Rerun it when a preset or a
 model's code changes:
 
     python benchmarks/model_facts.py
@@ -14,18 +14,19 @@ import argparse
 import importlib
 import json
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.model_trace import StepTrace, trace_step  # noqa: E402
 from benchmarks.parallel_step import BENCHES  # noqa: E402
 from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.families.wan.pipeline import vae_factors  # noqa: E402
-from paradit.planner.facts import FACTS_FILE, Workload, fit_facts  # noqa: E402
-from paradit.planner.trace import trace_step  # noqa: E402
+from paradit.planner.facts import FACTS_FILE, AttentionGroup, LinearGroup, ModelFacts, TokenLinear, Workload  # noqa: E402
 from paradit.spec import ModelSpec  # noqa: E402
 
 META = torch.device("meta")
@@ -63,7 +64,7 @@ def video_call(spec: ModelSpec, model, size: tuple[int, int], frames: int, text_
         dtype=torch.bfloat16,
     )
     tokens = latents[0, 0].numel() // (config.patch_size[1] * config.patch_size[2])
-    per_token = spec.extra.get("expand_timesteps", False)
+    per_token = spec.details.expand_timesteps
     timestep = torch.empty((1, tokens) if per_token else (1,), device=META)
     text = torch.empty(1, text_tokens, config.text_dim, device=META, dtype=torch.bfloat16)
     return lambda m: m(latents, timestep, text)
@@ -71,18 +72,66 @@ def video_call(spec: ModelSpec, model, size: tuple[int, int], frames: int, text_
 
 def workloads(spec: ModelSpec, text_tokens: int):
     """(reference, fewer image tokens, more text tokens): (size, frames, text tokens) each."""
-    size, frames = (spec.height, spec.width), spec.extra.get("frames")
+    size, frames = (spec.height, spec.width), spec.frames
     text = (size, frames, text_tokens + 64)
     if frames is not None:  # a video's sizes are tied to its patch grid: fewer frames instead
         return (size, frames, text_tokens), (size, (frames - 1) // 2 + 1, text_tokens), text
     return (size, None, text_tokens), ((size[0] // 2, size[1] // 2), None, text_tokens), text
 
 
+def fit_facts(
+    traces: dict[Workload, StepTrace], *, preset: str, blocks: int, width: int, token_side: int,
+    frame_stride: int | None, text_tokens: int, experts: int,
+) -> ModelFacts:  # fmt: skip
+    """Facts from three traces of one sample each: a reference workload, one with other image tokens, one with
+    other text tokens."""
+    (base, base_trace), (image, image_trace), (text, text_trace) = _three(traces)
+
+    def line(value) -> TokenLinear:
+        at_base = value(base_trace)
+        per_image = (value(image_trace) - at_base) / (image.image_tokens - base.image_tokens)
+        per_text = (value(text_trace) - at_base) / (text.text_tokens - base.text_tokens)
+        fixed = at_base - per_image * base.image_tokens - per_text * base.text_tokens
+        return TokenLinear(per_image, per_text, fixed)
+
+    kinds = sorted(base_trace.linear_flops, key=lambda k: (k.in_blocks, k.sharded, k.fp8))
+    linear = tuple(LinearGroup(kind, line(lambda t, kind=kind: t.linear_flops[kind])) for kind in kinds)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for index, call in enumerate(base_trace.attention):
+        groups[(call.exchanged, call.heads, call.head_dim)].append(index)
+    attention = []
+    for (exchanged, heads, head_dim), indices in groups.items():
+        # Calls of one shape group may still differ in which streams they attend over (image only, text only).
+        by_tokens: dict[tuple[TokenLinear, TokenLinear], int] = defaultdict(int)
+        for i in indices:
+            query = line(lambda t, i=i: t.attention[i].query_tokens)
+            key = line(lambda t, i=i: t.attention[i].key_tokens)
+            by_tokens[(query, key)] += 1
+        for (query, key), layers in by_tokens.items():
+            attention.append(AttentionGroup(exchanged, heads, head_dim, layers, query, key))
+    return ModelFacts(
+        preset=preset, blocks=blocks, width=width, token_side=token_side, frame_stride=frame_stride,
+        text_tokens=text_tokens, experts=experts, linear=linear, other_flops=line(lambda t: t.other_flops),
+        prediction_elements=line(lambda t: t.prediction_elements),
+        all_reduce_elements=line(lambda t: t.all_reduce_elements), all_reduce_calls=base_trace.all_reduce_calls,
+        attention=tuple(attention),
+    )  # fmt: skip
+
+
+def _three(traces: dict[Workload, StepTrace]):
+    """(reference, other image tokens, other text tokens), recognised by which count differs from the first."""
+    items = list(traces.items())
+    base = items[0][0]
+    image = next(item for item in items[1:] if item[0].image_tokens != base.image_tokens)
+    text = next(item for item in items[1:] if item[0].text_tokens != base.text_tokens)
+    return items[0], image, text
+
+
 def preset_facts(spec: ModelSpec) -> dict:
     family = FAMILIES[spec.family]
     with META:
-        model = family.pipeline.build_transformer(spec).to(torch.bfloat16)
-    video = spec.extra.get("frames") is not None
+        model = family.build_transformer(spec).to(torch.bfloat16)
+    video = spec.frames is not None
     text_tokens = WAN_TEXT_TOKENS if video else BENCHES[spec.family][1]
     temporal, spatial = vae_factors(spec.vae)
     side = spatial * model.config.patch_size[1] if video else IMAGE_TOKEN_SIDE
@@ -101,7 +150,7 @@ def preset_facts(spec: ModelSpec) -> dict:
         token_side=side,
         frame_stride=temporal if video else None,
         text_tokens=text_tokens,
-        experts=1 + len(family.pipeline.expert_configs(spec)),
+        experts=1 + len(spec.experts),
     )
     return facts.to_json()
 

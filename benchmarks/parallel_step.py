@@ -56,11 +56,12 @@ BENCHES = {
 def build(name: str, device: torch.device, size: int):
     spec = PRESETS[name]
     bench_module, text_len = BENCHES[spec.family]
-    pipeline = FAMILIES[spec.family].pipeline
+    family = FAMILIES[spec.family]
     with torch.device("meta"):
-        model = pipeline.build_transformer(spec)
+        model = family.build_transformer(spec)
     init_dummy_weights(model, device, torch.bfloat16)  # same seed on every rank: identical weights
-    pipeline.after_dummy_init(model)
+    if family.after_dummy_init is not None:
+        family.after_dummy_init(model)
     inputs = importlib.import_module(bench_module).step_inputs(model.config, size, size, text_len, device)
     batch = 2 if spec.guidance_mode == "cfg" else 1
     return model.eval(), inputs, batch

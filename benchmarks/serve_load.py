@@ -142,9 +142,9 @@ def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, fl
     before any server starts so that the two never share a GPU; and of encoding its image as the server does."""
     from paradit import Engine, GenerationRequest
     from paradit.cli import build_parser
-    from paradit.engine import default_plan_for, resolve_model
     from paradit.optimize import ExecutionOptions
     from paradit.serving.media import encode_image
+    from paradit.settings import default_plan_for, resolve_model
 
     spec = resolve_model(args.model, args.load_format)
     served = build_parser().parse_args(["serve", *args.server_args.split()])  # the server's execution options

@@ -73,7 +73,7 @@ def build(workload: str, device: torch.device):
     text = torch.randn(1, TEXT_TOKENS, config.text_dim, device=device, generator=gen).bfloat16()
     grid = config.token_grid(*shape[2:])
     tokens = grid[0] * grid[1] * grid[2]
-    per_token = spec.extra.get("expand_timesteps", False)
+    per_token = spec.details.expand_timesteps
     timestep = torch.full((1, tokens) if per_token else (1,), 500.0, device=device)
     return spec, ours, reference, (latents, timestep, text), grid, tokens
 

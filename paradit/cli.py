@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -18,9 +19,11 @@ import traceback
 from pathlib import Path
 
 from paradit import __version__
-from paradit.errors import InvalidRequest, ParaditError, report_warnings
+from paradit.errors import ParaditError, report_warnings
 from paradit.families import DEFAULT_MODEL
+from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths, read_image, save_images, save_videos
 from paradit.parallel.config import ParallelConfig
+from paradit.request import SEED_LIMIT
 from paradit.worker import start_worker_server
 
 # --verify-serial: the least PSNR against the one-process image that a lossy plan must keep (measured CPU deviations
@@ -69,8 +72,8 @@ def seed(text: str) -> int | None:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor 'random'") from None
-    if not 0 <= value < 2**64:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 to {2**64 - 1} or 'random'")
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 to {SEED_LIMIT - 1} or 'random'")
     return value
 
 
@@ -84,8 +87,35 @@ def group_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; give 1 or more, or auto") from None
 
 
-IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
-VIDEO_SUFFIX = ".mp4"
+def add_execution_options(parser: argparse.ArgumentParser) -> None:
+    """How a run executes, the same for ``generate`` and ``serve`` (unset: the tuned choice for ``--gpus N``)."""
+    parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto", help="dummy: random weights")
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="load a checkpoint's pickle (.bin) weights: they can run code"
+    )
+    parser.add_argument(
+        "--quantize", choices=["none", "fp8"], help="fp8: e4m3 linears (sm89+, MI300); default none, or the planner's"
+    )
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="regional torch.compile of the repeated blocks (default: on GPUs only)",
+    )  # fmt: skip
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
+    parser.add_argument(
+        "--swap-experts", action="store_true",
+        help="models with two experts: one expert on the GPU, the other in pinned host memory, swapped at "
+        "the boundary (chosen by itself when --max-gpu-memory leaves no room for both)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-gpu-memory", help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused"
+    )
+    parser.add_argument(
+        "--text-encoder-placement", choices=["auto", "gpu", "fp8", "offload"], default="auto",
+        help="prompt encoders on rank 0's GPU, there with FP8 linears (with --quantize fp8), or in CPU memory streamed "
+        "to it while encoding; auto: the first that fits under --max-gpu-memory (on the GPU without a cap)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,31 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--server", help="send the request to a running `paradit serve` at this URL (http://host:port) instead"
     )
     gen.add_argument("--api-key", help="with --server: the server's API key (default: $PARADIT_API_KEY)")
-    gen.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-    gen.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
     gen.add_argument(
         "--devices", help="which GPUs, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES for this run)"
     )
-    gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto", help="dummy: random weights")
-    gen.add_argument(
-        "--allow-pickle", action="store_true", help="load a checkpoint's pickle (.bin) weights: they can run code"
-    )
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    gen.add_argument(
-        "--quantize", choices=["none", "fp8"], help="fp8: e4m3 linears (sm89+, MI300); default none, or the planner's"
-    )
-    gen.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="regional torch.compile of the repeated blocks (default: on GPUs only)",
-    )
-    gen.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
-    gen.add_argument(
-        "--swap-experts", action="store_true",
-        help="models with two experts: one expert on the GPU, the other in pinned host memory, swapped at "
-        "the boundary (chosen by itself when --max-gpu-memory leaves no room for both)",
-    )  # fmt: skip
+    add_execution_options(gen)
     par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
     par.add_argument("--gpus", type=positive, help="processes in the group; default: the product of the degrees")
     par.add_argument("--ulysses", type=positive, help="Ulysses (all-to-all over heads) degree")
@@ -156,16 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--pipefusion", type=positive, help="pipeline stages over the blocks (least traffic)")
     par.add_argument("--patches", type=positive, help="pipefusion: image patches in flight per step (default 1)")
     par.add_argument("--warmup-steps", type=positive, help="pipefusion: exact steps before patching (default 1)")
-    par.add_argument(
-        "--max-gpu-memory", help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused"
-    )
-    par.add_argument(
-        "--text-encoder-placement",
-        choices=["auto", "gpu", "fp8", "offload"],
-        default="auto",
-        help="prompt encoders on rank 0's GPU, there with FP8 linears (with --quantize fp8), or in CPU memory streamed "
-        "to it while encoding; auto: the first that fits under --max-gpu-memory (on the GPU without a cap)",
-    )
     par.add_argument(
         "--verify-serial",
         action="store_true",
@@ -230,16 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--max-queue", type=positive, default=64, help="requests waiting; more get 429 (Retry-After)")
     serve.add_argument("--timeout", type=positive, default=600, help="seconds a request may take, its wait included")
-    serve.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
-    serve.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-    serve.add_argument("--load-format", choices=["auto", "dummy"], default="auto", help="dummy: random weights")
-    serve.add_argument("--quantize", choices=["none", "fp8"], default="none", help="fp8: e4m3 linears (sm89+, MI300)")
-    serve.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
-        help="regional torch.compile of the repeated blocks (default: on GPUs only)",
-    )  # fmt: skip
-    serve.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
-    serve.add_argument("--max-gpu-memory", help="per-GPU cap with its unit, e.g. 32GiB: a plan that cannot fit fails")
+    add_execution_options(serve)
 
     down = commands.add_parser(
         "download", help="fetch a checkpoint from the Hugging Face hub: only the files paradit reads"
@@ -247,77 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("model", help="preset name or hub id (org/name)")
     down.add_argument("--dir", help="the checkpoint folder to write (default: the hub cache, where --model finds it)")
     return parser
-
-
-def output_paths(out: str, count: int, video: bool = False) -> list[Path]:
-    """The files ``--out`` names, checked before anything runs: a known image extension (or for a video, .mp4, an
-    image extension or a folder, which hold its frames), a writable folder."""
-    path = Path(out)
-    is_folder = out.endswith(("/", os.sep)) or path.is_dir()
-    if is_folder and not video:
-        raise InvalidRequest(f"--out {out} is a folder; give a file name ending in {', '.join(IMAGE_FORMATS)}")
-    if path.suffix.lower() == VIDEO_SUFFIX and not video:
-        allowed = ", ".join(IMAGE_FORMATS)
-        raise InvalidRequest(f"--out {out} names a video; this model makes images: end it in {allowed}")
-    if not is_folder and path.suffix.lower() not in {*IMAGE_FORMATS, *([VIDEO_SUFFIX] if video else [])}:
-        allowed = ", ".join([VIDEO_SUFFIX, *IMAGE_FORMATS]) + " or a folder" if video else ", ".join(IMAGE_FORMATS)
-        raise InvalidRequest(f"--out {out} has no {'video' if video else 'image'} extension; end it in {allowed}")
-    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
-    try:  # a file made and removed there: permissions, read-only mounts and pseudo file systems all answer
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError:
-        raise InvalidRequest(f"--out {out}: {folder} is not a folder paradit can write to") from None
-    if count == 1:
-        return [path]
-    if is_folder:
-        return [path / str(i) for i in range(count)]
-    return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
-
-
-def save_images(images: list, paths: list[Path], metadata: dict[str, str]) -> None:
-    """Each image in the format its extension names; PNGs carry ``metadata`` as text chunks."""
-    from PIL.PngImagePlugin import PngInfo
-
-    for path, image in zip(paths, images):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kind = IMAGE_FORMATS[path.suffix.lower()]
-        if kind == "PNG":
-            info = PngInfo()
-            for key, value in metadata.items():
-                info.add_itxt(key, value)
-            image.save(path, format=kind, pnginfo=info)
-        else:  # PIL's default quality (75) visibly blurs generated detail
-            image.save(path, format=kind, quality=95)
-
-
-def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: dict[str, str]) -> list[Path]:
-    """Each video as an MP4, or its frames into a folder (``x.png`` -> ``x/0000.png``, ``x/`` -> ``x/0000.png``);
-    returns what was written."""
-    from paradit.video import write_mp4
-
-    written = []
-    for path, frames in zip(paths, videos):
-        if path.suffix.lower() == VIDEO_SUFFIX:
-            write_mp4(frames, path, fps, metadata)
-            written.append(path)
-            continue
-        suffix = path.suffix if path.suffix.lower() in IMAGE_FORMATS else ".png"
-        folder = path.with_suffix("") if path.suffix.lower() in IMAGE_FORMATS else path
-        save_images(frames, [folder / f"{i:04d}{suffix}" for i in range(len(frames))], metadata)
-        written.append(folder)
-    return written
-
-
-def read_image(path: str):
-    """``--image``'s picture, refused with the reason when it cannot be read as one."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, UnidentifiedImageError) as exc:
-        raise InvalidRequest(f"--image {path} cannot be read as an image ({exc.__class__.__name__}: {exc})") from None
 
 
 def table_rows(result) -> list[tuple[str, str]]:
@@ -345,65 +265,22 @@ def format_table(result) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def explicit_plan(args: argparse.Namespace) -> bool:
-    degrees = (args.ulysses, args.ring, args.tensor, args.pipefusion)
-    return any(degree is not None for degree in degrees) or args.cfg_parallel
+def asked_for(args: argparse.Namespace):
+    """What the flags ask for (a ``settings.Asked``): a plan of the degrees given, or for ``--gpus N`` alone the one
+    paradit chooses."""
+    from paradit.settings import Asked
 
-
-def needs_workers(args: argparse.Namespace) -> bool:
-    degrees = (args.gpus, args.ulysses, args.ring, args.tensor, args.pipefusion)
-    return args.cfg_parallel or any((degree or 1) > 1 for degree in degrees)
-
-
-def gpus_alone(args: argparse.Namespace) -> bool:
-    """``--gpus N`` without any parallel flag: the plan is paradit's to choose."""
-    return args.gpus is not None and not explicit_plan(args)
-
-
-def planned_settings(args: argparse.Namespace, spec, request):
-    """For ``--gpus N`` alone on a GPU the planner knows: the tuned configuration (or a plan for this request),
-    announced; None elsewhere, and whenever a parallel flag is given."""
-    from paradit.planner.choose import settings_for
-
-    planned = settings_for(spec, args.gpus, request, args.device) if gpus_alone(args) else None
-    if planned is not None:
-        print(f"paradit: {planned.origin}; parallel flags replace it")
-    return planned
-
-
-def parallel_plan(args: argparse.Namespace, spec, request, planned=None) -> ParallelConfig:
-    """The plan the flags ask for: explicit degrees, or for ``--gpus N`` alone the planned one (``planned``), else
-    the default plan for N."""
-    from paradit.engine import default_plan_for
-
-    plan = ParallelConfig()
-    if gpus_alone(args):
-        plan = planned.parallel if planned is not None else default_plan_for(spec, args.gpus, request, args.device)
-    if explicit_plan(args):
-        plan = ParallelConfig(
-            ulysses=args.ulysses or 1, ring=args.ring or 1, cfg=2 if args.cfg_parallel else 1, tensor=args.tensor or 1,
-            pipefusion=args.pipefusion or 1,
-        )  # fmt: skip
-    return dataclasses.replace(
-        plan, comm_dtype=args.comm_dtype or plan.comm_dtype, patches=args.patches or plan.patches,
-        warmup_steps=args.warmup_steps or plan.warmup_steps,
+    flag = functools.partial(getattr, args)  # serve takes no parallel flags: its groups' plans are chosen
+    degrees = {name: flag(name, None) for name in ("ulysses", "ring", "tensor", "pipefusion")}
+    explicit = flag("cfg_parallel", False) or any(degree is not None for degree in degrees.values())
+    parallel = ParallelConfig(
+        cfg=2 if flag("cfg_parallel", False) else 1, **{name: degree or 1 for name, degree in degrees.items()}
+    ) if explicit else None  # fmt: skip
+    return Asked(
+        args.model, args.device, args.dtype, args.load_format, args.allow_pickle, args.gpus, parallel,
+        flag("comm_dtype", None), flag("patches", None), flag("warmup_steps", None), args.quantize, args.compile,
+        args.cuda_graphs or None, args.swap_experts, args.max_gpu_memory, args.text_encoder_placement,
     )  # fmt: skip
-
-
-def execution_settings(args: argparse.Namespace, planned=None):
-    """(ExecutionOptions, text encoder placement): the flags, with the planned settings where a flag is not given
-    (under --max-gpu-memory the engine places the encoders for that cap itself)."""
-    from paradit.optimize import ExecutionOptions
-
-    quantize = args.quantize or (planned.quantize if planned else "none")
-    cuda_graphs = args.cuda_graphs or (planned is not None and planned.cuda_graphs)
-    placement = args.text_encoder_placement
-    if planned is not None and placement == "auto" and args.max_gpu_memory is None:
-        placement = planned.text_encoder_placement
-    options = ExecutionOptions(
-        quantize=quantize, compile=args.compile, cuda_graphs=cuda_graphs, swap_experts=args.swap_experts
-    )  # fmt: skip
-    return options, placement
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -415,10 +292,12 @@ def run_generate(args: argparse.Namespace) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = args.devices
     if args.no_progress:  # workers' transformers and diffusers read this when they are imported
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    if needs_workers(args):
+    degrees = (args.gpus, args.ulysses, args.ring, args.tensor, args.pipefusion)
+    if args.cfg_parallel or any((degree or 1) > 1 for degree in degrees):
         start_worker_server(args.device)  # its imports overlap this process's, below
-    from paradit.engine import Engine, resolve_model
+    from paradit.engine import Engine
     from paradit.request import GenerationRequest
+    from paradit.settings import settle
 
     if args.no_progress:  # this process imported them already
         import diffusers
@@ -427,48 +306,26 @@ def run_generate(args: argparse.Namespace) -> int:
         transformers.utils.logging.disable_progress_bar()
         diffusers.utils.logging.disable_progress_bar()
 
-    from paradit.families import FAMILIES
-
-    prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
-    spec = resolve_model(args.model, args.load_format, args.allow_pickle)
-    video = FAMILIES[spec.family].pipeline.VIDEO
-    out = args.out or ("out/paradit.mp4" if video else "out/paradit.png")
-    paths = output_paths(out, len(args.prompt) * args.images_per_prompt, video)
     request = GenerationRequest(
-        prompt=prompts,
-        negative_prompt=args.negative_prompt,
-        height=args.height,
-        width=args.width,
-        steps=args.steps,
-        guidance=args.guidance,
-        seed=args.seed,
-        num_images_per_prompt=args.images_per_prompt,
-        frames=args.frames,
-        guidance_2=args.guidance_2,
-        image=None if args.image is None else read_image(args.image),
-        fps=args.fps,
-    )
-    planned = planned_settings(args, spec, request)
-    parallel = parallel_plan(args, spec, request, planned)
-    if args.gpus is not None and args.gpus != parallel.world_size:  # the flags disagree: say which plans fit --gpus
-        parallel.validate(args.gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
-    options, placement = execution_settings(args, planned)
-    engine_args = dict(device=args.device, dtype=args.dtype, options=options)
-    with Engine(
-        spec,
-        parallel=parallel,
-        max_gpu_memory=args.max_gpu_memory,
-        text_encoder_placement=placement,
-        request=request,
-        **engine_args,
-    ) as engine:
+        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0], negative_prompt=args.negative_prompt,
+        height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
+        num_images_per_prompt=args.images_per_prompt, frames=args.frames, guidance_2=args.guidance_2,
+        image=None if args.image is None else read_image(args.image), fps=args.fps,
+    )  # fmt: skip
+    run = settle(asked_for(args), request)
+    video = run.family.video
+    paths = output_paths(args.out or ("out/paradit.mp4" if video else "out/paradit.png"),
+                         len(args.prompt) * args.images_per_prompt, video)  # fmt: skip
+    if run.origin is not None:
+        print(f"paradit: {run.origin}; parallel flags replace it")
+    with Engine(settings=run) as engine:
         result = engine.generate(request, progress=not args.no_progress)
     if result is None:  # a non-zero rank under torchrun: rank 0 writes the images
         return 0
-    resolved = engine.check(dataclasses.replace(request, seed=result.seed))
+    resolved = result.request
     settings = {
         "prompt": resolved.prompts, "negative_prompt": resolved.negative_prompts, "seed": result.seed,
-        "model": spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
+        "model": run.spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
         "software": f"paradit {__version__}",
     }  # fmt: skip
     if result.is_video:
@@ -481,10 +338,13 @@ def run_generate(args: argparse.Namespace) -> int:
     print(format_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))
     code, comparison = 0, None
-    if args.verify_serial and parallel.world_size > 1:
-        with Engine(spec, **engine_args) as serial_engine:
+    if args.verify_serial and run.parallel.world_size > 1:
+        # The same model and options in one process, uncapped with its encoders resident, as a plain Engine runs.
+        alone = dataclasses.replace(run, parallel=ParallelConfig(), memory_cap=None, memory_plan=None,
+                                    text_encoder_placement="gpu", origin=None)  # fmt: skip
+        with Engine(settings=alone) as serial_engine:
             serial = serial_engine.generate(dataclasses.replace(request, seed=result.seed), progress=False)
-        code, comparison = serial_comparison(result, serial, exact=parallel.exact)
+        code, comparison = serial_comparison(result, serial, exact=run.parallel.exact)
         print(comparison)
     if args.json:
         timings = {**dataclasses.asdict(result.timings), "median_step_ms": result.timings.median_step_ms}
@@ -541,14 +401,11 @@ def run_download(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     start_worker_server(args.device)  # every group runs in workers; the forkserver's imports overlap this process's
-    from paradit.optimize import ExecutionOptions
     from paradit.serving.launch import ServeSettings, serve
 
     settings = ServeSettings(
-        model=args.model, gpus=args.gpus, group_size=args.group_size, device=args.device, dtype=args.dtype,
-        load_format=args.load_format, max_gpu_memory=args.max_gpu_memory, max_batch=args.max_batch,
+        asked_for(args), gpus=args.gpus, group_size=args.group_size, max_batch=args.max_batch,
         max_queue=args.max_queue, timeout_s=args.timeout, api_key=args.api_key or os.environ.get("PARADIT_API_KEY"),
-        options=ExecutionOptions(quantize=args.quantize, compile=args.compile, cuda_graphs=args.cuda_graphs),
     )  # fmt: skip
     serve(settings, host=args.host, port=args.port)
     return 0
@@ -563,8 +420,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from paradit.engine import DTYPES, resolve_model
-    from paradit.quantize import write_fp8_checkpoint
+    from paradit.fp8_checkpoint import write_fp8_checkpoint
+    from paradit.settings import DTYPES, resolve_model
 
     spec = resolve_model(args.model, args.load_format)
     layers = write_fp8_checkpoint(spec, Path(args.out), DTYPES[args.dtype])

@@ -16,9 +16,8 @@ from torch import nn
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
     def describe(value):
-        if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(value.shape), value.dtype, value.device)
-        return ("value", value)
+        tensor = isinstance(value, torch.Tensor)
+        return ("tensor", tuple(value.shape), value.dtype, value.device) if tensor else ("value", value)
 
     return tuple(describe(a) for a in args) + tuple((k, describe(v)) for k, v in sorted(kwargs.items()))
 
@@ -38,12 +37,10 @@ class _Capture:
             self.output = module(*self.args, **self.kwargs)
 
     def replay(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        for static, new in zip(self.args, args):
+        # By name: a call may pass the captured keywords in another order (the signature sorts them).
+        for static, new in zip((*self.args, *self.kwargs.values()), (*args, *map(kwargs.get, self.kwargs))):
             if isinstance(static, torch.Tensor):
                 static.copy_(new)
-        for name, new in kwargs.items():
-            if isinstance(new, torch.Tensor):
-                self.kwargs[name].copy_(new)
         self.graph.replay()
         # The caller may keep the result past the next replay (CFG combines, schedulers step), so hand out a copy.
         return self.output.clone()

@@ -12,7 +12,6 @@ Light on imports (no torch): the CLI answers at once. Must not import torch.dist
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,33 +20,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from paradit.checkpoint import MODEL_INDEX, pipeline_patterns, read_json
 from paradit.errors import ParaditError
 from paradit.families import PRESETS
-
-MODEL_INDEX = "model_index.json"
-# What the loader opens in a component folder: configs and weight indexes (.json), weights (.safetensors), and the
-# tokenizers' vocabularies and merges (.txt), SentencePiece models (.model) and chat templates (.jinja).
-READ_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja")
-# Not read even so: files in sub-folders of a component (onnx/, ...), weight variants (``name.fp16.safetensors``,
-# ``name.fp16-00001-of-00002.safetensors``, ``name.safetensors.index.fp16.json``) and indexes of pickle weights.
-NOT_READ = ["*/*/*", "*.*.safetensors", "*.index.*.json", "*.bin.index.json"]
 
 
 class DownloadError(ParaditError):
     """A download that cannot start or did not finish: gated or missing repository, no space, hub unreachable."""
-
-
-def pipeline_patterns(model_index: dict) -> tuple[list[str], list[str]]:
-    """The allow and ignore patterns (huggingface_hub's ``allow_patterns``/``ignore_patterns``) that select the files
-    the loader reads of a pipeline whose ``model_index.json`` is ``model_index``: every component it lists, as
-    ``paradit.weights.check_components`` expects them."""
-    components = [
-        name
-        for name, entry in model_index.items()
-        if not name.startswith("_") and isinstance(entry, list) and None not in entry
-    ]
-    allow = [MODEL_INDEX, *(f"{name}/*{suffix}" for name in components for suffix in READ_SUFFIXES)]
-    return allow, NOT_READ
 
 
 def hub_id(model: str) -> str:
@@ -83,8 +62,7 @@ class DownloadPlan:
 
     repo_id: str
     local_dir: Path | None
-    allow: list[str]
-    ignore: list[str]
+    patterns: dict[str, list[str]]  # allow_patterns and ignore_patterns (pipeline_patterns)
     reads: dict[str, int]
     skips: dict[str, int]
     to_fetch: dict[str, int]
@@ -96,13 +74,11 @@ class DownloadPlan:
         return self.local_dir if self.local_dir is not None else Path(constants.HF_HUB_CACHE)
 
     def summary(self) -> str:
-        lines = [f"{self.repo_id}: {count_files(self.reads)} the pipeline reads; skipping {count_files(self.skips)}"]
-        if self.to_fetch:
-            free = human_size(free_bytes(self.target))
-            lines.append(f"fetching {count_files(self.to_fetch)} into {self.target} ({free} free)")
-        else:
-            lines.append(f"all of them are already in {self.target}")
-        return "\n".join(lines)
+        reads = f"{self.repo_id}: {count_files(self.reads)} the pipeline reads; skipping {count_files(self.skips)}"
+        if not self.to_fetch:
+            return f"{reads}\nall of them are already in {self.target}"
+        free = human_size(free_bytes(self.target))
+        return f"{reads}\nfetching {count_files(self.to_fetch)} into {self.target} ({free} free)"
 
 
 class Quiet(tqdm):
@@ -165,63 +141,32 @@ def plan_download(repo_id: str, local_dir: Path | None = None) -> DownloadPlan:
     if constants.is_offline_mode():
         raise DownloadError("HF_HUB_OFFLINE is set: unset it to download from the hub")
     with hub_errors(repo_id):
-        index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, local_dir=local_dir))
-        try:
-            model_index = json.loads(index_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DownloadError(f"{repo_id}'s {MODEL_INDEX} is not valid JSON ({exc})") from None
-        if not isinstance(model_index, dict):
-            raise DownloadError(f"{repo_id}'s {MODEL_INDEX} holds a JSON {type(model_index).__name__}, not an object")
-        allow, ignore = pipeline_patterns(model_index)
-        sizes = {
-            entry.path: entry.size
-            for entry in HfApi().list_repo_tree(repo_id, recursive=True)
-            if isinstance(entry, RepoFile)
-        }
-        reads = set(filter_repo_objects(sizes, allow_patterns=allow, ignore_patterns=ignore))
-        preview = snapshot_download(
-            repo_id, allow_patterns=allow, ignore_patterns=ignore, local_dir=local_dir, dry_run=True, tqdm_class=Quiet
-        )
-    return DownloadPlan(
-        repo_id=repo_id,
-        local_dir=local_dir,
-        allow=allow,
-        ignore=ignore,
-        reads={path: size for path, size in sizes.items() if path in reads},
-        skips={path: size for path, size in sizes.items() if path not in reads},
-        to_fetch={file.filename: sizes[file.filename] for file in preview if file.will_download},
-    )
+        patterns = pipeline_patterns(read_json(Path(hf_hub_download(repo_id, MODEL_INDEX, local_dir=local_dir))))
+        tree = HfApi().list_repo_tree(repo_id, recursive=True)
+        sizes = {entry.path: entry.size for entry in tree if isinstance(entry, RepoFile)}
+        selected = set(filter_repo_objects(sizes, **patterns))
+        preview = snapshot_download(repo_id, **patterns, local_dir=local_dir, dry_run=True, tqdm_class=Quiet)
+    reads = {path: size for path, size in sizes.items() if path in selected}
+    skips = {path: size for path, size in sizes.items() if path not in selected}
+    to_fetch = {file.filename: sizes[file.filename] for file in preview if file.will_download}
+    return DownloadPlan(repo_id, local_dir, patterns, reads, skips, to_fetch)
 
 
-def check_free_space(plan: DownloadPlan) -> None:
+def download(model: str, local_dir: str | Path | None = None) -> Path:
+    """``paradit download``: the checkpoint of a preset or hub id, into ``local_dir`` or the hub cache (where
+    ``--model <preset or hub id>`` finds it), after checking the disk has room for the files not on it yet."""
+    from huggingface_hub import snapshot_download
+
+    plan = plan_download(hub_id(model), None if local_dir is None else Path(local_dir).expanduser().resolve())
+    print(plan.summary(), flush=True)
     needed, free = sum(plan.to_fetch.values()), free_bytes(plan.target)
     if needed > free:
         raise DownloadError(
             f"not enough disk space for {plan.repo_id}: {human_size(needed)} to fetch into {plan.target}, "
             f"{human_size(free)} free there; make room or choose another disk with --dir"
         )
-
-
-def fetch(plan: DownloadPlan) -> Path:
-    """The files the plan selects, fetched (those on disk are kept); the checkpoint folder."""
-    from huggingface_hub import snapshot_download
-
     with hub_errors(plan.repo_id):
-        return Path(
-            snapshot_download(
-                plan.repo_id, allow_patterns=plan.allow, ignore_patterns=plan.ignore, local_dir=plan.local_dir
-            )
-        )
-
-
-def download(model: str, local_dir: str | Path | None = None) -> Path:
-    """``paradit download``: the checkpoint of a preset or hub id, into ``local_dir`` or the hub cache (where
-    ``--model <preset or hub id>`` finds it), after checking the disk has room for it."""
-    repo_id = hub_id(model)
-    plan = plan_download(repo_id, None if local_dir is None else Path(local_dir).expanduser().resolve())
-    print(plan.summary(), flush=True)
-    check_free_space(plan)
-    folder = fetch(plan)
+        folder = Path(snapshot_download(plan.repo_id, **plan.patterns, local_dir=plan.local_dir))
     print(f"{folder}: run it with --model {local_dir if local_dir is not None else model}")
     return folder
 
@@ -254,21 +199,16 @@ def local_models(folders: Sequence[str | Path] = ()) -> list[LocalModel]:
     for folder in map(Path, folders):
         if not folder.is_dir():
             raise DownloadError(f"--dir {folder} is not a folder")
-        checkpoints = [folder] if (folder / MODEL_INDEX).is_file() else sorted(folder.iterdir())
-        for checkpoint in checkpoints:
-            if (checkpoint / MODEL_INDEX).is_file():
-                found.append(LocalModel(str(checkpoint), checkpoint_bytes(checkpoint), checkpoint))
+        candidates = [folder] if (folder / MODEL_INDEX).is_file() else sorted(folder.iterdir())
+        checkpoints = [path for path in candidates if (path / MODEL_INDEX).is_file()]
+        found += [LocalModel(str(path), checkpoint_bytes(path), path) for path in checkpoints]
     return found
 
 
 def checkpoint_bytes(folder: Path) -> int:
     """The size of a checkpoint folder's files, without hidden ones (huggingface_hub's ``.cache/``, ``.git/``)."""
-    files = (path for path in folder.rglob("*") if path.is_file())
-    return sum(
-        path.stat().st_size
-        for path in files
-        if not any(part.startswith(".") for part in path.relative_to(folder).parts)
-    )
+    files = (path.relative_to(folder) for path in folder.rglob("*") if path.is_file())
+    return sum((folder / file).stat().st_size for file in files if not any(part.startswith(".") for part in file.parts))
 
 
 def format_local_models(models: list[LocalModel]) -> str:

@@ -20,28 +20,14 @@ from torch import nn
 
 
 def _slots(model: nn.Module) -> list[tuple[nn.Module, str, bool]]:
-    """(module, name, is_parameter) of every tensor ``model`` holds, each once."""
-    seen, slots = set(), []
+    """(module, name, is_parameter) of every tensor ``model`` holds, each once: where it is first found."""
+    slots = {}
     for module in model.modules():
         for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
             for name, tensor in table.items():
-                if tensor is not None and id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    slots.append((module, name, is_parameter))
-    return slots
-
-
-def _get(slot: tuple[nn.Module, str, bool]) -> torch.Tensor:
-    module, name, is_parameter = slot
-    return module._parameters[name] if is_parameter else module._buffers[name]
-
-
-def _set(slot: tuple[nn.Module, str, bool], tensor: torch.Tensor) -> None:
-    module, name, is_parameter = slot
-    if is_parameter:
-        module._parameters[name].data = tensor
-    else:
-        module._buffers[name] = tensor
+                if tensor is not None:
+                    slots.setdefault(id(tensor), (module, name, is_parameter))
+    return list(slots.values())
 
 
 def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -65,24 +51,30 @@ class ExpertSwap:
 
     def add(self, name: str, model: nn.Module, resident: bool) -> None:
         self.slots[name] = _slots(model)
-        self.host[name] = [_host_copy(_get(slot), self.pin) for slot in self.slots[name]]
+        self.host[name] = [_host_copy(getattr(module, leaf), self.pin) for module, leaf, _ in self.slots[name]]
         if resident:
             self.active = name
         else:
-            for slot, host in zip(self.slots[name], self.host[name]):
-                _set(slot, host)
+            self._place(name, on_device=False)
+
+    def _place(self, name: str, on_device: bool) -> None:
+        """Point ``name``'s tensors at their host copies, or at fresh device copies of them."""
+        for (module, leaf, is_parameter), host in zip(self.slots[name], self.host[name]):
+            tensor = host.to(self.device, non_blocking=True) if on_device else host
+            if is_parameter:
+                module._parameters[leaf].data = tensor
+            else:
+                module._buffers[leaf] = tensor
 
     def bytes_per_expert(self) -> dict[str, int]:
-        return {name: sum(t.numel() * t.element_size() for t in host) for name, host in self.host.items()}
+        return {name: sum(t.nbytes for t in host) for name, host in self.host.items()}
 
     def activate(self, name: str) -> None:
         if name == self.active:
             return
         start = time.perf_counter()
-        for slot, host in zip(self.slots[self.active], self.host[self.active]):
-            _set(slot, host)
-        for slot, host in zip(self.slots[name], self.host[name]):
-            _set(slot, host.to(self.device, non_blocking=True))
+        self._place(self.active, on_device=False)
+        self._place(name, on_device=True)
         if self.device.type == "cuda":  # the copies are queued before the next kernels; waited on only to time them
             torch.cuda.synchronize(self.device)
         self.switch_seconds += time.perf_counter() - start

@@ -11,19 +11,22 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError
 
+from paradit.checkpoint import safetensors_files
 from paradit.errors import CheckpointError
 from paradit.expert_swap import ExpertSwap
-from paradit.families import FAMILIES, Family
+from paradit.families import FAMILIES
+from paradit.family import Family
 from paradit.layers.fp8 import fp8_dtype
 from paradit.memory import hold_to_cap
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
 from paradit.parallel.parallelize import Parallelized, parallelize, plain_vae_decode, plain_vae_encode
-from paradit.pipelines.base import DiffusionPipeline
+from paradit.pipelines.base import DiffusionPipeline, load_vae
 from paradit.quantize import fp8_load
 from paradit.spec import ModelSpec
-from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, materialize, safetensors_files
+from paradit.text_encoder import load_prompt_encoder
+from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, materialize
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,9 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
     rank kept are read from ``spec``'s transformer folder or drawn at random. ``quantize="fp8"`` converts the
     quantizable linears as they load; an FP8 checkpoint's linears load as FP8 whatever ``quantize`` says. No check
     that FP8 can run here: converting on the CPU is allowed (``ExecutionOptions.validate`` guards execution).
-    ``component``: another transformer of the checkpoint (``expert_configs``; ``spec.transformer`` is its config)."""
+    ``component``: another transformer of the checkpoint (``spec.experts``; ``spec.transformer`` is its config)."""
     with torch.device("meta"):
-        plain = family.pipeline.build_transformer(spec).eval()
+        plain = family.build_transformer(spec).eval()
     names = ModelNames(plain)
     parallelized = parallelize(plain, family.tensor_plan, parallel)
     fp8 = fp8_load(plain, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
@@ -60,7 +63,8 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
         # Each component its own random weights (two experts drawn alike would hide a swapped expert).
         seed = 0 if component == "transformer" else sum(component.encode())
         materialize(plain, names, DummyTensors(device, dtype, buffers, seed), parallelized.slices, fp8)
-        family.pipeline.after_dummy_init(plain)
+        if family.after_dummy_init is not None:
+            family.after_dummy_init(plain)
     else:
         source = CheckpointTensors(safetensors_files(folder), device, dtype)
         try:
@@ -89,11 +93,10 @@ def load_pipeline(
     differs slightly from the whole decode; tests/test_memory.py measures it)."""
     options = options or ExecutionOptions()
     family = FAMILIES[spec.family]
-    pipeline = family.pipeline
-    # The transformer, and the further ones the family runs (a low-noise expert; Engine.check_plan refused PipeFusion
-    # for those), each parallelized alike.
+    # The transformer, and the further ones the family runs (a low-noise expert; check_plan refused PipeFusion for
+    # those), each parallelized alike.
     experts = {}
-    further = pipeline.expert_configs(spec)
+    further = spec.experts
     swap = ExpertSwap(device) if options.swap_experts and further else None
     # Swapped experts load one at a time on the device and leave for host memory, the resident one last: the device
     # never holds two (and random weights and FP8 conversion run at the device's speed).
@@ -110,13 +113,13 @@ def load_pipeline(
     dummy, prompt_encoder = spec.folder is None, None
     try:
         if context is None or context.is_leader:
-            prompt_encoder = pipeline.load_prompt_encoder(spec, device, dtype, dummy, placement)
-        vae = pipeline.load_vae(spec, device, dtype, dummy).to(device).eval().requires_grad_(False)
+            prompt_encoder = load_prompt_encoder(family, spec, device, dtype, dummy, placement)
+        vae = load_vae(family, spec, device, dtype, dummy).to(device).eval().requires_grad_(False)
         if vae_tiled:
             vae.enable_tiling()
     except (OSError, ValueError, SafetensorError) as exc:  # transformers' and diffusers' words for a bad folder
         raise CheckpointError(f"{spec.folder}: its prompt encoders or VAE did not load: {exc}") from None
-    return pipeline(spec, transformer, prompt_encoder, vae, device, dtype, context, experts, swap)
+    return family.pipeline(family, spec, transformer, prompt_encoder, vae, device, dtype, context, experts, swap)
 
 
 def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:

@@ -21,10 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
+from paradit.families import FAMILIES
 from paradit.parallel.config import ParallelConfig
+from paradit.parallel.pipefusion import stage_range
+from paradit.pipelines.base import load_vae
 from paradit.spec import ModelSpec
-from paradit.text_encoder import PLACEMENTS, converts_to_fp8
+from paradit.text_encoder import PLACEMENTS, converts_to_fp8, load_prompt_encoder
 
 TEXT_ENCODER_PLACEMENTS = ("auto", *PLACEMENTS)
 _PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
@@ -62,19 +66,6 @@ def _candidates(placement: str, fp8: bool) -> tuple[str, ...]:
     if placement != "auto":
         return (placement,)
     return PLACEMENTS if fp8 else tuple(p for p in PLACEMENTS if p != "fp8")
-
-
-def _modules(holder) -> list[nn.Module]:
-    """The nn.Modules a prompt encoder object holds, directly or in lists (families keep them differently)."""
-    if isinstance(holder, nn.Module):
-        return [holder]
-    found = []
-    for value in vars(holder).values():
-        if isinstance(value, nn.Module):
-            found.append(value)
-        elif isinstance(value, list | tuple):
-            found.extend(item for item in value if isinstance(item, nn.Module))
-    return found
 
 
 def _bytes(modules: list[nn.Module], dtype: torch.dtype) -> int:
@@ -129,15 +120,11 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
               swap_experts: bool = False, vae_tiled: bool = False) -> dict[str, MemoryPlan]:  # fmt: skip
     """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
     (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time."""
-    from paradit.compile import model_blocks
-    from paradit.families import FAMILIES
-    from paradit.parallel.pipefusion import stage_range
-
     family = FAMILIES[spec.family]
     # The transformer and the further ones every rank keeps resident beside it (a low-noise expert).
-    configs = [spec.transformer, *family.pipeline.expert_configs(spec).values()]
+    configs = [spec.transformer, *spec.experts.values()]
     with torch.device("meta"):
-        models = [family.pipeline.build_transformer(dataclasses.replace(spec, transformer=c)) for c in configs]
+        models = [family.build_transformer(dataclasses.replace(spec, transformer=c)) for c in configs]
     transformer = models[0]
 
     def rank0_blocks(model: nn.Module) -> list[nn.Module]:
@@ -155,13 +142,13 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     ]  # fmt: skip
     transformer_bytes = max(per_model) if swap_experts else sum(per_model)
     kept = rank0_blocks(transformer)
-    encoder = family.pipeline.load_prompt_encoder(spec, torch.device("meta"), dtype, dummy=True)
-    vae = family.pipeline.load_vae(spec, torch.device("meta"), dtype, dummy=True)
+    encoder = load_prompt_encoder(family, spec, torch.device("meta"), dtype, True)
+    vae = load_vae(family, spec, torch.device("meta"), dtype, dummy=True)
     # The token width, from the attention projections (every family's blocks attend at the model width); a family
     # without a tensor plan states it in its config.
     plan = family.tensor_plan
     width = plan.widths(transformer)["attention"] if plan else transformer.config.inner_dim
-    tokens = family.pipeline.sequence_tokens(spec)
+    tokens = family.sequence_tokens(spec)
     batch = 2 if spec.guidance_mode == "cfg" and parallel.cfg == 1 else 1
     local_tokens = -(-tokens // parallel.sequence_degree)
     # A block's working set: ~24 activations of the model width per token (Q, K, V, attention output, the MLP's
@@ -171,7 +158,7 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     block_activations = 24 * batch * local_tokens * width * element // parallel.tensor
     # A video decoder keeps a few frames' maps live at a time (its causal cache across the chunks): measured at ~2.7x
     # an image's on Wan's VAE (docs/benchmarks.md); four frames' worth is counted.
-    frames = 4 if family.pipeline.VIDEO else 1
+    frames = 4 if family.video else 1
     vae_activations = frames * 16 * spec.height * spec.width * 128 * element // parallel.world_size  # a band per rank
     if vae_tiled:  # every rank decodes the whole latent, one tile at a time (its side as diffusers' VAE sets it)
         tile = getattr(vae, "tile_sample_min_size", None) or vae.tile_sample_min_height
@@ -179,7 +166,7 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
         activations += len(kept) * 2 * batch * local_tokens * width * element // parallel.tensor
-    encoders = _modules(encoder)
+    encoders = encoder.modules()
     on_gpu = {
         "gpu": _bytes(encoders, dtype),
         "fp8": _fp8_bytes(encoders, dtype),

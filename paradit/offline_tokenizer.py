@@ -10,6 +10,9 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import string
+
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -29,10 +32,7 @@ CHAT_TEMPLATE = (
 
 
 def build_offline_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
-    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for symbol in sorted(byte_alphabet):
-        vocab[symbol] = len(vocab)
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *sorted(pre_tokenizers.ByteLevel.alphabet())])}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -46,3 +46,12 @@ def build_offline_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerF
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def offline_t5_tokenizer() -> transformers.T5Tokenizer:
+    """A T5 (unigram) tokenizer built in memory for random-weight runs: printable ASCII characters, with and without
+    the word-start marker; T5's pad, end and unknown tokens take ids 0, 1 and 2 as in the published vocabulary."""
+    characters = string.ascii_letters + string.digits + string.punctuation
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + c, -3.0) for c in characters] + [(c, -4.0) for c in characters]
+    return transformers.T5Tokenizer(vocab=pieces, extra_ids=0)

@@ -1,14 +1,21 @@
 """What a caller asks for and what it gets back.
 
-Must not import torch.distributed.
+Must not import torch (the command line reads its limits before anything heavy loads).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
 from PIL import Image
+
+if TYPE_CHECKING:
+    import torch
+
+    from paradit.pipelines.requests import ResolvedRequest
+
+SEED_LIMIT = 2**64  # seeds are torch generators' 64-bit seeds: 0 to 2**64 - 1
 
 
 @dataclass
@@ -61,6 +68,7 @@ class GenerationResult:
     pixels: torch.Tensor
     seed: int
     timings: Timings
+    request: ResolvedRequest | None = None  # what ran: the request with the model's defaults filled in
 
     @property
     def is_video(self) -> bool:
@@ -69,7 +77,7 @@ class GenerationResult:
     @property
     def images(self) -> list[Image.Image]:
         pixels = self.pixels.flatten(0, 1) if self.is_video else self.pixels
-        array = (pixels.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()
+        array = (pixels.permute(0, 2, 3, 1) * 255).round().byte().numpy()
         return [Image.fromarray(frame) for frame in array]
 
     @property

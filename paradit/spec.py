@@ -20,6 +20,7 @@ class TextEncoderSpec:
     config: dict[str, Any]
     layers: tuple[int, ...]
     max_length: int = 512
+    class_name: str | None = None  # a checkpoint's transformers class (model_index.json); None: random weights
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,11 @@ class ModelSpec:
     width: int
     hub_id: str | None = None
     weights: WeightSource = RandomWeights()
-    extra: dict[str, Any] = field(default_factory=dict)  # family facts read from a checkpoint (its encoder class)
+    frames: int | None = None  # a video model's default frames per video (None: the model makes images)
+    fps: int | None = None  # a video model's default frame rate of the written file
+    guidance_2: float | None = None  # a model with further experts: the low-noise expert's default guidance
+    experts: dict[str, dict[str, Any]] = field(default_factory=dict)  # further transformers: component -> config
+    details: Any = None  # what only the family reads (its own frozen dataclass)
 
     @property
     def folder(self) -> Path | None:

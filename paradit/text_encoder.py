@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import transformers
@@ -153,9 +154,30 @@ def _decoder_without_final_norm(model: nn.Module) -> nn.Module:
     return decoder.eval().requires_grad_(False)
 
 
-class PromptEncoder:
+class PromptEncoder(Protocol):
+    """What every family's prompt encoder does: ``encode`` gives the family's embeddings of the prompts (its own
+    structure: a tensor, a pair, a list); ``modules`` the nn.Modules it holds (what the memory plan counts)."""
+
+    def encode(self, prompts: list[str], dtype: torch.dtype) -> Any: ...
+
+    def modules(self) -> list[nn.Module]: ...
+
+
+def load_prompt_encoder(family, spec, device: torch.device, dtype: torch.dtype, dummy: bool,
+                        placement: str = "gpu") -> PromptEncoder:  # fmt: skip
+    """``family``'s prompt encoder for ``spec``, placed as ``placement`` says: read from ``spec.folder``, or random
+    (``dummy``; on the meta device for memory estimates)."""
+    encoder = family.prompt_encoder(spec)
+    if dummy:
+        return encoder.dummy(spec.text_encoder, device, dtype, placement)
+    return encoder.from_folder(spec.folder, spec.text_encoder, device, dtype, placement)
+
+
+class DecoderPromptEncoder:
     """Tokenizer + truncated decoder running on ``device``; ``encode`` returns (batch, max_length, len(layers) *
     hidden) embeddings."""
+
+    thinking = False  # the chat template's enable_thinking (off: an empty think block follows the generation prompt)
 
     def __init__(self, decoder: nn.Module, tokenizer, spec: TextEncoderSpec, device: torch.device) -> None:
         self.decoder = decoder
@@ -163,19 +185,15 @@ class PromptEncoder:
         self.spec = spec
         self.device = device
 
+    def modules(self) -> list[nn.Module]:
+        return [self.decoder]
+
     @classmethod
-    def from_folder(
-        cls,
-        folder: Path,
-        class_name: str,
-        spec: TextEncoderSpec,
-        device: torch.device,
-        dtype: torch.dtype,
-        placement: str = "gpu",
-    ) -> PromptEncoder:
+    def from_folder(cls, folder: Path, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype,
+                    placement: str = "gpu") -> DecoderPromptEncoder:  # fmt: skip
         config = transformers.AutoConfig.from_pretrained(folder / "text_encoder")
         _truncate_config(config, max(spec.layers))
-        model_cls = getattr(transformers, class_name)
+        model_cls = getattr(transformers, spec.class_name)
         verbosity = transformers.logging.get_verbosity()
         # The dropped layers' weights are reported as unexpected keys; that is the point, so keep the log quiet.
         transformers.logging.set_verbosity_error()
@@ -191,7 +209,7 @@ class PromptEncoder:
     @classmethod
     def dummy(
         cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
-    ) -> PromptEncoder:
+    ) -> DecoderPromptEncoder:
         config = transformers.AutoConfig.for_model(**spec.config)
         _truncate_config(config, max(spec.layers))
 
@@ -203,31 +221,26 @@ class PromptEncoder:
         return cls(decoder, build_offline_tokenizer(spec.max_length), spec, device)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each prompt as one user turn of the tokenizer's chat template, with the generation prompt (no thinking),
-        padded to ``max_length``."""
-        padding = {"padding": "max_length", "truncation": True, "max_length": self.spec.max_length}
-        texts = [
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-            )
-            for prompt in prompts
-        ]
+        """Each prompt as one user turn of the tokenizer's chat template, with the generation prompt, padded to
+        ``max_length``."""
+        template = {"tokenize": False, "add_generation_prompt": True, "enable_thinking": self.thinking}
+        texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], **template) for p in prompts]
         warn_if_truncated(self.tokenizer, texts, self.spec.max_length)
-        ids, masks = [], []
-        for text in texts:
-            inputs = self.tokenizer(text, return_tensors="pt", **padding)
-            ids.append(inputs["input_ids"])
-            masks.append(inputs["attention_mask"])
-        return torch.cat(ids), torch.cat(masks)
+        inputs = self.tokenizer(
+            texts, padding="max_length", max_length=self.spec.max_length, truncation=True, return_tensors="pt"
+        )
+        return inputs["input_ids"], inputs["attention_mask"]
+
+    def hidden_states(self, prompts: list[str]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Every layer's hidden states of the tokenized prompts, and their attention mask, on ``device``."""
+        input_ids, mask = self.tokenize(prompts)
+        mask = mask.to(self.device)
+        output = self.decoder(
+            input_ids=input_ids.to(self.device), attention_mask=mask, output_hidden_states=True, use_cache=False
+        )
+        return output.hidden_states, mask
 
     @torch.no_grad()
     def encode(self, prompts: list[str], dtype: torch.dtype) -> torch.Tensor:
-        input_ids, attention_mask = self.tokenize(prompts)
-        output = self.decoder(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            output_hidden_states=True,
-            use_cache=False,
-        )
-        stacked = torch.stack([output.hidden_states[k] for k in self.spec.layers], dim=2)
-        return stacked.flatten(2).to(dtype)
+        hidden_states, _ = self.hidden_states(prompts)
+        return torch.stack([hidden_states[k] for k in self.spec.layers], dim=2).flatten(2).to(dtype)

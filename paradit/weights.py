@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,86 +24,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from paradit.checkpoint import INDEX_FILE, SINGLE_FILE
 from paradit.errors import CheckpointError
 from paradit.layers.fp8 import Fp8Linear, quantize_weight
-
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
-SINGLE_FILE = "diffusion_pytorch_model.safetensors"
-
-
-def resolve_checkpoint(model: str) -> Path:
-    """A local folder as it is; otherwise a Hugging Face hub id, fetched (or found in the cache) by huggingface_hub."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "model_index.json").is_file():
-            raise CheckpointError(f"{path} has no model_index.json; expected a diffusers-layout checkpoint folder")
-        return path
-    if model.count("/") != 1 or path.exists() or model.startswith((".", "/", "~")):
-        raise CheckpointError(f"checkpoint folder {model!r} does not exist")
-    from huggingface_hub import constants, hf_hub_download, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
-
-    from paradit.download import MODEL_INDEX, pipeline_patterns
-
-    try:  # the files `paradit download` fetches, so that a downloaded checkpoint is complete offline too
-        allow, ignore = pipeline_patterns(read_json(Path(hf_hub_download(model, MODEL_INDEX))))
-        return Path(snapshot_download(model, allow_patterns=allow, ignore_patterns=ignore))
-    except LocalEntryNotFoundError as exc:
-        reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
-        raise CheckpointError(f"{model!r} is not a local folder and is not in the hub cache, and {reason}") from exc
-    except RepositoryNotFoundError as exc:  # GatedRepoError included
-        raise CheckpointError(
-            f"hub repository {model!r} does not exist or is gated; accept its licence on the hub and log in "
-            "(`hf auth login`) or set HF_TOKEN"
-        ) from exc
-
-
-def read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"missing {path}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object")
-    return data
-
-
-def check_components(folder: Path, index: dict, allow_pickle: bool) -> None:
-    """Every component ``model_index.json`` lists is a folder; none holds only pickle weights, which can run code
-    as they load, unless ``allow_pickle``."""
-    for name, entry in index.items():
-        if name.startswith("_") or not isinstance(entry, list) or None in entry:
-            continue  # metadata, and components the pipeline declares absent
-        component = component_dir(folder, name)
-        pickles = sorted(p.name for p in component.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles and not allow_pickle and not any(component.glob("*.safetensors")):
-            raise CheckpointError(
-                f"{component} holds pickle weights ({', '.join(pickles)}), which can run code when loaded; convert "
-                "them to safetensors (load and save_pretrained them once: safetensors is its default), or pass "
-                "--allow-pickle if you trust their source"
-            )
-
-
-def component_dir(folder: Path, name: str) -> Path:
-    path = folder / name
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {folder} has no {name}/ component")
-    return path
-
-
-def safetensors_files(component: Path) -> list[Path]:
-    """The shard list from the index when the weights are sharded, else the single file."""
-    index = component / INDEX_FILE
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [component / shard for shard in shards]
-    single = component / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    raise CheckpointError(f"{component} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
 @dataclass(frozen=True)
@@ -121,10 +43,6 @@ class TensorSlice:
         before = (slice(None),) * self.dim
         return [(*before, slice(start, stop), *(slice(None),) * (ndim - self.dim - 1)) for start, stop in self.ranges]
 
-    def shape(self, full: Sequence[int]) -> tuple[int, ...]:
-        kept = sum(stop - start for start, stop in self.ranges)
-        return (*full[: self.dim], kept, *full[self.dim + 1 :])
-
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's share of a full ``tensor``, as a copy, so that the full tensor can be freed."""
         if tensor.shape[self.dim] != self.size:
@@ -134,20 +52,20 @@ class TensorSlice:
         return torch.cat([tensor[index] for index in self.indices(tensor.ndim)], self.dim)
 
 
-class CheckpointTensors:
+class CheckpointTensors(ExitStack):
     """The tensors of safetensors ``files`` by name, each read (or just the slice a rank keeps) from the memory map
-    when asked for, so that no more than one tensor's share is in flight."""
+    when asked for, so that no more than one tensor's share is in flight. Closing it closes the files."""
 
     def __init__(self, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
         self.device, self.dtype = device, dtype
         self.folder = files[0].parent
-        self._stack = ExitStack()
         self._handles = {}
         for file in files:
             try:
-                handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                handle = self.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             except (SafetensorError, OSError) as exc:  # truncated, corrupted, empty, missing
-                self._stack.close()
+                self.close()
                 raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); download it again") from None
             self._handles.update(dict.fromkeys(handle.keys(), handle))
 
@@ -169,9 +87,6 @@ class CheckpointTensors:
         tensor = tensor.to(self.device)
         return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
-    def close(self) -> None:
-        self._stack.close()
-
 
 class DummyTensors:
     """Random weights for speed measurements (vLLM's ``dummy`` format), generated on the device.
@@ -186,14 +101,14 @@ class DummyTensors:
         self.device, self.dtype, self.buffers, self.seed = device, dtype, buffers, seed
 
     def read(self, name: str, full_shape: tuple[int, ...], cut: TensorSlice | None, dtype: torch.dtype):
-        if name in self.buffers or name.endswith("bias") or len(full_shape) < 2:
-            fill = 0 if name in self.buffers or name.endswith("bias") else 1
-            shape = full_shape if cut is None else cut.shape(full_shape)
-            return torch.full(shape, fill, dtype=dtype, device=self.device)
-        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
-        generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        fan_in = math.prod(full_shape[1:])
-        full = torch.empty(full_shape, dtype=dtype, device=self.device).normal_(0.0, fan_in**-0.5, generator=generator)
+        zero = name in self.buffers or name.endswith("bias")
+        if zero or len(full_shape) < 2:
+            full = torch.full(full_shape, 0 if zero else 1, dtype=dtype, device=self.device)
+        else:
+            digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+            generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            full = torch.empty(full_shape, dtype=dtype, device=self.device)
+            full.normal_(0.0, math.prod(full_shape[1:]) ** -0.5, generator=generator)
         return full if cut is None else cut.take(full)
 
 
@@ -215,8 +130,7 @@ class ModelNames:
                 self._tensors[id(tensor)] = self._slots[(id(module), leaf)] = entry
 
     def module(self, module: nn.Module) -> str | None:
-        entry = self._modules.get(id(module))
-        return None if entry is None else entry[0]
+        return self._modules.get(id(module), (None,))[0]
 
     def tensor(self, owner: nn.Module, leaf: str, tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
         """The name and full shape of ``tensor``, held as ``owner.leaf``."""
@@ -285,21 +199,18 @@ def _fp8_linear(linear: nn.Linear, name: str, names: ModelNames, source: TensorS
                 fp8: Fp8Load) -> Fp8Linear:  # fmt: skip
     """One linear as FP8: an FP8 checkpoint's weight and scale as stored, or else its high-precision weight converted
     (and freed when this returns)."""
-    weight_name, scale_name = f"{name}.weight", f"{name}.weight_scale"
+
+    def read(key: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        return source.read(key, shape, slices.get(key), dtype)
+
     shape = names.tensor(linear, "weight", linear.weight)[1]
-    if scale_name in fp8.scales:
-        weight = source.read(weight_name, shape, slices.get(weight_name), None)
-        scale = source.read(scale_name, (shape[0], 1), slices.get(scale_name), torch.float32)
+    if f"{name}.weight_scale" in fp8.scales:
+        weight, scale = read(f"{name}.weight", shape, None), read(f"{name}.weight_scale", (shape[0], 1), torch.float32)
         if weight.dtype != fp8.dtype:  # an OCP (e4m3fn) checkpoint on MI300's "fnuz" format: re-scaled into its range
             weight, scale = quantize_weight(weight.float() * scale, fp8.dtype)
     else:
-        weight, scale = quantize_weight(
-            source.read(weight_name, shape, slices.get(weight_name), source.dtype), fp8.dtype
-        )
-    bias = None
-    if linear.bias is not None:
-        bias_name, bias_shape = names.tensor(linear, "bias", linear.bias)
-        bias = source.read(bias_name, bias_shape, slices.get(bias_name), source.dtype)
+        weight, scale = quantize_weight(read(f"{name}.weight", shape, source.dtype), fp8.dtype)
+    bias = None if linear.bias is None else read(*names.tensor(linear, "bias", linear.bias), source.dtype)
     return Fp8Linear(weight, scale, bias, source.dtype)
 
 
@@ -307,13 +218,8 @@ def _check_keys(source: CheckpointTensors, known: set[str], wanted: set[str]) ->
     """Every tensor this rank holds must be in the checkpoint, and every checkpoint tensor must be one of the
     model's (held here or not)."""
     keys = source.keys()
-    missing, unexpected = sorted(wanted - keys), sorted(keys - known)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {_few(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys {_few(unexpected)}")
+    mismatches = {"missing": sorted(wanted - keys), "unexpected": sorted(keys - known)}
+    if parts := [f"{kind} keys {_few(names)}" for kind, names in mismatches.items() if names]:
         raise CheckpointError(f"checkpoint {source.folder} does not match the model: " + "; ".join(parts))
 
 
@@ -324,11 +230,8 @@ def _few(names: list[str], limit: int = 8) -> str:
 
 def load_module_weights(module: nn.Module, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
     """Fill a whole meta-device ``module`` from safetensors ``files``."""
-    source = CheckpointTensors(files, device, dtype)
-    try:
+    with CheckpointTensors(files, device, dtype) as source:
         materialize(module, ModelNames(module), source)
-    finally:
-        source.close()
 
 
 def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
@@ -345,12 +248,11 @@ def save_component(state: dict[str, torch.Tensor], config: dict, folder: Path, m
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = tensor.detach().to("cpu").contiguous()
-        size += nbytes
+        size += tensor.nbytes
     if len(shards) == 1:
         save_file(shards[0], str(folder / SINGLE_FILE))
         return
@@ -359,6 +261,5 @@ def save_component(state: dict[str, torch.Tensor], config: dict, folder: Path, m
         file = f"diffusion_pytorch_model-{number:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(folder / file))
         weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

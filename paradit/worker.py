@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
     from paradit.loader import WorkerPlan
-    from paradit.request import GenerationRequest, GenerationResult
+    from paradit.pipelines.requests import ResolvedRequest
+    from paradit.request import GenerationResult
 
 POLL_S = 0.5
 # After one worker fails a request, how long its peers get to report that request's end before the group is taken for
@@ -389,12 +390,10 @@ class WorkerGroup:
     def _dead(self, exclude: int | None) -> list[tuple[int, int]]:
         return [(r, p.exitcode) for r, p in enumerate(self.processes) if p.exitcode is not None and r != exclude]
 
-    def generate(
-        self, request: GenerationRequest | list[GenerationRequest], progress: bool = False
-    ) -> GenerationResult | list[GenerationResult]:
-        """Rank 0's result (a list of them for a list of requests); ``progress``: rank 0 shows the denoise progress
-        bar (on this process's terminal). A request every rank ends with an error raises it, the group serving on;
-        one that some ranks fail while the others fall silent stops the group."""
+    def generate(self, request: list[ResolvedRequest], progress: bool = False) -> list[GenerationResult]:
+        """Rank 0's results, one per request (resolved by the engine: the ranks run them as sent); ``progress``: rank 0
+        shows the denoise progress bar (on this process's terminal). A request every rank ends with an error raises
+        it, the group serving on; one that some ranks fail while the others fall silent stops the group."""
         if not self.processes:
             raise WorkerFailure("this engine's worker group was stopped; create a new Engine")
         self._in_flight = True

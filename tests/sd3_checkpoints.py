@@ -9,8 +9,9 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-from paradit.families.sd3.pipeline import offline_clip_tokenizer, offline_t5_tokenizer
+from paradit.families.sd3.pipeline import offline_clip_tokenizer
 from paradit.families.sd3.presets import SD3_SCHEDULER
+from paradit.offline_tokenizer import offline_t5_tokenizer
 from tests.checkpoints import randomize
 
 # Widths chosen so that a swapped or mis-padded component changes a shape or a value: CLIP-L and bigG hidden widths

@@ -21,9 +21,9 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from huggingface_hub import constants, hf_hub_download
 
+from paradit.checkpoint import check_components
 from paradit.download import human_size
 from paradit.families import PRESETS
-from paradit.weights import check_components
 from tests.test_cli import assert_one_line_error, run_cli
 
 PRESET = "flux2-klein-4b"

@@ -42,7 +42,7 @@ def test_the_memory_plan_counts_one_expert_and_a_tight_cap_chooses_the_swap():
     one = estimate(spec, ParallelConfig(), torch.bfloat16, fp8=True, placement="offload", swap_experts=True)
     assert both.transformer > 1.9 * one.transformer  # two 14B experts against one (embedders shared by neither)
     # A 480p video of 17 frames: activations small enough that one FP8 expert fits 32 GiB and two do not.
-    small = dataclasses.replace(spec, height=480, width=832, extra={**spec.extra, "frames": 17})
+    small = dataclasses.replace(spec, height=480, width=832, frames=17)
     cap = 32 * 2**30
     assert estimate(small, ParallelConfig(), torch.bfloat16, True, "offload").total > cap
     assert estimate(small, ParallelConfig(), torch.bfloat16, True, "offload", swap_experts=True).total <= cap

@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 
 import paradit.loader
 from paradit.cli import main, serial_comparison
-from paradit.engine import default_plan_for, resolve_model
 from paradit.families import PRESETS
 from paradit.request import GenerationRequest, GenerationResult, Timings
-from paradit.text_encoder import PromptEncoder
+from paradit.settings import default_plan_for, resolve_model
+from paradit.text_encoder import DecoderPromptEncoder
 from tests.test_cli import assert_one_line_error, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def test_prompts_that_are_not_utf8_are_refused_the_same_way_with_or_without_work
 
 def test_a_prompt_past_the_encoder_window_is_cut_with_a_warning(caplog):
     spec = PRESETS["flux2-tiny"].text_encoder
-    encoder = PromptEncoder.dummy(spec, torch.device("cpu"), torch.float32)
+    encoder = DecoderPromptEncoder.dummy(spec, torch.device("cpu"), torch.float32)
     with caplog.at_level(logging.WARNING, logger="paradit.text_encoder"):
         ids, _ = encoder.tokenize(["short"])
         assert not caplog.records

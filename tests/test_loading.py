@@ -13,19 +13,19 @@ import torch
 from torch import nn
 
 from paradit import Engine, InvalidRequest
+from paradit.checkpoint import INDEX_FILE
 from paradit.cli import main
-from paradit.engine import resolve_model
 from paradit.errors import CheckpointError
 from paradit.families import FAMILIES, PRESETS
-from paradit.families.flux2.pipeline import Flux2Pipeline
 from paradit.layers.fp8 import Fp8Linear
 from paradit.loader import load_transformer
 from paradit.parallel import ParallelConfig
 from paradit.parallel.comm import CommStats
 from paradit.parallel.tensor import RowParallelLinear, parallelize_tensor, tensor_slices
 from paradit.quantize import convert_fp8, fp8_checkpoint_layers
+from paradit.settings import resolve_model
 from paradit.spec import CheckpointFolder, RandomWeights
-from paradit.weights import INDEX_FILE, CheckpointTensors, save_component
+from paradit.weights import CheckpointTensors, save_component
 
 CPU = torch.device("cpu")
 E4M3 = torch.float8_e4m3fn
@@ -127,7 +127,7 @@ def test_a_tensor_parallel_rank_reads_only_its_slices(checkpoint_spec, monkeypat
     assert reads["transformer_blocks.0.attn.to_out.0.weight"] == ((64, 64), (64, 32))  # row-parallel: columns
     assert reads["x_embedder.weight"][0] == reads["x_embedder.weight"][1]  # replicated: whole
     with torch.device("meta"):
-        sharded = set(tensor_slices(FLUX2.tensor_plan, Flux2Pipeline.build_transformer(checkpoint_spec), 2, 1))
+        sharded = set(tensor_slices(FLUX2.tensor_plan, FLUX2.build_transformer(checkpoint_spec), 2, 1))
     assert {name for name, (full, kept) in reads.items() if full != kept} == sharded & set(reads)
 
 
@@ -192,7 +192,7 @@ def test_fp8_checkpoint_shards_for_tensor_parallel_from_its_fp8_bytes(fp8_folder
     spec = resolve_model(str(fp8_folder))
     whole = load(spec)
     with torch.device("meta"):
-        heads = Flux2Pipeline.build_transformer(spec).config.num_attention_heads
+        heads = FLUX2.build_transformer(spec).config.num_attention_heads
     assert heads == 3  # the klein fixture's: degree 3 shards it
     context = OneRankOfTensorGroup(rank=2, degree=3)
     sharded = load(spec, context)

@@ -13,7 +13,7 @@ import torch
 from paradit import Engine, InvalidRequest
 from paradit.cli import main
 from paradit.families import PRESETS
-from paradit.families.flux2.pipeline import Flux2Pipeline
+from paradit.families.flux2.family import FAMILY as FLUX2
 from paradit.memory import check_fits, estimate, estimates, parse_size
 from paradit.parallel import ParallelConfig
 
@@ -75,7 +75,7 @@ def test_pipefusion_keeps_only_the_first_stage_on_rank_0():
     whole = estimate(spec, ParallelConfig(), torch.bfloat16, fp8=False)
     staged = estimate(spec, ParallelConfig(pipefusion=2), torch.bfloat16, fp8=False)
     with torch.device("meta"):
-        model = Flux2Pipeline.build_transformer(spec)
+        model = FLUX2.build_transformer(spec)
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
     later_stage = sum(p.numel() for block in blocks[len(blocks) // 2 :] for p in block.parameters()) * 2
     assert staged.transformer == whole.transformer - later_stage
@@ -161,7 +161,7 @@ def test_both_experts_of_a_two_expert_model_are_counted():
     """Wan 2.2 A14B keeps its high- and low-noise experts resident on every rank: the estimate holds both."""
     spec = PRESETS["wan2.2-t2v-a14b"]
     both = estimate(spec, ParallelConfig(), torch.bfloat16, fp8=False).transformer
-    one = estimate(dataclasses.replace(spec, extra={**spec.extra, "transformer_2": None}), ParallelConfig(),
+    one = estimate(dataclasses.replace(spec, experts={}), ParallelConfig(),
                    torch.bfloat16, fp8=False).transformer  # fmt: skip
     assert both == 2 * one and one == 14_288_491_584 * 2  # the published expert's parameters, in bf16
 

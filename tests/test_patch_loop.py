@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import paradit.parallel.parallelize as parallelize
-from paradit.engine import resolve_model
 from paradit.families.sd3.model import unpatchify as sd3_unpatchify
 from paradit.families.zimage.model import unpatchify as zimage_unpatchify
 from paradit.loader import load_pipeline
@@ -15,6 +14,7 @@ from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
 from paradit.pipelines.base import patch_grid_band_mask, token_band_mask
 from paradit.request import GenerationRequest
+from paradit.settings import resolve_model
 from tests.distributed import run_on_processes
 
 REQUEST = GenerationRequest(prompt=["a red fox", "a blue bird"], height=48, width=80, steps=4, seed=3)
@@ -34,15 +34,16 @@ def _both_loops(model: str, plan: ParallelConfig) -> tuple[torch.Tensor, torch.T
     context = ParallelContext.build(plan, device)
     spec = resolve_model(model, "dummy")
     pipeline = load_pipeline(spec, device, torch.float32, context)
-    by_patches = pipeline.generate(REQUEST)
+    request = [pipeline.family.resolve_request(spec, REQUEST)]
+    by_patches = pipeline.generate(request)
     patched_loop, parallelize.denoise_by_patches = parallelize.denoise_by_patches, _plain_loop
     try:
-        plain = pipeline.generate(REQUEST)
+        plain = pipeline.generate(request)
     finally:
         parallelize.denoise_by_patches = patched_loop
     if by_patches is None:
         return None
-    return by_patches.pixels, plain.pixels
+    return by_patches[0].pixels, plain[0].pixels
 
 
 @pytest.mark.parametrize(

@@ -10,15 +10,15 @@ import statistics
 from functools import cache
 
 import pytest
-import torch
 
+from benchmarks import tune_configs, validate_planner
 from benchmarks.model_facts import preset_facts
 from paradit import cli
-from paradit.engine import check_plan, default_plan_for
 from paradit.errors import InvalidRequest
-from paradit.families import PRESETS
+from paradit.families import FAMILIES, PRESETS
 from paradit.parallel.config import ParallelConfig
-from paradit.planner import choose, tune, validate
+from paradit.parallel.validate import check_plan
+from paradit.planner import choose
 from paradit.planner.cost import step_cost
 from paradit.planner.facts import FACTS_FILE, facts_for
 from paradit.planner.measurements import all_measurements
@@ -27,6 +27,7 @@ from paradit.planner.probe import collective_gbps
 from paradit.planner.profile import all_profiles, load_profile
 from paradit.planner.tuned import GPU_COUNTS, tuned_entry
 from paradit.request import GenerationRequest
+from paradit.settings import choices, default_plan_for
 from paradit.text_encoder import PLACEMENTS
 from tests.test_cli import assert_one_line_error, run_cli
 
@@ -108,7 +109,7 @@ def test_tuned_entries_cover_every_preset_and_gpu_count_and_can_run(profile):
                 assert "GiB" in entry.refused and all_profiles()[profile].memory_gib < 100
                 continue
             assert entry.parallel.world_size == gpus
-            check_plan(spec, entry.parallel, torch.device("cpu"))
+            check_plan(FAMILIES[spec.family], spec, entry.parallel)
             assert entry.text_encoder_placement in PLACEMENTS and entry.quantize in ("none", "fp8")
             assert not (entry.cuda_graphs and entry.parallel.pipefusion > 1)
             if entry.measured:
@@ -122,7 +123,7 @@ def test_tuned_entries_are_the_planners_choice_and_cite_measurements():
     spec = PRESETS["flux2-klein-4b"]
     memory = MemoryEstimates(spec)
     for profile in all_profiles().values():
-        assert tune.entry(spec, 2, profile, memory) == tuned_entry(spec.name, 2, profile.name)
+        assert tune_configs.entry(spec, 2, profile, memory) == tuned_entry(spec.name, 2, profile.name)
     measured = tuned_entry("sd3.5-large", 2, "h200-nvlink")
     assert measured.parallel == ParallelConfig(cfg=2) and measured.cuda_graphs
     assert measured.source["ms_per_step"] == 67.1 and "parallel_step.py" in measured.source["command"]
@@ -132,26 +133,24 @@ def generate_args(*extra: str):
     return cli.build_parser().parse_args(["generate", "--model", "flux2-dev", "--prompt", "a", *extra])
 
 
-def test_gpus_alone_runs_the_tuned_entry_and_each_flag_replaces_its_part(monkeypatch, capsys):
+def test_gpus_alone_runs_the_tuned_entry_and_each_flag_replaces_its_part(monkeypatch):
     monkeypatch.setattr(choose, "detect_profile", lambda gpus: load_profile("h200-p2p-off"))
     spec, request = PRESETS["flux2-dev"], GenerationRequest(prompt="a")
 
     def settings(*extra: str):
-        args = generate_args("--gpus", "2", *extra)
-        planned_settings = cli.planned_settings(args, spec, request)
-        return cli.parallel_plan(args, spec, request, planned_settings), *cli.execution_settings(args, planned_settings)
+        asked = dataclasses.replace(cli.asked_for(generate_args("--gpus", "2", *extra)), model=spec)
+        return choices(asked, spec, request)
 
-    parallel, options, placement = settings()
+    parallel, options, placement, origin = settings()
     assert parallel == ParallelConfig(pipefusion=2, patches=2) and not options.cuda_graphs
     assert options.quantize == "none" and placement == "gpu"
-    out = capsys.readouterr().out
-    assert "tuned configuration for flux2-dev on 2 x h200-p2p-off: pipefusion 2" in out and "measured 252.9" in out
+    assert "tuned configuration for flux2-dev on 2 x h200-p2p-off: pipefusion 2" in origin
+    assert "measured 252.9" in origin
     assert settings("--patches", "4")[0] == ParallelConfig(pipefusion=2, patches=4)
-    parallel, options, placement = settings("--quantize", "fp8", "--text-encoder-placement", "offload")
+    parallel, options, placement, _ = settings("--quantize", "fp8", "--text-encoder-placement", "offload")
     assert parallel.pipefusion == 2 and options.quantize == "fp8" and placement == "offload"
-    capsys.readouterr()
     assert settings("--ulysses", "2")[0] == ParallelConfig(ulysses=2)
-    assert "tuned configuration" not in capsys.readouterr().out
+    assert settings("--ulysses", "2")[3] is None  # the flags' plan: no tuned configuration announced
     assert settings("--device", "cpu")[0] == ParallelConfig(ulysses=2)  # CPU processes: the engine's default
 
 
@@ -200,15 +199,15 @@ def test_plan_command_refusals_are_one_line_with_the_numbers(capsys):
 
 
 def test_predictions_against_every_multi_gpu_step_measured_on_h200s():
-    rows = validate.predictions()
+    rows = validate_planner.predictions()
     measured = [m for m in all_measurements() if m.parallel.world_size > 1 and m.superseded is None]
     assert len(rows) == len(measured)
-    cases = validate.cases(rows)
+    cases = validate_planner.cases(rows)
     independent = [case for case in cases if not case.in_sample]
-    print(validate.markdown())
+    print(validate_planner.markdown())
     assert len(independent) >= 10 and sum(case.hit for case in independent) >= 0.9 * len(independent)
     assert sum(case.hit for case in cases) >= 0.9 * len(cases)
-    assert sum(abs(row.error) <= validate.WITHIN_PREDICTION for row in rows) >= 0.85 * len(rows)
+    assert sum(abs(row.error) <= validate_planner.WITHIN_PREDICTION for row in rows) >= 0.85 * len(rows)
 
 
 def test_profiles_say_where_each_figure_comes_from():

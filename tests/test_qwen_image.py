@@ -13,12 +13,13 @@ from diffusers import QwenImagePipeline as ReferencePipeline
 from diffusers import QwenImageTransformer2DModel
 
 from paradit import Engine, GenerationRequest, InvalidRequest
+from paradit.checkpoint import safetensors_files
 from paradit.errors import CheckpointError
 from paradit.families import PRESETS
+from paradit.families.qwen_image.family import resolve_request, uses_cfg
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
-from paradit.families.qwen_image.pipeline import resolve_request, uses_cfg
 from paradit.parallel import ParallelConfig
-from paradit.weights import load_module_weights, safetensors_files
+from paradit.weights import load_module_weights
 from tests.checkpoint_cache import cached
 from tests.checkpoints import relative_l2
 from tests.qwen_image_checkpoints import build_qwen_image_checkpoint

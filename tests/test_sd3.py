@@ -10,12 +10,14 @@ from diffusers import StableDiffusion3Pipeline
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from paradit import Engine, GenerationRequest, InvalidRequest
+from paradit.checkpoint import read_json, safetensors_files
 from paradit.families import PRESETS
+from paradit.families.sd3.family import published_defaults, resolve_request
+from paradit.families.sd3.family import read_checkpoint as spec_from_folder
 from paradit.families.sd3.model import SD3Config, SD3Transformer, sincos_position_table, unpatchify
-from paradit.families.sd3.pipeline import published_defaults, resolve_request, spec_from_folder
 from paradit.families.sd3.presets import SD3_TEXT_ENCODERS
 from paradit.parallel import ParallelConfig
-from paradit.weights import load_module_weights, read_json, safetensors_files
+from paradit.weights import load_module_weights
 from tests.checkpoint_cache import cached
 from tests.checkpoints import relative_l2
 from tests.sd3_checkpoints import build_sd3_checkpoint, tiny_transformer

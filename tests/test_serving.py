@@ -2,8 +2,9 @@
 workers spawned as processes): two groups of one process and one group of two (gloo, the plan ``generate`` picks for
 two: CFG parallel). 200 concurrent requests, a fifth of them malformed in a dozen ways: every valid one returns the
 image ``Engine.generate`` gives for its seed with the same plan, bit for bit; every malformed one a 400 naming the
-field. A worker killed mid-request: the request answered with an error within seconds, the group rebuilt. A client
-that leaves cancels its request. ``DELETE`` stops a running video job within one step. The ``openai`` client works.
+field. A request without a seed answers the seed it drew, its image that seed's one-process image. A worker killed
+mid-request: the request answered with an error within seconds, the group rebuilt. A client that leaves cancels its
+request. ``DELETE`` stops a running video job within one step. The ``openai`` client works.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import torch
 from PIL import Image
 
 from paradit import Engine, GenerationRequest, ParallelConfig
-from paradit.engine import default_plan_for, resolve_model
+from paradit.request import SEED_LIMIT
 from paradit.serving.launch import ServeSettings, build_scheduler
 from paradit.serving.metrics import Metrics
 from paradit.serving.server import create_app
+from paradit.settings import Asked, default_plan_for, resolve_model
 from paradit.worker import RequestCancelled
 from tests.test_serving_scheduler import app_in_thread
 
@@ -75,10 +77,11 @@ REBUILD_S = 90  # and its group serves again within this long (two processes imp
 
 
 @contextlib.contextmanager
-def live_server(**settings):
+def live_server(model: str, **settings):
     """A server on a free port of 127.0.0.1, started in this process; yields (base URL, scheduler)."""
     metrics = Metrics()
-    scheduler, config = build_scheduler(ServeSettings(device="cpu", max_queue=256, **settings), metrics)
+    asked = Asked(model=model, device="cpu")
+    scheduler, config = build_scheduler(ServeSettings(asked, max_queue=256, **settings), metrics)
     scheduler.start()
     try:
         with app_in_thread(create_app(scheduler, config, metrics)) as url:
@@ -208,6 +211,23 @@ def test_one_group_of_two_processes_serves_200_concurrent_requests_bit_exact(one
     url, scheduler = one_group_of_two
     assert scheduler.groups[0].plan == "cfg 2"
     assert set(check_200_concurrent_requests(url, {"cfg 2": cfg_parallel_references})) == {"cfg 2"}
+
+
+def test_a_request_without_a_seed_answers_the_seed_it_drew_and_that_seeds_image(one_group_of_two):
+    """Both processes of the group denoise the one seed the server drew and named: the image is the one-process
+    image of that seed."""
+    url, _ = one_group_of_two
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    answer = client.images.generate(
+        prompt=PROMPTS[1], size=f"{SIZE}x{SIZE}", response_format="b64_json", extra_body={"steps": 2}
+    )
+    seed = answer.model_extra["seed"]
+    assert answer.model_extra["plan"] == "cfg 2" and 0 <= seed < SEED_LIMIT
+    with Engine(MODEL, device="cpu") as engine:
+        request = GenerationRequest(prompt=PROMPTS[1], height=SIZE, width=SIZE, steps=2, seed=seed)
+        expected = np.asarray(engine.generate(request).images[0])
+    served = decoded(base64.b64decode(answer.data[0].b64_json))
+    assert np.abs(served.astype(int) - expected).max() <= 1
 
 
 def test_auto_on_two_splits_a_lone_request_and_serves_a_crowd_on_each_process_bit_exact(cfg_parallel_references):

@@ -13,13 +13,14 @@ import pytest
 import torch
 import uvicorn
 
-from paradit.engine import resolve_model
 from paradit.families import FAMILIES
+from paradit.pipelines.requests import ResolvedRequest
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.serving.jobs import JobCancelled, JobTimeout, QueueFull
 from paradit.serving.metrics import Metrics
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.server import ServerConfig, create_app
+from paradit.settings import resolve_model
 from paradit.worker import RequestCancelled, RequestFailed, WorkerFailure
 
 SPEC = resolve_model("flux2-tiny")
@@ -40,8 +41,8 @@ class StandInEngine:
         self._cancel = threading.Event()
         self.closed = False
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        self.runs.append([r.prompt for r in requests])
+    def generate(self, requests: list[ResolvedRequest]) -> list[GenerationResult]:
+        self.runs.append([prompt for r in requests for prompt in r.prompts])
         self.running.add(self)
         try:
             return self._generate(requests)
@@ -49,15 +50,14 @@ class StandInEngine:
             self.overlapped.append(set(self.running))
             self.running.discard(self)
 
-    def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def _generate(self, resolved: list[ResolvedRequest]) -> list[GenerationResult]:
         self._cancel.clear()
-        resolved = [FAMILIES[SPEC.family].pipeline.resolve_request(SPEC, r) for r in requests]
         for self.steps_done in range(resolved[0].steps + 1):
             if self._cancel.is_set():
                 raise RequestCancelled("stopped")
-            if requests[0].prompt == "worker dies" and self.steps_done == 1:
+            if resolved[0].prompts == ["worker dies"] and self.steps_done == 1:
                 raise WorkerFailure("worker 0 exited with code -9\nthe worker group was stopped")
-            if requests[0].prompt == "fails":
+            if resolved[0].prompts == ["fails"]:
                 raise RequestFailed("RuntimeError: the prediction is NaN")
             time.sleep(STEP_S)
         timings = Timings(step_ms=[STEP_S * 1000] * resolved[0].steps)
@@ -78,7 +78,7 @@ def scheduler(groups: int = 1, **options):
         engines.append(StandInEngine(runs, running, "split" if options.get("auto") and index == 0 else "alone"))
         return engines[-1]
 
-    check = lambda request: FAMILIES[SPEC.family].pipeline.resolve_request(SPEC, request)  # noqa: E731
+    check = lambda request: FAMILIES[SPEC.family].resolve_request(SPEC, request)  # noqa: E731
     scheduling = Scheduler(build, groups, check, Metrics(), **options)
     scheduling.start()
     try:

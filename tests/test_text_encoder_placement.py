@@ -19,7 +19,7 @@ from paradit.families import FAMILIES, PRESETS
 from paradit.layers.fp8 import Fp8Linear
 from paradit.memory import estimate
 from paradit.parallel import ParallelConfig
-from paradit.text_encoder import converts_to_fp8, stream_weights
+from paradit.text_encoder import converts_to_fp8, load_prompt_encoder, stream_weights
 
 CPU = torch.device("cpu")
 PROMPTS = ["a lighthouse on a cliff at dusk", "snow"]
@@ -49,9 +49,9 @@ def flat(output) -> list[torch.Tensor]:
 @pytest.mark.parametrize("preset", ["qwen-image-tiny", "z-image-tiny", "sd3.5-tiny"])
 def test_offloaded_prompt_encoder_gives_the_resident_ones_embeddings(preset):
     spec = PRESETS[preset]
-    pipeline = FAMILIES[spec.family].pipeline
-    resident = pipeline.load_prompt_encoder(spec, CPU, torch.float32, True, "gpu")
-    offloaded = pipeline.load_prompt_encoder(spec, CPU, torch.float32, True, "offload")
+    pipeline = FAMILIES[spec.family]
+    resident = load_prompt_encoder(pipeline, spec, CPU, torch.float32, True, "gpu")
+    offloaded = load_prompt_encoder(pipeline, spec, CPU, torch.float32, True, "offload")
     modules = encoder_modules(offloaded)
     assert len(modules) == (3 if spec.family == "sd3" else 1)
     for module in modules:
@@ -104,9 +104,9 @@ def test_tied_weights_share_one_host_copy():
 @pytest.mark.parametrize("preset", ["qwen-image-tiny", "sd3.5-tiny"])
 def test_fp8_prompt_encoder_converts_its_linears_as_the_estimate_counts(preset):
     spec = PRESETS[preset]
-    pipeline = FAMILIES[spec.family].pipeline
-    resident = pipeline.load_prompt_encoder(spec, CPU, torch.float32, True, "gpu")
-    converted = pipeline.load_prompt_encoder(spec, CPU, torch.float32, True, "fp8")
+    pipeline = FAMILIES[spec.family]
+    resident = load_prompt_encoder(pipeline, spec, CPU, torch.float32, True, "gpu")
+    converted = load_prompt_encoder(pipeline, spec, CPU, torch.float32, True, "fp8")
     modules = encoder_modules(converted)
     fp8 = [
         f"{i}.{name}"

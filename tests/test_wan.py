@@ -31,7 +31,7 @@ def tiny_wan_transformer(seed: int, channels: int) -> WanTransformer3DModel:
 def tiny_umt5():
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from paradit.families.sd3.pipeline import offline_t5_tokenizer
+    from paradit.offline_tokenizer import offline_t5_tokenizer
 
     torch.manual_seed(7)
     config = UMT5Config(
@@ -67,8 +67,8 @@ def write_wan_checkpoint(folder: Path, layout: str) -> None:
     from diffusers import UniPCMultistepScheduler
     from diffusers import WanPipeline as DiffusersWan
 
-    from paradit.families.sd3.pipeline import offline_t5_tokenizer
     from paradit.families.wan.presets import UNIPC_FLOW
+    from paradit.offline_tokenizer import offline_t5_tokenizer
 
     scheduler = UniPCMultistepScheduler.from_config({**UNIPC_FLOW, "flow_shift": 3.0})
     if layout == "t2v":
@@ -86,7 +86,8 @@ def write_wan_checkpoint(folder: Path, layout: str) -> None:
 def test_frames_equal_diffusers(layout, size, frames):
     from diffusers import WanPipeline as DiffusersWan
 
-    from paradit.families import FAMILIES, spec_from_folder
+    from paradit.families import spec_from_folder
+    from paradit.families.wan.family import resolve_request
     from paradit.loader import load_pipeline
     from paradit.request import GenerationRequest
 
@@ -101,14 +102,12 @@ def test_frames_equal_diffusers(layout, size, frames):
     ).frames  # fmt: skip
 
     spec = spec_from_folder(folder)
-    assert FAMILIES[spec.family].pipeline.expert_configs(spec).keys() == (
-        {"transformer_2"} if layout == "t2v" else set()
-    )
+    assert spec.experts.keys() == ({"transformer_2"} if layout == "t2v" else set())
     pipeline = load_pipeline(spec, torch.device("cpu"), torch.float32)
-    result = pipeline.generate(GenerationRequest(
+    (result,) = pipeline.generate([resolve_request(spec, GenerationRequest(
         prompt=prompts, height=height, width=width, frames=frames, steps=steps, seed=seed,
         guidance=guidance["guidance_scale"], guidance_2=guidance.get("guidance_scale_2"),
-    ))  # fmt: skip
+    ))])  # fmt: skip
     assert result.pixels.shape == (2, frames, 3, height, width) and len(result.frames[0]) == frames
     ours = (result.pixels.permute(0, 1, 3, 4, 2).numpy() * 255).round()
     assert expected.std() > 0.05  # the frames are not flat: a wrong step or expert would show
@@ -119,7 +118,7 @@ def test_frames_equal_diffusers(layout, size, frames):
 def test_frames_and_guidance_2_are_checked():
     from paradit.errors import InvalidRequest
     from paradit.families import PRESETS
-    from paradit.families.wan.pipeline import resolve_request
+    from paradit.families.wan.family import resolve_request
     from paradit.request import GenerationRequest
 
     a14b, ti2v = PRESETS["wan2.2-t2v-a14b"], PRESETS["wan2.2-ti2v-5b"]

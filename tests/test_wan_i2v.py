@@ -41,8 +41,8 @@ def write_i2v_checkpoint(folder: Path) -> None:
     """The I2V-A14B layout: two experts with 36 input channels, boundary 0.9, no CLIP image encoder."""
     from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
 
-    from paradit.families.sd3.pipeline import offline_t5_tokenizer
     from paradit.families.wan.presets import UNIPC_FLOW
+    from paradit.offline_tokenizer import offline_t5_tokenizer
 
     pipe = WanImageToVideoPipeline(
         tokenizer=offline_t5_tokenizer(), text_encoder=tiny_umt5(), vae=tiny_wan_vae("wan21"),
@@ -78,6 +78,7 @@ def test_frames_equal_diffusers(layout):
     from diffusers import WanImageToVideoPipeline
 
     from paradit.families import spec_from_folder
+    from paradit.families.wan.family import resolve_request
     from paradit.loader import load_pipeline
 
     folder = checkpoint(layout)
@@ -89,8 +90,9 @@ def test_frames_equal_diffusers(layout):
         num_inference_steps=request.steps, generator=torch.Generator().manual_seed(request.seed), output_type="np",
         max_sequence_length=512, **guidance,
     ).frames  # fmt: skip
-    pipeline = load_pipeline(spec_from_folder(folder), torch.device("cpu"), torch.float32)
-    result = pipeline.generate(request)
+    spec = spec_from_folder(folder)
+    pipeline = load_pipeline(spec, torch.device("cpu"), torch.float32)
+    (result,) = pipeline.generate([resolve_request(spec, request)])
     ours = (result.pixels.permute(0, 1, 3, 4, 2).numpy() * 255).round()
     assert ours.shape == expected.shape == (2, frames, height, width, 3)
     assert (expected < 0.99).mean() > 0.25  # most of the random VAE's output saturates; a quarter or more does not
@@ -98,7 +100,7 @@ def test_frames_equal_diffusers(layout):
     assert levels.max() <= 1, levels.max()
     # The image steers the video: without it (TI2V's text-to-video) the first frame is another picture.
     if layout == "ti2v":
-        text_only = pipeline.generate(request_for(layout, image=None)).pixels
+        text_only = pipeline.generate([resolve_request(spec, request_for(layout, image=None))])[0].pixels
         assert (text_only[:, 0] - result.pixels[:, 0]).abs().max() > 0.1
 
 
@@ -134,7 +136,7 @@ def test_parallel_plans_equal_one_process(layout, plans):
 
 def test_image_requests_are_checked(tmp_path):
     from paradit.families import PRESETS, spec_from_folder
-    from paradit.families.wan.pipeline import resolve_request
+    from paradit.families.wan.family import resolve_request
 
     i2v, t2v, ti2v = PRESETS["wan2.2-i2v-a14b"], PRESETS["wan2.2-t2v-a14b"], PRESETS["wan2.2-ti2v-5b"]
     resolved = resolve_request(i2v, GenerationRequest(prompt="x", image=first_frame().convert("RGBA")))

@@ -13,20 +13,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from paradit import Engine, GenerationRequest
+from paradit.checkpoint import INDEX_FILE, SINGLE_FILE, resolve_checkpoint, safetensors_files
 from paradit.errors import CheckpointError
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.flux2.presets import FLUX2_TINY_TRANSFORMER
-from paradit.weights import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    CheckpointTensors,
-    ModelNames,
-    init_dummy_weights,
-    load_module_weights,
-    materialize,
-    resolve_checkpoint,
-    safetensors_files,
-)
+from paradit.weights import CheckpointTensors, ModelNames, init_dummy_weights, load_module_weights, materialize
 
 CPU = torch.device("cpu")
 

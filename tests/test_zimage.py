@@ -9,11 +9,12 @@ import torch
 from diffusers import ZImagePipeline, ZImageTransformer2DModel
 
 from paradit import Engine, GenerationRequest, InvalidRequest
+from paradit.checkpoint import safetensors_files
 from paradit.families import PRESETS
+from paradit.families.zimage.family import resolve_request
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer, unpatchify
-from paradit.families.zimage.pipeline import resolve_request
 from paradit.parallel import ParallelConfig
-from paradit.weights import load_module_weights, safetensors_files
+from paradit.weights import load_module_weights
 from tests.checkpoint_cache import cached
 from tests.checkpoints import relative_l2
 from tests.zimage_checkpoints import build_zimage_checkpoint

@@ -1,66 +1,46 @@
 """The registry of model families: the only place outside the family folders that names them.
 
-A family is one folder: ``model.py`` (plain single-device math), ``pipeline.py`` (a ``DiffusionPipeline``),
-``presets.py`` (published and tiny models, as data) and ``runtime.py`` (its tensor plan and the layers FP8 keeps in
-high precision). Adding a family is one folder and one line in each table below. A checkpoint folder finds its family
-by the pipeline class its ``model_index.json`` names; a preset by its ``family`` field.
+A family is one folder: ``model.py`` (plain single-device math), ``pipeline.py`` (a ``DiffusionPipeline``: prompt
+encoding, latents, the model call, the guidance formula, decoding), ``presets.py`` (published and tiny models, as
+data: ``PRESETS``) and ``family.py`` (its one ``Family`` record: ``FAMILY``). Adding a family is one folder and one
+line below. A checkpoint folder finds its family by the pipeline class its ``model_index.json`` names; a preset by its
+``family`` field.
 
-The presets are light (no torch); the pipelines and runtime facts are imported on first use of ``FAMILIES``, so that
-listing models and refusing bad flags answer at once.
+The presets are light (no torch); the family records are imported on first use of ``FAMILIES``, so that listing
+models and refusing bad flags answer at once.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from paradit.checkpoint import check_components, component_dir, read_json
 from paradit.errors import CheckpointError
-from paradit.families.flux2.presets import FLUX2_PRESETS
-from paradit.families.qwen_image.presets import QWEN_IMAGE_PRESETS
-from paradit.families.sd3.presets import SD3_PRESETS
-from paradit.families.wan.presets import WAN_PRESETS
-from paradit.families.zimage.presets import ZIMAGE_PRESETS
-from paradit.spec import ModelSpec
+from paradit.spec import CheckpointFolder, ModelSpec
 
 if TYPE_CHECKING:
-    from paradit.parallel.tensor import TensorPlan
-    from paradit.pipelines.base import DiffusionPipeline
+    from paradit.family import Family
 
-# family -> (its folder's module path, its pipeline class)
-PIPELINES = {
-    "flux2": ("paradit.families.flux2", "Flux2Pipeline"),
-    "qwen_image": ("paradit.families.qwen_image", "QwenImagePipeline"),
-    "sd3": ("paradit.families.sd3", "SD3Pipeline"),
-    "wan": ("paradit.families.wan", "WanPipeline"),
-    "zimage": ("paradit.families.zimage", "ZImagePipeline"),
-}
+PACKAGES = (
+    "paradit.families.flux2",
+    "paradit.families.qwen_image",
+    "paradit.families.sd3",
+    "paradit.families.wan",
+    "paradit.families.zimage",
+)
 PRESETS: dict[str, ModelSpec] = {
-    spec.name: spec for spec in [*FLUX2_PRESETS, *QWEN_IMAGE_PRESETS, *SD3_PRESETS, *WAN_PRESETS, *ZIMAGE_PRESETS]
+    spec.name: spec for package in PACKAGES for spec in import_module(f"{package}.presets").PRESETS
 }
 DEFAULT_MODEL = "flux2-tiny"  # the demo's: a tiny random model that runs anywhere
 
 
-@dataclass(frozen=True)
-class Family:
-    """A family's pipeline class (its hooks, ``spec_from_folder`` and the diffusers pipelines it serves) and its
-    runtime facts."""
-
-    pipeline: type[DiffusionPipeline]
-    tensor_plan: TensorPlan | None
-    keep_high_precision: tuple[str, ...]  # name fragments of the linears FP8 leaves in the model dtype
-
-
 @functools.cache
 def _registry() -> dict[str, Family]:
-    families = {}
-    for name, (package, pipeline_class) in PIPELINES.items():
-        runtime = import_module(f"{package}.runtime")
-        pipeline = getattr(import_module(f"{package}.pipeline"), pipeline_class)
-        families[name] = Family(pipeline, runtime.TENSOR_PLAN, runtime.KEEP_HIGH_PRECISION)
-    return families
+    records = [import_module(f"{package}.family").FAMILY for package in PACKAGES]
+    return {family.name: family for family in records}
 
 
 def __getattr__(name: str):
@@ -72,13 +52,27 @@ def __getattr__(name: str):
 def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
     """The ModelSpec of a diffusers checkpoint folder, by the pipeline class its ``model_index.json`` names, once
     every component it lists is there (and, unless ``allow_pickle``, in safetensors)."""
-    from paradit.weights import check_components, read_json
-
     index = read_json(folder / "model_index.json")
     check_components(folder, index, allow_pickle)
     pipeline_class = index.get("_class_name")
     for family in _registry().values():
-        if pipeline_class in family.pipeline.DIFFUSERS_PIPELINES:
-            return family.pipeline.spec_from_folder(folder, index)
-    served = ", ".join(name for family in _registry().values() for name in family.pipeline.DIFFUSERS_PIPELINES)
+        if pipeline_class in family.diffusers_pipelines:
+            return family.read_checkpoint(folder, index)
+    served = ", ".join(name for family in _registry().values() for name in family.diffusers_pipelines)
     raise CheckpointError(f"{folder} holds a {pipeline_class}; paradit serves {served}")
+
+
+def component_config(folder: Path, component: str) -> dict:
+    """The config a diffusers component folder holds (``scheduler_config.json`` for the scheduler)."""
+    name = "scheduler_config.json" if component == "scheduler" else "config.json"
+    return read_json(component_dir(folder, component) / name)
+
+
+def checkpoint_spec(folder: Path, index: dict, family: str, detail: str | None = None, **fields) -> ModelSpec:
+    """A checkpoint folder's ModelSpec: ``fields`` as the family reads them, the transformer, VAE and scheduler
+    configs as the folder holds them where ``fields`` give none, described by its pipeline class and ``detail``."""
+    for component in ("transformer", "vae", "scheduler"):
+        if component not in fields:
+            fields[component] = component_config(folder, component)
+    description = f"{index['_class_name']} checkpoint" + (f" ({detail})" if detail else "")
+    return ModelSpec(str(folder), family, description, weights=CheckpointFolder(folder), **fields)

@@ -10,20 +10,20 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from paradit.layers.rotary import rotate_qk
 
 
 class AttentionFn(Protocol):
     def __call__(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> torch.Tensor: ...
-
-
-def _sdpa_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if key_mask is None else key_mask[:, None, None, :]
 
 
 def sdpa_attention(
@@ -35,10 +35,19 @@ def sdpa_attention(
     the only kind of mask the entry point takes: it is what text padding needs, and unlike a full (q, k) mask it
     can be split and gathered along with the keys by the sequence-parallel runtime.
     """
-    out = F.scaled_dot_product_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=_sdpa_mask(key_mask)
-    )
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask)
     return out.transpose(1, 2)
+
+
+def joint_key_mask(txt_mask: torch.Tensor | None, img: torch.Tensor, text_first: bool) -> torch.Tensor | None:
+    """The key mask of a joint sequence of text and image tokens ``img`` (all of them real), from the text's
+    (batch, text) mask; None for None. Models build it once per forward: the parallel runtime gathers it once per
+    tensor it sees."""
+    if txt_mask is None:
+        return None
+    image_keys = txt_mask.new_ones(img.shape[:2])
+    return torch.cat([txt_mask, image_keys] if text_first else [image_keys, txt_mask], dim=1)
 
 
 class AttentionDispatch(torch.nn.Module):
@@ -76,14 +85,16 @@ def attention_with_lse(
     output 0 and log-sum-exp -inf, so it adds nothing when merged.
     """
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    half = q.dtype in (torch.float16, torch.bfloat16)
+    cuda, half = q.device.type == "cuda", q.dtype in (torch.float16, torch.bfloat16)
+    # cuDNN's attention is the fastest on recent NVIDIA GPUs and SDPA picks it there; ROCm builds have none.
+    cudnn = cuda and half and torch.version.hip is None and torch.backends.cudnn.is_available()
     if key_mask is not None:
         out, lse = _masked_attention_with_lse(q, k, v, key_mask)
-    elif q.device.type == "cuda" and half and _cudnn_attention_usable():
+    elif cudnn and torch.cuda.get_device_capability() >= (9, 0):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
-    elif q.device.type == "cuda" and half:
+    elif cuda and half:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
-    elif q.device.type == "cuda":
+    elif cuda:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[:2]
     elif q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]
@@ -114,27 +125,95 @@ def _masked_attention_with_lse(
     return out.masked_fill(empty[..., None], 0.0), lse
 
 
-def _cudnn_attention_usable() -> bool:
-    """cuDNN's attention is the fastest on recent NVIDIA GPUs and SDPA picks it there; ROCm builds have none."""
-    return (
-        torch.version.hip is None
-        and torch.backends.cudnn.is_available()
-        and torch.cuda.get_device_capability() >= (9, 0)
-    )
+class QKVAttention(AttentionDispatch):
+    """Attention through ``to_q``/``to_k``/``to_v`` (width ``dim`` in and out, split into heads of ``head_dim``) and
+    back through ``to_out.0``, with ``norm_q``/``norm_k`` (``qk_norm(width)``; ``nn.Identity`` for none) on Q and K.
+    The norms take one head at a time, or with ``across_heads`` (Wan) all heads at once, before the split. Called,
+    it is self-attention, with rotary positions where ``rope`` (cos, sin) is given."""
+
+    def __init__(
+        self,
+        dim: int,
+        head_dim: int,
+        qk_norm: Callable[[int], nn.Module],
+        bias: bool = True,
+        across_heads: bool = False,
+        sequence_streams: tuple[str, ...] | None = None,
+    ) -> None:
+        super().__init__(sequence_streams)
+        self.head_dim, self.across_heads = head_dim, across_heads
+        self.to_q = nn.Linear(dim, dim, bias=bias)
+        self.to_k = nn.Linear(dim, dim, bias=bias)
+        self.to_v = nn.Linear(dim, dim, bias=bias)
+        self.norm_q = qk_norm(dim if across_heads else head_dim)
+        self.norm_k = qk_norm(dim if across_heads else head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=bias)])
+
+    def project(self, x: torch.Tensor, linear: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:
+        """``linear(x)`` as (batch, seq, heads, head_dim), normed by ``norm`` where given. Heads are counted from the
+        width, so a tensor-parallel shard that holds some of them needs no change here."""
+        if norm is not None and self.across_heads:
+            return norm(linear(x)).unflatten(-1, (-1, self.head_dim))
+        x = linear(x).unflatten(-1, (-1, self.head_dim))
+        return x if norm is None else norm(x)
+
+    def qkv(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Q from ``x``; K and V from ``context``, ``x`` itself when None."""
+        context = x if context is None else context
+        q = self.project(x, self.to_q, self.norm_q)
+        return q, self.project(context, self.to_k, self.norm_k), self.project(context, self.to_v)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(x)
+        if rope is not None:
+            q, k = rotate_qk(q, k, rope)
+        return self.to_out[0](self.attend(q, k, v).flatten(2).to(q.dtype))
 
 
-def joint_qkv(
-    module: torch.nn.Module, img: torch.Tensor, txt: torch.Tensor, text_first: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q, K, V (batch, text + image, heads, head_dim) of the MMDiT layout FLUX.2, Qwen-Image and SD3 share: each
-    stream projected by its own weights (``to_q``/``add_q_proj``, ...), Q and K normalised per head by its own norms
-    (``norm_q``/``norm_added_q``, ...), then the two streams concatenated, text first or image first."""
-    heads = (-1, module.head_dim)
-    q_img = module.norm_q(module.to_q(img).unflatten(-1, heads))
-    k_img = module.norm_k(module.to_k(img).unflatten(-1, heads))
-    v_img = module.to_v(img).unflatten(-1, heads)
-    q_txt = module.norm_added_q(module.add_q_proj(txt).unflatten(-1, heads))
-    k_txt = module.norm_added_k(module.add_k_proj(txt).unflatten(-1, heads))
-    v_txt = module.add_v_proj(txt).unflatten(-1, heads)
-    pairs = ((q_txt, q_img), (k_txt, k_img), (v_txt, v_img))
-    return tuple(torch.cat(pair if text_first else pair[::-1], dim=1) for pair in pairs)
+class JointAttention(QKVAttention):
+    """Attention over text and image tokens together, the MMDiT layout FLUX.2, Qwen-Image and SD3 share: the image
+    stream goes through ``to_q``/..., the text stream through its own ``add_q_proj``/... and ``norm_added_q``/...,
+    and the two are concatenated, text first or image first. ``context_pre_only`` (SD3's last block) leaves the
+    text output unprojected (no ``to_add_out``): nothing reads it."""
+
+    def __init__(
+        self,
+        dim: int,
+        head_dim: int,
+        qk_norm: Callable[[int], nn.Module],
+        bias: bool = True,
+        text_first: bool = True,
+        context_pre_only: bool = False,
+    ) -> None:
+        streams = ("txt", "img") if text_first else ("img", "txt")
+        super().__init__(dim, head_dim, qk_norm, bias, sequence_streams=streams)
+        # The tensor plans of FLUX.2 and Qwen-Image divide ``heads`` by the degree (their local_attributes).
+        self.heads, self.text_first = dim // head_dim, text_first
+        self.add_q_proj = nn.Linear(dim, dim, bias=bias)
+        self.add_k_proj = nn.Linear(dim, dim, bias=bias)
+        self.add_v_proj = nn.Linear(dim, dim, bias=bias)
+        self.norm_added_q = qk_norm(head_dim)
+        self.norm_added_k = qk_norm(head_dim)
+        self.to_add_out = None if context_pre_only else nn.Linear(dim, dim, bias=bias)
+
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(image output, text output or None). ``rope`` (cos, sin) and ``key_mask`` (batch, keys) cover the joint
+        sequence in its order."""
+        q_img, k_img, v_img = self.qkv(img)
+        q_txt = self.project(txt, self.add_q_proj, self.norm_added_q)
+        k_txt = self.project(txt, self.add_k_proj, self.norm_added_k)
+        v_txt = self.project(txt, self.add_v_proj)
+        pairs = ((q_txt, q_img), (k_txt, k_img), (v_txt, v_img))
+        q, k, v = (torch.cat(pair if self.text_first else pair[::-1], dim=1) for pair in pairs)
+        if rope is not None:
+            q, k = rotate_qk(q, k, rope)
+        out = self.attend(q, k, v, key_mask).flatten(2).to(q.dtype)
+        sizes = [txt.shape[1], img.shape[1]]
+        txt_out, img_out = out.split(sizes, dim=1) if self.text_first else out.split(sizes[::-1], dim=1)[::-1]
+        return self.to_out[0](img_out), None if self.to_add_out is None else self.to_add_out(txt_out)

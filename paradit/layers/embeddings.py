@@ -1,4 +1,5 @@
-"""Timestep embeddings: the sinusoidal projection and the two-layer MLP that lifts it to the model width.
+"""Timestep and condition embeddings: the sinusoidal projection, the two-layer MLPs that lift features to the model
+width, and the conditioning vector the joint text-image models build from them.
 
 Must not import torch.distributed.
 """
@@ -6,6 +7,7 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -17,12 +19,16 @@ def sinusoidal_embedding(
     flip_sin_to_cos: bool = True,
     downscale_freq_shift: float = 0.0,
     max_period: float = 10000.0,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """(N,) timesteps -> (N, dim) sin/cos features, in float32 (the layout diffusers' checkpoints were trained with)."""
+    """(N,) timesteps -> (N, dim) sin/cos features, in float32 (the layout diffusers' checkpoints were trained with).
+
+    ``scale`` multiplies the angles after the frequency product, where Qwen-Image's reference applies its factor 1000
+    (scaling the timesteps first rounds the fastest angles differently, by up to 6e-5 rad)."""
     half = dim // 2
     exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timesteps.device)
     freqs = torch.exp(exponent / (half - downscale_freq_shift))
-    angles = timesteps[:, None].float() * freqs[None, :]
+    angles = scale * (timesteps[:, None].float() * freqs[None, :])
     emb = torch.cat(
         [torch.cos(angles), torch.sin(angles)] if flip_sin_to_cos else [torch.sin(angles), torch.cos(angles)], dim=-1
     )
@@ -31,13 +37,51 @@ def sinusoidal_embedding(
     return emb
 
 
-class TimestepMLP(nn.Module):
-    """linear_1 -> SiLU -> linear_2, named as diffusers' ``TimestepEmbedding`` so checkpoints load as they are."""
+class EmbeddingMLP(nn.Module):
+    """linear_1 -> activation (SiLU by default) -> linear_2, named as diffusers' ``TimestepEmbedding`` and its text
+    projections so checkpoints load as they are."""
 
-    def __init__(self, in_channels: int, dim: int, bias: bool = True) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        dim: int,
+        bias: bool = True,
+        activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.silu,
+    ) -> None:
         super().__init__()
         self.linear_1 = nn.Linear(in_channels, dim, bias=bias)
         self.linear_2 = nn.Linear(dim, dim, bias=bias)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(nn.functional.silu(self.linear_1(x)))
+        return self.linear_2(self.activation(self.linear_1(x)))
+
+
+class TimestepEmbed(nn.Module):
+    """The conditioning vector of the joint text-image models: ``timestep_embedder`` of the timestep's sinusoidal
+    features (angles times ``scale``), plus ``guidance_embedder`` of the guidance's (where ``guidance``) or
+    ``text_embedder`` of the pooled text embedding (where ``pooled_dim``). Features go in at ``dtype``."""
+
+    def __init__(
+        self, dim: int, channels: int = 256, bias: bool = True, guidance: bool = False, pooled_dim: int | None = None
+    ) -> None:
+        super().__init__()
+        self.channels = channels
+        self.timestep_embedder = EmbeddingMLP(channels, dim, bias=bias)
+        self.guidance_embedder = EmbeddingMLP(channels, dim, bias=bias) if guidance else None
+        self.text_embedder = None if pooled_dim is None else EmbeddingMLP(pooled_dim, dim, bias=bias)
+
+    def forward(
+        self,
+        timestep: torch.Tensor,
+        dtype: torch.dtype,
+        guidance: torch.Tensor | None = None,
+        pooled: torch.Tensor | None = None,
+        scale: float = 1.0,
+    ) -> torch.Tensor:
+        emb = self.timestep_embedder(sinusoidal_embedding(timestep, self.channels, scale=scale).to(dtype))
+        if guidance is not None and self.guidance_embedder is not None:
+            emb = emb + self.guidance_embedder(sinusoidal_embedding(guidance, self.channels).to(dtype))
+        if self.text_embedder is not None:
+            emb = emb + self.text_embedder(pooled)
+        return emb

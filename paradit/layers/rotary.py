@@ -8,21 +8,17 @@ from __future__ import annotations
 import torch
 
 
-def _freqs_dtype(device: torch.device) -> torch.dtype:
-    # float64 angles keep large positions exact; MPS has no float64.
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
 def multi_axis_rope(
-    ids: torch.Tensor, axes_dim: list[int] | tuple[int, ...], theta: float
+    ids: torch.Tensor, axes_dim: list[int] | tuple[int, ...], theta: float, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (seq, sum(axes_dim)) for integer positions ``ids`` of shape (seq, n_axes).
 
     Each axis contributes ``axes_dim[i]`` channels; within an axis every frequency is repeated for the
-    (real, imaginary) pair it rotates.
+    (real, imaginary) pair it rotates. Angles are formed in ``dtype``, by default float64 (which keeps large
+    positions exact) where the device has it: MPS has not.
     """
     pos = ids.float()
-    dtype = _freqs_dtype(ids.device)
+    dtype = dtype or (torch.float32 if ids.device.type == "mps" else torch.float64)
     cos_parts, sin_parts = [], []
     for axis, dim in enumerate(axes_dim):
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype, device=ids.device) / dim))
@@ -39,3 +35,10 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope_interleaved`` of queries and keys by the same (cos, sin) tables."""
+    return apply_rope_interleaved(q, *rope), apply_rope_interleaved(k, *rope)

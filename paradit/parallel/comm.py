@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 @dataclass
 class CommStats:
-    """Bytes this process sent, by phase ("denoise", "setup", ...), and the denoise steps they cover."""
+    """Bytes this process sent, by phase ("denoise", "setup", ...)."""
 
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     phase: str = "setup"
@@ -53,17 +53,20 @@ def start_all_to_all_uneven(
 
 
 def all_gather_uneven(
-    x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup, stats: CommStats
+    x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup | None, stats: CommStats | None = None
 ) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, where rank j holds ``sizes[j]`` rows (padded in transit)."""
+    """Concatenate every rank's ``x`` along ``dim``, where rank j holds ``sizes[j]`` rows (padded in transit, since
+    all_gather wants equal shapes). Without ``stats`` the bytes are not counted."""
     longest = max(sizes)
     if x.shape[dim] < longest:
         pad_shape = list(x.shape)
         pad_shape[dim] = longest - x.shape[dim]
         x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    x = x.contiguous()  # collectives want dense tensors; empty_like would copy a channels-last layout
     parts = [torch.empty_like(x) for _ in sizes]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    stats.add(_nbytes(x) * (len(sizes) - 1))
+    dist.all_gather(parts, x, group=group)
+    if stats is not None:
+        stats.add(_nbytes(x) * (len(sizes) - 1))
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim)
 
 
@@ -97,9 +100,8 @@ class RingExchange:
         self.prev_rank = ranks[(me - 1) % len(ranks)]
 
     def start(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], list]:
-        """Post the transfers of ``send`` (to the next rank) and of tensors shaped ``recv_shapes`` (from the previous
-        one, each of its ``send`` counterpart's dtype); returns the receive buffers and the work handles to wait on
-        before reading them."""
+        """Post ``send`` to the next rank and receives shaped ``recv_shapes`` (in their ``send`` counterparts' dtypes)
+        from the previous; returns the receive buffers and the work to wait on before reading them."""
         recv = [tensor.new_empty(shape) for tensor, shape in zip(send, recv_shapes)]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next_rank, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group) for t in recv]

@@ -8,30 +8,37 @@ per step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from paradit.parallel.comm import CommStats, broadcast
+from paradit.parallel.comm import CommStats, all_gather_uneven, broadcast
 from paradit.parallel.config import ParallelConfig
 
 MESH_DIMS = ("cfg", "pipefusion", "ring", "ulysses", "tensor")
 
 
-def backend_for(device: torch.device) -> str:
-    # NCCL names RCCL too on ROCm builds; gloo carries CPU tensors.
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def init_process_group(device: torch.device, rank: int, world_size: int, init_method: str) -> None:
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"  # "nccl" names RCCL too on ROCm builds; gloo carries CPU tensors
     dist.init_process_group(
-        backend_for(device), rank=rank, world_size=world_size, init_method=init_method,
-        device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
+        backend, rank=rank, world_size=world_size, init_method=init_method, device_id=device if cuda else None
+    )
+
+
+def _new_subgroup(config: ParallelConfig, dims: tuple[str, ...]) -> dist.ProcessGroup:
+    """This rank's group of the ranks that share every mesh coordinate but ``dims``, ranked with the last of
+    ``dims`` fastest. A collective: every rank creates every such group."""
+    shape = tuple(degree for _, degree in config.degrees())
+    axes = [MESH_DIMS.index(dim) for dim in dims]
+    ranks = torch.arange(config.world_size).reshape(shape).movedim(axes, list(range(-len(axes), 0)))
+    group, _ = dist.new_subgroups_by_enumeration(ranks.reshape(-1, math.prod(shape[a] for a in axes)).tolist())
+    return group
 
 
 @dataclass
@@ -49,18 +56,11 @@ class ParallelContext:
         shape = tuple(degree for _, degree in config.degrees())
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         # A sequence group is the ring x ulysses ranks sharing every other coordinate, in chunk order (ring-major).
-        ranks = torch.arange(config.world_size).reshape(shape)
-        groups = ranks.permute(0, 1, 4, 2, 3).reshape(-1, config.sequence_degree).tolist()
-        sequence_group, _ = dist.new_subgroups_by_enumeration(groups)
-        return cls(config, device, mesh, sequence_group)
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank()
+        return cls(config, device, mesh, _new_subgroup(config, ("ring", "ulysses")))
 
     @property
     def is_leader(self) -> bool:
-        return self.rank == 0
+        return dist.get_rank() == 0
 
     def local_rank(self, dim: str) -> int:
         return self.mesh.get_local_rank(dim)
@@ -72,11 +72,7 @@ class ParallelContext:
         """A second communicator over the ranks of this rank's ``dim`` group. Its operations queue apart from the
         first one's (their own NCCL stream), so traffic flowing the other way need not wait in line behind it.
         Every rank must call this, in the same order."""
-        shape = tuple(degree for _, degree in self.config.degrees())
-        axis = MESH_DIMS.index(dim)
-        ranks = torch.arange(self.config.world_size).reshape(shape).movedim(axis, -1).reshape(-1, shape[axis])
-        group, _ = dist.new_subgroups_by_enumeration(ranks.tolist())
-        return group
+        return _new_subgroup(self.config, (dim,))
 
     @property
     def sequence_rank(self) -> int:
@@ -85,9 +81,7 @@ class ParallelContext:
     def gather_int(self, value: int) -> list[int]:
         """Every rank's ``value``, in rank order, on every rank (one tiny all-gather)."""
         mine = torch.tensor([value], dtype=torch.int64, device=self.device)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
-        return [int(v.item()) for v in everyone]
+        return all_gather_uneven(mine, 0, [1] * dist.get_world_size(), None).tolist()
 
     def share_from_leader(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's ``tensor`` on every rank (the others pass None). Shape and dtype travel first, so prompt

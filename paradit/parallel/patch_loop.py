@@ -51,12 +51,12 @@ def denoise_by_patches(
     landed = [0] * steps
     bar = tqdm(total=steps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False)
 
-    def call(submit: PatchItem | None, collect: int, t: torch.Tensor) -> None:
+    def call(submits: list[PatchItem], collect: int, t: torch.Tensor) -> None:
         nonlocal latents
         collected = []
 
         def transformer(*args, **kwargs) -> torch.Tensor:
-            out, items = pipefusion.run(submit, collect, *args, **kwargs)
+            out, items = pipefusion.run(submits, collect, *args, **kwargs)
             collected.extend(items)
             return out
 
@@ -86,10 +86,10 @@ def denoise_by_patches(
                     break
                 waiting += 1
             if waiting:
-                call(None, waiting, t)
+                call([], waiting, t)
             # Keep patches - 1 in flight: the last stage's work on them overlaps the first stage's next patches.
-            call(PatchItem(step, patch, patches), max(0, len(pipefusion.in_flight) + 1 - (patches - 1)), t)
+            call([PatchItem(step, patch, patches)], max(0, len(pipefusion.in_flight) + 1 - (patches - 1)), t)
     if pipefusion.in_flight:
-        call(None, len(pipefusion.in_flight), timesteps[-1])
+        call([], len(pipefusion.in_flight), timesteps[-1])
     bar.close()
     return latents

@@ -40,17 +40,12 @@ each piece lands on its own rows of the buffer whatever the patching. **Ring** i
 the buffer needs every key at once, so instead of passing K/V blocks round, the ring members all-gather the patch's
 K/V (the same bytes, in sequence-rank order), and each rank buffers the whole sequence for its heads. **Tensor
 parallelism inside a stage** shards the stage's blocks as anywhere else; each K/V buffer then holds the rank's heads.
-
-Called as a plain model, one forward is one step: the step index comes from ``begin_request()``, which the denoise
-loop calls first, and one count per forward. With patches the loop drives it patch by patch instead (``run``, and
-``paradit.parallel.patch_loop``), so that the stages never wait for one another between steps.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 from collections import deque
-from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -62,64 +57,49 @@ from paradit.errors import InvalidRequest
 from paradit.layers.attention import AttentionDispatch, sdpa_attention
 from paradit.parallel.comm import broadcast, split_sizes
 from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.sequence import SequenceParallel, narrow_streams, sequence_layout, token_streams
+from paradit.parallel.sequence import SequenceParallel, narrow_streams, scoped, sequence_layout, stream_lengths
 
 
 @dataclass
 class Window:
-    """The tokens in flight: for each stream, the (start, stop) rows each sequence rank holds (one entry without
-    sequence parallelism), and the stream's whole length; ``whole`` when they cover every row."""
+    """The tokens in flight: per stream, its first row in flight, the rows each sequence rank holds from there in rank
+    order (one entry without sequence parallelism), and its whole length; ``whole``: they cover every row."""
 
-    pieces: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    lengths: dict[str, int] = field(default_factory=dict)
-    whole: bool = True
+    starts: dict[str, int]
+    sizes: dict[str, list[int]]
+    lengths: dict[str, int]
     _copies: dict[tuple[str, ...], list[tuple[int, int, int]]] = field(default_factory=dict)
 
-    def set(self, pieces: dict[str, list[tuple[int, int]]], lengths: dict[str, int]) -> None:
-        self.pieces, self.lengths, self._copies = pieces, lengths, {}
-        self.whole = all(sum(b - a for a, b in pieces[s]) == lengths[s] for s in lengths)
+    def __post_init__(self) -> None:
+        self.whole = all(sum(self.sizes[s]) == self.lengths[s] for s in self.lengths)
 
     def copies(self, streams: tuple[str, ...]) -> list[tuple[int, int, int]]:
         """(row in the call, row in the buffer, count) runs for a module concatenating ``streams`` in that order;
         the buffer lays the streams out in the same order, each whole."""
         if streams not in self._copies:
-            offsets, total = {}, 0
-            for stream in streams:
-                offsets[stream], total = total, total + self.lengths[stream]
+            offsets = dict(zip(streams, itertools.accumulate((self.lengths[s] for s in streams), initial=0)))
             runs, source = [], 0
-            for rank in range(len(self.pieces[streams[0]])):
+            for rank in range(len(self.sizes[streams[0]])):
                 for stream in streams:
-                    start, stop = self.pieces[stream][rank]
-                    target = offsets[stream] + start
+                    count = self.sizes[stream][rank]
+                    target = offsets[stream] + self.starts[stream] + sum(self.sizes[stream][:rank])
                     if runs and runs[-1][0] + runs[-1][2] == source and runs[-1][1] + runs[-1][2] == target:
-                        runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + stop - start)  # contiguous: one copy
-                    elif stop > start:
-                        runs.append((source, target, stop - start))
-                    source += stop - start
+                        runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + count)  # contiguous: one copy
+                    elif count:
+                        runs.append((source, target, count))
+                    source += count
             self._copies[streams] = runs
         return self._copies[streams]
 
-    def total(self, streams: tuple[str, ...]) -> int:
-        return sum(self.lengths[s] for s in streams)
 
-
-# The window of the patch in flight, set around its blocks (``patch_window``) and read by every StaleKVAttention in
-# them: like the sequence layout, it travels with the tokens instead of living on the modules.
+# The window of the patch in flight, set around its blocks and read by every StaleKVAttention in them: like the
+# sequence layout, it travels with the tokens instead of living on the modules.
 _WINDOW: ContextVar[Window] = ContextVar("paradit_pipefusion_window")
-
-
-@contextlib.contextmanager
-def patch_window(window: Window) -> Iterator[None]:
-    token = _WINDOW.set(window)
-    try:
-        yield
-    finally:
-        _WINDOW.reset(token)
 
 
 class StaleKVAttention:
     """One attention layer's K/V buffer over the whole sequence of its streams: the tokens in flight (their
-    ``patch_window``) write their rows (and their key mask's), then attend to every row (fresh for this step where
+    ``Window``) write their rows (and their key mask's), then attend to every row (fresh for this step where
     already written, stale from the previous step elsewhere)."""
 
     def __init__(self, streams: tuple[str, ...]) -> None:
@@ -137,7 +117,7 @@ class StaleKVAttention:
         if key.shape[1] == 0:  # a patch without tokens of these streams: nothing to write or attend
             return query
         window = _WINDOW.get()
-        shape = (key.shape[0], window.total(self.streams), *key.shape[2:])
+        shape = (key.shape[0], sum(window.lengths[s] for s in self.streams), *key.shape[2:])
         if window.whole:
             if self.key is None or self.key.shape != shape:
                 self.key, self.value = key.new_empty(shape), value.new_empty(shape)
@@ -179,8 +159,7 @@ def stage_range(blocks: int, stages: int, stage: int) -> range:
 
 @dataclass(frozen=True)
 class PatchItem:
-    """Patch ``patch`` of the ``patches`` bands of the output stream at denoise step ``step`` (one band: the whole
-    step)."""
+    """Patch ``patch`` of the ``patches`` bands of the output stream at denoise step ``step`` (one: the whole step)."""
 
     step: int
     patch: int
@@ -200,15 +179,14 @@ class InFlight:
 
 
 class PipeFusion(nn.Module):
-    """Runs a plain model as this rank's pipeline stage: only its stage's blocks are kept, and the last stage's
-    predictions reach every rank of the pipefusion group. ``sequence``: the stage's sequence split (Ulysses or Ring
+    """Runs a plain model as this rank's pipeline stage. ``sequence``: the stage's sequence split (Ulysses or Ring
     inside each stage), whose ``split`` and ``gather`` carry each patch across the stage's ranks.
 
     Called like the model, one call is one whole step (its patches submitted, then all their predictions
-    collected). A denoise loop that updates the latents patch by patch instead calls ``run``: each call then
-    submits at most one patch and returns the predictions of the oldest patches in flight, so that the first stage
-    starts step k + 1's first patch while the last stage still works on step k's last (no pipeline drain per step;
-    see ``paradit.parallel.patch_loop``)."""
+    collected; ``begin_request`` makes the next call step 0). A denoise loop that updates the latents patch by patch
+    instead calls ``run``: each call then submits at most one patch and returns the predictions of the oldest
+    patches in flight, so that the first stage starts step k + 1's first patch while the last stage still works on
+    step k's last (no pipeline drain per step; see ``paradit.parallel.patch_loop``)."""
 
     def __init__(self, model: nn.Module, context: ParallelContext, sequence: SequenceParallel | None = None) -> None:
         super().__init__()
@@ -241,12 +219,10 @@ class PipeFusion(nn.Module):
         if self.stages > total:
             raise InvalidRequest(f"pipefusion {self.stages} exceeds the model's {total} blocks")
         mine = stage_range(total, self.stages, self.stage)
-        start = 0
+        position = itertools.count()  # of each block in the run order
         for name, blocks in stacks:
             # The other stages' blocks are dropped, so their weights are freed.
-            kept = [block for i, block in enumerate(blocks, start) if i in mine]
-            setattr(self.model, name, nn.ModuleList(kept))
-            start += len(blocks)
+            setattr(self.model, name, nn.ModuleList([block for block in blocks if next(position) in mine]))
 
         for module in self.model.modules():
             # Keys from no split stream (Wan's text): whole on every stage and fresh every step, so there is no stale
@@ -283,18 +259,14 @@ class PipeFusion(nn.Module):
         return band_rows(self.output_length, band, bands, self._lead)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        """One whole step: its patches submitted, then every item in flight collected."""
         patches = self.patches_at(self.step)
         self.step += 1
         submits = [PatchItem(self.step - 1, m, patches) for m in range(patches)]
-        return self._run(submits, len(self._in_flight) + patches, args, kwargs)[0]
+        return self.run(submits, len(self._in_flight) + patches, *args, **kwargs)[0]
 
-    def run(self, submit: PatchItem | None, collect: int, *args, **kwargs) -> tuple[torch.Tensor, list[InFlight]]:
-        """Submit ``submit`` (None: nothing), then collect the ``collect`` oldest items in flight: a prediction of
-        the whole output stream whose rows are valid only where the collected items lie, and those items."""
-        return self._run([submit] if submit is not None else [], collect, args, kwargs)
-
-    def _run(self, submits: list[PatchItem], collect: int, args, kwargs) -> tuple[torch.Tensor, list[InFlight]]:
+    def run(self, submits: list[PatchItem], collect: int, *args, **kwargs) -> tuple[torch.Tensor, list[InFlight]]:
+        """Submit ``submits``, then collect the ``collect`` oldest items in flight: a prediction of the whole output
+        stream whose rows are valid only where the collected items lie, and those items."""
         if submits:
             tokens = self.model.embed(*args, **kwargs)
             for item in submits:
@@ -304,10 +276,9 @@ class PipeFusion(nn.Module):
     def _submit(self, tokens, item: PatchItem) -> None:
         """Runs this stage's blocks on the item's patch and passes it on; the last stage runs the head and posts the
         prediction to the group at once, the others post their receive for it."""
-        fields = type(tokens).SEQUENCE_FIELDS
         output = type(tokens).OUTPUT_STREAM
-        streams = token_streams(tokens)
-        lengths = {s: getattr(tokens, s).shape[fields[s][1]] for s in streams}
+        lengths = stream_lengths(tokens)
+        streams = list(lengths)
         self.output_length = lengths[output]
         self._lead = sum(length for s, length in lengths.items() if s != output)  # rides with patch 0
         start, stop = self.band(item.patch, item.patches)
@@ -318,12 +289,14 @@ class PipeFusion(nn.Module):
             patch, sizes = self.sequence.split(patch)
         else:
             sizes = {s: [stop - begin] for s, (begin, stop) in ranges.items()}
-        window = Window()
-        window.set({s: _pieces(ranges[s][0], sizes[s]) for s in streams}, lengths)
-        if self.prev_rank is not None:
+        window = Window({s: ranges[s][0] for s in streams}, sizes, lengths)
+        if self.prev_rank is not None:  # the previous stage's activations for the rows this rank holds
             for s in streams:
-                setattr(patch, s, self._receive(getattr(patch, s)))
-        with sequence_layout(sizes), patch_window(window):
+                received = torch.empty_like(getattr(patch, s))
+                if received.numel():
+                    dist.irecv(received, self.prev_rank, group=self.group).wait()
+                setattr(patch, s, received)
+        with sequence_layout(sizes), scoped(_WINDOW, window):
             patch = self.model.run_blocks(patch)
         if self.next_rank is not None:
             self._send([getattr(patch, s) for s in streams])
@@ -346,12 +319,10 @@ class PipeFusion(nn.Module):
         else:
             prediction = prediction.contiguous()
             self.context.stats.add(prediction.numel() * prediction.element_size() * (self.stages - 1))
-        work = dist.broadcast(prediction, self.last_rank, group=self.prediction_group, async_op=True)
-        return prediction, work
+        return prediction, dist.broadcast(prediction, self.last_rank, group=self.prediction_group, async_op=True)
 
     def _collect(self, count: int) -> tuple[torch.Tensor, list[InFlight]]:
-        """The predictions of the ``count`` oldest items in flight, placed on their rows of the output stream, and
-        those items."""
+        """The ``count`` oldest items' predictions, placed on their rows of the output stream, and those items."""
         image = self._image
         out = image.new_zeros(image.shape[0], self.output_length, self._out_channels)
         collected = [self._in_flight.popleft() for _ in range(count)]
@@ -382,19 +353,3 @@ class PipeFusion(nn.Module):
         for work, _ in self._sends:
             work.wait()
         self._sends = []
-
-    def _receive(self, like: torch.Tensor) -> torch.Tensor:
-        """The previous stage's activations for the rows ``like`` (this rank's embedded tokens of the patch) holds."""
-        tensor = torch.empty_like(like)
-        if tensor.numel():
-            dist.irecv(tensor, self.prev_rank, group=self.group).wait()
-        return tensor
-
-
-def _pieces(start: int, sizes: list[int]) -> list[tuple[int, int]]:
-    """The (start, stop) rows of each rank's contiguous chunk of a range beginning at ``start``."""
-    pieces = []
-    for size in sizes:
-        pieces.append((start, start + size))
-        start += size
-    return pieces

@@ -11,9 +11,8 @@ a ``SequenceParallelAttention`` in place of local SDPA:
   partial results by log-sum-exp, with the next transfer in flight during the current block's attention.
 - **USP**: Ulysses inside groups of neighbouring ranks, Ring across the groups.
 
-Uneven splits are carried as per-rank sizes rather than padding, so no attention mask is needed and no byte is
-sent for padding. Attention is order-invariant over keys and the all-to-alls return every query to its own rank,
-so the chunk order seen inside attention does not matter.
+Uneven splits travel as per-rank sizes, not padding (``comm``). Attention is order-invariant over keys and the
+all-to-alls return every query to its own rank, so the chunk order seen inside attention does not matter.
 
 An attention module whose ``sequence_streams`` is empty takes its keys from no split stream: every rank holds them
 whole (Wan's cross-attention to the text), so each rank's query chunk attends to them with its plain local attention
@@ -54,22 +53,24 @@ _LAYOUT: ContextVar[dict[str, list[int]]] = ContextVar("paradit_sequence_layout"
 
 
 @contextlib.contextmanager
-def sequence_layout(sizes: dict[str, list[int]]) -> Iterator[None]:
-    """Attention calls inside see ``sizes`` (stream -> tokens per sequence rank) as their forward's layout."""
-    token = _LAYOUT.set(sizes)
+def scoped(var: ContextVar, value) -> Iterator[None]:
+    """``var`` holds ``value`` inside the block, and what it held before after it."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _LAYOUT.reset(token)
+        var.reset(token)
+
+
+def sequence_layout(sizes: dict[str, list[int]]) -> contextlib.AbstractContextManager[None]:
+    """Attention calls inside see ``sizes`` (stream -> tokens per sequence rank) as their forward's layout."""
+    return scoped(_LAYOUT, sizes)
 
 
 class SequenceParallelAttention:
-    """Attention over a sequence split across the group.
-
-    Each call names the streams its tokens are made of (an attention module's ``sequence_streams``; None: all of
-    them); with the forward's layout (``sequence_layout``) that gives every rank's token count for the call without
-    any communication.
-    """
+    """Attention over a sequence split across the group. Each call names the streams its tokens are made of (an
+    attention module's ``sequence_streams``; None: all of them); with the forward's layout (``sequence_layout``) that
+    gives every rank's token count for the call without any communication."""
 
     def __init__(self, context: ParallelContext) -> None:
         self.context = context
@@ -79,8 +80,7 @@ class SequenceParallelAttention:
         self.ring_exchange = RingExchange(context.group("ring"), context.stats) if self.ring > 1 else None
         self.fp8_transport = context.config.comm_dtype == "fp8"
         self.local_lengths: list[int] = []  # tokens per sequence rank in this call, in chunk order
-        self._mask_seen: torch.Tensor | None = None
-        self._mask_gathered: torch.Tensor | None = None
+        self._mask_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask passed, mask gathered)
 
     def _ulysses_lengths(self) -> list[int]:
         row = self.context.local_rank("ring") * self.ulysses
@@ -89,37 +89,12 @@ class SequenceParallelAttention:
     def _ring_lengths(self) -> list[int]:
         return [sum(self.local_lengths[r * self.ulysses : (r + 1) * self.ulysses]) for r in range(self.ring)]
 
-    def heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, L_me, H, D) -> (B, L_group, H_me, D): gather this Ulysses group's tokens, keep a share of the heads."""
-        if not self.fp8_transport:
-            return self._heads_to_sequence(x)
-        return decode_fp8_rows(self._heads_to_sequence(encode_fp8_rows(x)), x.dtype)
-
-    def sequence_to_heads(self, out: torch.Tensor, heads: int) -> torch.Tensor:
-        """(B, L_group, H_me, D) -> (B, L_me, H, D): the inverse of ``heads_to_sequence``."""
-        if not self.fp8_transport:
-            return self._sequence_to_heads(out, heads)
-        return decode_fp8_rows(self._sequence_to_heads(encode_fp8_rows(out), heads), out.dtype)
-
     def _head_ranges(self, heads: int, chunk: int = 0, chunks: int = 1) -> list[tuple[int, int]]:
         """(first head, count) that each Ulysses rank attends, in rank order: its ``tensor_split`` share of ``heads``,
         or the ``chunk``-th of ``chunks`` parts of that share."""
         owned = split_sizes(heads, self.ulysses)
-        ranges = []
-        for rank, count in enumerate(owned):
-            parts = split_sizes(count, chunks)
-            ranges.append((sum(owned[:rank]) + sum(parts[:chunk]), parts[chunk]))
-        return ranges
-
-    def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        return self._post_heads_to_sequence(x, self._head_ranges(x.shape[2]))()
-
-    def _sequence_to_heads(self, out: torch.Tensor, heads: int) -> torch.Tensor:
-        batch, _, _, dim = out.shape
-        me = self.context.local_rank("ulysses")
-        into = out.new_empty(batch, self._ulysses_lengths()[me], heads, dim)
-        self._post_sequence_to_heads(out, self._head_ranges(heads), into)()
-        return into
+        parts = [split_sizes(count, chunks) for count in owned]
+        return [(sum(owned[:rank]) + sum(share[:chunk]), share[chunk]) for rank, share in enumerate(parts)]
 
     def _post_heads_to_sequence(self, x: torch.Tensor, ranges: list[tuple[int, int]]):
         """Post the exchange that gives Ulysses rank j the heads ``ranges[j]`` of the group's tokens; returns the
@@ -167,34 +142,42 @@ class SequenceParallelAttention:
 
         return finish
 
-    def ulysses_overlapped(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None
+    def ulysses_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
     ) -> torch.Tensor:
-        """Ulysses attention (no Ring, plain SDPA) in head chunks: chunk c is attended while chunk c + 1's Q/K/V and
-        chunk c - 1's output travel. Exact: attention is independent per head. ``key_mask``: the gathered mask."""
-        heads = query.shape[2]
-        chunks = [self._head_ranges(heads, c, ULYSSES_CHUNKS) for c in range(ULYSSES_CHUNKS)]
-        chunks = [ranges for ranges in chunks if any(count for _, count in ranges)]
-        wire = [encode_fp8_rows(t) for t in (query, key, value)] if self.fp8_transport else [query, key, value]
+        """(B, L_me, H, D) -> the same: this Ulysses group's tokens for a share of the heads, attended (``_attend``),
+        then returned to the ranks they came from. Plain SDPA without Ring runs in head chunks: chunk c is attended
+        while chunk c + 1's Q/K/V and chunk c - 1's output travel. Exact: attention is independent per head."""
+        heads, dtype = q.shape[2], q.dtype
+        count = ULYSSES_CHUNKS if self.ring == 1 and local is sdpa_attention else 1
+        chunks = [self._head_ranges(heads, c, count) for c in range(count)]
+        chunks = [ranges for ranges in chunks if any(n for _, n in ranges)]
+        key_mask = None if key_mask is None else self.gather_key_mask(key_mask)
+        wire = [self._to_wire(t) for t in (q, k, v)]
         batch, length, _, width = wire[0].shape
         into = wire[0].new_empty(batch, length, heads, width)  # the output, in the wire's form
-
-        def post(ranges):
-            return [self._post_heads_to_sequence(t, ranges) for t in wire]
-
-        pending, returning = post(chunks[0]), []
+        pending, returning = [self._post_heads_to_sequence(t, chunks[0]) for t in wire], []
         for index, ranges in enumerate(chunks):
-            q, k, v = (finish() for finish in pending)
-            if self.fp8_transport:
-                q, k, v = (decode_fp8_rows(t, query.dtype) for t in (q, k, v))
+            gathered = [self._from_wire(finish(), dtype) for finish in pending]
             if index + 1 < len(chunks):
-                pending = post(chunks[index + 1])
-            out = sdpa_attention(q, k, v, key_mask)
-            out = encode_fp8_rows(out) if self.fp8_transport else out
+                pending = [self._post_heads_to_sequence(t, chunks[index + 1]) for t in wire]
+            out = self._to_wire(self._attend(*gathered, key_mask, local))
             returning.append(self._post_sequence_to_heads(out, ranges, into))
         for finish in returning:
             finish()
-        return decode_fp8_rows(into, query.dtype) if self.fp8_transport else into
+        return self._from_wire(into, dtype)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
+    ) -> torch.Tensor:
+        """``local`` on this rank's heads over the call's whole sequence: with Ring, plain SDPA runs block by block as
+        the K/V blocks travel; any other local attention (PipeFusion's K/V buffer) needs every key at once, so the
+        ring members' K/V are all-gathered for it instead (the same bytes, without the overlap)."""
+        if self.ring == 1:
+            return local(q, k, v, key_mask)
+        if local is sdpa_attention:
+            return self.ring_attention(q, k, v, key_mask)
+        return local(q, *self.ring_gather(k, v, key_mask))
 
     def ring_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
@@ -203,15 +186,12 @@ class SequenceParallelAttention:
         ring member's (Ulysses-gathered) key mask."""
         lengths = self._ring_lengths()
         me = self.context.local_rank("ring")
-        masks = None
-        if key_mask is not None:
-            ring_group = self.context.group("ring")
-            gathered = all_gather_uneven(key_mask.to(torch.uint8), 1, lengths, ring_group, self.context.stats)
-            masks = gathered.bool().split(lengths, dim=1)
+        ring_group = self.context.group("ring")
+        masks = None if key_mask is None else self._gather_mask(key_mask, lengths, ring_group).split(lengths, dim=1)
         kv = [k, v]
         # What travels: K and V themselves, or (with FP8 transport) their FP8 bytes and per-row scales. A rank's
         # own block is always used as computed; only the copies that cross the wire are quantised.
-        wire = self._to_wire(kv)
+        wire = [self._to_wire(t) for t in kv]
         out_acc = lse_acc = None
         for step in range(self.ring):
             source = (me - step) % self.ring
@@ -233,7 +213,7 @@ class SequenceParallelAttention:
                 for work in pending:
                     work.wait()
                 wire = next_wire
-                kv = self._from_wire(wire, k.dtype)
+                kv = [self._from_wire(t, k.dtype) for t in wire]
         return out_acc.to(q.dtype)
 
     def ring_gather(
@@ -241,27 +221,27 @@ class SequenceParallelAttention:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Every ring member's K/V (and key mask) in ring order: with the Ulysses gather inside each member, the
         whole call's sequence in sequence-rank order, for this rank's heads."""
-        lengths, group = self._ring_lengths(), self.context.group("ring")
-        gathered = [all_gather_uneven(t, 1, lengths, group, self.context.stats) for t in self._to_wire([k, v])]
-        k, v = self._from_wire(gathered, k.dtype)
-        if key_mask is not None:
-            key_mask = all_gather_uneven(key_mask.to(torch.uint8), 1, lengths, group, self.context.stats).bool()
-        return k, v, key_mask
+        lengths, group, dtype = self._ring_lengths(), self.context.group("ring"), k.dtype
+        gathered = [all_gather_uneven(self._to_wire(t), 1, lengths, group, self.context.stats) for t in (k, v)]
+        k, v = (self._from_wire(t, dtype) for t in gathered)
+        return k, v, None if key_mask is None else self._gather_mask(key_mask, lengths, group)
 
-    def _to_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [encode_fp8_rows(t) for t in tensors] if self.fp8_transport else tensors
+    def _to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        return encode_fp8_rows(tensor) if self.fp8_transport else tensor
 
-    def _from_wire(self, wire: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        return [decode_fp8_rows(t, dtype) for t in wire] if self.fp8_transport else wire
+    def _from_wire(self, wire: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return decode_fp8_rows(wire, dtype) if self.fp8_transport else wire
+
+    def _gather_mask(self, key_mask: torch.Tensor, lengths: list[int], group) -> torch.Tensor:
+        """The key masks of ``group`` (``lengths[r]`` keys on rank r), concatenated; as bytes: gloo carries no bool."""
+        return all_gather_uneven(key_mask.to(torch.uint8), 1, lengths, group, self.context.stats).bool()
 
     def gather_key_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
-        """This Ulysses group's key masks in the order ``heads_to_sequence`` gathers the keys. Every layer of a
-        forward passes the same mask tensor, so it is gathered once and reused."""
-        if key_mask is not self._mask_seen:
-            as_bytes = key_mask.to(torch.uint8)  # gloo carries no bool
-            gathered = all_gather_uneven(as_bytes, 1, self._ulysses_lengths(), self.ulysses_group, self.context.stats)
-            self._mask_seen, self._mask_gathered = key_mask, gathered.bool()
-        return self._mask_gathered
+        """This Ulysses group's key masks in the order its tokens are gathered. Every layer of a forward passes the
+        same mask tensor, so it is gathered once and reused."""
+        if self._mask_cache is None or self._mask_cache[0] is not key_mask:
+            self._mask_cache = key_mask, self._gather_mask(key_mask, self._ulysses_lengths(), self.ulysses_group)
+        return self._mask_cache[1]
 
     # Compiled blocks break their graph here: the collectives run eagerly between the compiled halves of a block.
     @torch.compiler.disable
@@ -274,29 +254,15 @@ class SequenceParallelAttention:
         streams: tuple[str, ...] | None = None,
         local: AttentionFn = sdpa_attention,
     ) -> torch.Tensor:
-        """``local`` attends this rank's heads over the gathered sequence. With Ring, plain SDPA runs block by block
-        as the K/V blocks travel; any other local attention (PipeFusion's K/V buffer) needs every key at once, so the
-        ring members' K/V are all-gathered for it instead (the same bytes, without the overlap)."""
+        """``local`` attends this rank's heads over the gathered sequence (see ``_attend``)."""
         layout = _LAYOUT.get()
         sizes = [layout[name] for name in (streams or layout)]
         self.local_lengths = [sum(column) for column in zip(*sizes)]
         if not any(self.local_lengths):  # no rank holds a token of these streams (PipeFusion's text-less patches)
             return query
-        heads = query.shape[2]
-        if self.ulysses > 1 and self.ring == 1 and local is sdpa_attention:
-            gathered_mask = None if key_mask is None else self.gather_key_mask(key_mask)
-            return self.ulysses_overlapped(query, key, value, gathered_mask)
         if self.ulysses > 1:
-            query, key, value = (self.heads_to_sequence(t) for t in (query, key, value))
-            if key_mask is not None:
-                key_mask = self.gather_key_mask(key_mask)
-        if self.ring > 1 and local is sdpa_attention:
-            out = self.ring_attention(query, key, value, key_mask)
-        elif self.ring > 1:
-            out = local(query, *self.ring_gather(key, value, key_mask))
-        else:
-            out = local(query, key, value, key_mask)
-        return self.sequence_to_heads(out, heads) if self.ulysses > 1 else out
+            return self.ulysses_attention(query, key, value, key_mask, local)
+        return self._attend(query, key, value, key_mask, local)
 
 
 def _narrow(value, dim: int, start: int, length: int):
@@ -307,9 +273,10 @@ def _narrow(value, dim: int, start: int, length: int):
     return value.narrow(dim, start, length)
 
 
-def token_streams(tokens) -> list[str]:
-    """The token streams of a model's token state: the ``SEQUENCE_FIELDS`` that are their own stream."""
-    return [name for name, (stream, _) in type(tokens).SEQUENCE_FIELDS.items() if name == stream]
+def stream_lengths(tokens) -> dict[str, int]:
+    """The length of each token stream of a model's token state (the ``SEQUENCE_FIELDS`` that are their own stream)."""
+    fields = type(tokens).SEQUENCE_FIELDS.items()
+    return {name: getattr(tokens, name).shape[dim] for name, (stream, dim) in fields if name == stream}
 
 
 def narrow_streams(tokens, ranges: dict[str, tuple[int, int]]):
@@ -349,10 +316,7 @@ class SequenceParallel(nn.Module):
         """This rank's contiguous chunk of every stream: (local tokens, {stream: per-rank sizes}); run the blocks on
         them inside ``sequence_layout`` of those sizes."""
         degree, me = self.context.config.sequence_degree, self.context.sequence_rank
-        fields = type(tokens).SEQUENCE_FIELDS
-        sizes = {
-            name: split_sizes(getattr(tokens, name).shape[fields[name][1]], degree) for name in token_streams(tokens)
-        }
+        sizes = {stream: split_sizes(length, degree) for stream, length in stream_lengths(tokens).items()}
         ranges = {stream: (sum(s[:me]), sum(s[: me + 1])) for stream, s in sizes.items()}
         return narrow_streams(tokens, ranges), sizes
 

@@ -151,12 +151,10 @@ def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) ->
             share = widths[part] // degree
             ranges.append((offset + rank * share, offset + (rank + 1) * share))
             offset += widths[part]
+        column = shard.style == "column"
         for name, _ in _matching(model, pattern):
-            if shard.style == "column":
-                for leaf in ("weight", "bias", "weight_scale"):
-                    slices[f"{name}.{leaf}"] = TensorSlice(0, offset, tuple(ranges))
-            else:
-                slices[f"{name}.weight"] = TensorSlice(1, offset, tuple(ranges))
+            for leaf in ("weight", "bias", "weight_scale") if column else ("weight",):
+                slices[f"{name}.{leaf}"] = TensorSlice(0 if column else 1, offset, tuple(ranges))
     share = widths["attention"] // degree
     for pattern in plan.norms_across_heads:
         for name, _ in _matching(model, pattern):
@@ -166,9 +164,8 @@ def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) ->
 
 @torch.no_grad()
 def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelContext) -> dict[str, TensorSlice]:
-    """Shard ``model``'s blocks in place across ``context``'s tensor group; returns the slice of each sharded tensor
-    this rank keeps. On the meta device this only gives the tensors their sharded shapes; the loader then fills
-    them with those slices."""
+    """Shard ``model``'s blocks in place across ``context``'s tensor group (on the meta device only their shapes, for
+    the loader to fill); returns the slice of each sharded tensor this rank keeps."""
     degree = context.config.tensor
     slices = tensor_slices(plan, model, degree, context.local_rank("tensor"))
     attention_width = plan.widths(model)["attention"]  # read before sharding changes the modules it reads
@@ -181,8 +178,7 @@ def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelCont
             if shard.style == "row":
                 bias = linear.bias
                 linear.register_parameter("bias", None)  # added once, after the sum, by the wrapper
-                owner_name, _, leaf = name.rpartition(".")
-                model.get_submodule(owner_name).register_module(leaf, RowParallelLinear(linear, bias, context))
+                model.set_submodule(name, RowParallelLinear(linear, bias, context))
     for pattern, attributes in plan.local_attributes.items():
         for _, module in _matching(model, pattern):
             for attribute in attributes:
@@ -191,6 +187,5 @@ def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelCont
         for name, norm in _matching(model, pattern):
             if norm.weight is not None:
                 norm.weight = nn.Parameter(slices[f"{name}.weight"].take(norm.weight), requires_grad=False)
-            owner_name, _, leaf = name.rpartition(".")
-            model.get_submodule(owner_name).register_module(leaf, HeadShardedRMSNorm(norm, attention_width, context))
+            model.set_submodule(name, HeadShardedRMSNorm(norm, attention_width, context))
     return slices

@@ -23,10 +23,9 @@ more than one row at a time is swapped (nothing global: no ``torch.nn`` class is
 - everything else is local to a band: activations, nearest upsampling, Wan's RMS norm (it normalises over the
   channels of one position), the temporal caches, Wan 2.2's patchify, the final clamp.
 
-Use: ``parallel_decode(vae, latents, group)`` in place of ``vae.decode(latents).sample`` and
-``parallel_encode(vae, images, group)`` in place of ``vae.encode(images).latent_dist``, on every rank of ``group``
-with the whole input; ``banded(vae, rows, group)`` is the context manager under both, for callers that feed and
-keep bands themselves. Inference only (no autograd through the exchanges).
+Use: ``parallel_decode`` in place of ``vae.decode(...).sample``, ``parallel_encode`` in place of
+``vae.encode(...).latent_dist``; ``banded`` is the context manager under both, for callers that feed and keep bands
+themselves. Inference only (no autograd through the exchanges).
 
 Exact: the result equals one process's ``vae.decode(...).sample`` / ``vae.encode(...).latent_dist`` up to
 floating-point reassociation (relative L2 <= 1e-5 in fp32; tests/test_parallel_vae.py checks every layout at
@@ -36,6 +35,7 @@ world sizes 2-4). Tiling must be off: it is a different computation, so it is sw
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paradit.parallel.comm import split_sizes
+from paradit.parallel.comm import all_gather_uneven, split_sizes
 
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
@@ -66,10 +66,6 @@ class _Bands:
     rank: int
     group: dist.ProcessGroup | None
     peers: tuple[int, ...]
-
-    @property
-    def world(self) -> int:
-        return len(self.rows)
 
     def scaled(self, local_rows: int) -> tuple[int, ...]:
         """Rows per rank of a tensor whose band on this rank is ``local_rows`` high."""
@@ -97,30 +93,22 @@ def _bands(rows: list[int], group: dist.ProcessGroup | None) -> _Bands:
     return _Bands(tuple(rows), dist.get_rank(group), group, peers)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Communication: the only three places ranks talk (tests replace them to prove the checks have teeth).
-
-
+# _exchange_halos, _gather_moments and _gather_rows are the only places ranks talk (tests replace them to prove the
+# checks have teeth).
 @torch.compiler.disable
 def _exchange_halos(x: torch.Tensor, bands: _Bands, plan: _ConvPlan) -> Callable[[], tuple[torch.Tensor | None, ...]]:
-    """Start sending and receiving the rows above and below this rank's band that its convolution windows reach
-    into; ``x`` is the band, rows at dim -2. Returns ``finish()``, which waits and gives (above, below), None where
-    nothing comes."""
+    """Start exchanging the rows above and below this rank's band (``x``, rows at dim -2) that its convolution windows
+    reach into; ``finish()`` waits and gives (above, below), None where nothing comes."""
     r, n = bands.rank, x.shape[-2]
-    ops, above, below = [], None, None
-    if plan.send_up[r]:
-        ops.append(dist.P2POp(dist.isend, x.narrow(-2, 0, plan.send_up[r]).contiguous(), bands.peers[r - 1],
-                              bands.group))  # fmt: skip
-    if plan.recv_up[r]:
-        above = x.new_empty(*x.shape[:-2], plan.recv_up[r], x.shape[-1])
-        ops.append(dist.P2POp(dist.irecv, above, bands.peers[r - 1], bands.group))
-    if plan.send_down[r]:
-        count = plan.send_down[r]
-        ops.append(dist.P2POp(dist.isend, x.narrow(-2, n - count, count).contiguous(), bands.peers[r + 1],
-                              bands.group))  # fmt: skip
-    if plan.recv_down[r]:
-        below = x.new_empty(*x.shape[:-2], plan.recv_down[r], x.shape[-1])
-        ops.append(dist.P2POp(dist.irecv, below, bands.peers[r + 1], bands.group))
+    ops, halos = [], []
+    up = (r - 1, plan.send_up[r], plan.recv_up[r], 0)
+    down = (r + 1, plan.send_down[r], plan.recv_down[r], n - plan.send_down[r])
+    for peer, send, recv, first in (up, down):
+        if send:
+            ops.append(dist.P2POp(dist.isend, x.narrow(-2, first, send).contiguous(), bands.peers[peer], bands.group))
+        halos.append(x.new_empty(*x.shape[:-2], recv, x.shape[-1]) if recv else None)
+        if recv:
+            ops.append(dist.P2POp(dist.irecv, halos[-1], bands.peers[peer], bands.group))
     works = dist.batch_isend_irecv(ops) if ops else []
 
     def finish() -> tuple[torch.Tensor | None, ...]:
@@ -128,7 +116,7 @@ def _exchange_halos(x: torch.Tensor, bands: _Bands, plan: _ConvPlan) -> Callable
         for work in works:
             work.wait()
         ops.clear()
-        return above, below
+        return tuple(halos)
 
     return finish
 
@@ -136,32 +124,13 @@ def _exchange_halos(x: torch.Tensor, bands: _Bands, plan: _ConvPlan) -> Callable
 @torch.compiler.disable
 def _gather_moments(moments: torch.Tensor, bands: _Bands) -> torch.Tensor:
     """Every rank's (count, mean, M2) per (batch, channel): (world, 3, B, C) from this rank's (3, B, C)."""
-    if bands.world == 1:
-        return moments.unsqueeze(0)
-    parts = [torch.empty_like(moments) for _ in range(bands.world)]
-    dist.all_gather(parts, moments.contiguous(), group=bands.group)
-    return torch.stack(parts)
+    return _gather_rows(moments.unsqueeze(0), 0, (1,) * len(bands.rows), bands)
 
 
 @torch.compiler.disable
 def _gather_rows(x: torch.Tensor, dim: int, sizes: tuple[int, ...], bands: _Bands) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, rank r holding ``sizes[r]`` (padded in transit, since
-    all_gather wants equal shapes)."""
-    if bands.world == 1:
-        return x
-    longest = max(sizes)
-    if x.shape[dim] < longest:
-        pad = list(x.shape)
-        pad[dim] = longest - x.shape[dim]
-        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-    x = x.contiguous()  # collectives want dense tensors; empty_like would copy a channels-last layout
-    parts = [torch.empty_like(x) for _ in sizes]
-    dist.all_gather(parts, x, group=bands.group)
-    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Convolutions.
+    """Concatenate every rank's ``x`` along ``dim``, rank r holding ``sizes[r]``."""
+    return x if len(bands.rows) == 1 else all_gather_uneven(x, dim, list(sizes), bands.group)
 
 
 @dataclass(frozen=True)
@@ -187,9 +156,7 @@ def _conv_plan(rows: tuple[int, ...], kernel: int, stride: int, pad_top: int, pa
     # Output bands are the latent bands at the output's scale: the rows the one-process output has there.
     if any(size * out_height % height for size in rows):
         raise ValueError(f"a convolution maps {height} rows to {out_height}: bands {rows} do not map to whole rows")
-    starts = [0]
-    for size in rows:
-        starts.append(starts[-1] + size)
+    starts = list(itertools.accumulate(rows, initial=0))
     bands = tuple(zip(starts, starts[1:]))
     outs = [(a * out_height // height, b * out_height // height) for a, b in bands]
     need = tuple((c * stride - pad_top, (d - 1) * stride - pad_top + kernel) for c, d in outs)
@@ -264,10 +231,6 @@ def _conv_forward(module: nn.Module, bands: _Bands, pad_h: tuple[int, int], pad_
     return forward
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Group norm.
-
-
 def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
     def forward(x: torch.Tensor) -> torch.Tensor:
         batch, channels = x.shape[:2]
@@ -305,10 +268,6 @@ def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
     return forward
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Mid-block attention.
-
-
 def _attention_forward(attn: nn.Module, bands: _Bands) -> Callable:
     """diffusers ``Attention`` as ``UNetMidBlock2D`` uses it (self-attention over an image, AttnProcessor2_0's
     math), with keys and values over the whole image."""
@@ -326,9 +285,7 @@ def _attention_forward(attn: nn.Module, bands: _Bands) -> Callable:
         whole = _gather_rows(x, 1, tuple(r * width for r in bands.scaled(height)), bands)
         query, key, value = attn.to_q(x), attn.to_k(whole), attn.to_v(whole)
         head_dim = key.shape[-1] // attn.heads
-        query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-        key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-        value = value.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+        query, key, value = (t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
         out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
         out = attn.to_out[1](attn.to_out[0](out))
@@ -363,17 +320,6 @@ def _causal_attention_forward(block: nn.Module, bands: _Bands) -> Callable:
     return forward
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Applying it.
-
-
-def _width_only_pad(pad: tuple[int, int, int, int]) -> Callable:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return F.pad(x, (pad[0], pad[1], 0, 0)) if pad[0] or pad[1] else x
-
-    return forward
-
-
 def _downsample_forward(block: nn.Module) -> Callable:
     """``Downsample2D`` with ``padding=0`` pads right and bottom by one before its stride-2 convolution; the
     bottom pad belongs to the image, not the band, so it moves into the (banded) convolution."""
@@ -403,15 +349,14 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
             for first, second in zip(children, children[1:]):
                 if isinstance(first, nn.ZeroPad2d) and isinstance(second, nn.Conv2d):
                     conv_pads[second] = tuple(first.padding)
-                    swaps.append((first, _width_only_pad(tuple(first.padding))))
+                    swaps.append((first, functools.partial(F.pad, pad=(*first.padding[:2], 0, 0))))
     pads_moved = {module for module, _ in swaps}
     for module in vae.modules():
         if isinstance(module, nn.ZeroPad2d) and module not in pads_moved:
             raise NotImplementedError("a ZeroPad2d that does not feed a convolution")
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
             if hasattr(module, "_padding"):  # Wan / Qwen-Image causal conv: (w, w, h, h, 2 t, 0)
-                p = module._padding
-                pad_w, pad_h, temporal = (p[0], p[1]), (p[2], p[3]), p[4]
+                pad_w, pad_h, temporal = module._padding[0:2], module._padding[2:4], module._padding[4]
             else:
                 if isinstance(module.padding, str) or (module.weight.ndim == 5 and module.padding[0]):
                     raise NotImplementedError(f"{type(module).__name__} with padding={module.padding!r}")
@@ -433,12 +378,13 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
 
 
 @contextmanager
-def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = None) -> Iterator[None]:
+def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = None) -> Iterator[_Bands]:
     """Within the block, ``vae`` runs on this rank's band of ``rows`` (latent rows per rank, ``split_sizes``):
     feed it the band of the latent (or of the image, at the VAE's scale) and it returns the band of the result.
     Swaps the forward of the VAE's own convolution, group-norm, attention and padding instances; restores them
-    (and ``use_tiling``) on exit."""
-    swaps = _replacements(vae, _bands(rows, group))
+    (and ``use_tiling``) on exit. Yields where this rank's band lies."""
+    bands = _bands(rows, group)
+    swaps = _replacements(vae, bands)
     missing = object()
     # An instance may carry its own forward already (accelerate's offload hooks do): that one comes back.
     previous = [module.__dict__.get("forward", missing) for module, _ in swaps]
@@ -448,7 +394,7 @@ def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = No
             vae.use_tiling = False
         for module, forward in swaps:
             module.forward = forward
-        yield
+        yield bands
     finally:
         for (module, _), forward in zip(swaps, previous):
             if forward is missing:
@@ -459,30 +405,24 @@ def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = No
             vae.use_tiling = tiling
 
 
-def _group_layout(height: int, group: dist.ProcessGroup | None) -> tuple[list[int], int]:
+def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.ProcessGroup | None, run: Callable):
+    """``run`` on this rank's band of ``x`` (``factor`` rows of ``x`` per latent row) inside ``banded``, its result
+    gathered from every rank of ``group``."""
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    rank = dist.get_rank(group) if world > 1 else 0
+    height = x.shape[-2] // factor
     if height < world:
         raise ValueError(f"a latent of {height} rows cannot give each of {world} ranks a row")
-    return split_sizes(height, world), rank
-
-
-def _spatial_factor(vae: nn.Module) -> int:
-    """Image rows per latent row (Wan 2.2's patchify included)."""
-    factor = getattr(vae, "spatial_compression_ratio", None)
-    return factor or 2 ** (len(vae.config.block_out_channels) - 1)
+    rows = split_sizes(height, world)
+    with banded(vae, rows, group) as bands:
+        band = run(x.narrow(-2, sum(rows[: bands.rank]) * factor, rows[bands.rank] * factor))
+        return _gather_rows(band, band.ndim - 2, bands.scaled(band.shape[-2]), bands)
 
 
 @torch.no_grad()
 def parallel_decode(vae: nn.Module, latents: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``vae.decode(latents).sample``, every rank of ``group`` (None: the default group) decoding one band of the
     latent's rows; every rank returns the whole image (video). ``latents`` is the whole latent on every rank."""
-    rows, rank = _group_layout(latents.shape[-2], group)
-    start = sum(rows[:rank])
-    with banded(vae, rows, group):
-        band = vae.decode(latents.narrow(-2, start, rows[rank])).sample
-        bands = _bands(rows, group)
-        return _gather_rows(band, band.ndim - 2, bands.scaled(band.shape[-2]), bands)
+    return _run_banded(vae, latents, 1, group, lambda band: vae.decode(band).sample)
 
 
 @torch.no_grad()
@@ -494,13 +434,9 @@ def parallel_encode(
     spatial factor (8; 16 for Wan 2.2), so that bands stay aligned to every stride-2 step."""
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-    factor = _spatial_factor(vae)
+    # Image rows per latent row (Wan 2.2's patchify included).
+    factor = getattr(vae, "spatial_compression_ratio", None) or 2 ** (len(vae.config.block_out_channels) - 1)
     if images.shape[-2] % factor:
         raise ValueError(f"image height {images.shape[-2]} is not a multiple of the VAE's factor {factor}")
-    rows, rank = _group_layout(images.shape[-2] // factor, group)
-    start = sum(rows[:rank]) * factor
-    with banded(vae, rows, group):
-        band = vae.encode(images.narrow(-2, start, rows[rank] * factor)).latent_dist.parameters
-        bands = _bands(rows, group)
-        whole = _gather_rows(band, band.ndim - 2, bands.scaled(band.shape[-2]), bands)
+    whole = _run_banded(vae, images, factor, group, lambda band: vae.encode(band).latent_dist.parameters)
     return DiagonalGaussianDistribution(whole)

@@ -17,20 +17,18 @@ from paradit.parallel.config import ParallelConfig
 from paradit.planner.facts import find_facts
 from paradit.planner.plan import plan, request_for
 from paradit.planner.profile import HardwareProfile, detect_profile
-from paradit.planner.tuned import PlannedRequest, tuned_entry
+from paradit.planner.tuned import tuned_entry
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
 
 
 @dataclass(frozen=True)
 class PlannedSettings:
-    """The settings to run with, and a line saying where they come from."""
-
     parallel: ParallelConfig
     quantize: str
     text_encoder_placement: str
     cuda_graphs: bool
-    origin: str
+    origin: str  # a line saying where they come from
 
 
 def settings_for(
@@ -45,14 +43,11 @@ def settings_for(
         return None
     wanted = request_for(spec, request)
     entry = tuned_entry(spec.name, gpus, profile.name)
-    planned_for = PlannedRequest(wanted.height, wanted.width, wanted.frames, wanted.steps, wanted.batch)
-    if entry is not None and entry.request == planned_for:
+    if entry is not None and entry.request == wanted:
         if entry.refused:
             raise InvalidRequest(entry.refused)
         origin = f"tuned configuration for {spec.name} on {gpus} x {profile.name}: {entry.describe()}"
-        return PlannedSettings(
-            entry.parallel, entry.quantize, entry.text_encoder_placement, entry.cuda_graphs, origin
-        )  # fmt: skip
+        return PlannedSettings(entry.parallel, entry.quantize, entry.text_encoder_placement, entry.cuda_graphs, origin)
     best = plan(spec, gpus, profile, request).best
     origin = (
         f"planned for this request on {gpus} x {profile.name}: {best.describe()}, text encoders {best.placement}, "

@@ -6,14 +6,16 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from paradit.errors import InvalidRequest
 from paradit.memory import parse_size
 from paradit.planner.plan import plan
-from paradit.planner.profile import HardwareProfile, detect_profile, load_profile, with_link, with_memory
+from paradit.planner.profile import HardwareProfile, detect_profile, load_profile, with_link
 from paradit.planner.report import render
 from paradit.request import GenerationRequest
+from paradit.settings import resolve_model
 
 DEFAULT_PROFILE = "h200-nvlink"
 
@@ -29,13 +31,10 @@ def parse_image_size(text: str) -> tuple[int, int]:
 def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[HardwareProfile, str | None]:
     """The profile to plan for, and a note when it was not named nor detected."""
     note = None
-    if name is not None:
-        profile = load_profile(name)
-    else:
-        profile = detect_profile(gpus)
-        if profile is None:
-            profile = load_profile(DEFAULT_PROFILE)
-            note = f"no GPU profile detected here: planning for {DEFAULT_PROFILE} (--profile picks another)"
+    profile = load_profile(name) if name is not None else detect_profile(gpus)
+    if profile is None:
+        profile = load_profile(DEFAULT_PROFILE)
+        note = f"no GPU profile detected here: planning for {DEFAULT_PROFILE} (--profile picks another)"
     if link == "measure":
         import torch
 
@@ -55,12 +54,10 @@ def plan_text(
     model: str, gpus: int, profile_name: str | None = None, link: str | None = None, gpu_memory: str | None = None,
     size: str | None = None, frames: int | None = None, quantize: str | None = None,
 ) -> str:  # fmt: skip
-    from paradit.engine import resolve_model
-
     spec = resolve_model(model, "dummy")
     profile, note = choose_profile(profile_name, gpus, link)
     if gpu_memory is not None:
-        profile = with_memory(profile, parse_size(gpu_memory))
+        profile = dataclasses.replace(profile, memory_gib=parse_size(gpu_memory) / 2**30)
     width, height = parse_image_size(size) if size else (None, None)
     request = GenerationRequest(prompt="a", height=height, width=width, frames=frames)
     text = render(plan(spec, gpus, profile, request if size or frames else None, quantize))

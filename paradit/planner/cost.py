@@ -56,27 +56,13 @@ class StepCost:
     def bytes_sent(self) -> float:
         return sum(t.bytes for t in self.transfers)
 
-    @property
-    def comm_ms(self) -> float:
-        return sum(t.ms for t in self.transfers)
-
     def mean_ms(self, steps: int) -> float:
         """The average step of a request of ``steps`` steps (PipeFusion's warm-up steps included)."""
         warmup = min(self.warmup_steps, steps)
         return (warmup * self.warmup_ms + (steps - warmup) * self.steady_ms) / steps
 
 
-def ideal_linear_ms(facts: ModelFacts, workload: Workload, batch: float, fp8: bool, profile: HardwareProfile) -> float:
-    """Milliseconds of one GPU's linear layers at the full matmul rates (efficiency 1), for ``batch`` samples."""
-    total = 0.0
-    for group in facts.linear:
-        rate = profile.matmul_tflops["fp8" if fp8 and group.kind.fp8 else "bf16"]
-        total += group.flops.at(workload.image_tokens, workload.text_tokens) * batch / (rate * 1e9)
-    return total
-
-
 def attention_ms(facts: ModelFacts, workload: Workload, batch: float, profile: HardwareProfile) -> float:
-    """Milliseconds of one GPU's attention calls for ``batch`` samples."""
     total = 0.0
     for group in facts.attention:
         query = group.query_tokens.at(workload.image_tokens, workload.text_tokens)
@@ -91,10 +77,14 @@ def linear_efficiency(
 ) -> float:
     """The share of the matmul rates a model's linear layers reach, from its measured one-GPU step: the time left
     after attention and the rest, against the linears' time at full rate."""
-    other = facts.other_flops.at(workload.image_tokens, workload.text_tokens) * batch
-    other_ms = other / (profile.matmul_tflops["bf16"] * 1e9)
+    image, text = workload.image_tokens, workload.text_tokens
+    full_rate_ms = sum(
+        g.flops.at(image, text) * batch / (profile.matmul_tflops["fp8" if fp8 and g.kind.fp8 else "bf16"] * 1e9)
+        for g in facts.linear
+    )
+    other_ms = facts.other_flops.at(image, text) * batch / (profile.matmul_tflops["bf16"] * 1e9)
     linear_ms = measured_ms - attention_ms(facts, workload, batch, profile) - other_ms
-    return ideal_linear_ms(facts, workload, batch, fp8, profile) / linear_ms
+    return full_rate_ms / linear_ms
 
 
 def step_cost(

@@ -1,6 +1,6 @@
 """What the cost model knows of a model: its FLOPs and attention shapes as functions of the token counts.
 
-A linear layer's FLOPs are linear in the tokens it sees, so three meta-device traces (``trace.trace_step``) at
+A linear layer's FLOPs are linear in the tokens it sees, so three meta-device traces (``benchmarks/model_trace.py``) at
 workloads that differ in image tokens and in text tokens give each count exactly as ``per image token x I + per text
 token x T + fixed``; attention calls keep their shapes as the same kind of function of (I, T). The counts are kept,
 per preset, in ``models.json`` beside this file (written by ``benchmarks/model_facts.py``, which knows how to call
@@ -12,22 +12,28 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
 
 from paradit.errors import InvalidRequest
-from paradit.planner.trace import LinearKind, StepTrace
 from paradit.spec import ModelSpec
 
 FACTS_FILE = Path(__file__).with_name("models.json")
 
 
 @dataclass(frozen=True)
-class TokenLinear:
-    """``per_image x image tokens + per_text x text tokens + fixed``."""
+class LinearKind:
+    """Where a linear layer sits and what the runtime does to it: inside the repeated blocks (PipeFusion's stages
+    split them), sharded by the tensor plan, converted by FP8."""
 
+    in_blocks: bool
+    sharded: bool
+    fp8: bool
+
+
+@dataclass(frozen=True)
+class TokenLinear:
     per_image: float
     per_text: float
     fixed: float
@@ -95,89 +101,17 @@ class ModelFacts:
 
     @classmethod
     def from_json(cls, preset: str, data: dict) -> ModelFacts:
-        def line(values: dict) -> TokenLinear:
-            return TokenLinear(**values)
-
+        plain = ("blocks", "width", "token_side", "frame_stride", "text_tokens", "experts", "all_reduce_calls")
+        counts = ("other_flops", "prediction_elements", "all_reduce_elements")
         return cls(
-            preset=preset,
-            **{k: data[k] for k in ("blocks", "width", "token_side", "frame_stride", "text_tokens", "experts")},
-            linear=tuple(LinearGroup(LinearKind(**g["kind"]), line(g["flops"])) for g in data["linear"]),
-            other_flops=line(data["other_flops"]),
-            prediction_elements=line(data["prediction_elements"]),
-            all_reduce_elements=line(data["all_reduce_elements"]),
-            all_reduce_calls=data["all_reduce_calls"],
+            preset=preset, **{k: data[k] for k in plain}, **{k: TokenLinear(**data[k]) for k in counts},
+            linear=tuple(LinearGroup(LinearKind(**g["kind"]), TokenLinear(**g["flops"])) for g in data["linear"]),
             attention=tuple(
-                AttentionGroup(
-                    **{k: g[k] for k in ("exchanged", "heads", "head_dim", "layers")},
-                    query_tokens=line(g["query_tokens"]),
-                    key_tokens=line(g["key_tokens"]),
-                )
+                AttentionGroup(**{k: g[k] for k in ("exchanged", "heads", "head_dim", "layers")},
+                               query_tokens=TokenLinear(**g["query_tokens"]), key_tokens=TokenLinear(**g["key_tokens"]))
                 for g in data["attention"]
             ),
-        )
-
-
-def fit_facts(
-    traces: dict[Workload, StepTrace],
-    *,
-    preset: str,
-    blocks: int,
-    width: int,
-    token_side: int,
-    frame_stride: int | None,
-    text_tokens: int,
-    experts: int,
-) -> ModelFacts:
-    """Facts from three traces of one sample each: a reference workload, one with other image tokens, one with
-    other text tokens."""
-    (base, base_trace), (image, image_trace), (text, text_trace) = _three(traces)
-
-    def line(value) -> TokenLinear:
-        at_base = value(base_trace)
-        per_image = (value(image_trace) - at_base) / (image.image_tokens - base.image_tokens)
-        per_text = (value(text_trace) - at_base) / (text.text_tokens - base.text_tokens)
-        fixed = at_base - per_image * base.image_tokens - per_text * base.text_tokens
-        return TokenLinear(per_image, per_text, fixed)
-
-    kinds = sorted(base_trace.linear_flops, key=lambda k: (k.in_blocks, k.sharded, k.fp8))
-    linear = tuple(LinearGroup(kind, line(lambda t, kind=kind: t.linear_flops[kind])) for kind in kinds)
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for index, call in enumerate(base_trace.attention):
-        groups[(call.exchanged, call.heads, call.head_dim)].append(index)
-    attention = []
-    for (exchanged, heads, head_dim), indices in groups.items():
-        # Calls of one shape group may still differ in which streams they attend over (image only, text only).
-        by_tokens: dict[tuple[TokenLinear, TokenLinear], int] = defaultdict(int)
-        for i in indices:
-            query = line(lambda t, i=i: t.attention[i].query_tokens)
-            key = line(lambda t, i=i: t.attention[i].key_tokens)
-            by_tokens[(query, key)] += 1
-        for (query, key), layers in by_tokens.items():
-            attention.append(AttentionGroup(exchanged, heads, head_dim, layers, query, key))
-    return ModelFacts(
-        preset=preset,
-        blocks=blocks,
-        width=width,
-        token_side=token_side,
-        frame_stride=frame_stride,
-        text_tokens=text_tokens,
-        experts=experts,
-        linear=linear,
-        other_flops=line(lambda t: t.other_flops),
-        prediction_elements=line(lambda t: t.prediction_elements),
-        all_reduce_elements=line(lambda t: t.all_reduce_elements),
-        all_reduce_calls=base_trace.all_reduce_calls,
-        attention=tuple(attention),
-    )
-
-
-def _three(traces: dict[Workload, StepTrace]):
-    """(reference, other image tokens, other text tokens), recognised by which count differs from the first."""
-    items = list(traces.items())
-    base = items[0][0]
-    image = next(item for item in items[1:] if item[0].image_tokens != base.image_tokens)
-    text = next(item for item in items[1:] if item[0].text_tokens != base.text_tokens)
-    return items[0], image, text
+        )  # fmt: skip
 
 
 @cache
@@ -196,8 +130,9 @@ def find_facts(spec: ModelSpec) -> ModelFacts | None:
         return known[spec.name]
     for name, facts in known.items():
         preset = PRESETS.get(name)
-        if preset is not None and preset.family == spec.family and _same_architecture(preset.transformer, spec):
-            return facts
+        if preset is not None and preset.family == spec.family:
+            if all(spec.transformer.get(key) == value for key, value in preset.transformer.items()):
+                return facts
     return None
 
 
@@ -209,7 +144,3 @@ def facts_for(spec: ModelSpec) -> ModelFacts:
             "pass the parallel flags yourself, or add its preset and rerun benchmarks/model_facts.py"
         )
     return facts
-
-
-def _same_architecture(preset_config: dict, spec: ModelSpec) -> bool:
-    return all(spec.transformer.get(key) == value for key, value in preset_config.items())

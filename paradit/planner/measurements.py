@@ -47,13 +47,9 @@ class Measurement:
     calibrates: str | None  # the profile figure derived from this row, which makes it in-sample
 
     def on(self, profile: HardwareProfile) -> bool:
-        """Whether the measurement applies to ``profile``: its device, and its link unless no link was involved."""
-        return profile.device in self.run.where and self.link in (None, _link_name(profile))
-
-
-def _link_name(profile: HardwareProfile) -> str:
-    """The measurements' name for a profile's link regime: NVLink, or PCIe-like with NCCL's peer access off."""
-    return "nvlink" if profile.peer_access else "p2p-off"
+        """Whether the measurement applies to ``profile``: its device, and its link unless no link was involved (the
+        measurements name a link regime: NVLink, or PCIe-like with NCCL's peer access off)."""
+        return profile.device in self.run.where and self.link in (None, "nvlink" if profile.peer_access else "p2p-off")
 
 
 def parse_plan(text: str) -> ParallelConfig:
@@ -67,48 +63,27 @@ def parse_plan(text: str) -> ParallelConfig:
 
 @cache
 def all_measurements() -> tuple[Measurement, ...]:
-    data = json.loads(MEASUREMENTS_FILE.read_text())
     rows = []
-    for run_data in data["runs"]:
+    for run_data in json.loads(MEASUREMENTS_FILE.read_text())["runs"]:
         run = Run(**{key: run_data[key] for key in ("id", "section", "date", "where", "commands")})
-        for row in run_data["rows"]:
-            rows.append(
-                Measurement(
-                    run,
-                    row["model"],
-                    parse_plan(row["plan"]),
-                    row["precision"],
-                    row["execution"],
-                    row["link"],
-                    row["ms"],
-                    row.get("batch", 1),
-                    row.get("superseded"),
-                    row.get("calibrates"),
-                )
-            )
+        rows += [
+            Measurement(run, row["model"], parse_plan(row["plan"]), row["precision"], row["execution"], row["link"],
+                        row["ms"], row.get("batch", 1), row.get("superseded"), row.get("calibrates"))
+            for row in run_data["rows"]
+        ]  # fmt: skip
     return tuple(rows)
 
 
 def one_gpu_reference(
-    model: str,
-    precision: str,
-    execution: str,
-    profile: HardwareProfile,
-    run: Run | None = None,
+    model: str, precision: str, execution: str, profile: HardwareProfile, run: Run | None = None,
     batch: int | None = None,
-) -> Measurement | None:
+) -> Measurement | None:  # fmt: skip
     """The latest current one-GPU measurement of ``model`` in that precision and execution on the profile's device
     (within ``run`` and at ``batch`` when given: one machine's figures of one workload compared with each other)."""
     found = [
-        m
-        for m in all_measurements()
-        if m.model == model
-        and m.parallel.world_size == 1
-        and m.precision == precision
-        and m.execution == execution
-        and m.superseded is None
-        and m.on(profile)
-        and (run is None or m.run == run)
+        m for m in all_measurements()
+        if m.model == model and m.parallel.world_size == 1 and m.precision == precision and m.execution == execution
+        and m.superseded is None and m.on(profile) and (run is None or m.run == run)
         and (batch is None or m.batch == batch)
-    ]
+    ]  # fmt: skip
     return found[-1] if found else None

@@ -3,8 +3,8 @@ memory (``paradit.memory``'s estimate of rank 0, with the first prompt-encoder p
 the predicted time of an average denoise step of the request.
 
 Plans are CFG x PipeFusion x Ring x Ulysses x tensor degrees that multiply to N and that the model accepts
-(``engine.check_plan``), PipeFusion with as many patches as stages or twice as many, and with FP8 compute (only when
-asked for, or when nothing fits without it) also FP8 transport for the sequence plans.
+(``parallel.validate.check_plan``), PipeFusion with as many patches as stages or twice as many, and with FP8 compute
+(only when asked for, or when nothing fits without it) also FP8 transport for the sequence plans.
 
 Ranking prefers exact plans: an approximate one (FP8 transport, PipeFusion's stale patches) must be predicted
 ``EXACT_PREMIUM`` faster to rank above an exact one. Plans within ``SAME_SPEED`` of each other count as equally fast
@@ -16,6 +16,7 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,10 +25,12 @@ from typing import TypeVar
 import torch
 
 from paradit.errors import InvalidRequest
+from paradit.families import FAMILIES, PRESETS
 from paradit.memory import MemoryPlan, estimates, gib
 from paradit.parallel.config import ParallelConfig
+from paradit.parallel.validate import check_plan
 from paradit.planner.cost import StepCost, linear_efficiency, step_cost
-from paradit.planner.facts import ModelFacts, Workload, facts_for
+from paradit.planner.facts import ModelFacts, facts_for
 from paradit.planner.measurements import Measurement, one_gpu_reference
 from paradit.planner.profile import HardwareProfile
 from paradit.request import GenerationRequest
@@ -41,13 +44,11 @@ PLACEMENT_ORDER = ("gpu", "fp8", "offload")
 
 @dataclass(frozen=True)
 class Request:
-    """What the planner plans for: the size, frames, steps, and samples a step (2 when both guidance branches run)."""
-
     height: int
     width: int
     frames: int | None
     steps: int
-    batch: int
+    batch: int  # samples a step: 2 when both guidance branches run
 
     @property
     def uses_cfg(self) -> bool:
@@ -57,20 +58,18 @@ class Request:
 def request_for(spec: ModelSpec, request: GenerationRequest | None = None) -> Request:
     """The request (default: the model's defaults) with the defaults filled in and checked; a model that animates
     an image, given none, is planned for a blank first frame of the request's size."""
-    from paradit.families import FAMILIES
-
-    pipeline = FAMILIES[spec.family].pipeline
+    family = FAMILIES[spec.family]
     request = request or GenerationRequest(prompt="a")
     try:
-        resolved = pipeline.resolve_request(spec, request)
+        resolved = family.resolve_request(spec, request)
     except InvalidRequest:
         if request.image is not None:
             raise
         from PIL import Image
 
         blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
-        resolved = pipeline.resolve_request(spec, dataclasses.replace(request, image=blank))
-    guides = spec.guidance_mode == "cfg" and pipeline.uses_cfg(spec, resolved)
+        resolved = family.resolve_request(spec, dataclasses.replace(request, image=blank))
+    guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
     return Request(resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1)
 
 
@@ -100,16 +99,13 @@ def calibration(facts: ModelFacts, profile: HardwareProfile, fp8: bool, cuda_gra
     """From the latest one-GPU measurement, on the profile's GPU, of the model or of a preset with the same
     transformer, in the execution the plan runs (else the other one); every such measurement ran at the measured
     preset's own size."""
-    from paradit.families import PRESETS
-
     precision = "fp8" if fp8 else "bf16"
     same = [name for name, spec in PRESETS.items() if spec.transformer == PRESETS[facts.preset].transformer]
     for execution in ("graphs", "compiled") if cuda_graphs else ("compiled", "graphs"):
-        found = [one_gpu_reference(name, precision, execution, profile) for name in same]
-        measured = next((m for m in found if m is not None), None)
+        measured = next(filter(None, (one_gpu_reference(name, precision, execution, profile) for name in same)), None)
         if measured is not None:
             preset = PRESETS[measured.model]
-            workload = facts.workload(preset.height, preset.width, preset.extra.get("frames"))
+            workload = facts.workload(preset.height, preset.width, preset.frames)
             efficiency = linear_efficiency(facts, workload, measured.batch, fp8, profile, measured.ms)
             return Calibration(efficiency, measured)
     return Calibration(profile.linear_efficiency[precision], None)
@@ -168,13 +164,11 @@ def approximation(parallel: ParallelConfig) -> tuple[int, int]:
 def rank(items: list[T], ms: Callable[[T], float], parallel: Callable[[T], ParallelConfig]) -> list[T]:
     """Best first by predicted ms, approximate plans charged ``EXACT_PREMIUM``; within ``SAME_SPEED`` of the best,
     the least approximate first."""
-    if not items:
-        return []
 
     def charged(item: T) -> float:
         return ms(item) * (1 if parallel(item).exact else 1 + EXACT_PREMIUM)
 
-    best = min(charged(item) for item in items)
+    best = min((charged(item) for item in items), default=0.0)
 
     def key(item: T) -> tuple:
         tied = charged(item) <= best * (1 + SAME_SPEED)
@@ -184,9 +178,7 @@ def rank(items: list[T], ms: Callable[[T], float], parallel: Callable[[T], Paral
 
 
 def parallel_candidates(spec: ModelSpec, gpus: int, uses_cfg: bool, fp8_transport: bool) -> list[ParallelConfig]:
-    """Every plan of ``gpus`` GPUs the model accepts."""
-    from paradit.engine import check_plan
-
+    family = FAMILIES[spec.family]
     found = []
     for cfg in (2, 1) if uses_cfg and gpus % 2 == 0 else (1,):
         for pipefusion, ring, ulysses, tensor in _factorizations(gpus // cfg, 4):
@@ -197,11 +189,9 @@ def parallel_candidates(spec: ModelSpec, gpus: int, uses_cfg: bool, fp8_transpor
             if fp8_transport and ulysses * ring > 1:
                 variants += [dataclasses.replace(v, comm_dtype="fp8") for v in variants]
             for parallel in variants:
-                try:
-                    check_plan(spec, parallel, torch.device("cpu"))
-                except InvalidRequest:
-                    continue
-                found.append(parallel)
+                with contextlib.suppress(InvalidRequest):
+                    check_plan(family, spec, parallel)
+                    found.append(parallel)
     return found
 
 
@@ -245,65 +235,41 @@ def plan(
     if quantize == "fp8" and not fp8_supported:
         raise InvalidRequest(f"{profile.name} has no FP8 matmul rate: its GPUs cannot run --quantize fp8")
     attempts = [quantize == "fp8"] if quantize is not None else [False] + ([True] if fp8_supported else [])
+
+    def option(parallel: ParallelConfig, fp8: bool) -> Option:
+        graphs = graphs_for(parallel)
+        calibrated = calibration(facts, profile, fp8, graphs)
+        cost = step_cost(facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs)
+        tried = [memory(parallel, fp8)[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
+        fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)
+        chosen = fitting or min(tried, key=lambda m: m.total)
+        placement = fitting.text_encoder_placement if fitting else None
+        return Option(parallel, fp8, cost, cost.mean_ms(wanted.steps), chosen, placement, calibrated)
+
     refused: list[Option] = []
     for fp8 in attempts:
-        options = [
-            _option(facts, workload, wanted, parallel, fp8, profile, memory)
-            for parallel in parallel_candidates(spec, gpus, wanted.uses_cfg, fp8_transport=fp8)
-        ]
+        options = [option(parallel, fp8) for parallel in parallel_candidates(spec, gpus, wanted.uses_cfg, fp8)]
         refused += [o for o in options if not o.fits]
-        fitting = rank([o for o in options if o.fits], _mean_ms, _parallel)
+        fitting = rank([o for o in options if o.fits], lambda o: o.mean_ms, lambda o: o.parallel)
         if not fitting:
             continue
-        single = _option(facts, workload, wanted, ParallelConfig(), fp8, profile, memory) if gpus > 1 else None
+        single = option(ParallelConfig(), fp8) if gpus > 1 else None
         needed = fp8 and quantize is None
         notes = (f"no plan fits {gib(profile.memory_bytes)} GiB per GPU in bf16: FP8 compute halves the weights",)
         return PlanChoice(
             spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, notes if needed else ()
         )
-    raise InvalidRequest(_nothing_fits(spec, gpus, profile, refused))
+    if not refused:
+        raise InvalidRequest(f"{spec.name} has no plan for {gpus} GPUs")
+    smallest = min(refused, key=lambda o: o.memory.total)
+    raise InvalidRequest(
+        f"{spec.name} fits no plan on {gpus} x {gib(profile.memory_bytes)} GiB ({profile.name}): the smallest, "
+        f"{smallest.describe()} with the text encoders {smallest.memory.text_encoder_placement}, needs "
+        f"{smallest.memory.describe()}; use more GPUs or GPUs with more memory"
+    )
 
 
 def graphs_for(parallel: ParallelConfig) -> bool:
     """CUDA graphs for the plans they have been measured with (one GPU, CFG, Ulysses, Ring): PipeFusion counts steps
     on the host, which a replay would skip, and tensor parallelism has run compiled only."""
     return parallel.pipefusion == 1 and parallel.tensor == 1
-
-
-def _mean_ms(option: Option) -> float:
-    return option.mean_ms
-
-
-def _parallel(option: Option) -> ParallelConfig:
-    return option.parallel
-
-
-def _option(
-    facts: ModelFacts,
-    workload: Workload,
-    request: Request,
-    parallel: ParallelConfig,
-    fp8: bool,
-    profile: HardwareProfile,
-    memory: MemoryEstimates,
-) -> Option:
-    graphs = graphs_for(parallel)
-    calibrated = calibration(facts, profile, fp8, graphs)
-    cost = step_cost(facts, workload, request.batch, parallel, fp8, profile, calibrated.efficiency, graphs)
-    placements = memory(parallel, fp8)
-    tried = [placements[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
-    fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)
-    chosen = fitting or min(tried, key=lambda m: m.total)
-    placement = fitting.text_encoder_placement if fitting else None
-    return Option(parallel, fp8, cost, cost.mean_ms(request.steps), chosen, placement, calibrated)
-
-
-def _nothing_fits(spec: ModelSpec, gpus: int, profile: HardwareProfile, refused: list[Option]) -> str:
-    if not refused:
-        return f"{spec.name} has no plan for {gpus} GPUs"
-    smallest = min(refused, key=lambda o: o.memory.total)
-    return (
-        f"{spec.name} fits no plan on {gpus} x {gib(profile.memory_bytes)} GiB ({profile.name}): the smallest, "
-        f"{smallest.describe()} with the text encoders {smallest.memory.text_encoder_placement}, needs "
-        f"{smallest.memory.describe()}; use more GPUs or GPUs with more memory"
-    )

@@ -28,25 +28,22 @@ ITERATIONS = 10
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, iterations: int = ITERATIONS) -> float:
-    """Median seconds of ``fn`` after two warm-up calls, the device synchronised around each call."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for _ in range(2):
         fn()
     times = []
     for _ in range(iterations):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
 def matmul_tflops(device: torch.device, size: int = MATMUL_SIZE) -> float:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     return 2 * size**3 / _seconds(lambda: a @ b, device) / 1e12
 
 
@@ -109,11 +106,10 @@ def collective_gbps(world: int, device_type: str = "cuda", nbytes: int = MESSAGE
 
 
 def measured_profile(base: HardwareProfile, gpus: int) -> HardwareProfile:
-    """``base`` with this machine's matmul, attention and (for two GPUs or more) collective rates."""
+    """``base`` with this machine's matmul (FP8 at the base's ratio), attention and (2+ GPUs) collective rates."""
     device = torch.device("cuda", 0)
     bf16 = matmul_tflops(device)
-    matmul = {"bf16": bf16, **({"fp8": bf16 * base.matmul_tflops["fp8"] / base.matmul_tflops["bf16"]}
-                               if "fp8" in base.matmul_tflops else {})}  # fmt: skip
+    matmul = {precision: bf16 * rate / base.matmul_tflops["bf16"] for precision, rate in base.matmul_tflops.items()}
     attention = {dim: attention_tflops(device, dim) for dim in (64, 128)}
     links = collective_gbps(gpus) if gpus > 1 else base.link_gbps
     return dataclasses.replace(

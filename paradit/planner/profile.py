@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -20,7 +20,6 @@ from paradit.errors import InvalidRequest
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
 COLLECTIVES = ("all_to_all", "send_recv", "all_reduce", "all_gather")
-LINKS = ("nvlink", "pcie")
 
 
 @dataclass(frozen=True)
@@ -58,26 +57,21 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:
-        return cls(
-            **{key: data[key] for key in ("name", "description", "device", "link", "peer_access", "predicted")},
-            device_names=tuple(data["device_names"]),
-            memory_gib=float(data["memory_gib"]),
-            matmul_tflops=dict(data["matmul_tflops"]),
-            linear_efficiency=dict(data["linear_efficiency"]),
-            attention_tflops={int(dim): rate for dim, rate in data["attention_tflops"].items()},
-            link_gbps={name: float(data["link_gbps"][name]) for name in COLLECTIVES},
-            host_ms_per_block=float(data["host_ms_per_block"]),
-            sources=dict(data.get("sources", {})),
-        )
+        converted = {
+            "device_names": tuple(data["device_names"]),
+            "memory_gib": float(data["memory_gib"]),
+            "attention_tflops": {int(dim): rate for dim, rate in data["attention_tflops"].items()},
+            "link_gbps": {name: float(data["link_gbps"][name]) for name in COLLECTIVES},
+            "host_ms_per_block": float(data["host_ms_per_block"]),
+            "sources": data.get("sources", {}),
+        }
+        return cls(**{**data, **converted})
 
 
 @cache
 def all_profiles() -> dict[str, HardwareProfile]:
-    profiles = {}
-    for path in sorted(PROFILES_DIR.glob("*.json")):
-        profile = HardwareProfile.from_json(json.loads(path.read_text()))
-        profiles[profile.name] = profile
-    return profiles
+    profiles = (HardwareProfile.from_json(json.loads(path.read_text())) for path in sorted(PROFILES_DIR.glob("*.json")))
+    return {profile.name: profile for profile in profiles}
 
 
 def load_profile(name: str) -> HardwareProfile:
@@ -97,20 +91,6 @@ def with_link(profile: HardwareProfile, link: str) -> HardwareProfile:
     raise InvalidRequest(f"no profile of {profile.device} with {link} links; profiles: {', '.join(all_profiles())}")
 
 
-def with_memory(profile: HardwareProfile, memory_bytes: int) -> HardwareProfile:
-    return replace(profile, memory_gib=memory_bytes / 2**30)
-
-
-def peer_access_enabled(gpus: int) -> bool:
-    """Whether NCCL will move data GPU to GPU directly: peers reachable and ``NCCL_P2P_DISABLE`` not set."""
-    import torch
-
-    if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
-        return False
-    count = min(gpus, torch.cuda.device_count())
-    return all(torch.cuda.can_device_access_peer(0, other) for other in range(1, count))
-
-
 def detect_profile(gpus: int = 1) -> HardwareProfile | None:
     """The profile of this machine's GPUs: its device name matched to a profile's, then the link by peer access (on
     one GPU, the first profile of the device). None without a GPU, or for a GPU no profile knows."""
@@ -120,9 +100,9 @@ def detect_profile(gpus: int = 1) -> HardwareProfile | None:
         return None
     name = torch.cuda.get_device_name(0)
     matching = [p for p in all_profiles().values() if any(known in name for known in p.device_names)]
-    if not matching:
-        return None
-    if gpus > 1:
-        peers = peer_access_enabled(gpus)
+    if gpus > 1 and matching:  # peer access as NCCL uses it: the GPUs reach each other and NCCL_P2P_DISABLE is unset
+        disabled = os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0")
+        others = range(1, min(gpus, torch.cuda.device_count()))
+        peers = not disabled and all(torch.cuda.can_device_access_peer(0, other) for other in others)
         matching = [p for p in matching if p.peer_access == peers] or matching
-    return matching[0]
+    return matching[0] if matching else None

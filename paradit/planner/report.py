@@ -11,16 +11,11 @@ from paradit.planner.plan import EXACT_PREMIUM, Option, PlanChoice
 
 RUNNERS_UP = 5
 RIVALS = 2
-COLLECTIVE_NAMES = {
-    "all_to_all": "all-to-all",
-    "send_recv": "point-to-point",
-    "all_reduce": "all-reduce",
-    "all_gather": "all-gather",
-}
+COLLECTIVE_NAMES = {"all_to_all": "all-to-all", "send_recv": "point-to-point", "all_reduce": "all-reduce",
+                    "all_gather": "all-gather"}  # fmt: skip
 
 
 def size(nbytes: float) -> str:
-    """Bytes the way the report speaks of them: GiB past 1 GiB, else MiB (KiB for less than one MiB)."""
     if nbytes == 0:
         return "0"
     if nbytes >= 2**30:
@@ -36,13 +31,11 @@ def traffic(option: Option, profile_gbps: dict[str, float]) -> str:
     if not cost.transfers:
         return "sends nothing between GPUs"
     main = max(cost.transfers, key=lambda t: t.ms)
-    text = (
+    hidden = ", hidden behind the next patch but for one patch's hop" if option.parallel.pipefusion > 1 else ""
+    return (
         f"sends {size(cost.bytes_sent)} per step: {main.ms:.1f} ms at {profile_gbps[main.collective]:g} GB/s "
-        f"({COLLECTIVE_NAMES[main.collective]})"
+        f"({COLLECTIVE_NAMES[main.collective]}){hidden}"
     )
-    if option.parallel.pipefusion > 1:
-        text += ", hidden behind the next patch but for one patch's hop"
-    return text
 
 
 def approximation_note(option: Option) -> str:
@@ -66,12 +59,12 @@ def why(choice: PlanChoice) -> str:
     link = choice.profile.link_gbps
     rivals: dict[tuple, Option] = {}
     for option in choice.ranked[1:]:
-        shape = tuple(name for name, degree in option.parallel.degrees() if degree > 1)
-        if option.parallel.degrees() != best.parallel.degrees() and shape not in rivals:
-            rivals[shape] = option
-    lines = [f"{best.describe()} computes {best.cost.compute_ms:.1f} ms and {traffic(best, link)}."]
-    for rival in list(rivals.values())[:RIVALS]:
-        lines.append(f"{rival.describe()} computes {rival.cost.compute_ms:.1f} ms and {traffic(rival, link)}.")
+        if option.parallel.degrees() != best.parallel.degrees():
+            rivals.setdefault(tuple(name for name, degree in option.parallel.degrees() if degree > 1), option)
+    lines = [
+        f"{option.describe()} computes {option.cost.compute_ms:.1f} ms and {traffic(option, link)}."
+        for option in [best, *list(rivals.values())[:RIVALS]]
+    ]
     exact = [o for o in choice.ranked if o.parallel.exact]
     quicker = [o for o in choice.ranked if not o.parallel.exact and o.mean_ms < best.mean_ms]
     if not best.parallel.exact and exact:
@@ -84,9 +77,8 @@ def why(choice: PlanChoice) -> str:
             f"{quicker[0].describe()} is predicted faster ({quicker[0].mean_ms:.1f} ms) but approximate "
             f"({approximation_note(quicker[0])}); an approximate plan must be {EXACT_PREMIUM:.0%} faster to rank first."
         )
-    faster = [o for o in choice.refused if o.mean_ms < best.mean_ms]
-    if faster:
-        quickest = min(faster, key=lambda o: o.mean_ms)
+    quickest = min((o for o in choice.refused if o.mean_ms < best.mean_ms), key=lambda o: o.mean_ms, default=None)
+    if quickest is not None:
         lines.append(
             f"{quickest.describe()} would take {quickest.mean_ms:.1f} ms but does not fit: it needs "
             f"{quickest.memory.describe()} against {gib(choice.profile.memory_bytes)} GiB."
@@ -105,22 +97,19 @@ def why(choice: PlanChoice) -> str:
 
 
 def command(choice: PlanChoice) -> str:
-    """The ``paradit generate`` flags that run the chosen option."""
     best, parallel = choice.best, choice.best.parallel
     flags = [f"--model {choice.spec.name}", f"--gpus {choice.gpus}"]
     for name, degree in parallel.degrees():
         if degree > 1:
             flags.append("--cfg-parallel" if name == "cfg" else f"--{name} {degree}")
-    if parallel.pipefusion > 1:
-        flags.append(f"--patches {parallel.patches} --warmup-steps {parallel.warmup_steps}")
-    if parallel.comm_dtype == "fp8":
-        flags.append("--comm-dtype fp8")
-    if best.fp8:
-        flags.append("--quantize fp8")
-    if best.cuda_graphs:
-        flags.append("--cuda-graphs")
-    if best.placement != "gpu":
-        flags.append(f"--text-encoder-placement {best.placement}")
+    optional = [
+        (parallel.pipefusion > 1, f"--patches {parallel.patches} --warmup-steps {parallel.warmup_steps}"),
+        (parallel.comm_dtype == "fp8", "--comm-dtype fp8"),
+        (best.fp8, "--quantize fp8"),
+        (best.cuda_graphs, "--cuda-graphs"),
+        (best.placement != "gpu", f"--text-encoder-placement {best.placement}"),
+    ]
+    flags += [flag for wanted, flag in optional if wanted]
     return "paradit generate " + " ".join(flags) + ' --prompt "..."'
 
 
@@ -137,14 +126,9 @@ def render(choice: PlanChoice) -> str:
         *choice.notes,
         "",
         f"  {'plan':<52} {'ms/step':>9} {'compute':>9} {'sent/step':>10} {'GPU mem':>10}  {'encoders':<8} result",
-    ]
-    lines.append(_row(choice.best, "*"))
-    lines += [_row(option, " ") for option in choice.ranked[1 : 1 + RUNNERS_UP]]
-    for option in sorted(choice.refused, key=lambda o: o.mean_ms)[:2]:
-        lines.append(_row(option, "x"))
-    if choice.single_gpu is not None:
-        lines.append(_row(choice.single_gpu, "1"))
-    lines += [
+        *(_row(option, "*" if option is choice.best else " ") for option in choice.ranked[: 1 + RUNNERS_UP]),
+        *(_row(option, "x") for option in sorted(choice.refused, key=lambda o: o.mean_ms)[:2]),
+        *([_row(choice.single_gpu, "1")] if choice.single_gpu is not None else []),
         "(* chosen; x does not fit in memory; 1 one GPU for comparison; ms/step averages the request's steps)",
         "",
         "Why: " + why(choice),

@@ -1,10 +1,9 @@
 """Tuned configurations: for every preset, GPU count (1, 2, 4) and hardware profile, the settings to run it with,
-shipped as data in ``paradit/configs/<profile>.json`` (written by ``python -m paradit.planner.tune``).
+shipped as data in ``paradit/configs/<profile>.json`` (written by ``python -m benchmarks.tune_configs``).
 
-An entry holds the plan, FP8 or not, the prompt encoders' placement, CUDA graphs or not, PipeFusion's patches, the
-request it was planned for (the preset's defaults), and where its figure comes from: a measurement (where, when,
-which command) or the planner's prediction. ``paradit generate --gpus N`` with no parallel flag runs the entry of
-the detected profile when the request matches it; any parallel flag replaces it.
+An entry's figure is a measurement (where, when, which command) or the planner's prediction. ``paradit generate
+--gpus N`` with no parallel flag runs the entry of the detected profile when the request matches it (the preset's
+defaults, which it was planned for); any parallel flag replaces it.
 
 Must not import torch.distributed.
 """
@@ -18,20 +17,10 @@ from functools import cache
 from pathlib import Path
 
 from paradit.parallel.config import ParallelConfig
+from paradit.planner.plan import Request
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 GPU_COUNTS = (1, 2, 4)
-
-
-@dataclass(frozen=True)
-class PlannedRequest:
-    """The request an entry was planned for: size, frames, steps and samples a step (2: both guidance branches)."""
-
-    height: int
-    width: int
-    frames: int | None
-    steps: int
-    batch: int
 
 
 @dataclass(frozen=True)
@@ -40,7 +29,7 @@ class TunedEntry:
 
     preset: str
     gpus: int
-    request: PlannedRequest
+    request: Request  # what it was planned for
     parallel: ParallelConfig | None = None
     quantize: str = "none"
     text_encoder_placement: str = "gpu"
@@ -77,11 +66,8 @@ class TunedEntry:
 
     @classmethod
     def from_json(cls, data: dict) -> TunedEntry:
-        values = dict(data)
-        values["request"] = PlannedRequest(**data["request"])
-        if "parallel" in data:
-            values["parallel"] = ParallelConfig(**data["parallel"])
-        return cls(**values)
+        parallel = ParallelConfig(**data["parallel"]) if "parallel" in data else None
+        return cls(**{**data, "request": Request(**data["request"]), "parallel": parallel})
 
 
 def config_file(profile: str) -> Path:
@@ -90,7 +76,6 @@ def config_file(profile: str) -> Path:
 
 @cache
 def tuned_entries(profile: str) -> dict[tuple[str, int], TunedEntry]:
-    """(preset, GPUs) -> entry, for one profile (empty when the profile has no file)."""
     path = config_file(profile)
     if not path.is_file():
         return {}

@@ -5,7 +5,6 @@ Must not import torch.
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
 from concurrent.futures import Future
@@ -15,13 +14,11 @@ from typing import TYPE_CHECKING
 from paradit.errors import ParaditError
 
 if TYPE_CHECKING:
-    from paradit.pipelines.base import ResolvedRequest
-    from paradit.request import GenerationRequest, GenerationResult
+    from paradit.pipelines.requests import ResolvedRequest
+    from paradit.request import GenerationResult
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 FINAL = (COMPLETED, FAILED, CANCELLED)
-
-_ORDER = itertools.count()
 
 
 class QueueFull(ParaditError):
@@ -46,18 +43,15 @@ class JobCancelled(ParaditError):
 
 @dataclass(eq=False)
 class Job:
-    """One API request: ``request`` (its seed drawn already, so that the answer can name it), ``resolved`` (the
-    model's defaults filled in), the batching ``key`` (requests with equal keys may share a forward pass; None runs
-    alone), and its outcome: ``future`` ends with the GenerationResult or the error. ``state`` and the times change
-    under the scheduler's lock."""
+    """One API request: ``resolved`` (the model's defaults filled in and its seed drawn, once: the engine runs it as
+    it is, and the answer names the seed), the batching ``key`` (requests with equal keys may share a forward pass;
+    None runs alone), and its outcome: ``future`` ends with the GenerationResult or the error. ``state`` and the
+    times change under the scheduler's lock."""
 
-    request: GenerationRequest
     resolved: ResolvedRequest
     key: tuple | None
     deadline: float  # time.monotonic() past which it times out
-    video: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    order: int = field(default_factory=lambda: next(_ORDER))
     created: float = field(default_factory=time.time)
     queued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None

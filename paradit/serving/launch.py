@@ -6,6 +6,7 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -14,31 +15,26 @@ from dataclasses import dataclass, field
 import torch
 import uvicorn
 
-from paradit.engine import Engine, default_plan_for, resolve_model
+from paradit.engine import Engine
 from paradit.errors import InvalidRequest
-from paradit.families import FAMILIES
-from paradit.optimize import ExecutionOptions
-from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
 from paradit.serving.metrics import Metrics
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.server import ServerConfig, create_app
+from paradit.settings import Asked, settle
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """What ``paradit serve`` was asked for; ``gpus`` are CPU processes with ``device="cpu"``."""
+    """What ``paradit serve`` was asked for: the model and how it executes (``asked``, as ``generate`` takes it:
+    unset options follow the tuned choice for a group's size), ``gpus`` in groups of ``group_size`` (CPU processes
+    with ``device="cpu"``), and the queue's limits."""
 
-    model: str
+    asked: Asked = field(default_factory=Asked)
     gpus: int = 1
     group_size: int | str | None = None  # default: all of them in one group; "auto": see Scheduler
-    device: str | None = None
-    dtype: str | None = None
-    load_format: str = "auto"
-    options: ExecutionOptions = field(default_factory=ExecutionOptions)
-    max_gpu_memory: str | None = None
     max_batch: int = 1
     max_queue: int = 64
     timeout_s: float = 600.0
@@ -46,29 +42,29 @@ class ServeSettings:
 
 
 def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Scheduler, ServerConfig]:
-    """The scheduler over ``gpus / group_size`` groups, each an engine on its own devices with the plan ``generate``
-    would choose for ``group_size`` GPUs, warmed up before it serves (not started yet), and what the app needs to
-    know. ``auto``: a group over every GPU, then one group on each GPU (the scheduler picks per batch)."""
-    spec = resolve_model(settings.model, settings.load_format)
+    """The scheduler over ``gpus / group_size`` groups, each an engine on its own devices with the settings
+    ``generate`` would settle for ``group_size`` GPUs, warmed up before it serves (not started yet), and what the app
+    needs to know. ``auto``: a group over every GPU, then one group on each GPU (the scheduler picks per batch)."""
     auto = settings.group_size == "auto"
     if auto and settings.gpus < 2:
         raise InvalidRequest("--group-size auto needs --gpus 2 or more (it chooses between splitting and not)")
     group_size = settings.gpus if auto else settings.group_size or settings.gpus
     if settings.gpus % group_size:
         raise InvalidRequest(f"--gpus {settings.gpus} is not a multiple of --group-size {group_size}")
-    plan = default_plan_for(spec, group_size)
-    on_cpu = (settings.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+    grouped = settle(dataclasses.replace(settings.asked, gpus=group_size))
+    if grouped.origin is not None:
+        logger.warning("%s", grouped.origin)
+    alone = settle(dataclasses.replace(settings.asked, model=grouped.spec, gpus=1)) if auto else None
+    on_cpu = grouped.device.type == "cpu"
     # Every worker process shares the cores: one group's would otherwise each take them all.
     cpu_threads = max(1, (os.cpu_count() or 1) // settings.gpus) if on_cpu else None
 
     def build(index: int) -> Engine:
-        alone = auto and index > 0  # under auto, group i > 0 is GPU i - 1 on its own
-        first = index - 1 if alone else index * group_size
-        device = "cpu" if on_cpu else f"cuda:{first}"
-        engine = Engine(
-            spec, device=device, dtype=settings.dtype, parallel=ParallelConfig() if alone else plan,
-            options=settings.options, max_gpu_memory=settings.max_gpu_memory, isolate=True, cpu_threads=cpu_threads,
-        )  # fmt: skip
+        single = auto and index > 0  # under auto, group i > 0 is GPU i - 1 on its own
+        first = index - 1 if single else index * group_size
+        run = alone if single else grouped
+        run = run if on_cpu else dataclasses.replace(run, device=torch.device("cuda", first))
+        engine = Engine(settings=run, isolate=True, cpu_threads=cpu_threads)
         try:  # one step at the model's default size per batch size, so that no client pays a first run's costs
             for images in range(1, settings.max_batch + 1):  # (compiled blocks: one graph per batch size)
                 engine.generate(GenerationRequest(prompt="warm-up", steps=1, num_images_per_prompt=images))
@@ -77,13 +73,13 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
             raise
         return engine
 
-    pipeline = FAMILIES[spec.family].pipeline
+    spec, family = grouped.spec, grouped.family
     scheduler = Scheduler(
         build, settings.gpus + 1 if auto else settings.gpus // group_size,
-        lambda request: pipeline.resolve_request(spec, request), metrics, max_batch=settings.max_batch,
+        lambda request: family.resolve_request(spec, request), metrics, max_batch=settings.max_batch,
         max_queue=settings.max_queue, timeout_s=settings.timeout_s, auto=auto,
     )  # fmt: skip
-    return scheduler, ServerConfig(spec.name, video=pipeline.VIDEO, api_key=settings.api_key)
+    return scheduler, ServerConfig(spec.name, video=family.video, api_key=settings.api_key)
 
 
 class DrainingServer(uvicorn.Server):
@@ -109,7 +105,6 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Start the groups, then listen until a signal has drained the server."""
     metrics = Metrics()
     scheduler, config = build_scheduler(settings, metrics)
     app = create_app(scheduler, config, metrics)

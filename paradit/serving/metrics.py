@@ -6,48 +6,44 @@ Must not import torch.
 
 from __future__ import annotations
 
+from functools import partial
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # From a tiny model's step on a CPU to a long video on a loaded server.
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 600, 1800)
-PHASES = ("queue", "text_encode", "denoise", "decode", "encode", "total")
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        registry = self.registry
-        self.queue_depth = Gauge("paradit_queue_depth", "Requests waiting for a group.", registry=registry)
-        self.requests = Counter(
-            "paradit_requests", "Requests answered, by endpoint and outcome.", ["endpoint", "outcome"],
-            registry=registry,
-        )  # fmt: skip
-        self.latency = Histogram(
+        gauge, counter, histogram = (partial(kind, registry=self.registry) for kind in (Gauge, Counter, Histogram))
+        self.queue_depth = gauge("paradit_queue_depth", "Requests waiting for a group.")
+        self.requests = counter(
+            "paradit_requests", "Requests answered, by endpoint and outcome.", ["endpoint", "outcome"]
+        )
+        self.latency = histogram(
             "paradit_latency_seconds",
             "Seconds per phase: queue (waiting for a group), text_encode, denoise and decode (the group's run), "
             "encode (the image or video file), total (the HTTP request).",
-            ["phase"], buckets=SECONDS_BUCKETS, registry=registry,
+            ["phase"], buckets=SECONDS_BUCKETS,
         )  # fmt: skip
-        self.batch_images = Histogram(
-            "paradit_batch_images", "Images per forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64), registry=registry
+        self.batch_images = histogram(
+            "paradit_batch_images", "Images per forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64)
         )
-        self.steps = Counter("paradit_denoise_steps", "Denoise steps run.", ["group"], registry=registry)
-        self.steps_per_second = Gauge(
-            "paradit_steps_per_second", "Denoise steps per second in each group's last run.", ["group"],
-            registry=registry,
-        )  # fmt: skip
-        self.peak_memory = Gauge(
+        self.steps = counter("paradit_denoise_steps", "Denoise steps run.", ["group"])
+        self.steps_per_second = gauge(
+            "paradit_steps_per_second", "Denoise steps per second in each group's last run.", ["group"]
+        )
+        self.peak_memory = gauge(
             "paradit_peak_memory_bytes",
             "Peak memory in each group's last run, per worker (device memory on GPUs, process RSS on the CPU).",
-            ["group", "rank"], registry=registry,
-        )  # fmt: skip
-        self.restarts = Counter(
-            "paradit_group_restarts", "Worker groups rebuilt after a worker died.", ["group"], registry=registry
+            ["group", "rank"],
         )
-        self.mode_switches = Counter(
+        self.restarts = counter("paradit_group_restarts", "Worker groups rebuilt after a worker died.", ["group"])
+        self.mode_switches = counter(
             "paradit_group_mode_switches",
             "Times --group-size auto switched between splitting batches across every GPU and independent batches.",
-            registry=registry,
         )
 
     def record_run(self, group: int, timings, images: int) -> None:
@@ -64,5 +60,4 @@ class Metrics:
             self.peak_memory.labels(str(group), str(rank)).set(peak)
 
     def exposition(self) -> tuple[bytes, str]:
-        """The metrics in Prometheus' text format, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

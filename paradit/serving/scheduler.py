@@ -22,7 +22,6 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from paradit.errors import ParaditError
+from paradit.pipelines.requests import batch_key
 from paradit.serving.jobs import (
     CANCELLED,
     COMPLETED,
@@ -48,7 +48,7 @@ from paradit.worker import RequestCancelled, RequestFailed, WorkerFailure
 
 if TYPE_CHECKING:
     from paradit.engine import Engine
-    from paradit.pipelines.base import ResolvedRequest
+    from paradit.pipelines.requests import ResolvedRequest
     from paradit.request import GenerationRequest, GenerationResult
     from paradit.serving.metrics import Metrics
 
@@ -58,15 +58,6 @@ STARTING, SERVING, RESTARTING, STOPPED = "starting", "serving", "restarting", "s
 RESTART_BACKOFF_S = 2.0  # between attempts to rebuild a group whose rebuild failed
 WATCH_S = 0.05  # how often deadlines are checked
 CLOSE_S = 30  # how long closing waits for a group's thread to end its run
-
-
-def batch_key(resolved: ResolvedRequest) -> tuple | None:
-    """What requests must share to run as one batch: everything but prompts, seeds and image counts. None for a
-    request with an input image, which runs alone."""
-    if resolved.image is not None:
-        return None
-    return (resolved.height, resolved.width, resolved.steps, resolved.guidance, resolved.guidance_2, resolved.frames,
-            resolved.negative_prompts is None)  # fmt: skip
 
 
 class Group:
@@ -107,9 +98,8 @@ class Group:
             try:
                 engine = self._build(self.index)
             except Exception as exc:  # noqa: BLE001 - reported, or retried
-                if self.restarts == 0:
+                if self.restarts == 0:  # ``_serve`` then stops the group
                     self.error = exc
-                    self._scheduler.set_state(self, STOPPED)
                     return False
                 logger.exception("group %d could not be rebuilt; retrying in %s s", self.index, RESTART_BACKOFF_S)
                 time.sleep(RESTART_BACKOFF_S)
@@ -122,7 +112,7 @@ class Group:
     def _run(self, batch: list[Job]) -> None:
         scheduler = self._scheduler
         try:
-            results = self.engine.generate([job.request for job in batch])
+            results = self.engine.generate([job.resolved for job in batch])
         except WorkerFailure as exc:
             scheduler.finish(self, exc)
             logger.error("group %d: %s; rebuilding it", self.index, exc)
@@ -190,9 +180,8 @@ class Scheduler:
     def submit(self, request: GenerationRequest, video: bool = False) -> Job:
         """Queue a request, its seed drawn now if it has none; raises InvalidRequest, QueueFull or Draining."""
         resolved = self._check(request)
-        request = dataclasses.replace(request, seed=resolved.seed)
         key = None if video else batch_key(resolved)
-        job = Job(request, resolved, key, deadline=time.monotonic() + self.timeout_s, video=video)
+        job = Job(resolved, key, deadline=time.monotonic() + self.timeout_s)
         with self._changed:
             if not self.accepting:
                 raise Draining("the server is shutting down and takes no new requests")
@@ -241,8 +230,7 @@ class Scheduler:
         with self._changed:
             self.accepting, self.closing = False, True
             for job in list(self._queue):
-                self._queue.remove(job)
-                self._end(job, Draining("the server stopped before running the request"))
+                self._abandon(job, Draining("the server stopped before running the request"))
             for group in self.groups:
                 for job in group.batch:
                     self._abandon(job, Draining("the server stopped while running the request"))

@@ -27,7 +27,6 @@ from starlette.exceptions import HTTPException
 
 from paradit import __version__
 from paradit.errors import InvalidRequest, ParaditError
-from paradit.request import GenerationRequest
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
 from paradit.serving.media import MEDIA_TYPES, encode_image
 from paradit.serving.metrics import Metrics
@@ -90,16 +89,14 @@ def validation_error(request: Request, exc: RequestValidationError) -> JSONRespo
     """400 naming each field that is wrong and what it takes."""
     problems, params = [], []
     for error in exc.errors():
-        # A JSON syntax error's location is a character offset: the body is what is wrong.
-        located = error["type"] != "json_invalid"
-        field = ".".join(str(part) for part in error["loc"] if part != "body") if located else "body"
-        field, message = field or "body", error["msg"]
+        field = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
+        message = error["msg"]
         if error["type"] == "extra_forbidden":
             message = "unknown field; see the schema at /docs for the fields this API takes"
         elif error["type"] == "string_pattern_mismatch" and field == "size":
             message = 'give WIDTHxHEIGHT in pixels (such as "1024x1024") or "auto"'
-        elif error["type"] == "json_invalid":
-            message = f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'syntax')})"
+        elif error["type"] == "json_invalid":  # its location is a character offset: the body is what is wrong
+            field, message = "body", f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'syntax')})"
         problems.append(f"{field}: {message}")
         params.append(field)
     return error_response(400, "; ".join(problems), "invalid_request_error", params[0] if params else None)
@@ -110,21 +107,23 @@ def http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
 
 
-class BodyLimit:
-    """ASGI middleware: a body past ``max_bytes`` (declared or streamed) gets 413 before anything parses it."""
+class BodyTooLarge(Exception):
+    pass
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
+
+class Gate:
+    """ASGI middleware in front of every HTTP request: a body past ``max_bytes`` (declared or streamed) gets 413
+    before anything parses it; every answer is counted by route and outcome, the generation routes timed end to end."""
+
+    TIMED = {"/v1/images/generations", "/v1/videos"}
+
+    def __init__(self, app, max_bytes: int, metrics: Metrics) -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and int(declared) > self.max_bytes:
-            return await self.refuse(scope, receive, send)
-        received = 0
-        started = False
+        start, status, received = time.perf_counter(), None, 0
 
         async def limited_receive():
             nonlocal received
@@ -134,40 +133,6 @@ class BodyLimit:
                 raise BodyTooLarge
             return message
 
-        async def tracking_send(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self.refuse(scope, receive, send)
-
-    async def refuse(self, scope, receive, send) -> None:
-        message = f"the body is larger than this server's limit of {self.max_bytes} bytes"
-        await error_response(413, message, "invalid_request_error", "body")(scope, receive, send)
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class Observe:
-    """ASGI middleware: counts every answer by route and outcome, and times the generation routes end to end."""
-
-    TIMED = {"/v1/images/generations", "/v1/videos"}
-
-    def __init__(self, app, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, status = time.perf_counter(), 500
-
         async def recording_send(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
@@ -175,34 +140,36 @@ class Observe:
             await send(message)
 
         try:
-            await self.app(scope, receive, recording_send)
+            if int(dict(scope["headers"]).get(b"content-length", 0)) > self.max_bytes:
+                raise BodyTooLarge
+            await self.app(scope, limited_receive, recording_send)
+        except BodyTooLarge:
+            if status is None:  # nothing answered yet
+                message = f"the body is larger than this server's limit of {self.max_bytes} bytes"
+                await error_response(413, message, "invalid_request_error", "body")(scope, receive, recording_send)
         finally:
             route = scope.get("route")  # set by the router once it matched
             path = route.path if route is not None else "unmatched"
-            self.metrics.requests.labels(path, outcome(status)).inc()
+            self.metrics.requests.labels(path, outcome(status or 500)).inc()
             if path in self.TIMED and scope["method"] == "POST":
                 self.metrics.latency.labels("total").observe(time.perf_counter() - start)
 
 
 def outcome(status: int) -> str:
     named = {401: "unauthorized", 413: "too_large", 429: "rejected", 503: "unavailable", 504: "timeout"}
-    if status < 400:
-        return "ok"
     if status == CLIENT_GONE:
         return "cancelled"
-    return named.get(status, "invalid" if status < 500 else "failed")
+    return "ok" if status < 400 else named.get(status, "invalid" if status < 500 else "failed")
 
 
 def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(
         title="paradit", version=__version__, description="OpenAI-compatible image and video generation.",
         responses={code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 500, 503, 504)},
+        exception_handlers={ParaditError: paradit_error, RequestValidationError: validation_error,
+                            HTTPException: http_error},
     )  # fmt: skip
-    app.add_exception_handler(ParaditError, paradit_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    app.add_middleware(Observe, metrics=metrics)
+    app.add_middleware(Gate, max_bytes=config.max_body_bytes, metrics=metrics)
     files = FileStore(config.file_store_bytes)
     videos = VideoJobs(scheduler, files, config.model)
     app.state.videos = videos
@@ -241,25 +208,17 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         check_model(body.model, wants_video=False)
         if body.output_compression is not None and body.output_format == "png":
             raise InvalidRequest("output_compression applies to jpeg and webp; png is lossless")
-        width, height = body.width_height()
-        job = scheduler.submit(
-            GenerationRequest(
-                prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
-                steps=body.steps, guidance=body.guidance, seed=body.seed, num_images_per_prompt=body.n,
-            )
-        )  # fmt: skip
+        job = scheduler.submit(body.request(num_images_per_prompt=body.n))
         try:
             result = await outcome_of(job, request)
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
-        start = time.perf_counter()
-        encoded = await run_in_threadpool(
-            lambda: [encode_image(image, body.output_format, body.output_compression) for image in result.images]
-        )
-        metrics.latency.labels("encode").observe(time.perf_counter() - start)
+        with metrics.latency.labels("encode").time():
+            encoded = await run_in_threadpool(
+                lambda: [encode_image(image, body.output_format, body.output_compression) for image in result.images]
+            )
         if body.response_format == "url":
-            media_type = MEDIA_TYPES[body.output_format]
-            names = [files.put(data, media_type, body.output_format) for data in encoded]
+            names = [files.put(data, MEDIA_TYPES[body.output_format], body.output_format) for data in encoded]
             data = [ImageData(url=str(request.url_for("get_file", name=name))) for name in names]
         else:
             data = [ImageData(b64_json=base64.b64encode(item).decode()) for item in encoded]
@@ -269,25 +228,19 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             size=f"{resolved.width}x{resolved.height}", seed=resolved.seed, plan=job.plan,
         )  # fmt: skip
 
+    def stored_file(stored: tuple[bytes, str] | None, missing: str) -> Response:
+        if stored is None:
+            raise HTTPException(404, missing)
+        return Response(stored[0], media_type=stored[1])
+
     @api.get("/v1/files/{name}", name="get_file")
     async def get_file(name: str):
-        stored = files.get(name)
-        if stored is None:
-            raise HTTPException(404, f"no file {name!r}: it never existed or has expired")
-        return Response(stored[0], media_type=stored[1])
+        return stored_file(files.get(name), f"no file {name!r}: it never existed or has expired")
 
     @api.post("/v1/videos", response_model=VideoJob)
     async def create_video(body: VideoBody):
         check_model(body.model, wants_video=True)
-        width, height = body.width_height()
-        entry = videos.create(
-            GenerationRequest(
-                prompt=body.prompt, negative_prompt=body.negative_prompt, height=height, width=width,
-                steps=body.steps, guidance=body.guidance, guidance_2=body.guidance_2, seed=body.seed,
-                frames=body.frames, fps=body.fps,
-            )
-        )  # fmt: skip
-        return videos.view(entry)
+        return videos.view(videos.create(body.request(guidance_2=body.guidance_2, frames=body.frames, fps=body.fps)))
 
     def video_entry(video_id: str):
         entry = videos.get(video_id)
@@ -305,10 +258,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         status = videos.view(entry).status
         if status != "completed":
             raise HTTPException(409, f"video job {video_id} is {status}; its content is there once it is completed")
-        content = videos.content(entry)
-        if content is None:
-            raise HTTPException(404, f"video job {video_id}'s content has expired")
-        return Response(content[0], media_type=content[1])
+        return stored_file(files.get(entry.content), f"video job {video_id}'s content has expired")
 
     @api.delete("/v1/videos/{video_id}", response_model=DeletedVideo)
     async def delete_video(video_id: str):
@@ -332,11 +282,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
     @app.get("/health", response_model=Health)
     async def health():
         status, queued, groups = scheduler.health()
-        answer = Health(
-            status=status, queue=queued,
-            groups=[GroupHealth(index=g.index, state=g.state, plan=g.plan, workers=g.workers, restarts=g.restarts)
-                    for g in groups],
-        )  # fmt: skip
+        rows = [GroupHealth.model_validate(group, from_attributes=True) for group in groups]
+        answer = Health(status=status, queue=queued, groups=rows)
         return JSONResponse(answer.model_dump(), status_code=200 if status in ("ok", "degraded") else 503)
 
     started = time.time()

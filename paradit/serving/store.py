@@ -29,12 +29,11 @@ class FileStore:
                 self._bytes -= len(old)
         return name
 
-    def get(self, name: str) -> tuple[bytes, str] | None:
-        """The file's bytes and media type, or None if it never was or has left."""
+    def get(self, name: str | None) -> tuple[bytes, str] | None:
         with self._lock:
             return self._files.get(name)
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str | None) -> None:
         with self._lock:
             data, _ = self._files.pop(name, (b"", ""))
             self._bytes -= len(data)

@@ -13,12 +13,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from paradit.errors import ParaditError
+from paradit.outputs import encode_mp4
 from paradit.serving.jobs import CANCELLED, COMPLETED, FAILED, FINAL, Job, JobCancelled
 from paradit.serving.media import MEDIA_TYPES
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.schemas import ErrorInfo, VideoJob
 from paradit.serving.store import FileStore
-from paradit.video import encode_mp4
 
 DEFAULT_FPS = 16  # for a model that names no frame rate
 
@@ -47,8 +47,7 @@ class VideoJobs:
             self._entries[entry.job.id] = entry
             while len(self._entries) > self.keep:
                 _, old = self._entries.popitem(last=False)
-                if old.content is not None:
-                    self.files.remove(old.content)
+                self.files.remove(old.content)
         entry.job.future.add_done_callback(lambda future: self._encode(entry, future))
         return entry
 
@@ -66,8 +65,7 @@ class VideoJobs:
         status = self.view(entry).status
         with self._lock:
             self._entries.pop(entry.job.id, None)
-        if entry.content is not None:
-            self.files.remove(entry.content)
+        self.files.remove(entry.content)
         return status
 
     def view(self, entry: VideoEntry) -> VideoJob:
@@ -87,14 +85,10 @@ class VideoJobs:
             size=f"{resolved.width}x{resolved.height}", frames=resolved.frames, seed=resolved.seed, error=error,
         )  # fmt: skip
 
-    def content(self, entry: VideoEntry) -> tuple[bytes, str] | None:
-        return None if entry.content is None else self.files.get(entry.content)
-
     def _encode(self, entry: VideoEntry, future: Future) -> None:
         if future.cancelled() or future.exception() is not None:
             return
-        fps = entry.job.resolved.fps or DEFAULT_FPS
-        self._encoder.submit(self._write, entry, future.result().frames[0], fps)
+        self._encoder.submit(self._write, entry, future.result().frames[0], entry.job.resolved.fps or DEFAULT_FPS)
 
     def _write(self, entry: VideoEntry, frames, fps: int) -> None:
         try:

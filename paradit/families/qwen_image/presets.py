@@ -13,26 +13,14 @@ from paradit.spec import ModelSpec
 # The published scheduler config: dynamic shifting with mu from the image size (up to 8192 tokens), and the sigma
 # ladder stretched so that its last step lands at 0.02.
 QWEN_IMAGE_SCHEDULER = {
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 0.9,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 8192,
-    "shift_terminal": 0.02,
-    "time_shift_type": "exponential",
-}
+    "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9,
+    "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02, "time_shift_type": "exponential",
+}  # fmt: skip
 
 # AutoencoderKLQwenImage as published (its defaults, the Wan 2.1 VAE): 16 channels, 8x spatial stride.
 QWEN_IMAGE_VAE: dict[str, Any] = {
-    "base_dim": 96,
-    "z_dim": 16,
-    "dim_mult": [1, 2, 4, 4],
-    "num_res_blocks": 2,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "dropout": 0.0,
+    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+    "temperal_downsample": [False, True, True], "dropout": 0.0,
     "latents_mean": [
         -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
         0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
@@ -92,34 +80,17 @@ QWEN_IMAGE_TINY_TEXT_ENCODER: dict[str, Any] = {
 }  # fmt: skip
 QWEN_IMAGE_TINY_VAE = {**QWEN_IMAGE_VAE, "base_dim": 8, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
 
-QWEN_IMAGE_PRESETS: list[ModelSpec] = [
+PRESETS: list[ModelSpec] = [
     ModelSpec(
-        name="qwen-image",
-        family="qwen_image",
+        name="qwen-image", family="qwen_image",
         description="Qwen-Image, 20B MMDiT (60 dual-stream blocks), true CFG; Qwen2.5-VL-7B text encoder",
-        transformer=_QWEN_IMAGE,
-        text_encoder=QWEN25_VL_7B,
-        vae=QWEN_IMAGE_VAE,
-        scheduler=QWEN_IMAGE_SCHEDULER,
-        guidance_mode="cfg",
-        steps=50,
-        guidance=4.0,
-        height=1024,
-        width=1024,
-        hub_id="Qwen/Qwen-Image",
+        transformer=_QWEN_IMAGE, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, scheduler=QWEN_IMAGE_SCHEDULER,
+        guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024, hub_id="Qwen/Qwen-Image",
     ),
     ModelSpec(
-        name="qwen-image-tiny",
-        family="qwen_image",
+        name="qwen-image-tiny", family="qwen_image",
         description="a few-million-parameter Qwen-Image, random weights, for demos and tests",
-        transformer=QWEN_IMAGE_TINY_TRANSFORMER,
-        text_encoder=QWEN_IMAGE_TINY_TEXT_ENCODER,
-        vae=QWEN_IMAGE_TINY_VAE,
-        scheduler=QWEN_IMAGE_SCHEDULER,
-        guidance_mode="cfg",
-        steps=8,
-        guidance=4.0,
-        height=128,
-        width=128,
+        transformer=QWEN_IMAGE_TINY_TRANSFORMER, text_encoder=QWEN_IMAGE_TINY_TEXT_ENCODER, vae=QWEN_IMAGE_TINY_VAE,
+        scheduler=QWEN_IMAGE_SCHEDULER, guidance_mode="cfg", steps=8, guidance=4.0, height=128, width=128,
     ),
-]
+]  # fmt: skip

@@ -16,7 +16,7 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,17 +24,18 @@ import torch
 from torch import nn
 
 from paradit.errors import CheckpointError
-from paradit.layers.attention import AttentionDispatch, joint_qkv
-from paradit.layers.embeddings import TimestepMLP, sinusoidal_embedding
-from paradit.layers.norms import AdaLayerNormOut
+from paradit.layers import stages
+from paradit.layers.attention import JointAttention, QKVAttention
+from paradit.layers.embeddings import TimestepEmbed
+from paradit.layers.feedforward import GeluFeedForward
+from paradit.layers.modulation import AdaLayerNormOut, Modulation, split_modulation
+from paradit.layers.stages import HeadsConfig, StagedTransformer
 
 EPS = 1e-6  # every norm of the published model, qk norms included
 
 
 @dataclass(frozen=True)
-class SD3Config:
-    """The keyword arguments of diffusers' ``SD3Transformer2DModel`` (its ``transformer/config.json``)."""
-
+class SD3Config(HeadsConfig):
     sample_size: int = 128
     patch_size: int = 2
     in_channels: int = 16
@@ -51,23 +52,11 @@ class SD3Config:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SD3Config:
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in config.items() if k in names}
-        if "dual_attention_layers" in values:
-            values["dual_attention_layers"] = tuple(values["dual_attention_layers"])
-        if values.get("qk_norm") not in (None, "rms_norm"):
+        if config.get("qk_norm") not in (None, "rms_norm"):
             raise CheckpointError(
-                f"qk_norm {values['qk_norm']!r} is not supported; SD3 checkpoints use None or 'rms_norm'"
+                f"qk_norm {config['qk_norm']!r} is not supported; SD3 checkpoints use None or 'rms_norm'"
             )
-        return cls(**values)
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
-    def output_channels(self) -> int:
-        return self.out_channels or self.in_channels
+        return super().from_dict(config)
 
 
 def sincos_position_table(dim: int, grid: int, base_size: int) -> torch.Tensor:
@@ -123,118 +112,16 @@ class PatchEmbed(nn.Module):
         return (tokens + self.cropped_table(rows, cols)).to(tokens.dtype)
 
 
-class TextProjection(nn.Module):
-    """Pooled text embedding -> model width: linear_1 -> SiLU -> linear_2."""
-
-    def __init__(self, in_features: int, dim: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_features, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(nn.functional.silu(self.linear_1(pooled)))
-
-
-class TimeTextEmbed(nn.Module):
-    """The conditioning vector: the timestep's sinusoidal features through an MLP, plus the pooled text projection."""
-
-    TIMESTEP_CHANNELS = 256
-
-    def __init__(self, dim: int, pooled_dim: int) -> None:
-        super().__init__()
-        self.timestep_embedder = TimestepMLP(self.TIMESTEP_CHANNELS, dim)
-        self.text_embedder = TextProjection(pooled_dim, dim)
-
-    def forward(self, timestep: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        features = sinusoidal_embedding(timestep, self.TIMESTEP_CHANNELS).to(pooled.dtype)
-        return self.timestep_embedder(features) + self.text_embedder(pooled)
-
-
-class AdaLayerNormZero(nn.Module):
-    """SiLU then one projection of the conditioning vector to ``sets`` (shift, scale, gate) triples; the first triple
-    modulates attention's input, the second the MLP's, a third (dual-attention blocks) the image-only attention's."""
+class AdaLayerNormZero(Modulation):
+    """The modulation triples, split, and the LayerNorm they modulate (``norm``): the first triple modulates
+    attention's input, the second the MLP's, a third (dual-attention blocks) the image-only attention's."""
 
     def __init__(self, dim: int, sets: int) -> None:
-        super().__init__()
-        self.sets = sets
-        self.linear = nn.Linear(dim, dim * 3 * sets)
+        super().__init__(dim, sets)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
 
-    def forward(self, temb: torch.Tensor) -> list[torch.Tensor]:
-        return [chunk[:, None, :] for chunk in self.linear(nn.functional.silu(temb)).chunk(3 * self.sets, dim=-1)]
-
-
-class GeluProjection(nn.Module):
-    def __init__(self, dim: int, inner: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, inner)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.gelu(self.proj(x), approximate="tanh")
-
-
-class FeedForward(nn.Module):
-    """dim -> 4 dim (tanh-approximated GELU) -> dim."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        # The checkpoint numbers the output projection 2 (a dropout sat at 1); Identity keeps that numbering.
-        self.net = nn.ModuleList([GeluProjection(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](self.net[0](x))
-
-
-def _qk_norm(config: SD3Config) -> nn.Module:
-    return nn.RMSNorm(config.attention_head_dim, eps=EPS) if config.qk_norm == "rms_norm" else nn.Identity()
-
-
-class JointAttention(AttentionDispatch):
-    """Attention over [image, text], each stream with its own projections and qk norms. In the last block the text
-    stream is read (keys, values and, as in the reference, queries) but its output is not projected back."""
-
-    def __init__(self, config: SD3Config, context_pre_only: bool) -> None:
-        super().__init__(sequence_streams=("img", "txt"))
-        dim, self.head_dim = config.inner_dim, config.attention_head_dim
-        self.to_q = nn.Linear(dim, dim)
-        self.to_k = nn.Linear(dim, dim)
-        self.to_v = nn.Linear(dim, dim)
-        self.norm_q = _qk_norm(config)
-        self.norm_k = _qk_norm(config)
-        self.add_q_proj = nn.Linear(dim, dim)
-        self.add_k_proj = nn.Linear(dim, dim)
-        self.add_v_proj = nn.Linear(dim, dim)
-        self.norm_added_q = _qk_norm(config)
-        self.norm_added_k = _qk_norm(config)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
-        self.to_add_out = None if context_pre_only else nn.Linear(dim, dim)
-
-    def forward(self, img: torch.Tensor, txt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q, k, v = joint_qkv(self, img, txt, text_first=False)
-        out = self.attend(q, k, v).flatten(2).to(q.dtype)
-        img_out, txt_out = out.split([img.shape[1], txt.shape[1]], dim=1)
-        return self.to_out[0](img_out), None if self.to_add_out is None else self.to_add_out(txt_out)
-
-
-class ImageSelfAttention(AttentionDispatch):
-    """SD3.5's second attention in the dual-attention blocks: image tokens only."""
-
-    def __init__(self, config: SD3Config) -> None:
-        super().__init__(sequence_streams=("img",))
-        dim, self.head_dim = config.inner_dim, config.attention_head_dim
-        self.to_q = nn.Linear(dim, dim)
-        self.to_k = nn.Linear(dim, dim)
-        self.to_v = nn.Linear(dim, dim)
-        self.norm_q = _qk_norm(config)
-        self.norm_k = _qk_norm(config)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
-
-    def forward(self, img: torch.Tensor) -> torch.Tensor:
-        heads = (-1, self.head_dim)
-        q = self.norm_q(self.to_q(img).unflatten(-1, heads))
-        k = self.norm_k(self.to_k(img).unflatten(-1, heads))
-        v = self.to_v(img).unflatten(-1, heads)
-        return self.to_out[0](self.attend(q, k, v).flatten(2).to(q.dtype))
+    def forward(self, temb: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return split_modulation(super().forward(temb), self.sets)
 
 
 class JointTransformerBlock(nn.Module):
@@ -246,32 +133,34 @@ class JointTransformerBlock(nn.Module):
 
     def __init__(self, config: SD3Config, context_pre_only: bool, dual_attention: bool) -> None:
         super().__init__()
-        dim = config.inner_dim
+        dim, head_dim = config.inner_dim, config.attention_head_dim
+        qk_norm = functools.partial(nn.RMSNorm, eps=EPS) if config.qk_norm == "rms_norm" else nn.Identity
         self.context_pre_only = context_pre_only
         self.norm1 = AdaLayerNormZero(dim, sets=3 if dual_attention else 2)
         self.norm1_context = AdaLayerNormOut(dim, dim, eps=EPS) if context_pre_only else AdaLayerNormZero(dim, sets=2)
-        self.attn = JointAttention(config, context_pre_only)
-        self.attn2 = ImageSelfAttention(config) if dual_attention else None
+        # In the last block the text is read (keys, values and, as in the reference, queries) but not updated.
+        self.attn = JointAttention(dim, head_dim, qk_norm, text_first=False, context_pre_only=context_pre_only)
+        self.attn2 = QKVAttention(dim, head_dim, qk_norm, sequence_streams=("img",)) if dual_attention else None
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
-        self.ff = FeedForward(dim)
+        self.ff = GeluFeedForward(dim, 4 * dim, dim)
         if not context_pre_only:
             self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
-            self.ff_context = FeedForward(dim)
+            self.ff_context = GeluFeedForward(dim, 4 * dim, dim)
 
     def forward(
         self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m, *image_only = self.norm1(temb)
+        (shift_a, scale_a, gate_a), (shift_m, scale_m, gate_m), *image_only = self.norm1(temb)
         img_normed = self.norm1.norm(img)
         if self.context_pre_only:
             txt_in = self.norm1_context(txt, temb)
         else:
-            c_shift_a, c_scale_a, c_gate_a, c_shift_m, c_scale_m, c_gate_m = self.norm1_context(temb)
+            (c_shift_a, c_scale_a, c_gate_a), (c_shift_m, c_scale_m, c_gate_m) = self.norm1_context(temb)
             txt_in = self.norm1_context.norm(txt) * (1 + c_scale_a) + c_shift_a
         img_attn, txt_attn = self.attn(img_normed * (1 + scale_a) + shift_a, txt_in)
         img = img + gate_a * img_attn
         if self.attn2 is not None:
-            shift_a2, scale_a2, gate_a2 = image_only
+            ((shift_a2, scale_a2, gate_a2),) = image_only
             img = img + gate_a2 * self.attn2(img_normed * (1 + scale_a2) + shift_a2)
         img = img + gate_m * self.ff(self.norm2(img) * (1 + scale_m) + shift_m)
         if self.context_pre_only:
@@ -283,10 +172,8 @@ class JointTransformerBlock(nn.Module):
 
 @dataclass
 class SD3Tokens:
-    """What flows between the stages. The runtime may slice ``img``/``txt`` along the sequence (dim 1); ``temb`` is
-    per sample and stays whole. ``txt`` is None once the last block, which does not update it, has run."""
+    """``txt`` is None once the last block, which does not update it, has run."""
 
-    # field -> (the token stream it belongs to, its sequence dimension); the prediction comes from OUTPUT_STREAM.
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {"img": ("img", 1), "txt": ("txt", 1)}
     OUTPUT_STREAM: ClassVar[str] = "img"
 
@@ -295,16 +182,14 @@ class SD3Tokens:
     temb: torch.Tensor
 
 
-class SD3Transformer(nn.Module):
-    # The block stacks in run order; run_blocks runs whichever blocks they hold (PipeFusion leaves a stage its own).
+class SD3Transformer(StagedTransformer):
     BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: SD3Config) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         dim = config.inner_dim
         self.pos_embed = PatchEmbed(config)
-        self.time_text_embed = TimeTextEmbed(dim, config.pooled_projection_dim)
+        self.time_text_embed = TimestepEmbed(dim, pooled_dim=config.pooled_projection_dim)
         self.context_embedder = nn.Linear(config.joint_attention_dim, config.caption_projection_dim)
         last = config.num_layers - 1
         self.transformer_blocks = nn.ModuleList(
@@ -326,33 +211,18 @@ class SD3Transformer(nn.Module):
         return SD3Tokens(
             img=self.pos_embed(hidden_states).contiguous(),
             txt=self.context_embedder(encoder_hidden_states),
-            temb=self.time_text_embed(timestep, pooled_projections),
+            temb=self.time_text_embed(timestep, pooled_projections.dtype, pooled=pooled_projections),
         )
 
     def run_blocks(self, tokens: SD3Tokens) -> SD3Tokens:
-        img, txt = tokens.img, tokens.txt
         for block in self.transformer_blocks:
-            img, txt = block(img, txt, tokens.temb)
-        tokens.img, tokens.txt = img, txt
+            tokens.img, tokens.txt = block(tokens.img, tokens.txt, tokens.temb)
         return tokens
 
     def head(self, tokens: SD3Tokens) -> torch.Tensor:
-        """(batch, image tokens, patch_size**2 * out channels), patch values ordered (row, column, channel)."""
         return self.proj_out(self.norm_out(tokens.img, tokens.temb))
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        pooled_projections: torch.Tensor,
-        timestep: torch.Tensor,
-    ) -> torch.Tensor:
-        tokens = self.embed(hidden_states, encoder_hidden_states, pooled_projections, timestep)
-        return self.head(self.run_blocks(tokens))
 
 
 def unpatchify(patches: torch.Tensor, patch_size: int, height: int, width: int) -> torch.Tensor:
     """(batch, tokens, p * p * channels) from ``head`` -> (batch, channels, height, width) latents."""
-    batch, rows, cols = patches.shape[0], height // patch_size, width // patch_size
-    grid = patches.reshape(batch, rows, cols, patch_size, patch_size, -1)
-    return grid.permute(0, 5, 1, 3, 2, 4).reshape(batch, -1, height, width)
+    return stages.unpatchify(patches, (height // patch_size, width // patch_size), (patch_size, patch_size))

@@ -7,6 +7,7 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,49 +85,25 @@ SD35_TINY_VAE = {
     "sample_size": 128,
 }  # fmt: skip
 
-SD3_PRESETS: list[ModelSpec] = [
-    ModelSpec(
+preset = functools.partial(
+    ModelSpec, family="sd3", text_encoder=SD3_TEXT_ENCODERS, vae=SD3_VAE, scheduler=SD3_SCHEDULER,
+    guidance_mode="cfg", height=1024, width=1024,
+)  # fmt: skip
+PRESETS: list[ModelSpec] = [
+    preset(
         name="sd3.5-large",
-        family="sd3",
         description="Stable Diffusion 3.5 Large, 8.1B MMDiT; CLIP-L + OpenCLIP bigG + T5-XXL encoders, true CFG",
-        transformer=SD35_LARGE,
-        text_encoder=SD3_TEXT_ENCODERS,
-        vae=SD3_VAE,
-        scheduler=SD3_SCHEDULER,
-        guidance_mode="cfg",
-        steps=28,
-        guidance=3.5,
-        height=1024,
-        width=1024,
-        hub_id="stabilityai/stable-diffusion-3.5-large",
+        transformer=SD35_LARGE, steps=28, guidance=3.5, hub_id="stabilityai/stable-diffusion-3.5-large",
     ),
-    ModelSpec(
+    preset(
         name="sd3.5-medium",
-        family="sd3",
         description="Stable Diffusion 3.5 Medium, 2.2B MMDiT-X (dual attention in blocks 0-12), same encoders, CFG",
-        transformer=SD35_MEDIUM,
-        text_encoder=SD3_TEXT_ENCODERS,
-        vae=SD3_VAE,
-        scheduler=SD3_SCHEDULER,
-        guidance_mode="cfg",
-        steps=40,
-        guidance=4.5,
-        height=1024,
-        width=1024,
-        hub_id="stabilityai/stable-diffusion-3.5-medium",
+        transformer=SD35_MEDIUM, steps=40, guidance=4.5, hub_id="stabilityai/stable-diffusion-3.5-medium",
     ),
-    ModelSpec(
+    preset(
         name="sd3.5-tiny",
-        family="sd3",
         description="a few-million-parameter SD3.5 (medium layout), random weights, for demos and tests",
-        transformer=SD35_TINY_TRANSFORMER,
-        text_encoder=SD35_TINY_TEXT_ENCODERS,
-        vae=SD35_TINY_VAE,
-        scheduler=SD3_SCHEDULER,
-        guidance_mode="cfg",
-        steps=8,
-        guidance=4.5,
-        height=128,
-        width=128,
+        transformer=SD35_TINY_TRANSFORMER, text_encoder=SD35_TINY_TEXT_ENCODERS, vae=SD35_TINY_VAE, steps=8,
+        guidance=4.5, height=128, width=128,
     ),
-]
+]  # fmt: skip

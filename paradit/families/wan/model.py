@@ -26,25 +26,28 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from paradit.layers.attention import AttentionDispatch
-from paradit.layers.embeddings import TimestepMLP, sinusoidal_embedding
-from paradit.layers.rotary import apply_rope_interleaved, multi_axis_rope
+from paradit.layers.attention import QKVAttention
+from paradit.layers.embeddings import EmbeddingMLP, sinusoidal_embedding
+from paradit.layers.feedforward import GeluFeedForward
+from paradit.layers.rotary import multi_axis_rope
+from paradit.layers.stages import HeadsConfig, StagedTransformer
+from paradit.layers.stages import unpatchify as unpatchify  # (tokens, grid, patch), re-exported for the pipeline
 
 ROPE_THETA = 10000.0
 MODULATION_SETS = 6  # shift, scale, gate for self-attention, then for the MLP
 
 
 @dataclass(frozen=True)
-class WanConfig:
-    """The keyword arguments of diffusers' ``WanTransformer3DModel`` (its ``transformer/config.json``)."""
-
+class WanConfig(HeadsConfig):
     patch_size: tuple[int, int, int] = (1, 2, 2)
     num_attention_heads: int = 40
     attention_head_dim: int = 128
@@ -55,27 +58,11 @@ class WanConfig:
     ffn_dim: int = 13824
     num_layers: int = 40
     cross_attn_norm: bool = True
-    # The reference builds the across-heads RMS norms on Q and K whatever this says; kept for the config's sake.
-    qk_norm: str | None = "rms_norm_across_heads"
     eps: float = 1e-6
     image_dim: int | None = None  # CLIP image features (Wan 2.1 I2V); None for every Wan 2.2 checkpoint
     added_kv_proj_dim: int | None = None
     rope_max_seq_len: int = 1024
     pos_embed_seq_len: int | None = None
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> WanConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in names}
-        return cls(**values)
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
-    def output_channels(self) -> int:
-        return self.out_channels or self.in_channels
 
     @property
     def rope_axes(self) -> tuple[int, int, int]:
@@ -90,16 +77,6 @@ class WanConfig:
         return frames // p_t, height // p_h, width // p_w
 
 
-def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[int, int, int]) -> torch.Tensor:
-    """(B, frames * rows * cols, p_t * p_h * p_w * C) -> (B, C, frames * p_t, rows * p_h, cols * p_w). Each token's
-    row holds its patch as (p_t, p_h, p_w, C), channels last, as the reference's ``proj_out`` lays it out."""
-    frames, rows, cols = grid
-    p_t, p_h, p_w = patch
-    x = tokens.reshape(tokens.shape[0], frames, rows, cols, p_t, p_h, p_w, -1)
-    x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)
-    return x.reshape(tokens.shape[0], -1, frames * p_t, rows * p_h, cols * p_w)
-
-
 class FP32LayerNorm(nn.LayerNorm):
     """LayerNorm computed in float32 (weights too) and returned in the input's dtype. The blocks hand it float32
     already and round its result themselves, after the modulation, where the reference rounds."""
@@ -110,87 +87,27 @@ class FP32LayerNorm(nn.LayerNorm):
         return nn.functional.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
-class GeluProjection(nn.Module):
-    """A linear named ``proj`` followed by GELU: diffusers' ``GELU`` activation module, whose name the checkpoints
-    carry (``ffn.net.0.proj``)."""
-
-    def __init__(self, dim: int, hidden: int, approximate: str) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, hidden)
-        self.approximate = approximate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.gelu(self.proj(x), approximate=self.approximate)
-
-
-class FeedForward(nn.Module):
-    """GELU MLP laid out as diffusers' ``FeedForward``: ``net`` = [projection + GELU, dropout slot, output linear]."""
-
-    def __init__(self, dim: int, hidden: int, out: int, approximate: str) -> None:
-        super().__init__()
-        # The middle entry holds the reference's dropout, so that the output linear keeps its index (net.2).
-        self.net = nn.ModuleList([GeluProjection(dim, hidden, approximate), nn.Identity(), nn.Linear(hidden, out)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](self.net[0](x))
-
-
-def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    # Heads are counted from the width, so a tensor-parallel shard that holds some heads needs no change here.
-    return x.unflatten(-1, (-1, head_dim))
-
-
-class WanSelfAttention(AttentionDispatch):
-    """Self-attention over the video tokens with rotary positions; Q and K are RMS-normed across all heads."""
-
-    def __init__(self, dim: int, heads: int, eps: float) -> None:
-        super().__init__(sequence_streams=("video",))
-        self.head_dim = dim // heads
-        self.to_q = nn.Linear(dim, dim)
-        self.to_k = nn.Linear(dim, dim)
-        self.to_v = nn.Linear(dim, dim)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
-        self.norm_q = nn.RMSNorm(dim, eps=eps)
-        self.norm_k = nn.RMSNorm(dim, eps=eps)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q = _split_heads(self.norm_q(self.to_q(x)), self.head_dim)
-        k = _split_heads(self.norm_k(self.to_k(x)), self.head_dim)
-        v = _split_heads(self.to_v(x), self.head_dim)
-        q, k = apply_rope_interleaved(q, *rope), apply_rope_interleaved(k, *rope)
-        return self.to_out[0](self.attend(q, k, v).flatten(2).to(q.dtype))
-
-
-class WanCrossAttention(AttentionDispatch):
+class WanCrossAttention(QKVAttention):
     """Attention from the video tokens to the text, plus (when the checkpoint has ``add_k_proj``) a second attention
-    to image features whose output is added before ``to_out``. No rotary positions.
+    to image features whose output is added before ``to_out``. No rotary positions; the keys belong to no split
+    stream (``sequence_streams == ()``), which the module docstring explains."""
 
-    ``sequence_streams`` is empty: the keys belong to no split stream (every rank holds the whole text), so a
-    sequence-parallel runtime attends each rank's own queries locally and exchanges nothing."""
-
-    def __init__(self, dim: int, heads: int, eps: float, added_kv_proj_dim: int | None) -> None:
-        super().__init__(sequence_streams=())
-        self.head_dim = dim // heads
-        self.to_q = nn.Linear(dim, dim)
-        self.to_k = nn.Linear(dim, dim)
-        self.to_v = nn.Linear(dim, dim)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
-        self.norm_q = nn.RMSNorm(dim, eps=eps)
-        self.norm_k = nn.RMSNorm(dim, eps=eps)
+    def __init__(
+        self, dim: int, head_dim: int, qk_norm: Callable[[int], nn.Module], added_kv_proj_dim: int | None
+    ) -> None:
+        super().__init__(dim, head_dim, qk_norm, across_heads=True, sequence_streams=())
         self.add_k_proj = self.add_v_proj = self.norm_added_k = None
         if added_kv_proj_dim is not None:
             self.add_k_proj = nn.Linear(added_kv_proj_dim, dim)
             self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
-            self.norm_added_k = nn.RMSNorm(dim, eps=eps)
+            self.norm_added_k = qk_norm(dim)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, context_image: torch.Tensor | None) -> torch.Tensor:
-        q = _split_heads(self.norm_q(self.to_q(x)), self.head_dim)
-        k = _split_heads(self.norm_k(self.to_k(context)), self.head_dim)
-        v = _split_heads(self.to_v(context), self.head_dim)
+        q, k, v = self.qkv(x, context)
         out = self.attend(q, k, v).flatten(2).to(q.dtype)
         if context_image is not None and self.add_k_proj is not None:
-            k_image = _split_heads(self.norm_added_k(self.add_k_proj(context_image)), self.head_dim)
-            v_image = _split_heads(self.add_v_proj(context_image), self.head_dim)
+            k_image = self.project(context_image, self.add_k_proj, self.norm_added_k)
+            v_image = self.project(context_image, self.add_v_proj)
             out = out + self.attend(q, k_image, v_image).flatten(2).to(q.dtype)
         return self.to_out[0](out)
 
@@ -201,12 +118,14 @@ class WanBlock(nn.Module):
 
     def __init__(self, config: WanConfig) -> None:
         super().__init__()
-        dim, heads, eps = config.inner_dim, config.num_attention_heads, config.eps
+        dim, head_dim, eps = config.inner_dim, config.attention_head_dim, config.eps
+        # The reference's RMS norms on Q and K span all heads at once, whatever its config's qk_norm says.
+        qk_norm = functools.partial(nn.RMSNorm, eps=eps)
         self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
-        self.attn1 = WanSelfAttention(dim, heads, eps)
-        self.attn2 = WanCrossAttention(dim, heads, eps, config.added_kv_proj_dim)
+        self.attn1 = QKVAttention(dim, head_dim, qk_norm, across_heads=True, sequence_streams=("video",))
+        self.attn2 = WanCrossAttention(dim, head_dim, qk_norm, config.added_kv_proj_dim)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
-        self.ffn = FeedForward(dim, config.ffn_dim, dim, approximate="tanh")
+        self.ffn = GeluFeedForward(dim, config.ffn_dim, dim)
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.empty(1, MODULATION_SETS, dim))
 
@@ -229,18 +148,6 @@ class WanBlock(nn.Module):
         return (x.float() + mlp.float() * mlp_gate).to(x.dtype)
 
 
-class TextProjection(nn.Module):
-    """linear_1 -> tanh-GELU -> linear_2 (diffusers' ``PixArtAlphaTextProjection``)."""
-
-    def __init__(self, in_features: int, dim: int) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(in_features, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(nn.functional.gelu(self.linear_1(x), approximate="tanh"))
-
-
 class ImageEmbedding(nn.Module):
     """CLIP image features -> model width (Wan 2.1 I2V/FLF2V; no Wan 2.2 checkpoint has it). With ``pos_embed``
     (FLF2V) the first- and last-frame features, stacked along the batch, are joined into one sequence first."""
@@ -248,7 +155,7 @@ class ImageEmbedding(nn.Module):
     def __init__(self, in_features: int, dim: int, pos_embed_seq_len: int | None) -> None:
         super().__init__()
         self.norm1 = FP32LayerNorm(in_features)
-        self.ff = FeedForward(in_features, in_features, dim, approximate="none")
+        self.ff = GeluFeedForward(in_features, in_features, dim, approximate="none")
         self.norm2 = FP32LayerNorm(dim)
         self.pos_embed = None
         if pos_embed_seq_len is not None:
@@ -268,9 +175,11 @@ class ConditionEmbedder(nn.Module):
         super().__init__()
         dim = config.inner_dim
         self.freq_dim = config.freq_dim
-        self.time_embedder = TimestepMLP(config.freq_dim, dim)
+        self.time_embedder = EmbeddingMLP(config.freq_dim, dim)
         self.time_proj = nn.Linear(dim, MODULATION_SETS * dim)
-        self.text_embedder = TextProjection(config.text_dim, dim)
+        # diffusers' PixArtAlphaTextProjection
+        tanh_gelu = functools.partial(nn.functional.gelu, approximate="tanh")
+        self.text_embedder = EmbeddingMLP(config.text_dim, dim, activation=tanh_gelu)
         self.image_embedder = None
         if config.image_dim is not None:
             self.image_embedder = ImageEmbedding(config.image_dim, dim, config.pos_embed_seq_len)
@@ -285,13 +194,10 @@ class ConditionEmbedder(nn.Module):
 
 @dataclass
 class WanTokens:
-    """What flows between the stages. The runtime may slice the video stream along the sequence (dim 1) together
-    with the matching rows of its rotary tables and of the per-token timestep fields; the text and the per-sample
-    fields stay whole on every rank. Exactly one of ``temb`` / ``token_temb`` is set (and of the two modulations):
-    per token when the timestep came per token (TI2V-5B), per sample otherwise. Not frozen, like the other families'
-    token states: PipeFusion sets the streams it receives on a patch's state."""
+    """Exactly one of ``temb`` / ``token_temb`` is set (and of the two modulations): per token when the timestep came
+    per token (TI2V-5B), per sample otherwise. Not frozen, like the other families' token states: PipeFusion sets
+    the streams it receives on a patch's state."""
 
-    # field -> (the token stream it belongs to, its sequence dimension); the prediction comes from OUTPUT_STREAM.
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
         "video": ("video", 1), "rope": ("video", 0), "token_temb": ("video", 1), "token_modulation": ("video", 1),
     }  # fmt: skip
@@ -307,17 +213,11 @@ class WanTokens:
     token_modulation: torch.Tensor | None  # (B, video tokens, 6, dim)
 
 
-class WanTransformer(nn.Module):
-    # The block stack run_blocks runs (PipeFusion leaves each stage only its own blocks).
+class WanTransformer(StagedTransformer):
     BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("blocks",)
-    # Name components of the parameters diffusers keeps in float32 under a half-precision load (its
-    # ``_keep_in_fp32_modules``). The math here reads them at whatever dtype they are loaded in, as float32 where the
-    # reference does, so a loader that honours this list reproduces the reference's rounding.
-    FP32_MODULES: ClassVar[tuple[str, ...]] = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 
     def __init__(self, config: WanConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         dim, patch = config.inner_dim, config.patch_size
         if len(patch) != 3:
             raise ValueError(f"patch_size {patch} must be (frames, height, width)")
@@ -333,8 +233,7 @@ class WanTransformer(nn.Module):
         ``rope_axes``, each axis rotating its own frequency band by its own index."""
         if max(grid) > self.config.rope_max_seq_len:
             raise ValueError(f"token grid {grid} exceeds rope_max_seq_len {self.config.rope_max_seq_len}")
-        axes = [torch.arange(n, device=device) for n in grid]
-        ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+        ids = torch.cartesian_prod(*(torch.arange(n, device=device) for n in grid))
         return multi_axis_rope(ids, self.config.rope_axes, ROPE_THETA)
 
     def embed(
@@ -391,21 +290,10 @@ class WanTransformer(nn.Module):
         return dataclasses.replace(tokens, video=x)
 
     def head(self, tokens: WanTokens) -> torch.Tensor:
-        """(B, video tokens, p_t * p_h * p_w * out_channels): ``unpatchify`` makes it (B, C, F, H, W)."""
+        """(B, video tokens, p_t * p_h * p_w * out_channels), as the parallel wrappers return it:
+        ``unpatchify(out, grid, patch)`` makes it diffusers' (B, out_channels, F, H, W)."""
         temb = tokens.temb[:, None] if tokens.token_temb is None else tokens.token_temb
         # (1, 1, 2, dim) + (B, 1 or tokens, 1, dim) in float32, as the reference's float32 table promotes it.
         shift, scale = (self.scale_shift_table.float()[None] + temb.float()[:, :, None]).unbind(2)
         x = tokens.video
         return self.proj_out((self.norm_out(x.float()) * (1 + scale) + shift).to(x.dtype))
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        encoder_hidden_states_image: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Per-token prediction, as the parallel wrappers return it; ``unpatchify(out, grid, patch)`` gives diffusers'
-        (B, out_channels, F, H, W)."""
-        tokens = self.embed(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
-        return self.head(self.run_blocks(tokens))

@@ -7,7 +7,7 @@ guidance scale) and the TI2V-5B layout (one transformer, per-token timesteps, th
 ``WanImageToVideoPipeline`` for the I2V-A14B layout (the image's latents and a first-frame mask as extra input
 channels) and TI2V-5B with an image (its latent frame in place of the first noisy one, that frame's tokens at
 timestep 0), so that the same checkpoint, image and seed give the same frames. The second expert is loaded beside the
-first by the loader (``expert_configs``) and reaches the pipeline as ``self.experts``. Differences that only make it
+first by the loader (``spec.experts``) and reaches the pipeline as ``self.experts``. Differences that only make it
 faster: the two guidance branches run as one batch (or on the two halves of the group under CFG parallelism), and a
 group encodes the image together.
 """
@@ -15,38 +15,25 @@ group encodes the image together.
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import diffusers
 import regex
 import torch
-from diffusers import AutoencoderKLWan
 from diffusers.video_processor import VideoProcessor
-from PIL import Image
+from torch import nn
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
-from paradit.errors import CheckpointError, InvalidRequest
-from paradit.families.sd3.pipeline import offline_t5_tokenizer
-from paradit.families.wan.model import WanConfig, WanTransformer, unpatchify
-from paradit.families.wan.presets import WanTextEncoder, expert_extra
-from paradit.pipelines.base import (
-    DiffusionPipeline,
-    NoisePredictor,
-    ResolvedRequest,
-    cfg_step_inputs,
-    resolve_common,
-    seeded_noise,
-)
-from paradit.request import GenerationRequest
-from paradit.spec import CheckpointFolder, ModelSpec
+from paradit.checkpoint import component_dir
+from paradit.families.wan.model import unpatchify
+from paradit.families.wan.presets import WanTextEncoder
+from paradit.offline_tokenizer import offline_t5_tokenizer
+from paradit.pipelines.base import DiffusionPipeline, latent_statistics, seeded_noise
+from paradit.pipelines.requests import ResolvedRequest
+from paradit.spec import ModelSpec
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
-from paradit.weights import component_dir, read_json
-
-# diffusers' WanPipeline.__call__ defaults, for a checkpoint folder.
-DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FRAMES, DEFAULT_FPS = 50, 5.0, 480, 832, 81, 16
-MAX_FRAMES = 1024
-MAX_FPS = 240
 
 try:  # diffusers cleans prompts with ftfy when it is installed, and only then; so do we, to read the same tokens
     import ftfy
@@ -62,51 +49,6 @@ def prompt_clean(text: str) -> str:
     return regex.sub(r"\s+", " ", text).strip()
 
 
-def spec_from_folder(folder: Path, index: dict) -> ModelSpec:
-    """The ModelSpec of a diffusers ``WanPipeline`` or ``WanImageToVideoPipeline`` checkpoint: one or two experts,
-    the boundary and per-token timesteps from ``model_index.json``, defaults from diffusers' pipeline."""
-    present = {name: isinstance(index.get(name), list) and index[name][0] is not None for name in
-               ("transformer", "transformer_2", "image_encoder")}  # fmt: skip
-    if not present["transformer"]:
-        raise CheckpointError(f"{folder} has no transformer/ (a low-noise expert alone is not served)")
-    if present["image_encoder"]:
-        raise CheckpointError(
-            f"{folder} is a Wan 2.1 image-to-video checkpoint (a CLIP image encoder), which paradit does not run; "
-            "its Wan 2.2 checkpoints (I2V-A14B, TI2V-5B) encode the image with the VAE alone and do run"
-        )
-    transformer = read_json(component_dir(folder, "transformer") / "config.json")
-    transformer_2 = None
-    boundary = index.get("boundary_ratio")
-    if present["transformer_2"] and boundary is not None:
-        transformer_2 = read_json(component_dir(folder, "transformer_2") / "config.json")
-    scheduler = read_json(component_dir(folder, "scheduler") / "scheduler_config.json")
-    experts = "two experts" if transformer_2 else "one transformer"
-    experts += ", per-token timesteps" if index.get("expand_timesteps") else ""
-    return ModelSpec(
-        name=str(folder),
-        family="wan",
-        description=f"{index.get('_class_name', 'WanPipeline')} checkpoint ({experts})",
-        transformer=transformer,
-        text_encoder=WanTextEncoder(read_json(component_dir(folder, "text_encoder") / "config.json")),
-        vae=read_json(component_dir(folder, "vae") / "config.json"),
-        scheduler=scheduler,
-        guidance_mode="cfg",
-        steps=DEFAULT_STEPS,
-        guidance=DEFAULT_GUIDANCE,
-        height=DEFAULT_HEIGHT,
-        width=DEFAULT_WIDTH,
-        weights=CheckpointFolder(folder),
-        extra=expert_extra(
-            boundary if transformer_2 else None,
-            transformer_2,
-            bool(index.get("expand_timesteps")),
-            DEFAULT_FRAMES,
-            DEFAULT_FPS,
-            None,
-        ),  # fmt: skip
-    )
-
-
 def vae_factors(vae_config: dict) -> tuple[int, int]:
     """(temporal, spatial) compression of the VAE, with diffusers' defaults (the 2.1 VAE's 4 and 8)."""
     return vae_config.get("scale_factor_temporal") or 4, vae_config.get("scale_factor_spatial") or 8
@@ -116,58 +58,11 @@ def image_input(spec: ModelSpec) -> str | None:
     """How the model takes an image: ``"first_frame"`` (TI2V-5B: the image's latent replaces the first latent frame;
     optional), ``"channels"`` (I2V-A14B: a first-frame mask and the image's latents beside the noise, in the input
     channels; required), or None (text only)."""
-    if spec.extra.get("expand_timesteps"):
+    if spec.details.expand_timesteps:
         return "first_frame"
     if spec.transformer["in_channels"] > spec.vae.get("z_dim", 16):
         return "channels"
     return None
-
-
-def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
-    """Defaults filled in, or an InvalidRequest naming what is allowed: sides in multiples of the VAE stride times
-    the patch, frames one more than a multiple of the VAE's temporal stride, a low-noise guidance only where there
-    is a low-noise expert, an image where the model takes one (and always for image-to-video)."""
-    temporal, spatial = vae_factors(spec.vae)
-    granularity = spatial * spec.transformer["patch_size"][1]
-    resolved = resolve_common(spec, request, granularity)
-    frames = spec.extra["frames"] if request.frames is None else int(request.frames)
-    if frames < 1 or frames % temporal != 1 % temporal or frames > MAX_FRAMES:
-        raise InvalidRequest(
-            f"frames {frames} is not allowed; this model takes {temporal}k+1 frames (1, {temporal + 1}, "
-            f"{2 * temporal + 1}, ...) up to {MAX_FRAMES}"
-        )
-    guidance_2 = request.guidance_2
-    if guidance_2 is not None and spec.extra["transformer_2"] is None:
-        raise InvalidRequest("guidance_2 is for models with a low-noise expert; this one has one transformer")
-    if spec.extra["transformer_2"] is not None and guidance_2 is None:
-        # diffusers' rule: the low-noise scale is the high-noise one unless given; a preset's own default otherwise.
-        guidance_2 = resolved.guidance if request.guidance is not None else spec.extra["guidance_2"]
-        guidance_2 = resolved.guidance if guidance_2 is None else guidance_2
-    if guidance_2 is not None and not 0 <= guidance_2 < float("inf"):
-        raise InvalidRequest(f"guidance_2 {guidance_2} is not allowed; give a finite value >= 0")
-    resolved.frames, resolved.guidance_2 = frames, guidance_2
-    resolved.image = resolve_image(spec, request.image)
-    resolved.fps = spec.extra["fps"] if request.fps is None else request.fps
-    if not isinstance(resolved.fps, int) or not 1 <= resolved.fps <= MAX_FPS:
-        raise InvalidRequest(f"fps {resolved.fps} is not allowed; give a whole number from 1 to {MAX_FPS}")
-    return resolved
-
-
-def resolve_image(spec: ModelSpec, image) -> Image.Image | None:
-    mode = image_input(spec)
-    if image is None:
-        if mode == "channels":
-            raise InvalidRequest(f"{spec.name} animates an image; give the first frame (--image PATH)")
-        return None
-    if mode is None:
-        raise InvalidRequest(
-            f"{spec.name} is text-to-video and takes no image; the image-to-video models are wan2.2-i2v-a14b and "
-            "wan2.2-ti2v-5b"
-        )
-    if not isinstance(image, Image.Image):
-        raise InvalidRequest(f"image must be a PIL image, not {type(image).__name__}")
-    # diffusers' load_image hands its pipeline RGB; an alpha channel or a palette would give the VAE wrong channels.
-    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 @dataclass
@@ -193,6 +88,9 @@ class UMT5PromptEncoder:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.device = device
+
+    def modules(self) -> list[nn.Module]:
+        return [self.encoder]
 
     @classmethod
     def from_folder(cls, folder: Path, spec: WanTextEncoder, device: torch.device, dtype: torch.dtype,
@@ -226,55 +124,6 @@ class UMT5PromptEncoder:
 
 
 class WanPipeline(DiffusionPipeline):
-    DIFFUSERS_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
-    VAE = AutoencoderKLWan
-    spec_from_folder = staticmethod(spec_from_folder)
-    resolve_request = staticmethod(resolve_request)
-    CONDITIONING = ("embeds",)
-    VIDEO = True
-
-    @classmethod
-    def build_transformer(cls, spec: ModelSpec) -> WanTransformer:
-        return WanTransformer(WanConfig.from_dict(spec.transformer))
-
-    @classmethod
-    def sequence_tokens(cls, spec: ModelSpec) -> int:
-        """The video's patches at ``spec``'s size and its ``extra["frames"]`` (the text is cross-attended apart)."""
-        temporal, spatial = vae_factors(spec.vae)
-        patch = spec.transformer["patch_size"]
-        frames = (spec.extra["frames"] - 1) // temporal + 1
-        return frames // patch[0] * (spec.height // spatial // patch[1]) * (spec.width // spatial // patch[2])
-
-    @classmethod
-    def expert_configs(cls, spec: ModelSpec) -> dict[str, dict]:
-        """The low-noise expert, when the checkpoint has one and a boundary to switch at."""
-        transformer_2 = spec.extra.get("transformer_2")
-        return {} if transformer_2 is None else {"transformer_2": transformer_2}
-
-    @classmethod
-    def load_prompt_encoder(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool,
-                            placement: str = "gpu") -> UMT5PromptEncoder:  # fmt: skip
-        if dummy:
-            return UMT5PromptEncoder.dummy(spec.text_encoder, device, dtype, placement)
-        return UMT5PromptEncoder.from_folder(spec.folder, spec.text_encoder, device, dtype, placement)
-
-    @staticmethod
-    def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
-        # diffusers guides when the (high-noise) scale is above 1; the low-noise scale then applies even if it is 1.
-        return request.guidance > 1
-
-    def encode_prompts(self, prompts: list[str], per_prompt: int) -> torch.Tensor:
-        embeds = self.prompt_encoder.encode(prompts, self.dtype).to(self.device)
-        return embeds.repeat_interleave(per_prompt, dim=0)
-
-    def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """[conditional; unconditional] umT5 features (the negative prompts "" unless given)."""
-        embeds = self.encode_prompts(request.prompts, request.images_per_prompt)
-        if self.uses_cfg(self.spec, request):
-            negatives = request.negative_prompts or [""] * len(request.prompts)
-            embeds = torch.cat([embeds, self.encode_prompts(negatives, request.images_per_prompt)])
-        return {"embeds": embeds}
-
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, ImageCondition | None]:
         """Seeded noise (batch, VAE channels, latent frames, rows, cols), float32 as the reference draws it, and the
         request's image encoded (by the whole group, when there is one) into what it adds to them."""
@@ -298,9 +147,7 @@ class WanPipeline(DiffusionPipeline):
         if mode == "channels":
             pixels = torch.cat([pixels, pixels.new_zeros(*pixels.shape[:2], request.frames - 1, *pixels.shape[3:])], 2)
         encoded = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode().float()
-        shape = (1, self.vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(self.vae.config.latents_mean).view(shape).to(self.device)
-        inverse_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(shape).to(self.device)
+        mean, inverse_std = latent_statistics(self.vae.config, encoded)
         latents = ((encoded - mean) * inverse_std).repeat(noise.shape[0], 1, 1, 1, 1)
         if mode == "first_frame":
             keep = torch.ones(1, 1, *noise.shape[2:], device=self.device)
@@ -314,64 +161,42 @@ class WanPipeline(DiffusionPipeline):
         return ImageCondition(torch.cat([mask, latents], dim=1), None)
 
     def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor):
-        config = self.spec.scheduler
-        scheduler = getattr(diffusers, config.get("_class_name", "UniPCMultistepScheduler")).from_config(config)
-        scheduler.set_timesteps(request.steps, device=self.device)
-        scheduler.set_begin_index(0)
-        return scheduler, scheduler.timesteps
+        scheduler_class = getattr(diffusers, self.spec.scheduler.get("_class_name", "UniPCMultistepScheduler"))
+        return self.scheduled(scheduler_class, num_inference_steps=request.steps)
 
-    def band_mask(self, latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Tokens in raster order (frame, row, column), each a ``patch_size`` box of the latents."""
-        patch = self.transformer.config.patch_size
-        grid = self.transformer.config.token_grid(*latents.shape[2:])
-        tokens = torch.arange(grid[0] * grid[1] * grid[2], device=latents.device)
-        mask = ((tokens >= start) & (tokens < stop)).view(grid)
-        for axis, size in enumerate(patch):
-            mask = mask.repeat_interleave(size, axis)
-        return mask.view(1, 1, *mask.shape)
+    def expert_at(self, request: ResolvedRequest, t: torch.Tensor) -> tuple[str, float | None]:
+        """The high-noise expert (``transformer``) for t >= the boundary, the low-noise one below it, each with its
+        own guidance scale."""
+        ratio = self.spec.details.boundary_ratio
+        if ratio is not None and "transformer_2" in self.experts:
+            if float(t) < ratio * self.spec.scheduler.get("num_train_timesteps", 1000):
+                return "transformer_2", request.guidance_2
+        return "transformer", request.guidance
 
-    def predictor(
-        self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: ImageCondition | None
-    ) -> NoisePredictor:
-        """The high-noise expert (the loop's ``transformer``) for t >= the boundary, the low-noise one below it, each
-        with its own guidance scale; TI2V-5B's timestep is given per token, as the reference gives it (0 on the
-        image's frame); an image's condition joins the latents the model sees."""
-        cfg = self.uses_cfg(self.spec, request)
-        branches = self.branches(cfg)
-        embeds = branches.local(conditioning["embeds"])
+    def model_inputs(self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor,
+                     layout: ImageCondition | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """TI2V-5B's timestep is given per token, as the reference gives it (0 on the image's frame); an image's
+        condition joins the latents the model sees."""
         config = self.transformer.config
-        ratio = self.spec.extra.get("boundary_ratio")
-        low_noise = self.experts.get("transformer_2")
-        boundary = None
-        if ratio is not None and low_noise is not None:
-            boundary = ratio * self.spec.scheduler.get("num_train_timesteps", 1000)
-        per_token = self.spec.extra.get("expand_timesteps", False)
+        if self.spec.details.expand_timesteps and layout is not None:  # the reference's mask, per token, times t
+            keep = layout.keep[0, 0, :: config.patch_size[0], :: config.patch_size[1], :: config.patch_size[2]]
+            timestep = (keep * t).flatten().expand(latents.shape[0], -1)
+        elif self.spec.details.expand_timesteps:  # every token at t
+            tokens = math.prod(config.token_grid(*latents.shape[2:]))
+            timestep = torch.full((latents.shape[0], tokens), float(t), device=latents.device)
+        else:
+            timestep = t.expand(latents.shape[0])
+        model_latents = latents if layout is None else layout.model_latents(latents)
+        return model_latents.to(self.dtype), timestep
 
-        def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
-            scale, expert = request.guidance, "transformer"
-            if boundary is not None and float(t) < boundary:
-                transformer, scale, expert = low_noise.forward, request.guidance_2, "transformer_2"
-            if self.expert_swap is not None:
-                self.expert_swap.activate(expert)
+    def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout):
+        embeds, config = conditioning["embeds"], self.transformer.config
+
+        def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             grid = config.token_grid(*latents.shape[2:])
-            if per_token and layout is not None:  # the reference's mask, one value per token, times t (float32)
-                keep = layout.keep[0, 0, :: config.patch_size[0], :: config.patch_size[1], :: config.patch_size[2]]
-                timestep = (keep * t).flatten().expand(latents.shape[0], -1)
-            elif per_token:  # every token at t
-                timestep = torch.full((latents.shape[0], grid[0] * grid[1] * grid[2]), float(t), device=latents.device)
-            else:
-                timestep = t.expand(latents.shape[0])
-            model_latents = latents if layout is None else layout.model_latents(latents)
-            model_input, timestep = cfg_step_inputs(branches, cfg, model_latents.to(self.dtype), timestep)
-            with torch.inference_mode():
-                tokens = transformer(model_input, timestep, embeds)
-            prediction = unpatchify(tokens, grid, config.patch_size).float()
-            if cfg:
-                cond, uncond = branches.combine(prediction).chunk(2)
-                prediction = uncond + scale * (cond - uncond)
-            return prediction
+            return unpatchify(transformer(x, timestep, embeds), grid, config.patch_size).float()
 
-        return predict
+        return call
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, layout: ImageCondition | None) -> torch.Tensor:
@@ -380,10 +205,6 @@ class WanPipeline(DiffusionPipeline):
         it), decoded, mapped from [-1, 1]."""
         if layout is not None and layout.keep is not None:
             latents = layout.model_latents(latents)
-        vae_config = self.vae.config
         latents = latents.to(self.vae.dtype)
-        shape = (1, vae_config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae_config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(vae_config.latents_std).view(shape).to(latents.device, latents.dtype)
-        video = self.vae_decode(latents / inverse_std + mean)
-        return (video * 0.5 + 0.5).clamp(0, 1).transpose(1, 2)
+        mean, inverse_std = latent_statistics(self.vae.config, latents)
+        return self.vae_decode(latents / inverse_std + mean).transpose(1, 2)

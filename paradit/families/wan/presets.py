@@ -8,6 +8,7 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,79 +74,45 @@ WAN_TINY_TRANSFORMER = {
 WAN_TINY_VAE = {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1}
 
 
-def expert_extra(boundary_ratio: float | None, transformer_2: dict | None, expand_timesteps: bool, frames: int,
-                 fps: int, guidance_2: float | None) -> dict[str, Any]:  # fmt: skip
-    """The Wan facts a ModelSpec carries in ``extra``: the low-noise expert's config (None: one transformer), the
-    boundary, per-token timesteps (TI2V-5B), default frames, frame rate and low-noise guidance."""
-    return {
-        "boundary_ratio": boundary_ratio, "transformer_2": transformer_2, "expand_timesteps": expand_timesteps,
-        "frames": frames, "fps": fps, "guidance_2": guidance_2,
-    }  # fmt: skip
+@dataclass(frozen=True)
+class WanDetails:
+    """What only Wan reads: the timestep fraction below which the low-noise expert predicts (None: one
+    transformer), and per-token timesteps (TI2V-5B)."""
+
+    boundary_ratio: float | None = None
+    expand_timesteps: bool = False
 
 
-WAN_PRESETS: list[ModelSpec] = [
-    ModelSpec(
+preset = functools.partial(ModelSpec, family="wan", text_encoder=WanTextEncoder(UMT5_XXL), guidance_mode="cfg")
+two_experts = functools.partial(preset, vae=WAN21_VAE, steps=40, height=720, width=1280, frames=81, fps=16)
+PRESETS: list[ModelSpec] = [
+    two_experts(
         name="wan2.2-t2v-a14b",
-        family="wan",
         description="Wan 2.2 T2V-A14B text-to-video: two 14B experts (high-noise, low-noise); umT5-XXL",
-        transformer=A14B_TRANSFORMER,
-        text_encoder=WanTextEncoder(UMT5_XXL),
-        vae=WAN21_VAE,
-        scheduler={**UNIPC_FLOW, "flow_shift": 3.0},
-        guidance_mode="cfg",
-        steps=40,
-        guidance=4.0,
-        height=720,
-        width=1280,
-        hub_id="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
-        extra=expert_extra(0.875, A14B_TRANSFORMER, False, frames=81, fps=16, guidance_2=3.0),
+        transformer=A14B_TRANSFORMER, experts={"transformer_2": A14B_TRANSFORMER},
+        scheduler={**UNIPC_FLOW, "flow_shift": 3.0}, guidance=4.0, guidance_2=3.0,
+        hub_id="Wan-AI/Wan2.2-T2V-A14B-Diffusers", details=WanDetails(boundary_ratio=0.875),
     ),
-    ModelSpec(
+    two_experts(
         name="wan2.2-i2v-a14b",
-        family="wan",
         description="Wan 2.2 I2V-A14B image-to-video (--image): two 14B experts (high-noise, low-noise); umT5-XXL",
-        transformer=I2V_A14B_TRANSFORMER,
-        text_encoder=WanTextEncoder(UMT5_XXL),
-        vae=WAN21_VAE,
-        scheduler={**UNIPC_FLOW, "flow_shift": 5.0},
-        guidance_mode="cfg",
-        steps=40,
-        guidance=3.5,
-        height=720,
-        width=1280,
-        hub_id="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
-        extra=expert_extra(0.9, I2V_A14B_TRANSFORMER, False, frames=81, fps=16, guidance_2=3.5),
+        transformer=I2V_A14B_TRANSFORMER, experts={"transformer_2": I2V_A14B_TRANSFORMER},
+        scheduler={**UNIPC_FLOW, "flow_shift": 5.0}, guidance=3.5, guidance_2=3.5,
+        hub_id="Wan-AI/Wan2.2-I2V-A14B-Diffusers", details=WanDetails(boundary_ratio=0.9),
     ),
-    ModelSpec(
+    preset(
         name="wan2.2-ti2v-5b",
-        family="wan",
         description="Wan 2.2 TI2V-5B text-to-video, or image-to-video with --image: one 5B transformer, the 2.2 VAE "
         "(4x16x16); umT5-XXL",
-        transformer=TI2V_5B_TRANSFORMER,
-        text_encoder=WanTextEncoder(UMT5_XXL),
-        vae=WAN22_VAE,
-        scheduler={**UNIPC_FLOW, "flow_shift": 5.0},
-        guidance_mode="cfg",
-        steps=50,
-        guidance=5.0,
-        height=704,
-        width=1280,
-        hub_id="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
-        extra=expert_extra(None, None, True, frames=121, fps=24, guidance_2=None),
+        transformer=TI2V_5B_TRANSFORMER, vae=WAN22_VAE, scheduler={**UNIPC_FLOW, "flow_shift": 5.0}, steps=50,
+        guidance=5.0, height=704, width=1280, frames=121, fps=24, hub_id="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+        details=WanDetails(expand_timesteps=True),
     ),
-    ModelSpec(
-        name="wan-tiny",
-        family="wan",
-        description="a tiny two-expert Wan 2.2 (T2V layout), random weights, for demos and tests",
-        transformer=WAN_TINY_TRANSFORMER,
-        text_encoder=WanTextEncoder(WAN_TINY_TEXT_ENCODER, max_length=32),
-        vae=WAN_TINY_VAE,
-        scheduler={**UNIPC_FLOW, "flow_shift": 3.0},
-        guidance_mode="cfg",
-        steps=4,
-        guidance=4.0,
-        height=64,
-        width=64,
-        extra=expert_extra(0.875, WAN_TINY_TRANSFORMER, False, frames=5, fps=16, guidance_2=3.0),
+    preset(
+        name="wan-tiny", description="a tiny two-expert Wan 2.2 (T2V layout), random weights, for demos and tests",
+        transformer=WAN_TINY_TRANSFORMER, experts={"transformer_2": WAN_TINY_TRANSFORMER},
+        text_encoder=WanTextEncoder(WAN_TINY_TEXT_ENCODER, max_length=32), vae=WAN_TINY_VAE,
+        scheduler={**UNIPC_FLOW, "flow_shift": 3.0}, steps=4, guidance=4.0, guidance_2=3.0, height=64, width=64,
+        frames=5, fps=16, details=WanDetails(boundary_ratio=0.875),
     ),
-]
+]  # fmt: skip

@@ -19,15 +19,17 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from paradit.layers.attention import AttentionDispatch
+from paradit.layers import stages
+from paradit.layers.attention import QKVAttention, joint_key_mask
 from paradit.layers.embeddings import sinusoidal_embedding
+from paradit.layers.stages import CheckpointConfig, StagedTransformer
 
 SEQUENCE_MULTIPLE = 32  # every stream is padded to a multiple of this many tokens
 ADALN_DIM = 256  # width of the timestep vector, capped by the model width
@@ -36,9 +38,7 @@ TIMESTEP_HIDDEN = 1024
 
 
 @dataclass(frozen=True)
-class ZImageConfig:
-    """The keyword arguments of diffusers' ``ZImageTransformer2DModel`` that the text-to-image model uses."""
-
+class ZImageConfig(CheckpointConfig):
     all_patch_size: tuple[int, ...] = (2,)
     all_f_patch_size: tuple[int, ...] = (1,)
     in_channels: int = 16
@@ -53,12 +53,6 @@ class ZImageConfig:
     t_scale: float = 1000.0
     axes_dims: tuple[int, ...] = (32, 48, 48)
     axes_lens: tuple[int, ...] = (1024, 512, 512)
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> ZImageConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in names}
-        return cls(**values)
 
     @property
     def head_dim(self) -> int:
@@ -92,9 +86,7 @@ def patchify(latents: torch.Tensor, patch: int) -> torch.Tensor:
 
 def unpatchify(tokens: torch.Tensor, rows: int, cols: int, patch: int) -> torch.Tensor:
     """The inverse of ``patchify`` on the first ``rows * cols`` tokens (the rest are the stream's pad tokens)."""
-    batch = tokens.shape[0]
-    x = tokens[:, : rows * cols].reshape(batch, rows, cols, patch, patch, -1)
-    return x.permute(0, 5, 1, 3, 2, 4).reshape(batch, -1, rows * patch, cols * patch)
+    return stages.unpatchify(tokens[:, : rows * cols], (rows, cols), (patch, patch))
 
 
 class RMSNorm(nn.Module):
@@ -121,25 +113,11 @@ def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rope[:, :, None, :]).flatten(-2).to(x.dtype)
 
 
-class ZImageAttention(AttentionDispatch):
+class ZImageAttention(QKVAttention):
     """Self-attention over whatever sequence the block is given, with per-head RMS norms on Q and K."""
 
-    def __init__(self, dim: int, heads: int, qk_norm: bool, streams: tuple[str, ...] | None) -> None:
-        super().__init__(sequence_streams=streams)
-        self.head_dim = dim // heads
-        self.to_q = nn.Linear(dim, dim, bias=False)
-        self.to_k = nn.Linear(dim, dim, bias=False)
-        self.to_v = nn.Linear(dim, dim, bias=False)
-        # The reference fixes this eps at 1e-5 whatever the model's norm_eps.
-        self.norm_q = RMSNorm(self.head_dim, eps=1e-5) if qk_norm else None
-        self.norm_k = RMSNorm(self.head_dim, eps=1e-5) if qk_norm else None
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
-
     def forward(self, x: torch.Tensor, rope: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        heads = (-1, self.head_dim)
-        q, k, v = (proj(x).unflatten(-1, heads) for proj in (self.to_q, self.to_k, self.to_v))
-        if self.norm_q is not None:
-            q, k = self.norm_q(q), self.norm_k(k)
+        q, k, v = self.qkv(x)
         out = self.attend(rotate(q, rope), rotate(k, rope), v, key_mask)
         return self.to_out[0](out.flatten(2).to(x.dtype))
 
@@ -164,7 +142,9 @@ class ZImageBlock(nn.Module):
     def __init__(self, config: ZImageConfig, modulated: bool, streams: tuple[str, ...] | None) -> None:
         super().__init__()
         dim, eps = config.dim, config.norm_eps
-        self.attention = ZImageAttention(dim, config.n_heads, config.qk_norm, streams)
+        # The reference fixes the Q and K norms' eps at 1e-5 whatever the model's norm_eps.
+        qk_norm = functools.partial(RMSNorm, eps=1e-5) if config.qk_norm else nn.Identity
+        self.attention = ZImageAttention(dim, config.head_dim, qk_norm, bias=False, sequence_streams=streams)
         self.feed_forward = FeedForward(dim, int(dim / 3 * 8))
         self.attention_norm1 = RMSNorm(dim, eps)
         self.ffn_norm1 = RMSNorm(dim, eps)
@@ -212,10 +192,6 @@ class TimestepEmbedder(nn.Module):
 
 @dataclass
 class ZImageTokens:
-    """What flows between the stages. The runtime may slice ``img``/``txt`` along the sequence (dim 1) together with
-    the matching columns of their rotary tables and of ``txt_mask``; everything else stays whole."""
-
-    # field -> (the token stream it belongs to, its sequence dimension); the prediction comes from OUTPUT_STREAM.
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
         "img": ("img", 1), "txt": ("txt", 1), "img_rope": ("img", 1), "txt_rope": ("txt", 1),
         "txt_mask": ("txt", 1),
@@ -232,14 +208,12 @@ class ZImageTokens:
     temb: torch.Tensor  # (B, adaln_dim)
 
 
-class ZImageTransformer(nn.Module):
-    # The block stacks in run order; run_blocks runs whichever blocks they hold (PipeFusion leaves a stage its own,
-    # so a stage may hold refiner blocks, joint blocks or both).
+class ZImageTransformer(StagedTransformer):
+    # A PipeFusion stage may hold refiner blocks, joint blocks or both.
     BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("noise_refiner", "context_refiner", "layers")
 
     def __init__(self, config: ZImageConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         dim, patch = config.dim, config.patch_size
         if config.head_dim != sum(config.axes_dims):
             raise ValueError(f"head dim {config.head_dim} != sum of rotary axes_dims {config.axes_dims}")
@@ -334,12 +308,8 @@ class ZImageTransformer(nn.Module):
         for block in self.context_refiner:
             txt = block(txt, tokens.txt_rope, tokens.txt_mask)
 
-        batch = img.shape[0]
-        rope = torch.cat([tokens.img_rope, tokens.txt_rope.expand(batch, -1, -1)], dim=1)
-        joint_mask = None
-        if tokens.txt_mask is not None:
-            image_keys = torch.ones(batch, img.shape[1], dtype=torch.bool, device=img.device)
-            joint_mask = torch.cat([image_keys, tokens.txt_mask], dim=1)
+        rope = torch.cat([tokens.img_rope, tokens.txt_rope.expand(img.shape[0], -1, -1)], dim=1)
+        joint_mask = joint_key_mask(tokens.txt_mask, img, text_first=False)
         x = torch.cat([img, txt], dim=1)
         for block in self.layers:
             x = block(x, rope, joint_mask, tokens.temb)
@@ -348,14 +318,3 @@ class ZImageTransformer(nn.Module):
 
     def head(self, tokens: ZImageTokens) -> torch.Tensor:
         return self.all_final_layer[self.config.patch_key](tokens.img, tokens.temb)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        encoder_attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Per-token prediction (B, image tokens rounded up to 32, p * p * C); ``unpatchify`` makes it an image."""
-        tokens = self.embed(hidden_states, timestep, encoder_hidden_states, encoder_attention_mask)
-        return self.head(self.run_blocks(tokens))

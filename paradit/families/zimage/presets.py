@@ -7,9 +7,10 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from paradit.families.flux2.presets import QWEN3_4B
+from paradit.families.encoders import QWEN3_4B
 from paradit.spec import ModelSpec, TextEncoderSpec
 
 # Both checkpoints use a fixed timestep shift (no dynamic shifting): 3.0 for Turbo, 6.0 for the base model.
@@ -44,55 +45,33 @@ ZIMAGE_TINY_TRANSFORMER = {
 ZIMAGE_TINY_VAE = {**FLUX1_VAE, "block_out_channels": [16, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4}
 
 
-def text_encoder_spec(config: dict[str, Any], num_hidden_layers: int) -> TextEncoderSpec:
+def text_encoder_spec(config: dict[str, Any], class_name: str | None = None) -> TextEncoderSpec:
     """The pipeline reads ``hidden_states[-2]``: the output of the second-to-last decoder layer, so the last layer is
     never run. Captions are at most 512 tokens (the reference's max_sequence_length)."""
-    return TextEncoderSpec(config, layers=(num_hidden_layers - 1,), max_length=512)
+    return TextEncoderSpec(config, layers=(config["num_hidden_layers"] - 1,), max_length=512, class_name=class_name)
 
 
-ZIMAGE_PRESETS: list[ModelSpec] = [
-    ModelSpec(
+QWEN3_4B_CAPTIONS = text_encoder_spec(QWEN3_4B)
+preset = functools.partial(
+    ModelSpec, family="zimage", vae=FLUX1_VAE, guidance_mode="cfg", height=1024, width=1024
+)  # fmt: skip
+PRESETS: list[ModelSpec] = [
+    preset(
         name="z-image-turbo",
-        family="zimage",
         description="Z-Image-Turbo, 6.2B, step-distilled (8 steps, guidance 0: off); Qwen3-4B text encoder",
-        transformer=_ZIMAGE_TRANSFORMER,
-        text_encoder=text_encoder_spec(QWEN3_4B, QWEN3_4B["num_hidden_layers"]),
-        vae=FLUX1_VAE,
-        scheduler=TURBO_SCHEDULER,
-        guidance_mode="cfg",
-        steps=8,
-        guidance=0.0,
-        height=1024,
-        width=1024,
-        hub_id="Tongyi-MAI/Z-Image-Turbo",
+        transformer=_ZIMAGE_TRANSFORMER, text_encoder=QWEN3_4B_CAPTIONS, scheduler=TURBO_SCHEDULER, steps=8,
+        guidance=0.0, hub_id="Tongyi-MAI/Z-Image-Turbo",
     ),
-    ModelSpec(
+    preset(
         name="z-image",
-        family="zimage",
         description="Z-Image, 6.2B, the non-distilled base model (true CFG, negative prompts); Qwen3-4B text encoder",
-        transformer=_ZIMAGE_TRANSFORMER,
-        text_encoder=text_encoder_spec(QWEN3_4B, QWEN3_4B["num_hidden_layers"]),
-        vae=FLUX1_VAE,
-        scheduler=BASE_SCHEDULER,
-        guidance_mode="cfg",
-        steps=50,
-        guidance=5.0,
-        height=1024,
-        width=1024,
-        hub_id="Tongyi-MAI/Z-Image",
+        transformer=_ZIMAGE_TRANSFORMER, text_encoder=QWEN3_4B_CAPTIONS, scheduler=BASE_SCHEDULER, steps=50,
+        guidance=5.0, hub_id="Tongyi-MAI/Z-Image",
     ),
-    ModelSpec(
+    preset(
         name="z-image-tiny",
-        family="zimage",
         description="a few-million-parameter Z-Image (base layout, true CFG), random weights, for demos and tests",
-        transformer=ZIMAGE_TINY_TRANSFORMER,
-        text_encoder=text_encoder_spec(ZIMAGE_TINY_TEXT_ENCODER, ZIMAGE_TINY_TEXT_ENCODER["num_hidden_layers"]),
-        vae=ZIMAGE_TINY_VAE,
-        scheduler=BASE_SCHEDULER,
-        guidance_mode="cfg",
-        steps=8,
-        guidance=5.0,
-        height=128,
-        width=128,
+        transformer=ZIMAGE_TINY_TRANSFORMER, text_encoder=text_encoder_spec(ZIMAGE_TINY_TEXT_ENCODER),
+        vae=ZIMAGE_TINY_VAE, scheduler=BASE_SCHEDULER, steps=8, guidance=5.0, height=128, width=128,
     ),
-]
+]  # fmt: skip

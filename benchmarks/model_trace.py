@@ -22,17 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from paradit.compile import model_blocks
 from paradit.layers.attention import AttentionDispatch
 from paradit.parallel.tensor import TensorPlan
+from paradit.planner.facts import LinearKind
 from paradit.quantize import quantizable
-
-
-@dataclass(frozen=True)
-class LinearKind:
-    """Where a linear layer sits and what the runtime does to it: inside the repeated blocks (PipeFusion's stages
-    split them), sharded by the tensor plan, converted by FP8."""
-
-    in_blocks: bool
-    sharded: bool
-    fp8: bool
 
 
 @dataclass(frozen=True)
@@ -86,8 +77,7 @@ def trace_step(
     keep_high_precision: tuple[str, ...],
 ) -> StepTrace:
     """Run ``call(model)`` (returning the prediction) on the meta-device ``model`` and count what it does. The
-    model's attention modules are
-    swapped for a recorder for the duration (its output has the query's shape; its FLOPs are counted from shapes)."""
+    model's attention modules are swapped for a recorder meanwhile (its output has the query's shape)."""
     trace = StepTrace()
     in_blocks = {id(module) for block in model_blocks(model) for module in block.modules()}
     hooks = []

@@ -2,7 +2,7 @@
 own run's one-GPU row (same model, precision and execution), and, per case (model x link x precision), whether the
 plan the model ranks first is the measured best or within 5% of it.
 
-    python -m paradit.planner.validate     (prints the table and the hit rate in Markdown)
+    python -m benchmarks.validate_planner     (prints the table and the hit rate in Markdown)
 
 Must not import torch.distributed.
 """
@@ -89,7 +89,7 @@ def predict(measurement: Measurement) -> Prediction | None:
         return None
     spec = PRESETS[measurement.model]
     facts = facts_for(spec)
-    workload = facts.workload(spec.height, spec.width, spec.extra.get("frames"))
+    workload = facts.workload(spec.height, spec.width, spec.frames)
     batch = measurement.batch
     fp8 = measurement.precision == "fp8"
     efficiency = linear_efficiency(facts, workload, batch, fp8, profile, reference.ms)

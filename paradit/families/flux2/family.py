@@ -1,0 +1,104 @@
+"""FLUX.2 (dev and klein) as one record: its checkpoints, its requests, its runtime facts.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from diffusers import AutoencoderKLFlux2
+
+from paradit.errors import InvalidRequest
+from paradit.families import checkpoint_spec, component_config
+from paradit.families.flux2.model import Flux2Config, Flux2Transformer
+from paradit.families.flux2.pipeline import Flux2Pipeline, MistralPromptEncoder, pixel_granularity
+from paradit.family import Family
+from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
+from paradit.pipelines.requests import ResolvedRequest, resolve_common
+from paradit.request import GenerationRequest
+from paradit.spec import ModelSpec, TextEncoderSpec
+from paradit.text_encoder import DecoderPromptEncoder
+
+logger = logging.getLogger(__name__)
+
+
+def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
+    """dev reads Mistral's layers 10, 20, 30 and embeds its guidance; klein reads Qwen3's 9, 18, 27 and runs true CFG
+    unless step-distilled."""
+    if index["_class_name"] == "Flux2Pipeline":
+        layers, mode, steps, guidance = (10, 20, 30), "embedded", 50, 4.0
+    else:
+        distilled = bool(index.get("is_distilled", False))
+        layers, (mode, steps, guidance) = (9, 18, 27), ("none", 4, None) if distilled else ("cfg", 50, 4.0)
+    # The encoder's own config too: memory estimates (and random weights) build it without reading its weights.
+    encoder_config = component_config(folder, "text_encoder")
+    encoder = TextEncoderSpec(encoder_config, layers=layers, class_name=index.get("text_encoder", [None, None])[1])
+    return checkpoint_spec(
+        folder, index, "flux2", text_encoder=encoder, guidance_mode=mode, steps=steps, guidance=guidance, height=1024,
+        width=1024,
+    )  # fmt: skip
+
+
+def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
+    if spec.guidance_mode == "none" and request.guidance is not None:
+        # diffusers' Flux2KleinPipeline takes the scale and ignores it for a step-distilled checkpoint: so do we.
+        logger.warning("guidance %s is ignored: %s is step-distilled", request.guidance, spec.name)
+        request = dataclasses.replace(request, guidance=None)
+    if request.negative_prompt is not None and spec.guidance_mode != "cfg":
+        raise InvalidRequest(f"{spec.name} does not use classifier-free guidance, so it takes no negative prompt")
+    return resolve_common(spec, request, pixel_granularity(spec.vae))
+
+
+def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
+    return spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
+
+
+# Widths are read from the model's modules, so the plan follows whatever checkpoint is loaded.
+TENSOR_PLAN = TensorPlan(
+    family="FLUX.2",
+    heads=lambda model: model.config.num_attention_heads,
+    widths=lambda model: {
+        "attention": model.single_transformer_blocks[0].attn.inner_dim,
+        "MLP hidden": model.single_transformer_blocks[0].attn.mlp_hidden_dim,
+    },
+    linears={
+        **joint_attention("transformer_blocks.*.attn"),
+        "transformer_blocks.*.ff.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),  # [gate, up]
+        "transformer_blocks.*.ff.linear_out": ROW_MLP,
+        "transformer_blocks.*.ff_context.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),
+        "transformer_blocks.*.ff_context.linear_out": ROW_MLP,
+        # The single blocks pack [q, k, v, MLP gate, MLP up] into one projection and read [attention, MLP] back.
+        "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Shard(
+            "column", ("attention", "attention", "attention", "MLP hidden", "MLP hidden")
+        ),
+        "single_transformer_blocks.*.attn.to_out": Shard("row", ("attention", "MLP hidden")),
+    },
+    local_attributes={
+        "transformer_blocks.*.attn": ("heads",),
+        "single_transformer_blocks.*.attn": ("heads", "inner_dim", "mlp_hidden_dim"),
+    },
+)
+
+FAMILY = Family(
+    name="flux2",
+    pipeline=Flux2Pipeline,
+    diffusers_pipelines=("Flux2Pipeline", "Flux2KleinPipeline"),
+    read_checkpoint=read_checkpoint,
+    resolve_request=resolve_request,
+    uses_cfg=uses_cfg,
+    build_transformer=lambda spec: Flux2Transformer(Flux2Config.from_dict(spec.transformer)),
+    # dev's Mistral gets diffusers' system turn; klein's Qwen3 a plain user turn.
+    prompt_encoder=lambda spec: (
+        MistralPromptEncoder
+        if spec.text_encoder.config.get("model_type", "").startswith("mistral")
+        else DecoderPromptEncoder
+    ),
+    vae=AutoencoderKLFlux2,
+    tensor_plan=TENSOR_PLAN,
+    # The embedders (x_ and context_embedder), the timestep and guidance MLPs, the shared modulation projections and
+    # the output layers: a small share of the FLOPs that feeds every block or the prediction directly.
+    keep_high_precision=("embed", "modulation", "norm_out", "proj_out"),
+)

@@ -1,0 +1,71 @@
+"""Qwen-Image as one record: its checkpoints, its requests, its runtime facts.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffusers import AutoencoderKLQwenImage
+
+from paradit.families import checkpoint_spec, component_config
+from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
+from paradit.families.qwen_image.pipeline import QwenImagePipeline, QwenPromptEncoder, pixel_granularity
+from paradit.family import Family
+from paradit.parallel.tensor import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
+from paradit.pipelines.requests import ResolvedRequest, resolve_common
+from paradit.request import GenerationRequest
+from paradit.spec import ModelSpec
+
+
+def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
+    transformer = component_config(folder, "transformer")
+    QwenImageConfig.from_dict(transformer)  # refuses the variants this pipeline does not serve, before loading
+    return checkpoint_spec(
+        folder, index, "qwen_image", transformer=transformer, text_encoder=component_config(folder, "text_encoder"),
+        guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024,
+    )  # fmt: skip
+
+
+def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
+    """``guidance`` is diffusers' ``true_cfg_scale``; as there, it takes effect only with a negative prompt (any
+    string, even " ", which is what Qwen-Image's authors pass when they have nothing to exclude)."""
+    return resolve_common(spec, request, pixel_granularity(spec.vae))
+
+
+def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
+    """diffusers' rule: true CFG needs both a negative prompt and a guidance above 1."""
+    return request.negative_prompts is not None and request.guidance > 1.0
+
+
+FAMILY = Family(
+    name="qwen_image",
+    pipeline=QwenImagePipeline,
+    diffusers_pipelines=("QwenImagePipeline",),
+    read_checkpoint=read_checkpoint,
+    resolve_request=resolve_request,
+    uses_cfg=uses_cfg,
+    build_transformer=lambda spec: QwenImageTransformer(QwenImageConfig.from_dict(spec.transformer)),
+    prompt_encoder=lambda spec: QwenPromptEncoder,
+    vae=AutoencoderKLQwenImage,
+    # Widths are read from the model's modules, so the plan follows whatever checkpoint is loaded.
+    tensor_plan=TensorPlan(
+        family="Qwen-Image",
+        heads=lambda model: model.config.num_attention_heads,
+        widths=lambda model: {
+            "attention": model.transformer_blocks[0].attn.to_q.out_features,
+            "MLP hidden": model.transformer_blocks[0].img_mlp.net[2].in_features,
+        },
+        linears={
+            **joint_attention("transformer_blocks.*.attn"),
+            "transformer_blocks.*.img_mlp.net.0.proj": COLUMN_MLP,
+            "transformer_blocks.*.img_mlp.net.2": ROW_MLP,
+            "transformer_blocks.*.txt_mlp.net.0.proj": COLUMN_MLP,
+            "transformer_blocks.*.txt_mlp.net.2": ROW_MLP,
+        },
+        local_attributes={"transformer_blocks.*.attn": ("heads",)},
+    ),
+    # The embedders (img_in, txt_in, the timestep MLP), the per-block modulation (img_mod, txt_mod), the output layers.
+    keep_high_precision=("img_in", "txt_in", "time_text_embed", "_mod.", "norm_out", "proj_out"),
+)

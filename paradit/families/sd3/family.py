@@ -1,0 +1,93 @@
+"""Stable Diffusion 3 / 3.5 as one record: its checkpoints, its requests, its runtime facts.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffusers import AutoencoderKL
+
+from paradit.errors import CheckpointError
+from paradit.families import checkpoint_spec, component_config
+from paradit.families.sd3.model import SD3Config, SD3Transformer
+from paradit.families.sd3.pipeline import SD3Pipeline, SD3PromptEncoder, pixel_granularity, vae_scale_factor
+from paradit.families.sd3.presets import PRESETS, SD3TextEncoders
+from paradit.family import Family
+from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan, joint_attention
+from paradit.pipelines.requests import ResolvedRequest, resolve_common
+from paradit.request import GenerationRequest
+from paradit.spec import ModelSpec
+
+# diffusers' StableDiffusion3Pipeline.__call__ defaults, for checkpoints that are not a published SD3.5.
+PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE = 28, 7.0
+
+
+def published_defaults(transformer: dict) -> tuple[int, float]:
+    """Steps and guidance of the model card when the transformer is a published SD3.5 one (a preset's hub id
+    resolves to its checkpoint folder, and its defaults must survive that); else the diffusers pipeline's."""
+    for preset in PRESETS:
+        if preset.hub_id and all(transformer.get(key) == value for key, value in preset.transformer.items()):
+            return preset.steps, preset.guidance
+    return PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE
+
+
+def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
+    transformer, scheduler = component_config(folder, "transformer"), component_config(folder, "scheduler")
+    if scheduler.get("use_dynamic_shifting"):
+        raise CheckpointError(
+            f"{folder}: a scheduler with use_dynamic_shifting is not supported; SD3.5 uses a fixed shift"
+        )
+    encoders = SD3TextEncoders(*(component_config(folder, f"text_encoder{n}") for n in ("", "_2", "_3")))
+    vae = component_config(folder, "vae")
+    steps, guidance = published_defaults(transformer)
+    size = transformer.get("sample_size", 128) * vae_scale_factor(vae)
+    return checkpoint_spec(
+        folder, index, "sd3", transformer=transformer, text_encoder=encoders, vae=vae, scheduler=scheduler,
+        guidance_mode="cfg", steps=steps, guidance=guidance, height=size, width=size,
+    )  # fmt: skip
+
+
+def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
+    """The negative prompt is "" unless given; the largest size is what the positional-embedding table covers."""
+    granularity = pixel_granularity(spec)
+    largest = spec.transformer["pos_embed_max_size"] * granularity
+    return resolve_common(spec, request, granularity, largest=(largest, largest), default_negative="")
+
+
+FAMILY = Family(
+    name="sd3",
+    pipeline=SD3Pipeline,
+    diffusers_pipelines=("StableDiffusion3Pipeline",),
+    read_checkpoint=read_checkpoint,
+    resolve_request=resolve_request,
+    uses_cfg=lambda spec, request: request.guidance > 1.0,
+    build_transformer=lambda spec: SD3Transformer(SD3Config.from_dict(spec.transformer)),
+    prompt_encoder=lambda spec: SD3PromptEncoder,
+    vae=AutoencoderKL,
+    # Widths are read from the model's modules, so the plan follows whatever checkpoint is loaded.
+    tensor_plan=TensorPlan(
+        family="SD3.5",
+        heads=lambda model: model.config.num_attention_heads,
+        widths=lambda model: {
+            "attention": model.transformer_blocks[0].attn.to_q.out_features,
+            "MLP hidden": model.transformer_blocks[0].ff.net[2].in_features,
+        },
+        linears={
+            # The last block has no to_add_out (its text output is never read): the pattern matches the others.
+            **joint_attention("transformer_blocks.*.attn"),
+            # SD3.5-medium's image-only attention (attn2) in its first blocks.
+            "transformer_blocks.*.attn2.to_[qkv]": COLUMN,
+            "transformer_blocks.*.attn2.to_out.0": ROW,
+            "transformer_blocks.*.ff.net.0.proj": COLUMN_MLP,
+            "transformer_blocks.*.ff.net.2": ROW_MLP,
+            "transformer_blocks.*.ff_context.net.0.proj": COLUMN_MLP,
+            "transformer_blocks.*.ff_context.net.2": ROW_MLP,
+        },
+    ),
+    # The embedders, the AdaLN modulation (which lives under "norm" names: norm1.linear, norm1_context.linear,
+    # norm_out) and the output projection.
+    keep_high_precision=("embed", "norm", "proj_out"),
+    after_dummy_init=lambda transformer: transformer.pos_embed.fill_position_table(),  # a fixed sin-cos buffer
+)

@@ -1,0 +1,76 @@
+"""Z-Image (Turbo and the base model) as one record: its checkpoints, its requests, its runtime facts.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffusers import AutoencoderKL
+
+from paradit.families import checkpoint_spec, component_config
+from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
+from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
+from paradit.families.zimage.presets import TURBO_SCHEDULER, text_encoder_spec
+from paradit.family import Family
+from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
+from paradit.pipelines.requests import ResolvedRequest, resolve_common
+from paradit.request import GenerationRequest
+from paradit.spec import ModelSpec
+
+# diffusers' ZImagePipeline defaults; a checkpoint scheduled like the published Turbo gets Turbo's instead.
+DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_SIZE = 50, 5.0, 1024
+TURBO_STEPS = 8
+
+
+def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
+    encoder, scheduler = component_config(folder, "text_encoder"), component_config(folder, "scheduler")
+    # The model_index of Turbo and of the base model are identical; their schedulers are not (shift 3.0 vs 6.0).
+    turbo = all(scheduler.get(key) == value for key, value in TURBO_SCHEDULER.items())
+    return checkpoint_spec(
+        folder, index, "zimage", "Turbo, step-distilled" if turbo else "true CFG", scheduler=scheduler,
+        text_encoder=text_encoder_spec(encoder, index.get("text_encoder", [None, None])[1]), guidance_mode="cfg",
+        steps=TURBO_STEPS if turbo else DEFAULT_STEPS, guidance=0.0 if turbo else DEFAULT_GUIDANCE,
+        height=DEFAULT_SIZE, width=DEFAULT_SIZE,
+    )  # fmt: skip
+
+
+def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
+    g = pixel_granularity(spec.vae)
+    # Rotary positions are looked up in tables of axes_lens rows; a latent grid past them has no position.
+    _, max_rows, max_cols = spec.transformer["axes_lens"]
+    return resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g))
+
+
+FAMILY = Family(
+    name="zimage",
+    pipeline=ZImagePipeline,
+    diffusers_pipelines=("ZImagePipeline",),
+    read_checkpoint=read_checkpoint,
+    resolve_request=resolve_request,
+    # The reference guides whenever the scale is above 0 (its formula adds scale * (cond - uncond) to cond), the
+    # step-distilled Turbo too: its default of 0 turns guidance off, a request may turn it on.
+    uses_cfg=lambda spec, request: request.guidance > 0,
+    build_transformer=lambda spec: ZImageTransformer(ZImageConfig.from_dict(spec.transformer)),
+    prompt_encoder=lambda spec: CaptionEncoder,
+    vae=AutoencoderKL,
+    # Widths are read from the model's modules, so the plan follows whatever checkpoint is loaded.
+    tensor_plan=TensorPlan(
+        family="Z-Image",
+        heads=lambda model: model.config.n_heads,
+        widths=lambda model: {
+            "attention": model.layers[0].attention.to_q.out_features,
+            "MLP hidden": model.layers[0].feed_forward.w2.in_features,
+        },
+        linears={
+            # The noise refiner, the context refiner and the joint layers share one block layout.
+            "*.attention.to_[qkv]": COLUMN,
+            "*.attention.to_out.0": ROW,
+            "*.feed_forward.w[13]": COLUMN_MLP,  # w1 the gate, w3 the up projection
+            "*.feed_forward.w2": ROW_MLP,
+        },
+    ),
+    # The embedders (all_x_embedder, cap_embedder, t_embedder), the per-block adaLN modulation, the output layer.
+    keep_high_precision=("embedder", "adaLN", "final_layer"),
+)

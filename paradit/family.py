@@ -1,0 +1,53 @@
+"""``Family``: one record that says everything the runtime needs of a model family, as torchtitan's ``TrainSpec``
+describes a model: each family folder exports one (``families/<family>/family.py``), and the registry lists them.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from paradit.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from paradit.parallel.tensor import TensorPlan
+    from paradit.pipelines.base import DiffusionPipeline
+    from paradit.pipelines.requests import ResolvedRequest
+    from paradit.request import GenerationRequest
+    from paradit.text_encoder import PromptEncoder
+
+
+def image_tokens(spec: ModelSpec) -> int:
+    """An image family's latent patches (1/16 of the pixels per side) and a text of 512 tokens."""
+    return spec.height * spec.width // 256 + 512
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: its pipeline (prompt encoding, latents, model call, guidance formula, decoding), how it reads
+    a checkpoint and a request, how it builds its transformer and loads its prompt encoder and VAE, and its runtime
+    facts (tensor plan, the linears FP8 keeps in high precision)."""
+
+    name: str
+    pipeline: type[DiffusionPipeline]
+    diffusers_pipelines: tuple[str, ...]  # the diffusers pipeline classes whose checkpoints it serves
+    # (folder, its model_index.json) -> the ModelSpec: architecture from its configs, defaults from diffusers
+    read_checkpoint: Callable[[Path, dict[str, Any]], ModelSpec]
+    # the request with the model's defaults filled in, or an InvalidRequest naming what is allowed
+    resolve_request: Callable[[ModelSpec, GenerationRequest], ResolvedRequest]
+    uses_cfg: Callable[[ModelSpec, ResolvedRequest], bool]  # two guidance branches a step, by diffusers' rule
+    build_transformer: Callable[[ModelSpec], nn.Module]  # the plain transformer (the loader builds it on meta)
+    # the prompt encoder's class for a spec: its ``from_folder`` and ``dummy`` (``text_encoder.load_prompt_encoder``)
+    prompt_encoder: Callable[[ModelSpec], type[PromptEncoder]]
+    vae: type  # the diffusers autoencoder class of the ``vae/`` component
+    tensor_plan: TensorPlan | None
+    keep_high_precision: tuple[str, ...]  # name fragments of the linears FP8 leaves in the model dtype
+    video: bool = False  # whether it makes videos (batch, frames, 3, H, W) rather than images
+    sequence_tokens: Callable[[ModelSpec], int] = image_tokens  # tokens a sample's blocks see (memory estimate)
+    after_dummy_init: Callable[[nn.Module], None] | None = None  # fills a model's fixed buffers after random init

@@ -1,0 +1,138 @@
+"""What a request becomes once resolved: every default filled in and every value checked (``ResolvedRequest``), the
+checks every family shares, and what requests must share to run as one batch.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import TYPE_CHECKING
+
+from paradit.errors import InvalidRequest
+from paradit.request import SEED_LIMIT, GenerationRequest
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from paradit.spec import ModelSpec
+
+
+@dataclasses.dataclass
+class ResolvedRequest:
+    """A request with every default filled in and every value checked."""
+
+    prompts: list[str]
+    negative_prompts: list[str] | None
+    height: int
+    width: int
+    steps: int
+    guidance: float | None
+    seed: int
+    images_per_prompt: int
+    frames: int | None = None  # video families: frames per video
+    guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
+    image: Image.Image | None = None  # image-to-video families: the first frame, RGB
+    fps: int | None = None  # video families: frames per second of the written file
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts) * self.images_per_prompt
+
+
+# Bounds of what a request may ask for, where the model sets none tighter: a side far past any published model's
+# training size, more steps than any schedule uses, a batch that still fits a server's queue, torch's 64-bit seeds.
+MAX_SIDE = 8192
+MAX_STEPS = 10_000
+MAX_BATCH = 64
+
+
+def check_text(name: str, texts: list[str]) -> None:
+    """Refuse text that is not valid Unicode (a command line's undecodable bytes arrive as lone surrogates)."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"{name} is not valid UTF-8 text (at character {exc.start}); re-encode it") from None
+
+
+def resolve_common(
+    spec: ModelSpec,
+    request: GenerationRequest,
+    granularity: int,
+    largest: tuple[int, int] | None = None,
+    default_negative: str | None = None,
+) -> ResolvedRequest:
+    """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest`` (height, width),
+    steps, guidance, negative prompts, images per prompt, seed), raising InvalidRequest with the allowed values."""
+    prompts = request.prompts
+    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+        raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
+    check_text("prompt", prompts)
+    height = spec.height if request.height is None else request.height
+    width = spec.width if request.width is None else request.width
+    for index, (name, value) in enumerate((("height", height), ("width", width))):
+        limit = largest[index] if largest else MAX_SIDE
+        if value < granularity or value % granularity or value > limit:
+            raise InvalidRequest(
+                f"{name} {value} is not allowed; this model takes multiples of {granularity} from {granularity} to "
+                f"{limit}"
+            )
+    steps = spec.steps if request.steps is None else request.steps
+    if not 1 <= steps <= MAX_STEPS:
+        raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more (at most {MAX_STEPS})")
+    guidance = spec.guidance if request.guidance is None else float(request.guidance)
+    if guidance is not None and not 0 <= guidance < math.inf:  # NaN fails both comparisons
+        raise InvalidRequest(f"guidance {guidance} is not allowed; give a finite value >= 0")
+    negative = request.negative_prompt if request.negative_prompt is not None else default_negative
+    negatives = None
+    if negative is not None:
+        negatives = [negative] if isinstance(negative, str) else list(negative)
+        if any(not isinstance(n, str) for n in negatives):
+            raise InvalidRequest("negative_prompt must be a string or a list of strings")
+        check_text("negative_prompt", negatives)
+        if len(negatives) == 1:
+            negatives = negatives * len(prompts)
+        if len(negatives) != len(prompts):
+            raise InvalidRequest(
+                f"{len(negatives)} negative prompts for {len(prompts)} prompts; give 1 or {len(prompts)}"
+            )
+    if not 1 <= request.num_images_per_prompt <= MAX_BATCH:
+        raise InvalidRequest(
+            f"num_images_per_prompt {request.num_images_per_prompt} is not allowed; give 1 or more (at most "
+            f"{MAX_BATCH})"
+        )
+    seed = random.randrange(2**31) if request.seed is None else int(request.seed)
+    if not 0 <= seed < SEED_LIMIT:
+        raise InvalidRequest(f"seed {seed} is not allowed; give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
+    return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt)
+
+
+def batch_key(request: ResolvedRequest) -> tuple | None:
+    """What requests must share to run as one batch: everything but prompts, seeds and image counts. None for a
+    request with an input image, which runs alone."""
+    if request.image is not None:
+        return None
+    return (request.height, request.width, request.steps, request.guidance, request.guidance_2, request.frames,
+            request.negative_prompts is None)  # fmt: skip
+
+
+def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
+    """Requests of one ``batch_key`` as one request of one prompt per image (each request keeps its image count)."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({batch_key(part) for part in parts}) > 1 or batch_key(parts[0]) is None:
+        raise InvalidRequest(
+            "requests batched together must share size, steps, guidance, frames and the use of a negative prompt, "
+            "and give no image"
+        )
+    negatives = parts[0].negative_prompts is not None
+    return dataclasses.replace(
+        parts[0],
+        prompts=[text for p in parts for text in p.prompts for _ in range(p.images_per_prompt)],
+        negative_prompts=[text for p in parts for text in p.negative_prompts for _ in range(p.images_per_prompt)]
+        if negatives else None,
+        images_per_prompt=1,
+    )  # fmt: skip

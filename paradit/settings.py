@@ -1,0 +1,222 @@
+"""``settle``: the one place that turns what a user asked (``paradit generate``'s flags, a server's settings, the
+Python ``Engine``'s arguments) into the settings a run executes with: the model resolved, the parallel plan (the
+flags' degrees, else the tuned configuration or the planner's choice for ``--gpus N``, else the default), the
+execution options and prompt-encoder placement (the flags', else the tuned choice's), and the memory check under a
+cap (which may make experts take turns or move the encoders). Everything is checked here, before anything loads.
+
+Must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paradit.checkpoint import resolve_checkpoint
+from paradit.errors import InvalidRequest
+from paradit.families import DEFAULT_MODEL, FAMILIES, PRESETS, spec_from_folder
+from paradit.fp8_checkpoint import PRESET_FILE, spec_with_fp8_transformer
+from paradit.memory import MemoryPlan, check_fits, check_placement, parse_size
+from paradit.optimize import ExecutionOptions
+from paradit.parallel.config import ParallelConfig, default_plan
+from paradit.parallel.validate import check_plan
+from paradit.planner.choose import PlannedSettings, settings_for
+from paradit.quantize import fp8_checkpoint_layers
+from paradit.request import GenerationRequest
+from paradit.spec import ModelSpec, RandomWeights
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16 if device.type != "cpu" else torch.float32
+    if dtype not in DTYPES:
+        raise InvalidRequest(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise InvalidRequest(f"unknown device {str(device)!r}; choose cuda (CUDA or ROCm builds) or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("device cuda was asked for but this PyTorch build sees no GPU; use --device cpu")
+    return device
+
+
+def resolve_model(model: str, load_format: str = "auto", allow_pickle: bool = False) -> ModelSpec:
+    """The spec of a preset, checkpoint folder or hub id, with its weight source: a preset with a hub id resolves to
+    its checkpoint; ``dummy`` (or a preset without a checkpoint) gives random weights of the same architecture."""
+    if load_format not in LOAD_FORMATS:
+        raise InvalidRequest(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+    path = Path(model).expanduser()
+    if model in PRESETS:
+        spec = PRESETS[model]
+        if load_format == "auto" and spec.hub_id is not None:
+            spec = spec_from_folder(resolve_checkpoint(spec.hub_id), allow_pickle)
+    elif (path / PRESET_FILE).is_file():
+        spec = spec_with_fp8_transformer(path)
+    elif path.is_dir() or model.count("/") == 1:
+        spec = spec_from_folder(resolve_checkpoint(model), allow_pickle)
+    else:
+        raise InvalidRequest(
+            f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder or hub id (org/name)"
+        )
+    return dataclasses.replace(spec, weights=RandomWeights()) if load_format == "dummy" else spec
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a user asked for; None (and ``auto``) leave the choice to paradit."""
+
+    model: str | ModelSpec = DEFAULT_MODEL
+    device: str | torch.device | None = None
+    dtype: str | torch.dtype | None = None
+    load_format: str = "auto"
+    allow_pickle: bool = False
+    gpus: int | None = None  # the group's size; without degrees, the plan is paradit's to choose
+    parallel: ParallelConfig | None = None  # explicit degrees
+    comm_dtype: str | None = None  # these three apply on top of whichever plan runs
+    patches: int | None = None
+    warmup_steps: int | None = None
+    quantize: str | None = None
+    compile: bool | None = None
+    cuda_graphs: bool | None = None
+    swap_experts: bool = False
+    max_gpu_memory: str | int | None = None
+    text_encoder_placement: str = "auto"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a run executes with, settled and checked: the model, where and in which dtype, the plan, the execution
+    options, the memory cap and plan (None without a cap), where the prompt encoders live (``gpu``, ``fp8`` or
+    ``offload``), and where the plan came from (None: the flags or the default)."""
+
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype
+    parallel: ParallelConfig
+    options: ExecutionOptions
+    memory_cap: int | None = None
+    memory_plan: MemoryPlan | None = None
+    text_encoder_placement: str = "gpu"
+    origin: str | None = None
+
+    @property
+    def family(self):
+        return FAMILIES[self.spec.family]
+
+
+def default_plan_for(spec: ModelSpec, gpus: int, request: GenerationRequest | None = None,
+                     device: str | torch.device | None = None) -> ParallelConfig:  # fmt: skip
+    """The plan ``--gpus N`` alone gets: on GPUs of a known hardware profile, the planner's (the tuned entry for the
+    request, else a plan made for it: ``planner.choose``). Elsewhere (CPU processes, an unknown GPU): CFG parallel
+    only when the request (or, without one, the model's defaults) runs both guidance branches, so that no half of the
+    group idles; the rest Ulysses, then Ring."""
+    return _chosen_plan(spec, gpus, request, device)[0]
+
+
+def _chosen_plan(spec: ModelSpec, gpus: int, request: GenerationRequest | None,
+                 device: str | torch.device | None) -> tuple[ParallelConfig, PlannedSettings | None]:  # fmt: skip
+    if gpus == 1:
+        return ParallelConfig(), None
+    planned = settings_for(spec, gpus, request, device)
+    if planned is not None:
+        return planned.parallel, planned
+    family = FAMILIES[spec.family]
+    resolved = family.resolve_request(spec, request or GenerationRequest(prompt="a"))
+    guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
+    return default_plan(gpus, guides, spec.attention_heads), None
+
+
+def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = None,
+            ) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:  # fmt: skip
+    """What ``asked`` leaves open, chosen: the plan (the degrees asked for, else the tuned or planned one, else the
+    default), the execution options and prompt-encoder placement (asked for, else the tuned choice's), and a line
+    saying where a tuned or planned choice came from (None otherwise). Nothing is checked yet."""
+    planned = None
+    if asked.parallel is not None:
+        parallel = asked.parallel
+        if asked.gpus is not None and asked.gpus != parallel.world_size:  # say which plans fit the group
+            parallel.validate(asked.gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
+    else:
+        parallel, planned = _chosen_plan(spec, asked.gpus or 1, request, asked.device)
+    parallel = dataclasses.replace(
+        parallel, comm_dtype=asked.comm_dtype or parallel.comm_dtype, patches=asked.patches or parallel.patches,
+        warmup_steps=asked.warmup_steps or parallel.warmup_steps,
+    )  # fmt: skip
+    placement = asked.text_encoder_placement
+    if planned is not None and placement == "auto" and asked.max_gpu_memory is None:
+        placement = planned.text_encoder_placement  # under a cap, the memory plan places them for that cap
+    options = ExecutionOptions(
+        quantize=asked.quantize or (planned.quantize if planned else "none"), compile=asked.compile,
+        cuda_graphs=bool(asked.cuda_graphs or (planned and planned.cuda_graphs)), swap_experts=asked.swap_experts,
+    )  # fmt: skip
+    return parallel, options, placement, planned.origin if planned else None
+
+
+def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSettings:
+    """The settings for ``asked`` (and its one request, when known: it is checked too, and plans and memory are sized
+    for it), or InvalidRequest naming what cannot run and what can."""
+    device = parse_device(asked.device)
+    dtype = parse_dtype(asked.dtype, device)
+    spec = asked.model if isinstance(asked.model, ModelSpec) else resolve_model(asked.model, asked.load_format,
+                                                                               asked.allow_pickle)  # fmt: skip
+    family = FAMILIES[spec.family]
+    resolved = None if request is None else family.resolve_request(spec, request)
+    parallel, options, placement, origin = choices(asked, spec, request)
+    if options.cuda_graphs and parallel.pipefusion > 1:
+        # PipeFusion counts steps on the host to choose warm-up or patched steps; a graph replay would skip that.
+        raise InvalidRequest("CUDA graphs do not combine with pipefusion yet; drop --cuda-graphs or --pipefusion")
+    if fp8_checkpoint_layers(spec.transformer) is not None:  # it runs in FP8 or not at all
+        if options.quantize != "fp8":
+            raise InvalidRequest(f"{spec.name} holds an FP8 transformer; run it with --quantize fp8")
+        try:
+            options.validate(device)
+        except InvalidRequest:  # its own advice (drop --quantize fp8) would lead to the refusal above
+            raise InvalidRequest(
+                f"{spec.name} holds an FP8 transformer, which needs a GPU with FP8 kernels (compute capability "
+                "8.9+, MI300 or RDNA 4); on this device run the checkpoint it was quantized from"
+            ) from None
+    options.validate(device)
+    check_plan(family, spec, parallel)
+    gpus = parallel.world_size
+    if device.type == "cuda" and not launched_by_torchrun() and (device.index or 0) + gpus > torch.cuda.device_count():
+        start = "" if device.index is None else f" from {device}"
+        raise InvalidRequest(f"{gpus} GPUs{start} asked for, but this machine has {torch.cuda.device_count()}")
+    fp8 = options.quantize == "fp8"
+    check_placement(placement, fp8)
+    cap = None if asked.max_gpu_memory is None else parse_size(asked.max_gpu_memory)
+    memory_plan = None
+    if cap is not None:  # estimated at the request's size when there is one, else the model's
+        sized = spec
+        if resolved is not None:
+            sized = dataclasses.replace(spec, height=resolved.height, width=resolved.width,
+                                        frames=resolved.frames or spec.frames)  # fmt: skip
+        try:
+            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, options.swap_experts)
+        except InvalidRequest:
+            # Experts that do not fit side by side may take turns: the idle one waits in host memory.
+            if options.swap_experts or not spec.experts:
+                raise
+            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, swap_experts=True)
+            options = dataclasses.replace(options, swap_experts=True)
+            options.validate(device)
+        placement = memory_plan.text_encoder_placement
+    return RunSettings(spec, device, dtype, parallel, options, cap, memory_plan,
+                       "gpu" if placement == "auto" else placement, origin)  # fmt: skip
