@@ -12,15 +12,18 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
 from paradit import __version__
 from paradit.errors import ParaditError, report_warnings
-from paradit.families import DEFAULT_MODEL
+from paradit.families import DEFAULT_MODEL, PRESETS
 from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths, read_image, save_images, save_videos
 from paradit.parallel.config import ParallelConfig
 from paradit.request import SEED_LIMIT
@@ -46,20 +49,22 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def whole_number(text: str, problem: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}") from None
+
+
 def positive(text: str) -> int:
     """A whole number of 1 or more (degrees, counts, sizes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
+    if (value := whole_number(text, "is not a whole number")) < 1:
         raise argparse.ArgumentTypeError(f"{value} is not allowed; give 1 or more")
     return value
 
 
 def finite(text: str) -> float:
-    value = float(text) if text.strip().lower() not in ("nan", "inf", "+inf", "-inf", "infinity") else None
-    if value is None or value != value:
+    if not math.isfinite(value := float(text)):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
 
@@ -68,11 +73,7 @@ def seed(text: str) -> int | None:
     """A 64-bit seed, or ``random`` (drawn, then printed)."""
     if text == "random":
         return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor 'random'") from None
-    if not 0 <= value < SEED_LIMIT:
+    if not 0 <= (value := whole_number(text, "is neither a whole number nor 'random'")) < SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 to {SEED_LIMIT - 1} or 'random'")
     return value
 
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices", help="which GPUs, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES for this run)"
     )
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    gen.set_defaults(run=run_generate)
     add_execution_options(gen)
     par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
     par.add_argument("--gpus", type=positive, help="processes in the group; default: the product of the degrees")
@@ -182,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-format", choices=["auto", "dummy"], default="auto", help="dummy: quantize random weights"
     )
     quant.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the layers kept unquantized")
+    quant.set_defaults(run=run_quantize)
 
     planner = commands.add_parser(
         "plan", help="rank every parallel plan for a model on N GPUs by predicted time, and say why the best wins",
@@ -200,12 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--quantize", choices=["none", "fp8"], help="FP8 compute or not (default: bf16 unless nothing fits without FP8)"
     )
+    planner.set_defaults(run=run_plan)
 
     models = commands.add_parser("models", help="list the model presets, or with --local the checkpoints on disk")
     models.add_argument("--local", action="store_true", help="list the pipelines in the hub cache, with their sizes")
     models.add_argument(
         "--dir", action="append", default=[], help="a checkpoint folder, or a folder of them, to list (implies --local)"
     )
+    models.set_defaults(run=run_models)
 
     serve = commands.add_parser(
         "serve", help="serve a model over HTTP: OpenAI's Images API, video jobs, metrics", formatter_class=_Help
@@ -231,16 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=positive, default=64, help="requests waiting; more get 429 (Retry-After)")
     serve.add_argument("--timeout", type=positive, default=600, help="seconds a request may take, its wait included")
     add_execution_options(serve)
+    serve.set_defaults(run=run_serve)
 
     down = commands.add_parser(
         "download", help="fetch a checkpoint from the Hugging Face hub: only the files paradit reads"
     )
     down.add_argument("model", help="preset name or hub id (org/name)")
     down.add_argument("--dir", help="the checkpoint folder to write (default: the hub cache, where --model finds it)")
+    down.set_defaults(run=run_download)
     return parser
 
 
-def table_rows(result) -> list[tuple[str, str]]:
+def format_table(result) -> str:
     t = result.timings
     rows = [
         ("seed", str(result.seed)),
@@ -256,11 +263,6 @@ def table_rows(result) -> list[tuple[str, str]]:
         rows.append(("peak memory per rank", " ".join(f"{b / 2**30:.2f}" for b in t.peak_memory_per_rank) + " GiB"))
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
-    return rows
-
-
-def format_table(result) -> str:
-    rows = table_rows(result)
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -272,10 +274,9 @@ def asked_for(args: argparse.Namespace):
 
     flag = functools.partial(getattr, args)  # serve takes no parallel flags: its groups' plans are chosen
     degrees = {name: flag(name, None) for name in ("ulysses", "ring", "tensor", "pipefusion")}
-    explicit = flag("cfg_parallel", False) or any(degree is not None for degree in degrees.values())
-    parallel = ParallelConfig(
-        cfg=2 if flag("cfg_parallel", False) else 1, **{name: degree or 1 for name, degree in degrees.items()}
-    ) if explicit else None  # fmt: skip
+    degrees["cfg"] = 2 if flag("cfg_parallel", False) else None
+    explicit = any(degrees.values())  # a degree given is 1 or more (``positive``)
+    parallel = ParallelConfig(**{name: degree or 1 for name, degree in degrees.items()}) if explicit else None
     return Asked(
         args.model, args.device, args.dtype, args.load_format, args.allow_pickle, args.gpus, parallel,
         flag("comm_dtype", None), flag("patches", None), flag("warmup_steps", None), args.quantize, args.compile,
@@ -327,9 +328,8 @@ def run_generate(args: argparse.Namespace) -> int:
         "prompt": resolved.prompts, "negative_prompt": resolved.negative_prompts, "seed": result.seed,
         "model": run.spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
         "software": f"paradit {__version__}",
+        **({"frames": resolved.frames, "fps": resolved.fps, "image": args.image} if result.is_video else {}),
     }  # fmt: skip
-    if result.is_video:
-        settings.update(frames=resolved.frames, fps=resolved.fps, image=args.image)
     metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
     if result.is_video:
         paths = save_videos(result.frames, paths, resolved.fps, metadata)
@@ -357,15 +357,11 @@ def run_generate(args: argparse.Namespace) -> int:
 def serial_comparison(parallel, serial, exact: bool) -> tuple[int, str]:
     """How far the parallel images are from the one-process ones (float pixels, 8-bit levels, PSNR), and the exit
     code: 3 when an exact plan differs by more than one level or a lossy one falls under ``LOSSY_PSNR_DB``."""
-    import numpy as np
-
-    float_diff = (parallel.pixels - serial.pixels).abs().max().item()
-    mse = ((parallel.pixels - serial.pixels) ** 2).mean().item()
-    psnr = 10 * np.log10(1 / mse) if mse > 0 else float("inf")
-    levels = max(
-        int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max())
-        for a, b in zip(parallel.images, serial.images)
-    )
+    diff = parallel.pixels - serial.pixels
+    float_diff, mse = diff.abs().max().item(), diff.square().mean().item()
+    psnr = 10 * math.log10(1 / mse) if mse > 0 else float("inf")
+    # The images' 8-bit levels, rounded as ``GenerationResult.images`` rounds them.
+    levels = int(((parallel.pixels * 255).round() - (serial.pixels * 255).round()).abs().max())
     within = levels <= 1 if exact else psnr >= LOSSY_PSNR_DB
     verdict = "equals" if levels <= 1 else "is within tolerance of" if within else "DIFFERS FROM"
     line = (
@@ -375,31 +371,25 @@ def serial_comparison(parallel, serial, exact: bool) -> tuple[int, str]:
     return (0 if within else 3), line
 
 
-def run_models() -> int:
-    from paradit.families import PRESETS
+def run_models(args: argparse.Namespace) -> None:
+    if args.local or args.dir:
+        from paradit.download import format_local_models, local_models
 
+        print(format_local_models(local_models(args.dir)))
+        return
     width = max(len(name) for name in PRESETS)
     for name, spec in PRESETS.items():
         size = f"{spec.width}x{spec.height}"
         print(f"{name:<{width}}  {spec.steps:>3} steps  {size:>9}  {spec.description}")
-    return 0
 
 
-def run_local_models(folders: list[str]) -> int:
-    from paradit.download import format_local_models, local_models
-
-    print(format_local_models(local_models(folders)))
-    return 0
-
-
-def run_download(args: argparse.Namespace) -> int:
+def run_download(args: argparse.Namespace) -> None:
     from paradit.download import download
 
     download(args.model, args.dir)
-    return 0
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace) -> None:
     start_worker_server(args.device)  # every group runs in workers; the forkserver's imports overlap this process's
     from paradit.serving.launch import ServeSettings, serve
 
@@ -408,31 +398,25 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, timeout_s=args.timeout, api_key=args.api_key or os.environ.get("PARADIT_API_KEY"),
     )  # fmt: skip
     serve(settings, host=args.host, port=args.port)
-    return 0
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace) -> None:
     from paradit.planner.command import plan_text
 
     print(plan_text(args.model, args.gpus, args.profile, args.link, args.gpu_memory, args.size, args.frames,
                     args.quantize))  # fmt: skip
-    return 0
 
 
-def run_quantize(args: argparse.Namespace) -> int:
+def run_quantize(args: argparse.Namespace) -> None:
     from paradit.fp8_checkpoint import write_fp8_checkpoint
     from paradit.settings import DTYPES, resolve_model
 
     spec = resolve_model(args.model, args.load_format)
     layers = write_fp8_checkpoint(spec, Path(args.out), DTYPES[args.dtype])
     print(f"wrote {args.out}: {len(layers)} FP8 linears; run it with --model {args.out} --quantize fp8")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    import signal
-    import threading
-
     parser = build_parser()
     args = parser.parse_args(argv)
     report_warnings()
@@ -455,17 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        if args.command == "models":
-            return run_local_models(args.dir) if args.local or args.dir else run_models()
-        if args.command == "download":
-            return run_download(args)
-        if args.command == "quantize":
-            return run_quantize(args)
-        if args.command == "plan":
-            return run_plan(args)
-        if args.command == "serve":
-            return run_serve(args)
-        return run_generate(args)
+        return args.run(args) or 0  # generate returns its exit code; the other commands succeed or raise
     except ParaditError as exc:
         print(f"paradit: error: {exc}", file=sys.stderr)
         return 2

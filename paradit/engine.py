@@ -7,6 +7,7 @@ the engine ready for the next one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Literal
@@ -63,12 +64,10 @@ class Engine:
         settings: RunSettings | None = None,
     ) -> None:
         if settings is None:
-            options = options or ExecutionOptions()
             asked = Asked(
                 model, device, dtype, load_format, allow_pickle, parallel=parallel or ParallelConfig(),
-                quantize=options.quantize, compile=options.compile, cuda_graphs=options.cuda_graphs,
-                swap_experts=options.swap_experts, max_gpu_memory=max_gpu_memory,
-                text_encoder_placement=text_encoder_placement,
+                max_gpu_memory=max_gpu_memory, text_encoder_placement=text_encoder_placement,
+                **dataclasses.asdict(options or ExecutionOptions()),  # quantize, compile, cuda_graphs, swap_experts
             )  # fmt: skip
             settings = settle(asked, request)
         self.settings = settings
@@ -81,12 +80,13 @@ class Engine:
             text_encoder_placement=self.text_encoder_placement,
             vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled,
         )  # fmt: skip
-        self._pipeline = self._group = self._signals = None
+        # pipeline: the one this process runs (None when the work happens in spawned worker processes)
+        self.pipeline = self._group = self._signals = None
         if self.parallel.world_size == 1 and not isolate:
-            self._pipeline = build_pipeline(plan, 0, self.device.index or 0)
+            self.pipeline = build_pipeline(plan, 0, self.device.index or 0)
             self._signals = StepSignals(1)
         elif launched_by_torchrun():  # each process is its own engine: there is no one to agree a cancellation with
-            self._pipeline = build_pipeline(plan, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
+            self.pipeline = build_pipeline(plan, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
         else:
             self._group = WorkerGroup(plan, self.device.index or 0, cpu_threads)
             self._signals = self._group.signals
@@ -95,11 +95,6 @@ class Engine:
         """The request with the model's defaults filled in, or InvalidRequest for one this engine's model cannot
         serve (nothing runs)."""
         return self.settings.family.resolve_request(self.spec, request)
-
-    @property
-    def pipeline(self):
-        """The pipeline this process runs (None when the work happens in spawned worker processes)."""
-        return self._pipeline
 
     def generate(
         self, request: Request | list[Request], progress: bool = False
@@ -119,7 +114,7 @@ class Engine:
         else:
             signals = self._signals
             on_step = None if signals is None else functools.partial(signals.check, 0, signals.begin())
-            results = self._pipeline.generate(resolved, progress=progress, on_step=on_step)
+            results = self.pipeline.generate(resolved, progress=progress, on_step=on_step)
         if results is None:
             return None
         result = results if isinstance(request, list) else results[0]

@@ -64,9 +64,7 @@ def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list
     if folder is None:
         (out / PRESET_FILE).write_text(json.dumps({"preset": spec.name}, indent=2) + "\n")
     else:
-        for item in Path(folder).iterdir():
-            if item.name == "transformer":
-                continue
+        for item in [entry for entry in Path(folder).iterdir() if entry.name != "transformer"]:
             if item.is_dir():
                 shutil.copytree(item, out / item.name, copy_function=_link_or_copy)
             else:

@@ -1,7 +1,4 @@
-"""Builds a rank's pipeline, the same way for one process, spawned workers and torchrun: the transformer built on
-the meta device, parallelized there, then only the tensors (and tensor-parallel slices) this rank keeps read or
-drawn; the prompt encoders on the group's rank 0 alone; the VAE on every rank (the group decodes together).
-"""
+"""Builds a rank's pipeline, the same way for one process, spawned workers and torchrun."""
 
 from __future__ import annotations
 
@@ -74,10 +71,6 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
     return parallelized
 
 
-def rank_device(device_type: str, local_rank: int) -> torch.device:
-    return torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
-
-
 def load_pipeline(
     spec: ModelSpec,
     device: torch.device,
@@ -93,14 +86,12 @@ def load_pipeline(
     differs slightly from the whole decode; tests/test_memory.py measures it)."""
     options = options or ExecutionOptions()
     family = FAMILIES[spec.family]
-    # The transformer, and the further ones the family runs (a low-noise expert; check_plan refused PipeFusion for
-    # those), each parallelized alike.
+    # The transformer and the further ones (a low-noise expert; check_plan refused PipeFusion for those), each
+    # parallelized alike. Swapped experts load one at a time on the device and leave for host memory, the resident one
+    # last: the device never holds two (and random weights and FP8 conversion run at the device's speed).
     experts = {}
-    further = spec.experts
-    swap = ExpertSwap(device) if options.swap_experts and further else None
-    # Swapped experts load one at a time on the device and leave for host memory, the resident one last: the device
-    # never holds two (and random weights and FP8 conversion run at the device's speed).
-    for component, config in {**further, "transformer": spec.transformer}.items():
+    swap = ExpertSwap(device) if options.swap_experts and spec.experts else None
+    for component, config in {**spec.experts, "transformer": spec.transformer}.items():
         component_spec = dataclasses.replace(spec, transformer=config)
         loaded = load_transformer(family, component_spec, device, dtype, context, options.quantize, component)
         loaded.forward = apply_execution_options(loaded, options, device)
@@ -124,7 +115,7 @@ def load_pipeline(
 
 def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:
     """Rank ``rank``'s pipeline: holds its device to the memory cap, joins the group (when there is one), loads."""
-    device = rank_device(plan.device_type, local_rank)
+    device = torch.device("cuda", local_rank) if plan.device_type == "cuda" else torch.device("cpu")
     if plan.memory_cap is not None:
         hold_to_cap(device, plan.memory_cap)
     context = None

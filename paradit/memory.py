@@ -3,11 +3,7 @@
 The estimate is built from the model itself, not a table: the transformer and the prompt encoders and VAE are
 built on the meta device (no memory, milliseconds) and their parameters counted in the run dtype; activations are
 estimated from the tokens each rank holds. Rank 0 carries the prompt encoders and the VAE, so it is the rank that
-must fit.
-
-The plan also places the prompt encoders (``text_encoder.PLACEMENTS``), taking the first that fits: resident on the
-GPU; resident with FP8 linears, when the run executes in FP8 anyway; offloaded to CPU memory and streamed to the GPU
-while encoding, which leaves only the largest streamed piece on it.
+must fit; the plan also places the prompt encoders (``check_fits``).
 
 Must not import torch.distributed.
 """
@@ -62,22 +58,14 @@ def check_placement(placement: str, fp8: bool) -> None:
         raise InvalidRequest("text encoder placement fp8 needs FP8 execution (--quantize fp8); choose gpu or offload")
 
 
-def _candidates(placement: str, fp8: bool) -> tuple[str, ...]:
-    if placement != "auto":
-        return (placement,)
-    return PLACEMENTS if fp8 else tuple(p for p in PLACEMENTS if p != "fp8")
-
-
 def _bytes(modules: list[nn.Module], dtype: torch.dtype) -> int:
-    size = torch.finfo(dtype).bits // 8
-    return sum(p.numel() for module in modules for p in module.parameters()) * size
+    return sum(p.numel() for module in modules for p in module.parameters()) * dtype.itemsize
 
 
 def _fp8_bytes(encoders: list[nn.Module], dtype: torch.dtype) -> int:
     """Resident encoders with their linears in FP8 (``converts_to_fp8``): a byte a weight, a float32 scale a row."""
-    element = torch.finfo(dtype).bits // 8
     saved = sum(
-        m.weight.numel() * (element - 1) - m.out_features * 4
+        m.weight.numel() * (dtype.itemsize - 1) - m.out_features * 4
         for encoder in encoders
         for name, m in encoder.named_modules()
         if converts_to_fp8(encoder, name, m)
@@ -90,7 +78,7 @@ def _streamed_bytes(encoders: list[nn.Module], dtype: torch.dtype) -> int:
     submodule's own parameters), and the buffers, which stay there."""
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for e in encoders for m in e.modules())
     buffers = sum(b.numel() * b.element_size() for encoder in encoders for b in encoder.buffers())
-    return largest * (torch.finfo(dtype).bits // 8) + buffers
+    return largest * dtype.itemsize + buffers
 
 
 @dataclass(frozen=True)
@@ -121,17 +109,14 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
     (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time."""
     family = FAMILIES[spec.family]
-    # The transformer and the further ones every rank keeps resident beside it (a low-noise expert).
-    configs = [spec.transformer, *spec.experts.values()]
+    configs = [spec.transformer, *spec.experts.values()]  # the further ones: a low-noise expert
     with torch.device("meta"):
         models = [family.build_transformer(dataclasses.replace(spec, transformer=c)) for c in configs]
     transformer = models[0]
 
     def rank0_blocks(model: nn.Module) -> list[nn.Module]:
-        """PipeFusion keeps only the first stage's blocks on rank 0."""
+        """PipeFusion keeps only the first stage's blocks on rank 0 (without it, the one stage is every block)."""
         blocks = model_blocks(model)
-        if parallel.pipefusion == 1:
-            return blocks
         return [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
 
     # Tensor parallelism divides the kept blocks; FP8 halves their linears (one byte a weight, scales aside).
@@ -141,20 +126,18 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
         for model in models
     ]  # fmt: skip
     transformer_bytes = max(per_model) if swap_experts else sum(per_model)
-    kept = rank0_blocks(transformer)
     encoder = load_prompt_encoder(family, spec, torch.device("meta"), dtype, True)
     vae = load_vae(family, spec, torch.device("meta"), dtype, dummy=True)
     # The token width, from the attention projections (every family's blocks attend at the model width); a family
     # without a tensor plan states it in its config.
     plan = family.tensor_plan
     width = plan.widths(transformer)["attention"] if plan else transformer.config.inner_dim
-    tokens = family.sequence_tokens(spec)
     batch = 2 if spec.guidance_mode == "cfg" and parallel.cfg == 1 else 1
-    local_tokens = -(-tokens // parallel.sequence_degree)
+    local_tokens = -(-family.sequence_tokens(spec) // parallel.sequence_degree)
     # A block's working set: ~24 activations of the model width per token (Q, K, V, attention output, the MLP's
     # widened hidden state, residuals), the last layer's output kept; the VAE decoder at full resolution works on
     # ~16 feature maps of 128 channels, split across the group's ranks.
-    element = torch.finfo(dtype).bits // 8
+    element = dtype.itemsize
     block_activations = 24 * batch * local_tokens * width * element // parallel.tensor
     # A video decoder keeps a few frames' maps live at a time (its causal cache across the chunks): measured at ~2.7x
     # an image's on Wan's VAE (docs/benchmarks.md); four frames' worth is counted.
@@ -165,17 +148,12 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
         vae_activations = frames * 16 * min(spec.height, tile) * min(spec.width, tile) * 128 * element
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
-        activations += len(kept) * 2 * batch * local_tokens * width * element // parallel.tensor
-    encoders = encoder.modules()
-    on_gpu = {
-        "gpu": _bytes(encoders, dtype),
-        "fp8": _fp8_bytes(encoders, dtype),
-        "offload": _streamed_bytes(encoders, dtype),
-    }
-    vae_bytes = _bytes([vae], dtype)
+        activations += len(rank0_blocks(transformer)) * 2 * batch * local_tokens * width * element // parallel.tensor
+    encoders, vae_bytes = encoder.modules(), _bytes([vae], dtype)
+    placed = {"gpu": _bytes, "fp8": _fp8_bytes, "offload": _streamed_bytes}  # the encoders' bytes on the GPU
     return {
-        placement: MemoryPlan(transformer_bytes, on_gpu[placement], vae_bytes, activations, placement, vae_tiled)
-        for placement in PLACEMENTS
+        placement: MemoryPlan(transformer_bytes, on_gpu(encoders, dtype), vae_bytes, activations, placement, vae_tiled)
+        for placement, on_gpu in placed.items()
     }
 
 
@@ -194,10 +172,11 @@ def check_fits(
     resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; and only when none of those fits, the
     same with the VAE decoding tile by tile; an InvalidRequest with the numbers when none fits."""
     check_placement(placement, fp8)
+    candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []
     for vae_tiled in (False, True):
         plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled)
-        for plan in [plans[p] for p in _candidates(placement, fp8)]:
+        for plan in [plans[p] for p in candidates]:
             if plan.total <= cap:
                 return plan
             tried.append(plan)

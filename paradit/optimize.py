@@ -1,8 +1,6 @@
-"""Execution options applied to a transformer from outside: FP8 linears, regional compilation, CUDA graphs.
+"""Execution options applied to a transformer from outside: FP8 linears (``loader.load_transformer`` converts each
+as it is read, so the high-precision model never exists whole), then regional compilation and CUDA graphs.
 
-FP8 is applied while loading (``loader.load_transformer(quantize=...)`` converts each linear as it is read, so the
-high-precision model never exists whole); compilation and graphs after the parallel runtime has been applied, so
-every strategy gets them unchanged.
 Must not import torch.distributed.
 """
 
@@ -16,6 +14,7 @@ from torch import nn
 from paradit.compile import compile_blocks
 from paradit.cuda_graphs import GraphedModule
 from paradit.errors import InvalidRequest
+from paradit.layers.fp8 import check_fp8_supported
 from paradit.parallel.parallelize import Parallelized
 
 QUANTIZATIONS = ("none", "fp8")
@@ -36,8 +35,6 @@ class ExecutionOptions:
         if self.quantize not in QUANTIZATIONS:
             raise InvalidRequest(f"unknown quantization {self.quantize!r}; choose one of {', '.join(QUANTIZATIONS)}")
         if self.quantize == "fp8":
-            from paradit.layers.fp8 import check_fp8_supported
-
             check_fp8_supported(device)
         if self.cuda_graphs and device.type != "cuda":
             raise InvalidRequest(f"CUDA graphs need a GPU, not {device.type}; run without --cuda-graphs")

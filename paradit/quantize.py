@@ -29,12 +29,9 @@ CHECKPOINT_FORMAT = torch.float8_e4m3fn  # OCP e4m3, what every FP8 GPU but MI30
 def quantizable(name: str, module: nn.Module, keep: tuple[str, ...]) -> bool:
     """Linear layers whose name holds none of the family's ``keep`` fragments (its embedders, modulation and output
     layers), and whose dimensions the FP8 GEMM accepts (multiples of 16)."""
-    return (
-        isinstance(module, nn.Linear)
-        and not any(fragment in name for fragment in keep)
-        and module.in_features % 16 == 0
-        and module.out_features % 16 == 0
-    )
+    if not isinstance(module, nn.Linear) or module.in_features % 16 or module.out_features % 16:
+        return False
+    return not any(fragment in name for fragment in keep)
 
 
 @torch.no_grad()
@@ -44,9 +41,8 @@ def convert_fp8(model: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> 
     replaced = []
     for name, module in list(model.named_modules()):
         if quantizable(name, module, keep):
-            owner_name, _, leaf = name.rpartition(".")
-            owner = model.get_submodule(owner_name) if owner_name else model
-            setattr(owner, leaf, Fp8Linear.from_linear(module, dtype))
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, Fp8Linear.from_linear(module, dtype))  # "": the model itself
             replaced.append(name)
     return replaced
 

@@ -1,8 +1,6 @@
 """``settle``: the one place that turns what a user asked (``paradit generate``'s flags, a server's settings, the
-Python ``Engine``'s arguments) into the settings a run executes with: the model resolved, the parallel plan (the
-flags' degrees, else the tuned configuration or the planner's choice for ``--gpus N``, else the default), the
-execution options and prompt-encoder placement (the flags', else the tuned choice's), and the memory check under a
-cap (which may make experts take turns or move the encoders). Everything is checked here, before anything loads.
+Python ``Engine``'s arguments) into the settings a run executes with (``choices``, then the checks and the memory
+plan), every one checked before anything loads.
 
 Must not import torch.distributed.
 """
@@ -22,9 +20,9 @@ from paradit.families import DEFAULT_MODEL, FAMILIES, PRESETS, spec_from_folder
 from paradit.fp8_checkpoint import PRESET_FILE, spec_with_fp8_transformer
 from paradit.memory import MemoryPlan, check_fits, check_placement, parse_size
 from paradit.optimize import ExecutionOptions
-from paradit.parallel.config import ParallelConfig, default_plan
+from paradit.parallel.config import ParallelConfig, plans_for
 from paradit.parallel.validate import check_plan
-from paradit.planner.choose import PlannedSettings, settings_for
+from paradit.planner.choose import settings_for
 from paradit.quantize import fp8_checkpoint_layers
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec, RandomWeights
@@ -128,20 +126,7 @@ def default_plan_for(spec: ModelSpec, gpus: int, request: GenerationRequest | No
     request, else a plan made for it: ``planner.choose``). Elsewhere (CPU processes, an unknown GPU): CFG parallel
     only when the request (or, without one, the model's defaults) runs both guidance branches, so that no half of the
     group idles; the rest Ulysses, then Ring."""
-    return _chosen_plan(spec, gpus, request, device)[0]
-
-
-def _chosen_plan(spec: ModelSpec, gpus: int, request: GenerationRequest | None,
-                 device: str | torch.device | None) -> tuple[ParallelConfig, PlannedSettings | None]:  # fmt: skip
-    if gpus == 1:
-        return ParallelConfig(), None
-    planned = settings_for(spec, gpus, request, device)
-    if planned is not None:
-        return planned.parallel, planned
-    family = FAMILIES[spec.family]
-    resolved = family.resolve_request(spec, request or GenerationRequest(prompt="a"))
-    guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
-    return default_plan(gpus, guides, spec.attention_heads), None
+    return choices(Asked(spec, device, gpus=gpus), spec, request)[0]
 
 
 def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = None,
@@ -154,8 +139,15 @@ def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = N
         parallel = asked.parallel
         if asked.gpus is not None and asked.gpus != parallel.world_size:  # say which plans fit the group
             parallel.validate(asked.gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
+    elif (gpus := asked.gpus or 1) == 1:
+        parallel = ParallelConfig()
+    elif (planned := settings_for(spec, gpus, request, asked.device)) is not None:
+        parallel = planned.parallel
     else:
-        parallel, planned = _chosen_plan(spec, asked.gpus or 1, request, asked.device)
+        family = FAMILIES[spec.family]
+        resolved = family.resolve_request(spec, request or GenerationRequest(prompt="a"))
+        guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
+        parallel = plans_for(gpus, guides, spec.attention_heads)[0]
     parallel = dataclasses.replace(
         parallel, comm_dtype=asked.comm_dtype or parallel.comm_dtype, patches=asked.patches or parallel.patches,
         warmup_steps=asked.warmup_steps or parallel.warmup_steps,

@@ -49,10 +49,7 @@ WeightSource = CheckpointFolder | RandomWeights | Fp8PresetFolder
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Everything the engine needs to know about one model: its architecture, components and defaults.
-
-    Presets are ModelSpecs; a checkpoint folder yields one too (its configs read from the folder).
-    """
+    """A model's architecture, components and defaults: a preset, or read from a checkpoint folder's configs."""
 
     name: str
     family: str
@@ -88,5 +85,4 @@ class ModelSpec:
 
     @property
     def attention_heads(self) -> int:
-        config = self.transformer
-        return int(config["num_attention_heads"] if "num_attention_heads" in config else config["n_heads"])
+        return int(self.transformer.get("num_attention_heads") or self.transformer["n_heads"])

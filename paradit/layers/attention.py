@@ -111,8 +111,10 @@ def _masked_attention_with_lse(
     """(B, H, L, D) layout. On CUDA the memory-efficient kernel takes the mask as an additive bias; elsewhere the
     scores are formed explicitly (exact, for the CPU and for devices without a kernel that reports the lse)."""
     if q.device.type == "cuda" and key_mask is not None:
-        bias = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~key_mask, float("-inf"))
-        bias = bias[:, None, None, :].expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        # The kernel wants the bias's batch stride a multiple of 8: its rows are allocated padded, the keys a view.
+        keys = key_mask.shape[1]
+        bias = torch.zeros(key_mask.shape[0], -(-keys // 8) * 8, dtype=q.dtype, device=q.device)[:, :keys]
+        bias = bias.masked_fill_(~key_mask, float("-inf"))[:, None, None, :].expand(*q.shape[:3], keys)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)[:2]
         lse = lse[..., : q.shape[2]]  # the kernel rounds the query length up to 32
     else:

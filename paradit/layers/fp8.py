@@ -19,10 +19,9 @@ from paradit.errors import InvalidRequest
 
 def fp8_dtype(device: torch.device) -> torch.dtype:
     """The FP8 format the device multiplies natively: MI300 (gfx94x) uses the "fnuz" variant, everything else OCP."""
-    if device.type == "cuda" and torch.version.hip is not None:
-        arch = torch.cuda.get_device_properties(device).gcnArchName
-        if arch.startswith("gfx94"):
-            return torch.float8_e4m3fnuz
+    rocm = device.type == "cuda" and torch.version.hip is not None
+    if rocm and torch.cuda.get_device_properties(device).gcnArchName.startswith("gfx94"):
+        return torch.float8_e4m3fnuz
     return torch.float8_e4m3fn
 
 
@@ -35,11 +34,9 @@ def check_fp8_supported(device: torch.device) -> None:
         arch = torch.cuda.get_device_properties(device).gcnArchName
         if not arch.startswith(("gfx94", "gfx95", "gfx12")):
             problem = f"FP8 execution needs an MI300-class or RDNA 4 GPU; this one is {arch}"
-    elif torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
-        problem = (
-            f"FP8 execution needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); this GPU is {major}.{minor}"
-        )
+    elif (capability := torch.cuda.get_device_capability(device)) < (8, 9):
+        version = ".".join(map(str, capability))
+        problem = f"FP8 execution needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); this GPU is {version}"
     if problem:
         raise InvalidRequest(f"{problem}; run without --quantize fp8 (bf16)")
 

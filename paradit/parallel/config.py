@@ -94,7 +94,9 @@ class ParallelConfig:
 
 
 def plans_for(gpus: int, has_cfg: bool, heads: int) -> list[ParallelConfig]:
-    """Every valid plan for ``gpus`` GPUs, CFG-parallel ones first (they communicate least)."""
+    """Every valid plan for ``gpus`` GPUs, best first, which makes the first the default: CFG parallel when the model
+    has two branches (one exchange per step), the rest Ulysses (exact, and the fastest sequence split on fast links);
+    Ring takes over only where the head count runs out."""
     plans = []
     for cfg in (2, 1) if has_cfg else (1,):
         if gpus % cfg:
@@ -104,9 +106,3 @@ def plans_for(gpus: int, has_cfg: bool, heads: int) -> list[ParallelConfig]:
             if sequence % ring == 0 and sequence // ring <= heads:
                 plans.append(ParallelConfig(ulysses=sequence // ring, ring=ring, cfg=cfg))
     return plans
-
-
-def default_plan(gpus: int, has_cfg: bool, heads: int) -> ParallelConfig:
-    """CFG parallel when the model has two branches (one exchange per step), the rest Ulysses (exact, and the
-    fastest sequence split on fast links); Ring takes over only where the head count runs out."""
-    return plans_for(gpus, has_cfg, heads)[0] if gpus > 1 else ParallelConfig()

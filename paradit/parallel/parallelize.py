@@ -11,9 +11,8 @@ before any weight is loaded:
 4. **CFG**: the guidance branches this rank computes;
 5. **VAE**: the group decodes together, each rank a band of the latents (``parallel.vae``).
 
-What comes back is what loading and the denoise loop need: the module to call, the tensor slices, the guidance
-branches and the denoise loop. Pipelines use these and never name a strategy. FP8 (``quantize.fp8_load``) and
-compilation (``optimize``) act on the parallelized plain model afterwards, so every strategy gets them unchanged.
+What comes back (``Parallelized``) is what loading and the denoise loop need; pipelines use it and never name a
+strategy. FP8 and compilation act on the parallelized plain model afterwards, so every strategy gets them unchanged.
 """
 
 from __future__ import annotations
