@@ -37,6 +37,9 @@ def pipeline_patterns(model_index: dict) -> dict[str, list[str]]:
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_FILE = "diffusion_pytorch_model.safetensors.index.json"
 SINGLE_FILE = "diffusion_pytorch_model.safetensors"
+# The weights diffusers' and transformers' loaders read, whole or sharded by ``<name>.index.json``; pickle last.
+SAFETENSORS_WEIGHTS = (SINGLE_FILE, "model.safetensors")
+PICKLE_WEIGHTS = ("diffusion_pytorch_model.bin", "pytorch_model.bin")
 
 
 def resolve_checkpoint(model: str) -> Path:
@@ -58,10 +61,8 @@ def resolve_checkpoint(model: str) -> Path:
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
         raise CheckpointError(f"{model!r} is not a local folder and is not in the hub cache, and {reason}") from exc
     except RepositoryNotFoundError as exc:  # GatedRepoError included
-        raise CheckpointError(
-            f"hub repository {model!r} does not exist or is gated; accept its licence on the hub and log in "
-            "(`hf auth login`) or set HF_TOKEN"
-        ) from exc
+        raise CheckpointError(f"hub repository {model!r} does not exist or is gated; accept its licence on the hub "
+                              "and log in (`hf auth login`) or set HF_TOKEN") from exc  # fmt: skip
 
 
 def read_json(path: Path) -> dict:
@@ -77,17 +78,12 @@ def read_json(path: Path) -> dict:
 
 
 def check_components(folder: Path, index: dict, allow_pickle: bool) -> None:
-    """Every component ``model_index.json`` lists is a folder; none holds only pickle weights, which can run code
-    as they load, unless ``allow_pickle``."""
+    """Every component ``model_index.json`` lists is a folder, and one holding any weights holds those its loader
+    reads (``weights_file``): a stray ``*.safetensors`` beside pickle weights does not make them safe."""
     for name in listed_components(index):
         component = component_dir(folder, name)
-        pickles = sorted(p.name for p in component.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles and not allow_pickle and not any(component.glob("*.safetensors")):
-            raise CheckpointError(
-                f"{component} holds pickle weights ({', '.join(pickles)}), which can run code when loaded; convert "
-                "them to safetensors (load and save_pretrained them once: safetensors is its default), or pass "
-                "--allow-pickle if you trust their source"
-            )
+        if any(path.suffix in (".safetensors", *PICKLE_SUFFIXES) for path in component.iterdir()):
+            weights_file(component, allow_pickle)
 
 
 def component_dir(folder: Path, name: str) -> Path:
@@ -97,13 +93,28 @@ def component_dir(folder: Path, name: str) -> Path:
     return path
 
 
-def safetensors_files(component: Path) -> list[Path]:
-    """The shard list from the index when the weights are sharded, else the single file."""
-    index = component / INDEX_FILE
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [component / shard for shard in shards]
-    single = component / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    raise CheckpointError(f"{component} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+def weights_file(component: Path, allow_pickle: bool = False) -> Path:
+    """Where a component's loader reads its weights from: the index of its shards, else the whole file, of the first
+    name in ``SAFETENSORS_WEIGHTS`` (then, if ``allow_pickle``, ``PICKLE_WEIGHTS``) it holds."""
+    names = SAFETENSORS_WEIGHTS + (PICKLE_WEIGHTS if allow_pickle else ())
+    held = [file for name in names for file in (component / f"{name}.index.json", component / name) if file.is_file()]
+    if held:
+        return held[0]
+    pickles = sorted(path.name for path in component.glob("*") if path.suffix in PICKLE_SUFFIXES)
+    if pickles and not allow_pickle:
+        raise CheckpointError(f"{component} holds pickle weights ({', '.join(pickles)}), which can run code when "
+                              "loaded; convert them to safetensors (load and save_pretrained them once: safetensors "
+                              "is its default), or pass --allow-pickle if you trust their source")  # fmt: skip
+    raise CheckpointError(f"{component} holds no weights its loader reads: {' or '.join(names)}, whole or with the "
+                          ".index.json of its shards")  # fmt: skip
+
+
+def safetensors_files(component: Path, allow_pickle: bool = False) -> list[Path]:
+    """The files a component's weights load from (``weights_file``): the shards its index lists, else the one."""
+    file = weights_file(component, allow_pickle)
+    if not file.name.endswith(".index.json"):
+        return [file]
+    weight_map = read_json(file).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{file} has no weight_map of tensor names to the files of its shards")
+    return [component / shard for shard in sorted(set(weight_map.values()))]

@@ -223,8 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
         "request over all of them (lowest latency), 1 serves independent requests on each (most throughput); auto "
         "chooses per batch from the queue (each GPU then holds the model twice)",
     )  # fmt: skip
-    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface) and "
+                       "url answers link to (under 0.0.0.0: the one a request reached; never its Host)")  # fmt: skip
+    serve.add_argument("--port", type=int, default=8000, help="0: any free one; one in use is refused before loading")
     serve.add_argument(
         "--api-key", help="require `Authorization: Bearer KEY` on every route but /health (default: $PARADIT_API_KEY)"
     )
@@ -297,6 +298,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.cfg_parallel or any((degree or 1) > 1 for degree in degrees):
         start_worker_server(args.device)  # its imports overlap this process's, below
     from paradit.engine import Engine
+    from paradit.outputs import replaced, writable_folder
     from paradit.request import GenerationRequest
     from paradit.settings import settle
 
@@ -317,6 +319,8 @@ def run_generate(args: argparse.Namespace) -> int:
     video = run.family.video
     paths = output_paths(args.out or ("out/paradit.mp4" if video else "out/paradit.png"),
                          len(args.prompt) * args.images_per_prompt, video)  # fmt: skip
+    if args.json is not None:  # checked as --out is, before anything runs
+        writable_folder("--json", args.json)
     if run.origin is not None:
         print(f"paradit: {run.origin}; parallel flags replace it")
     with Engine(settings=run) as engine:
@@ -346,11 +350,11 @@ def run_generate(args: argparse.Namespace) -> int:
             serial = serial_engine.generate(dataclasses.replace(request, seed=result.seed), progress=False)
         code, comparison = serial_comparison(result, serial, exact=run.parallel.exact)
         print(comparison)
-    if args.json:
+    if args.json is not None:
         timings = {**dataclasses.asdict(result.timings), "median_step_ms": result.timings.median_step_ms}
         record = {**settings, "timings": timings, "files": [str(p) for p in paths], "verify_serial": comparison}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+        with replaced(Path(args.json)) as temporary:
+            temporary.write_text(json.dumps(record, indent=2) + "\n")
     return code
 
 
@@ -408,9 +412,10 @@ def run_plan(args: argparse.Namespace) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> None:
-    from paradit.fp8_checkpoint import write_fp8_checkpoint
+    from paradit.fp8_checkpoint import check_out, write_fp8_checkpoint
     from paradit.settings import DTYPES, resolve_model
 
+    check_out(Path(args.out))  # before resolving the model, which may download it
     spec = resolve_model(args.model, args.load_format)
     layers = write_fp8_checkpoint(spec, Path(args.out), DTYPES[args.dtype])
     print(f"wrote {args.out}: {len(layers)} FP8 linears; run it with --model {args.out} --quantize fp8")
@@ -430,16 +435,31 @@ def main(argv: list[str] | None = None) -> int:
         received.append(signum)
         raise KeyboardInterrupt
 
-    # Handlers can only be set on the main thread; main() called elsewhere keeps the defaults.
+    def forward_hang_ups() -> None:
+        """SIGHUP as SIGTERM to the main thread until main returns. Blocked, it is blocked in every process started
+        from here (workers, their forkserver, the resource tracker), so a closing terminal leaves the ending to us."""
+        while signal.sigwait({signal.SIGHUP}) and not returned.is_set():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+    # Handlers and masks can only be set on the main thread; main() called elsewhere keeps the defaults.
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM) if on_main_thread}
     for sig in previous:
         signal.signal(sig, interrupt)
+    returned, forwarder = threading.Event(), threading.Thread(target=forward_hang_ups, daemon=True)
+    if on_main_thread and hasattr(signal, "pthread_sigmask"):  # POSIX
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        forwarder.start()
     try:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        return args.run(args) or 0  # generate returns its exit code; the other commands succeed or raise
+        code = args.run(args) or 0  # generate returns its exit code; the other commands succeed or raise
+        sys.stdout.flush()  # a reader gone (`paradit models | head -1`) shows here, where it is handled, not at exit
+        return code
+    except BrokenPipeError:  # stdout's reader is gone: stop quietly, as a command killed by SIGPIPE does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's flush at exit cannot fail
+        return 128 + 13  # the shell's code for death by SIGPIPE (13; Windows has no signal.SIGPIPE)
     except ParaditError as exc:
         print(f"paradit: error: {exc}", file=sys.stderr)
         return 2
@@ -453,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paradit: internal error: {type(exc).__name__}: {exc}; full trace in {log.name}", file=sys.stderr)
         return 1
     finally:
+        if forwarder.is_alive():
+            returned.set()
+            signal.pthread_kill(forwarder.ident, signal.SIGHUP)  # ends its wait
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         for sig, handler in previous.items():
             if handler is not None:  # None: a handler set outside Python, which cannot be put back from here
                 signal.signal(sig, handler)

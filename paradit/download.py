@@ -12,6 +12,8 @@ Light on imports (no torch): the CLI answers at once. Must not import torch.dist
 
 from __future__ import annotations
 
+import functools
+import logging
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -81,13 +83,6 @@ class DownloadPlan:
         return f"{reads}\nfetching {count_files(self.to_fetch)} into {self.target} ({free} free)"
 
 
-class Quiet(tqdm):
-    """No bar: a dry run's bars would show a download that does not happen."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **{**kwargs, "disable": True})
-
-
 def free_bytes(folder: Path) -> int:
     """Free space on the disk that holds ``folder``, or will once it is created."""
     existing = next(path for path in [folder, *folder.parents] if path.exists())
@@ -99,36 +94,35 @@ def hub_errors(repo_id: str) -> Iterator[None]:
     """huggingface_hub's errors as one line that says what to do."""
     import httpx2
     from huggingface_hub import constants, get_token
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RemoteEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
+    from huggingface_hub import errors as hub
 
     page = f"{constants.ENDPOINT}/{repo_id}"
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # its retries warn, each twice (its handler and ours); the error below says it once
     try:
         yield
-    except GatedRepoError:
+    except hub.GatedRepoError:
         if get_token() is None:
-            raise DownloadError(
-                f"{repo_id} is gated: accept its licence at {page}, then log in (`hf auth login`) or set HF_TOKEN"
-            ) from None
+            raise DownloadError(f"{repo_id} is gated: accept its licence at {page}, then log in (`hf auth login`) or "
+                                "set HF_TOKEN") from None  # fmt: skip
         raise DownloadError(f"{repo_id} is gated and this token has no access yet: request it at {page}") from None
-    except RepositoryNotFoundError:
-        raise DownloadError(
-            f"no model {repo_id} on the hub ({page}); if it is private, log in (`hf auth login`) or set HF_TOKEN"
-        ) from None
-    except RemoteEntryNotFoundError:
+    except hub.HFValidationError as exc:  # a name the hub cannot have, said in the hub's words
+        raise DownloadError(f"{repo_id!r} is not a hub id (org/name): {exc}") from None
+    except hub.RepositoryNotFoundError:
+        raise DownloadError(f"no model {repo_id} on the hub ({page}); if it is private, log in (`hf auth login`) or "
+                            "set HF_TOKEN") from None  # fmt: skip
+    except hub.RemoteEntryNotFoundError:
         raise DownloadError(f"{repo_id} has no {MODEL_INDEX}: it is not a diffusers pipeline paradit loads") from None
-    except HfHubHTTPError as exc:
+    except hub.HfHubHTTPError as exc:
         reason = str(exc).strip().splitlines()[0]
         raise DownloadError(f"the hub answered {exc.response.status_code} for {repo_id}: {reason}") from None
-    except (LocalEntryNotFoundError, httpx2.TransportError) as exc:
+    except (hub.LocalEntryNotFoundError, httpx2.TransportError) as exc:
         raise DownloadError(f"could not reach the hub at {constants.ENDPOINT} ({type(exc).__name__})") from None
     except OSError as exc:  # the target folder: not writable, or the disk filled up during the download
         raise DownloadError(f"cannot write {exc.filename or 'the download'}: {exc.strerror or exc}") from None
+    finally:
+        hub_log.setLevel(level)
 
 
 def plan_download(repo_id: str, local_dir: Path | None = None) -> DownloadPlan:
@@ -145,7 +139,8 @@ def plan_download(repo_id: str, local_dir: Path | None = None) -> DownloadPlan:
         tree = HfApi().list_repo_tree(repo_id, recursive=True)
         sizes = {entry.path: entry.size for entry in tree if isinstance(entry, RepoFile)}
         selected = set(filter_repo_objects(sizes, **patterns))
-        preview = snapshot_download(repo_id, **patterns, local_dir=local_dir, dry_run=True, tqdm_class=Quiet)
+        quiet = functools.partial(tqdm, disable=True)  # a dry run's bars would show a download that does not happen
+        preview = snapshot_download(repo_id, **patterns, local_dir=local_dir, dry_run=True, tqdm_class=quiet)
     reads = {path: size for path, size in sizes.items() if path in selected}
     skips = {path: size for path, size in sizes.items() if path not in selected}
     to_fetch = {file.filename: sizes[file.filename] for file in preview if file.will_download}
@@ -159,8 +154,7 @@ def download(model: str, local_dir: str | Path | None = None) -> Path:
 
     plan = plan_download(hub_id(model), None if local_dir is None else Path(local_dir).expanduser().resolve())
     print(plan.summary(), flush=True)
-    needed, free = sum(plan.to_fetch.values()), free_bytes(plan.target)
-    if needed > free:
+    if (needed := sum(plan.to_fetch.values())) > (free := free_bytes(plan.target)):
         raise DownloadError(
             f"not enough disk space for {plan.repo_id}: {human_size(needed)} to fetch into {plan.target}, "
             f"{human_size(free)} free there; make room or choose another disk with --dir"

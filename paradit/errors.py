@@ -1,7 +1,6 @@
 """Errors paradit reports to its users: one line that names the problem and the allowed values.
 
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 
 class ParaditError(Exception):
@@ -14,6 +13,10 @@ class InvalidRequest(ParaditError, ValueError):
 
 class CheckpointError(ParaditError):
     """A checkpoint folder that is missing, incomplete or does not match the model."""
+
+
+class NonFinitePrediction(ParaditError):
+    """A denoise step predicted NaN or inf, which would decode to a black image: the request fails instead."""
 
 
 def report_warnings() -> None:

@@ -30,11 +30,6 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str, bool]]:
     return list(slots.values())
 
 
-def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-    return host.copy_(tensor.detach())
-
-
 class ExpertSwap:
     """Experts that take turns on ``device``: ``add`` each (one of them resident), then ``activate(name)`` makes
     ``name`` the resident one. The previous one's device memory is released before the copy, so the device never
@@ -51,7 +46,9 @@ class ExpertSwap:
 
     def add(self, name: str, model: nn.Module, resident: bool) -> None:
         self.slots[name] = _slots(model)
-        self.host[name] = [_host_copy(getattr(module, leaf), self.pin) for module, leaf, _ in self.slots[name]]
+        tensors = [getattr(module, leaf).detach() for module, leaf, _ in self.slots[name]]
+        hosts = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin) for t in tensors]
+        self.host[name] = [host.copy_(t) for host, t in zip(hosts, tensors)]
         if resident:
             self.active = name
         else:

@@ -13,36 +13,20 @@ import shutil
 from pathlib import Path
 
 import torch
-from torch import nn
+from safetensors import SafetensorError
 
 from paradit.checkpoint import component_dir, read_json
+from paradit.download import checkpoint_bytes, human_size
 from paradit.errors import CheckpointError, InvalidRequest
 from paradit.families import FAMILIES, PRESETS
 from paradit.layers.fp8 import Fp8Linear
 from paradit.loader import load_transformer
-from paradit.quantize import CHECKPOINT_FORMAT, FP8_METHOD, fp8_checkpoint_layers
+from paradit.outputs import replaced, writable_folder
+from paradit.quantize import CHECKPOINT_FORMAT, FP8_METHOD, convert_fp8
 from paradit.spec import Fp8PresetFolder, ModelSpec
 from paradit.weights import save_component
 
 PRESET_FILE = "paradit_preset.json"  # in an FP8 folder written for a preset: which one (see write_fp8_checkpoint)
-
-
-def save_fp8_transformer(model: nn.Module, config: dict, folder: Path, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write the plain (unsharded) ``model``, whose FP8 linears are ``Fp8Linear`` in ``CHECKPOINT_FORMAT``, as a
-    diffusers-layout component: ``config`` plus the FP8 marker, safetensors shards and their index."""
-    layers = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]
-    formats = {model.get_submodule(name).weight.dtype for name in layers}
-    if formats - {CHECKPOINT_FORMAT}:
-        raise ValueError(
-            f"FP8 checkpoints hold {CHECKPOINT_FORMAT}; this model's linears are {sorted(map(str, formats))}"
-        )
-    marker = {
-        "quant_method": FP8_METHOD,
-        "format": str(CHECKPOINT_FORMAT).removeprefix("torch."),
-        "weight_scale": "float32 (out_features, 1): weight = fp8 * scale, row by row",
-        "modules": layers,
-    }
-    save_component(model.state_dict(), {**config, "quantization_config": marker}, folder, max_shard_bytes)
 
 
 def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list[str]:
@@ -51,32 +35,54 @@ def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list
     systems), so ``out`` is a complete diffusers-layout folder. A preset without one (random weights) gets its
     transformer component and ``PRESET_FILE`` naming the preset, whose prompt encoders and VAE paradit then draws at
     random: a full-size FP8 load path for benchmarks without the real weights. ``dtype``: the layers kept in high
-    precision."""
-    if out.exists() and any(out.iterdir()):
-        raise InvalidRequest(f"{out} is not empty; give a new folder for the FP8 checkpoint")
+    precision. It is written under a hidden name and moved into place whole: a failure leaves none to block a rerun."""
     folder = spec.folder
     if folder is None and spec.name not in PRESETS:
-        raise InvalidRequest(
-            f"random weights are quantized for presets only; {spec.name} is quantized from its weights"
-        )
+        raise InvalidRequest(f"random weights are quantized for presets only; {spec.name} is quantized from "
+                             "its weights")  # fmt: skip
+    check_out(out, spec, dtype)
     model = load_transformer(FAMILIES[spec.family], spec, torch.device("cpu"), dtype, quantize="fp8").model
-    save_fp8_transformer(model, spec.transformer, out / "transformer")
-    if folder is None:
-        (out / PRESET_FILE).write_text(json.dumps({"preset": spec.name}, indent=2) + "\n")
-    else:
-        for item in [entry for entry in Path(folder).iterdir() if entry.name != "transformer"]:
-            if item.is_dir():
-                shutil.copytree(item, out / item.name, copy_function=_link_or_copy)
-            else:
-                _link_or_copy(item, out / item.name)
-    return fp8_checkpoint_layers(read_json(out / "transformer" / "config.json"))
+    layers = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]  # CPU: e4m3fn
+    marker = {"quant_method": FP8_METHOD, "format": str(CHECKPOINT_FORMAT).removeprefix("torch."), "modules": layers,
+              "weight_scale": "float32 (out_features, 1): weight = fp8 * scale, row by row"}  # fmt: skip
+    with replaced(out, (OSError, SafetensorError)) as staging:
+        save_component(model.state_dict(), {**spec.transformer, "quantization_config": marker}, staging / "transformer",
+                       max_shard_bytes=5 * 2**30)  # fmt: skip
+        if folder is None:
+            (staging / PRESET_FILE).write_text(json.dumps({"preset": spec.name}, indent=2) + "\n")
+        else:  # file by file, so that a failure is the file's own (copytree's gathers them all)
+            for item in sorted(p for p in folder.rglob("*") if p.relative_to(folder).parts[0] != "transformer"):
+                target = staging / item.relative_to(folder)
+                if item.is_dir():
+                    target.mkdir()
+                    continue
+                try:
+                    os.link(item, target)  # follows the hub cache's symlinks to the blob itself
+                except OSError:  # another file system: copied
+                    shutil.copy2(item, target)
+    return layers
 
 
-def _link_or_copy(source: str | Path, target: str | Path) -> None:
-    try:
-        os.link(source, target)  # follows the hub cache's symlinks to the blob itself
-    except OSError:
-        shutil.copy2(source, target)
+def check_out(out: Path, spec: ModelSpec | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """``--out`` before any work: a new (or empty) folder paradit can write in; with ``spec``, outside the checkpoint
+    it quantizes, on a disk with room for the FP8 transformer, and for copies of the rest where it cannot link them."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InvalidRequest(f"--out {out} {'is not empty' if out.is_dir() else 'is a file'}; give a new folder")
+    disk = writable_folder("--out", out, out.parent)  # where it is written, to be renamed
+    if spec is None:
+        return
+    source = spec.folder
+    if source is not None and out.resolve().is_relative_to(source.resolve()):
+        raise InvalidRequest(f"--out {out} is inside the checkpoint it quantizes; give a folder outside {source}")
+    family = FAMILIES[spec.family]
+    with torch.device("meta"):  # the transformer converted as it will be, without its memory
+        model = family.build_transformer(spec).to(dtype)
+    convert_fp8(model, CHECKPOINT_FORMAT, family.keep_high_precision)
+    needed = sum(tensor.nbytes for tensor in model.state_dict().values())
+    if source is not None and os.stat(source).st_dev != os.stat(disk).st_dev:
+        needed += checkpoint_bytes(source) - checkpoint_bytes(source / "transformer")
+    if needed > (free := shutil.disk_usage(disk).free):
+        raise InvalidRequest(f"--out {out} needs {human_size(needed)}; {disk} has {human_size(free)} free")
 
 
 def spec_with_fp8_transformer(folder: Path) -> ModelSpec:

@@ -21,7 +21,7 @@ from paradit.parallel.mesh import ParallelContext, init_process_group
 from paradit.parallel.parallelize import Parallelized, parallelize, plain_vae_decode, plain_vae_encode
 from paradit.pipelines.base import DiffusionPipeline, load_vae
 from paradit.quantize import fp8_load
-from paradit.spec import ModelSpec
+from paradit.spec import CheckpointFolder, Fp8PresetFolder, ModelSpec
 from paradit.text_encoder import load_prompt_encoder
 from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, materialize
 
@@ -54,7 +54,9 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
     names = ModelNames(plain)
     parallelized = parallelize(plain, family.tensor_plan, parallel)
     fp8 = fp8_load(plain, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
-    folder = spec.transformer_folder if component == "transformer" else spec.folder and spec.folder / component
+    # A preset's FP8 folder holds its transformer alone; a checkpoint folder holds each component (None: random).
+    fp8_preset = isinstance(spec.weights, Fp8PresetFolder) and component == "transformer"
+    folder = spec.weights.transformer if fp8_preset else spec.folder and spec.folder / component
     if folder is None:
         buffers = {name for name, _ in plain.named_buffers()}
         # Each component its own random weights (two experts drawn alike would hide a swapped expert).
@@ -63,23 +65,15 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
         if family.after_dummy_init is not None:
             family.after_dummy_init(plain)
     else:
-        source = CheckpointTensors(safetensors_files(folder), device, dtype)
-        try:
+        allow_pickle = isinstance(spec.weights, CheckpointFolder) and spec.weights.allow_pickle
+        with CheckpointTensors(safetensors_files(folder, allow_pickle), device, dtype) as source:
             materialize(plain, names, source, parallelized.slices, fp8)
-        finally:
-            source.close()
     return parallelized
 
 
-def load_pipeline(
-    spec: ModelSpec,
-    device: torch.device,
-    dtype: torch.dtype,
-    context: ParallelContext | None = None,
-    options: ExecutionOptions | None = None,
-    placement: str = "gpu",
-    vae_tiled: bool = False,
-) -> DiffusionPipeline:
+def load_pipeline(spec: ModelSpec, device: torch.device, dtype: torch.dtype, context: ParallelContext | None = None,
+                  options: ExecutionOptions | None = None, placement: str = "gpu",
+                  vae_tiled: bool = False) -> DiffusionPipeline:  # fmt: skip
     """This rank's pipeline in ``context``'s group (None: one process): its share of the transformer, with the
     execution options applied; the prompt encoders (placed as ``placement`` says) on rank 0 alone; the VAE, decoding
     with the group (or, ``vae_tiled``, alone and tile by tile: diffusers' tiling, which blends the tiles' seams and so

@@ -10,9 +10,11 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from paradit.errors import InvalidRequest
+from paradit.errors import InvalidRequest, ParaditError
 
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}  # extension -> PIL's format
 VIDEO_SUFFIX = ".mp4"
@@ -28,20 +30,15 @@ def output_paths(out: str, count: int, video: bool = False) -> list[Path]:
     image extension or a folder, which hold its frames), a writable folder."""
     path = Path(out)
     is_folder = out.endswith(("/", os.sep)) or path.is_dir()
+    images = ", ".join(IMAGE_FORMATS)
     if is_folder and not video:
-        raise InvalidRequest(f"--out {out} is a folder; give a file name ending in {', '.join(IMAGE_FORMATS)}")
+        raise InvalidRequest(f"--out {out} is a folder; give a file name ending in {images}")
     if path.suffix.lower() == VIDEO_SUFFIX and not video:
-        allowed = ", ".join(IMAGE_FORMATS)
-        raise InvalidRequest(f"--out {out} names a video; this model makes images: end it in {allowed}")
+        raise InvalidRequest(f"--out {out} names a video; this model makes images: end it in {images}")
     if not is_folder and path.suffix.lower() not in {*IMAGE_FORMATS, *([VIDEO_SUFFIX] if video else [])}:
-        allowed = ", ".join([VIDEO_SUFFIX, *IMAGE_FORMATS]) + " or a folder" if video else ", ".join(IMAGE_FORMATS)
+        allowed = f"{VIDEO_SUFFIX}, {images} or a folder" if video else images
         raise InvalidRequest(f"--out {out} has no {'video' if video else 'image'} extension; end it in {allowed}")
-    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
-    try:  # a file made and removed there: permissions, read-only mounts and pseudo file systems all answer
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError:
-        raise InvalidRequest(f"--out {out}: {folder} is not a folder paradit can write to") from None
+    writable_folder("--out", out, path if is_folder else None)
     if count == 1:
         return [path]
     if is_folder:
@@ -49,20 +46,43 @@ def output_paths(out: str, count: int, video: bool = False) -> list[Path]:
     return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
 
 
+def writable_folder(flag: str, out: str | Path, folder: Path | None = None) -> Path:
+    """The nearest existing one of ``folder`` and its parents, where ``out`` goes (None: ``out`` names a file, which
+    goes in its folder), refused unless paradit can write there."""
+    if folder is None and (str(out).endswith(("/", os.sep)) or Path(out).is_dir()):
+        raise InvalidRequest(f"{flag} {out} is a folder; give a file name")
+    folder = Path(out).parent if folder is None else folder
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), Path("."))
+    try:  # a file made and removed there: permissions, read-only mounts and pseudo file systems all answer
+        with tempfile.TemporaryFile(dir=existing):
+            return existing
+    except OSError:
+        raise InvalidRequest(f"{flag} {out}: {existing} is not a folder paradit can write to") from None
+
+
+@contextmanager
+def replaced(path: Path, errors: tuple[type[Exception], ...] = (OSError,)) -> Iterator[Path]:
+    """A name in a hidden folder beside ``path`` to write a file or a folder at, renamed to ``path`` once whole, so
+    that a failure (a full disk, Ctrl-C) leaves nothing half-written; ``errors``: the writer's, said in one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as folder:
+            yield Path(folder, path.name)
+            Path(folder, path.name).replace(path)
+    except errors as exc:
+        raise ParaditError(f"cannot write {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
 def save_images(images: list, paths: list[Path], metadata: dict[str, str]) -> None:
     """Each image in the format its extension names; PNGs carry ``metadata`` as text chunks."""
     from PIL.PngImagePlugin import PngInfo
 
+    info = PngInfo()
+    for key, value in metadata.items():
+        info.add_itxt(key, value)
     for path, image in zip(paths, images):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kind = IMAGE_FORMATS[path.suffix.lower()]
-        if kind == "PNG":
-            info = PngInfo()
-            for key, value in metadata.items():
-                info.add_itxt(key, value)
-            image.save(path, format=kind, pnginfo=info)
-        else:
-            image.save(path, format=kind, quality=DEFAULT_QUALITY)
+        with replaced(path) as temporary:  # PIL takes the options of its format and ignores the others'
+            image.save(temporary, format=IMAGE_FORMATS[path.suffix.lower()], pnginfo=info, quality=DEFAULT_QUALITY)
 
 
 def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: dict[str, str]) -> list[Path]:
@@ -71,26 +91,48 @@ def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: dict[
     written = []
     for path, frames in zip(paths, videos):
         if path.suffix.lower() == VIDEO_SUFFIX:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(encode_mp4(frames, fps, metadata))
-            written.append(path)
-            continue
-        suffix = path.suffix if path.suffix.lower() in IMAGE_FORMATS else ".png"
-        folder = path.with_suffix("") if path.suffix.lower() in IMAGE_FORMATS else path
-        save_images(frames, [folder / f"{i:04d}{suffix}" for i in range(len(frames))], metadata)
-        written.append(folder)
+            video = encode_mp4(frames, fps, metadata)  # before the file: an encoder's failure is not the disk's
+            with replaced(path) as temporary:
+                temporary.write_bytes(video)
+        else:
+            suffix = path.suffix if path.suffix.lower() in IMAGE_FORMATS else ".png"
+            path = path.with_suffix("") if path.suffix.lower() in IMAGE_FORMATS else path  # the frames' folder
+            save_images(frames, [path / f"{i:04d}{suffix}" for i in range(len(frames))], metadata)
+        written.append(path)
     return written
 
 
 def read_image(path: str):
-    """``--image``'s picture, refused with the reason when it cannot be read as one."""
+    """``--image``'s picture as ``rgb_image`` reads it; refused with the reason if unreadable or past PIL's limit."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, UnidentifiedImageError) as exc:
+        with warnings.catch_warnings(action="ignore", category=Image.DecompressionBombWarning):  # PIL's raw one
+            with Image.open(path) as image:  # past PIL's limit (diffusers' too) it raises, naming size and limit
+                return rgb_image(image, f"--image {path}")
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise InvalidRequest(f"--image {path} cannot be read as an image ({exc.__class__.__name__}: {exc})") from None
+
+
+def rgb_image(image, name: str = "image"):
+    """``image`` (PIL) as diffusers' ``load_image`` hands it to a pipeline: turned as its EXIF orientation says, in RGB
+    without its alpha; but deep pixels are scaled to 8 bits where PIL's conversion clips them (a 16-bit frame turns
+    white), over the first range that holds them: ``I;16`` 0-65535, ``I`` 0-255 or 0-65535, ``F`` 0-1 or 0-255."""
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        pixels = np.asarray(image, dtype=np.float32)
+        ranges = {"F": (1, 255), "I": (255, 65535)}.get(image.mode, (65535,))
+        top = next((top for top in ranges if pixels.min() >= 0 and pixels.max() <= top), 0)  # NaN is in none
+        if not top:
+            raise InvalidRequest(f"{name} has {image.mode} pixels outside 0 to {ranges[-1]}, the most paradit reads")
+        image = Image.fromarray(np.round(pixels * (255 / top)).astype(np.uint8))
+    # Through RGBA and LA: PIL warns on a palette's transparency dropped on the way to RGB, and cannot convert La.
+    return image.convert({"P": "RGBA", "La": "LA"}.get(image.mode, image.mode)).convert("RGB")
 
 
 def encode_mp4(frames: list, fps: int, metadata: dict[str, str] | None = None) -> bytes:

@@ -73,6 +73,10 @@ def resolve_model(model: str, load_format: str = "auto", allow_pickle: bool = Fa
     return dataclasses.replace(spec, weights=RandomWeights()) if load_format == "dummy" else spec
 
 
+# CPU processes past this many a core only wait for the cores (the tests run 4 on 2), and each holds a model.
+PROCESSES_PER_CORE = 4
+
+
 def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
 
@@ -162,6 +166,14 @@ def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = N
     return parallel, options, placement, planned.origin if planned else None
 
 
+def check_cpu_group(parallel: ParallelConfig) -> None:
+    """Refuse more CPU processes than ``PROCESSES_PER_CORE`` a core, before one starts."""
+    processes, cores = parallel.world_size, os.cpu_count() or 1
+    if processes > PROCESSES_PER_CORE * cores:
+        raise InvalidRequest(f"{processes} CPU processes asked for on {cores} cores; give at most "
+                             f"{PROCESSES_PER_CORE * cores} ({PROCESSES_PER_CORE} a core)")  # fmt: skip
+
+
 def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSettings:
     """The settings for ``asked`` (and its one request, when known: it is checked too, and plans and memory are sized
     for it), or InvalidRequest naming what cannot run and what can."""
@@ -187,11 +199,12 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
             ) from None
     options.validate(device)
     check_plan(family, spec, parallel)
-    gpus = parallel.world_size
+    gpus, fp8 = parallel.world_size, options.quantize == "fp8"
     if device.type == "cuda" and not launched_by_torchrun() and (device.index or 0) + gpus > torch.cuda.device_count():
         start = "" if device.index is None else f" from {device}"
         raise InvalidRequest(f"{gpus} GPUs{start} asked for, but this machine has {torch.cuda.device_count()}")
-    fp8 = options.quantize == "fp8"
+    if device.type == "cpu":
+        check_cpu_group(parallel)
     check_placement(placement, fp8)
     cap = None if asked.max_gpu_memory is None else parse_size(asked.max_gpu_memory)
     memory_plan = None

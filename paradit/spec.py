@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from paradit.checkpoint import safetensors_files
+
 GuidanceMode = Literal["embedded", "cfg", "none"]
 
 
@@ -25,9 +27,15 @@ class TextEncoderSpec:
 
 @dataclass(frozen=True)
 class CheckpointFolder:
-    """Every component read from a diffusers-layout folder."""
+    """Every component read from a diffusers-layout folder; pickle weights only if ``allow_pickle`` (--allow-pickle)."""
 
     path: Path
+    allow_pickle: bool = False
+
+    def use_safetensors(self, component: str) -> bool:
+        """diffusers' and transformers' ``from_pretrained`` keyword for ``component``: whether the weights it reads
+        are safetensors (``safetensors_files`` finds them, their index whole); their default falls back to pickle."""
+        return safetensors_files(self.path / component, self.allow_pickle)[0].suffix == ".safetensors"
 
 
 @dataclass(frozen=True)
@@ -75,13 +83,6 @@ class ModelSpec:
     def folder(self) -> Path | None:
         """The checkpoint folder the prompt encoders and the VAE are read from (None: they are random)."""
         return self.weights.path if isinstance(self.weights, CheckpointFolder) else None
-
-    @property
-    def transformer_folder(self) -> Path | None:
-        """The transformer component to read (None: random weights)."""
-        if isinstance(self.weights, Fp8PresetFolder):
-            return self.weights.transformer
-        return None if self.folder is None else self.folder / "transformer"
 
     @property
     def attention_heads(self) -> int:

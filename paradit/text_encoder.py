@@ -15,7 +15,6 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 from paradit.layers.fp8 import Fp8Linear, fp8_dtype
 from paradit.offline_tokenizer import build_offline_tokenizer
 from paradit.quantize import quantizable
-from paradit.spec import TextEncoderSpec
+from paradit.spec import CheckpointFolder, TextEncoderSpec
 from paradit.weights import DummyTensors
 
 logger = logging.getLogger(__name__)
@@ -165,12 +164,12 @@ class PromptEncoder(Protocol):
 
 def load_prompt_encoder(family, spec, device: torch.device, dtype: torch.dtype, dummy: bool,
                         placement: str = "gpu") -> PromptEncoder:  # fmt: skip
-    """``family``'s prompt encoder for ``spec``, placed as ``placement`` says: read from ``spec.folder``, or random
-    (``dummy``; on the meta device for memory estimates)."""
+    """``family``'s prompt encoder for ``spec``, placed as ``placement`` says: read from its checkpoint folder
+    (``spec.weights``), or random (``dummy``; on the meta device for memory estimates)."""
     encoder = family.prompt_encoder(spec)
     if dummy:
         return encoder.dummy(spec.text_encoder, device, dtype, placement)
-    return encoder.from_folder(spec.folder, spec.text_encoder, device, dtype, placement)
+    return encoder.from_folder(spec.weights, spec.text_encoder, device, dtype, placement)
 
 
 class DecoderPromptEncoder:
@@ -189,27 +188,26 @@ class DecoderPromptEncoder:
         return [self.decoder]
 
     @classmethod
-    def from_folder(cls, folder: Path, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype,
+    def from_folder(cls, weights: CheckpointFolder, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype,
                     placement: str = "gpu") -> DecoderPromptEncoder:  # fmt: skip
-        config = transformers.AutoConfig.from_pretrained(folder / "text_encoder")
+        config = transformers.AutoConfig.from_pretrained(weights.path / "text_encoder")
         _truncate_config(config, max(spec.layers))
         model_cls = getattr(transformers, spec.class_name)
         verbosity = transformers.logging.get_verbosity()
         # The dropped layers' weights are reported as unexpected keys; that is the point, so keep the log quiet.
         transformers.logging.set_verbosity_error()
         try:
-            model = model_cls.from_pretrained(
-                folder / "text_encoder", config=config, dtype=dtype, device_map=weights_device(placement, device)
-            )
+            model = model_cls.from_pretrained(weights.path / "text_encoder", config=config, dtype=dtype,
+                                              device_map=weights_device(placement, device),
+                                              use_safetensors=weights.use_safetensors("text_encoder"))  # fmt: skip
         finally:
             transformers.logging.set_verbosity(verbosity)
-        tokenizer = transformers.AutoProcessor.from_pretrained(folder / "tokenizer")
+        tokenizer = transformers.AutoProcessor.from_pretrained(weights.path / "tokenizer")
         return cls(place(_decoder_without_final_norm(model), placement, device), tokenizer, spec, device)
 
     @classmethod
-    def dummy(
-        cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
-    ) -> DecoderPromptEncoder:
+    def dummy(cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str = "gpu",
+              seed: int = 0) -> DecoderPromptEncoder:  # fmt: skip
         config = transformers.AutoConfig.for_model(**spec.config)
         _truncate_config(config, max(spec.layers))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import pickle
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,38 +54,46 @@ class TensorSlice:
 
 
 class CheckpointTensors(ExitStack):
-    """The tensors of safetensors ``files`` by name, each read (or just the slice a rank keeps) from the memory map
-    when asked for, so that no more than one tensor's share is in flight. Closing it closes the files."""
+    """The tensors of weight ``files`` by name, each read (or just the slice a rank keeps) from the memory map when
+    asked for, so that no more than one tensor's share is in flight. Closing it closes the files. Pickle files
+    (``.bin``, only where allowed) go through torch's restricted unpickler, which builds tensors and nothing else."""
 
     def __init__(self, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.device, self.dtype = device, dtype
         self.folder = files[0].parent
-        self._handles = {}
+        self._stored = {}  # name -> a safetensors slice or a memory-mapped tensor: both read only what is indexed
+        self.callback(self._stored.clear)  # a pickle's memory map closes with its last tensor
         for file in files:
             try:
-                handle = self.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            except (SafetensorError, OSError) as exc:  # truncated, corrupted, empty, missing
+                if file.suffix == ".bin":
+                    stored = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                    if not isinstance(stored, dict) or not all(isinstance(t, torch.Tensor) for t in stored.values()):
+                        raise pickle.UnpicklingError
+                else:
+                    handle = self.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                    stored = {name: handle.get_slice(name) for name in handle.keys()}
+            except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError) as exc:  # truncated, empty, ...
                 self.close()
-                raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); download it again") from None
-            self._handles.update(dict.fromkeys(handle.keys(), handle))
+                why = "objects besides tensors" if isinstance(exc, pickle.UnpicklingError) else str(exc).splitlines()[0]
+                kind = "pickle" if file.suffix == ".bin" else "safetensors"
+                raise CheckpointError(f"{file} is not a readable {kind} file ({why}); download it again") from None
+            self._stored.update(stored)
 
     def keys(self) -> set[str]:
-        return set(self._handles)
+        return set(self._stored)
 
     def read(self, name: str, full_shape: tuple[int, ...], cut: TensorSlice | None, dtype: torch.dtype | None):
         """On the device, floating tensors cast to ``dtype`` (None: as stored, for FP8 weights and their scales)."""
-        handle = self._handles[name]
-        stored = handle.get_slice(name)
-        if tuple(stored.get_shape()) != tuple(full_shape):
-            raise CheckpointError(f"{name}: checkpoint shape {tuple(stored.get_shape())} != model shape {full_shape}")
-        if cut is None:
-            tensor = handle.get_tensor(name)
-        else:
-            pieces = [stored[index] for index in cut.indices(len(full_shape))]
-            tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, cut.dim)
-        # Moved first, then cast: the device converts faster, and the bus carries the stored bytes once.
-        tensor = tensor.to(self.device)
+        stored = self._stored[name]
+        shape = tuple(stored.shape if isinstance(stored, torch.Tensor) else stored.get_shape())
+        if shape != tuple(full_shape):
+            raise CheckpointError(f"{name}: checkpoint shape {shape} != model shape {full_shape}")
+        pieces = [stored[index] for index in ([...] if cut is None else cut.indices(len(full_shape)))]
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, cut.dim)
+        # Moved first, then cast: the device converts faster, and the bus carries the stored bytes once. A pickle's
+        # tensor is copied even so: it is a view of the file's memory map, which must not outlive the file as it was.
+        tensor = tensor.to(self.device, copy=isinstance(stored, torch.Tensor))
         return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
@@ -154,13 +163,8 @@ class Fp8Load:
 
 
 @torch.no_grad()
-def materialize(
-    root: nn.Module,
-    names: ModelNames,
-    source: TensorSource,
-    slices: dict[str, TensorSlice] | None = None,
-    fp8: Fp8Load | None = None,
-) -> None:
+def materialize(root: nn.Module, names: ModelNames, source: TensorSource, slices: dict[str, TensorSlice] | None = None,
+                fp8: Fp8Load | None = None) -> None:  # fmt: skip
     """Fill every meta tensor still reachable from ``root`` from ``source``: only what this rank kept is read, and of
     a sharded tensor only its slice. ``names`` (of the plain model) gives each tensor's checkpoint name and full
     shape; ``slices`` the cut of each sharded one. The linears in ``fp8`` become ``Fp8Linear`` as they
@@ -246,13 +250,10 @@ def save_component(state: dict[str, torch.Tensor], config: dict, folder: Path, m
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
     for name, tensor in state.items():
-        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+        if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + tensor.nbytes > max_shard_bytes:
             shards.append({})
-            size = 0
         shards[-1][name] = tensor.detach().to("cpu").contiguous()
-        size += tensor.nbytes
     if len(shards) == 1:
         save_file(shards[0], str(folder / SINGLE_FILE))
         return

@@ -59,7 +59,6 @@ STOP_S = 10  # terminated workers get this long, together, before they are kille
 ORPHAN_EXIT_S = 3
 # What the forkserver imports once for every worker it forks: all a worker needs to build its pipeline.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "paradit.loader"]
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 # A Unix socket's path: sun_path holds 108 bytes on Linux and 104 on macOS, the closing NUL included.
 UNIX_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
 
@@ -84,12 +83,14 @@ class RequestFailed(ParaditError):
     """The request raised an unexpected error in the workers; the engine still serves."""
 
 
-def reportable(error: Exception) -> ParaditError:
-    """The error as the engine's side can receive it: paradit's own errors as they are (they pickle), any other as
-    ``RequestFailed``: its type and message on the first line, then its trace."""
+def reportable(error: BaseException) -> ParaditError:
+    """The error as the engine's side can receive it, in one line: paradit's own as it is (they pickle), any other
+    as ``RequestFailed`` naming it and the file that holds its trace, as the CLI reports an internal error."""
     if isinstance(error, ParaditError):
         return error
-    return RequestFailed(f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}")
+    with tempfile.NamedTemporaryFile("w", prefix="paradit-error-", suffix=".log", delete=False) as log:
+        traceback.print_exception(error, file=log)
+    return RequestFailed(f"{type(error).__name__}: {error}; full trace in {log.name}")
 
 
 class StepSignals:
@@ -141,40 +142,24 @@ def worker_context(device_type: str) -> multiprocessing.context.BaseContext:
     which multiprocessing puts in the temporary folder, would have a path past a Unix socket's limit (a deep
     TMPDIR); and on ROCm builds, whose imports may initialise the GPU runtime in the forkserver (a child forked after
     that cannot use the GPU), with nothing to steer them off it as NVML does for CUDA's."""
+    from unittest import mock
+
+    import torch
+
     socket = os.path.join(tempfile.gettempdir(), "pymp-12345678", "listener-12345678")  # the names it would use
     too_long = len(os.fsencode(socket)) > UNIX_SOCKET_PATH_MAX
-    if "forkserver" not in multiprocessing.get_all_start_methods() or too_long or not _forkable(device_type):
+    rocm = device_type != "cpu" and torch.version.hip is not None
+    if "forkserver" not in multiprocessing.get_all_start_methods() or too_long or rocm:
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)  # read once, when the forkserver first starts
-    with _gpu_count_through_nvml(), sigint_ignored_by_children():  # the workers it forks inherit SIGINT ignored
+    # diffusers asks torch.cuda.is_available() as it is imported, which initialises the CUDA driver in the forkserver,
+    # and a process forked after that cannot use CUDA at all. PyTorch answers through NVML instead, without touching
+    # the driver, where this variable is set; the forkserver starts with it (its workers get the engine's environment
+    # back), and the workers it forks inherit SIGINT ignored.
+    with mock.patch.dict(os.environ, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}), sigint_ignored_by_children():
         multiprocessing.forkserver.ensure_running()
     return context
-
-
-def _forkable(device_type: str) -> bool:
-    if device_type == "cpu":
-        return True
-    import torch
-
-    return torch.version.hip is None
-
-
-@contextlib.contextmanager
-def _gpu_count_through_nvml():
-    """diffusers asks ``torch.cuda.is_available()`` as it is imported, which initialises the CUDA driver in the
-    forkserver, and a process forked after that cannot use CUDA at all. PyTorch answers through NVML instead, without
-    touching the driver, where this variable is set; the forkserver starts with it (its workers get the engine's
-    environment back)."""
-    previous = os.environ.get(NVML_CHECK)
-    os.environ[NVML_CHECK] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[NVML_CHECK]
-        else:
-            os.environ[NVML_CHECK] = previous
 
 
 class EngineStreams:
@@ -244,8 +229,8 @@ def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: 
                 results.put(("done", rank, result))
     except SystemExit:  # stopped (exit_on_sigterm): nothing to report
         raise
-    except BaseException:  # noqa: BLE001 - whatever it is, the engine must hear it rather than hang
-        results.put(("error", rank, traceback.format_exc(limit=8)))
+    except BaseException as exc:  # noqa: BLE001 - whatever it is, the engine must hear it rather than hang
+        results.put(("error", rank, reportable(exc)))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -371,10 +356,11 @@ class WorkerGroup:
                 raise self._failure(rank, payload)
             return kind, rank, payload
 
-    def _failure(self, reporter: int | None = None, trace: str = "") -> WorkerFailure | SystemExit:
-        """Stop the group and say why. A worker that died outright is the cause; the errors its peers then raise
-        (a collective whose partner vanished) are consequences, so the dead are named first. Workers that found an
-        unguarded main script give one line and no traceback: that script cannot run as written."""
+    def _failure(self, reporter: int | None = None, error: ParaditError | None = None) -> ParaditError | SystemExit:
+        """Stop the group and say why, in one line. A worker that died outright is the cause; the errors its peers
+        then raise (a collective whose partner vanished) are consequences, so the dead are named first; with none,
+        paradit's own error (a damaged checkpoint every rank meets) is the line one process prints. Workers that found
+        an unguarded main script give one line and no traceback: that script cannot run as written."""
         deadline = time.monotonic() + 2 * POLL_S
         while time.monotonic() < deadline and not self._dead(reporter):
             time.sleep(0.05)
@@ -382,10 +368,13 @@ class WorkerGroup:
         self.stop()
         if any(code == UNGUARDED_MAIN_EXIT for _, code in dead):
             return SystemExit(UNGUARDED_MAIN)
+        if reporter is not None:  # peers that exited with 1 reported their own failure (worker_main): not a cause
+            dead = [(rank, code) for rank, code in dead if code != 1]
+            if not dead and not isinstance(error, RequestFailed):
+                return error
         reasons = [f"worker {rank} exited with code {code}" for rank, code in dead]
-        if reporter is not None:
-            reasons.append(f"worker {reporter} failed:\n{trace}")
-        return WorkerFailure("; ".join(reasons) + "\nthe worker group was stopped")
+        reasons += [f"worker {reporter} failed: {error}"] if reporter is not None else []
+        return WorkerFailure("; ".join(reasons) + "; the worker group was stopped")
 
     def _dead(self, exclude: int | None) -> list[tuple[int, int]]:
         return [(r, p.exitcode) for r, p in enumerate(self.processes) if p.exitcode is not None and r != exclude]
@@ -408,10 +397,8 @@ class WorkerGroup:
                 silent = sorted(set(range(self.world_size)) - ends.keys())
                 failed = sorted(rank for rank, (kind, _) in ends.items() if kind == "failed")
                 self.stop()
-                raise WorkerFailure(
-                    f"workers {silent} did not end a request that workers {failed} failed ({ends[failed[0]][1]}); "
-                    "the worker group was stopped"
-                )
+                raise WorkerFailure(f"workers {silent} did not end a request that workers {failed} failed "
+                                    f"({ends[failed[0]][1]}); the worker group was stopped")  # fmt: skip
             kind, rank, payload = message
             ends[rank] = (kind, payload)
             if kind == "failed" and deadline is None:

@@ -12,6 +12,7 @@ models and refusing bad flags answer at once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from importlib import import_module
 from pathlib import Path
@@ -51,13 +52,14 @@ def __getattr__(name: str):
 
 def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
     """The ModelSpec of a diffusers checkpoint folder, by the pipeline class its ``model_index.json`` names, once
-    every component it lists is there (and, unless ``allow_pickle``, in safetensors)."""
+    every component it lists is there, with weights in safetensors unless ``allow_pickle`` (which its loaders keep)."""
     index = read_json(folder / "model_index.json")
     check_components(folder, index, allow_pickle)
     pipeline_class = index.get("_class_name")
     for family in _registry().values():
         if pipeline_class in family.diffusers_pipelines:
-            return family.read_checkpoint(folder, index)
+            spec = family.read_checkpoint(folder, index)
+            return dataclasses.replace(spec, weights=CheckpointFolder(folder, allow_pickle))
     served = ", ".join(name for family in _registry().values() for name in family.diffusers_pipelines)
     raise CheckpointError(f"{folder} holds a {pipeline_class}; paradit serves {served}")
 

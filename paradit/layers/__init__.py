@@ -1,5 +1,3 @@
-"""Building blocks shared by the model families: the attention entry point and the attention modules on it, rotary
-tables, embeddings, feed-forwards, modulation and its norms, the staged-transformer base and config base.
-
-Plain single-device math; must not import torch.distributed.
+"""Building blocks shared by the model families (attention and its entry point, rotary tables, embeddings,
+feed-forwards, modulation, the staged-transformer base). Plain single-device math; must not import torch.distributed.
 """

@@ -63,6 +63,10 @@ class StagedTransformer(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.head(self.run_blocks(self.embed(*args, **kwargs)))
 
+    def head(self, tokens: Any) -> torch.Tensor:
+        """The AdaLN-modulated output projection of the image tokens, where the model has no head of its own."""
+        return self.proj_out(self.norm_out(tokens.img, tokens.temb))
+
 
 @dataclasses.dataclass
 class JointTokens:

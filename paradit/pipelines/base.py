@@ -1,9 +1,7 @@
-"""What every family's pipeline shares: the pipeline skeleton (``DiffusionPipeline``, whose hooks each family
-implements, and which owns the guided step), seeded noise, the timestep shift, the VAE's loading and latent statistics,
-and the clocks that time the denoise loop without stalling the device.
-
-Names no family and no parallel strategy: the parallel runtime hands a pipeline what it needs (``Parallelized``).
-"""
+"""What every family's pipeline shares: the skeleton (``DiffusionPipeline``, whose hooks each family implements, and
+which owns the guided step), seeded noise, the timestep shift, the VAE's loading and latent statistics, and the clocks
+that time the denoise loop without stalling the device. Names no family and no parallel strategy: the parallel runtime
+hands a pipeline what it needs (``Parallelized``)."""
 
 from __future__ import annotations
 
@@ -18,8 +16,10 @@ import torch
 from torch import nn
 
 from paradit.checkpoint import component_dir
+from paradit.errors import NonFinitePrediction
 from paradit.expert_swap import ExpertSwap
 from paradit.parallel.cfg import BatchedBranches
+from paradit.parallel.comm import CommStats
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import NoisePredictor, Parallelized
 from paradit.pipelines.requests import ResolvedRequest, one_batch
@@ -43,9 +43,8 @@ class StepClock:
 
     def mark(self) -> None:
         if self.use_events:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
         else:
             self.marks.append(time.perf_counter())
 
@@ -54,11 +53,6 @@ class StepClock:
             self.marks[-1].synchronize()
             return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
         return [(b - a) * 1000 for a, b in zip(self.marks, self.marks[1:])]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def peak_memory(device: torch.device) -> int:
@@ -70,16 +64,14 @@ def peak_memory(device: torch.device) -> int:
 
 def seeded_noise(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Noise as diffusers draws it: one CPU generator seeded with ``seed`` for the whole batch, then moved."""
-    generator = torch.Generator("cpu").manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=dtype).to(device)
+    return torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=dtype).to(device)
 
 
 def dynamic_shift(image_tokens: int, scheduler_config: dict) -> float:
     """diffusers' ``calculate_shift``: the timestep shift ``mu``, linear in the image token count between the
     scheduler's base and max points (diffusers' defaults where the config has none), with its intercept computed
     first, as there (adding the two terms one at a time differs in the last bit for some token counts)."""
-    base_len = scheduler_config.get("base_image_seq_len", 256)
-    max_len = scheduler_config.get("max_image_seq_len", 4096)
+    base_len, max_len = scheduler_config.get("base_image_seq_len", 256), scheduler_config.get("max_image_seq_len", 4096)
     base_shift = scheduler_config.get("base_shift", 0.5)
     slope = (scheduler_config.get("max_shift", 1.15) - base_shift) / (max_len - base_len)
     return image_tokens * slope + (base_shift - slope * base_len)
@@ -105,7 +97,8 @@ def load_vae(family: Family, spec: ModelSpec, device: torch.device, dtype: torch
     """The family's VAE, read from ``spec.folder``, or with seeded random weights (``dummy``) drawn leaving the
     caller's random state alone."""
     if not dummy:
-        return family.vae.from_pretrained(component_dir(spec.folder, "vae"), dtype=dtype)
+        vae = component_dir(spec.folder, "vae")
+        return family.vae.from_pretrained(vae, dtype=dtype, use_safetensors=spec.weights.use_safetensors("vae"))
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(0)
         vae = family.vae.from_config(spec.vae)
@@ -117,8 +110,7 @@ class DiffusionPipeline(ABC):
     """The skeleton every family shares: text conditioning encoded once per group (on rank 0, which alone holds the
     prompt encoders and the VAE) and shared, the guided step (both guidance branches batched, or split over the
     group), the denoise loop the parallel runtime chose, decoding, timings. A family implements the abstract hooks
-    and names in ``CONDITIONING`` the tensors its encoding makes.
-    """
+    and names in ``CONDITIONING`` the tensors its encoding makes."""
 
     CONDITIONING: ClassVar[tuple[str, ...]] = ("embeds",)
 
@@ -174,8 +166,7 @@ class DiffusionPipeline(ABC):
         """The diffusers scheduler, its timesteps set (``scheduled``)."""
 
     def scheduled(self, scheduler_class, **timesteps) -> tuple[Any, torch.Tensor]:
-        """A ``scheduler_class`` from the spec's scheduler config, its timesteps set (``set_timesteps``' keyword
-        arguments) and stepping from the first, with its timesteps."""
+        """A ``scheduler_class`` from the spec's config, set to ``timesteps`` and stepping from the first; and those."""
         scheduler = scheduler_class.from_config(self.spec.scheduler)
         scheduler.set_timesteps(device=self.device, **timesteps)
         scheduler.set_begin_index(0)
@@ -183,9 +174,8 @@ class DiffusionPipeline(ABC):
 
     def model_inputs(self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor,
                      layout) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """One branch's model input and timestep(s) at scheduler time ``t``: by default the latents in the model
-        dtype and ``t / 1000``. The reference casts t to the latent dtype before dividing; matching it keeps bf16 runs
-        bit-faithful."""
+        """One branch's model input and timestep(s) at scheduler time ``t``: by default as the reference casts t to the
+        latent dtype before dividing by 1000 (which keeps bf16 runs bit-faithful), and the latents in the model's."""
         return latents.to(self.dtype), t.expand(latents.shape[0]).to(latents.dtype) / 1000
 
     @abstractmethod
@@ -208,29 +198,26 @@ class DiffusionPipeline(ABC):
 
     def band_mask(self, latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Which latent elements rows ``start:stop`` of the transformer's output stream become (PipeFusion updates
-        the latents band by band): unless a family says otherwise, packed latents (batch, tokens, channels) one
-        token per row, else latents (batch, channels, *sides) one ``patch_size`` box per row."""
+        the latents band by band): by default, a token of packed latents or a ``patch_size`` box of others per row."""
         if latents.ndim > 3:
             return patch_grid_band_mask(latents, self.transformer.config.patch_size, start, stop)
         return token_band_mask(latents, start, stop)
 
-    def predictor(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout) -> NoisePredictor:
+    def predictor(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout,
+                  finite: list[torch.Tensor]) -> NoisePredictor:  # fmt: skip
         """``predict(latents, t, transformer)``: the guided prediction. Under CFG the model sees [conditional;
         unconditional] rows, of which the parallel runtime's branches say which this rank computes (all on one GPU,
-        one half under CFG parallelism); the guidance formula runs on the combined rows."""
+        half under CFG parallelism); ``guide`` runs on the combined rows. ``finite[-1] &=`` whether it is finite."""
         cfg = self.uses_cfg(request)
         branches = self.parallelized.branches if cfg else BatchedBranches()
         # A mask with no padding is dropped, so attention runs unmasked (every rank holds it whole: all decide alike).
-        local = {
-            name: None if value.dtype == torch.bool and bool(value.all()) else branches.local(value)
-            for name, value in conditioning.items()
-        }
+        local = {name: None if value.dtype == torch.bool and bool(value.all()) else branches.local(value)
+                 for name, value in conditioning.items()}  # fmt: skip
         call = self.model_call(request, local, layout)
 
         def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
             expert, scale = self.expert_at(request, t)
-            if expert != "transformer":
-                transformer = self.experts[expert].forward
+            transformer = transformer if expert == "transformer" else self.experts[expert].forward
             if self.expert_swap is not None:
                 self.expert_swap.activate(expert)
             model_input, timestep = self.model_inputs(request, latents, t, layout)
@@ -239,15 +226,15 @@ class DiffusionPipeline(ABC):
                 timestep = branches.local(torch.cat([timestep, timestep]))
             with torch.inference_mode():
                 prediction = call(transformer, model_input, timestep, latents)
-            if not cfg:
-                return prediction
-            return self.guide(*branches.combine(prediction).chunk(2), scale)
+            if cfg:
+                prediction = self.guide(*branches.combine(prediction).chunk(2), scale)
+            finite[-1] &= torch.isfinite(prediction).all()
+            return prediction
 
         return predict
 
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """``self.vae.decode(latents)``'s sample mapped from [-1, 1] to pixels in [0, 1], computed by the whole group
-        when there is one."""
+        """``self.vae.decode(latents)``'s sample as pixels in [0, 1], computed by the whole group when there is one."""
         return (self.parallelized.vae_decode(self.vae, latents) / 2 + 0.5).clamp(0, 1)
 
     def vae_encode(self, images: torch.Tensor):
@@ -271,39 +258,45 @@ class DiffusionPipeline(ABC):
         between steps, which in a group every rank must do at the same k."""
         resolved = one_batch(requests)
         timings = Timings()
-        stats = self.parallel.stats if self.parallel else None
-        if stats:
-            stats.reset()
-        loop = self.parallelized.loop
-        loop.begin_request()
-        for expert in self.experts.values():
-            expert.loop.begin_request()
+        stats = self.parallel.stats if self.parallel else CommStats()  # one process's: sends nothing
+        stats.reset()
+        for transformer in (self.parallelized, *self.experts.values()):
+            transformer.loop.begin_request()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         conditioning = self.conditioning(resolved)
-        synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         timings.text_encode_s = time.perf_counter() - start
 
         noise = [self.initial_latents(part) for part in requests]
         latents, layout = torch.cat([latents for latents, _ in noise]), noise[0][1]
         scheduler, timesteps = self.make_scheduler(resolved, latents)
         clock = StepClock(self.device)
+        finite: list[torch.Tensor] = []  # per step begun: whether all its predictions were finite
 
         def mark_step() -> None:
             clock.mark()
+            finite.append(torch.ones((), dtype=torch.bool, device=self.device))
             if on_step is not None:
                 on_step(len(clock.marks) - 1)
 
-        predict = self.predictor(resolved, conditioning, layout)
-        if stats:
-            stats.phase = "denoise"
-        latents = loop.run(predict, self.transformer, scheduler, latents, timesteps, self.band_mask, mark_step,
-                           progress)  # fmt: skip
+        predict = self.predictor(resolved, conditioning, layout, finite)
+        stats.phase = "denoise"
+        latents = self.parallelized.loop.run(predict, self.transformer, scheduler, latents, timesteps, self.band_mask,
+                                             mark_step, progress)  # fmt: skip
         timings.step_ms = clock.durations_ms()
-        if stats:
-            stats.phase = "decode"
-            timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
+        bad = [*torch.stack(finite).tolist(), False].index(False)  # read once: per step, it would stall the device
+        if self.parallel is not None:  # all stop at the first any rank saw, or some would wait in a collective
+            bad = min(self.parallel.gather_int(bad))
+        if bad < len(finite):
+            scale = self.expert_at(resolved, timesteps[bad])[1]
+            guidance = "" if scale is None else f"a guidance scale too large ({scale:g} at this step) or "
+            raise NonFinitePrediction(f"denoise step {bad + 1} of {len(timesteps)} predicted NaN or inf (the image "
+                                      f"would be black); likely {guidance}NaN or inf in the weights")  # fmt: skip
+        stats.phase = "decode"
+        timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
         decode_start = time.perf_counter()
         pixels = self.decode(latents, layout).float().cpu()
         timings.vae_decode_s = time.perf_counter() - decode_start
@@ -316,17 +309,14 @@ class DiffusionPipeline(ABC):
         timings.peak_memory_kind = "device" if self.device.type == "cuda" else "process RSS"
         if timings.peak_memory_per_rank:  # rank 0 decodes after the others reported: its own peak is final only now
             timings.peak_memory_per_rank[0] = timings.peak_memory_bytes
-        return [
-            GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part)
-            for part, images in zip(requests, pixels.split([part.batch for part in requests]))
-        ]
+        return [GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part)
+                for part, images in zip(requests, pixels.split([part.batch for part in requests]))]  # fmt: skip
 
 
 def token_band_mask(latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Packed latents (batch, tokens, channels), one token per output-stream row."""
-    mask = torch.zeros(latents.shape[1], dtype=torch.bool, device=latents.device)
-    mask[start:stop] = True
-    return mask.view(1, -1, 1)
+    tokens = torch.arange(latents.shape[1], device=latents.device)
+    return ((tokens >= start) & (tokens < stop)).view(1, -1, 1)
 
 
 def patch_grid_band_mask(latents: torch.Tensor, patch, start: int, stop: int) -> torch.Tensor:

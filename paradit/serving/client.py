@@ -13,6 +13,7 @@ import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -66,6 +67,12 @@ def request_body(args: argparse.Namespace, video: bool) -> dict:
 
 
 def generate_remote(args: argparse.Namespace) -> int:
+    try:  # urllib takes any text for a URL and fails later on its own terms; .port raises for a port out of range
+        url = urllib.parse.urlsplit(args.server)
+        if url.scheme not in ("http", "https") or not url.hostname or url.port == 0:
+            raise ValueError
+    except ValueError:
+        raise InvalidRequest(f"--server {args.server} is not a server URL; give http://host:port") from None
     api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
     out = args.out or "out/paradit.png"
     video = Path(out).suffix.lower() == VIDEO_SUFFIX

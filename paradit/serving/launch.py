@@ -1,5 +1,6 @@
-"""``paradit serve``: the groups' engines, the scheduler, the app, and uvicorn, which on SIGTERM (or Ctrl-C) first
-drains (new requests get 503, the accepted ones finish) and then exits; a second signal exits at once.
+"""``paradit serve``: its socket, the groups' engines, the scheduler, the app, and uvicorn, which on SIGTERM (or Ctrl-C,
+or SIGHUP: the command line takes a closed terminal for SIGTERM) first drains (new requests get 503, the accepted
+ones finish) and then exits; a second signal exits at once.
 
 Must not import torch.distributed.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -87,8 +89,7 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, scheduler: Scheduler) -> None:
         super().__init__(config)
-        self.scheduler = scheduler
-        self.draining = False
+        self.scheduler, self.draining = scheduler, False
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.draining:  # a second signal: stop now
@@ -103,14 +104,29 @@ class DrainingServer(uvicorn.Server):
         self.scheduler.drain()
         self.should_exit = True
 
+    async def startup(self, sockets: list[socket.socket]) -> None:
+        await super().startup(sockets)
+        self._log_started_message(sockets)  # uvicorn names the address only of a socket it opened itself
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, listening before any engine loads: a port in use is refused at once, not after a minute
+    of loading, and no other process takes it meanwhile (a connection made then waits in the backlog)."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except (OSError, OverflowError) as exc:  # OverflowError: a port past 65535
+        reason = str(getattr(exc, "strerror", None) or exc).rstrip(".")
+        raise InvalidRequest(f"port {port} on {host}: {reason}; give a free --port or another --host") from None
+
 
 def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    metrics = Metrics()
-    scheduler, config = build_scheduler(settings, metrics)
-    app = create_app(scheduler, config, metrics)
-    try:
-        scheduler.start()
-        DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level), scheduler).run()
-    finally:
-        scheduler.close()
-        app.state.videos.close()
+    with listen(host, port) as listening:
+        metrics = Metrics()
+        scheduler, config = build_scheduler(settings, metrics)
+        app = create_app(scheduler, config, metrics)
+        try:
+            scheduler.start()
+            DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level), scheduler).run([listening])
+        finally:
+            scheduler.close()
+            app.state.videos.close()

@@ -19,22 +19,19 @@ class Metrics:
         self.registry = CollectorRegistry()
         gauge, counter, histogram = (partial(kind, registry=self.registry) for kind in (Gauge, Counter, Histogram))
         self.queue_depth = gauge("paradit_queue_depth", "Requests waiting for a group.")
-        self.requests = counter(
-            "paradit_requests", "Requests answered, by endpoint and outcome.", ["endpoint", "outcome"]
-        )
+        self.requests = counter("paradit_requests", "Requests answered, by endpoint and outcome.",
+                                ["endpoint", "outcome"])  # fmt: skip
         self.latency = histogram(
             "paradit_latency_seconds",
             "Seconds per phase: queue (waiting for a group), text_encode, denoise and decode (the group's run), "
             "encode (the image or video file), total (the HTTP request).",
             ["phase"], buckets=SECONDS_BUCKETS,
         )  # fmt: skip
-        self.batch_images = histogram(
-            "paradit_batch_images", "Images per forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64)
-        )
+        self.batch_images = histogram("paradit_batch_images", "Images per forward pass.",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64))  # fmt: skip
         self.steps = counter("paradit_denoise_steps", "Denoise steps run.", ["group"])
-        self.steps_per_second = gauge(
-            "paradit_steps_per_second", "Denoise steps per second in each group's last run.", ["group"]
-        )
+        self.steps_per_second = gauge("paradit_steps_per_second", "Denoise steps per second in each group's last run.",
+                                      ["group"])  # fmt: skip
         self.peak_memory = gauge(
             "paradit_peak_memory_bytes",
             "Peak memory in each group's last run, per worker (device memory on GPUs, process RSS on the CPU).",

@@ -32,18 +32,8 @@ from typing import TYPE_CHECKING
 
 from paradit.errors import ParaditError
 from paradit.pipelines.requests import batch_key
-from paradit.serving.jobs import (
-    CANCELLED,
-    COMPLETED,
-    FAILED,
-    IN_PROGRESS,
-    QUEUED,
-    Draining,
-    Job,
-    JobCancelled,
-    JobTimeout,
-    QueueFull,
-)
+from paradit.serving import jobs
+from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
 from paradit.worker import RequestCancelled, RequestFailed, WorkerFailure
 
 if TYPE_CHECKING:
@@ -64,15 +54,11 @@ class Group:
     """One engine and the thread that serves the queue with it; ``build(index)`` makes (and remakes) the engine."""
 
     def __init__(self, index: int, build: Callable[[int], Engine], scheduler: Scheduler) -> None:
-        self.index = index
-        self.plan = ""
+        self.index, self._build, self._scheduler = index, build, scheduler
+        self.plan, self.state, self.restarts = "", STARTING, 0
         self.engine: Engine | None = None
-        self.state = STARTING
         self.batch: list[Job] = []
-        self.restarts = 0
         self.error: BaseException | None = None  # why its first start failed
-        self._build = build
-        self._scheduler = scheduler
         self.thread = threading.Thread(target=self._serve, name=f"paradit-group-{index}", daemon=True)
 
     @property
@@ -84,8 +70,7 @@ class Group:
         while not scheduler.closing:
             if self.engine is None and not self._start():
                 break
-            batch = scheduler.take(self)
-            if batch is None:
+            if (batch := scheduler.take(self)) is None:
                 break
             self._run(batch)
         if self.engine is not None:
@@ -141,35 +126,27 @@ class Scheduler:
     against the model (raising InvalidRequest) without running anything."""
 
     def __init__(
-        self,
-        build: Callable[[int], Engine],
-        groups: int,
-        check: Callable[[GenerationRequest], ResolvedRequest],
-        metrics: Metrics,
-        max_batch: int = 1,
-        max_queue: int = 64,
-        timeout_s: float = 600.0,
-        auto: bool = False,
-    ) -> None:
+        self, build: Callable[[int], Engine], groups: int, check: Callable[[GenerationRequest], ResolvedRequest],
+        metrics: Metrics, max_batch: int = 1, max_queue: int = 64, timeout_s: float = 600.0, auto: bool = False,
+    ) -> None:  # fmt: skip
         self.metrics = metrics
         self.max_batch, self.max_queue, self.timeout_s, self.auto = max_batch, max_queue, timeout_s, auto
         self._split: bool | None = None  # under auto: whether the last batch ran split across every GPU
-        self.accepting = True
-        self.closing = False
+        self.accepting, self.closing = True, False
         self.groups = [Group(index, build, self) for index in range(groups)]
-        self._check = check
+        self.check = check
         self._queue: list[Job] = []
         self._changed = threading.Condition()
         self._run_seconds: deque[float] = deque(maxlen=20)  # recent batches' run times, for Retry-After
         self._watch = threading.Thread(target=self._watch_deadlines, name="paradit-deadlines", daemon=True)
 
-    def start(self, timeout_s: float | None = None) -> None:
+    def start(self) -> None:
         """Start every group (together) and wait until each serves; raises the first group's start failure."""
         for group in self.groups:
             group.thread.start()
         self._watch.start()
         with self._changed:
-            self._changed.wait_for(lambda: all(g.state != STARTING for g in self.groups), timeout_s)
+            self._changed.wait_for(lambda: all(g.state != STARTING for g in self.groups))
         failed = next((g.error for g in self.groups if g.error is not None), None)
         if failed is not None:
             self.close()
@@ -179,16 +156,15 @@ class Scheduler:
 
     def submit(self, request: GenerationRequest, video: bool = False) -> Job:
         """Queue a request, its seed drawn now if it has none; raises InvalidRequest, QueueFull or Draining."""
-        resolved = self._check(request)
+        resolved = self.check(request)
         key = None if video else batch_key(resolved)
         job = Job(resolved, key, deadline=time.monotonic() + self.timeout_s)
         with self._changed:
             if not self.accepting:
                 raise Draining("the server is shutting down and takes no new requests")
             if len(self._queue) >= self.max_queue:
-                raise QueueFull(
-                    f"the queue is full ({self.max_queue} requests waiting); retry later", self._retry_after()
-                )
+                message = f"the queue is full ({self.max_queue} requests waiting); retry later"
+                raise QueueFull(message, self._retry_after())
             self._queue.append(job)
             self.metrics.queue_depth.set(len(self._queue))
             self._changed.notify_all()
@@ -209,15 +185,9 @@ class Scheduler:
         """(status, queue length, groups): ok when every group serves, degraded while one restarts or is stopped."""
         with self._changed:
             states = {group.state for group in self.groups}
-            if not self.accepting:
-                status = "draining"
-            elif states == {SERVING}:
-                status = "ok"
-            elif STARTING in states and SERVING not in states:
-                status = "starting"
-            else:
-                status = "degraded"
-            return status, len(self._queue), list(self.groups)
+            starting = STARTING in states and SERVING not in states
+            status = "ok" if states == {SERVING} else "starting" if starting else "degraded"
+            return status if self.accepting else "draining", len(self._queue), list(self.groups)
 
     def drain(self) -> None:
         """Refuse new jobs, then wait until the queued and running ones have ended."""
@@ -261,7 +231,7 @@ class Scheduler:
             now = time.monotonic()
             for job in batch:
                 self._queue.remove(job)
-                job.state, job.started_at, job.plan = IN_PROGRESS, now, group.plan
+                job.state, job.started_at, job.plan = jobs.IN_PROGRESS, now, group.plan
                 self.metrics.latency.labels("queue").observe(now - job.queued_at)
             self.metrics.queue_depth.set(len(self._queue))
             group.batch = batch
@@ -305,11 +275,11 @@ class Scheduler:
         return next((group for group in self.groups if job in group.batch), None)
 
     def _abandon(self, job: Job, reason: ParaditError) -> None:
-        if job.state == QUEUED:
+        if job.state == jobs.QUEUED:
             self._queue.remove(job)
             self.metrics.queue_depth.set(len(self._queue))
             self._end(job, reason)
-        elif job.state == IN_PROGRESS and job.abandoned is None:
+        elif job.state == jobs.IN_PROGRESS and job.abandoned is None:
             job.abandoned = reason
             group = self._group_of(job)
             if group is not None and all(other.abandoned for other in group.batch):
@@ -318,10 +288,10 @@ class Scheduler:
     def _end(self, job: Job, outcome: GenerationResult | ParaditError) -> None:
         job.finished_at = time.monotonic()
         if isinstance(outcome, ParaditError):
-            job.state = CANCELLED if isinstance(outcome, JobCancelled) else FAILED
+            job.state = jobs.CANCELLED if isinstance(outcome, JobCancelled) else jobs.FAILED
             job.future.set_exception(outcome)
         else:
-            job.state, job.steps_done = COMPLETED, job.steps
+            job.state, job.steps_done = jobs.COMPLETED, job.steps
             job.future.set_result(outcome)
 
     def _retry_after(self) -> int:

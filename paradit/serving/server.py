@@ -3,8 +3,8 @@
 Handlers never wait on a group: they queue a job and await its future, polling for the client's disconnection (a
 synchronous request whose client went away is cancelled), and encode images in the thread pool. Every error is an
 OpenAI-style ``{"error": {"message", "type", "param"}}`` answer: bad input 400 naming the field and what is allowed,
-a missing or wrong API key 401, a body past the limit 413, a full queue 429 with ``Retry-After``, a server shutting
-down 503, a request past its timeout 504, a failure in the workers 500.
+a missing or wrong API key 401 (every route but /health), a body past the limit 413, a full queue 429 with
+``Retry-After``, a server shutting down 503, a request past its timeout 504, a failure in the workers 500.
 
 Must not import torch.distributed.
 """
@@ -13,43 +13,31 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from paradit import __version__
 from paradit.errors import InvalidRequest, ParaditError
+from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
 from paradit.serving.media import MEDIA_TYPES, encode_image
 from paradit.serving.metrics import Metrics
 from paradit.serving.scheduler import Scheduler
-from paradit.serving.schemas import (
-    DeletedVideo,
-    ErrorResponse,
-    GroupHealth,
-    Health,
-    ImageData,
-    ImageGenerationBody,
-    ImagesResponse,
-    ModelCard,
-    ModelList,
-    VideoBody,
-    VideoJob,
-)
 from paradit.serving.store import FileStore
 from paradit.serving.videos import VideoJobs
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler asks whether its client is still there
 CLIENT_GONE = 499  # the status logged for a request whose client left (nginx's convention): nobody reads it
-Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
+NO_KEY = "a valid API key is required: send the header Authorization: Bearer <key>"
 
 
 @dataclass(frozen=True)
@@ -82,7 +70,11 @@ def paradit_error(request: Request, exc: ParaditError) -> JSONResponse:
     status, kind = next(((s, k) for t, (s, k) in ERRORS.items() if isinstance(exc, t)), (500, "server_error"))
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
     # A failure in the workers carries their traces for the server's log; the client gets its first line.
-    return error_response(status, str(exc).splitlines()[0], kind, headers=headers)
+    return error_response(status, str(exc).splitlines()[0], kind, getattr(exc, "param", None), headers)
+
+
+class SizeRefused(InvalidRequest):
+    param = "size"  # the API's field for the width or height the model refused
 
 
 def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -103,8 +95,7 @@ def validation_error(request: Request, exc: RequestValidationError) -> JSONRespo
 
 
 def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    kind = "authentication_error" if exc.status_code == 401 else "invalid_request_error"
-    return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+    return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
 
 class BodyTooLarge(Exception):
@@ -112,13 +103,16 @@ class BodyTooLarge(Exception):
 
 
 class Gate:
-    """ASGI middleware in front of every HTTP request: a body past ``max_bytes`` (declared or streamed) gets 413
-    before anything parses it; every answer is counted by route and outcome, the generation routes timed end to end."""
+    """ASGI middleware in front of every HTTP request: with ``api_key`` set, a request without it gets 401 on every
+    route but /health (FastAPI's schema and docs pages included, which no router dependency reaches); a body past
+    ``max_bytes`` (declared or streamed) gets 413 before anything parses it; every answer is counted by route and
+    outcome, the generation routes timed end to end."""
 
     TIMED = {"/v1/images/generations", "/v1/videos"}
 
-    def __init__(self, app, max_bytes: int, metrics: Metrics) -> None:
+    def __init__(self, app, max_bytes: int, metrics: Metrics, api_key: str | None) -> None:
         self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+        self.api_key = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -139,8 +133,16 @@ class Gate:
                 status = message["status"]
             await send(message)
 
+        headers = dict(scope["headers"])
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        keyed = scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), self.api_key or b"")
         try:
-            if int(dict(scope["headers"]).get(b"content-length", 0)) > self.max_bytes:
+            if self.api_key is not None and scope["path"] != "/health" and not keyed:
+                # Counted under the route it asked for, which the router, never reached, would have named.
+                scope["route"] = next((r for r in scope["app"].routes if r.matches(scope)[0] is Match.FULL), None)
+                answer = error_response(401, NO_KEY, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+                return await answer(scope, receive, recording_send)
+            if int(headers.get(b"content-length", 0)) > self.max_bytes:
                 raise BodyTooLarge
             await self.app(scope, limited_receive, recording_send)
         except BodyTooLarge:
@@ -156,43 +158,43 @@ class Gate:
 
 
 def outcome(status: int) -> str:
-    named = {401: "unauthorized", 413: "too_large", 429: "rejected", 503: "unavailable", 504: "timeout"}
-    if status == CLIENT_GONE:
-        return "cancelled"
+    named = {401: "unauthorized", 413: "too_large", 429: "rejected", CLIENT_GONE: "cancelled", 503: "unavailable",
+             504: "timeout"}  # fmt: skip
     return "ok" if status < 400 else named.get(status, "invalid" if status < 500 else "failed")
 
 
 def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(
         title="paradit", version=__version__, description="OpenAI-compatible image and video generation.",
-        responses={code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 500, 503, 504)},
+        responses={code: {"model": schemas.ErrorResponse} for code in (400, 401, 413, 429, 500, 503, 504)},
         exception_handlers={ParaditError: paradit_error, RequestValidationError: validation_error,
                             HTTPException: http_error},
     )  # fmt: skip
-    app.add_middleware(Gate, max_bytes=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(Gate, max_bytes=config.max_body_bytes, metrics=metrics, api_key=config.api_key)
     files = FileStore(config.file_store_bytes)
     videos = VideoJobs(scheduler, files, config.model)
     app.state.videos = videos
 
-    async def require_key(credentials: Credentials) -> None:
-        given = "" if credentials is None else credentials.credentials
-        if not secrets.compare_digest(given.encode(), config.api_key.encode()):
-            raise HTTPException(
-                401, "a valid API key is required: send the header Authorization: Bearer <key>",
-                headers={"WWW-Authenticate": "Bearer"},
-            )  # fmt: skip
-
-    api = APIRouter(dependencies=[Depends(require_key)] if config.api_key else [])
-
-    def check_model(name: str | None, wants_video: bool) -> None:
-        if name is not None and name != config.model:
-            raise InvalidRequest(f"model {name!r} is not served here; this server serves {config.model!r}")
-        if wants_video != config.video:
+    def submitted(body: schemas.Body, **fields):
+        """The body's request queued (as a video job for a VideoBody), if it asks for what is served. A size the
+        model refuses is the error of ``size``: the engine names height or width, which this API does not have (told
+        apart by the request passing at the model's own size)."""
+        video = isinstance(body, schemas.VideoBody)
+        if body.model is not None and body.model != config.model:
+            raise InvalidRequest(f"model {body.model!r} is not served here; this server serves {config.model!r}")
+        if video != config.video:
             made, route = ("videos", "POST /v1/videos") if config.video else ("images", "POST /v1/images/generations")
             raise InvalidRequest(f"{config.model} makes {made}; use {route}")
+        request = body.request(**fields)
+        try:
+            return (videos.create if video else scheduler.submit)(request)
+        except InvalidRequest as refused:
+            auto = scheduler.check(dataclasses.replace(request, height=None, width=None))  # raises what else is wrong
+            message = f'{refused}; give size as WIDTHxHEIGHT within that, or "auto" ({auto.width}x{auto.height})'
+            raise SizeRefused(message) from None
 
     async def outcome_of(job: Job, request: Request):
-        """The job's result; a client that leaves first cancels it."""
+        """The job's result, or None for a client that left first (the job is cancelled)."""
         waiting = asyncio.wrap_future(job.future)
         while True:
             done, _ = await asyncio.wait([waiting], timeout=DISCONNECT_POLL_S)
@@ -201,17 +203,15 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             if await request.is_disconnected():
                 scheduler.cancel(job, JobCancelled("the client went away"))
                 waiting.add_done_callback(lambda ended: ended.exception())  # nobody is left to read its error
-                raise ClientGone
+                return None
 
-    @api.post("/v1/images/generations", response_model=ImagesResponse)
-    async def generate_images(body: ImageGenerationBody, request: Request):
-        check_model(body.model, wants_video=False)
+    @app.post("/v1/images/generations", response_model=schemas.ImagesResponse)
+    async def generate_images(body: schemas.ImageGenerationBody, request: Request):
         if body.output_compression is not None and body.output_format == "png":
             raise InvalidRequest("output_compression applies to jpeg and webp; png is lossless")
-        job = scheduler.submit(body.request(num_images_per_prompt=body.n))
-        try:
-            result = await outcome_of(job, request)
-        except ClientGone:
+        job = submitted(body, num_images_per_prompt=body.n)
+        result = await outcome_of(job, request)
+        if result is None:
             return Response(status_code=CLIENT_GONE)
         with metrics.latency.labels("encode").time():
             encoded = await run_in_threadpool(
@@ -219,11 +219,14 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             )
         if body.response_format == "url":
             names = [files.put(data, MEDIA_TYPES[body.output_format], body.output_format) for data in encoded]
-            data = [ImageData(url=str(request.url_for("get_file", name=name))) for name in names]
+            # At the socket's address (--host and --port; under 0.0.0.0 the one reached), never the client's Host.
+            host, port = request.scope["server"]
+            origin = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            data = [schemas.ImageData(url=origin + app.url_path_for("get_file", name=name)) for name in names]
         else:
-            data = [ImageData(b64_json=base64.b64encode(item).decode()) for item in encoded]
+            data = [schemas.ImageData(b64_json=base64.b64encode(item).decode()) for item in encoded]
         resolved = job.resolved
-        return ImagesResponse(
+        return schemas.ImagesResponse(
             created=int(job.created), data=data, output_format=body.output_format,
             size=f"{resolved.width}x{resolved.height}", seed=resolved.seed, plan=job.plan,
         )  # fmt: skip
@@ -233,14 +236,13 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             raise HTTPException(404, missing)
         return Response(stored[0], media_type=stored[1])
 
-    @api.get("/v1/files/{name}", name="get_file")
+    @app.get("/v1/files/{name}", name="get_file")
     async def get_file(name: str):
         return stored_file(files.get(name), f"no file {name!r}: it never existed or has expired")
 
-    @api.post("/v1/videos", response_model=VideoJob)
-    async def create_video(body: VideoBody):
-        check_model(body.model, wants_video=True)
-        return videos.view(videos.create(body.request(guidance_2=body.guidance_2, frames=body.frames, fps=body.fps)))
+    @app.post("/v1/videos", response_model=schemas.VideoJob)
+    async def create_video(body: schemas.VideoBody):
+        return videos.view(submitted(body, guidance_2=body.guidance_2, frames=body.frames, fps=body.fps))
 
     def video_entry(video_id: str):
         entry = videos.get(video_id)
@@ -248,11 +250,11 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             raise HTTPException(404, f"no video job {video_id!r}")
         return entry
 
-    @api.get("/v1/videos/{video_id}", response_model=VideoJob)
+    @app.get("/v1/videos/{video_id}", response_model=schemas.VideoJob)
     async def get_video(video_id: str):
         return videos.view(video_entry(video_id))
 
-    @api.get("/v1/videos/{video_id}/content")
+    @app.get("/v1/videos/{video_id}/content")
     async def get_video_content(video_id: str):
         entry = video_entry(video_id)
         status = videos.view(entry).status
@@ -260,36 +262,32 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             raise HTTPException(409, f"video job {video_id} is {status}; its content is there once it is completed")
         return stored_file(files.get(entry.content), f"video job {video_id}'s content has expired")
 
-    @api.delete("/v1/videos/{video_id}", response_model=DeletedVideo)
+    @app.delete("/v1/videos/{video_id}", response_model=schemas.DeletedVideo)
     async def delete_video(video_id: str):
-        return DeletedVideo(id=video_id, status=await videos.delete(video_entry(video_id)))
+        return schemas.DeletedVideo(id=video_id, status=await videos.delete(video_entry(video_id)))
 
-    @api.get("/v1/models", response_model=ModelList)
+    card = schemas.ModelCard(id=config.model, created=int(time.time()))
+
+    @app.get("/v1/models", response_model=schemas.ModelList)
     async def list_models():
-        return ModelList(data=[ModelCard(id=config.model, created=int(started))])
+        return schemas.ModelList(data=[card])
 
-    @api.get("/v1/models/{model:path}", response_model=ModelCard)
+    @app.get("/v1/models/{model:path}", response_model=schemas.ModelCard)
     async def get_model(model: str):
         if model != config.model:
             raise HTTPException(404, f"model {model!r} is not served here; this server serves {config.model!r}")
-        return ModelCard(id=config.model, created=int(started))
+        return card
 
-    @api.get("/metrics")
+    @app.get("/metrics")
     async def get_metrics():
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 
-    @app.get("/health", response_model=Health)
+    @app.get("/health", response_model=schemas.Health)
     async def health():
         status, queued, groups = scheduler.health()
-        rows = [GroupHealth.model_validate(group, from_attributes=True) for group in groups]
-        answer = Health(status=status, queue=queued, groups=rows)
+        rows = [schemas.GroupHealth.model_validate(group, from_attributes=True) for group in groups]
+        answer = schemas.Health(status=status, queue=queued, groups=rows)
         return JSONResponse(answer.model_dump(), status_code=200 if status in ("ok", "degraded") else 503)
 
-    started = time.time()
-    app.include_router(api)
     return app
-
-
-class ClientGone(Exception):
-    """The client of a synchronous request disconnected before its answer."""

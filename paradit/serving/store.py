@@ -13,9 +13,8 @@ from collections import OrderedDict
 
 class FileStore:
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
+        self.max_bytes, self._bytes = max_bytes, 0  # the budget, and the bytes kept
         self._files: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
-        self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, data: bytes, media_type: str, suffix: str) -> str:

@@ -32,10 +32,7 @@ class VideoEntry:
 
 class VideoJobs:
     def __init__(self, scheduler: Scheduler, files: FileStore, model: str, keep: int = 256) -> None:
-        self.scheduler = scheduler
-        self.files = files
-        self.model = model
-        self.keep = keep
+        self.scheduler, self.files, self.model, self.keep = scheduler, files, model, keep
         self._entries: OrderedDict[str, VideoEntry] = OrderedDict()
         self._lock = threading.Lock()
         self._encoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="paradit-mp4")

@@ -201,6 +201,3 @@ class Flux2Transformer(StagedTransformer):
             x = block(x, tokens.mod_single, rope)
         tokens.txt, tokens.img = x.split([tokens.txt.shape[1], tokens.img.shape[1]], dim=1)
         return tokens
-
-    def head(self, tokens: Flux2Tokens) -> torch.Tensor:
-        return self.proj_out(self.norm_out(tokens.img, tokens.temb))

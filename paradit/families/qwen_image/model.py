@@ -166,6 +166,3 @@ class QwenImageTransformer(StagedTransformer):
         for block in self.transformer_blocks:
             tokens.img, tokens.txt = block(tokens.img, tokens.txt, tokens.temb, rope, key_mask)
         return tokens
-
-    def head(self, tokens: QwenImageTokens) -> torch.Tensor:
-        return self.proj_out(self.norm_out(tokens.img, tokens.temb))

@@ -21,8 +21,6 @@ tiles the mask prompt by prompt, so there images are masked with another prompt'
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 import transformers
@@ -33,6 +31,7 @@ from paradit.checkpoint import component_dir
 from paradit.offline_tokenizer import build_offline_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, latent_statistics, pad_rows, seeded_noise
 from paradit.pipelines.requests import ResolvedRequest
+from paradit.spec import CheckpointFolder
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 
 PROMPT_TEMPLATE = (
@@ -68,13 +67,14 @@ class QwenPromptEncoder:
 
     @classmethod
     def from_folder(
-        cls, folder: Path, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
+        cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
     ) -> QwenPromptEncoder:
         """``config`` is the folder's own, which transformers reads again."""
         model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            component_dir(folder, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device)
-        )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(component_dir(folder, "tokenizer"))
+            component_dir(weights.path, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device),
+            use_safetensors=weights.use_safetensors("text_encoder"),
+        )  # fmt: skip
+        tokenizer = transformers.AutoTokenizer.from_pretrained(component_dir(weights.path, "tokenizer"))
         # Keeping only the language model frees the vision tower and the LM head once loading returns.
         language_model = model.model.language_model.eval().requires_grad_(False)
         return cls(place(language_model, placement, device), tokenizer, device)
@@ -95,13 +95,8 @@ class QwenPromptEncoder:
         """(batch, tokens, hidden) embeddings and the (batch, tokens) bool mask of real tokens."""
         texts = [PROMPT_TEMPLATE.format(prompt) for prompt in prompts]
         warn_if_truncated(self.tokenizer, texts, MAX_SEQUENCE_LENGTH + TEMPLATE_PREFIX_TOKENS)
-        inputs = self.tokenizer(
-            texts,
-            max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS,
-            padding=True,
-            truncation=True,
-            return_tensors="pt",
-        )
+        length = TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS
+        inputs = self.tokenizer(texts, max_length=length, padding=True, truncation=True, return_tensors="pt")
         attention_mask = inputs["attention_mask"].to(self.device)
         hidden = self.language_model(input_ids=inputs["input_ids"].to(self.device), attention_mask=attention_mask)
         hidden = hidden.last_hidden_state

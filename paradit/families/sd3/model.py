@@ -219,9 +219,6 @@ class SD3Transformer(StagedTransformer):
             tokens.img, tokens.txt = block(tokens.img, tokens.txt, tokens.temb)
         return tokens
 
-    def head(self, tokens: SD3Tokens) -> torch.Tensor:
-        return self.proj_out(self.norm_out(tokens.img, tokens.temb))
-
 
 def unpatchify(patches: torch.Tensor, patch_size: int, height: int, width: int) -> torch.Tensor:
     """(batch, tokens, p * p * channels) from ``head`` -> (batch, channels, height, width) latents."""

@@ -9,8 +9,6 @@ on the two halves of the group under CFG parallelism), and only rank 0 holds the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import transformers
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -24,7 +22,7 @@ from paradit.families.sd3.presets import SD3TextEncoders
 from paradit.offline_tokenizer import offline_t5_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
 from paradit.pipelines.requests import ResolvedRequest
-from paradit.spec import ModelSpec
+from paradit.spec import CheckpointFolder, ModelSpec
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 
 CLIP_LENGTH = 77
@@ -75,16 +73,17 @@ class SD3PromptEncoder:
         return [*self.clip_encoders, self.t5]
 
     @classmethod
-    def from_folder(
-        cls, folder: Path, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
-    ) -> SD3PromptEncoder:
+    def from_folder(cls, weights: CheckpointFolder, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype,
+                    placement: str = "gpu") -> SD3PromptEncoder:  # fmt: skip
+        folder, placed = weights.path, weights_device(placement, device)
         index = read_json(folder / "model_index.json")
-        load = {"dtype": dtype, "device_map": weights_device(placement, device)}
-        clip_encoders = [
-            CLIPTextModelWithProjection.from_pretrained(component_dir(folder, name), **load)
-            for name in ("text_encoder", "text_encoder_2")
-        ]
-        t5 = T5EncoderModel.from_pretrained(component_dir(folder, "text_encoder_3"), **load)
+
+        def load(model_class, name: str) -> nn.Module:
+            return model_class.from_pretrained(component_dir(folder, name), dtype=dtype, device_map=placed,
+                                               use_safetensors=weights.use_safetensors(name))  # fmt: skip
+
+        clip_encoders = [load(CLIPTextModelWithProjection, name) for name in ("text_encoder", "text_encoder_2")]
+        t5 = load(T5EncoderModel, "text_encoder_3")
         tokenizers = [
             getattr(transformers, index[name][1]).from_pretrained(component_dir(folder, name))
             for name in ("tokenizer", "tokenizer_2", "tokenizer_3")

@@ -1,7 +1,6 @@
 """Wan 2.2 (T2V-A14B, I2V-A14B, TI2V-5B) as one record: its checkpoints, its requests, its runtime facts.
 
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from paradit.families.wan.model import WanConfig, WanTransformer
 from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_input, vae_factors
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
 from paradit.family import Family
+from paradit.outputs import rgb_image
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
 from paradit.pipelines.requests import ResolvedRequest, resolve_common
 from paradit.request import GenerationRequest
@@ -23,8 +23,7 @@ from paradit.spec import ModelSpec
 
 # diffusers' WanPipeline.__call__ defaults, for a checkpoint folder.
 DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FRAMES, DEFAULT_FPS = 50, 5.0, 480, 832, 81, 16
-MAX_FRAMES = 1024
-MAX_FPS = 240
+MAX_FRAMES, MAX_FPS = 1024, 240
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -35,14 +34,12 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     if not present["transformer"]:
         raise CheckpointError(f"{folder} has no transformer/ (a low-noise expert alone is not served)")
     if present["image_encoder"]:
-        raise CheckpointError(
-            f"{folder} is a Wan 2.1 image-to-video checkpoint (a CLIP image encoder), which paradit does not run; "
-            "its Wan 2.2 checkpoints (I2V-A14B, TI2V-5B) encode the image with the VAE alone and do run"
-        )
+        raise CheckpointError(f"{folder} is a Wan 2.1 image-to-video checkpoint (a CLIP image encoder), which paradit "
+                              "does not run; its Wan 2.2 checkpoints (I2V-A14B, TI2V-5B) encode the image with the "
+                              "VAE alone and do run")  # fmt: skip
     boundary = index.get("boundary_ratio")
-    experts = {}
-    if present["transformer_2"] and boundary is not None:
-        experts["transformer_2"] = component_config(folder, "transformer_2")
+    two_experts = present["transformer_2"] and boundary is not None
+    experts = {"transformer_2": component_config(folder, "transformer_2")} if two_experts else {}
     per_token = bool(index.get("expand_timesteps"))
     layout = ("two experts" if experts else "one transformer") + (", per-token timesteps" if per_token else "")
     return checkpoint_spec(
@@ -54,29 +51,23 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
-    """Sides in multiples of the VAE stride times the patch, frames one more than a multiple of the VAE's temporal
-    stride, a low-noise guidance only where there is a low-noise expert, an image where the model takes one (and
-    always for image-to-video)."""
+    """Sides in multiples of the VAE stride times the patch, frames one more than a multiple of its temporal stride,
+    a low-noise guidance only with that expert, an image where the model takes one (always for image-to-video)."""
     temporal, spatial = vae_factors(spec.vae)
-    granularity = spatial * spec.transformer["patch_size"][1]
-    resolved = resolve_common(spec, request, granularity)
+    resolved = resolve_common(spec, request, spatial * spec.transformer["patch_size"][1])
     frames = spec.frames if request.frames is None else int(request.frames)
     if frames < 1 or frames % temporal != 1 % temporal or frames > MAX_FRAMES:
-        raise InvalidRequest(
-            f"frames {frames} is not allowed; this model takes {temporal}k+1 frames (1, {temporal + 1}, "
-            f"{2 * temporal + 1}, ...) up to {MAX_FRAMES}"
-        )
+        raise InvalidRequest(f"frames {frames} is not allowed; this model takes {temporal}k+1 frames (1, "
+                             f"{temporal + 1}, {2 * temporal + 1}, ...) up to {MAX_FRAMES}")  # fmt: skip
     guidance_2 = request.guidance_2
     if guidance_2 is not None and not spec.experts:
         raise InvalidRequest("guidance_2 is for models with a low-noise expert; this one has one transformer")
     if spec.experts and guidance_2 is None:
         # diffusers' rule: the low-noise scale is the high-noise one unless given; a preset's own default otherwise.
-        guidance_2 = resolved.guidance if request.guidance is not None else spec.guidance_2
-        guidance_2 = resolved.guidance if guidance_2 is None else guidance_2
+        guidance_2 = spec.guidance_2 if request.guidance is None and spec.guidance_2 is not None else resolved.guidance
     if guidance_2 is not None and not 0 <= guidance_2 < float("inf"):
         raise InvalidRequest(f"guidance_2 {guidance_2} is not allowed; give a finite value >= 0")
-    resolved.frames, resolved.guidance_2 = frames, guidance_2
-    resolved.image = resolve_image(spec, request.image)
+    resolved.frames, resolved.guidance_2, resolved.image = frames, guidance_2, resolve_image(spec, request.image)
     resolved.fps = spec.fps if request.fps is None else request.fps
     if not isinstance(resolved.fps, int) or not 1 <= resolved.fps <= MAX_FPS:
         raise InvalidRequest(f"fps {resolved.fps} is not allowed; give a whole number from 1 to {MAX_FPS}")
@@ -90,14 +81,11 @@ def resolve_image(spec: ModelSpec, image) -> Image.Image | None:
             raise InvalidRequest(f"{spec.name} animates an image; give the first frame (--image PATH)")
         return None
     if mode is None:
-        raise InvalidRequest(
-            f"{spec.name} is text-to-video and takes no image; the image-to-video models are wan2.2-i2v-a14b and "
-            "wan2.2-ti2v-5b"
-        )
+        raise InvalidRequest(f"{spec.name} is text-to-video and takes no image; the image-to-video models are "
+                             "wan2.2-i2v-a14b and wan2.2-ti2v-5b")  # fmt: skip
     if not isinstance(image, Image.Image):
         raise InvalidRequest(f"image must be a PIL image, not {type(image).__name__}")
-    # diffusers' load_image hands its pipeline RGB; an alpha channel or a palette would give the VAE wrong channels.
-    return image if image.mode == "RGB" else image.convert("RGB")
+    return rgb_image(image)
 
 
 def sequence_tokens(spec: ModelSpec) -> int:
@@ -127,8 +115,7 @@ FAMILY = Family(
         widths=lambda model: {"attention": model.config.inner_dim, "MLP hidden": model.config.ffn_dim},
         linears={
             **{f"blocks.*.{attn}.{name}": COLUMN for attn in ("attn1", "attn2") for name in ("to_q", "to_k", "to_v")},
-            "blocks.*.attn1.to_out.0": ROW,
-            "blocks.*.attn2.to_out.0": ROW,
+            **{f"blocks.*.{attn}.to_out.0": ROW for attn in ("attn1", "attn2")},
             "blocks.*.ffn.net.0.proj": COLUMN_MLP,
             "blocks.*.ffn.net.2": ROW_MLP,
         },
@@ -136,8 +123,7 @@ FAMILY = Family(
             f"blocks.*.{attn}.{norm}" for attn in ("attn1", "attn2") for norm in ("norm_q", "norm_k")
         ),
     ),
-    # The patch and condition embedders (time, text and image projections), the blocks' and the head's
-    # ``scale_shift_table`` modulation (parameters, named for completeness), and the output projection.
+    # The embedders, every ``scale_shift_table`` (parameters, named for completeness) and the output projection.
     keep_high_precision=("patch_embedding", "condition_embedder", "scale_shift_table", "proj_out"),
     video=True,
     sequence_tokens=sequence_tokens,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import diffusers
 import regex
@@ -32,7 +31,7 @@ from paradit.families.wan.presets import WanTextEncoder
 from paradit.offline_tokenizer import offline_t5_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, latent_statistics, seeded_noise
 from paradit.pipelines.requests import ResolvedRequest
-from paradit.spec import ModelSpec
+from paradit.spec import CheckpointFolder, ModelSpec
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 
 try:  # diffusers cleans prompts with ftfy when it is installed, and only then; so do we, to read the same tokens
@@ -93,12 +92,13 @@ class UMT5PromptEncoder:
         return [self.encoder]
 
     @classmethod
-    def from_folder(cls, folder: Path, spec: WanTextEncoder, device: torch.device, dtype: torch.dtype,
+    def from_folder(cls, weights: CheckpointFolder, spec: WanTextEncoder, device: torch.device, dtype: torch.dtype,
                     placement: str = "gpu") -> UMT5PromptEncoder:  # fmt: skip
         encoder = UMT5EncoderModel.from_pretrained(
-            component_dir(folder, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device)
-        )
-        tokenizer = AutoTokenizer.from_pretrained(component_dir(folder, "tokenizer"))
+            component_dir(weights.path, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device),
+            use_safetensors=weights.use_safetensors("text_encoder"),
+        )  # fmt: skip
+        tokenizer = AutoTokenizer.from_pretrained(component_dir(weights.path, "tokenizer"))
         return cls(encoder, tokenizer, spec.max_length, device, placement)
 
     @classmethod

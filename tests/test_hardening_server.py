@@ -1,0 +1,158 @@
+"""``paradit serve``'s details, over real HTTP on 127.0.0.1 with stand-in engines (no model runs) unless a real
+process is the point: the API key covers the schema and its pages; ``response_format: url`` links never follow the
+client's ``Host`` header; a second server on a busy port is refused before any engine is built; a size the model
+refuses is the ``size`` field's 400; SIGHUP (a terminal closing) ends ``generate`` and ``serve`` as SIGTERM does,
+leaving no process and no rendezvous folder behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import paradit.cli
+import paradit.serving.launch
+from paradit.cli import main
+from paradit.serving.server import ServerConfig, create_app
+from tests import test_processes
+from tests.test_processes import descendants, generate, leftovers, still_alive
+from tests.test_serving_scheduler import http_server, scheduler
+
+start = test_processes.start  # the fixture: a run in a session and a TMPDIR of its own, killed at the end
+
+KEY = "k"
+BODY = {"prompt": "a fox", "size": "32x32", "steps": 2}
+# FastAPI's own routes: the schema and the pages that show it.
+SCHEMA_ROUTES = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+
+
+def test_the_api_key_covers_the_schema_and_its_pages_but_not_health():
+    with scheduler() as (scheduling, _, _), http_server(scheduling, api_key=KEY) as url:
+        for path in (*SCHEMA_ROUTES, "/no-such-route"):
+            refused = httpx.get(url + path)
+            assert refused.status_code == 401, (path, refused.text)
+            assert refused.headers["www-authenticate"] == "Bearer" and "API key" in refused.json()["error"]["message"]
+        for path in SCHEMA_ROUTES:
+            assert httpx.get(url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200, path
+        assert httpx.get(url + "/openapi.json", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+        assert httpx.get(url + "/health").status_code == 200
+
+
+@contextlib.contextmanager
+def app_on(host: str):
+    """A stand-in server's app on ``host`` (a free port) served from a thread, without an API key; yields its port."""
+    with scheduler() as (scheduling, _, _):
+        app = create_app(scheduling, ServerConfig("flux2-tiny"), scheduling.metrics)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.01)
+        try:
+            yield server.servers[0].sockets[0].getsockname()[1]
+        finally:
+            server.should_exit = True
+            thread.join(10)
+            app.state.videos.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_file_urls_name_the_address_the_request_reached_never_the_host_header(host):
+    """Bound to every interface, the link names the interface the client reached (here 127.0.0.1)."""
+    with app_on(host) as port:
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/v1/images/generations", json={**BODY, "response_format": "url"},
+            headers={"Host": "evil.example.com"},
+        )  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        url = answer.json()["data"][0]["url"]
+        assert url.startswith(f"http://127.0.0.1:{port}/v1/files/"), url
+        image = httpx.get(url)
+        assert image.status_code == 200 and image.headers["content-type"] == "image/png"
+
+
+def test_a_second_server_on_a_busy_port_is_refused_before_any_engine_is_built(monkeypatch, capsys):
+    def build_scheduler(*args, **kwargs):
+        raise AssertionError("an engine was built for a server that cannot listen")
+
+    monkeypatch.setattr(paradit.serving.launch, "build_scheduler", build_scheduler)
+    monkeypatch.setattr(paradit.cli, "start_worker_server", lambda device: None)  # no workers are wanted here
+    with scheduler() as (scheduling, _, _), http_server(scheduling) as url:
+        port = int(url.rsplit(":", 1)[1])
+        code = main(["serve", "--model", "flux2-tiny", "--device", "cpu", "--port", str(port)])
+        assert httpx.get(url + "/health").status_code == 200  # the first server serves on
+    err = capsys.readouterr().err
+    assert code == 2, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("paradit: error:") and f"port {port} on 127.0.0.1" in line and "--port" in line, line
+
+
+def test_a_size_the_model_refuses_is_a_400_naming_size_and_the_allowed_values():
+    with scheduler() as (scheduling, _, _), http_server(scheduling, api_key=KEY) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        for size in ("40x32", "16x8208"):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.images.generate(prompt="a fox", size=size)
+            message = refused.value.body["message"]
+            assert refused.value.body["param"] == "size", message
+            assert "size" in message and "multiples of 16 from 16 to 8192" in message and '"auto"' in message
+            assert "128x128" in message, message  # what auto gives for this model
+        assert client.images.generate(prompt="a fox", size="32x32", extra_body={"steps": 1}).data
+        bad_steps = httpx.post(url + "/v1/images/generations", json={**BODY, "size": "40x32", "steps": 0},
+                               headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+        assert bad_steps.status_code == 400 and bad_steps.json()["error"]["param"] == "steps"
+    with scheduler() as (scheduling, _, _), http_server(scheduling, video=True) as url:
+        refused = httpx.post(url + "/v1/videos", json={**BODY, "size": "40x32"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "size", refused.text
+
+
+@test_processes.pytestmark
+def test_sighup_to_generate_in_a_closing_terminal_stops_it_as_sigterm_does(start, tmp_path):
+    """A terminal that closes hangs up its whole foreground process group, the workers included."""
+    run = start(generate(tmp_path, "--no-progress"))
+    run.workers()
+    processes = descendants(run.proc.pid)
+    os.killpg(run.proc.pid, signal.SIGHUP)
+    code = run.wait(timeout=30)
+    assert code == 128 + signal.SIGTERM and run.messages() == ["paradit: terminated"], run.stderr
+    assert not still_alive(processes)
+    assert not leftovers(run.tmpdir)
+
+
+@test_processes.pytestmark
+def test_sighup_to_serve_in_a_closing_terminal_finishes_the_accepted_request_and_exits(start):
+    """The workers, hung up with the terminal too, leave the ending to the server, which drains as for SIGTERM."""
+    run = start(["-m", "paradit", "serve", "--model", "flux2-tiny", "--device", "cpu", "--port", "0"])
+    found = run.wait_until(lambda: re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", run.stderr), "it serves")
+    processes = descendants(run.proc.pid)
+    answers: list[httpx.Response] = []
+    body = {**BODY, "steps": 300}  # seconds of denoising: still running when the terminal closes
+    sender = threading.Thread(target=lambda: answers.append(httpx.post(found[1] + "/v1/images/generations", json=body,
+                                                                       timeout=120)))  # fmt: skip
+    sender.start()
+    taken = 'paradit_latency_seconds_count{phase="queue"} 1.0'  # a group took it
+    run.wait_until(lambda: taken in httpx.get(found[1] + "/metrics").text, "the request running")
+    os.killpg(run.proc.pid, signal.SIGHUP)
+    code = run.wait(timeout=120)
+    sender.join(10)
+    assert code == 0 and "draining" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert [answer.status_code for answer in answers] == [200], run.stderr
+    assert not still_alive(processes)
+    assert not leftovers(run.tmpdir)
+
+
+def test_the_busy_port_check_holds_the_port_it_found_free():
+    """The socket is bound and listening before the engines load, so that no other process takes the port then."""
+    with paradit.serving.launch.listen("127.0.0.1", 0) as held:
+        port = held.getsockname()[1]
+        with pytest.raises(OSError), socket.create_server(("127.0.0.1", port)):
+            pass
