@@ -52,7 +52,7 @@ def resolve_checkpoint(model: str) -> Path:
     if model.count("/") != 1 or path.exists() or model.startswith((".", "/", "~")):
         raise CheckpointError(f"checkpoint folder {model!r} does not exist")
     from huggingface_hub import constants, hf_hub_download, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:  # the files `paradit download` fetches, so that a downloaded checkpoint is complete offline too
         patterns = pipeline_patterns(read_json(Path(hf_hub_download(model, MODEL_INDEX))))
@@ -60,6 +60,8 @@ def resolve_checkpoint(model: str) -> Path:
     except LocalEntryNotFoundError as exc:
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
         raise CheckpointError(f"{model!r} is not a local folder and is not in the hub cache, and {reason}") from exc
+    except HFValidationError as exc:  # a name the hub cannot have, said in the hub's words
+        raise CheckpointError(f"{model!r} is not a hub id (org/name): {exc}") from None
     except RepositoryNotFoundError as exc:  # GatedRepoError included
         raise CheckpointError(f"hub repository {model!r} does not exist or is gated; accept its licence on the hub "
                               "and log in (`hf auth login`) or set HF_TOKEN") from exc  # fmt: skip

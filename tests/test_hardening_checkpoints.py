@@ -213,3 +213,11 @@ def test_a_workers_unexpected_error_is_one_line_naming_its_trace_file(tmp_path, 
     (trace,) = tmp_path.glob("paradit-error-*.log")
     assert str(error) == f"RuntimeError: the prediction is NaN; full trace in {trace}"
     assert "Traceback" in trace.read_text() and "the prediction is NaN" in trace.read_text()
+
+
+@pytest.mark.parametrize("command", ["generate", "quantize"])
+def test_a_model_that_is_no_hub_id_is_one_line(command, capsys, tmp_path):
+    """``org/..`` reached huggingface_hub's id check and came back as an internal error with a trace file."""
+    extra = ["--prompt", "a"] if command == "generate" else ["--out", str(tmp_path / "fp8")]
+    assert main([command, "--model", "org/..", *extra]) == 2
+    assert capsys.readouterr().err.startswith("paradit: error: 'org/..' is not a hub id (org/name): ")
