@@ -1,11 +1,9 @@
 """Checkpoints from the Hugging Face hub: ``paradit download`` and ``paradit models --local``.
 
-A download fetches only what paradit's loader reads: ``model_index.json`` and, in each component folder it lists,
-the configs, the default-variant safetensors weights and the tokenizer files. Published repositories also carry
-single-file checkpoints at their root, pickle and ONNX/Flax copies and fp16 variants, often more bytes than the
-pipeline itself; those are skipped. huggingface_hub does the transfers (the token from ``HF_TOKEN`` or a prior
-``hf auth login``; files already on disk are not fetched again; a connection cut mid-file resumes with a Range
-request); this module picks the files, checks the free disk space first and turns hub errors into one line.
+Downloads fetch only what the loader reads: ``model_index.json`` and, in its component folders, configs, default-variant
+safetensors and tokenizer files, not the root single-file checkpoints, pickle, ONNX/Flax or fp16 copies (often more
+bytes than the pipeline). huggingface_hub transfers (token from ``HF_TOKEN`` or ``hf auth login``; files on disk are
+kept; cut connections resume); this module picks the files, checks disk space first and turns hub errors into one line.
 
 Light on imports (no torch): the CLI answers at once. Must not import torch.distributed.
 """
@@ -59,8 +57,7 @@ def human_size(size: float) -> str:
 
 @dataclass(frozen=True)
 class DownloadPlan:
-    """What a download of ``repo_id`` into ``local_dir`` (None: the hub cache) reads, skips and still has to fetch,
-    each file with its size in bytes."""
+    """Files a download of ``repo_id`` into ``local_dir`` (None: hub cache) reads, skips and must fetch, with sizes."""
 
     repo_id: str
     local_dir: Path | None
@@ -126,8 +123,7 @@ def hub_errors(repo_id: str) -> Iterator[None]:
 
 
 def plan_download(repo_id: str, local_dir: Path | None = None) -> DownloadPlan:
-    """Fetches ``model_index.json`` (it names the components) and lists the repository, to say which files the
-    pipeline reads and which of them are not on disk yet."""
+    """Reads ``model_index.json`` and lists the repo: which files the pipeline reads, and which are not on disk yet."""
     from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils import filter_repo_objects

@@ -1,7 +1,5 @@
-"""Output files: the image formats paradit writes, ``--out``'s paths, images and videos written to them, and MP4s
-(H.264 through PyAV, FFmpeg's libx264). The command line writes with these; the server encodes to the same formats
-(``serving.media``) under their API names, and its videos with ``encode_mp4``.
-
+"""Output files: image formats, ``--out``'s paths, images and videos written there, MP4s (H.264 via PyAV's libx264).
+The CLI writes with these; the server (``serving.media``) encodes the same formats, by API name, and ``encode_mp4``.
 Must not import torch.
 """
 
@@ -86,8 +84,7 @@ def save_images(images: list, paths: list[Path], metadata: dict[str, str]) -> No
 
 
 def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: dict[str, str]) -> list[Path]:
-    """Each video as an MP4, or its frames into a folder (``x.png`` -> ``x/0000.png``, ``x/`` -> ``x/0000.png``);
-    returns what was written."""
+    """Each video as an MP4 or its frames in a folder (``x.png`` or ``x/`` -> ``x/0000.png``); returns the paths."""
     written = []
     for path, frames in zip(paths, videos):
         if path.suffix.lower() == VIDEO_SUFFIX:
@@ -136,8 +133,7 @@ def rgb_image(image, name: str = "image"):
 
 
 def encode_mp4(frames: list, fps: int, metadata: dict[str, str] | None = None) -> bytes:
-    """The MP4 bytes of ``frames`` (PIL, all one size, even sides) at ``fps``; ``metadata`` goes into the container's
-    tags (readable with ffprobe)."""
+    """MP4 bytes of ``frames`` (PIL, one size, even sides) at ``fps``; ``metadata`` goes in the container's tags."""
     import av
     import numpy as np
 

@@ -1,14 +1,11 @@
 """Prompt encoding with a transformers decoder, read at chosen hidden layers.
 
-Only the decoder layers up to the deepest one read are built and loaded: a model that reads layer 30 of a 40-layer
-encoder never spends a quarter of the encoder's weights and time. The final norm is replaced by identity so
-that the last kept layer's output is the raw hidden state, exactly what the full model reports for that layer.
+Only decoder layers up to the deepest one read are built and loaded (layer 30 of 40 saves a quarter of the weights and
+time); the final norm becomes an identity, so the last kept layer gives the raw hidden state the full model reports.
 
-Every family's prompt encoders are placed one of three ways (``PLACEMENTS``), chosen by the memory plan: ``gpu``,
-resident on the device in the run dtype; ``fp8``, resident with their linears in FP8 (``quantize_to``), where the run
-already executes in FP8; or ``offload``, weights kept in host memory and streamed to the device submodule by submodule
-while encoding (``stream_weights``), for when the encoder does not fit beside the transformer.
-
+Prompt encoders are placed one of three ways (``PLACEMENTS``), as the memory plan chooses: ``gpu``, resident in the run
+dtype; ``fp8``, resident with FP8 linears (``quantize_to``) where the run already executes in FP8; ``offload``, weights
+in host memory streamed to the device (``stream_weights``), when the encoder does not fit beside the transformer.
 Must not import torch.distributed.
 """
 
@@ -47,19 +44,16 @@ def warn_if_truncated(tokenizer, texts: list[str], limit: int, reader: str = "th
 
 
 def weights_device(placement: str, device: torch.device) -> torch.device:
-    """Where a prompt encoder's weights are loaded: the device it runs on, or host memory when they are streamed to
-    it or converted on their way to it."""
+    """Where a prompt encoder's weights load: its device, or host memory when streamed or converted on the way."""
     return device if placement == "gpu" else torch.device("cpu")
 
 
 def random_encoder(build, placement: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """``build()`` (a transformers model from its config) with random weights (``DummyTensors``: seeded by name,
-    fan-in scaled) in ``dtype``, loaded where ``placement`` loads weights.
-
-    transformers' own initialisation draws on the host at ~40M values a second a thread when the encoder is bound for
-    host memory (offload, fp8): minutes for FLUX.2-dev's 17B-parameter encoder. Here each parameter is drawn on
-    ``device`` (a GPU draws it in milliseconds) and then moved, one at a time, so a memory cap still holds. Buffers
-    (rotary tables) are computed as transformers computes them; tied weights stay tied."""
+    """``build()`` (a transformers model from its config) with random weights (``DummyTensors``: seeded by name, fan-in
+    scaled) in ``dtype``, loaded where ``placement`` loads weights. transformers' own initialisation draws on the host
+    at ~40M values a second a thread when the encoder is bound for host memory (offload, fp8): minutes for FLUX.2-dev's
+    17B-parameter encoder; here each parameter is drawn on ``device`` (milliseconds on a GPU) and moved one at a time,
+    so a memory cap still holds. Buffers (rotary tables) are computed as transformers does; tied weights stay tied."""
     with init_empty_weights():  # parameters on the meta device, buffers real
         model = build()
     if device.type == "meta":  # the memory plan counts parameters; it needs no values
@@ -77,11 +71,10 @@ def random_encoder(build, placement: str, device: torch.device, dtype: torch.dty
 
 
 def _move_to_host_buffers(module: nn.Module, pin: bool) -> dict[str, torch.Tensor]:
-    """Move ``module``'s parameters into a few large host buffers, page-locked when ``pin``, leaving the module's own
-    on the meta device; returns the moved tensors by name (tied weights share one). Page-locked memory is what lets
-    host-to-device copies run at full link speed. Packing matters because PyTorch's pinned allocator rounds each
-    allocation up to a power of two, which tensor by tensor would cost up to twice the encoder's size in host memory;
-    moving one tensor at a time keeps the peak near one encoder rather than two."""
+    """Move ``module``'s parameters into a few large host buffers, page-locked (for full-speed host-to-device copies)
+    when ``pin``, leaving the module's own on the meta device; returns them by name (tied weights share one). Packed,
+    because PyTorch's pinned allocator rounds each allocation up to a power of two, tensor by tensor up to twice the
+    encoder's size; moved one at a time, so the peak stays near one encoder, not two."""
     params = dict(module.named_parameters(remove_duplicate=False))
     size = max(_MIN_HOST_BUFFER, 1 << (max(p.nbytes for p in params.values()) - 1).bit_length())
     moved: dict[str, torch.Tensor] = {}
@@ -101,12 +94,11 @@ def _move_to_host_buffers(module: nn.Module, pin: bool) -> dict[str, torch.Tenso
 
 
 def stream_weights(module: nn.Module, device: torch.device) -> nn.Module:
-    """Keep ``module``'s weights in host memory and run it on ``device``: accelerate's ``cpu_offload`` hooks copy
-    each submodule's own weights to the device just before its forward and drop them after, so the device holds one
-    submodule's weights at a time (the largest is usually the token embedding, else an MLP projection) and gets it
-    all back once encoding ends. The cost is the whole encoder crossing the host link on every encode, with no
-    overlap (the hooks copy synchronously) and an allocator cache flush per weight (accelerate empties the cache each
-    time it places a tensor). Buffers (rotary tables) stay on the device."""
+    """Keep ``module``'s weights in host memory and run it on ``device``: accelerate's ``cpu_offload`` hooks copy each
+    submodule's weights in just before its forward and drop them after, so the device holds one submodule's at a time
+    (the largest usually the token embedding, else an MLP projection) and gets it all back after encoding. The cost: the
+    whole encoder crosses the host link on every encode, synchronously (no overlap), with an allocator cache flush per
+    weight (accelerate empties the cache whenever it places a tensor). Buffers (rotary tables) stay on the device."""
     weights = _move_to_host_buffers(module, pin=device.type == "cuda")
     return cpu_offload(module, execution_device=device, state_dict=weights)
 
@@ -173,8 +165,7 @@ def load_prompt_encoder(family, spec, device: torch.device, dtype: torch.dtype, 
 
 
 class DecoderPromptEncoder:
-    """Tokenizer + truncated decoder running on ``device``; ``encode`` returns (batch, max_length, len(layers) *
-    hidden) embeddings."""
+    """Tokenizer + truncated decoder on ``device``; ``encode`` gives (batch, max_length, len(layers) * hidden)."""
 
     thinking = False  # the chat template's enable_thinking (off: an empty think block follows the generation prompt)
 
@@ -219,8 +210,7 @@ class DecoderPromptEncoder:
         return cls(decoder, build_offline_tokenizer(spec.max_length), spec, device)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each prompt as one user turn of the tokenizer's chat template, with the generation prompt, padded to
-        ``max_length``."""
+        """Each prompt as one user turn of the chat template, with the generation prompt, padded to ``max_length``."""
         template = {"tokenize": False, "add_generation_prompt": True, "enable_thinking": self.thinking}
         texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], **template) for p in prompts]
         warn_if_truncated(self.tokenizer, texts, self.spec.max_length)

@@ -1,3 +1,2 @@
-"""Building blocks shared by the model families (attention and its entry point, rotary tables, embeddings,
-feed-forwards, modulation, the staged-transformer base). Plain single-device math; must not import torch.distributed.
-"""
+"""Building blocks shared by the model families: attention, rotary tables, embeddings, feed-forwards, modulation, the
+staged-transformer base. Plain single-device math; must not import torch.distributed."""

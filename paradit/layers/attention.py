@@ -1,10 +1,8 @@
 """The one attention entry point every model calls.
 
-Models own an ``Attention``-style module that calls ``self.attend(q, k, v)``; the parallel runtime swaps that
-module's ``attend`` for a distributed implementation (Ulysses, Ring, ...) from outside. Tensors are laid out
-(batch, sequence, heads, head_dim), the layout the projections produce, so no transpose is spent before the
-dispatch decides what it needs.
-
+Models' attention modules call ``self.attend(q, k, v)``; the parallel runtime swaps ``attend`` for a distributed
+implementation (Ulysses, Ring, ...) from outside. Tensors are (batch, sequence, heads, head_dim), as the projections
+produce them, so no transpose is spent before the dispatch decides what it needs.
 Must not import torch.distributed.
 """
 
@@ -29,21 +27,17 @@ class AttentionFn(Protocol):
 def sdpa_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Full attention through PyTorch SDPA, which picks the fastest kernel the device has (flash, cuDNN, efficient).
-
-    ``key_mask`` is boolean (batch, k_len), True for keys that may be attended (padding is False). A key mask is
-    the only kind of mask the entry point takes: it is what text padding needs, and unlike a full (q, k) mask it
-    can be split and gathered along with the keys by the sequence-parallel runtime.
-    """
+    """Full attention through PyTorch SDPA, which picks the device's fastest kernel (flash, cuDNN, efficient).
+    ``key_mask`` is boolean (batch, k_len), False for padding: the only mask the entry point takes, since text padding
+    needs no other and, unlike a (q, k) mask, the sequence-parallel runtime can split and gather it with the keys."""
     mask = None if key_mask is None else key_mask[:, None, None, :]
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask)
     return out.transpose(1, 2)
 
 
 def joint_key_mask(txt_mask: torch.Tensor | None, img: torch.Tensor, text_first: bool) -> torch.Tensor | None:
-    """The key mask of a joint sequence of text and image tokens ``img`` (all of them real), from the text's
-    (batch, text) mask; None for None. Models build it once per forward: the parallel runtime gathers it once per
-    tensor it sees."""
+    """The key mask of text and image tokens ``img`` (all real) from the text's (batch, text) mask; None for None. Built
+    once per forward: the parallel runtime gathers it once per tensor it sees."""
     if txt_mask is None:
         return None
     image_keys = txt_mask.new_ones(img.shape[:2])
@@ -51,14 +45,10 @@ def joint_key_mask(txt_mask: torch.Tensor | None, img: torch.Tensor, text_first:
 
 
 class AttentionDispatch(torch.nn.Module):
-    """Mixin-free holder of the swappable attention implementation.
-
-    Attention modules inherit from this and call ``self.attend``; ``set_attention_fn`` is how the runtime replaces it.
-    ``sequence_streams`` names the token streams (fields of the model's token state) this module attends over, in
-    the order it concatenates them; None means all of them, in an order left unsaid. A module that attends over the
-    image tokens alone, say, sets ``("img",)`` so that the sequence-parallel runtime knows how many tokens each rank
-    holds in that call; PipeFusion needs the order too, to place each stream's keys in its K/V buffer.
-    """
+    """Holder of the swappable attention implementation: modules inherit from it and call ``self.attend``, which the
+    runtime replaces through ``set_attention_fn``. ``sequence_streams`` names the token streams the module attends over,
+    in its concatenation order (None: all, order unsaid); the sequence-parallel runtime reads it for each rank's token
+    count (an image-only module sets ``("img",)``), PipeFusion for where each stream's keys go in its K/V buffer."""
 
     def __init__(self, sequence_streams: tuple[str, ...] | None = None) -> None:
         super().__init__()
@@ -77,13 +67,10 @@ class AttentionDispatch(torch.nn.Module):
 def attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one K/V block, with the log-sum-exp of each query's scores, (batch, heads, q_len) in float32.
-
-    Ring attention merges blocks by their log-sum-exp. SDPA hides it, so this calls the kernels that expose it
-    (cuDNN or flash on CUDA/ROCm half precision, memory-efficient attention for fp32 or masked blocks on CUDA, flash
-    on the CPU), with an exact matmul fallback elsewhere. A query whose keys in this block are all masked gets
-    output 0 and log-sum-exp -inf, so it adds nothing when merged.
-    """
+    """Attention of one K/V block, with each query's log-sum-exp, (batch, heads, q_len) in float32. Ring attention
+    merges blocks by it and SDPA hides it, so this calls the kernels that expose it (cuDNN or flash on CUDA/ROCm half
+    precision, memory-efficient for fp32 or masked blocks on CUDA, flash on the CPU), else an exact matmul. A query
+    whose keys here are all masked gets output 0 and lse -inf: nothing when merged."""
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     cuda, half = q.device.type == "cuda", q.dtype in (torch.float16, torch.bfloat16)
     # cuDNN's attention is the fastest on recent NVIDIA GPUs and SDPA picks it there; ROCm builds have none.
@@ -128,10 +115,9 @@ def _masked_attention_with_lse(
 
 
 class QKVAttention(AttentionDispatch):
-    """Attention through ``to_q``/``to_k``/``to_v`` (width ``dim`` in and out, split into heads of ``head_dim``) and
-    back through ``to_out.0``, with ``norm_q``/``norm_k`` (``qk_norm(width)``; ``nn.Identity`` for none) on Q and K.
-    The norms take one head at a time, or with ``across_heads`` (Wan) all heads at once, before the split. Called,
-    it is self-attention, with rotary positions where ``rope`` (cos, sin) is given."""
+    """Attention through ``to_q``/``to_k``/``to_v`` (``dim`` wide, heads of ``head_dim``) and ``to_out.0``, with
+    ``norm_q``/``norm_k`` (``qk_norm(width)``; ``nn.Identity``: none) on Q and K, per head or over all heads
+    (``across_heads``, Wan). Called: self-attention, rotated by ``rope`` (cos, sin) if given."""
 
     def __init__(
         self,
@@ -173,10 +159,9 @@ class QKVAttention(AttentionDispatch):
 
 
 class JointAttention(QKVAttention):
-    """Attention over text and image tokens together, the MMDiT layout FLUX.2, Qwen-Image and SD3 share: the image
-    stream goes through ``to_q``/..., the text stream through its own ``add_q_proj``/... and ``norm_added_q``/...,
-    and the two are concatenated, text first or image first. ``context_pre_only`` (SD3's last block) leaves the
-    text output unprojected (no ``to_add_out``): nothing reads it."""
+    """Joint text-image attention, the MMDiT layout of FLUX.2, Qwen-Image and SD3: the image through ``to_q``/..., the
+    text through ``add_q_proj``/... and ``norm_added_q``/..., concatenated text or image first. ``context_pre_only``
+    (SD3's last block) drops ``to_add_out``: nothing reads the text output."""
 
     def __init__(
         self,
@@ -205,8 +190,7 @@ class JointAttention(QKVAttention):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(image output, text output or None). ``rope`` (cos, sin) and ``key_mask`` (batch, keys) cover the joint
-        sequence in its order."""
+        """(image out, text out or None); ``rope`` (cos, sin) and ``key_mask`` (batch, keys) follow the joint order."""
         q_img, k_img, v_img = self.qkv(img)
         q_txt = self.project(txt, self.add_q_proj, self.norm_added_q)
         k_txt = self.project(txt, self.add_k_proj, self.norm_added_k)

@@ -1,5 +1,4 @@
-"""Timestep and condition embeddings: the sinusoidal projection, the two-layer MLPs that lift features to the model
-width, and the conditioning vector the joint text-image models build from them.
+"""Timestep and condition embeddings: sinusoidal features, MLPs lifting them to model width, the conditioning vector.
 
 Must not import torch.distributed.
 """
@@ -21,10 +20,9 @@ def sinusoidal_embedding(
     max_period: float = 10000.0,
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """(N,) timesteps -> (N, dim) sin/cos features, in float32 (the layout diffusers' checkpoints were trained with).
-
-    ``scale`` multiplies the angles after the frequency product, where Qwen-Image's reference applies its factor 1000
-    (scaling the timesteps first rounds the fastest angles differently, by up to 6e-5 rad)."""
+    """(N,) timesteps -> (N, dim) float32 sin/cos features, the layout diffusers' checkpoints were trained with.
+    ``scale`` multiplies the angles, where Qwen-Image's reference applies its 1000: scaling timesteps first rounds the
+    fastest angles differently (up to 6e-5 rad)."""
     half = dim // 2
     exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timesteps.device)
     freqs = torch.exp(exponent / (half - downscale_freq_shift))
@@ -38,8 +36,7 @@ def sinusoidal_embedding(
 
 
 class EmbeddingMLP(nn.Module):
-    """linear_1 -> activation (SiLU by default) -> linear_2, named as diffusers' ``TimestepEmbedding`` and its text
-    projections so checkpoints load as they are."""
+    """linear_1 -> activation (default SiLU) -> linear_2, diffusers' ``TimestepEmbedding`` names: checkpoints load."""
 
     def __init__(
         self,
@@ -58,9 +55,8 @@ class EmbeddingMLP(nn.Module):
 
 
 class TimestepEmbed(nn.Module):
-    """The conditioning vector of the joint text-image models: ``timestep_embedder`` of the timestep's sinusoidal
-    features (angles times ``scale``), plus ``guidance_embedder`` of the guidance's (where ``guidance``) or
-    ``text_embedder`` of the pooled text embedding (where ``pooled_dim``). Features go in at ``dtype``."""
+    """The joint models' conditioning vector: ``timestep_embedder`` of the timestep's sinusoid (angles times ``scale``)
+    plus ``guidance_embedder`` of the guidance's or ``text_embedder`` of the pooled text, where built."""
 
     def __init__(
         self, dim: int, channels: int = 256, bias: bool = True, guidance: bool = False, pooled_dim: int | None = None

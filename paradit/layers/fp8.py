@@ -1,11 +1,8 @@
-"""FP8 linear layers: e4m3 weights with one scale per output channel, activations quantised per token on the fly,
-multiplied by ``torch._scaled_mm`` with row-wise scales.
+"""FP8 linears: e4m3 weights scaled per output channel, activations per token on the fly, through ``torch._scaled_mm``.
 
-Row-wise scales keep FP8's error at about 1e-2 relative on DiT activations, whose magnitudes vary a lot from token to
-token; one tensor-wide scale would let the loudest token set the resolution for all of them. ``torch._scaled_mm`` is
-the one FP8 GEMM that ships with PyTorch on both CUDA (sm89+) and ROCm (MI300, RDNA 4), so nothing vendor-only is on
-the path.
-
+Row-wise scales keep FP8's error near 1e-2 relative on DiT activations, whose magnitudes vary a lot from token to token;
+a tensor-wide scale would let the loudest token set everyone's resolution. ``torch._scaled_mm`` is the one FP8 GEMM
+shipped with PyTorch on both CUDA (sm89+) and ROCm (MI300, RDNA 4): nothing vendor-only is on the path.
 Must not import torch.distributed.
 """
 
@@ -49,9 +46,8 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 
 
 def quantize_weight(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rowwise`` of a weight, a block of rows at a time: the float32 working copies stay a block's size
-    (2^24 elements), so converting needs little beyond the weight and its FP8 copy. Rows are independent, so the
-    result is the same to the bit."""
+    """``quantize_rowwise`` of a weight a block of rows at a time, so the float32 working copies stay a block's size
+    (2^24 elements) beyond the weight and its FP8 copy; rows are independent, so the result is the same bit for bit."""
     rows = max(1, 2**24 // max(1, weight.shape[1]))
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     scale = torch.empty(weight.shape[0], 1, dtype=torch.float32, device=weight.device)

@@ -1,5 +1,4 @@
-"""Timestep conditioning (AdaLN): the projection of the conditioning vector to (shift, scale, gate) triples and
-their split, the fp16 guard on the residual streams those gates feed, and the adaptive LayerNorm before the output.
+"""Timestep conditioning (AdaLN): modulation triples, the fp16 residual guard, the adaptive LayerNorm at the output.
 
 Must not import torch.distributed.
 """

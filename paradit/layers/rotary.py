@@ -11,12 +11,9 @@ import torch
 def multi_axis_rope(
     ids: torch.Tensor, axes_dim: list[int] | tuple[int, ...], theta: float, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq, sum(axes_dim)) for integer positions ``ids`` of shape (seq, n_axes).
-
-    Each axis contributes ``axes_dim[i]`` channels; within an axis every frequency is repeated for the
-    (real, imaginary) pair it rotates. Angles are formed in ``dtype``, by default float64 (which keeps large
-    positions exact) where the device has it: MPS has not.
-    """
+    """cos/sin tables (seq, sum(axes_dim)) for integer positions ``ids`` (seq, n_axes). Each axis contributes
+    ``axes_dim[i]`` channels, every frequency repeated for the (real, imaginary) pair it rotates. Angles are formed in
+    ``dtype``, by default float64 (exact for large positions) where the device has it: MPS has not."""
     pos = ids.float()
     dtype = dtype or (torch.float32 if ids.device.type == "mps" else torch.float64)
     cos_parts, sin_parts = [], []

@@ -1,6 +1,5 @@
-"""What every family's transformer is built on: its config (from the checkpoint's ``transformer/config.json``), the
-three stages the parallel runtime can act between, the token state of the joint text-image models, and the inverse
-of the patch embedding.
+"""What every family's transformer is built on: its config (from ``transformer/config.json``), the three stages the
+parallel runtime acts between, the joint models' token state, and the inverse patch embedding.
 
 Must not import torch.distributed.
 """
@@ -15,20 +14,17 @@ from torch import nn
 
 
 class CheckpointConfig:
-    """Base of the families' frozen config dataclasses, whose fields are the keyword arguments of the diffusers
-    class they mirror."""
+    """Base of the families' frozen configs, whose fields are the diffusers class's keyword arguments."""
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> Self:
-        """The fields ``config`` sets, JSON lists as tuples; keys the model does not read (``_class_name``, the
-        diffusers version, options the math here does not need) are passed over."""
+        """The fields ``config`` sets (JSON lists as tuples), skipping keys the model does not read."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in names})
 
 
 class HeadsConfig(CheckpointConfig):
-    """A config with diffusers' usual width fields: ``num_attention_heads`` of ``attention_head_dim`` channels,
-    ``in_channels`` and ``out_channels`` (None: as many as in)."""
+    """diffusers' width fields: ``num_attention_heads`` x ``attention_head_dim``, ``in_channels``, ``out_channels``."""
 
     num_attention_heads: int
     attention_head_dim: int
@@ -45,14 +41,11 @@ class HeadsConfig(CheckpointConfig):
 
 
 class StagedTransformer(nn.Module):
-    """``embed`` (the model's inputs -> its token state), ``run_blocks`` (token state -> token state, through
-    whichever blocks the ``BLOCK_LISTS`` stacks hold, in that order: PipeFusion leaves each stage only its own) and
-    ``head`` (token state -> prediction). The runtime calls the stages one by one; ``forward`` runs them in a row
-    and takes ``embed``'s arguments.
-
-    The token state is a dataclass whose ``SEQUENCE_FIELDS`` map each field the runtime may split along the
-    sequence to (the token stream it belongs to, its sequence dimension); the prediction comes from its
-    ``OUTPUT_STREAM``. The other fields stay whole on every rank."""
+    """``embed`` (inputs -> token state), ``run_blocks`` (token state -> token state, through whichever blocks the
+    ``BLOCK_LISTS`` stacks hold, in order: PipeFusion leaves each stage only its own) and ``head`` (token state ->
+    prediction), which the runtime calls one by one; ``forward`` runs them in a row. The token state is a dataclass
+    whose ``SEQUENCE_FIELDS`` map each field the runtime may split along the sequence to (its token stream, its sequence
+    dimension), the other fields staying whole on every rank; the prediction comes from its ``OUTPUT_STREAM``."""
 
     BLOCK_LISTS: ClassVar[tuple[str, ...]]
 

@@ -41,10 +41,9 @@ def split_sizes(total: int, parts: int) -> list[int]:
 def start_all_to_all_uneven(
     send: torch.Tensor, send_numels: list[int], recv_numels: list[int], group: dist.ProcessGroup, stats: CommStats
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Post an all-to-all of uneven parts and return (receive buffer, work) without waiting, so the caller can
-    compute while it travels; read the buffer only after ``work.wait()``. ``send`` is flat, ``send_numels[j]``
-    elements for group rank j in rank order; the flat receive buffer holds ``recv_numels[j]`` elements from rank j in
-    rank order. Callers lay the buffers out so that building and reading them costs at most one copy each way."""
+    """Post an all-to-all of uneven parts, returning (receive buffer, work) so the caller computes while it travels;
+    read the buffer after ``work.wait()``. Flat ``send`` holds ``send_numels[j]`` elements for group rank j, the flat
+    receive buffer ``recv_numels[j]`` from rank j; callers' layouts cost at most one copy each way."""
     recv = send.new_empty(sum(recv_numels))
     work = dist.all_to_all_single(recv, send, recv_numels, send_numels, group=group, async_op=True)
     me = dist.get_rank(group)
@@ -72,8 +71,7 @@ def all_gather_uneven(
 
 @torch.compiler.disable  # compiled blocks break their graph here, as around the sequence-parallel collectives
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) -> torch.Tensor:
-    """Sum ``x`` over ``group`` in place. Counted as a ring all-reduce sends it (what NCCL does): each rank sends
-    2 (T - 1) / T of the tensor."""
+    """Sum ``x`` over ``group`` in place; counted as a ring all-reduce (NCCL's) sends: 2 (T - 1) / T of it per rank."""
     dist.all_reduce(x, group=group)
     degree = dist.get_world_size(group)
     stats.add(2 * (degree - 1) * x.numel() * x.element_size() // degree)
@@ -88,8 +86,7 @@ def broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None, stats:
 
 
 class RingExchange:
-    """Send a tensor to the next rank and receive one from the previous, asynchronously, so the transfer overlaps
-    the attention of the block already in hand."""
+    """Async send to the next rank and receive from the previous, overlapping the attention of the block in hand."""
 
     def __init__(self, group: dist.ProcessGroup, stats: CommStats) -> None:
         self.group = group

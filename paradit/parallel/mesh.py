@@ -1,9 +1,8 @@
 """The process group, the device mesh (cfg x pipefusion x ring x ulysses x tensor) and this rank's place in it.
 
-The heaviest traffic sits innermost, between neighbouring ranks (the same NVLink island or PCIe switch on most
-boxes): tensor parallelism's per-layer reductions, then Ulysses' all-to-alls; the ring passes K/V between Ulysses
-groups; PipeFusion stages pass one patch's activations per stage boundary; CFG halves exchange one noise prediction
-per step.
+The heaviest traffic sits innermost, between neighbouring ranks (one NVLink island or PCIe switch on most boxes): tensor
+parallelism's per-layer reductions, then Ulysses' all-to-alls; the ring passes K/V between Ulysses groups, PipeFusion
+one patch's activations per stage boundary, CFG one noise prediction per step.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ def init_process_group(device: torch.device, rank: int, world_size: int, init_me
 
 
 def _new_subgroup(config: ParallelConfig, dims: tuple[str, ...]) -> dist.ProcessGroup:
-    """This rank's group of the ranks that share every mesh coordinate but ``dims``, ranked with the last of
-    ``dims`` fastest. A collective: every rank creates every such group."""
+    """This rank's group of ranks sharing all mesh coordinates but ``dims`` (last fastest); every rank must call it."""
     shape = tuple(degree for _, degree in config.degrees())
     axes = [MESH_DIMS.index(dim) for dim in dims]
     ranks = torch.arange(config.world_size).reshape(shape).movedim(axes, list(range(-len(axes), 0)))
@@ -69,9 +67,8 @@ class ParallelContext:
         return self.mesh.get_group(dim)
 
     def second_group(self, dim: str) -> dist.ProcessGroup:
-        """A second communicator over the ranks of this rank's ``dim`` group. Its operations queue apart from the
-        first one's (their own NCCL stream), so traffic flowing the other way need not wait in line behind it.
-        Every rank must call this, in the same order."""
+        """A second communicator over this rank's ``dim`` group: its operations queue apart (their own NCCL stream), so
+        traffic the other way need not wait behind the first's. Every rank must call this, in the same order."""
         return _new_subgroup(self.config, (dim,))
 
     @property

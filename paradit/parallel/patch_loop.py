@@ -1,18 +1,14 @@
 """PipeFusion's denoise loop: the latents advance patch by patch, so the pipeline never drains between steps.
 
-With the plain loop every step ends with the whole prediction: the first stage waits while the last stage finishes
-the step's last patch, and the last stage waits at the start of the next step while the first stage works on the
-first patch, so a step costs (patches + stages - 1) patch-times instead of patches. Yet a flow-matching update is
-elementwise: patch m's latents at step k + 1 need only patch m's prediction at step k. This loop therefore updates
-each patch's rows as soon as its prediction arrives and submits the next step's patch m right behind it, keeping
-``patches - 1`` patches in flight; with ``patches >= stages`` every stage computes all the time and a step costs
-``patches`` patch-times. The numbers are those of the plain loop: each patch sees the same latents and the same
-fresh and stale K/V rows in the same order.
+In the plain loop every step ends with the whole prediction, so stages idle at its edges and each step costs (patches +
+stages - 1) patch-times. But a flow-matching update is elementwise: patch m's latents at step k + 1 need only patch m's
+prediction at step k. So this loop updates each patch's rows as its prediction lands and submits the next step's patch m
+right behind it, keeping ``patches - 1`` in flight: with ``patches >= stages`` no stage idles and a step costs
+``patches`` patch-times. The numbers are the plain loop's (each patch sees the same latents and K/V rows, in order).
 
-Requirements, which every family's pipeline meets: the scheduler's update is elementwise (one copy per patch keeps
-its step count), and ``predict``'s work after the transformer (guidance combination, unpatchify) treats rows
-independently and does not depend on the step, since one call may return rows of an earlier step than its ``t``.
-``predict`` calls the transformer it is handed: here, one ``PipeFusion.run`` that submits and collects patches.
+Requirements, met by every family: an elementwise scheduler update (one copy per patch keeps its step count), and
+``predict``'s work after the transformer (guidance, unpatchify) independent of row and step, since one call may return
+rows of an earlier step than its ``t``. ``predict`` calls the transformer it is handed, here ``PipeFusion.run``.
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ from tqdm import tqdm
 
 from paradit.parallel.pipefusion import PatchItem, PipeFusion
 
-# (latents, first row, end row) -> a mask broadcastable to the latents: the elements those rows of the output
-# stream become.
+# (latents, first row, end row) -> a mask over the latents of what those output-stream rows become.
 BandMask = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
@@ -42,8 +37,7 @@ def denoise_by_patches(
     progress: bool,
 ) -> torch.Tensor:
     """Run ``scheduler`` over ``timesteps`` with ``predict(latents, t, transformer)`` as the plain loop does, the
-    transformer being ``pipefusion``; ``mark_step`` is called once at the start and once as each step's last patch
-    lands."""
+    transformer being ``pipefusion``; ``mark_step`` is called at the start and as each step's last patch lands."""
     steps = len(timesteps)
     # One scheduler per band of a patched step: each advances its own step count once per step.
     band_schedulers = [copy.deepcopy(scheduler) for _ in range(pipefusion.patches)]

@@ -1,45 +1,29 @@
 """PipeFusion: the blocks split into pipeline stages, image patches flowing through them against stale K/V.
 
-The low-communication strategy for slow links, for every family. A model lists its block stacks in run order
-(``BLOCK_LISTS``: FLUX.2's double then single blocks, Z-Image's noise refiner, context refiner, then joint layers,
-...); taken as one sequence they are split into P contiguous stages, and rank p of the pipefusion group keeps only
-stage p's blocks in those stacks and frees the rest, so the model's own ``run_blocks`` runs exactly its stage.
-Every rank runs ``embed`` (cheap, and every stage needs the modulation vectors, rotary tables and masks);
-activations pass point to point from stage p to stage p + 1; the last stage runs ``head`` and broadcasts each
-patch's prediction (which every rank needs for its scheduler step) as soon as it has it, on a second communicator,
-so predictions flowing back never queue behind activations flowing forward.
+The low-communication strategy for slow links, for every family. The model's block stacks (``BLOCK_LISTS``, in run
+order) form one sequence split into P contiguous stages; rank p keeps stage p's blocks (the rest freed), so
+``run_blocks`` runs just its stage. Every rank runs ``embed`` (cheap; every stage needs the modulation vectors, rotary
+tables, masks); activations pass point to point between stages; the last stage runs ``head`` and broadcasts each patch's
+prediction (every scheduler needs it) at once on a second communicator, never queued behind forward activations.
 
-- **Warm-up steps** (the first ``warmup_steps`` of a request) run the whole sequence as one piece: a plain layer
-  pipeline, exactly the serial result. They also fill each attention layer's K/V buffer.
-- **Patched steps** split the output stream (the image tokens) into ``patches`` contiguous patches (row bands) that
-  enter the pipeline one after another, so stage p works on patch m while stage p + 1 works on patch m - 1. Each
-  attention layer writes the patch's fresh K/V over its rows of the buffer and attends to the whole buffer: rows of
-  earlier patches are this step's, rows of later patches the previous step's (stale), an approximation that
-  neighbouring diffusion steps make small.
+- **Warm-up steps** (the first ``warmup_steps``) run whole, exactly the serial result, filling each layer's K/V buffer.
+- **Patched steps** split the output stream (the image) into ``patches`` row bands that enter the pipeline one after
+  another, so stage p works on patch m while stage p + 1 works on patch m - 1. Each attention layer writes the patch's
+  fresh K/V over its rows of the buffer and attends to the whole buffer: earlier patches' rows are this step's, later
+  ones the previous step's, an approximation neighbouring steps make small.
 
-The other streams (the text) travel with the first patch only, so they are computed once per step: patch 0 is the
-whole text plus image band 0, and later patches carry zero-length text. Their attention reads this step's text
-K/V, which patch 0 wrote into the buffer before them in every layer. Band 0 is narrower by the text's length, so
-that every patch holds about the same number of tokens (``band_rows``): the largest patch paces the pipeline. A key
-mask (Qwen-Image's padded text) is kept in a buffer beside the keys, so attention over the buffer masks exactly what
-serial attention masks.
+The text rides whole with patch 0, so it is computed once per step and later patches read its buffered K/V; band 0 is
+narrower by its length so that all patches hold about as many tokens (``band_rows``), the largest pacing the pipeline. A
+key mask (Qwen-Image's padded text) is buffered beside the keys, so masking is exactly serial attention's. Z-Image's
+refiners are ordinary blocks, the noise refiner patched and stale like any layer, the context refiner exact on patch 0
+and a no-op after: one code path, their weights on one stage, and the stage split balances them.
 
-Z-Image's refiners are ordinary pipeline blocks here: the noise refiner attends over the image stream (patched and
-stale like any layer), the context refiner over the text, which rides whole with patch 0, so for text it is exact
-and for later patches it runs on zero tokens (its attention returns at once). Treating them as blocks rather than
-as a preamble keeps one code path for every family, keeps their weights on one stage only, and lets the stage
-split balance them with the joint layers.
-
-**Ulysses inside a stage** (pipefusion x ulysses): each stage is a sequence-parallel group. Every patch is split
-across the stage's ranks (``SequenceParallel.split``); rank r of stage p sends its chunk to rank r of stage p + 1.
-Each attention layer runs Ulysses' all-to-all and, as its local attention, the stale-K/V attention over what this
-rank then sees: its heads, the patch's whole sequence. Its buffer holds those heads for the whole sequence. The
-gathered rows of a call are every rank's chunk of each stream, rank by rank, each rank's streams in the module's
-concatenation order (its ``sequence_streams``); the ``Window`` says which rows of each stream every rank holds, so
-each piece lands on its own rows of the buffer whatever the patching. **Ring** inside a stage works the same way:
-the buffer needs every key at once, so instead of passing K/V blocks round, the ring members all-gather the patch's
-K/V (the same bytes, in sequence-rank order), and each rank buffers the whole sequence for its heads. **Tensor
-parallelism inside a stage** shards the stage's blocks as anywhere else; each K/V buffer then holds the rank's heads.
+**Ulysses inside a stage**: each stage is a sequence-parallel group; every patch is split across its ranks
+(``SequenceParallel.split``), rank r of stage p sending to rank r of stage p + 1, and each layer's local attention after
+the all-to-all is the stale-K/V attention (this rank's heads, the whole sequence). The ``Window`` says which rows of
+each stream every rank holds, so each gathered piece (rank by rank, in ``sequence_streams`` order) lands on its own
+buffer rows. **Ring** inside a stage all-gathers the patch's K/V instead (the buffer needs every key at once; the same
+bytes). **Tensor parallelism** inside a stage shards its blocks as anywhere else; each buffer holds the rank's heads.
 """
 
 from __future__ import annotations
@@ -92,15 +76,13 @@ class Window:
         return self._copies[streams]
 
 
-# The window of the patch in flight, set around its blocks and read by every StaleKVAttention in them: like the
-# sequence layout, it travels with the tokens instead of living on the modules.
+# The patch in flight's window, read by the StaleKVAttention in its blocks: it travels with the tokens, like the layout.
 _WINDOW: ContextVar[Window] = ContextVar("paradit_pipefusion_window")
 
 
 class StaleKVAttention:
-    """One attention layer's K/V buffer over the whole sequence of its streams: the tokens in flight (their
-    ``Window``) write their rows (and their key mask's), then attend to every row (fresh for this step where
-    already written, stale from the previous step elsewhere)."""
+    """One attention layer's K/V buffer over its streams' whole sequence: the tokens in flight (their ``Window``) write
+    their rows (and key mask's), then attend to every row (this step's where written, else the previous step's)."""
 
     def __init__(self, streams: tuple[str, ...]) -> None:
         self.streams = streams
@@ -108,8 +90,7 @@ class StaleKVAttention:
         self.value: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
 
-    # Compiled blocks break their graph here, as around the sequence-parallel collectives: the rows written change
-    # with every patch, which would otherwise recompile the block.
+    # Compiled blocks break their graph here: the rows written change every patch and would recompile the block.
     @torch.compiler.disable
     def __call__(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
@@ -134,10 +115,9 @@ class StaleKVAttention:
 
 
 def band_rows(length: int, band: int, bands: int, lead: int = 0) -> tuple[int, int]:
-    """The (first, end) rows of band ``band`` when ``length`` output-stream rows split into ``bands`` contiguous
-    bands, band 0 also carrying ``lead`` tokens of the other streams. Patches cost in proportion to their tokens
-    (their projections, and their queries against the whole K/V buffer), and the slowest patch paces the pipeline,
-    so band 0 gets that many fewer rows: every patch then holds about the same number of tokens."""
+    """The (first, end) rows of band ``band`` when ``length`` output-stream rows split into ``bands`` bands, band 0 also
+    carrying ``lead`` tokens of the other streams. A patch costs in proportion to its tokens (projections, and queries
+    against the whole K/V buffer) and the slowest paces the pipeline, so band 0 gets ``lead`` fewer rows."""
     if bands == 1:
         return 0, length
     first = split_sizes(length, bands)[0]
@@ -179,14 +159,12 @@ class InFlight:
 
 
 class PipeFusion(nn.Module):
-    """Runs a plain model as this rank's pipeline stage. ``sequence``: the stage's sequence split (Ulysses or Ring
-    inside each stage), whose ``split`` and ``gather`` carry each patch across the stage's ranks.
-
-    Called like the model, one call is one whole step (its patches submitted, then all their predictions
-    collected; ``begin_request`` makes the next call step 0). A denoise loop that updates the latents patch by patch
-    instead calls ``run``: each call then submits at most one patch and returns the predictions of the oldest
-    patches in flight, so that the first stage starts step k + 1's first patch while the last stage still works on
-    step k's last (no pipeline drain per step; see ``paradit.parallel.patch_loop``)."""
+    """Runs a plain model as this rank's pipeline stage; ``sequence`` (Ulysses or Ring inside each stage) carries each
+    patch across the stage's ranks with its ``split`` and ``gather``. Called like the model, one call is one whole step
+    (its patches submitted, then all their predictions collected; ``begin_request`` makes the next call step 0). A
+    denoise loop that updates the latents patch by patch calls ``run`` instead: each call submits at most one patch and
+    returns the oldest predictions in flight, so the first stage starts step k + 1's first patch while the last still
+    works on step k's last (no pipeline drain per step; see ``paradit.parallel.patch_loop``)."""
 
     def __init__(self, model: nn.Module, context: ParallelContext, sequence: SequenceParallel | None = None) -> None:
         super().__init__()
@@ -195,8 +173,7 @@ class PipeFusion(nn.Module):
         self.model = model
         self.context = context
         self.group = context.group("pipefusion")
-        # Predictions flow from the last stage back to the first while activations flow forwards: on one
-        # communicator a prediction would queue behind the next patch's activations.
+        # On one communicator predictions flowing back would queue behind the next patch's activations flowing forward.
         self.prediction_group = context.second_group("pipefusion")
         self.stages = config.pipefusion
         self.stage = context.local_rank("pipefusion")
@@ -225,8 +202,7 @@ class PipeFusion(nn.Module):
             setattr(self.model, name, nn.ModuleList([block for block in blocks if next(position) in mine]))
 
         for module in self.model.modules():
-            # Keys from no split stream (Wan's text): whole on every stage and fresh every step, so there is no stale
-            # K/V to buffer; the patch's queries attend to them as they are.
+            # Keys from no split stream (Wan's text) are whole and fresh on every stage: no stale K/V to buffer.
             if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
                 if module.sequence_streams is None:
                     raise InvalidRequest(f"pipefusion needs {type(module).__name__} to name its streams in order")
@@ -282,7 +258,6 @@ class PipeFusion(nn.Module):
         self.output_length = lengths[output]
         self._lead = sum(length for s, length in lengths.items() if s != output)  # rides with patch 0
         start, stop = self.band(item.patch, item.patches)
-        # The output stream's band; every other stream rides whole with patch 0.
         ranges = {s: (start, stop) if s == output else (0, lengths[s] if item.patch == 0 else 0) for s in streams}
         patch = narrow_streams(tokens, ranges)
         if self.sequence is not None:
@@ -339,8 +314,7 @@ class PipeFusion(nn.Module):
     def _send(self, tensors: list[torch.Tensor | None]) -> None:
         """Post the patch's activations to the next stage, so this stage goes on to its next patch while they travel.
         Empty streams (the text of later patches) are not sent; the receiver knows their shapes."""
-        # The previous patch's activations left long ago (the next stage needed them to get this far); waiting for
-        # them only lets their buffers go.
+        # The previous patch's sends finished long ago (the next stage needed them); waiting only frees their buffers.
         self._wait_for_sends()
         for tensor in tensors:
             if tensor is None or tensor.numel() == 0:

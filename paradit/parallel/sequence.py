@@ -1,26 +1,17 @@
 """Sequence parallelism: split the token streams after ``embed``, attend across ranks, gather before the output.
 
-Every rank holds a contiguous chunk of each token stream (``torch.tensor_split`` sizes, so any length works) and
-runs the model's blocks on it unchanged. Only attention needs the whole sequence; the model's attention modules get
-a ``SequenceParallelAttention`` in place of local SDPA:
+Each rank holds a contiguous chunk (``torch.tensor_split`` sizes: any length) of each token stream and runs the blocks
+on it unchanged; only attention needs the whole sequence, through a ``SequenceParallelAttention``:
 
-- **Ulysses**: one all-to-all trades the sequence split for a head split (heads need not divide the degree: ranks
-  take ``tensor_split`` shares), full attention on those heads, one all-to-all back. The heads travel in chunks so
-  that each chunk's attention runs while the next chunk's Q/K/V and the last chunk's output are in flight.
-- **Ring**: K/V blocks travel round the ring; each rank attends its queries to every block as it arrives, merging
-  partial results by log-sum-exp, with the next transfer in flight during the current block's attention.
+- **Ulysses**: an all-to-all trades the sequence split for a head split (``tensor_split`` shares: heads need not divide
+  the degree), full attention on those heads, an all-to-all back, in head chunks that overlap attention and exchange.
+- **Ring**: K/V blocks travel round the ring while each rank attends to the block in hand, merging by log-sum-exp.
 - **USP**: Ulysses inside groups of neighbouring ranks, Ring across the groups.
 
-Uneven splits travel as per-rank sizes, not padding (``comm``). Attention is order-invariant over keys and the
-all-to-alls return every query to its own rank, so the chunk order seen inside attention does not matter.
-
-An attention module whose ``sequence_streams`` is empty takes its keys from no split stream: every rank holds them
-whole (Wan's cross-attention to the text), so each rank's query chunk attends to them with its plain local attention
-and nothing is exchanged; such modules are left as they are.
-
-Each attention module's *local* attention, run on this rank's heads over the gathered sequence, is plain SDPA;
-PipeFusion, applied over this wrapper, makes it its stale-K/V attention (``set_local_attention``) and uses
-``split`` and ``gather`` to split each patch across a stage's sequence group.
+Uneven splits travel as per-rank sizes, not padding (``comm``); attention is order-invariant over keys and every query
+returns to its rank, so chunk order inside attention does not matter. Modules with empty ``sequence_streams`` (Wan's
+cross-attention to the whole text) keep local attention. PipeFusion, over this wrapper, swaps each module's *local*
+attention (SDPA on this rank's heads, whole sequence) for stale-K/V attention and uses ``split`` / ``gather`` per patch.
 """
 
 from __future__ import annotations
@@ -39,16 +30,14 @@ from paradit.parallel.comm import RingExchange, all_gather_uneven, split_sizes, 
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.transport import decode_fp8_rows, encode_fp8_rows
 
-# Ulysses' exchanges overlap its attention: the heads travel in this many chunks, so that while one chunk is attended
-# the next chunk's Q/K/V and the previous chunk's output are in flight. More chunks hide more of the exchange behind
-# attention but send smaller messages and run smaller attention calls.
+# Ulysses' heads travel in this many chunks, each attended while its neighbours' exchanges are in flight; more chunks
+# hide more of the exchange but send smaller messages and run smaller attention calls.
 ULYSSES_CHUNKS = 2
 
 
-# The layout of the forward in flight: stream -> tokens per sequence rank. It travels with the tokens: whoever splits
-# them (``SequenceParallel.forward``, PipeFusion for each patch) runs the blocks inside ``sequence_layout(sizes)``,
-# and the attention calls within read it. A context variable rather than an attribute, so that no state outlives its
-# forward and two forwards in flight (threads, tasks) never see each other's.
+# The forward in flight's layout (stream -> tokens per sequence rank), set around the blocks by whoever splits the
+# tokens. A context variable, not an attribute: no state outlives its forward, and concurrent forwards never see each
+# other's.
 _LAYOUT: ContextVar[dict[str, list[int]]] = ContextVar("paradit_sequence_layout")
 
 
@@ -68,9 +57,8 @@ def sequence_layout(sizes: dict[str, list[int]]) -> contextlib.AbstractContextMa
 
 
 class SequenceParallelAttention:
-    """Attention over a sequence split across the group. Each call names the streams its tokens are made of (an
-    attention module's ``sequence_streams``; None: all of them); with the forward's layout (``sequence_layout``) that
-    gives every rank's token count for the call without any communication."""
+    """Attention over a sequence split across the group. A call's streams (its module's ``sequence_streams``; None: all)
+    and the forward's ``sequence_layout`` give every rank's token count without communication."""
 
     def __init__(self, context: ParallelContext) -> None:
         self.context = context
@@ -97,9 +85,8 @@ class SequenceParallelAttention:
         return [(sum(owned[:rank]) + sum(share[:chunk]), share[chunk]) for rank, share in enumerate(parts)]
 
     def _post_heads_to_sequence(self, x: torch.Tensor, ranges: list[tuple[int, int]]):
-        """Post the exchange that gives Ulysses rank j the heads ``ranges[j]`` of the group's tokens; returns the
-        function that waits for it and gives (B, L_group, this rank's count, D). One copy lays the send buffer out by
-        destination; with batch 1 the receive buffer already is the result."""
+        """Post the exchange giving Ulysses rank j heads ``ranges[j]`` of the group's tokens; the returned function
+        waits, giving (B, L_group, our count, D). One copy packs the send; batch 1 reads the receive buffer as is."""
         batch, length, _, dim = x.shape
         me = self.context.local_rank("ulysses")
         lengths = self._ulysses_lengths()
@@ -121,9 +108,8 @@ class SequenceParallelAttention:
         return finish
 
     def _post_sequence_to_heads(self, out: torch.Tensor, ranges: list[tuple[int, int]], into: torch.Tensor):
-        """Post the exchange that returns ``out`` (B, L_group, heads ``ranges[me]``, D) to the ranks its tokens came
-        from; returns the function that waits for it and writes every rank's heads ``ranges[j]`` of this rank's
-        tokens into ``into`` (B, L_me, H, D)."""
+        """Post the exchange sending ``out`` (B, L_group, heads ``ranges[me]``, D) back to its tokens' ranks; the
+        returned function waits and writes every rank's heads ``ranges[j]`` of ours into ``into`` (B, L_me, H, D)."""
         batch, _, local_heads, dim = out.shape
         me = self.context.local_rank("ulysses")
         lengths = self._ulysses_lengths()
@@ -145,9 +131,8 @@ class SequenceParallelAttention:
     def ulysses_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
     ) -> torch.Tensor:
-        """(B, L_me, H, D) -> the same: this Ulysses group's tokens for a share of the heads, attended (``_attend``),
-        then returned to the ranks they came from. Plain SDPA without Ring runs in head chunks: chunk c is attended
-        while chunk c + 1's Q/K/V and chunk c - 1's output travel. Exact: attention is independent per head."""
+        """(B, L_me, H, D) -> the same: the group's tokens for a share of the heads, attended (``_attend``), sent back.
+        Plain SDPA without Ring runs in overlapped head chunks: exact, heads being independent."""
         heads, dtype = q.shape[2], q.dtype
         count = ULYSSES_CHUNKS if self.ring == 1 and local is sdpa_attention else 1
         chunks = [self._head_ranges(heads, c, count) for c in range(count)]
@@ -182,8 +167,7 @@ class SequenceParallelAttention:
     def ring_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """Exact attention of local queries over every ring rank's K/V, one block at a time; ``key_mask`` is this
-        ring member's (Ulysses-gathered) key mask."""
+        """Exact attention of local queries over all ring ranks' K/V block-wise; ``key_mask`` is Ulysses-gathered."""
         lengths = self._ring_lengths()
         me = self.context.local_rank("ring")
         ring_group = self.context.group("ring")
@@ -237,8 +221,7 @@ class SequenceParallelAttention:
         return all_gather_uneven(key_mask.to(torch.uint8), 1, lengths, group, self.context.stats).bool()
 
     def gather_key_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
-        """This Ulysses group's key masks in the order its tokens are gathered. Every layer of a forward passes the
-        same mask tensor, so it is gathered once and reused."""
+        """This Ulysses group's key masks in gather order; once per forward, as every layer passes the same tensor."""
         if self._mask_cache is None or self._mask_cache[0] is not key_mask:
             self._mask_cache = key_mask, self._gather_mask(key_mask, self._ulysses_lengths(), self.ulysses_group)
         return self._mask_cache[1]
@@ -280,8 +263,7 @@ def stream_lengths(tokens) -> dict[str, int]:
 
 
 def narrow_streams(tokens, ranges: dict[str, tuple[int, int]]):
-    """The token state with every per-token field narrowed to its stream's ``(start, stop)`` rows: the stream
-    itself, its rotary rows, its mask columns."""
+    """Every per-token field (stream, rotary rows, mask columns) narrowed to its stream's ``(start, stop)`` rows."""
     changes = {}
     for name, (stream, dim) in type(tokens).SEQUENCE_FIELDS.items():
         start, stop = ranges[stream]
@@ -307,14 +289,12 @@ class SequenceParallel(nn.Module):
         return self.model.config
 
     def set_local_attention(self, module: AttentionDispatch, local: AttentionFn) -> None:
-        """``module`` attends through the sequence group, running ``local`` on this rank's heads over the gathered
-        sequence (after the Ulysses all-to-all). Not for modules whose ``sequence_streams`` is empty: their keys are
-        whole on every rank, and they keep their own attention."""
+        """``module`` attends through the sequence group, ``local`` on this rank's heads over the gathered sequence. Not
+        for modules whose ``sequence_streams`` is empty: their keys are whole on every rank."""
         module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams, local=local))
 
     def split(self, tokens):
-        """This rank's contiguous chunk of every stream: (local tokens, {stream: per-rank sizes}); run the blocks on
-        them inside ``sequence_layout`` of those sizes."""
+        """This rank's chunk of each stream, and {stream: per-rank sizes} for the blocks' ``sequence_layout``."""
         degree, me = self.context.config.sequence_degree, self.context.sequence_rank
         sizes = {stream: split_sizes(length, degree) for stream, length in stream_lengths(tokens).items()}
         ranges = {stream: (sum(s[:me]), sum(s[: me + 1])) for stream, s in sizes.items()}

@@ -2,27 +2,20 @@
 
 Megatron's pairing, applied to each attention and MLP of the repeated blocks:
 
-- **column-parallel** linears (Q/K/V, the MLP's input) keep a contiguous slice of the output features on each rank:
-  whole attention heads, whole MLP hidden units. Attention then runs on this rank's heads only, and the MLP's
-  activation acts on this rank's hidden units only; neither needs any communication.
-- **row-parallel** linears (attention output, MLP output) keep the matching slice of the input features; each rank's
-  partial output is summed over the tensor group by one all-reduce, and the bias is added once, after the sum.
+- **column-parallel** linears (Q/K/V, the MLP's input) keep a contiguous slice of the output features: whole heads,
+  whole hidden units, so attention and the MLP's activation run locally.
+- **row-parallel** linears (attention output, MLP output) keep the matching input slice; one all-reduce over the tensor
+  group sums the partial outputs, then the bias is added once.
 
-Packed layouts are sharded part by part, so that every rank holds matching slices: FLUX.2's single-block
-``to_qkv_mlp_proj`` packs [q, k, v, MLP gate, MLP up] and its ``to_out`` reads [attention, MLP]; its
-``ff.linear_in`` packs [gate, up]. Everything else (embedders, modulation, norms, the output projection) stays
-replicated: it is small next to the blocks, and every rank needs its whole output. The exception is a norm over the
-whole attention width that a column-parallel projection feeds (Wan's RMS norms on Q and K, one statistic across all
-heads): it keeps its slice of the weight, and its squared sums are added over the tensor group before the root.
+Packed layouts are sharded part by part: FLUX.2's single-block ``to_qkv_mlp_proj`` packs [q, k, v, MLP gate, MLP up],
+its ``to_out`` reads [attention, MLP], ``ff.linear_in`` packs [gate, up]. The rest (embedders, modulation, norms, output
+projection) is small, needed whole, and replicated, except a norm over all heads after a column-parallel projection
+(Wan's Q/K RMS norms): it keeps its weight slice, its squared sums added over the group before the root.
 
-The models infer head counts from tensor shapes (``unflatten(-1, (-1, head_dim))``), so attention sees heads / T
-heads without change; the head and width counts attention modules store are divided here too, so that they describe
-what the module holds. The result is exact: sequence parallelism composes with it (the sequence group splits tokens,
-the tensor group splits heads and hidden units), and so does CFG parallelism.
-
-The plan describes, per parameter name, the slice of the full tensor a rank keeps (``tensor_slices``), so the loader
-reads only that slice from the checkpoint; ``parallelize_tensor`` applies the same slices to a model's tensors, which
-on the meta device (before loading) only reshapes them.
+The models infer head counts from shapes (``unflatten(-1, (-1, head_dim))``) and the counts attention modules store are
+divided here, so attention sees heads / T heads unchanged. Exact; composes with sequence parallelism (which splits
+tokens) and CFG parallelism. The plan gives, per parameter name, the slice a rank keeps (``tensor_slices``), so the
+loader reads only that; ``parallelize_tensor`` applies the same slices to a model (on the meta device, only reshaping).
 """
 
 from __future__ import annotations
@@ -96,10 +89,9 @@ class RowParallelLinear(nn.Module):
 
 
 class HeadShardedRMSNorm(nn.Module):
-    """An RMS norm over the whole attention width on a rank that holds a share of the heads: each token's squared sum
-    is added over the tensor group (one value per token on the wire) before the root is taken, then the rank's slice
-    of the weight applies. Computed as ``torch.nn.RMSNorm`` does: normalised in float32, rounded, then weighted. The
-    sharded norm stays the module that holds the weight (``norm``), where the loader finds it."""
+    """An RMS norm over the whole attention width on a rank holding some heads: each token's squared sum is added over
+    the tensor group (one value per token) before the root, then the rank's weight slice applies, computed as
+    ``torch.nn.RMSNorm`` does (float32, rounded, weighted). The weight stays in ``norm`` for the loader."""
 
     def __init__(self, norm: nn.RMSNorm, width: int, context: ParallelContext) -> None:
         super().__init__()
@@ -140,9 +132,8 @@ def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
 
 
 def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) -> dict[str, TensorSlice]:
-    """The slice ``rank`` of ``degree`` keeps of each sharded tensor of the plain ``model``, by its (diffusers)
-    name: ``<linear>.weight``, and for column-parallel linears ``.bias`` and FP8's ``.weight_scale`` (one per output
-    feature). Tensors not named here are replicated."""
+    """The slice ``rank`` of ``degree`` keeps of each sharded tensor of the plain ``model`` by (diffusers) name:
+    ``<linear>.weight``, and ``.bias`` and FP8's ``.weight_scale`` of column-parallel ones; others are replicated."""
     widths = check_tensor_plan(plan, model, degree).widths(model)
     slices = {}
     for pattern, shard in plan.linears.items():

@@ -1,35 +1,25 @@
 """Patch-parallel VAE decode and encode for diffusers' autoencoders, exact.
 
-What for: the VAE ends every request, and at 2048²-4096² or on 720p video its decode is seconds on one GPU and
-many GiB of activations, while the other GPUs of the group sit idle. Here every rank of a process group decodes
-(or encodes) one horizontal band of the image, and every rank gets the whole result back.
+The VAE ends every request, and at 2048²-4096² or on 720p video its decode takes seconds and many GiB on one GPU while
+the others idle. Here each rank decodes (or encodes) one horizontal band, and every rank gets the whole result.
 
-Method. The latent is cut along its height into contiguous bands, one per rank, with ``torch.tensor_split``'s sizes
-(the first ``h % world`` bands one row longer; every band needs at least one latent row). The VAE's own code runs
-unchanged on the band; only for the duration of one call, the ``forward`` of its own module instances that see
-more than one row at a time is swapped (nothing global: no ``torch.nn`` class is touched):
+The latent is cut along its height into ``torch.tensor_split`` bands, one per rank (each at least one latent row), and
+the VAE's code runs unchanged on the band: for one call, the ``forward`` of each of its module instances that sees more
+than one row at a time is swapped (no ``torch.nn`` class is touched):
 
-- convolutions (``Conv2d``, and Wan / Qwen-Image's causal ``Conv3d``, which concatenate their temporal cache
-  first) receive the halo rows their kernel needs from the neighbouring bands (point-to-point) and zero-pad only at
-  the image's real top and bottom edge. The band's row offset and the global height are read off the band's height
-  at each layer: a tensor ``f`` times the latent's height holds rows ``[f * P_r, f * P_{r+1})`` on rank ``r``
-  (``P_r``: the latent rows of the bands above ``r``). The halos travel while the band's own rows are convolved.
-  Stride-2 convolutions in the encoders pad bottom/right in front of the convolution (``Downsample2D``'s
-  ``F.pad``, Wan's ``ZeroPad2d``); those pads are moved into the convolution, so only the last band pads;
-- group norms (``AutoencoderKL``, FLUX.2) reduce per-channel count, mean and squared deviation over the ranks
-  and combine them in float64 (Chan's parallel variance), so the statistics are the whole image's;
-- the mid-block attention gathers its normalised input from all bands: each rank's queries attend to the whole
-  image's keys and values;
-- everything else is local to a band: activations, nearest upsampling, Wan's RMS norm (it normalises over the
-  channels of one position), the temporal caches, Wan 2.2's patchify, the final clamp.
+- convolutions (``Conv2d``; Wan / Qwen-Image's causal ``Conv3d``, after their temporal cache) get the halo rows their
+  kernel needs from the neighbouring bands while the band's own rows are convolved, and zero-pad only at the image's
+  edges. A tensor ``f`` times the latent's height holds rows ``[f * P_r, f * P_{r+1})`` on rank ``r`` (``P_r``: latent
+  rows above band ``r``), which gives each layer its offset. The encoders' stride-2 pads (``Downsample2D``'s ``F.pad``,
+  Wan's ``ZeroPad2d``) move into the convolution: only the last band pads;
+- group norms (``AutoencoderKL``, FLUX.2) combine per-channel count, mean and M2 over ranks in float64 (Chan's method);
+- the mid-block attention gathers its normalised input from all bands, so queries attend to the whole image;
+- the rest is local to a band: activations, nearest upsampling, Wan's RMS norm (over one position's channels), the
+  temporal caches, Wan 2.2's patchify, the final clamp.
 
-Use: ``parallel_decode`` in place of ``vae.decode(...).sample``, ``parallel_encode`` in place of
-``vae.encode(...).latent_dist``; ``banded`` is the context manager under both, for callers that feed and keep bands
-themselves. Inference only (no autograd through the exchanges).
-
-Exact: the result equals one process's ``vae.decode(...).sample`` / ``vae.encode(...).latent_dist`` up to
-floating-point reassociation (relative L2 <= 1e-5 in fp32; tests/test_parallel_vae.py checks every layout at
-world sizes 2-4). Tiling must be off: it is a different computation, so it is switched off for the call.
+``parallel_decode`` and ``parallel_encode`` replace ``vae.decode(...).sample`` and ``vae.encode(...).latent_dist``;
+``banded`` serves callers that keep bands. Inference only; exact up to floating-point reassociation (relative L2 <= 1e-5
+in fp32; tests/test_parallel_vae.py checks every layout at world sizes 2-4). Tiling (a different computation) is off.
 """
 
 from __future__ import annotations
@@ -53,8 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["banded", "parallel_decode", "parallel_encode"]
 
-# Statistics of a low-precision group norm are taken in float32 chunks of at most this many elements, so the
-# float32 copy stays small next to the activation itself.
+# Low-precision group norms take statistics in float32 chunks of this many elements, keeping the copy small.
 _STATS_CHUNK = 1 << 26
 
 
@@ -93,8 +82,7 @@ def _bands(rows: list[int], group: dist.ProcessGroup | None) -> _Bands:
     return _Bands(tuple(rows), dist.get_rank(group), group, peers)
 
 
-# _exchange_halos, _gather_moments and _gather_rows are the only places ranks talk (tests replace them to prove the
-# checks have teeth).
+# _exchange_halos, _gather_moments, _gather_rows: the only places ranks talk (tests swap them to prove checks bite).
 @torch.compiler.disable
 def _exchange_halos(x: torch.Tensor, bands: _Bands, plan: _ConvPlan) -> Callable[[], tuple[torch.Tensor | None, ...]]:
     """Start exchanging the rows above and below this rank's band (``x``, rows at dim -2) that its convolution windows
@@ -205,9 +193,8 @@ def _conv_forward(module: nn.Module, bands: _Bands, pad_h: tuple[int, int], pad_
         n = x.shape[-2]
         (a, b), (lo, hi) = plan.bands[bands.rank], plan.need[bands.rank]
         if stride == 1 and top == bottom and lo == a - top and hi == b + top and n >= 2 * top:
-            # Same-size convolution: run it on the band as the module would (zero rows at both band edges) while
-            # the halos travel, then recompute the few rows next to an inner edge from a thin strip with the
-            # neighbour's rows. No copy of the whole band.
+            # Same-size convolution: run it on the band as the module would while the halos travel, then redo the rows
+            # at an inner edge from a thin strip with the neighbour's. No copy of the band.
             out = run(x, top)
             above, below = halos()
             if above is not None:
@@ -236,8 +223,7 @@ def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
         batch, channels = x.shape[:2]
         dims = tuple(range(2, x.ndim))
         count = x[0, 0].numel()
-        # Per-channel moments (Welford inside var_mean), so any memory layout works without a copy in float32;
-        # lower precisions are upcast a chunk of channels at a time.
+        # Per-channel var_mean (Welford): any layout, no copy in float32; lower precisions upcast by channel chunks.
         if x.dtype in (torch.float32, torch.float64):
             var, mean = torch.var_mean(x, dim=dims, correction=0)
         else:
@@ -269,8 +255,7 @@ def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
 
 
 def _attention_forward(attn: nn.Module, bands: _Bands) -> Callable:
-    """diffusers ``Attention`` as ``UNetMidBlock2D`` uses it (self-attention over an image, AttnProcessor2_0's
-    math), with keys and values over the whole image."""
+    """``UNetMidBlock2D``'s ``Attention`` (AttnProcessor2_0's math) with keys and values over the whole image."""
 
     def forward(hidden_states: torch.Tensor, encoder_hidden_states=None, attention_mask=None, **kwargs):
         if hidden_states.ndim != 4 or encoder_hidden_states is not None or attention_mask is not None:
@@ -331,8 +316,7 @@ def _downsample_forward(block: nn.Module) -> Callable:
 
 
 def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callable]]:
-    """(module, its banded forward) for every module of ``vae`` that sees more than one row at a time; raises,
-    before anything is swapped, on one it cannot band."""
+    """(module, banded forward) per ``vae`` module seeing several rows; raises, before any swap, on one not bandable."""
     from diffusers.models.attention_processor import Attention
     from diffusers.models.downsampling import Downsample2D
 
@@ -379,10 +363,8 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
 
 @contextmanager
 def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = None) -> Iterator[_Bands]:
-    """Within the block, ``vae`` runs on this rank's band of ``rows`` (latent rows per rank, ``split_sizes``):
-    feed it the band of the latent (or of the image, at the VAE's scale) and it returns the band of the result.
-    Swaps the forward of the VAE's own convolution, group-norm, attention and padding instances; restores them
-    (and ``use_tiling``) on exit. Yields where this rank's band lies."""
+    """Within the block, ``vae`` runs on this rank's band of ``rows`` (latent rows per rank), mapping the latent's (or
+    image's) band to the result's; swapped forwards and ``use_tiling`` are restored on exit. Yields the band."""
     bands = _bands(rows, group)
     swaps = _replacements(vae, bands)
     missing = object()
@@ -406,8 +388,7 @@ def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = No
 
 
 def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.ProcessGroup | None, run: Callable):
-    """``run`` on this rank's band of ``x`` (``factor`` rows of ``x`` per latent row) inside ``banded``, its result
-    gathered from every rank of ``group``."""
+    """``run`` on this rank's band of ``x`` (``factor`` rows per latent row) in ``banded``; every rank gets it all."""
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     height = x.shape[-2] // factor
     if height < world:
@@ -429,9 +410,8 @@ def parallel_decode(vae: nn.Module, latents: torch.Tensor, group: dist.ProcessGr
 def parallel_encode(
     vae: nn.Module, images: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> DiagonalGaussianDistribution:
-    """``vae.encode(images).latent_dist`` (a ``DiagonalGaussianDistribution``), every rank of ``group`` encoding
-    one band of rows; every rank returns the whole distribution. The image height must be a multiple of the VAE's
-    spatial factor (8; 16 for Wan 2.2), so that bands stay aligned to every stride-2 step."""
+    """``vae.encode(images).latent_dist``, each rank of ``group`` encoding one band of rows and returning the whole. The
+    height must be a multiple of the VAE's factor (8; 16 for Wan 2.2) so bands stay aligned to every stride-2 step."""
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
     # Image rows per latent row (Wan 2.2's patchify included).

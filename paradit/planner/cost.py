@@ -1,22 +1,16 @@
-"""The cost model: one denoise step of a plan on a hardware profile, in milliseconds and bytes sent.
+"""The cost model: one denoise step of a plan on a hardware profile, in ms and bytes sent, for the busiest rank:
 
-For the rank that carries most work:
+- **compute**: linear FLOPs over the matmul rate (FP8's for FP8 layers) times the model's achieved efficiency, plus
+  attention FLOPs over the attention rate at the head size; sequence parallelism divides the blocks' token work, tensor
+  parallelism the sharded layers and heads, PipeFusion the blocks (1/P per stage), CFG parallelism the batch;
+- **communication**: the bytes this rank sends per step (as ``parallel/comm.py`` counts them) over the collective's
+  bandwidth, none hidden behind compute but PipeFusion's sends, overlapping the next patch (one patch's hop is exposed);
+- **PipeFusion**: a step is one stage's work given at least as many patches as stages (the patch loop keeps the pipeline
+  full), else stages idle in proportion; warm-up steps run whole, the stages in turn;
+- **the host**: without CUDA graphs (PipeFusion, tensor parallelism) a step lasts at least the host's launch time of its
+  blocks (``host_ms_per_block`` each), which bounds models of many short blocks.
 
-- **compute**: each linear layer's FLOPs over the profile's matmul rate (FP8's for the layers FP8 converts) times the
-  model's achieved efficiency, plus each attention call's FLOPs over the profile's attention rate at its head size.
-  Sequence parallelism divides the block layers' token work by its degree, tensor parallelism the sharded layers and
-  the heads, PipeFusion the blocks (each stage holds 1/P), CFG parallelism the batch;
-- **communication**: the bytes this rank sends per step, counted as ``parallel/comm.py`` counts them, over the
-  profile's bandwidth for that collective, none of it assumed hidden behind compute (except PipeFusion's sends,
-  which travel while the next patch computes: one patch's hop is exposed);
-- **PipeFusion**: a step is one stage's work when there are at least as many patches as stages (the patch loop
-  keeps the pipeline full), else stages idle in proportion; warm-up steps run whole, the stages in turn;
-- **the host**: without CUDA graphs (PipeFusion, tensor parallelism) a step lasts at least as long as the host takes
-  to launch the blocks it runs (the profile's ``host_ms_per_block`` each), which bounds models of many short blocks.
-
-The model's efficiency comes from its own one-GPU measurement where there is one (``calibration``), else the
-profile's; everything a plan changes is counted, not fitted.
-
+Efficiency: from the model's one-GPU step (``calibration``) or the profile; plan changes are counted, not fitted.
 Must not import torch.distributed.
 """
 
@@ -43,8 +37,7 @@ class Transfer:
 
 @dataclass(frozen=True)
 class StepCost:
-    """``steady_ms``: a step in steady state; ``warmup_ms``: one of PipeFusion's exact warm-up steps (the same as a
-    steady step for other plans)."""
+    """``steady_ms``: a steady-state step; ``warmup_ms``: one of PipeFusion's exact warm-up steps (else equal to it)."""
 
     compute_ms: float
     transfers: tuple[Transfer, ...]

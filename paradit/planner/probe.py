@@ -1,9 +1,8 @@
-"""A short probe of this machine (``paradit plan --link measure``): a bf16 matmul, an SDPA call at head sizes 64 and
-128, and with two or more GPUs each collective the runtime uses, timed between that many processes. The result is a
-hardware profile whose rates are this machine's; the efficiencies and memory come from the profile it refines.
+"""A short probe (``paradit plan --link measure``): bf16 matmul, SDPA at head sizes 64 and 128, each runtime collective
+on 2+ GPUs: a profile of this machine's rates, efficiencies and memory from the one it refines.
 
-Bandwidths are reported as ``parallel/comm.py`` counts bytes (what one rank sends), so the cost model divides the
-same bytes by them. torch.distributed is imported only inside the probe's worker processes.
+Bandwidths are reported as ``parallel/comm.py`` counts bytes (what one rank sends), so the cost model divides the same
+bytes by them. torch.distributed is imported only inside the probe's worker processes.
 """
 
 from __future__ import annotations

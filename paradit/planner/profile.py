@@ -1,10 +1,8 @@
 """Hardware profiles: a GPU and its links as the cost model sees them, one JSON file each under ``profiles/``.
 
-A profile gives the rates the cost model divides by (bf16 and FP8 matmul, attention by head size, each collective's
-bandwidth), the fraction of the matmul rate a compiled step's linear layers reach when no measurement of the model
-itself says otherwise, the GPU memory, and how to recognise the machine (device name, peer access). Adding a profile
-is adding a file. Where each figure comes from is written in the file's ``sources``.
-
+A profile gives the rates (bf16 and FP8 matmul, attention by head size, each collective's bandwidth), the share of the
+matmul rate compiled linear layers reach absent a model measurement, the GPU memory, and how to recognise the machine
+(device name, peer access). Adding a profile is adding a file; its ``sources`` say where each figure comes from.
 Must not import torch.distributed.
 """
 
@@ -24,10 +22,9 @@ COLLECTIVES = ("all_to_all", "send_recv", "all_reduce", "all_gather")
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """``link_gbps``: bytes a rank sends per second through each collective, in GB/s, as paradit's counters count
-    them (``parallel/comm.py``); ``linear_efficiency``: achieved share of ``matmul_tflops`` by precision;
-    ``attention_tflops``: by head dimension; ``host_ms_per_block``: the host's time to launch one compiled block
-    without CUDA graphs; ``predicted``: no figure was measured on this hardware."""
+    """``link_gbps``: GB/s a rank sends through each collective, as ``parallel/comm.py`` counts; ``linear_efficiency``:
+    achieved share of ``matmul_tflops`` by precision; ``attention_tflops``: by head dimension; ``host_ms_per_block``:
+    host time to launch one compiled block without CUDA graphs; ``predicted``: nothing measured here."""
 
     name: str
     description: str
@@ -45,8 +42,7 @@ class HardwareProfile:
     sources: dict[str, str]
 
     def attention_rate(self, head_dim: int) -> float:
-        """TFLOP/s of attention at ``head_dim``: the figure of the largest listed head size not above it (small heads
-        use the smallest listed)."""
+        """TFLOP/s of attention at ``head_dim``: the largest listed head size's not above it, else the smallest's."""
         listed = sorted(self.attention_tflops)
         below = [d for d in listed if d <= head_dim]
         return self.attention_tflops[below[-1] if below else listed[0]]

@@ -1,5 +1,4 @@
-"""A ``PlanChoice`` as text: the chosen plan and the runners-up with their predicted ms/step, bytes sent per step and
-memory per GPU, why the winner won, and the command that runs it.
+"""A ``PlanChoice`` as text: plan and runners-up (ms/step, sent/step, GPU memory), why the winner won, its command.
 
 Must not import torch.distributed.
 """

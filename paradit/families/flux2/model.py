@@ -1,14 +1,12 @@
 """FLUX.2 transformer (dev, klein) as plain single-device math.
 
-Parameter names are those of diffusers' ``Flux2Transformer2DModel``, so published checkpoints load without key
-surgery. The forward pass is three stages the parallel runtime can act between:
+Names follow diffusers' ``Flux2Transformer2DModel`` (checkpoints load without key surgery); attention goes through
+``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
 
-- ``embed``: latents, text embeddings, timestep and position ids -> ``Flux2Tokens`` (two token streams, their rotary
-  tables, the modulation vectors);
+- ``embed``: latents, text, timestep, position ids -> ``Flux2Tokens`` (two streams, rotary tables, modulation vectors);
 - ``run_blocks``: the double-stream blocks, then the single-stream blocks over [text, image];
 - ``head``: image tokens -> prediction.
 
-Every attention layer calls ``AttentionDispatch.attend``; nothing here knows about devices other than its own.
 Must not import torch.distributed.
 """
 

@@ -1,10 +1,9 @@
 """FLUX.2 text-to-image: prompt encoding, seeded latents, denoising, VAE decoding.
 
-Reproduces diffusers' ``Flux2Pipeline`` (dev: Mistral3 encoder, embedded guidance) and ``Flux2KleinPipeline``
-(klein: Qwen3 encoder, true CFG unless step-distilled) so that the same checkpoint and seed give the same image.
-Differences that only make it faster: the unconditional branch of CFG runs in the same batch as the conditional one
-(or on the other half of the group under CFG parallelism), and the text encoder stops at the deepest layer it is
-read at.
+Reproduces diffusers' ``Flux2Pipeline`` (dev: Mistral3 encoder, embedded guidance) and ``Flux2KleinPipeline`` (klein:
+Qwen3 encoder, true CFG unless step-distilled): the same checkpoint and seed give the same image. Differences for speed
+only: CFG's unconditional branch shares the conditional one's batch (or runs on the group's other half under CFG
+parallelism), and the text encoder stops at the deepest layer read.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from paradit.text_encoder import DecoderPromptEncoder, warn_if_truncated
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
-    """FLUX.2's timestep shift: linear in the image token count, and for small images also in the step count
-    (fitted by BFL between 10 and 200 steps)."""
+    """FLUX.2's timestep shift: linear in image tokens, for small images in the steps too (BFL's fit, 10-200 steps)."""
     slope_200, intercept_200 = 0.00016927, 0.45666666
     slope_10, intercept_10 = 8.73809524e-05, 1.89833333
     mu_200 = slope_200 * image_tokens + intercept_200

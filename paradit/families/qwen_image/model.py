@@ -1,14 +1,12 @@
 """Qwen-Image transformer (MMDiT with 60 dual-stream blocks) as plain single-device math.
 
-Parameter names are those of diffusers' ``QwenImageTransformer2DModel``, so published checkpoints load without key
-surgery. The forward pass is three stages the parallel runtime can act between:
+Names follow diffusers' ``QwenImageTransformer2DModel`` (checkpoints load without key surgery); attention goes through
+``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
 
-- ``embed``: packed latents, text embeddings (with their padding mask), timestep and the latent grid ->
-  ``QwenImageTokens`` (image and text streams, their rotary tables, the text mask, the timestep embedding);
+- ``embed``: packed latents, masked text, timestep, grid -> ``QwenImageTokens`` (streams, rotary tables, mask, temb);
 - ``run_blocks``: the dual-stream blocks, text and image meeting in joint attention over [text, image];
 - ``head``: image tokens -> prediction.
 
-Every attention layer calls ``AttentionDispatch.attend``; nothing here knows about devices other than its own.
 Must not import torch.distributed.
 """
 
@@ -32,8 +30,7 @@ from paradit.layers.stages import HeadsConfig, JointTokens, StagedTransformer
 ROPE_THETA = 10000
 EPS = 1e-6
 
-# Switches of the diffusers class that only its edit / layered / distilled variants turn on; the text-to-image
-# model has them all off, and a checkpoint with one on is a different model.
+# Only the edit / layered / distilled variants of the diffusers class turn these on; with one on it is another model.
 _VARIANT_SWITCHES = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
 
 
@@ -60,8 +57,7 @@ class QwenImageConfig(HeadsConfig):
 
 
 def image_positions(rows: int, cols: int, device: torch.device | None = None) -> torch.Tensor:
-    """(rows * cols, 3) positions (frame, row, column) of the latent grid in row-major order, rows and columns
-    centred: a side of n runs from -(n - n // 2) to n // 2 - 1."""
+    """(rows * cols, 3) row-major (frame, row, column) positions, centred: side n spans -(n - n // 2) .. n // 2 - 1."""
     row = torch.arange(rows, device=device) - (rows - rows // 2)
     col = torch.arange(cols, device=device) - (cols - cols // 2)
     frame = torch.zeros(1, dtype=row.dtype, device=device)
@@ -113,8 +109,7 @@ class QwenImageTransformerBlock(nn.Module):
 class QwenImageTokens(JointTokens):
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {**JointTokens.SEQUENCE_FIELDS, "txt_mask": ("txt", 1)}
 
-    # (batch, text) bool, True for real tokens; None when no sample is padded, so attention runs unmasked (the fast
-    # kernels). The runtime splits it with the text tokens and passes None through.
+    # (batch, text) bool, True for real tokens; None when nothing is padded, so attention runs unmasked (fast kernels).
     txt_mask: torch.Tensor | None
     temb: torch.Tensor
 
@@ -142,15 +137,13 @@ class QwenImageTransformer(StagedTransformer):
         cols: int,
         encoder_hidden_states_mask: torch.Tensor | None = None,
     ) -> QwenImageTokens:
-        """``hidden_states`` are packed latents (batch, rows * cols, in_channels) of a rows x cols token grid;
-        ``timestep`` is sigma in [0, 1] per sample, as the pipeline passes it; ``encoder_hidden_states_mask``
-        (batch, text), nonzero for real tokens, or None when no sample is padded."""
+        """``hidden_states``: packed latents (batch, rows * cols, in_channels); ``timestep``: sigma in [0, 1] per
+        sample; ``encoder_hidden_states_mask``: (batch, text), nonzero for real tokens, None if nothing is padded."""
         img = self.img_in(hidden_states)
         text_len = encoder_hidden_states.shape[1]
         txt_mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)
         device, axes = hidden_states.device, self.config.axes_dims_rope
-        # Float32 angles, as the reference computes them: the tables agree with its to an ulp, where float64 angles
-        # would differ by ~1e-6 at 1024x1024.
+        # Float32 angles as in the reference: its tables to an ulp, where float64 angles differ by ~1e-6 at 1024x1024.
         return QwenImageTokens(
             img=img,
             txt=self.txt_in(self.txt_norm(encoder_hidden_states)),

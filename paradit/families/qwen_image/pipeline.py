@@ -1,22 +1,16 @@
 """Qwen-Image text-to-image: prompt encoding, seeded latents, denoising with true CFG, VAE decoding.
 
-Reproduces diffusers' ``QwenImagePipeline`` so that the same checkpoint, request and seed give the same image:
+Reproduces diffusers' ``QwenImagePipeline``: the same checkpoint, request and seed give the same image.
 
-- prompts are wrapped in Qwen-Image's chat template and read from the last hidden state (after the final norm) of
-  the Qwen2.5-VL language model; the template's leading tokens are dropped, and prompts of different lengths are
-  padded and masked;
-- classifier-free guidance runs only when a negative prompt is given and the guidance (diffusers'
-  ``true_cfg_scale``) is above 1, and the guided prediction is rescaled to the conditional prediction's norm per
-  token, as diffusers does;
-- the scheduler's shift ``mu`` is linear in the image token count, from the scheduler config.
+- Prompts go through Qwen-Image's chat template and are read from Qwen2.5-VL's last hidden state (after the final norm),
+  the template's leading tokens dropped, prompts of different lengths padded and masked.
+- CFG (``true_cfg_scale``) runs only above 1 with a negative prompt, each token rescaled to the conditional norm.
+- The scheduler's shift ``mu`` is linear in the image token count, from the scheduler config.
 
-Differences that only make it faster: the unconditional branch runs in the same batch as the conditional one (or
-on the other half of the group under CFG parallelism), padded to a common text length with the padding masked; the
-text encoder's vision tower and LM head are never run (a text-only prompt never reaches them).
-
-One deliberate difference in outcome: with several prompts of different lengths and several images per prompt,
-each image keeps its own prompt's text mask. diffusers' ``encode_prompt`` repeats the embeddings image by image but
-tiles the mask prompt by prompt, so there images are masked with another prompt's padding.
+Differences for speed only: the unconditional branch joins the conditional batch (or, under CFG parallelism, the group's
+other half), padded to one text length and masked; the vision tower and LM head, which text prompts never reach, never
+run. One deliberate difference: with prompts of differing lengths and several images each, each image keeps its own
+prompt's text mask; diffusers' ``encode_prompt`` repeats embeddings image by image but tiles the mask prompt by prompt.
 """
 
 from __future__ import annotations
@@ -42,8 +36,7 @@ PROMPT_TEMPLATE = (
 # Hidden states dropped from the front of every encoded prompt: the system turn and "<|im_start|>user\n", 34 tokens
 # in Qwen2.5-VL's tokenizer. diffusers drops this count whatever the tokenizer, and so does paradit.
 TEMPLATE_PREFIX_TOKENS = 34
-# The tokenizer truncates at this many prompt tokens after the prefix, and the embeddings are cut to
-# MAX_SEQUENCE_LENGTH (diffusers' default ``max_sequence_length``).
+# Tokenizer limit past the prefix; embeddings are cut to MAX_SEQUENCE_LENGTH (diffusers' ``max_sequence_length``).
 TOKENIZER_MAX_LENGTH = 1024
 MAX_SEQUENCE_LENGTH = 512
 
@@ -111,8 +104,7 @@ class QwenImagePipeline(DiffusionPipeline):
     CONDITIONING = ("embeds", "mask")
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """[conditional; unconditional] prompt embeddings and their text mask. The two branches are encoded
-        separately, as diffusers does, then padded to one length."""
+        """[conditional; unconditional] embeddings and mask, branches encoded apart as diffusers does, then padded."""
 
         def rows(prompts: list[str]) -> list[torch.Tensor]:
             embeds, mask = self.prompt_encoder.encode(prompts, self.dtype)

@@ -1,16 +1,12 @@
 """Stable Diffusion 3 / 3.5 transformer (MMDiT, MMDiT-X) as plain single-device math.
 
-Parameter and buffer names are those of diffusers' ``SD3Transformer2DModel``, so published checkpoints load without
-key surgery. The forward pass is three stages the parallel runtime can act between:
+Parameter and buffer names follow diffusers' ``SD3Transformer2DModel`` (checkpoints load without key surgery); attention
+goes through ``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
 
-- ``embed``: latents (batch, channels, height, width) -> patch tokens plus the cropped 2-D sin-cos position table;
-  text embeddings -> context tokens; timestep + pooled text embedding -> the conditioning vector (``SD3Tokens``);
-- ``run_blocks``: the joint blocks (text and image attend together; SD3.5-medium's first blocks add an image-only
-  attention; the last block reads the text without updating it);
-- ``head``: image tokens -> the prediction, one row of patch values per image token (``unpatchify`` makes it a
-  latent-shaped tensor).
+- ``embed``: latents -> patch tokens + cropped sin-cos positions, text -> context, timestep + pooled -> ``SD3Tokens``;
+- ``run_blocks``: the joint blocks (SD3.5-medium's first add image-only attention; the last leaves the text as it is);
+- ``head``: image tokens -> one row of patch values per token (``unpatchify`` makes it latent-shaped).
 
-Every attention layer calls ``AttentionDispatch.attend``; nothing here knows about devices other than its own.
 Must not import torch.distributed.
 """
 
@@ -60,12 +56,9 @@ class SD3Config(HeadsConfig):
 
 
 def sincos_position_table(dim: int, grid: int, base_size: int) -> torch.Tensor:
-    """(1, grid * grid, dim) fixed 2-D sin-cos embeddings, row-major over (row, column).
-
-    Positions are the indices rescaled so that ``base_size`` of them span ``grid``; the first half of the channels
-    encodes the column, the second half the row, each as [sin, cos] of dim / 4 frequencies. Angles are formed in
-    float64 from float32 positions, as the published table was.
-    """
+    """(1, grid * grid, dim) 2-D sin-cos embeddings, row-major over (row, column): positions are indices rescaled so
+    ``base_size`` of them span ``grid``; the channels' first half encodes the column, the second the row, each as [sin,
+    cos] of dim / 4 frequencies, with angles in float64 from float32 positions as in the published table."""
     positions = torch.arange(grid, dtype=torch.float32) / (grid / base_size)
     exponents = torch.arange(dim // 4, dtype=torch.float64) / (dim / 4)
     angles = torch.outer(positions.double(), 1.0 / 10000**exponents)
@@ -76,11 +69,8 @@ def sincos_position_table(dim: int, grid: int, base_size: int) -> torch.Tensor:
 
 
 class PatchEmbed(nn.Module):
-    """Non-overlapping patch projection plus the centre crop of a fixed position table.
-
-    The table covers ``max_size`` x ``max_size`` patches and is stored in the checkpoint (buffer ``pos_embed``); an
-    image of h x w patches takes the centred h x w window of it.
-    """
+    """Non-overlapping patch projection plus the centred h x w window of a fixed position table over ``max_size`` x
+    ``max_size`` patches, stored in the checkpoint (buffer ``pos_embed``)."""
 
     def __init__(self, config: SD3Config) -> None:
         super().__init__()
@@ -125,11 +115,8 @@ class AdaLayerNormZero(Modulation):
 
 
 class JointTransformerBlock(nn.Module):
-    """MMDiT block: adaLN-Zero modulation per stream, joint attention, per-stream MLPs.
-
-    ``dual_attention`` adds the image-only attention (MMDiT-X); ``context_pre_only`` (the last block) modulates the
-    text with a plain adaptive LayerNorm and leaves it un-updated, since nothing reads it afterwards.
-    """
+    """MMDiT block: adaLN-Zero and MLPs per stream, joint attention. ``dual_attention`` adds image-only attention
+    (MMDiT-X); ``context_pre_only`` (last block) gives the text a plain adaptive LayerNorm and no update (unread)."""
 
     def __init__(self, config: SD3Config, context_pre_only: bool, dual_attention: bool) -> None:
         super().__init__()
@@ -206,8 +193,7 @@ class SD3Transformer(StagedTransformer):
         pooled_projections: torch.Tensor,
         timestep: torch.Tensor,
     ) -> SD3Tokens:
-        """``hidden_states`` are latents (batch, channels, height, width); ``timestep`` is on the scheduler's
-        0-1000 scale, per sample."""
+        """``hidden_states``: latents (batch, channels, height, width); ``timestep``: per sample, 0-1000."""
         return SD3Tokens(
             img=self.pos_embed(hidden_states).contiguous(),
             txt=self.context_embedder(encoder_hidden_states),

@@ -1,10 +1,9 @@
 """Stable Diffusion 3 / 3.5 text-to-image: three prompt encoders, seeded latents, denoising with CFG, VAE decoding.
 
-Reproduces diffusers' ``StableDiffusion3Pipeline`` so that the same checkpoint and seed give the same image: CLIP-L
-and OpenCLIP bigG give their penultimate hidden states (concatenated on channels, zero-padded to T5's width) and their
-pooled projections (concatenated); T5 gives its last hidden state, appended on the sequence; no attention mask is
-used anywhere. Differences that only make it faster: the conditional and unconditional branches run in one batch (or
-on the two halves of the group under CFG parallelism), and only rank 0 holds the encoders and the VAE.
+Reproduces diffusers' ``StableDiffusion3Pipeline``: same checkpoint and seed, same image. CLIP-L and OpenCLIP bigG give
+penultimate hidden states (concatenated on channels, zero-padded to T5's width) and pooled projections (concatenated),
+T5 its last hidden state, appended on the sequence; no attention mask. Differences for speed only: both branches share
+one batch (or the group's two halves under CFG parallelism); only rank 0 holds the encoders and the VAE.
 """
 
 from __future__ import annotations
@@ -146,8 +145,7 @@ class SD3Pipeline(DiffusionPipeline):
     CONDITIONING = ("embeds", "pooled")
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """Prompt embeddings and pooled vectors, [conditional; unconditional] rows under CFG, each prompt's rows
-        repeated per image."""
+        """Prompt embeddings and pooled vectors, [conditional; unconditional] under CFG, repeated per image."""
         prompts = request.prompts + (request.negative_prompts if self.uses_cfg(request) else [])
         embeds, pooled = self.prompt_encoder.encode(prompts, self.dtype)
         repeat = request.images_per_prompt

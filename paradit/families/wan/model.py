@@ -1,25 +1,16 @@
 """Wan 2.1 / 2.2 video transformer (T2V-A14B, I2V-A14B, TI2V-5B) as plain single-device math.
 
-Parameter names are those of diffusers' ``WanTransformer3DModel``, so the ``transformer/`` and ``transformer_2/``
-folders of the published ``Wan-AI/Wan2.2-*-Diffusers`` checkpoints load without key surgery. The forward pass is
-three stages the parallel runtime can act between:
+Names follow diffusers' ``WanTransformer3DModel`` (``transformer/``, ``transformer_2/`` load without key surgery);
+attention calls ``AttentionDispatch.attend``; nothing here knows other devices. Stages the runtime acts between:
 
-- ``embed``: latents (B, C, F, H, W), timestep, text features -> ``WanTokens``: the video tokens (a Conv3d patch
-  embedding, (1, 2, 2) patches, raster order frame-row-column), their 3D rotary tables, the projected text, and the
-  timestep modulation, per sample or (TI2V-5B) per token;
-- ``run_blocks``: per block, modulated self-attention over the video tokens, cross-attention from the video tokens to
-  the text (and, for Wan 2.1 I2V-style checkpoints, to CLIP image features), a modulated GELU MLP;
-- ``head``: video tokens -> prediction, one row of patch values per token; ``unpatchify`` makes it a video.
+- ``embed``: latents (B, C, F, H, W), timestep, text -> ``WanTokens``: the video tokens (Conv3d (1, 2, 2) patches in
+  frame-row-column order), rotary tables, projected text, timestep modulation per sample or (TI2V-5B) per token;
+- ``run_blocks``: modulated self-attention, text cross-attention (and Wan 2.1 I2V's CLIP features), modulated GELU MLP;
+- ``head``: video tokens -> one row of patch values per token; ``unpatchify`` makes it a video.
 
-The video tokens are the one token stream the runtime splits. The text is no stream: cross-attention takes its keys
-and values from the whole text, which every rank holds, so under sequence parallelism each rank's queries attend to
-it locally, without any exchange. Its attention module says so with ``sequence_streams == ()`` (keys from no split
-stream), where the self-attention names ``("video",)``.
-
-Numerics follow the reference: layer norms and the modulation arithmetic run in float32 and are rounded to the model
-dtype where it rounds; the RMS norms on Q and K span all heads at once (one statistic over ``heads * head_dim``).
-
-Every attention layer calls ``AttentionDispatch.attend``; nothing here knows about devices other than its own.
+The video is the one stream the runtime splits: every rank holds the whole text, so cross-attention runs locally, its
+module saying so with ``sequence_streams == ()``. Numerics follow the reference: layer norms and modulation in float32,
+rounded where it rounds; the Q and K RMS norms span all heads (one statistic over ``heads * head_dim``).
 Must not import torch.distributed.
 """
 
@@ -66,8 +57,7 @@ class WanConfig(HeadsConfig):
 
     @property
     def rope_axes(self) -> tuple[int, int, int]:
-        """Rotary channels per head for (frame, row, column): height and width get 2 * (head_dim // 6) each, frames
-        the rest (128 -> 44, 42, 42)."""
+        """Per-head rotary channels (frame, row, column), 128 -> 44, 42, 42: spatial axes 2 * (head_dim // 6) each."""
         spatial = 2 * (self.attention_head_dim // 6)
         return self.attention_head_dim - 2 * spatial, spatial, spatial
 
@@ -88,9 +78,8 @@ class FP32LayerNorm(nn.LayerNorm):
 
 
 class WanCrossAttention(QKVAttention):
-    """Attention from the video tokens to the text, plus (when the checkpoint has ``add_k_proj``) a second attention
-    to image features whose output is added before ``to_out``. No rotary positions; the keys belong to no split
-    stream (``sequence_streams == ()``), which the module docstring explains."""
+    """Attention from the video tokens to the text, plus (with ``add_k_proj``) one to image features added before
+    ``to_out``; no rotary positions. Its keys are from no split stream (``sequence_streams == ()``)."""
 
     def __init__(
         self, dim: int, head_dim: int, qk_norm: Callable[[int], nn.Module], added_kv_proj_dim: int | None
@@ -194,9 +183,8 @@ class ConditionEmbedder(nn.Module):
 
 @dataclass
 class WanTokens:
-    """Exactly one of ``temb`` / ``token_temb`` is set (and of the two modulations): per token when the timestep came
-    per token (TI2V-5B), per sample otherwise. Not frozen, like the other families' token states: PipeFusion sets
-    the streams it receives on a patch's state."""
+    """Exactly one of ``temb`` / ``token_temb`` (and of the modulations) is set: per token if the timestep came per
+    token (TI2V-5B), else per sample. Not frozen, like the other token states: PipeFusion sets received streams."""
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
         "video": ("video", 1), "rope": ("video", 0), "token_temb": ("video", 1), "token_modulation": ("video", 1),
@@ -229,8 +217,7 @@ class WanTransformer(StagedTransformer):
         self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
 
     def rope(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (frames * rows * cols, head_dim) of the token grid: channels split (frame, row, column) per
-        ``rope_axes``, each axis rotating its own frequency band by its own index."""
+        """cos/sin (frames * rows * cols, head_dim): each axis rotates its ``rope_axes`` channels by its own index."""
         if max(grid) > self.config.rope_max_seq_len:
             raise ValueError(f"token grid {grid} exceeds rope_max_seq_len {self.config.rope_max_seq_len}")
         ids = torch.cartesian_prod(*(torch.arange(n, device=device) for n in grid))
@@ -243,10 +230,9 @@ class WanTransformer(StagedTransformer):
         encoder_hidden_states: torch.Tensor,
         encoder_hidden_states_image: torch.Tensor | None = None,
     ) -> WanTokens:
-        """``hidden_states``: latents (B, in_channels, F, H, W) (I2V: noise, mask and image latents already
-        concatenated); ``timestep``: (B,) in [0, 1000] as the scheduler gives it, or (B, video tokens) per token
-        (TI2V-5B); ``encoder_hidden_states``: text features (B, T, text_dim), zero-padded, no mask;
-        ``encoder_hidden_states_image``: CLIP features (B, T_img, image_dim), for checkpoints with ``image_dim``."""
+        """``hidden_states``: latents (B, in_channels, F, H, W), for I2V with mask and image latents concatenated;
+        ``timestep``: (B,) in [0, 1000], or (B, video tokens) (TI2V-5B); ``encoder_hidden_states``: text features (B, T,
+        text_dim), zero-padded, unmasked; ``encoder_hidden_states_image``: CLIP features (B, T_img, image_dim)."""
         config = self.config
         *_, frames, height, width = hidden_states.shape
         if any(n % p for n, p in zip((frames, height, width), config.patch_size)):
@@ -290,8 +276,7 @@ class WanTransformer(StagedTransformer):
         return dataclasses.replace(tokens, video=x)
 
     def head(self, tokens: WanTokens) -> torch.Tensor:
-        """(B, video tokens, p_t * p_h * p_w * out_channels), as the parallel wrappers return it:
-        ``unpatchify(out, grid, patch)`` makes it diffusers' (B, out_channels, F, H, W)."""
+        """(B, video tokens, p_t * p_h * p_w * out_channels); ``unpatchify(out, grid, patch)`` gives (B, C, F, H, W)."""
         temb = tokens.temb[:, None] if tokens.token_temb is None else tokens.token_temb
         # (1, 1, 2, dim) + (B, 1 or tokens, 1, dim) in float32, as the reference's float32 table promotes it.
         shift, scale = (self.scale_shift_table.float()[None] + temb.float()[:, :, None]).unbind(2)

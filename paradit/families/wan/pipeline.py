@@ -1,15 +1,11 @@
-"""Wan 2.2 text- and image-to-video: umT5 prompt encoding, seeded video latents, the first frame encoded by the VAE,
-denoising with one or two experts, VAE decoding.
+"""Wan 2.2 text/image-to-video: umT5 prompts, seeded latents, VAE-encoded first frame, one or two experts, VAE decoding.
 
-Reproduces diffusers' ``WanPipeline`` for the T2V-A14B layout (``transformer`` for the high-noise steps,
-``transformer_2`` for the low-noise ones, switched at ``boundary_ratio * num_train_timesteps``, each with its own
-guidance scale) and the TI2V-5B layout (one transformer, per-token timesteps, the 2.2 VAE), and
-``WanImageToVideoPipeline`` for the I2V-A14B layout (the image's latents and a first-frame mask as extra input
-channels) and TI2V-5B with an image (its latent frame in place of the first noisy one, that frame's tokens at
-timestep 0), so that the same checkpoint, image and seed give the same frames. The second expert is loaded beside the
-first by the loader (``spec.experts``) and reaches the pipeline as ``self.experts``. Differences that only make it
-faster: the two guidance branches run as one batch (or on the two halves of the group under CFG parallelism), and a
-group encodes the image together.
+Reproduces diffusers' ``WanPipeline`` for T2V-A14B (``transformer`` above ``boundary_ratio * num_train_timesteps``,
+``transformer_2`` below, each with its guidance scale) and TI2V-5B (one transformer, per-token timesteps, the 2.2 VAE),
+and ``WanImageToVideoPipeline`` for I2V-A14B (the image's latents and a first-frame mask as extra input channels) and
+TI2V-5B with an image (its latent frame replacing the first noisy one, at timestep 0): same checkpoint, image and seed,
+same frames. The loader puts the second expert (``spec.experts``) in ``self.experts``. Differences for speed only: both
+guidance branches run in one batch (or the group's two halves under CFG parallelism); the group encodes the image.
 """
 
 from __future__ import annotations
@@ -54,9 +50,8 @@ def vae_factors(vae_config: dict) -> tuple[int, int]:
 
 
 def image_input(spec: ModelSpec) -> str | None:
-    """How the model takes an image: ``"first_frame"`` (TI2V-5B: the image's latent replaces the first latent frame;
-    optional), ``"channels"`` (I2V-A14B: a first-frame mask and the image's latents beside the noise, in the input
-    channels; required), or None (text only)."""
+    """How the model takes an image: ``"first_frame"`` (TI2V-5B, optional: its latent replaces the first latent frame),
+    ``"channels"`` (I2V-A14B, required: a first-frame mask and its latents as extra input channels), or None."""
     if spec.details.expand_timesteps:
         return "first_frame"
     if spec.transformer["in_channels"] > spec.vae.get("z_dim", 16):
@@ -66,9 +61,8 @@ def image_input(spec: ModelSpec) -> str | None:
 
 @dataclass
 class ImageCondition:
-    """What an image adds to the latents: ``latents`` the VAE's normalised latents of the conditioning video (with
-    the first-frame mask in front, for ``channels``), float32; ``keep`` (``first_frame`` only) 1 where the noisy
-    latents are kept, 0 on the image's latent frame."""
+    """What an image adds: ``latents``, the VAE's normalised float32 latents of the conditioning video (``channels``:
+    the first-frame mask in front); ``keep`` (``first_frame`` only), 1 where the noisy latents are kept, else 0."""
 
     latents: torch.Tensor
     keep: torch.Tensor | None
@@ -135,10 +129,9 @@ class WanPipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_condition(self, request: ResolvedRequest, noise: torch.Tensor) -> ImageCondition:
-        """The reference's conditioning: the image resized to the request's size by diffusers' video processor, as
-        a one-frame video (``first_frame``) or followed by black frames to the full length (``channels``), encoded to
-        its latent mean, normalised by the VAE's statistics; for ``channels``, a mask that is 1 on the first frame's
-        ``temporal`` slots and 0 elsewhere, in front."""
+        """The reference's conditioning: the image resized by diffusers' video processor, as a one-frame video
+        (``first_frame``) or followed by black frames (``channels``), encoded to its latent mean, normalised by the
+        VAE's statistics; for ``channels``, a mask in front, 1 on the first frame's ``temporal`` slots."""
         temporal, spatial = vae_factors(self.spec.vae)
         pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(
             request.image, height=request.height, width=request.width
@@ -165,8 +158,7 @@ class WanPipeline(DiffusionPipeline):
         return self.scheduled(scheduler_class, num_inference_steps=request.steps)
 
     def expert_at(self, request: ResolvedRequest, t: torch.Tensor) -> tuple[str, float | None]:
-        """The high-noise expert (``transformer``) for t >= the boundary, the low-noise one below it, each with its
-        own guidance scale."""
+        """``transformer`` (high noise) at t >= the boundary, ``transformer_2`` below, each with its guidance scale."""
         ratio = self.spec.details.boundary_ratio
         if ratio is not None and "transformer_2" in self.experts:
             if float(t) < ratio * self.spec.scheduler.get("num_train_timesteps", 1000):
@@ -175,8 +167,7 @@ class WanPipeline(DiffusionPipeline):
 
     def model_inputs(self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor,
                      layout: ImageCondition | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """TI2V-5B's timestep is given per token, as the reference gives it (0 on the image's frame); an image's
-        condition joins the latents the model sees."""
+        """TI2V-5B's timestep is per token as in the reference (0 on the image's frame); an image joins the latents."""
         config = self.transformer.config
         if self.spec.details.expand_timesteps and layout is not None:  # the reference's mask, per token, times t
             keep = layout.keep[0, 0, :: config.patch_size[0], :: config.patch_size[1], :: config.patch_size[2]]
@@ -200,9 +191,8 @@ class WanPipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, layout: ImageCondition | None) -> torch.Tensor:
-        """Frames (batch, frames, 3, H, W) in [0, 1]: the latents (with TI2V's image frame put back, as the reference
-        does) un-normalised by the VAE's per-channel mean and std (divided by 1 / std, as the reference computes
-        it), decoded, mapped from [-1, 1]."""
+        """Frames (batch, frames, 3, H, W) in [0, 1]: the latents (TI2V's image frame put back) un-normalised by the
+        VAE's mean and std (divided by 1 / std, as the reference computes it), decoded, mapped from [-1, 1]."""
         if layout is not None and layout.keep is not None:
             latents = layout.model_latents(latents)
         latents = latents.to(self.vae.dtype)

@@ -1,19 +1,14 @@
 """Z-Image transformer (Turbo and the non-distilled base) as plain single-device math.
 
-Parameter names are those of diffusers' ``ZImageTransformer2DModel``, so published checkpoints load without key
-surgery. The forward pass is three stages the parallel runtime can act between:
+Names follow diffusers' ``ZImageTransformer2DModel`` (checkpoints load without key surgery); attention goes through
+``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
 
-- ``embed``: latents, caption features, timestep -> ``ZImageTokens`` (the image and text streams with their pad
-  tokens, rotary tables and text key mask, the timestep vector);
-- ``run_blocks``: the noise refiner over the image stream, the context refiner over the text stream, then the joint
-  blocks over [image, text];
+- ``embed``: latents, caption features, timestep -> ``ZImageTokens`` (padded streams, rotary tables, key mask, temb);
+- ``run_blocks``: noise refiner over the image, context refiner over the text, joint blocks over [image, text];
 - ``head``: image tokens -> prediction, one row per token (pad tokens included; ``unpatchify`` drops them).
 
-Like the reference, each stream is rounded up to a multiple of 32 tokens with a learnt pad token; those pad tokens
-are real keys that every query attends to. Only the batch padding of captions of different lengths (the rows past a
-caption's own rounded length) is masked, through a boolean key mask built once per forward.
-
-Every attention layer calls ``AttentionDispatch.attend``; nothing here knows about devices other than its own.
+As in the reference, each stream is padded to a multiple of 32 tokens with a learnt pad token, a real key every query
+attends to; only batch padding past a caption's own rounded length is masked, by a key mask built once per forward.
 Must not import torch.distributed.
 """
 
@@ -239,9 +234,8 @@ class ZImageTransformer(StagedTransformer):
         self._rope_tables: dict[torch.device, list[torch.Tensor]] = {}
 
     def rope_tables(self, device: torch.device) -> list[torch.Tensor]:
-        """Per axis, the unit complex numbers of positions 0 .. axes_lens[i] - 1, (len, axes_dims[i] / 2), built
-        once per device. Built on the CPU as the reference builds them (angles in float64, rounded to float32,
-        then polar), so that every device gets the reference's values bit for bit."""
+        """Per axis, unit complex numbers for positions 0 .. axes_lens[i] - 1, (len, axes_dims[i] / 2), once per device;
+        built on the CPU as the reference does (float64 angles, rounded to float32, then polar), bit for bit."""
         if device not in self._rope_tables:
             tables = []
             for dim, length in zip(self.config.axes_dims, self.config.axes_lens):
@@ -263,9 +257,8 @@ class ZImageTransformer(StagedTransformer):
         encoder_hidden_states: torch.Tensor,
         encoder_attention_mask: torch.Tensor | None = None,
     ) -> ZImageTokens:
-        """``hidden_states``: latents (B, C, H, W); ``timestep``: (B,) in [0, 1] as the reference's pipeline passes it
-        (1 - sigma); ``encoder_hidden_states``: caption features (B, T, cap_feat_dim), right-padded where
-        ``encoder_attention_mask`` (B, T) is False. No mask: every caption is T tokens long."""
+        """``hidden_states``: latents (B, C, H, W); ``timestep``: (B,) 1 - sigma; ``encoder_hidden_states``: captions
+        (B, T, cap_feat_dim), right-padded where ``encoder_attention_mask`` is False (None: all T long)."""
         batch, device = hidden_states.shape[0], hidden_states.device
         patch = self.config.patch_size
         rows, cols = hidden_states.shape[2] // patch, hidden_states.shape[3] // patch

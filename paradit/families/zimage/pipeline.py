@@ -1,8 +1,7 @@
 """Z-Image text-to-image: prompt encoding, seeded latents, denoising, VAE decoding.
 
-Reproduces diffusers' ``ZImagePipeline`` (Turbo and the non-distilled base model) so that the same checkpoint and
-seed give the same image. Differences that only make it faster: under CFG parallelism the unconditional branch runs
-on the other half of the group, and the text encoder stops at the layer it is read at (its last layer never runs).
+Reproduces diffusers' ``ZImagePipeline`` (Turbo, base): same checkpoint and seed, same image. Differences for speed
+only: CFG parallelism runs the unconditional branch on the group's other half; the text encoder stops at the layer read.
 """
 
 from __future__ import annotations
