@@ -42,8 +42,9 @@ SAFETENSORS_WEIGHTS = (SINGLE_FILE, "model.safetensors")
 PICKLE_WEIGHTS = ("diffusion_pytorch_model.bin", "pytorch_model.bin")
 
 
-def resolve_checkpoint(model: str) -> Path:
-    """A local folder as it is; otherwise a Hugging Face hub id, fetched (or found in the cache) by huggingface_hub."""
+def resolve_checkpoint(model: str, allow_pickle: bool = False) -> Path:
+    """A local folder as it is; otherwise a Hugging Face hub id, fetched (or found in the cache) by huggingface_hub:
+    the files the loader reads, and with ``allow_pickle`` the pickle weights of components that have no others."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / MODEL_INDEX).is_file():
@@ -55,8 +56,13 @@ def resolve_checkpoint(model: str) -> Path:
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:  # the files `paradit download` fetches, so that a downloaded checkpoint is complete offline too
-        patterns = pipeline_patterns(read_json(Path(hf_hub_download(model, MODEL_INDEX))))
-        return Path(snapshot_download(model, **patterns))
+        index = read_json(Path(hf_hub_download(model, MODEL_INDEX)))
+        folder = Path(snapshot_download(model, **pipeline_patterns(index)))
+        unsafe = [name for name in listed_components(index) if not any((folder / name).glob("*.safetensors"))]
+        if allow_pickle and unsafe:  # not "*.*.bin": a weight variant (name.fp16.bin)
+            wanted = [f"{name}/*{suffix}" for name in unsafe for suffix in (".bin", ".bin.index.json")]
+            folder = Path(snapshot_download(model, allow_patterns=wanted, ignore_patterns=["*/*/*", "*.*.bin"]))
+        return folder
     except LocalEntryNotFoundError as exc:
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
         raise CheckpointError(f"{model!r} is not a local folder and is not in the hub cache, and {reason}") from exc

@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="rank every parallel plan for a model on N GPUs by predicted time, and say why the best wins",
         formatter_class=_Help,
     )  # fmt: skip
-    planner.add_argument("--model", default=DEFAULT_MODEL, help="preset name, checkpoint folder or hub id")
+    planner.add_argument("--model", default=DEFAULT_MODEL, help="preset name, or a checkpoint folder or hub id of a "
+                         "preset's architecture (the planner's FLOP counts are per preset)")  # fmt: skip
     planner.add_argument("--gpus", type=positive, required=True)
     planner.add_argument("--profile", help="hardware profile (default: this machine's, else h200-nvlink)")
     planner.add_argument(
@@ -235,7 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
         "throughput; a batched image can differ from the unbatched one in its last bits)",
     )  # fmt: skip
     serve.add_argument("--max-queue", type=positive, default=64, help="requests waiting; more get 429 (Retry-After)")
-    serve.add_argument("--timeout", type=positive, default=600, help="seconds a request may take, its wait included")
+    serve.add_argument("--timeout", type=positive, default=600, help="seconds a request may take, its wait "
+                       "included: one its measured pace puts at 3x that is refused, a run past it stopped within "
+                       "a step")  # fmt: skip
+    serve.add_argument("--max-pixels", type=positive, help="width x height a request may ask for (default 4x the "
+                       "model's default size)")  # fmt: skip
     add_execution_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -253,7 +258,8 @@ def format_table(result) -> str:
     rows = [
         ("seed", str(result.seed)),
         ("text encoding", f"{t.text_encode_s:.3f} s"),
-        ("denoise step (median)", f"{t.median_step_ms:.1f} ms x {len(t.step_ms)}"),
+        ("first denoise step", f"{t.step_ms[0]:.1f} ms" if t.step_ms else "-"),
+        *([("denoise step (median)", f"{t.median_step_ms:.1f} ms x {len(t.step_ms) - 1} more")] * (len(t.step_ms) > 1)),
         ("VAE decode", f"{t.vae_decode_s:.3f} s"),
         ("total", f"{t.total_s:.3f} s"),
         (f"peak memory ({t.peak_memory_kind})", f"{t.peak_memory_bytes / 2**30:.2f} GiB"),
@@ -400,6 +406,7 @@ def run_serve(args: argparse.Namespace) -> None:
     settings = ServeSettings(
         asked_for(args), gpus=args.gpus, group_size=args.group_size, max_batch=args.max_batch,
         max_queue=args.max_queue, timeout_s=args.timeout, api_key=args.api_key or os.environ.get("PARADIT_API_KEY"),
+        max_pixels=args.max_pixels,
     )  # fmt: skip
     serve(settings, host=args.host, port=args.port)
 

@@ -136,6 +136,12 @@ class Engine:
         raises RequestCancelled; nothing happens if it is past its last step. Not under torchrun."""
         self._signals.cancel()
 
+    def abort(self) -> None:
+        """Kill the worker processes now, for a run that does not reach a step boundary: the ``generate`` in flight
+        raises WorkerFailure and the engine serves no more (a server rebuilds it). Only an engine with workers."""
+        for process in self._group.processes:
+            process.kill()
+
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of the spawned workers (none when the engine runs in this process)."""

@@ -8,7 +8,12 @@ class ParaditError(Exception):
 
 
 class InvalidRequest(ParaditError, ValueError):
-    """A request or setting that cannot be served as given."""
+    """A request or setting that cannot be served as given; ``param``: the request's field at fault, where one is
+    (``size`` for a height or width), for the server's answer."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class CheckpointError(ParaditError):

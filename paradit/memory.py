@@ -1,9 +1,10 @@
 """Per-GPU memory: a cap each worker holds itself to, and the check that a plan fits under it before anything loads.
 
-The estimate is built from the model itself, not a table: the transformer and the prompt encoders and VAE are
-built on the meta device (no memory, milliseconds) and their parameters counted in the run dtype; activations are
-estimated from the tokens each rank holds. Rank 0 carries the prompt encoders and the VAE, so it is the rank that
-must fit; the plan also places the prompt encoders (``check_fits``).
+The weights are counted from the model itself: the transformer and the prompt encoders and VAE are built on the meta
+device (no memory, milliseconds) and their parameters counted as the run holds them; working memory is each
+family's, measured on the GPU (``planner/memory.json``), for the tokens and pixels each rank holds. Rank 0 carries the
+prompt encoders and the VAE, so it is the rank that must fit; the plan also places the prompt encoders
+(``check_fits``).
 
 Must not import torch.distributed.
 """
@@ -11,22 +12,35 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
-from paradit.families import FAMILIES
+from paradit.families import FAMILIES, PRESETS
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.pipefusion import stage_range
 from paradit.pipelines.base import load_vae
+from paradit.planner.facts import find_facts
+from paradit.quantize import quantizable
 from paradit.spec import ModelSpec
 from paradit.text_encoder import PLACEMENTS, converts_to_fp8, load_prompt_encoder
 
 TEXT_ENCODER_PLACEMENTS = ("auto", *PLACEMENTS)
+MEMORY_FILE = Path(__file__).parent / "planner" / "memory.json"
+VIDEO_FRAMES_MEASURED = 81
+# Over the measured working memory (max_memory_allocated): what the caching allocator reserves past it and what a
+# measurement at other sizes varies by. Every measured peak is within it (docs/benchmarks.md).
+WORKING_MARGIN = 1.15
+# What a run holds past the counted weights and working sets (the encoders' untied copies, the kernels' workspaces):
+# measured at up to 0.58 GiB (SD3.5's three encoders).
+RUNTIME_BYTES = 3 * 2**28
 _PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -94,20 +108,64 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.transformer + self.text_encoders + self.vae + self.activations
+        """Streamed encoders' working memory comes and goes before the denoise's; the others' weights stay."""
+        streamed = self.text_encoder_placement == "offload"
+        working = max(self.activations, self.text_encoders) if streamed else self.activations + self.text_encoders
+        return self.transformer + self.vae + working + RUNTIME_BYTES
 
     def describe(self) -> str:
         return (
             f"{gib(self.total)} GiB on rank 0 (transformer weights {gib(self.transformer)}, text encoders "
             f"{gib(self.text_encoders)} {_PLACEMENT_NOTES[self.text_encoder_placement]}, VAE {gib(self.vae)}, "
-            f"activations ~{gib(self.activations)}{', VAE decoded in tiles' if self.vae_tiled else ''})"
+            f"activations ~{gib(self.activations)}{', VAE decoded in tiles' if self.vae_tiled else ''}, runtime "
+            f"{gib(RUNTIME_BYTES)})"
         )
 
 
-def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool,
-              swap_experts: bool = False, vae_tiled: bool = False) -> dict[str, MemoryPlan]:  # fmt: skip
+def working_units(spec: ModelSpec, table: str, compiled: bool, fp8: bool) -> float:
+    """The measured working-memory coefficient ``table`` (``activations`` or ``vae_decode``, ``MEMORY_FILE``) of the
+    preset whose architecture ``spec`` shares, in this mode (eager or compiled, bf16 or FP8); an unmeasured mode or
+    architecture takes the largest figure its preset or family has, which errs high."""
+    models = _measured()[table]["models"]
+    facts = find_facts(spec)
+    preset = facts.preset if facts is not None and facts.preset in models else None
+    entries = [models[preset]] if preset else [v for k, v in models.items() if PRESETS[k].family == spec.family]
+    if table == "vae_decode":
+        return max(entries)
+    mode, precision = "compiled" if compiled else "eager", "fp8" if fp8 else "bf16"
+    return max(e.get(mode, {}).get(precision) or max(x for m in e.values() for x in m.values()) for e in entries)
+
+
+@cache
+def _measured() -> dict:
+    return json.loads(MEMORY_FILE.read_text())
+
+
+def _transformer_bytes(model: nn.Module, kept: list[nn.Module], dtype: torch.dtype, fp8: bool, keep: tuple[str, ...],
+                       tensor: int) -> int:  # fmt: skip
+    """Rank 0's share of a transformer: every parameter outside the blocks, and of the blocks the ``kept`` ones
+    (PipeFusion's first stage) divided by tensor parallelism; FP8 linears as the conversion makes them (a byte a
+    weight and a float32 scale a row), the ``keep`` ones left in ``dtype``."""
+    names = {id(module): name for name, module in model.named_modules()}
+    blocks = [names[id(block)] + "." for block in model_blocks(model)]
+    kept_names = tuple(names[id(block)] + "." for block in kept)
+    total = 0
+    for name, module in model.named_modules():
+        size = sum(p.numel() for p in module.parameters(recurse=False)) * dtype.itemsize
+        if fp8 and quantizable(name, module, keep):
+            size -= module.weight.numel() * (dtype.itemsize - 1) - module.out_features * 4
+        if not name.startswith(tuple(blocks)):
+            total += size
+        elif name.startswith(kept_names):
+            total += size // tensor
+    return total
+
+
+def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, swap_experts: bool = False,
+              vae_tiled: bool = False, compiled: bool = False) -> dict[str, MemoryPlan]:  # fmt: skip
     """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
-    (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time."""
+    (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time;
+    ``compiled``: regional compilation, whose fused blocks hold less working memory."""
     family = FAMILIES[spec.family]
     configs = [spec.transformer, *spec.experts.values()]  # the further ones: a low-noise expert
     with torch.device("meta"):
@@ -119,12 +177,8 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
         blocks = model_blocks(model)
         return [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
 
-    # Tensor parallelism divides the kept blocks; FP8 halves their linears (one byte a weight, scales aside).
-    per_model = [
-        _bytes([model], dtype) - _bytes(model_blocks(model), dtype)
-        + _bytes(rank0_blocks(model), dtype) // (2 if fp8 else 1) // parallel.tensor
-        for model in models
-    ]  # fmt: skip
+    per_model = [_transformer_bytes(model, rank0_blocks(model), dtype, fp8, family.keep_high_precision,
+                                    parallel.tensor) for model in models]  # fmt: skip
     transformer_bytes = max(per_model) if swap_experts else sum(per_model)
     encoder = load_prompt_encoder(family, spec, torch.device("meta"), dtype, True)
     vae = load_vae(family, spec, torch.device("meta"), dtype, dummy=True)
@@ -134,21 +188,24 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     width = plan.widths(transformer)["attention"] if plan else transformer.config.inner_dim
     batch = 2 if spec.guidance_mode == "cfg" and parallel.cfg == 1 else 1
     local_tokens = -(-family.sequence_tokens(spec) // parallel.sequence_degree)
-    # A block's working set: ~24 activations of the model width per token (Q, K, V, attention output, the MLP's
-    # widened hidden state, residuals), the last layer's output kept; the VAE decoder at full resolution works on
-    # ~16 feature maps of 128 channels, split across the group's ranks.
+    # Working memory as measured per family on the GPU (``working_units``), linear in the tokens and pixels.
     element = dtype.itemsize
-    block_activations = 24 * batch * local_tokens * width * element // parallel.tensor
-    # A video decoder keeps a few frames' maps live at a time (its causal cache across the chunks): measured at ~2.7x
-    # an image's on Wan's VAE (docs/benchmarks.md); four frames' worth is counted.
-    frames = 4 if family.video else 1
-    vae_activations = frames * 16 * spec.height * spec.width * 128 * element // parallel.world_size  # a band per rank
+    units = working_units(spec, "activations", compiled, fp8)
+    block_activations = units * batch * local_tokens * width * element / parallel.tensor
+    # A video decode's working set grows with its frames past the 81 it was measured at, and not below them (its
+    # causal cache holds a few frames at a time).
+    frames = max(1.0, (spec.frames or 1) / VIDEO_FRAMES_MEASURED) if family.video else 1.0
+    height, width_px = spec.height, spec.width
     if vae_tiled:  # every rank decodes the whole latent, one tile at a time (its side as diffusers' VAE sets it)
         tile = getattr(vae, "tile_sample_min_size", None) or vae.tile_sample_min_height
-        vae_activations = frames * 16 * min(spec.height, tile) * min(spec.width, tile) * 128 * element
+        height, width_px = min(height, tile), min(width_px, tile)
+    vae_activations = working_units(spec, "vae_decode", compiled, fp8) * frames * height * width_px * element
+    if not vae_tiled:
+        vae_activations /= parallel.world_size  # a band per rank
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
-        activations += len(rank0_blocks(transformer)) * 2 * batch * local_tokens * width * element // parallel.tensor
+        activations += len(rank0_blocks(transformer)) * 2 * batch * local_tokens * width * element / parallel.tensor
+    activations = int(activations * WORKING_MARGIN)
     encoders, vae_bytes = encoder.modules(), _bytes([vae], dtype)
     placed = {"gpu": _bytes, "fp8": _fp8_bytes, "offload": _streamed_bytes}  # the encoders' bytes on the GPU
     return {
@@ -159,14 +216,14 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
 
 def estimate(
     spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, placement: str = "gpu",
-    swap_experts: bool = False,
+    swap_experts: bool = False, compiled: bool = False,
 ) -> MemoryPlan:  # fmt: skip
-    return estimates(spec, parallel, dtype, fp8, swap_experts)[placement]
+    return estimates(spec, parallel, dtype, fp8, swap_experts, compiled=compiled)[placement]
 
 
 def check_fits(
     spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int, placement: str = "auto",
-    swap_experts: bool = False,
+    swap_experts: bool = False, compiled: bool = False,
 ) -> MemoryPlan:  # fmt: skip
     """The first plan that fits rank 0 under ``cap``, with the prompt encoders placed as asked or, for ``auto``,
     resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; and only when none of those fits, the
@@ -175,16 +232,17 @@ def check_fits(
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []
     for vae_tiled in (False, True):
-        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled)
+        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled, compiled)
         for plan in [plans[p] for p in candidates]:
             if plan.total <= cap:
                 return plan
             tried.append(plan)
-    needs = ", or ".join(plan.describe() for plan in tried)
-    raise InvalidRequest(
-        f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {gib(cap)} GiB: it "
-        f"needs {needs}; give more GPUs to the plan (--tensor shards the weights), use --quantize fp8, or raise the cap"
-    )
+    smallest = min(tried, key=lambda plan: plan.total)
+    advice = ["give more GPUs to the plan (--tensor shards the weights)", *([] if fp8 else ["use --quantize fp8"])]
+    advice += [] if smallest.text_encoder_placement == "offload" else ["--text-encoder-placement offload"]
+    advice += [] if swap_experts or not spec.experts else ["--swap-experts"]
+    raise InvalidRequest(f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {gib(cap)} GiB: "
+                         f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}, or raise the cap")
 
 
 def hold_to_cap(device: torch.device, cap: int) -> None:

@@ -7,6 +7,7 @@ Must not import torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from paradit.checkpoint import resolve_checkpoint
 from paradit.errors import InvalidRequest
 from paradit.families import DEFAULT_MODEL, FAMILIES, PRESETS, spec_from_folder
 from paradit.fp8_checkpoint import PRESET_FILE, spec_with_fp8_transformer
-from paradit.memory import MemoryPlan, check_fits, check_placement, parse_size
+from paradit.memory import MemoryPlan, check_fits, check_placement, gib, parse_size
 from paradit.optimize import ExecutionOptions
 from paradit.parallel.config import ParallelConfig, plans_for
 from paradit.parallel.validate import check_plan
@@ -61,11 +62,11 @@ def resolve_model(model: str, load_format: str = "auto", allow_pickle: bool = Fa
     if model in PRESETS:
         spec = PRESETS[model]
         if load_format == "auto" and spec.hub_id is not None:
-            spec = spec_from_folder(resolve_checkpoint(spec.hub_id), allow_pickle)
+            spec = spec_from_folder(resolve_checkpoint(spec.hub_id, allow_pickle), allow_pickle)
     elif (path / PRESET_FILE).is_file():
         spec = spec_with_fp8_transformer(path)
     elif path.is_dir() or model.count("/") == 1:
-        spec = spec_from_folder(resolve_checkpoint(model), allow_pickle)
+        spec = spec_from_folder(resolve_checkpoint(model, allow_pickle), allow_pickle)
     else:
         raise InvalidRequest(
             f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder or hub id (org/name)"
@@ -166,12 +167,29 @@ def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = N
     return parallel, options, placement, planned.origin if planned else None
 
 
-def check_cpu_group(parallel: ParallelConfig) -> None:
-    """Refuse more CPU processes than ``PROCESSES_PER_CORE`` a core, before one starts."""
+def available_memory() -> int | None:
+    """Bytes of memory this machine can give without swapping (Linux's MemAvailable); None where that is unknown."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        line = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
+        return int(line.split()[1]) * 1024
+    return None
+
+
+def check_cpu_group(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+    """Refuse, before one starts, more CPU processes than ``PROCESSES_PER_CORE`` a core, or a group whose shares of
+    the transformer's weights alone pass the memory available (a bound that errs low: the rest is not counted)."""
     processes, cores = parallel.world_size, os.cpu_count() or 1
     if processes > PROCESSES_PER_CORE * cores:
         raise InvalidRequest(f"{processes} CPU processes asked for on {cores} cores; give at most "
                              f"{PROCESSES_PER_CORE * cores} ({PROCESSES_PER_CORE} a core)")  # fmt: skip
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in FAMILIES[spec.family].build_transformer(spec).parameters())
+    held = processes * parameters * dtype.itemsize // (parallel.tensor * parallel.pipefusion)
+    if held > (available := available_memory() or held):
+        raise InvalidRequest(f"{processes} CPU process(es) would hold {gib(held)} GiB of {spec.name}'s transformer "
+                             f"weights in {str(dtype).removeprefix('torch.')}, past the {gib(available)} GiB of memory "
+                             "available; give --dtype bf16 (half), --tensor or --pipefusion (a share each), or fewer "
+                             "processes")  # fmt: skip
 
 
 def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSettings:
@@ -203,8 +221,6 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
     if device.type == "cuda" and not launched_by_torchrun() and (device.index or 0) + gpus > torch.cuda.device_count():
         start = "" if device.index is None else f" from {device}"
         raise InvalidRequest(f"{gpus} GPUs{start} asked for, but this machine has {torch.cuda.device_count()}")
-    if device.type == "cpu":
-        check_cpu_group(parallel)
     check_placement(placement, fp8)
     cap = None if asked.max_gpu_memory is None else parse_size(asked.max_gpu_memory)
     memory_plan = None
@@ -213,15 +229,18 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
         if resolved is not None:
             sized = dataclasses.replace(spec, height=resolved.height, width=resolved.width,
                                         frames=resolved.frames or spec.frames)  # fmt: skip
+        compiled = options.compiles(device)
         try:
-            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, options.swap_experts)
+            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, options.swap_experts, compiled)
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts:
                 raise
-            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, swap_experts=True)
+            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, True, compiled)
             options = dataclasses.replace(options, swap_experts=True)
             options.validate(device)
         placement = memory_plan.text_encoder_placement
+    if device.type == "cpu":  # after the cap's check: a cap asked for on the CPU is for the GPU plan it would run
+        check_cpu_group(spec, parallel, dtype)
     return RunSettings(spec, device, dtype, parallel, options, cap, memory_plan,
                        "gpu" if placement == "auto" else placement, origin)  # fmt: skip

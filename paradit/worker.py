@@ -207,8 +207,13 @@ def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: 
     # result's tensors through shared memory.
     import torch
     import torch.distributed as dist
+    from tqdm import tqdm
 
     from paradit.loader import build_pipeline
+
+    # tqdm's default lock is a named semaphore, which a worker killed inside a step (Engine.abort) would leave for the
+    # resource tracker to warn about; one process's one bar needs only a thread lock.
+    tqdm.set_lock(threading.RLock())
 
     plan: WorkerPlan = pickle.loads(pickled_plan)
     if plan.device_type == "cpu":

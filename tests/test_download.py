@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from huggingface_hub import constants, hf_hub_download
 
-from paradit.checkpoint import check_components
+from paradit.checkpoint import check_components, resolve_checkpoint
 from paradit.download import human_size
 from paradit.families import PRESETS
 from tests.test_cli import assert_one_line_error, run_cli
@@ -358,6 +358,19 @@ def test_download_refuses_what_it_cannot_fetch(hub, capsys):
     code, _, err = run_cli(["download", "flux2-dvx"], capsys)
     assert_one_line_error(code, err, "'flux2-dvx' is neither a preset with a checkpoint (flux2-dev, ", "hub id")
     assert hub.fetched("org/missing") == []
+
+
+def test_allow_pickle_fetches_the_pickle_weights_of_a_component_that_has_only_those(hub):
+    """With --allow-pickle a hub id's .bin-only VAE was not fetched, so the README's advice failed for hub ids."""
+    pickled_vae, vae = "org/pickled-vae", "vae/diffusion_pytorch_model.safetensors"
+    hub.repos[pickled_vae] = {path: data for path, data in pipeline_repo().items() if path != vae}
+    safe = resolve_checkpoint(pickled_vae)
+    assert not (safe / "vae/diffusion_pytorch_model.bin").exists()
+    folder = resolve_checkpoint(pickled_vae, allow_pickle=True)
+    fetched = set(hub.fetched(pickled_vae))
+    assert "vae/diffusion_pytorch_model.bin" in fetched and (folder / "vae/diffusion_pytorch_model.bin").is_file()
+    assert not fetched & {"text_encoder/pytorch_model.bin", "text_encoder/pytorch_model.bin.index.json"}  # it has both
+    check_components(folder, MODEL_INDEX, allow_pickle=True)
 
 
 def test_models_local_lists_the_hub_cache_and_folders_with_sizes(hub, capsys, tmp_path):

@@ -56,7 +56,7 @@ def test_the_memory_plan_counts_one_expert_and_a_tight_cap_chooses_the_swap():
     with Engine("wan-tiny", device="cpu", dtype="fp32", max_gpu_memory=f"{tiny_swapped.total}B") as engine:
         assert engine.options.swap_experts and engine.pipeline.expert_swap is not None
     # Under a cap that not even one expert fits, the refusal gives the swapped plan's numbers.
-    swapped_bf16 = estimate(spec, ParallelConfig(), torch.bfloat16, False, "gpu", swap_experts=True)
+    swapped_bf16 = estimate(spec, ParallelConfig(), torch.bfloat16, False, "offload", swap_experts=True)
     with pytest.raises(InvalidRequest, match=rf"needs {gib(swapped_bf16.total)} GiB on rank 0"):
         Engine(spec, device="cpu", dtype="bf16", max_gpu_memory="32GiB", load_format="dummy",
                request=GenerationRequest(prompt="x"))  # fmt: skip

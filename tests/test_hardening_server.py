@@ -2,7 +2,8 @@
 process is the point: the API key covers the schema and its pages; ``response_format: url`` links never follow the
 client's ``Host`` header; a second server on a busy port is refused before any engine is built; a size the model
 refuses is the ``size`` field's 400; SIGHUP (a terminal closing) ends ``generate`` and ``serve`` as SIGTERM does,
-leaving no process and no rendezvous folder behind."""
+leaving no process and no rendezvous folder behind; a request that cannot meet its deadline is refused up front, and
+a run stuck inside a step is killed."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ import uvicorn
 
 import paradit.cli
 import paradit.serving.launch
+from paradit import Engine, GenerationRequest
 from paradit.cli import main
 from paradit.serving.server import ServerConfig, create_app
+from paradit.worker import WorkerFailure
 from tests import test_processes
-from tests.test_processes import descendants, generate, leftovers, still_alive
+from tests.test_processes import descendants, generate, leftovers, process_id, still_alive
 from tests.test_serving_scheduler import http_server, scheduler
 
 start = test_processes.start  # the fixture: a run in a session and a TMPDIR of its own, killed at the end
@@ -156,3 +159,59 @@ def test_the_busy_port_check_holds_the_port_it_found_free():
         port = held.getsockname()[1]
         with pytest.raises(OSError), socket.create_server(("127.0.0.1", port)):
             pass
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_refused_up_front_and_the_next_one_runs():
+    """``{"size": "4096x4096"}`` with ``--timeout 20`` ran for 431 s before its 504, and the small request behind it
+    got a 504 without running. Now the server's measured pace refuses it at once, naming size (or steps), and
+    ``--max-pixels`` bounds what one request may ask."""
+    from tests.test_serving import live_server
+
+    with live_server("flux2-tiny", timeout_s=20, max_pixels=4096 * 4096) as (url, _):
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for body, param, words in (
+                ({"size": "4096x4096"}, "size", "would take about"),
+                ({"size": "8192x4096"}, "size", "--max-pixels"),
+            ):
+                started = time.monotonic()
+                refused = client.post("/v1/images/generations", json={"prompt": "a fox", **body})
+                assert time.monotonic() - started < 5
+                error = refused.json()["error"]
+                assert refused.status_code == 400 and error["param"] == param and words in error["message"], error
+                assert "20 s timeout" in error["message"] or words == "--max-pixels", error
+            answer = client.post("/v1/images/generations", json={"prompt": "a fox", "steps": 2})
+            assert answer.status_code == 200 and answer.json()["data"][0]["b64_json"], answer.text
+
+
+def test_the_default_pixel_bound_is_four_times_the_model_default_size():
+    from tests.test_serving import live_server
+
+    with live_server("flux2-tiny") as (url, _), httpx.Client(base_url=url, timeout=120) as client:
+        refused = client.post("/v1/images/generations", json={"prompt": "a fox", "size": "272x256", "steps": 1})
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "size" and "65536 pixels" in error["message"], error
+        assert client.post("/v1/images/generations", json={"prompt": "a fox", "size": "256x256", "steps": 1}).is_success
+
+
+@test_processes.pytestmark
+def test_abort_kills_a_group_inside_a_step_at_once_and_leaves_no_process():
+    """What the scheduler does to a run that will not reach a step boundary: a 2048x2048 step lasts seconds here."""
+    engine = Engine("flux2-tiny", device="cpu", isolate=True)
+    workers, outcome = [process_id(pid) for pid in engine.worker_pids], []
+
+    def run():
+        try:
+            engine.generate(GenerationRequest(prompt="a fox", steps=50, height=2048, width=2048))
+        except WorkerFailure as failure:
+            outcome.append((str(failure), time.monotonic()))
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    time.sleep(1)
+    aborted = time.monotonic()
+    engine.abort()
+    runner.join(10)
+    assert outcome and "exited with code -9" in outcome[0][0] and outcome[0][1] - aborted < 3, outcome
+    assert not still_alive(workers)
+    with pytest.raises(WorkerFailure, match="create a new Engine"):
+        engine.generate(GenerationRequest(prompt="a fox", steps=1))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import statistics
 from functools import cache
 
@@ -29,6 +30,8 @@ from paradit.planner.tuned import GPU_COUNTS, tuned_entry
 from paradit.request import GenerationRequest
 from paradit.settings import choices, default_plan_for
 from paradit.text_encoder import PLACEMENTS
+from tests.checkpoint_cache import cached, copy_of
+from tests.checkpoints import build_klein_checkpoint
 from tests.test_cli import assert_one_line_error, run_cli
 
 MIB = 2**20
@@ -96,7 +99,7 @@ def test_nothing_fits_is_refused_with_the_numbers():
         planned("flux2-dev", 1, "r9700s-pcie")
     message = str(refusal.value)
     assert "fits no plan on 1 x 32.0 GiB" in message
-    assert "1 GPU + FP8 with the text encoders offload, needs 36.2 GiB on rank 0 (transformer weights 30.8" in message
+    assert "1 GPU + FP8 with the text encoders offload, needs 34.4 GiB on rank 0 (transformer weights 30.8" in message
 
 
 @pytest.mark.parametrize("profile", list(all_profiles()))
@@ -179,6 +182,21 @@ def test_a_checkpoint_uses_its_presets_counts_and_an_uncounted_architecture_keep
         plan(other, 2, load_profile("h200-nvlink"))
 
 
+def test_plan_command_takes_a_checkpoint_folder_of_a_presets_architecture(capsys, tmp_path):
+    """A folder written by diffusers' save_pretrained, its transformer flux2-tiny's: planned with that preset's
+    counts. One of an architecture no preset has is one line saying how to go on."""
+    from diffusers import Flux2Transformer2DModel
+
+    folder = copy_of(cached(build_klein_checkpoint), tmp_path / "ckpt")
+    code, _, err = run_cli(["plan", "--model", str(folder), "--gpus", "2"], capsys)
+    assert_one_line_error(code, err, "no FLOP counts for", "pass the parallel flags yourself")
+    shutil.rmtree(folder / "transformer")
+    Flux2Transformer2DModel(**PRESETS["flux2-tiny"].transformer).save_pretrained(folder / "transformer")
+    code, out, err = run_cli(["plan", "--model", str(folder), "--gpus", "2"], capsys)
+    assert code == 0, err
+    assert out.splitlines()[1].startswith(f"{folder} on 2 x h200-nvlink") and "Run it: paradit generate" in out
+
+
 def test_plan_command_shows_the_winner_the_runners_up_and_why(capsys):
     code, out, err = run_cli(["plan", "--model", "flux2-dev", "--gpus", "2", "--profile", "h200-p2p-off"], capsys)
     assert code == 0 and err == ""
@@ -191,7 +209,7 @@ def test_plan_command_shows_the_winner_the_runners_up_and_why(capsys):
 
 def test_plan_command_refusals_are_one_line_with_the_numbers(capsys):
     code, _, err = run_cli(["plan", "--model", "flux2-dev", "--gpus", "1", "--profile", "r9700s-pcie"], capsys)
-    assert_one_line_error(code, err, "fits no plan on 1 x 32.0 GiB", "needs 36.2 GiB on rank 0")
+    assert_one_line_error(code, err, "fits no plan on 1 x 32.0 GiB", "needs 34.4 GiB on rank 0")
     code, _, err = run_cli(["plan", "--model", "flux2-dev", "--gpus", "2", "--size", "1024"], capsys)
     assert_one_line_error(code, err, "not WIDTHxHEIGHT")
     code, _, err = run_cli(["plan", "--model", "flux2-dev", "--gpus", "2", "--profile", "a100"], capsys)

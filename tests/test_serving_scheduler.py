@@ -13,11 +13,13 @@ import pytest
 import torch
 import uvicorn
 
+from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES
 from paradit.pipelines.requests import ResolvedRequest
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.serving.jobs import JobCancelled, JobTimeout, QueueFull
 from paradit.serving.metrics import Metrics
+from paradit.serving.pace import Pace
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.server import ServerConfig, create_app
 from paradit.settings import resolve_model
@@ -28,8 +30,9 @@ STEP_S = 0.02
 
 
 class StandInEngine:
-    """What the scheduler uses of an Engine: each step sleeps; a prompt can ask it to fail or to 'kill a worker'.
-    ``running`` is the set of engines in a run, shared by all."""
+    """What the scheduler uses of an Engine: each step sleeps; a prompt can ask it to fail, to 'kill a worker', or to
+    be stuck inside a step until its workers are killed (``abort``). ``running`` is the set of engines in a run, shared
+    by all."""
 
     def __init__(self, runs: list, running: set, plan: str = "stand-in") -> None:
         self.runs = runs  # every batch it ran, as prompt lists
@@ -38,7 +41,7 @@ class StandInEngine:
         self.plan = plan
         self.worker_pids: list[int] = []
         self.steps_done = 0
-        self._cancel = threading.Event()
+        self._cancel, self.aborted = threading.Event(), threading.Event()
         self.closed = False
 
     def generate(self, requests: list[ResolvedRequest]) -> list[GenerationResult]:
@@ -57,6 +60,10 @@ class StandInEngine:
                 raise RequestCancelled("stopped")
             if resolved[0].prompts == ["worker dies"] and self.steps_done == 1:
                 raise WorkerFailure("worker 0 exited with code -9\nthe worker group was stopped")
+            if resolved[0].prompts == ["stuck"] and not self.aborted.wait(timeout=30):
+                raise AssertionError("a stuck run was never aborted")
+            if self.aborted.is_set():
+                raise WorkerFailure("worker 0 exited with code -9; the worker group was stopped")
             if resolved[0].prompts == ["fails"]:
                 raise RequestFailed("RuntimeError: the prediction is NaN")
             time.sleep(STEP_S)
@@ -65,6 +72,9 @@ class StandInEngine:
 
     def cancel(self) -> None:
         self._cancel.set()
+
+    def abort(self) -> None:
+        self.aborted.set()
 
     def close(self) -> None:
         self.closed = True
@@ -88,7 +98,7 @@ def scheduler(groups: int = 1, **options):
 
 
 def request(prompt: str = "a fox", steps: int = 2, **fields) -> GenerationRequest:
-    return GenerationRequest(prompt=prompt, steps=steps, height=32, width=32, **fields)
+    return GenerationRequest(prompt=prompt, steps=steps, **{"height": 32, "width": 32, **fields})
 
 
 def test_compatible_requests_share_a_batch_up_to_max_batch_images_each_keeping_its_seed():
@@ -130,6 +140,35 @@ def test_a_request_past_its_timeout_stops_its_run():
             job.future.result(timeout=5)
         assert job.steps_done < 100
         assert scheduling.submit(request(steps=1)).future.result(timeout=5).seed is not None
+
+
+def test_a_request_its_measured_pace_puts_past_the_deadline_is_refused_naming_steps_or_size():
+    pace = Pace(SPEC, FAMILIES[SPEC.family])
+    check = FAMILIES[SPEC.family].resolve_request
+    pace.record([check(SPEC, request(steps=1, height=64, width=64))], [100.0, 50.0])  # the faster step counts
+    with scheduler(timeout_s=1.0, pace=pace) as (scheduling, _, _):
+        for asked, param in (
+            (request(steps=61, height=64, width=64), "steps"),
+            (request(steps=20, height=512, width=512), "size"),
+        ):
+            with pytest.raises(InvalidRequest, match="past its 1 s timeout") as refused:
+                scheduling.submit(asked)
+            assert refused.value.param == param
+        assert scheduling.submit(request(steps=30, height=64, width=64)).future.result(timeout=10)
+
+
+def test_a_run_that_does_not_reach_a_step_boundary_is_killed_past_its_grace_and_the_group_rebuilt(monkeypatch):
+    """A step that never ends (minutes of attention at a huge size) used to hold every request behind it."""
+    monkeypatch.setattr("paradit.serving.scheduler.STOP_GRACE_S", 0.5)
+    with scheduler(timeout_s=0.5) as (scheduling, _, engines):
+        stuck = scheduling.submit(request("stuck"))
+        started = time.monotonic()
+        with pytest.raises(JobTimeout, match="within 0.5 s"):
+            stuck.future.result(timeout=10)
+        assert 1.0 <= time.monotonic() - started < 3, "the deadline, then the grace, then the kill"
+        assert engines[0].aborted.is_set()
+        assert scheduling.submit(request("after")).future.result(timeout=10).seed is not None
+        assert len(engines) == 2 and scheduling.groups[0].restarts == 1
 
 
 def test_a_failed_request_fails_alone_and_a_dead_worker_rebuilds_the_group_keeping_the_queue():

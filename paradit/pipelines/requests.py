@@ -78,11 +78,11 @@ def resolve_common(
         if value < granularity or value % granularity or value > limit:
             raise InvalidRequest(
                 f"{name} {value} is not allowed; this model takes multiples of {granularity} from {granularity} to "
-                f"{limit}"
-            )
+                f"{limit}", param="size",
+            )  # fmt: skip
     steps = spec.steps if request.steps is None else request.steps
     if not 1 <= steps <= MAX_STEPS:
-        raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more (at most {MAX_STEPS})")
+        raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more (at most {MAX_STEPS})", param="steps")
     guidance = spec.guidance if request.guidance is None else float(request.guidance)
     if guidance is not None and not 0 <= guidance < math.inf:  # NaN fails both comparisons
         raise InvalidRequest(f"guidance {guidance} is not allowed; give a finite value >= 0")

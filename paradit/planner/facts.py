@@ -93,6 +93,15 @@ class ModelFacts:
         latent_frames = 1 if self.frame_stride is None else (frames - 1) // self.frame_stride + 1
         return Workload((height // self.token_side) * (width // self.token_side) * latent_frames, self.text_tokens)
 
+    def step_flops(self, workload: Workload, batch: int) -> float:
+        """FLOPs of one forward of ``batch`` samples: the linear layers, the attention calls and the rest."""
+        image, text = workload.image_tokens, workload.text_tokens
+        flops = sum(group.flops.at(image, text) for group in self.linear) + self.other_flops.at(image, text)
+        for group in self.attention:
+            query, key = group.query_tokens.at(image, text), group.key_tokens.at(image, text)
+            flops += 4.0 * group.layers * group.heads * group.head_dim * query * key
+        return flops * batch
+
     def to_json(self) -> dict:
         """Everything but the preset's name, which keys the facts in ``models.json``."""
         data = asdict(self)

@@ -212,7 +212,7 @@ class MemoryEstimates:
     def __call__(self, parallel: ParallelConfig, fp8: bool) -> dict[str, MemoryPlan]:
         key = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.world_size, fp8)
         if key not in self._known:
-            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8)
+            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, compiled=True)  # GPUs' default
         return self._known[key]
 
 

@@ -19,8 +19,10 @@ import uvicorn
 
 from paradit.engine import Engine
 from paradit.errors import InvalidRequest
+from paradit.pipelines.requests import ResolvedRequest
 from paradit.request import GenerationRequest
 from paradit.serving.metrics import Metrics
+from paradit.serving.pace import Pace
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.server import ServerConfig, create_app
 from paradit.settings import Asked, settle
@@ -41,6 +43,12 @@ class ServeSettings:
     max_queue: int = 64
     timeout_s: float = 600.0
     api_key: str | None = None
+    max_pixels: int | None = None  # width x height one request may ask for; default MAX_PIXELS_FACTOR x the model's
+
+
+# What one request may ask for by default, against the model's default size: a larger request costs the square of
+# its tokens in attention, and holds every request behind it.
+MAX_PIXELS_FACTOR = 4
 
 
 def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Scheduler, ServerConfig]:
@@ -60,6 +68,8 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
     on_cpu = grouped.device.type == "cpu"
     # Every worker process shares the cores: one group's would otherwise each take them all.
     cpu_threads = max(1, (os.cpu_count() or 1) // settings.gpus) if on_cpu else None
+    spec, family = grouped.spec, grouped.family
+    pace = Pace(spec, family)
 
     def build(index: int) -> Engine:
         single = auto and index > 0  # under auto, group i > 0 is GPU i - 1 on its own
@@ -67,19 +77,27 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
         run = alone if single else grouped
         run = run if on_cpu else dataclasses.replace(run, device=torch.device("cuda", first))
         engine = Engine(settings=run, isolate=True, cpu_threads=cpu_threads)
-        try:  # one step at the model's default size per batch size, so that no client pays a first run's costs
+        try:  # two steps at the model's default size per batch size, so that no client pays a first run's costs
             for images in range(1, settings.max_batch + 1):  # (compiled blocks: one graph per batch size)
-                engine.generate(GenerationRequest(prompt="warm-up", steps=1, num_images_per_prompt=images))
+                warm = engine.generate(GenerationRequest(prompt="warm-up", steps=2, num_images_per_prompt=images))
+                pace.record([warm.request], warm.timings.step_ms[1:])  # the second step: compiled, in its stride
         except BaseException:
             engine.close()
             raise
         return engine
 
-    spec, family = grouped.spec, grouped.family
+    max_pixels = settings.max_pixels or MAX_PIXELS_FACTOR * spec.height * spec.width
+
+    def check(request: GenerationRequest) -> ResolvedRequest:
+        resolved = family.resolve_request(spec, request)
+        if resolved.width * resolved.height > max_pixels:
+            raise InvalidRequest(f"{resolved.width}x{resolved.height} is past this server's {max_pixels} pixels a "
+                                 "request (--max-pixels)", param="size")  # fmt: skip
+        return resolved
+
     scheduler = Scheduler(
-        build, settings.gpus + 1 if auto else settings.gpus // group_size,
-        lambda request: family.resolve_request(spec, request), metrics, max_batch=settings.max_batch,
-        max_queue=settings.max_queue, timeout_s=settings.timeout_s, auto=auto,
+        build, settings.gpus + 1 if auto else settings.gpus // group_size, check, metrics,
+        max_batch=settings.max_batch, max_queue=settings.max_queue, timeout_s=settings.timeout_s, auto=auto, pace=pace,
     )  # fmt: skip
     return scheduler, ServerConfig(spec.name, video=family.video, api_key=settings.api_key)
 

@@ -7,8 +7,12 @@ front end never waits on a group: it awaits the job's future, and encodes the im
 
 - Batching: the oldest queued job runs first, together with the queued jobs that may share its forward pass (equal
   ``batch_key``) up to ``max_batch`` images; every job keeps its own seed (``DiffusionPipeline.generate``).
+- Deadlines: a job's covers its wait and its run. One that the measured pace (``serving/pace.py``) says cannot
+  finish inside it is refused up front, naming ``size`` or ``steps``.
 - Cancellation and timeouts: a queued job is dropped at once; a running one is abandoned, and once every job of its
   batch is, the engine stops the run at the next step boundary (``Engine.cancel``). The job ends when its run does.
+  A run that has not stopped a step's time (plus ``STOP_GRACE_S``) later is inside a step that may last minutes:
+  its workers are killed (``Engine.abort``) and the group rebuilt, so the jobs behind it run.
 - Failures: a request that fails in the workers fails its jobs, the group serving on; a worker that dies fails the
   running jobs (their clients hear at once) and the group is rebuilt as a new engine while the queue waits.
 - Draining (SIGTERM): new jobs are refused and the accepted ones finish.
@@ -30,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from paradit.errors import ParaditError
+from paradit.errors import InvalidRequest, ParaditError
 from paradit.pipelines.requests import batch_key
 from paradit.serving import jobs
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
     from paradit.pipelines.requests import ResolvedRequest
     from paradit.request import GenerationRequest, GenerationResult
     from paradit.serving.metrics import Metrics
+    from paradit.serving.pace import Pace
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,10 @@ STARTING, SERVING, RESTARTING, STOPPED = "starting", "serving", "restarting", "s
 RESTART_BACKOFF_S = 2.0  # between attempts to rebuild a group whose rebuild failed
 WATCH_S = 0.05  # how often deadlines are checked
 CLOSE_S = 30  # how long closing waits for a group's thread to end its run
+# How long past a step's estimated time a cancelled run may take to reach a step boundary before its workers are
+# killed: rebuilding a group costs a reload, holding the queue behind a run costs every request in it.
+STOP_GRACE_S = 3.0
+ESTIMATE_MARGIN = 3  # how far past the deadline a request's estimate must be for it to be refused
 
 
 class Group:
@@ -58,6 +67,7 @@ class Group:
         self.plan, self.state, self.restarts = "", STARTING, 0
         self.engine: Engine | None = None
         self.batch: list[Job] = []
+        self.stop_by: float | None = None  # when a cancelled run that has not stopped gets its workers killed
         self.error: BaseException | None = None  # why its first start failed
         self.thread = threading.Thread(target=self._serve, name=f"paradit-group-{index}", daemon=True)
 
@@ -118,6 +128,8 @@ class Group:
             scheduler.finish(self, RequestFailed(f"{type(exc).__name__}: {exc}"))
         else:
             scheduler.metrics.record_run(self.index, results[0].timings, sum(job.images for job in batch))
+            if scheduler.pace is not None:
+                scheduler.pace.record([job.resolved for job in batch], results[0].timings.step_ms)
             scheduler.finish(self, results)
 
 
@@ -128,8 +140,9 @@ class Scheduler:
     def __init__(
         self, build: Callable[[int], Engine], groups: int, check: Callable[[GenerationRequest], ResolvedRequest],
         metrics: Metrics, max_batch: int = 1, max_queue: int = 64, timeout_s: float = 600.0, auto: bool = False,
+        pace: Pace | None = None,
     ) -> None:  # fmt: skip
-        self.metrics = metrics
+        self.metrics, self.pace = metrics, pace
         self.max_batch, self.max_queue, self.timeout_s, self.auto = max_batch, max_queue, timeout_s, auto
         self._split: bool | None = None  # under auto: whether the last batch ran split across every GPU
         self.accepting, self.closing = True, False
@@ -157,6 +170,7 @@ class Scheduler:
     def submit(self, request: GenerationRequest, video: bool = False) -> Job:
         """Queue a request, its seed drawn now if it has none; raises InvalidRequest, QueueFull or Draining."""
         resolved = self.check(request)
+        self._check_deadline(resolved)
         key = None if video else batch_key(resolved)
         job = Job(resolved, key, deadline=time.monotonic() + self.timeout_s)
         with self._changed:
@@ -169,6 +183,17 @@ class Scheduler:
             self.metrics.queue_depth.set(len(self._queue))
             self._changed.notify_all()
         return job
+
+    def _check_deadline(self, resolved: ResolvedRequest) -> None:
+        step_s = self.pace.step_seconds([resolved]) if self.pace is not None else None
+        if step_s is not None and step_s * resolved.steps > ESTIMATE_MARGIN * self.timeout_s:
+            spec = self.pace.spec
+            param = "size" if resolved.height * resolved.width > spec.height * spec.width else "steps"
+            raise InvalidRequest(
+                f"{resolved.width}x{resolved.height} with {resolved.steps} steps would take about "
+                f"{step_s * resolved.steps:.0f} s here (this server's measured pace), past its {self.timeout_s:g} s "
+                f"timeout; ask for {'a smaller size' if param == 'size' else 'fewer steps'}", param=param,
+            )  # fmt: skip
 
     def cancel(self, job: Job, reason: ParaditError) -> None:
         """End a queued job with ``reason`` now; abandon a running one, stopping its batch at the next step boundary
@@ -234,7 +259,7 @@ class Scheduler:
                 job.state, job.started_at, job.plan = jobs.IN_PROGRESS, now, group.plan
                 self.metrics.latency.labels("queue").observe(now - job.queued_at)
             self.metrics.queue_depth.set(len(self._queue))
-            group.batch = batch
+            group.batch, group.stop_by = batch, None
             return batch
 
     def finish(self, group: Group, outcome: list[GenerationResult] | ParaditError) -> None:
@@ -284,6 +309,8 @@ class Scheduler:
             group = self._group_of(job)
             if group is not None and all(other.abandoned for other in group.batch):
                 group.engine.cancel()
+                step_s = self.pace.step_seconds([j.resolved for j in group.batch]) if self.pace is not None else None
+                group.stop_by = time.monotonic() + STOP_GRACE_S + (step_s or 0.0)
 
     def _end(self, job: Job, outcome: GenerationResult | ParaditError) -> None:
         job.finished_at = time.monotonic()
@@ -307,4 +334,10 @@ class Scheduler:
                 late += [job for group in self.groups for job in group.batch if job.deadline <= now]
                 for job in late:
                     self._abandon(job, JobTimeout(f"the request did not finish within {self.timeout_s:g} s"))
+                for group in self.groups:
+                    if group.batch and group.stop_by is not None and group.stop_by <= now:
+                        logger.warning("group %d: a cancelled run did not reach a step boundary in time; killing "
+                                       "its workers", group.index)  # fmt: skip
+                        group.stop_by = None
+                        group.engine.abort()
                 self._changed.wait(WATCH_S)

@@ -73,10 +73,6 @@ def paradit_error(request: Request, exc: ParaditError) -> JSONResponse:
     return error_response(status, str(exc).splitlines()[0], kind, getattr(exc, "param", None), headers)
 
 
-class SizeRefused(InvalidRequest):
-    param = "size"  # the API's field for the width or height the model refused
-
-
 def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """400 naming each field that is wrong and what it takes."""
     problems, params = [], []
@@ -176,9 +172,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
     app.state.videos = videos
 
     def submitted(body: schemas.Body, **fields):
-        """The body's request queued (as a video job for a VideoBody), if it asks for what is served. A size the
-        model refuses is the error of ``size``: the engine names height or width, which this API does not have (told
-        apart by the request passing at the model's own size)."""
+        """The body's request queued (as a video job for a VideoBody), if it asks for what is served. A size refused
+        says what ``size`` may be: the engine names height or width, which this API does not have."""
         video = isinstance(body, schemas.VideoBody)
         if body.model is not None and body.model != config.model:
             raise InvalidRequest(f"model {body.model!r} is not served here; this server serves {config.model!r}")
@@ -189,9 +184,11 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         try:
             return (videos.create if video else scheduler.submit)(request)
         except InvalidRequest as refused:
-            auto = scheduler.check(dataclasses.replace(request, height=None, width=None))  # raises what else is wrong
+            if refused.param != "size":
+                raise
+            auto = scheduler.check(dataclasses.replace(request, height=None, width=None))
             message = f'{refused}; give size as WIDTHxHEIGHT within that, or "auto" ({auto.width}x{auto.height})'
-            raise SizeRefused(message) from None
+            raise InvalidRequest(message, param="size") from None
 
     async def outcome_of(job: Job, request: Request):
         """The job's result, or None for a client that left first (the job is cancelled)."""
