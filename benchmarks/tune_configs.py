@@ -50,7 +50,7 @@ def entry(spec: ModelSpec, gpus: int, profile: HardwareProfile, memory: MemoryEs
         }  # fmt: skip
     return TunedEntry(
         spec.name, gpus, wanted, best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs,
-        round(best.mean_ms, 1), source,
+        best.swap_experts, round(best.mean_ms, 1), source,
     )  # fmt: skip
 
 

@@ -242,7 +242,8 @@ def check_fits(
     advice += [] if smallest.text_encoder_placement == "offload" else ["--text-encoder-placement offload"]
     advice += [] if swap_experts or not spec.experts else ["--swap-experts"]
     raise InvalidRequest(f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {gib(cap)} GiB: "
-                         f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}, or raise the cap")
+                         f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}, or raise the "
+                         "cap")  # fmt: skip
 
 
 def hold_to_cap(device: torch.device, cap: int) -> None:

@@ -162,7 +162,8 @@ def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = N
         placement = planned.text_encoder_placement  # under a cap, the memory plan places them for that cap
     options = ExecutionOptions(
         quantize=asked.quantize or (planned.quantize if planned else "none"), compile=asked.compile,
-        cuda_graphs=bool(asked.cuda_graphs or (planned and planned.cuda_graphs)), swap_experts=asked.swap_experts,
+        cuda_graphs=bool(asked.cuda_graphs or (planned and planned.cuda_graphs)),
+        swap_experts=asked.swap_experts or bool(planned and planned.swap_experts),
     )  # fmt: skip
     return parallel, options, placement, planned.origin if planned else None
 

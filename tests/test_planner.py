@@ -246,3 +246,15 @@ def test_the_probe_times_every_collective_between_processes():
     rates = collective_gbps(2, "cpu", nbytes=MIB)
     assert set(rates) == {"all_to_all", "send_recv", "all_reduce", "all_gather"}
     assert all(rate > 0 for rate in rates.values())
+
+
+def test_the_planner_weighs_swapped_experts_and_settings_apply_them():
+    """On 2 x 32 GB cards Wan 2.2 A14B at 720p fitted no plan: both experts were counted resident."""
+    profile = load_profile("r9700s-pcie")
+    request = GenerationRequest(prompt="a", height=720, width=1280, frames=81)
+    choice = plan(PRESETS["wan2.2-t2v-a14b"], 2, profile, request)
+    assert choice.best.swap_experts and not choice.best.cuda_graphs and not choice.best.fp8  # exact first
+    assert choice.best.memory.total <= profile.memory_bytes and any("--swap-experts" in n for n in choice.notes)
+    swapped = choose.settings_for(PRESETS["wan2.2-t2v-a14b"], 1, profile=profile)  # the tuned entry: FP8 + swap
+    assert swapped.swap_experts and swapped.quantize == "fp8" and not swapped.cuda_graphs
+    assert not choose.settings_for(PRESETS["flux2-klein-4b"], 1, profile=profile).swap_experts

@@ -29,6 +29,7 @@ class PlannedSettings:
     text_encoder_placement: str
     cuda_graphs: bool
     origin: str  # a line saying where they come from
+    swap_experts: bool = False
 
 
 def settings_for(
@@ -47,10 +48,12 @@ def settings_for(
         if entry.refused:
             raise InvalidRequest(entry.refused)
         origin = f"tuned configuration for {spec.name} on {gpus} x {profile.name}: {entry.describe()}"
-        return PlannedSettings(entry.parallel, entry.quantize, entry.text_encoder_placement, entry.cuda_graphs, origin)
+        return PlannedSettings(entry.parallel, entry.quantize, entry.text_encoder_placement, entry.cuda_graphs, origin,
+                               entry.swap_experts)  # fmt: skip
     best = plan(spec, gpus, profile, request).best
     origin = (
         f"planned for this request on {gpus} x {profile.name}: {best.describe()}, text encoders {best.placement}, "
         f"{'CUDA graphs' if best.cuda_graphs else 'no CUDA graphs'} (predicted {best.mean_ms:.1f} ms/step)"
     )
-    return PlannedSettings(best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs, origin)
+    return PlannedSettings(best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs, origin,
+                           best.swap_experts)  # fmt: skip

@@ -40,6 +40,9 @@ SAME_SPEED = 0.02
 EXACT_PREMIUM = 0.10
 T = TypeVar("T")
 PLACEMENT_ORDER = ("gpu", "fp8", "offload")
+# Host-to-device copies of a swapped expert: measured on the H200 machine (docs/benchmarks.md, "Wan 2.2 A14B experts
+# taking turns"); PCIe 5 x16, as the profiles' other cards have.
+SWAP_GBPS = 53.6
 
 
 @dataclass(frozen=True)
@@ -123,17 +126,18 @@ class Option:
     memory: MemoryPlan
     placement: str | None
     calibration: Calibration
+    swap_experts: bool = False  # the experts take turns on the device, the idle one in host memory
 
     @property
     def fits(self) -> bool:
         return self.placement is not None
 
     @property
-    def cuda_graphs(self) -> bool:
-        return graphs_for(self.parallel)
+    def cuda_graphs(self) -> bool:  # a graph replays the addresses it captured, which a swap moves
+        return graphs_for(self.parallel) and not self.swap_experts
 
     def describe(self) -> str:
-        return self.parallel.describe() + (" + FP8" if self.fp8 else "")
+        return self.parallel.describe() + " + FP8" * self.fp8 + " + experts swapped" * self.swap_experts
 
 
 @dataclass(frozen=True)
@@ -209,10 +213,11 @@ class MemoryEstimates:
         self.spec = spec
         self._known: dict[tuple, dict[str, MemoryPlan]] = {}
 
-    def __call__(self, parallel: ParallelConfig, fp8: bool) -> dict[str, MemoryPlan]:
-        key = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.world_size, fp8)
-        if key not in self._known:
-            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, compiled=True)  # GPUs' default
+    def __call__(self, parallel: ParallelConfig, fp8: bool, swap: bool = False) -> dict[str, MemoryPlan]:
+        key = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.world_size, fp8,
+               swap)  # fmt: skip
+        if key not in self._known:  # compiled: the GPUs' default
+            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, compiled=True)
         return self._known[key]
 
 
@@ -236,29 +241,33 @@ def plan(
         raise InvalidRequest(f"{profile.name} has no FP8 matmul rate: its GPUs cannot run --quantize fp8")
     attempts = [quantize == "fp8"] if quantize is not None else [False] + ([True] if fp8_supported else [])
 
-    def option(parallel: ParallelConfig, fp8: bool) -> Option:
-        graphs = graphs_for(parallel)
+    def option(parallel: ParallelConfig, fp8: bool, swap: bool) -> Option:
+        graphs = graphs_for(parallel) and not swap
         calibrated = calibration(facts, profile, fp8, graphs)
         cost = step_cost(facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs)
-        tried = [memory(parallel, fp8)[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
+        tried = [memory(parallel, fp8, swap)[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
         fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)
         chosen = fitting or min(tried, key=lambda m: m.total)
         placement = fitting.text_encoder_placement if fitting else None
-        return Option(parallel, fp8, cost, cost.mean_ms(wanted.steps), chosen, placement, calibrated)
+        # Swapped experts copy one expert in twice a request (to the low-noise one, and back for the next request).
+        swap_ms = 2 * chosen.transformer / (SWAP_GBPS * 1e9) * 1e3 if swap else 0.0
+        mean_ms = cost.mean_ms(wanted.steps) + swap_ms / wanted.steps
+        return Option(parallel, fp8, cost, mean_ms, chosen, placement, calibrated, swap)
 
     refused: list[Option] = []
-    for fp8 in attempts:
-        options = [option(parallel, fp8) for parallel in parallel_candidates(spec, gpus, wanted.uses_cfg, fp8)]
+    # The cheapest way to fit first: bf16 with every expert resident, then swapped experts, then FP8 compute.
+    for fp8, swap in [(fp8, swap) for fp8 in attempts for swap in ((False, True) if spec.experts else (False,))]:
+        candidates = parallel_candidates(spec, gpus, wanted.uses_cfg, fp8)
+        options = [option(parallel, fp8, swap) for parallel in candidates]
         refused += [o for o in options if not o.fits]
         fitting = rank([o for o in options if o.fits], lambda o: o.mean_ms, lambda o: o.parallel)
         if not fitting:
             continue
-        single = option(ParallelConfig(), fp8) if gpus > 1 else None
+        single = option(ParallelConfig(), fp8, swap) if gpus > 1 else None
         needed = fp8 and quantize is None
-        notes = (f"no plan fits {gib(profile.memory_bytes)} GiB per GPU in bf16: FP8 compute halves the weights",)
-        return PlanChoice(
-            spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, notes if needed else ()
-        )
+        notes = [f"no plan fits {gib(profile.memory_bytes)} GiB per GPU in bf16: FP8 halves the weights"] * needed
+        notes += [f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"] * swap
+        return PlanChoice(spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes))
     if not refused:
         raise InvalidRequest(f"{spec.name} has no plan for {gpus} GPUs")
     smallest = min(refused, key=lambda o: o.memory.total)

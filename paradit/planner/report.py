@@ -106,6 +106,7 @@ def command(choice: PlanChoice) -> str:
         (parallel.comm_dtype == "fp8", "--comm-dtype fp8"),
         (best.fp8, "--quantize fp8"),
         (best.cuda_graphs, "--cuda-graphs"),
+        (best.swap_experts, "--swap-experts"),
         (best.placement != "gpu", f"--text-encoder-placement {best.placement}"),
     ]
     flags += [flag for wanted, flag in optional if wanted]

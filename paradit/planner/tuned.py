@@ -34,6 +34,7 @@ class TunedEntry:
     quantize: str = "none"
     text_encoder_placement: str = "gpu"
     cuda_graphs: bool = False
+    swap_experts: bool = False
     ms_per_step: float | None = None
     source: dict | None = None
     refused: str | None = None
@@ -49,6 +50,7 @@ class TunedEntry:
             self.parallel.describe(),
             "FP8" if self.quantize == "fp8" else "bf16",
             f"text encoders {self.text_encoder_placement}",
+            *(["experts swapped"] if self.swap_experts else []),
             "CUDA graphs" if self.cuda_graphs else "no CUDA graphs",
         ]
         if self.measured:
