@@ -58,8 +58,8 @@ def resolve_checkpoint(model: str, allow_pickle: bool = False) -> Path:
     try:  # the files `paradit download` fetches, so that a downloaded checkpoint is complete offline too
         index = read_json(Path(hf_hub_download(model, MODEL_INDEX)))
         folder = Path(snapshot_download(model, **pipeline_patterns(index)))
-        unsafe = [name for name in listed_components(index) if not any((folder / name).glob("*.safetensors"))]
-        if allow_pickle and unsafe:  # not "*.*.bin": a weight variant (name.fp16.bin)
+        unsafe = allow_pickle and [n for n in listed_components(index) if not any((folder / n).glob("*.safetensors"))]
+        if unsafe:  # not "*.*.bin": a weight variant (name.fp16.bin)
             wanted = [f"{name}/*{suffix}" for name in unsafe for suffix in (".bin", ".bin.index.json")]
             folder = Path(snapshot_download(model, allow_patterns=wanted, ignore_patterns=["*/*/*", "*.*.bin"]))
         return folder

@@ -147,14 +147,14 @@ def _transformer_bytes(model: nn.Module, kept: list[nn.Module], dtype: torch.dty
     (PipeFusion's first stage) divided by tensor parallelism; FP8 linears as the conversion makes them (a byte a
     weight and a float32 scale a row), the ``keep`` ones left in ``dtype``."""
     names = {id(module): name for name, module in model.named_modules()}
-    blocks = [names[id(block)] + "." for block in model_blocks(model)]
+    blocks = tuple(names[id(block)] + "." for block in model_blocks(model))
     kept_names = tuple(names[id(block)] + "." for block in kept)
     total = 0
     for name, module in model.named_modules():
         size = sum(p.numel() for p in module.parameters(recurse=False)) * dtype.itemsize
         if fp8 and quantizable(name, module, keep):
             size -= module.weight.numel() * (dtype.itemsize - 1) - module.out_features * 4
-        if not name.startswith(tuple(blocks)):
+        if not name.startswith(blocks):
             total += size
         elif name.startswith(kept_names):
             total += size // tensor

@@ -56,13 +56,7 @@ class StepCost:
 
 
 def attention_ms(facts: ModelFacts, workload: Workload, batch: float, profile: HardwareProfile) -> float:
-    total = 0.0
-    for group in facts.attention:
-        query = group.query_tokens.at(workload.image_tokens, workload.text_tokens)
-        key = group.key_tokens.at(workload.image_tokens, workload.text_tokens)
-        flops = 4.0 * group.layers * group.heads * group.head_dim * query * key * batch
-        total += flops / (profile.attention_rate(group.head_dim) * 1e9)
-    return total
+    return sum(g.flops(workload) * batch / (profile.attention_rate(g.head_dim) * 1e9) for g in facts.attention)
 
 
 def linear_efficiency(

@@ -59,6 +59,12 @@ class AttentionGroup:
     query_tokens: TokenLinear
     key_tokens: TokenLinear
 
+    def flops(self, workload: Workload) -> float:
+        """Of every call of the group for one sample: QK^T and PV, two multiply-adds a query-key pair a channel."""
+        query = self.query_tokens.at(workload.image_tokens, workload.text_tokens)
+        key = self.key_tokens.at(workload.image_tokens, workload.text_tokens)
+        return 4.0 * self.layers * self.heads * self.head_dim * query * key
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -97,10 +103,7 @@ class ModelFacts:
         """FLOPs of one forward of ``batch`` samples: the linear layers, the attention calls and the rest."""
         image, text = workload.image_tokens, workload.text_tokens
         flops = sum(group.flops.at(image, text) for group in self.linear) + self.other_flops.at(image, text)
-        for group in self.attention:
-            query, key = group.query_tokens.at(image, text), group.key_tokens.at(image, text)
-            flops += 4.0 * group.layers * group.heads * group.head_dim * query * key
-        return flops * batch
+        return (flops + sum(group.flops(workload) for group in self.attention)) * batch
 
     def to_json(self) -> dict:
         """Everything but the preset's name, which keys the facts in ``models.json``."""

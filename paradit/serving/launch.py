@@ -77,10 +77,11 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
         run = alone if single else grouped
         run = run if on_cpu else dataclasses.replace(run, device=torch.device("cuda", first))
         engine = Engine(settings=run, isolate=True, cpu_threads=cpu_threads)
-        try:  # two steps at the model's default size per batch size, so that no client pays a first run's costs
+        try:  # a step at the model's default size per batch size, so that no client pays a first run's costs
             for images in range(1, settings.max_batch + 1):  # (compiled blocks: one graph per batch size)
-                warm = engine.generate(GenerationRequest(prompt="warm-up", steps=2, num_images_per_prompt=images))
-                pace.record([warm.request], warm.timings.step_ms[1:])  # the second step: compiled, in its stride
+                steps = 2 if images == 1 else 1  # one more to measure the pace: the second step is in its stride
+                warm = engine.generate(GenerationRequest(prompt="warm-up", steps=steps, num_images_per_prompt=images))
+                pace.record([warm.request], warm.timings.step_ms[1:])
         except BaseException:
             engine.close()
             raise

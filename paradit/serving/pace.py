@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
 
 class Pace:
-    """Seconds per FLOP of this server's fastest measured step (none for an architecture the planner has no counts
-    for: nothing is then refused up front)."""
+    """Seconds per FLOP of this server's fastest step; without the planner's counts for it, nothing is refused."""
 
     def __init__(self, spec: ModelSpec, family: Family) -> None:
         self.spec, self._family, self._facts = spec, family, find_facts(spec)

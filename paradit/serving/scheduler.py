@@ -184,8 +184,11 @@ class Scheduler:
             self._changed.notify_all()
         return job
 
+    def _step_seconds(self, requests: list[ResolvedRequest]) -> float | None:
+        return self.pace.step_seconds(requests) if self.pace is not None else None
+
     def _check_deadline(self, resolved: ResolvedRequest) -> None:
-        step_s = self.pace.step_seconds([resolved]) if self.pace is not None else None
+        step_s = self._step_seconds([resolved])
         if step_s is not None and step_s * resolved.steps > ESTIMATE_MARGIN * self.timeout_s:
             spec = self.pace.spec
             param = "size" if resolved.height * resolved.width > spec.height * spec.width else "steps"
@@ -309,8 +312,8 @@ class Scheduler:
             group = self._group_of(job)
             if group is not None and all(other.abandoned for other in group.batch):
                 group.engine.cancel()
-                step_s = self.pace.step_seconds([j.resolved for j in group.batch]) if self.pace is not None else None
-                group.stop_by = time.monotonic() + STOP_GRACE_S + (step_s or 0.0)
+                step_s = self._step_seconds([other.resolved for other in group.batch]) or 0.0
+                group.stop_by = time.monotonic() + STOP_GRACE_S + step_s
 
     def _end(self, job: Job, outcome: GenerationResult | ParaditError) -> None:
         job.finished_at = time.monotonic()
