@@ -125,12 +125,13 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", help="presets to run (default: all)")
     parser.add_argument("--cap", help="per-GPU cap, e.g. 32GiB (the plan is then the estimate's choice)")
     parser.add_argument("--compile", action="store_true", help="regional compilation (default: eager, the larger)")
+    parser.add_argument("--quantize", choices=["none", "fp8"], help="every case in this precision (default: its own)")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
     rows = []
     for name, quantize, swap, placement, sizes in CASES:
         if not args.cases or name in args.cases:
-            rows += run_case(name, quantize, swap, placement, sizes, args.cap, args.compile)
+            rows += run_case(name, args.quantize or quantize, swap, placement, sizes, args.cap, args.compile)
             write_json(args.out_dir, "memory_estimates.json", {"environment": environment(), "rows": rows})
     columns = [("model", "model", ""), ("quantize", "quantize", ""), ("size", "size", ""),
                ("compiled", "compiled", ""), ("estimate_gib", "estimate GiB", ".1f"),

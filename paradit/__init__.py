@@ -1,8 +1,7 @@
 """paradit: multi-GPU inference for diffusion transformers.
 
 Public API: ``Engine``, ``GenerationRequest``, ``GenerationResult``, ``ParallelConfig``. They are imported on first
-use, so that the command line answers ``--help``, ``models`` and refusals without loading torch.
-"""
+use, so that the command line answers ``--help``, ``models`` and refusals without loading torch."""
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version

@@ -1,8 +1,5 @@
 """Checkpoint folders in the diffusers layout: finding one (a local folder, or a hub id fetched with only the files
-the loader reads), reading its JSON, checking its components, listing a component's weight files.
-
-Must not import torch.
-"""
+the loader reads), reading its JSON, checking its components, listing their weight files. Must not import torch."""
 
 from __future__ import annotations
 
@@ -27,9 +24,8 @@ def listed_components(model_index: dict) -> list[str]:
 
 
 def pipeline_patterns(model_index: dict) -> dict[str, list[str]]:
-    """The ``allow_patterns`` and ``ignore_patterns`` (keyword arguments of huggingface_hub's downloads) that select
-    the files the loader reads of a pipeline whose ``model_index.json`` is ``model_index``: every component it lists,
-    as ``check_components`` expects them."""
+    """The ``allow_patterns`` and ``ignore_patterns`` (of huggingface_hub's downloads) that select the files the loader
+    reads of the pipeline ``model_index`` describes: every component it lists, as ``check_components`` expects them."""
     allow = [MODEL_INDEX, *(f"{name}/*{suffix}" for name in listed_components(model_index) for suffix in READ_SUFFIXES)]
     return {"allow_patterns": allow, "ignore_patterns": NOT_READ}
 

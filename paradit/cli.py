@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--comm-dtype", choices=["auto", "fp8"], help="fp8: Ulysses/Ring traffic in FP8 with scales (default auto)"
     )
     par.add_argument("--pipefusion", type=positive, help="pipeline stages over the blocks (least traffic)")
+    par.add_argument(
+        "--shard-weights", type=positive, metavar="N", help="each of N neighbouring GPUs keeps 1/N of the weights, "
+        "gathering each block just before it runs (FSDP; with ulysses, ring, cfg; N divides the GPUs)",
+    )  # fmt: skip
     par.add_argument("--patches", type=positive, help="pipefusion: image patches in flight per step (default 1)")
     par.add_argument("--warmup-steps", type=positive, help="pipefusion: exact steps before patching (default 1)")
     par.add_argument(
@@ -288,6 +292,7 @@ def asked_for(args: argparse.Namespace):
         args.model, args.device, args.dtype, args.load_format, args.allow_pickle, args.gpus, parallel,
         flag("comm_dtype", None), flag("patches", None), flag("warmup_steps", None), args.quantize, args.compile,
         args.cuda_graphs or None, args.swap_experts, args.max_gpu_memory, args.text_encoder_placement,
+        shard_weights=flag("shard_weights", None),
     )  # fmt: skip
 
 
@@ -301,7 +306,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.no_progress:  # workers' transformers and diffusers read this when they are imported
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     degrees = (args.gpus, args.ulysses, args.ring, args.tensor, args.pipefusion)
-    if args.cfg_parallel or any((degree or 1) > 1 for degree in degrees):
+    if args.cfg_parallel or args.shard_weights or any((degree or 1) > 1 for degree in degrees):
         start_worker_server(args.device)  # its imports overlap this process's, below
     from paradit.engine import Engine
     from paradit.outputs import replaced, writable_folder

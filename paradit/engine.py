@@ -82,7 +82,7 @@ class Engine:
         )  # fmt: skip
         # pipeline: the one this process runs (None when the work happens in spawned worker processes)
         self.pipeline = self._group = self._signals = None
-        if self.parallel.world_size == 1 and not isolate:
+        if self.parallel.world_size == 1 and not isolate and not self.parallel.shard_weights:
             self.pipeline = build_pipeline(plan, 0, self.device.index or 0)
             self._signals = StepSignals(1)
         elif launched_by_torchrun():  # each process is its own engine: there is no one to agree a cancellation with

@@ -1,6 +1,4 @@
-"""Errors paradit reports to its users: one line that names the problem and the allowed values.
-
-Must not import torch.distributed."""
+"""Errors paradit reports: one line that names the problem and the allowed values. Must not import torch.distributed."""
 
 
 class ParaditError(Exception):

@@ -5,11 +5,8 @@ Written here rather than taken from accelerate's offloading hooks: those move a 
 forward (the price paid on each of the ~40 steps), while an expert is needed for a run of consecutive steps; one bulk
 copy per switch, from pinned memory at the host link's full rate, costs a fraction of one step.
 
-The tensors are swapped in place (``Parameter.data``, buffer slots), so compiled blocks, FP8 linears and the parallel
-wrappers keep the very modules they hold. CUDA graphs, which replay fixed addresses, do not combine with it.
-
-Must not import torch.distributed.
-"""
+The tensors are swapped in place (``Parameter.data``, buffer slots), so compiled blocks, FP8 linears and parallel
+wrappers keep their modules. CUDA graphs (fixed addresses) do not mix with it. Must not import torch.distributed."""
 
 from __future__ import annotations
 

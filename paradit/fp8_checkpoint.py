@@ -1,8 +1,5 @@
 """``paradit quantize``: write an FP8 checkpoint folder (the transformer quantized linear by linear as it loads, the
-other components linked), and read back one written for a preset.
-
-Must not import torch.distributed.
-"""
+other components linked), and read back one written for a preset. Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -86,8 +83,7 @@ def check_out(out: Path, spec: ModelSpec | None = None, dtype: torch.dtype = tor
 
 
 def spec_with_fp8_transformer(folder: Path) -> ModelSpec:
-    """The spec of a folder ``write_fp8_checkpoint`` wrote for a preset: the preset, with its transformer read from
-    the folder's FP8 component and everything else random."""
+    """The spec of a folder ``write_fp8_checkpoint`` wrote for a preset: its FP8 transformer, everything else random."""
     preset = read_json(folder / PRESET_FILE).get("preset")
     if preset not in PRESETS:
         raise CheckpointError(f"{folder / PRESET_FILE} names preset {preset!r}; the presets: {', '.join(PRESETS)}")

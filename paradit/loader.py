@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
+from torch import nn
 
 from paradit.checkpoint import safetensors_files
+from paradit.compile import model_blocks
 from paradit.errors import CheckpointError
 from paradit.expert_swap import ExpertSwap
 from paradit.families import FAMILIES
@@ -19,11 +21,12 @@ from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
 from paradit.parallel.parallelize import Parallelized, parallelize, plain_vae_decode, plain_vae_encode
+from paradit.parallel.shard import shard_module, shard_root
 from paradit.pipelines.base import DiffusionPipeline, load_vae
 from paradit.quantize import fp8_load
 from paradit.spec import CheckpointFolder, Fp8PresetFolder, ModelSpec
 from paradit.text_encoder import load_prompt_encoder
-from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, materialize
+from paradit.weights import CheckpointTensors, DummyTensors, Fp8Load, ModelNames, TensorSource, materialize
 
 
 @dataclass(frozen=True)
@@ -61,14 +64,27 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
         buffers = {name for name, _ in plain.named_buffers()}
         # Each component its own random weights (two experts drawn alike would hide a swapped expert).
         seed = 0 if component == "transformer" else sum(component.encode())
-        materialize(plain, names, DummyTensors(device, dtype, buffers, seed), parallelized.slices, fp8)
+        _fill(plain, names, DummyTensors(device, dtype, buffers, seed), parallelized, fp8, parallel)
         if family.after_dummy_init is not None:
             family.after_dummy_init(plain)
     else:
         allow_pickle = isinstance(spec.weights, CheckpointFolder) and spec.weights.allow_pickle
         with CheckpointTensors(safetensors_files(folder, allow_pickle), device, dtype) as source:
-            materialize(plain, names, source, parallelized.slices, fp8)
+            _fill(plain, names, source, parallelized, fp8, parallel)
+    if parallel is not None and parallel.config.shard_weights:
+        parallelized.forward = shard_root(parallelized.forward, plain, parallel)
     return parallelized
+
+
+def _fill(plain: nn.Module, names: ModelNames, source: TensorSource, parallelized: Parallelized, fp8: Fp8Load | None,
+          context: ParallelContext | None) -> None:  # fmt: skip
+    """Every tensor this rank keeps, read from ``source``; with sharded weights, each block sharded as soon as it has
+    loaded, so that no more than one block is ever whole."""
+    if context is not None and context.config.shard_weights:
+        for block in model_blocks(plain):
+            materialize(block, names, source, parallelized.slices, fp8)
+            shard_module(block, context)
+    materialize(plain, names, source, parallelized.slices, fp8)
 
 
 def load_pipeline(spec: ModelSpec, device: torch.device, dtype: torch.dtype, context: ParallelContext | None = None,
@@ -113,7 +129,7 @@ def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> Diff
     if plan.memory_cap is not None:
         hold_to_cap(device, plan.memory_cap)
     context = None
-    if plan.parallel.world_size > 1:
+    if plan.parallel.world_size > 1 or plan.parallel.shard_weights:  # sharding over one GPU: a group of one
         init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
         context = ParallelContext.build(plan.parallel, device)
     return load_pipeline(plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement,

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -142,34 +143,65 @@ def _measured() -> dict:
 
 
 def _transformer_bytes(model: nn.Module, kept: list[nn.Module], dtype: torch.dtype, fp8: bool, keep: tuple[str, ...],
-                       tensor: int) -> int:  # fmt: skip
-    """Rank 0's share of a transformer: every parameter outside the blocks, and of the blocks the ``kept`` ones
+                       tensor: int) -> tuple[int, list[int]]:  # fmt: skip
+    """Rank 0's share of a transformer: the bytes of every parameter outside the blocks, and of each ``kept`` block
     (PipeFusion's first stage) divided by tensor parallelism; FP8 linears as the conversion makes them (a byte a
     weight and a float32 scale a row), the ``keep`` ones left in ``dtype``."""
     names = {id(module): name for name, module in model.named_modules()}
-    blocks = tuple(names[id(block)] + "." for block in model_blocks(model))
-    kept_names = tuple(names[id(block)] + "." for block in kept)
-    total = 0
+    outside, blocks = 0, [0] * len(kept)
+    prefixes = tuple(names[id(block)] + "." for block in model_blocks(model))
+    kept_names = [names[id(block)] + "." for block in kept]
     for name, module in model.named_modules():
         size = sum(p.numel() for p in module.parameters(recurse=False)) * dtype.itemsize
         if fp8 and quantizable(name, module, keep):
             size -= module.weight.numel() * (dtype.itemsize - 1) - module.out_features * 4
-        if not name.startswith(blocks):
-            total += size
-        elif name.startswith(kept_names):
-            total += size // tensor
-    return total
+        if not name.startswith(prefixes):
+            outside += size
+        elif (index := next((i for i, prefix in enumerate(kept_names) if name.startswith(prefix)), None)) is not None:
+            blocks[index] += size // tensor
+    return outside, blocks
+
+
+def _resident_bytes(shares: list[tuple[int, list[int]]], swap_experts: bool, shard: int) -> int:
+    """What the transformers' ``shares`` (``_transformer_bytes`` of each) hold on the device: all of them, or with
+    swapped experts the largest; sharded over ``shard`` ranks, 1/N of each, and the active one's gathered copies on
+    top: the weights outside its blocks for the whole forward, a block and the next one prefetched."""
+    totals = [outside + sum(blocks) for outside, blocks in shares]
+    if not shard:
+        return max(totals) if swap_experts else sum(totals)
+    gathered = max(outside + 2 * max(blocks, default=0) for outside, blocks in shares)
+    return sum(-(-total // shard) for total in totals) + gathered
+
+
+@dataclass(frozen=True)
+class MetaModels:
+    """A model's transformers (the further ones: a low-noise expert), prompt encoder and VAE on the meta device: what
+    an estimate counts, built once for the many plans a planner estimates."""
+
+    transformers: list[nn.Module]
+    encoder: Any
+    vae: nn.Module
+
+    @classmethod
+    def build(cls, spec: ModelSpec, dtype: torch.dtype) -> MetaModels:
+        family = FAMILIES[spec.family]
+        with torch.device("meta"):
+            configs = [spec.transformer, *spec.experts.values()]
+            models = [family.build_transformer(dataclasses.replace(spec, transformer=c)) for c in configs]
+        encoder = load_prompt_encoder(family, spec, torch.device("meta"), dtype, True)
+        return cls(models, encoder, load_vae(family, spec, torch.device("meta"), dtype, dummy=True))
 
 
 def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, swap_experts: bool = False,
-              vae_tiled: bool = False, compiled: bool = False) -> dict[str, MemoryPlan]:  # fmt: skip
+              vae_tiled: bool = False, compiled: bool = False,
+              built: MetaModels | None = None) -> dict[str, MemoryPlan]:  # fmt: skip
     """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
     (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time;
-    ``compiled``: regional compilation, whose fused blocks hold less working memory."""
+    ``compiled``: regional compilation, whose fused blocks hold less working memory; ``built``: ``spec``'s models
+    on the meta device, when the caller has them."""
     family = FAMILIES[spec.family]
-    configs = [spec.transformer, *spec.experts.values()]  # the further ones: a low-noise expert
-    with torch.device("meta"):
-        models = [family.build_transformer(dataclasses.replace(spec, transformer=c)) for c in configs]
+    built = built or MetaModels.build(spec, dtype)
+    models, encoder, vae = built.transformers, built.encoder, built.vae
     transformer = models[0]
 
     def rank0_blocks(model: nn.Module) -> list[nn.Module]:
@@ -177,11 +209,9 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
         blocks = model_blocks(model)
         return [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
 
-    per_model = [_transformer_bytes(model, rank0_blocks(model), dtype, fp8, family.keep_high_precision,
-                                    parallel.tensor) for model in models]  # fmt: skip
-    transformer_bytes = max(per_model) if swap_experts else sum(per_model)
-    encoder = load_prompt_encoder(family, spec, torch.device("meta"), dtype, True)
-    vae = load_vae(family, spec, torch.device("meta"), dtype, dummy=True)
+    shares = [_transformer_bytes(model, rank0_blocks(model), dtype, fp8, family.keep_high_precision,
+                                 parallel.tensor) for model in models]  # fmt: skip
+    transformer_bytes = _resident_bytes(shares, swap_experts, parallel.shard_weights)
     # The token width, from the attention projections (every family's blocks attend at the model width); a family
     # without a tensor plan states it in its config.
     plan = family.tensor_plan
@@ -238,9 +268,10 @@ def check_fits(
                 return plan
             tried.append(plan)
     smallest = min(tried, key=lambda plan: plan.total)
-    advice = ["give more GPUs to the plan (--tensor shards the weights)", *([] if fp8 else ["use --quantize fp8"])]
+    advice = ["give more GPUs to the plan (--shard-weights or --tensor shards the weights)"]
+    advice += [] if fp8 else ["use --quantize fp8"]
     advice += [] if smallest.text_encoder_placement == "offload" else ["--text-encoder-placement offload"]
-    advice += [] if swap_experts or not spec.experts else ["--swap-experts"]
+    advice += [] if swap_experts or not spec.experts or parallel.shard_weights else ["--swap-experts"]
     raise InvalidRequest(f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {gib(cap)} GiB: "
                          f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}, or raise the "
                          "cap")  # fmt: skip

@@ -1,8 +1,5 @@
-"""Execution options applied to a transformer from outside: FP8 linears (``loader.load_transformer`` converts each
-as it is read, so the high-precision model never exists whole), then regional compilation and CUDA graphs.
-
-Must not import torch.distributed.
-"""
+"""Execution options applied to a transformer from outside: FP8 linears (converted as read by ``load_transformer``:
+the high-precision model never exists whole), regional compilation, CUDA graphs. Must not import torch.distributed."""
 
 from __future__ import annotations
 

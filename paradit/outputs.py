@@ -1,7 +1,5 @@
-"""Output files: image formats, ``--out``'s paths, images and videos written there, MP4s (H.264 via PyAV's libx264).
-The CLI writes with these; the server (``serving.media``) encodes the same formats, by API name, and ``encode_mp4``.
-Must not import torch.
-"""
+"""Output files: image formats, ``--out``'s paths, files written, MP4s (H.264: PyAV's libx264). The CLI writes these;
+the server (``serving.media``) encodes the same formats, by API name, and ``encode_mp4``. Must not import torch."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """What a caller asks for and what it gets back.
-
-Must not import torch (the command line reads its limits before anything heavy loads).
-"""
+Must not import torch (the command line reads its limits before anything heavy loads)."""
 
 from __future__ import annotations
 
@@ -62,9 +60,8 @@ class Timings:
 
 @dataclass
 class GenerationResult:
-    """``pixels`` is (batch, 3, H, W) float in [0, 1] on the CPU, before 8-bit quantisation, or for a video model
-    (batch, frames, 3, H, W); ``images`` are PIL (one per image, or every frame of every video in order), ``frames``
-    the PIL frames of each video."""
+    """``pixels``: (batch, 3, H, W) float in [0, 1] on the CPU before 8-bit quantisation, (batch, frames, 3, H, W) for
+    video; ``images``: PIL, one per image or all videos' frames in order; ``frames``: each video's PIL frames."""
 
     pixels: torch.Tensor
     seed: int

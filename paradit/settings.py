@@ -93,7 +93,7 @@ class Asked:
     allow_pickle: bool = False
     gpus: int | None = None  # the group's size; without degrees, the plan is paradit's to choose
     parallel: ParallelConfig | None = None  # explicit degrees
-    comm_dtype: str | None = None  # these three apply on top of whichever plan runs
+    comm_dtype: str | None = None  # these three, and shard_weights, apply on top of whichever plan runs
     patches: int | None = None
     warmup_steps: int | None = None
     quantize: str | None = None
@@ -102,6 +102,7 @@ class Asked:
     swap_experts: bool = False
     max_gpu_memory: str | int | None = None
     text_encoder_placement: str = "auto"
+    shard_weights: int | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = N
     parallel = dataclasses.replace(
         parallel, comm_dtype=asked.comm_dtype or parallel.comm_dtype, patches=asked.patches or parallel.patches,
         warmup_steps=asked.warmup_steps or parallel.warmup_steps,
+        shard_weights=parallel.shard_weights if asked.shard_weights is None else asked.shard_weights,
     )  # fmt: skip
     placement = asked.text_encoder_placement
     if planned is not None and placement == "auto" and asked.max_gpu_memory is None:
@@ -185,12 +187,13 @@ def check_cpu_group(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtyp
                              f"{PROCESSES_PER_CORE * cores} ({PROCESSES_PER_CORE} a core)")  # fmt: skip
     with torch.device("meta"):
         parameters = sum(p.numel() for p in FAMILIES[spec.family].build_transformer(spec).parameters())
-    held = processes * parameters * dtype.itemsize // (parallel.tensor * parallel.pipefusion)
+    shares = parallel.tensor * parallel.pipefusion * (parallel.shard_weights or 1)
+    held = processes * parameters * dtype.itemsize // shares
     if held > (available := available_memory() or held):
         raise InvalidRequest(f"{processes} CPU process(es) would hold {gib(held)} GiB of {spec.name}'s transformer "
                              f"weights in {str(dtype).removeprefix('torch.')}, past the {gib(available)} GiB of memory "
-                             "available; give --dtype bf16 (half), --tensor or --pipefusion (a share each), or fewer "
-                             "processes")  # fmt: skip
+                             "available; give --dtype bf16 (half), --shard-weights, --tensor or --pipefusion (a share "
+                             "each), or fewer processes")  # fmt: skip
 
 
 def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSettings:
@@ -206,6 +209,10 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
     if options.cuda_graphs and parallel.pipefusion > 1:
         # PipeFusion counts steps on the host to choose warm-up or patched steps; a graph replay would skip that.
         raise InvalidRequest("CUDA graphs do not combine with pipefusion yet; drop --cuda-graphs or --pipefusion")
+    if parallel.shard_weights and (options.cuda_graphs or options.swap_experts):
+        # A graph replays the addresses it captured, which each gather allocates anew; a swap moves whole tensors,
+        # where sharding keeps 1/N of each expert resident already.
+        raise InvalidRequest("--shard-weights does not combine with --cuda-graphs or --swap-experts; drop one")
     if fp8_checkpoint_layers(spec.transformer) is not None:  # it runs in FP8 or not at all
         if options.quantize != "fp8":
             raise InvalidRequest(f"{spec.name} holds an FP8 transformer; run it with --quantize fp8")
@@ -235,7 +242,7 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
             memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, options.swap_experts, compiled)
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
-            if options.swap_experts or not spec.experts:
+            if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
             memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, True, compiled)
             options = dataclasses.replace(options, swap_experts=True)

@@ -1,7 +1,5 @@
 """``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder.
-
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ class RandomWeights:
 
 @dataclass(frozen=True)
 class Fp8PresetFolder:
-    """A folder ``paradit quantize`` wrote for a preset: its FP8 transformer read from ``transformer``, the prompt
-    encoders and the VAE random."""
+    """A folder ``paradit quantize`` wrote for a preset: its FP8 transformer from ``transformer``, the rest random."""
 
     transformer: Path
 

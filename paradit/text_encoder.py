@@ -6,8 +6,7 @@ time); the final norm becomes an identity, so the last kept layer gives the raw 
 Prompt encoders are placed one of three ways (``PLACEMENTS``), as the memory plan chooses: ``gpu``, resident in the run
 dtype; ``fp8``, resident with FP8 linears (``quantize_to``) where the run already executes in FP8; ``offload``, weights
 in host memory streamed to the device (``stream_weights``), when the encoder does not fit beside the transformer.
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -117,9 +116,8 @@ def quantize_to(module: nn.Module, device: torch.device) -> nn.Module:
     dtype = fp8_dtype(device)
     for name, child in list(module.named_modules()):
         if converts_to_fp8(module, name, child):
-            owner_name, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
-            setattr(owner, leaf, Fp8Linear.from_linear(child.to(device), dtype))
+            owner, _, leaf = name.rpartition(".")  # get_submodule(""): the module itself
+            setattr(module.get_submodule(owner), leaf, Fp8Linear.from_linear(child.to(device), dtype))
     return module.to(device)
 
 
@@ -170,10 +168,7 @@ class DecoderPromptEncoder:
     thinking = False  # the chat template's enable_thinking (off: an empty think block follows the generation prompt)
 
     def __init__(self, decoder: nn.Module, tokenizer, spec: TextEncoderSpec, device: torch.device) -> None:
-        self.decoder = decoder
-        self.tokenizer = tokenizer
-        self.spec = spec
-        self.device = device
+        self.decoder, self.tokenizer, self.spec, self.device = decoder, tokenizer, spec, device
 
     def modules(self) -> list[nn.Module]:
         return [self.decoder]

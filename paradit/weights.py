@@ -5,10 +5,7 @@ tensors this rank kept materialised (``materialize``): read from the memory-mapp
 slice a tensor-parallel rank keeps) or drawn at random (``dummy``), one tensor at a time, straight into their final
 device and dtype. Linears converted to FP8 while loading become FP8 as they are read. So a rank's memory while
 loading is its own share plus at most one full tensor. Keys must match the model exactly: a missing or unexpected
-key is an error that names it.
-
-Must not import torch.distributed.
-"""
+key is an error that names it. Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -99,12 +96,10 @@ class CheckpointTensors(ExitStack):
 
 class DummyTensors:
     """Random weights for speed measurements (vLLM's ``dummy`` format), generated on the device.
-
     Each tensor's values come from a generator seeded by its name, drawn for its full shape and then sliced, so every
     rank holds the same values for a replicated tensor and matching shares of a sharded one, whatever else it holds.
     Scales keep activations bounded through deep stacks (std 1/sqrt(fan_in) for matrices, 1 for norm weights, 0 for
-    biases and buffers), so timings are not distorted by inf/NaN arithmetic.
-    """
+    biases and buffers), so timings are not distorted by inf/NaN arithmetic."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, buffers: set[str], seed: int = 0) -> None:
         self.device, self.dtype, self.buffers, self.seed = device, dtype, buffers, seed
@@ -201,8 +196,7 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _fp8_linear(linear: nn.Linear, name: str, names: ModelNames, source: TensorSource, slices: dict[str, TensorSlice],
                 fp8: Fp8Load) -> Fp8Linear:  # fmt: skip
-    """One linear as FP8: an FP8 checkpoint's weight and scale as stored, or else its high-precision weight converted
-    (and freed when this returns)."""
+    """One linear as FP8: an FP8 checkpoint's weight and scale as stored, else its high-precision weight converted."""
 
     def read(key: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
         return source.read(key, shape, slices.get(key), dtype)
@@ -219,8 +213,7 @@ def _fp8_linear(linear: nn.Linear, name: str, names: ModelNames, source: TensorS
 
 
 def _check_keys(source: CheckpointTensors, known: set[str], wanted: set[str]) -> None:
-    """Every tensor this rank holds must be in the checkpoint, and every checkpoint tensor must be one of the
-    model's (held here or not)."""
+    """Every tensor this rank holds must be in the checkpoint, and every checkpoint tensor one of the model's."""
     keys = source.keys()
     mismatches = {"missing": sorted(wanted - keys), "unexpected": sorted(keys - known)}
     if parts := [f"{kind} keys {_few(names)}" for kind, names in mismatches.items() if names]:

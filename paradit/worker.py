@@ -1,18 +1,15 @@
 """Worker processes: one per GPU (or CPU process), each loading its share of the model and serving the requests the
 engine broadcasts to the group. ``WorkerGroup`` is the engine's side of them.
 
-A request that fails on every worker (a cancellation, an error every rank meets alike) raises its error and leaves
-the group serving. If a worker dies, or fails alone and leaves its peers waiting, the group is stopped and the engine
-raises the worker's reason instead of waiting on a collective that will never finish. The group never outlives the
-engine: ``close()``, an interrupt, the engine being garbage-collected and interpreter exit all stop the workers and
-remove the rendezvous folder; if the engine's process is killed outright, each worker sees its lifeline (a pipe
-whose only writer is the engine) close, removes the folder and exits.
+A request that fails on every worker (a cancellation, an error every rank meets alike) raises its error, the group
+serving on. If a worker dies, or fails alone and leaves its peers waiting, the group is stopped and the engine raises
+the worker's reason instead of waiting on a collective that will never finish. The group never outlives the engine:
+``close()``, an interrupt, garbage collection and interpreter exit all stop the workers and remove the rendezvous
+folder; if the engine's process is killed outright, the workers see their lifeline close (``exit_with_lifeline``).
 
-Workers are forked from a forkserver that imported torch and the model code once (on POSIX; spawned elsewhere), so
-a group starts in a fraction of a second instead of each worker spending seconds of CPU on imports. This module
-imports nothing heavy at the top: where workers are spawned, each imports it first and sets up its signal handling
-and its lifeline watch before the imports of torch and the model code.
-"""
+Workers are forked from a forkserver that imported torch and the model code once (on POSIX; spawned elsewhere), so a
+group starts in a fraction of a second, not after each worker's seconds of CPU on imports. No heavy imports at the
+top: a spawned worker imports this module first, and sets up its signals and lifeline before importing torch."""
 
 from __future__ import annotations
 
@@ -95,7 +92,6 @@ def reportable(error: BaseException) -> ParaditError:
 
 class StepSignals:
     """Progress and cancellation of an engine's requests, in memory shared by the engine's process and its workers.
-
     Each request is a run with a number (``begin``). Every rank calls ``check(rank, run, k)`` when k denoise steps are
     done; ``cancel`` may be called from any thread of the engine's process. The ranks of a group must stop at the same
     step, or those still running would wait in a collective for those that stopped: ``cancel`` asks for a stop one
@@ -186,11 +182,10 @@ def start_worker_server(device: str | None) -> None:
 def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: Queue, rendezvous: str,
                 signals: StepSignals, lifeline: Connection, environment: dict[str, str], streams: list[int] | None,
                 first_device: int = 0, threads: int | None = None) -> None:  # fmt: skip
-    """A worker: build this rank's pipeline from the pickled ``WorkerPlan`` on device ``first_device + rank`` and
-    serve requests until told to stop (None), reporting readiness, each request's end and any fatal failure on
-    ``results``; it ends when ``lifeline`` closes. ``environment`` and ``streams`` (the descriptors of
-    ``EngineStreams``, or None to keep those inherited): the engine's, as they are when the group starts.
-    ``threads``: torch's CPU threads (default: the cores shared among the group)."""
+    """A worker: build this rank's pipeline from the pickled ``WorkerPlan`` on device ``first_device + rank`` and serve
+    requests until told to stop (None), reporting readiness, each request's end and any fatal failure on ``results``; it
+    ends when ``lifeline`` closes. ``environment``, ``streams`` (``EngineStreams``' descriptors; None: keep those
+    inherited): the engine's as the group starts. ``threads``: torch's CPU threads (default: cores / world size)."""
     # A terminal's Ctrl-C reaches the whole process group; the engine stops the workers, which must not answer it
     # themselves with a traceback each. WorkerGroup starts them (and the forkserver) with SIGINT ignored already
     # where it can (a POSIX engine on its main thread), which also covers interpreter start-up.
@@ -203,8 +198,7 @@ def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: 
         os.dup2(fd, standard)
         os.close(fd)
     report_warnings()
-    # Imported only now, so that the above covers them too; torch also registers the reductions that send the
-    # result's tensors through shared memory.
+    # Imported only now, so the above covers them too; torch also registers the reductions that share tensors' memory.
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
@@ -243,17 +237,15 @@ def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: 
 
 
 def exit_on_sigterm(signum: int, frame) -> None:
-    """SIGTERM (the engine stopping its workers, or exit_with_parent): leave through Python's exit rather than die on
-    the spot, so that multiprocessing's finalizers unlink the named semaphores this worker made (tqdm's lock among
-    them) and remove its temporary folders; killed outright, it leaves them to the resource tracker, which warns about
-    each on the terminal. A second SIGTERM kills at once."""
+    """SIGTERM (the engine stopping its workers, or exit_with_lifeline): leave through Python's exit rather than die
+    on the spot, so that multiprocessing's finalizers unlink this worker's named semaphores (tqdm's lock among them)
+    and remove its temporary folders, which the resource tracker would warn about. A second SIGTERM kills at once."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(128 + signum)
 
 
 def exit_with_lifeline(lifeline: Connection, rendezvous: str) -> None:
     """Wait until the engine's process is gone, then remove the rendezvous folder and end this worker.
-
     A parent killed outright (SIGKILL, the OOM killer) cannot stop its workers; without this they would keep their
     GPUs and the folder for good, waiting for requests that never come. The engine holds the only write end of the
     lifeline and never writes to it, so the read end becomes ready exactly when that end closes, which the kernel
@@ -271,8 +263,7 @@ def exit_with_lifeline(lifeline: Connection, rendezvous: str) -> None:
 def sigint_ignored_by_children():
     """Processes started inside inherit SIGINT ignored, and Python keeps an ignored SIGINT ignored at start-up, so a
     Ctrl-C while they start prints no traceback. Only the main thread may set handlers; elsewhere (and on Windows,
-    where dispositions are not inherited) worker_main's own call comes a moment later. A Ctrl-C in this short window
-    is lost."""
+    where dispositions are not inherited) worker_main's own call comes a moment later (a Ctrl-C in between is lost)."""
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous is None:
         yield
@@ -285,9 +276,8 @@ def sigint_ignored_by_children():
 
 
 def stop_processes(processes: list[BaseProcess], rendezvous: tempfile.TemporaryDirectory, lifeline: Connection) -> None:
-    """Terminate the workers still running, kill those that outlast ``STOP_S``, and remove the rendezvous folder.
-    The lifeline closes last: closed first, each worker would signal itself as the engine does, and a second
-    SIGTERM kills without the clean exit."""
+    """Terminate the workers still running, kill those that outlast ``STOP_S``, and remove the rendezvous folder. The
+    lifeline closes last: closed first, it would make each worker send itself a second SIGTERM, which kills outright."""
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -323,9 +313,8 @@ class WorkerGroup:
         self.results = context.Queue()
         self.signals = StepSignals(self.world_size, context)
         self.processes: list[BaseProcess] = []  # the started ones: stop_processes joins only those
-        # Runs once: on stop(), when the group is garbage-collected, or at interpreter exit. Registered with atexit
-        # as well, so that at exit it runs before multiprocessing's own handler, which joins the workers without a
-        # time limit.
+        # Runs once: on stop(), when the group is garbage-collected, or at interpreter exit. Registered with atexit too,
+        # so that at exit it runs before multiprocessing's own handler, which joins the workers without a time limit.
         self._stop = weakref.finalize(self, stop_processes, self.processes, self._rendezvous, self._lifeline)
         atexit.register(self._stop)
         self._in_flight = False  # a request is being served: close() does not wait for it
@@ -362,10 +351,9 @@ class WorkerGroup:
             return kind, rank, payload
 
     def _failure(self, reporter: int | None = None, error: ParaditError | None = None) -> ParaditError | SystemExit:
-        """Stop the group and say why, in one line. A worker that died outright is the cause; the errors its peers
-        then raise (a collective whose partner vanished) are consequences, so the dead are named first; with none,
-        paradit's own error (a damaged checkpoint every rank meets) is the line one process prints. Workers that found
-        an unguarded main script give one line and no traceback: that script cannot run as written."""
+        """Stop the group and say why, in one line. A worker that died outright is the cause; its peers' errors then
+        (a collective whose partner vanished) are consequences, so the dead are named first; with none, paradit's own
+        error (a damaged checkpoint every rank meets) is the line. An unguarded main script: one line, no traceback."""
         deadline = time.monotonic() + 2 * POLL_S
         while time.monotonic() < deadline and not self._dead(reporter):
             time.sleep(0.05)
@@ -421,8 +409,7 @@ class WorkerGroup:
         self.processes = []
 
     def close(self) -> None:
-        """Ask idle workers to finish, then stop whatever did not; a request cut short (an interrupt) is not waited
-        for."""
+        """Ask idle workers to finish, then stop whatever did not; a request cut short (an interrupt) is not awaited."""
         if not self._in_flight:
             for requests in self.requests if self.processes else []:
                 requests.put(None)

@@ -220,6 +220,10 @@ MEASURED_PEAKS = [
     ("wan2.2-ti2v-5b", True, False, "offload", "1280x704x81", True, 16.53),
     ("wan2.2-t2v-a14b", True, True, "offload", "832x480x81", True, 18.95),
     ("wan2.2-t2v-a14b", True, True, "offload", "1280x720x81", True, 25.62),
+    ("wan2.2-ti2v-5b", False, False, "offload", "832x480x81", True, 15.29),
+    ("wan2.2-ti2v-5b", False, False, "offload", "1280x704x81", True, 21.08),
+    ("wan2.2-t2v-a14b", False, True, "offload", "832x480x81", True, 31.42),
+    ("wan2.2-t2v-a14b", False, True, "offload", "1280x720x81", True, 37.24),
 ]
 
 

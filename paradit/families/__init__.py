@@ -1,14 +1,12 @@
 """The registry of model families: the only place outside the family folders that names them.
 
-A family is one folder: ``model.py`` (plain single-device math), ``pipeline.py`` (a ``DiffusionPipeline``: prompt
-encoding, latents, the model call, the guidance formula, decoding), ``presets.py`` (published and tiny models, as
-data: ``PRESETS``) and ``family.py`` (its one ``Family`` record: ``FAMILY``). Adding a family is one folder and one
-line below. A checkpoint folder finds its family by the pipeline class its ``model_index.json`` names; a preset by its
-``family`` field.
+A family is one folder: ``model.py`` (single-device math), ``pipeline.py`` (a ``DiffusionPipeline``: prompt encoding,
+latents, the model call, the guidance formula, decoding), ``presets.py`` (published and tiny models, as data:
+``PRESETS``) and ``family.py`` (its one ``Family`` record: ``FAMILY``). Adding a family is one folder and one line
+below. A checkpoint folder finds its family by the pipeline class ``model_index.json`` names, a preset by ``family``.
 
 The presets are light (no torch); the family records are imported on first use of ``FAMILIES``, so that listing
-models and refusing bad flags answer at once.
-"""
+models and refusing bad flags answer at once."""
 
 from __future__ import annotations
 

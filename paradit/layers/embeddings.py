@@ -1,7 +1,5 @@
 """Timestep and condition embeddings: sinusoidal features, MLPs lifting them to model width, the conditioning vector.
-
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 

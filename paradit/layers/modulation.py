@@ -1,7 +1,5 @@
 """Timestep conditioning (AdaLN): modulation triples, the fp16 residual guard, the adaptive LayerNorm at the output.
-
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Rotary position embeddings over several position axes (FLUX-style: interleaved pairs, one frequency band per axis).
-
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What every family's transformer is built on: its config (from ``transformer/config.json``), the three stages the
-parallel runtime acts between, the joint models' token state, and the inverse patch embedding.
-
-Must not import torch.distributed.
-"""
+"""What every family's transformer is built on: its config (``transformer/config.json``), the three stages the parallel
+runtime acts between, the joint models' token state, the inverse patch embedding. Must not import torch.distributed."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Classifier-free guidance branches, batched on one rank or split across the two halves of the group.
 
 The pipeline stacks its inputs as [conditional; unconditional] along the batch; ``local`` picks the rows this rank
-computes and ``combine`` brings every rank's prediction back in that order, one all-gather of the noise
-prediction per step.
-"""
+computes and ``combine`` brings every rank's prediction back in that order: one all-gather a step."""
 
 from __future__ import annotations
 

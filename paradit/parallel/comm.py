@@ -1,8 +1,7 @@
 """Collectives the runtime uses, each counting the bytes this process sends.
 
 Uneven splits are first-class: sequence lengths and head counts need not divide the degree, so all-to-alls carry
-per-rank sizes instead of padding (no wasted bytes, no masks), and gathers pad only the small final outputs.
-"""
+per-rank sizes instead of padding (no wasted bytes, no masks), and gathers pad only the small final outputs."""
 
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ class ParallelConfig:
     ``pipefusion`` splits the blocks into that many pipeline stages, each ``ring`` x ``ulysses`` ranks wide; after
     ``warmup_steps`` exact steps, each step's image tokens flow through the stages as ``patches`` patches attending
     to the previous step's (stale) K/V for the other patches.
+
+    ``shard_weights`` N (0: off) keeps 1/N of every block's weights on each of N neighbouring ranks (the innermost
+    degrees: ``shard_dims``), each block gathered whole just before it runs (FSDP); it multiplies no degree.
     """
 
     ulysses: int = 1
@@ -34,6 +37,7 @@ class ParallelConfig:
     patches: int = 1
     warmup_steps: int = 1
     comm_dtype: str = "auto"
+    shard_weights: int = 0
 
     @property
     def world_size(self) -> int:
@@ -54,7 +58,21 @@ class ParallelConfig:
         plan = " x ".join(parts) if parts else "1 GPU"
         if self.pipefusion > 1:
             plan += f" ({self.patches} patches after {self.warmup_steps} warm-up steps)"
-        return plan + (" (fp8 transport)" if self.comm_dtype == "fp8" else "")
+        plan += " (fp8 transport)" if self.comm_dtype == "fp8" else ""
+        if self.shard_weights:
+            plan += f", weights sharded over {self.shard_weights} ({self.shard_dims()})"
+        return plan
+
+    def shard_dims(self) -> str:
+        """The mesh dimensions ``shard_weights`` spans, innermost first ("ulysses", "cfg x ulysses", "2 of ring 4")."""
+        spanned, left = [], self.shard_weights
+        for name, degree in reversed(self.degrees()):
+            if left == 1:
+                break
+            if degree > 1:
+                spanned.append(name if left % degree == 0 else f"{left} of {name} {degree}")
+                left = max(1, left // degree)
+        return " x ".join(reversed(spanned)) or "the one GPU"
 
     def degrees(self) -> tuple[tuple[str, int], ...]:
         """(name, degree) in mesh order, outermost first."""
@@ -86,6 +104,11 @@ class ParallelConfig:
             problem = f"patches {self.patches} and warmup steps {self.warmup_steps} must both be 1 or more"
         elif self.patches > 1 and self.pipefusion == 1:
             problem = "patches only apply to pipefusion; give pipefusion 2 or more"
+        elif self.shard_weights < 0 or self.shard_weights and self.world_size % self.shard_weights:
+            problem = f"shard weights {self.shard_weights} does not divide the plan's {self.world_size} GPUs"
+        elif self.shard_weights and (self.tensor > 1 or self.pipefusion > 1):
+            # Sharded ranks gather each block together, so they must run the same blocks at once on whole weights.
+            problem = "shard weights combines with ulysses, ring and cfg, not with tensor or pipefusion"
         elif self.world_size != gpus:
             problem = f"{self.describe()} uses {self.world_size} GPUs, not the {gpus} asked for"
         if problem:

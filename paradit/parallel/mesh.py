@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,15 @@ class ParallelContext:
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         # A sequence group is the ring x ulysses ranks sharing every other coordinate, in chunk order (ring-major).
         return cls(config, device, mesh, _new_subgroup(config, ("ring", "ulysses")))
+
+    @cached_property
+    def shard_mesh(self) -> DeviceMesh:
+        """The mesh ``shard_weights`` shards over: groups of N consecutive ranks (the innermost degrees), each group
+        holding the whole model between them (FSDP2's hybrid sharding when N is less than the group)."""
+        n, world = self.config.shard_weights, self.config.world_size
+        if n == world:
+            return init_device_mesh(self.device.type, (n,), mesh_dim_names=("shard",))
+        return init_device_mesh(self.device.type, (world // n, n), mesh_dim_names=("replicate", "shard"))
 
     @property
     def is_leader(self) -> bool:

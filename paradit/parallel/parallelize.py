@@ -1,7 +1,6 @@
 """``parallelize``: the one place that applies parallelism to a plain model, every strategy in a fixed order.
 
-Like torchtitan's ``parallelize_*`` functions, each strategy acts on the plain model in place, on the meta device
-before any weight is loaded:
+Like torchtitan's ``parallelize_*``, each strategy acts on the plain model in place on the meta device, before loading:
 
 1. **tensor**: shards every block's projections (the slices each rank keeps go to the loader);
 2. **sequence** (Ulysses, Ring, USP): swaps every attention module's implementation for one that attends across the
@@ -12,8 +11,7 @@ before any weight is loaded:
 5. **VAE**: the group decodes together, each rank a band of the latents (``parallel.vae``).
 
 What comes back (``Parallelized``) is what loading and the denoise loop need; pipelines use it and never name a
-strategy. FP8 and compilation act on the parallelized plain model afterwards, so every strategy gets them unchanged.
-"""
+strategy. FP8 and compilation act on the parallelized plain model afterwards, so every strategy gets them unchanged."""
 
 from __future__ import annotations
 
@@ -96,10 +94,9 @@ def plain_vae_encode(vae: nn.Module, images: torch.Tensor):
 @dataclass
 class Parallelized:
     """A model with its parallelism applied: ``model`` is the plain model, parallelized in place (what FP8 and
-    compilation act on); ``forward`` is what to call in its place; ``slices`` the part of each sharded tensor this
-    rank loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop; ``vae_decode`` and
-    ``vae_encode`` how the VAE decodes and encodes (the whole group together, each rank a band, when there is a
-    group; encode returns the latent distribution)."""
+    compilation act on); ``forward`` what to call in its place; ``slices`` the part of each sharded tensor this rank
+    loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop;
+    ``vae_decode``/``vae_encode`` the VAE's (by the group if any, a band each; encode gives the latent distribution)."""
 
     model: nn.Module
     forward: nn.Module

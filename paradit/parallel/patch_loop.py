@@ -8,8 +8,7 @@ right behind it, keeping ``patches - 1`` in flight: with ``patches >= stages`` n
 
 Requirements, met by every family: an elementwise scheduler update (one copy per patch keeps its step count), and
 ``predict``'s work after the transformer (guidance, unpatchify) independent of row and step, since one call may return
-rows of an earlier step than its ``t``. ``predict`` calls the transformer it is handed, here ``PipeFusion.run``.
-"""
+rows of an earlier step than its ``t``. ``predict`` calls the transformer it is handed, here ``PipeFusion.run``."""
 
 from __future__ import annotations
 

@@ -23,8 +23,7 @@ and a no-op after: one code path, their weights on one stage, and the stage spli
 the all-to-all is the stale-K/V attention (this rank's heads, the whole sequence). The ``Window`` says which rows of
 each stream every rank holds, so each gathered piece (rank by rank, in ``sequence_streams`` order) lands on its own
 buffer rows. **Ring** inside a stage all-gathers the patch's K/V instead (the buffer needs every key at once; the same
-bytes). **Tensor parallelism** inside a stage shards its blocks as anywhere else; each buffer holds the rank's heads.
-"""
+bytes). **Tensor parallelism** inside a stage shards its blocks as anywhere else; each buffer holds the rank's heads."""
 
 from __future__ import annotations
 
@@ -169,9 +168,7 @@ class PipeFusion(nn.Module):
     def __init__(self, model: nn.Module, context: ParallelContext, sequence: SequenceParallel | None = None) -> None:
         super().__init__()
         config = context.config
-        self.sequence = sequence
-        self.model = model
-        self.context = context
+        self.sequence, self.model, self.context = sequence, model, context
         self.group = context.group("pipefusion")
         # On one communicator predictions flowing back would queue behind the next patch's activations flowing forward.
         self.prediction_group = context.second_group("pipefusion")

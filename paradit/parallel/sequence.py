@@ -11,8 +11,7 @@ on it unchanged; only attention needs the whole sequence, through a ``SequencePa
 Uneven splits travel as per-rank sizes, not padding (``comm``); attention is order-invariant over keys and every query
 returns to its rank, so chunk order inside attention does not matter. Modules with empty ``sequence_streams`` (Wan's
 cross-attention to the whole text) keep local attention. PipeFusion, over this wrapper, swaps each module's *local*
-attention (SDPA on this rank's heads, whole sequence) for stale-K/V attention and uses ``split`` / ``gather`` per patch.
-"""
+attention (SDPA on this rank's heads, whole sequence) for stale-K/V attention, with ``split``/``gather`` per patch."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ ULYSSES_CHUNKS = 2
 
 
 # The forward in flight's layout (stream -> tokens per sequence rank), set around the blocks by whoever splits the
-# tokens. A context variable, not an attribute: no state outlives its forward, and concurrent forwards never see each
-# other's.
+# tokens. A context variable, not an attribute: no state outlives its forward, and concurrent ones never mix.
 _LAYOUT: ContextVar[dict[str, list[int]]] = ContextVar("paradit_sequence_layout")
 
 
@@ -61,9 +59,7 @@ class SequenceParallelAttention:
     and the forward's ``sequence_layout`` give every rank's token count without communication."""
 
     def __init__(self, context: ParallelContext) -> None:
-        self.context = context
-        self.ulysses = context.config.ulysses
-        self.ring = context.config.ring
+        self.context, self.ulysses, self.ring = context, context.config.ulysses, context.config.ring
         self.ulysses_group = context.group("ulysses")
         self.ring_exchange = RingExchange(context.group("ring"), context.stats) if self.ring > 1 else None
         self.fp8_transport = context.config.comm_dtype == "fp8"
@@ -277,8 +273,7 @@ class SequenceParallel(nn.Module):
 
     def __init__(self, model: nn.Module, context: ParallelContext) -> None:
         super().__init__()
-        self.model = model
-        self.context = context
+        self.model, self.context = model, context
         self.attention = SequenceParallelAttention(context)
         for module in model.modules():
             if isinstance(module, AttentionDispatch) and module.sequence_streams != ():

@@ -15,8 +15,7 @@ projection) is small, needed whole, and replicated, except a norm over all heads
 The models infer head counts from shapes (``unflatten(-1, (-1, head_dim))``) and the counts attention modules store are
 divided here, so attention sees heads / T heads unchanged. Exact; composes with sequence parallelism (which splits
 tokens) and CFG parallelism. The plan gives, per parameter name, the slice a rank keeps (``tensor_slices``), so the
-loader reads only that; ``parallelize_tensor`` applies the same slices to a model (on the meta device, only reshaping).
-"""
+loader reads only that; ``parallelize_tensor`` applies the same slices to a model (on the meta device: only shapes)."""
 
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ class TensorPlan:
 
     family: str
     heads: Callable[[nn.Module], int]  # model -> attention heads
-    # model -> width of each kind of part ("attention", "MLP hidden"), read from its modules' shapes
+    # model -> width of each part kind ("attention", "MLP hidden"), read from the model so it follows any checkpoint
     widths: Callable[[nn.Module], dict[str, int]]
     linears: dict[str, Shard]
     # module pattern -> attributes that count heads or features of the whole layer, divided by T after sharding
@@ -78,10 +77,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, bias: nn.Parameter | None, context: ParallelContext) -> None:
         super().__init__()
-        self.linear = linear
-        self.bias = bias
-        self.group = context.group("tensor")
-        self.stats = context.stats
+        self.linear, self.bias = linear, bias
+        self.group, self.stats = context.group("tensor"), context.stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = all_reduce_sum(self.linear(x), self.group, self.stats)
@@ -95,10 +92,8 @@ class HeadShardedRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.RMSNorm, width: int, context: ParallelContext) -> None:
         super().__init__()
-        self.norm = norm
-        self.width = width
-        self.group = context.group("tensor")
-        self.stats = context.stats
+        self.norm, self.width = norm, width
+        self.group, self.stats = context.group("tensor"), context.stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         squares = x.float().square().sum(-1, keepdim=True)

@@ -19,8 +19,7 @@ than one row at a time is swapped (no ``torch.nn`` class is touched):
 
 ``parallel_decode`` and ``parallel_encode`` replace ``vae.decode(...).sample`` and ``vae.encode(...).latent_dist``;
 ``banded`` serves callers that keep bands. Inference only; exact up to floating-point reassociation (relative L2 <= 1e-5
-in fp32; tests/test_parallel_vae.py checks every layout at world sizes 2-4). Tiling (a different computation) is off.
-"""
+in fp32; tests/test_parallel_vae.py checks every layout at world sizes 2-4). Tiling (a different computation) is off."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ ModelCall = Callable[[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor, t
 
 
 class StepClock:
-    """Per-step durations. On accelerators it records events and reads them once at the end, so timing the loop
-    adds no host synchronisation inside it; on the CPU the wall clock is the truth."""
+    """Per-step durations: events read once at the end on accelerators (no host sync in the loop); else wall clock."""
 
     def __init__(self, device: torch.device) -> None:
         self.use_events = device.type == "cuda"
@@ -94,8 +93,7 @@ def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def load_vae(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool) -> nn.Module:
-    """The family's VAE, read from ``spec.folder``, or with seeded random weights (``dummy``) drawn leaving the
-    caller's random state alone."""
+    """The family's VAE from ``spec.folder``, or seeded random weights (``dummy``), the caller's random state kept."""
     if not dummy:
         vae = component_dir(spec.folder, "vae")
         return family.vae.from_pretrained(vae, dtype=dtype, use_safetensors=spec.weights.use_safetensors("vae"))
@@ -121,17 +119,10 @@ class DiffusionPipeline(ABC):
         """In a group, only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so that the
         group decodes together. ``experts``: the further transformers of ``spec.experts``, by component;
         ``expert_swap``, when they take turns on the device (``transformer`` first), what swaps them."""
-        self.family = family
-        self.spec = spec
-        self.parallelized = transformer
-        self.transformer = transformer.forward
-        self.experts = experts or {}
-        self.expert_swap = expert_swap
-        self.prompt_encoder = prompt_encoder
-        self.vae = vae
-        self.device = device
-        self.dtype = dtype
-        self.parallel = parallel
+        self.family, self.spec, self.parallel = family, spec, parallel
+        self.parallelized, self.transformer = transformer, transformer.forward
+        self.experts, self.expert_swap = experts or {}, expert_swap
+        self.prompt_encoder, self.vae, self.device, self.dtype = prompt_encoder, vae, device, dtype
 
     def uses_cfg(self, request: ResolvedRequest) -> bool:
         return self.family.uses_cfg(self.spec, request)
@@ -181,8 +172,7 @@ class DiffusionPipeline(ABC):
     @abstractmethod
     def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout) -> ModelCall:
         """``call(transformer, model_input, timestep, latents)``: the model's prediction in the latents' layout, for
-        the rows of ``conditioning`` this rank computes. Its work after the transformer must treat output rows
-        independently (PipeFusion's patch loop)."""
+        the rows of ``conditioning`` this rank computes, rows independent after the transformer (PipeFusion's loop)."""
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """The guided prediction: classifier-free guidance as diffusers' pipelines write it."""
@@ -252,7 +242,6 @@ class DiffusionPipeline(ABC):
         self, requests: list[ResolvedRequest], progress: bool = False, on_step: Callable[[int], None] | None = None
     ) -> list[GenerationResult] | None:
         """One result per request on the rank that decodes (rank 0 of the group); None on the other ranks.
-
         Requests of one ``batch_key`` run as one batch, each its noise drawn from its own seed as if it ran alone.
         ``on_step(k)`` is called when k steps are done (k = 0 before the first); it may raise to stop the request
         between steps, which in a group every rank must do at the same k."""

@@ -1,8 +1,5 @@
 """What a request becomes once resolved: every default filled in and every value checked (``ResolvedRequest``), the
-checks every family shares, and what requests must share to run as one batch.
-
-Must not import torch.distributed.
-"""
+checks every family shares, and what requests must share to run as one batch. Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -111,8 +108,7 @@ def resolve_common(
 
 
 def batch_key(request: ResolvedRequest) -> tuple | None:
-    """What requests must share to run as one batch: everything but prompts, seeds and image counts. None for a
-    request with an input image, which runs alone."""
+    """What one batch's requests share: all but prompts, seeds and image counts (None: one with an image, run alone)."""
     if request.image is not None:
         return None
     return (request.height, request.width, request.steps, request.guidance, request.guidance_2, request.frames,

@@ -4,7 +4,9 @@
   attention FLOPs over the attention rate at the head size; sequence parallelism divides the blocks' token work, tensor
   parallelism the sharded layers and heads, PipeFusion the blocks (1/P per stage), CFG parallelism the batch;
 - **communication**: the bytes this rank sends per step (as ``parallel/comm.py`` counts them) over the collective's
-  bandwidth, none hidden behind compute but PipeFusion's sends, overlapping the next patch (one patch's hop is exposed);
+  bandwidth, none hidden behind compute but PipeFusion's sends, overlapping the next patch (one patch's hop is exposed),
+  and sharded weights' gathers, each block's during the block before it (the first block's, and any excess over the
+  compute, exposed);
 - **PipeFusion**: a step is one stage's work given at least as many patches as stages (the patch loop keeps the pipeline
   full), else stages idle in proportion; warm-up steps run whole, the stages in turn;
 - **the host**: without CUDA graphs (PipeFusion, tensor parallelism) a step lasts at least the host's launch time of its
@@ -83,9 +85,11 @@ def step_cost(
     profile: HardwareProfile,
     efficiency: float,
     cuda_graphs: bool,
+    weight_bytes: float = 0.0,
 ) -> StepCost:
-    """One step of ``batch`` samples (both guidance branches count when the request runs them) under ``parallel``.
-    Without CUDA graphs a step takes at least the host's time to launch its blocks."""
+    """One step of ``batch`` samples (both guidance branches count when the request runs them) under ``parallel``;
+    ``weight_bytes``: the transformer's (one expert's), which sharded weights gather once a step. Without CUDA graphs
+    a step takes at least the host's time to launch its blocks."""
     image, text = workload.image_tokens, workload.text_tokens
     local_batch = batch / parallel.cfg
     sequence, tensor, stages = parallel.sequence_degree, parallel.tensor, parallel.pipefusion
@@ -100,9 +104,11 @@ def step_cost(
     compute += attention_ms(facts, workload, local_batch, profile) / (sequence * tensor * stages)
     compute += facts.other_flops.at(image, text) * local_batch / (profile.matmul_tflops["bf16"] * efficiency * 1e9)
 
-    transfers = tuple(t for t in _transfers(facts, workload, local_batch, parallel, profile) if t.bytes > 0)
-    exchanged_ms = sum(t.ms for t in transfers if t.strategy != "pipefusion")
-    stage_ms = compute + exchanged_ms
+    transfers = _transfers(facts, workload, local_batch, parallel, profile, weight_bytes)
+    transfers = tuple(t for t in transfers if t.bytes > 0)
+    exchanged_ms = sum(t.ms for t in transfers if t.strategy not in ("pipefusion", "shard"))
+    gather_ms = sum(t.ms for t in transfers if t.strategy == "shard")
+    stage_ms = compute + exchanged_ms + max(0.0, gather_ms - compute) + gather_ms / facts.blocks
     # A step launches every block once per patch on each stage (once per step in a warm-up step, stages in turn).
     launch_ms = 0.0 if cuda_graphs else facts.blocks * profile.host_ms_per_block
     if stages == 1:
@@ -120,9 +126,8 @@ def transport_factor(parallel: ParallelConfig, head_dim: int) -> float:
     return (head_dim + 4) / (BF16_BYTES * head_dim) if parallel.comm_dtype == "fp8" else 1.0
 
 
-def _transfers(
-    facts: ModelFacts, workload: Workload, batch: float, parallel: ParallelConfig, profile: HardwareProfile
-) -> list[Transfer]:
+def _transfers(facts: ModelFacts, workload: Workload, batch: float, parallel: ParallelConfig, profile: HardwareProfile,
+               weight_bytes: float) -> list[Transfer]:  # fmt: skip
     image, text = workload.image_tokens, workload.text_tokens
     ulysses, ring, tensor, stages = parallel.ulysses, parallel.ring, parallel.tensor, parallel.pipefusion
     sequence = ulysses * ring
@@ -143,6 +148,9 @@ def _transfers(
     cfg_bytes = prediction * (parallel.cfg - 1)
     # Stage 0 passes the activations of every token on (the last stage's prediction back is a small fraction).
     stage_bytes = (image + text) * facts.width * BF16_BYTES * batch / sequence if stages > 1 else 0.0
+    # A gather sends this rank's 1/N of every block to the N - 1 others (one forward a step).
+    shard = parallel.shard_weights
+    gather_bytes = weight_bytes / shard * (shard - 1) if shard else 0.0
 
     def transfer(collective: str, strategy: str, nbytes: float) -> Transfer:
         return Transfer(collective, strategy, nbytes, nbytes / (profile.link_gbps[collective] * 1e6))
@@ -153,4 +161,5 @@ def _transfers(
         transfer("all_reduce", "tensor", all_reduce_bytes),
         transfer("all_gather", "cfg", cfg_bytes),
         transfer("send_recv", "pipefusion", stage_bytes),
+        transfer("all_gather", "shard", gather_bytes),
     ]

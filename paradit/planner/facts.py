@@ -1,13 +1,10 @@
 """What the cost model knows of a model: its FLOPs and attention shapes as functions of the token counts.
 
 A linear layer's FLOPs are linear in the tokens it sees, so three meta-device traces (``benchmarks/model_trace.py``) at
-workloads that differ in image tokens and in text tokens give each count exactly as ``per image token x I + per text
-token x T + fixed``; attention calls keep their shapes as the same kind of function of (I, T). The counts are kept,
-per preset, in ``models.json`` beside this file (written by ``benchmarks/model_facts.py``, which knows how to call
-each family's transformer); a checkpoint folder uses the facts of the preset whose architecture it shares.
-
-Must not import torch.distributed.
-"""
+workloads differing in image and in text tokens give each count exactly as ``per image token x I + per text token x T +
+fixed``; attention calls keep their shapes as the same kind of function of (I, T). The counts are kept per preset in
+``models.json`` beside this file (by ``benchmarks/model_facts.py``, which knows how to call each family's transformer);
+a checkpoint folder uses the facts of the preset whose architecture it shares. Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -76,10 +73,9 @@ class Workload:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """FLOPs and shapes of one forward of one sample of ``preset``'s transformer. ``token_side``: pixels per image
-    token side; ``frame_stride``: video frames per latent frame (None for images); ``width``: the blocks' activation
-    width (what PipeFusion passes between stages); ``experts``: transformers the model alternates between (one
-    active)."""
+    """FLOPs and shapes of one forward of one sample of ``preset``'s transformer. ``token_side``: pixels per image token
+    side; ``frame_stride``: video frames per latent frame (None for images); ``width``: the blocks' activation width
+    (what PipeFusion passes between stages); ``experts``: transformers the model alternates between (one active)."""
 
     preset: str
     blocks: int

@@ -4,7 +4,9 @@ the predicted time of an average denoise step of the request.
 
 Plans are CFG x PipeFusion x Ring x Ulysses x tensor degrees that multiply to N and that the model accepts
 (``parallel.validate.check_plan``), PipeFusion with as many patches as stages or twice as many, and with FP8 compute
-(only when asked for, or when nothing fits without it) also FP8 transport for the sequence plans.
+(only when asked for, or when nothing fits without it) also FP8 transport for the sequence plans. Models with experts
+may also swap them (one resident at a time), and the sequence and CFG plans may shard their weights over 2 GPUs or
+more (``--shard-weights``): all of these exact ways to fit are ranked together, by what they cost a step.
 
 Ranking prefers exact plans: an approximate one (FP8 transport, PipeFusion's stale patches) must be predicted
 ``EXACT_PREMIUM`` faster to rank above an exact one. Plans within ``SAME_SPEED`` of each other count as equally fast
@@ -26,7 +28,7 @@ import torch
 
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, PRESETS
-from paradit.memory import MemoryPlan, estimates, gib
+from paradit.memory import MemoryPlan, MetaModels, estimates, gib
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.validate import check_plan
 from paradit.planner.cost import StepCost, linear_efficiency, step_cost
@@ -192,6 +194,9 @@ def parallel_candidates(spec: ModelSpec, gpus: int, uses_cfg: bool, fp8_transpor
                 variants = [dataclasses.replace(base, patches=p) for p in (pipefusion, 2 * pipefusion)]
             if fp8_transport and ulysses * ring > 1:
                 variants += [dataclasses.replace(v, comm_dtype="fp8") for v in variants]
+            if tensor == pipefusion == 1:
+                shards = [n for n in range(2, gpus + 1) if gpus % n == 0]
+                variants += [dataclasses.replace(v, shard_weights=n) for v in variants for n in shards]
             for parallel in variants:
                 with contextlib.suppress(InvalidRequest):
                     check_plan(family, spec, parallel)
@@ -206,18 +211,20 @@ def _factorizations(n: int, slots: int) -> list[tuple[int, ...]]:
 
 
 class MemoryEstimates:
-    """``paradit.memory.estimates`` of one model at one size, kept per plan shape (building the model on the meta
-    device for each of dozens of plans would be the planner's slowest part)."""
+    """``paradit.memory.estimates`` of one model at one size, kept per plan shape, its models built on the meta device
+    once (building them for each of dozens of plans would be the planner's slowest part)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self._known: dict[tuple, dict[str, MemoryPlan]] = {}
+        self._built = MetaModels.build(spec, torch.bfloat16)
 
     def __call__(self, parallel: ParallelConfig, fp8: bool, swap: bool = False) -> dict[str, MemoryPlan]:
-        key = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.world_size, fp8,
-               swap)  # fmt: skip
+        key = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.world_size,
+               parallel.shard_weights, fp8, swap)  # fmt: skip
         if key not in self._known:  # compiled: the GPUs' default
-            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, compiled=True)
+            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, compiled=True,
+                                         built=self._built)  # fmt: skip
         return self._known[key]
 
 
@@ -244,7 +251,8 @@ def plan(
     def option(parallel: ParallelConfig, fp8: bool, swap: bool) -> Option:
         graphs = graphs_for(parallel) and not swap
         calibrated = calibration(facts, profile, fp8, graphs)
-        cost = step_cost(facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs)
+        weights = memory(ParallelConfig(), fp8, swap=True)["gpu"].transformer if parallel.shard_weights else 0.0
+        cost = step_cost(facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs, weights)
         tried = [memory(parallel, fp8, swap)[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
         fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)
         chosen = fitting or min(tried, key=lambda m: m.total)
@@ -255,18 +263,24 @@ def plan(
         return Option(parallel, fp8, cost, mean_ms, chosen, placement, calibrated, swap)
 
     refused: list[Option] = []
-    # The cheapest way to fit first: bf16 with every expert resident, then swapped experts, then FP8 compute.
-    for fp8, swap in [(fp8, swap) for fp8 in attempts for swap in ((False, True) if spec.experts else (False,))]:
-        candidates = parallel_candidates(spec, gpus, wanted.uses_cfg, fp8)
-        options = [option(parallel, fp8, swap) for parallel in candidates]
+    for fp8 in attempts:  # bf16 first: FP8 compute only when nothing else fits
+        # Swapping experts gains nothing over sharding, which keeps 1/N of each resident already.
+        options = [
+            option(parallel, fp8, swap)
+            for parallel in parallel_candidates(spec, gpus, wanted.uses_cfg, fp8)
+            for swap in ((False, True) if spec.experts and not parallel.shard_weights else (False,))
+        ]
         refused += [o for o in options if not o.fits]
         fitting = rank([o for o in options if o.fits], lambda o: o.mean_ms, lambda o: o.parallel)
         if not fitting:
             continue
-        single = option(ParallelConfig(), fp8, swap) if gpus > 1 else None
+        best = fitting[0]
+        single = option(ParallelConfig(), fp8, best.swap_experts) if gpus > 1 else None
         needed = fp8 and quantize is None
         notes = [f"no plan fits {gib(profile.memory_bytes)} GiB per GPU in bf16: FP8 halves the weights"] * needed
-        notes += [f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"] * swap
+        notes += [f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"] * (
+            best.swap_experts
+        )
         return PlanChoice(spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes))
     if not refused:
         raise InvalidRequest(f"{spec.name} has no plan for {gpus} GPUs")
@@ -280,5 +294,6 @@ def plan(
 
 def graphs_for(parallel: ParallelConfig) -> bool:
     """CUDA graphs for the plans they have been measured with (one GPU, CFG, Ulysses, Ring): PipeFusion counts steps
-    on the host, which a replay would skip, and tensor parallelism has run compiled only."""
-    return parallel.pipefusion == 1 and parallel.tensor == 1
+    on the host, which a replay would skip, tensor parallelism has run compiled only, and sharded weights' gathers
+    allocate anew each step."""
+    return parallel.pipefusion == 1 and parallel.tensor == 1 and not parallel.shard_weights

@@ -2,8 +2,7 @@
 on 2+ GPUs: a profile of this machine's rates, efficiencies and memory from the one it refines.
 
 Bandwidths are reported as ``parallel/comm.py`` counts bytes (what one rank sends), so the cost model divides the same
-bytes by them. torch.distributed is imported only inside the probe's worker processes.
-"""
+bytes by them. torch.distributed is imported only inside the probe's worker processes."""
 
 from __future__ import annotations
 

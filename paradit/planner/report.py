@@ -31,6 +31,8 @@ def traffic(option: Option, profile_gbps: dict[str, float]) -> str:
         return "sends nothing between GPUs"
     main = max(cost.transfers, key=lambda t: t.ms)
     hidden = ", hidden behind the next patch but for one patch's hop" if option.parallel.pipefusion > 1 else ""
+    if main.strategy == "shard":
+        hidden = ", each block's weights gathered while the block before it computes"
     return (
         f"sends {size(cost.bytes_sent)} per step: {main.ms:.1f} ms at {profile_gbps[main.collective]:g} GB/s "
         f"({COLLECTIVE_NAMES[main.collective]}){hidden}"
@@ -47,7 +49,7 @@ def _row(option: Option, marker: str) -> str:
     placement = option.placement or f"none fits ({option.memory.text_encoder_placement} smallest)"
     exact = "exact" if option.parallel.exact else "approximate"
     return (
-        f"{marker} {option.describe():<52} {option.mean_ms:>9.1f} {option.cost.compute_ms:>9.1f} "
+        f"{marker} {option.describe():<60} {option.mean_ms:>9.1f} {option.cost.compute_ms:>9.1f} "
         f"{size(option.cost.bytes_sent):>10} {gib(option.memory.total) + ' GiB':>10}  {placement:<8} {exact}"
     )
 
@@ -107,6 +109,7 @@ def command(choice: PlanChoice) -> str:
         (best.fp8, "--quantize fp8"),
         (best.cuda_graphs, "--cuda-graphs"),
         (best.swap_experts, "--swap-experts"),
+        (parallel.shard_weights, f"--shard-weights {parallel.shard_weights}"),
         (best.placement != "gpu", f"--text-encoder-placement {best.placement}"),
     ]
     flags += [flag for wanted, flag in optional if wanted]
@@ -125,7 +128,7 @@ def render(choice: PlanChoice) -> str:
         choice.best.calibration.describe(profile, choice.best.fp8),
         *choice.notes,
         "",
-        f"  {'plan':<52} {'ms/step':>9} {'compute':>9} {'sent/step':>10} {'GPU mem':>10}  {'encoders':<8} result",
+        f"  {'plan':<60} {'ms/step':>9} {'compute':>9} {'sent/step':>10} {'GPU mem':>10}  {'encoders':<8} result",
         *(_row(option, "*" if option is choice.best else " ") for option in choice.ranked[: 1 + RUNNERS_UP]),
         *(_row(option, "x") for option in sorted(choice.refused, key=lambda o: o.mean_ms)[:2]),
         *([_row(choice.single_gpu, "1")] if choice.single_gpu is not None else []),

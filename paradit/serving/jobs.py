@@ -1,7 +1,4 @@
-"""A request's life in the server: the ``Job`` the scheduler queues, runs and ends, and the errors it can end with.
-
-Must not import torch.
-"""
+"""A server request's life: the ``Job`` the scheduler queues, runs and ends, and its errors. Must not import torch."""
 
 from __future__ import annotations
 
@@ -43,10 +40,9 @@ class JobCancelled(ParaditError):
 
 @dataclass(eq=False)
 class Job:
-    """One API request: ``resolved`` (the model's defaults filled in and its seed drawn, once: the engine runs it as
-    it is, and the answer names the seed), the batching ``key`` (requests with equal keys may share a forward pass;
-    None runs alone), and its outcome: ``future`` ends with the GenerationResult or the error. ``state`` and the
-    times change under the scheduler's lock."""
+    """One API request: ``resolved`` (the model's defaults filled in and its seed drawn, once: the engine runs it as it
+    is, and the answer names the seed), the batching ``key`` (equal keys may share a forward pass; None runs alone), and
+    ``future``, which ends with the GenerationResult or the error. State and times change under the scheduler's lock."""
 
     resolved: ResolvedRequest
     key: tuple | None
@@ -58,8 +54,7 @@ class Job:
     finished_at: float | None = None
     state: str = QUEUED
     plan: str = ""  # the plan of the group that runs it
-    # Why nobody waits for it any more (a cancellation, a timeout): set while it runs, it stops its batch once every
-    # job in it is abandoned.
+    # Why nobody waits for it any more (a cancellation, a timeout); a running batch stops once all its jobs have one.
     abandoned: ParaditError | None = None
     future: Future[GenerationResult] = field(default_factory=Future)
     steps_done: int = 0  # while it runs, the scheduler reads the engine's count instead

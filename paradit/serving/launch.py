@@ -1,9 +1,6 @@
 """``paradit serve``: its socket, the groups' engines, the scheduler, the app, and uvicorn, which on SIGTERM (or Ctrl-C,
 or SIGHUP: the command line takes a closed terminal for SIGTERM) first drains (new requests get 503, the accepted
-ones finish) and then exits; a second signal exits at once.
-
-Must not import torch.distributed.
-"""
+ones finish) and then exits; a second signal exits at once. Must not import torch.distributed."""
 
 from __future__ import annotations
 

@@ -6,9 +6,7 @@ Measured here rather than predicted from a hardware profile, so it holds on any 
 knows) and for this server's own plan and options. The fastest pace seen counts: a small step uses the device less
 well than a large one, so scaling from it errs high (2.3x for flux2-tiny on the CPU from 128x128 to 1024x1024,
 docs/benchmarks.md), and a request is refused only when even a third of its estimate is past the deadline.
-
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 

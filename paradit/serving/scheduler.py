@@ -1,5 +1,4 @@
-"""The scheduler: the bounded queue of jobs, the worker groups that serve it, batching, cancellation, timeouts and
-recovery.
+"""The scheduler: the bounded job queue, the worker groups that serve it, batching, cancellation, timeouts, recovery.
 
 Each group is one ``paradit.Engine`` whose workers run in their own processes, driven by one thread of the server's
 process: it takes the next batch from the queue, runs it, and ends each job with its result or its error. The HTTP
@@ -18,11 +17,9 @@ front end never waits on a group: it awaits the job's future, and encodes the im
 - Draining (SIGTERM): new jobs are refused and the accepted ones finish.
 - ``auto``: group 0 spans every GPU and the other groups hold one GPU each, on the same devices (each with its own
   copy of the model). Per batch, from the queue: while it holds at most one batch, group 0 runs it split across every
-  GPU (lowest latency); past that, the one-GPU groups run independent batches (most throughput). The two sides never
-  run at once.
+  GPU (lowest latency); past that, the one-GPU groups run independent batches (most throughput), never both at once.
 
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -266,8 +263,7 @@ class Scheduler:
             return batch
 
     def finish(self, group: Group, outcome: list[GenerationResult] | ParaditError) -> None:
-        """End ``group``'s batch: each job with its result, or all with the error (an abandoned job with the reason
-        it was abandoned for)."""
+        """End ``group``'s batch: each job with its result, or all with the error (an abandoned job with its reason)."""
         with self._changed:
             batch, group.batch = group.batch, []
             if isinstance(outcome, list):
@@ -285,10 +281,9 @@ class Scheduler:
     # Under the lock.
 
     def _may_take(self, group: Group) -> bool:
-        """Whether ``group`` may take the next batch now. Under ``auto``, group 0 (every GPU) takes it while the
-        one-GPU groups are idle and the queue holds at most one batch's images, a one-GPU group while group 0 is idle
-        and the queue holds more or another one-GPU group is busy; a side that is not serving (being rebuilt) leaves
-        the queue to the other."""
+        """Whether ``group`` may take the next batch. Under ``auto``, group 0 (every GPU) takes it while the one-GPU
+        groups are idle and the queue holds at most one batch's images, a one-GPU group while group 0 is idle and the
+        queue holds more or another one is busy; a side not serving (being rebuilt) leaves the queue to the other."""
         if not self._queue:
             return False
         if not self.auto:

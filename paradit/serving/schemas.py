@@ -1,9 +1,6 @@
 """The HTTP API's bodies and answers (pydantic): what FastAPI validates each request against and what the OpenAPI
 schema shows. Requests refuse fields they do not know and values of the wrong JSON type ("2" for 2); the model's own
-limits (sizes, frames) are checked afterwards by the engine, which knows them.
-
-Must not import torch.
-"""
+limits (sizes, frames) are checked afterwards by the engine, which knows them. Must not import torch."""
 
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ class Body(BaseModel):
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="drawn at random when absent; answered back")
 
     def request(self, **fields) -> GenerationRequest:
-        """The engine's request: these fields, ``size`` as height and width (the model's for ``auto``), and the
-        API's own ``fields``."""
+        """The engine's request: these fields, ``size`` as height and width (``auto``: the model's), and ``fields``."""
         width, height = (None, None) if self.size == "auto" else map(int, self.size.split("x"))
         return GenerationRequest(
             prompt=self.prompt, negative_prompt=self.negative_prompt, height=height, width=width, steps=self.steps,

@@ -1,7 +1,4 @@
-"""FLUX.2 (dev and klein) as one record: its checkpoints, its requests, its runtime facts.
-
-Must not import torch.distributed.
-"""
+"""FLUX.2 (dev and klein) as one record: its checkpoints, requests, runtime facts. Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
-    """dev reads Mistral's layers 10, 20, 30 and embeds its guidance; klein reads Qwen3's 9, 18, 27 and runs true CFG
-    unless step-distilled."""
+    """dev reads Mistral's layers 10, 20, 30, guidance embedded; klein Qwen3's 9, 18, 27, true CFG unless distilled."""
     if index["_class_name"] == "Flux2Pipeline":
         layers, mode, steps, guidance = (10, 20, 30), "embedded", 50, 4.0
     else:
@@ -56,7 +52,6 @@ def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
     return spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
 
 
-# Widths are read from the model's modules, so the plan follows whatever checkpoint is loaded.
 TENSOR_PLAN = TensorPlan(
     family="FLUX.2",
     heads=lambda model: model.config.num_attention_heads,

@@ -7,8 +7,7 @@ Names follow diffusers' ``Flux2Transformer2DModel`` (checkpoints load without ke
 - ``run_blocks``: the double-stream blocks, then the single-stream blocks over [text, image];
 - ``head``: image tokens -> prediction.
 
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Reproduces diffusers' ``Flux2Pipeline`` (dev: Mistral3 encoder, embedded guidance) and ``Flux2KleinPipeline`` (klein:
 Qwen3 encoder, true CFG unless step-distilled): the same checkpoint and seed give the same image. Differences for speed
 only: CFG's unconditional branch shares the conditional one's batch (or runs on the group's other half under CFG
-parallelism), and the text encoder stops at the deepest layer read.
-"""
+parallelism), and the text encoder stops at the deepest layer read."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Qwen-Image as one record: its checkpoints, its requests, its runtime facts.
-
-Must not import torch.distributed.
-"""
+"""Qwen-Image as one record: its checkpoints, its requests, its runtime facts. Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -49,7 +46,6 @@ FAMILY = Family(
     build_transformer=lambda spec: QwenImageTransformer(QwenImageConfig.from_dict(spec.transformer)),
     prompt_encoder=lambda spec: QwenPromptEncoder,
     vae=AutoencoderKLQwenImage,
-    # Widths are read from the model's modules, so the plan follows whatever checkpoint is loaded.
     tensor_plan=TensorPlan(
         family="Qwen-Image",
         heads=lambda model: model.config.num_attention_heads,

@@ -7,8 +7,7 @@ Names follow diffusers' ``QwenImageTransformer2DModel`` (checkpoints load withou
 - ``run_blocks``: the dual-stream blocks, text and image meeting in joint attention over [text, image];
 - ``head``: image tokens -> prediction.
 
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ Reproduces diffusers' ``QwenImagePipeline``: the same checkpoint, request and se
 Differences for speed only: the unconditional branch joins the conditional batch (or, under CFG parallelism, the group's
 other half), padded to one text length and masked; the vision tower and LM head, which text prompts never reach, never
 run. One deliberate difference: with prompts of differing lengths and several images each, each image keeps its own
-prompt's text mask; diffusers' ``encode_prompt`` repeats embeddings image by image but tiles the mask prompt by prompt.
-"""
+prompt's text mask; diffusers' ``encode_prompt`` repeats embeddings image by image, but tiles masks prompt by prompt."""
 
 from __future__ import annotations
 
@@ -51,9 +50,7 @@ class QwenPromptEncoder:
     states past the template prefix, padded to the longest in the batch, with the mask of real tokens."""
 
     def __init__(self, language_model: nn.Module, tokenizer, device: torch.device) -> None:
-        self.language_model = language_model
-        self.tokenizer = tokenizer
-        self.device = device
+        self.language_model, self.tokenizer, self.device = language_model, tokenizer, device
 
     def modules(self) -> list[nn.Module]:
         return [self.language_model]

@@ -1,8 +1,5 @@
-"""Qwen-Image presets: the full-size model as published (``Qwen/Qwen-Image``), with its Qwen2.5-VL-7B text encoder's
-config (for ``--load-format dummy``), VAE and scheduler configs, and a tiny model for the demo and tests.
-
-Must not import torch.distributed.
-"""
+"""Qwen-Image presets: the published full-size model (``Qwen/Qwen-Image``), its Qwen2.5-VL-7B text encoder's config
+(for ``--load-format dummy``), VAE and scheduler, a tiny model for demo and tests. Must not import torch.distributed."""
 
 from __future__ import annotations
 

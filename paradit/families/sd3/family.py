@@ -1,7 +1,4 @@
-"""Stable Diffusion 3 / 3.5 as one record: its checkpoints, its requests, its runtime facts.
-
-Must not import torch.distributed.
-"""
+"""Stable Diffusion 3 / 3.5 as one record: checkpoints, requests, runtime facts. Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -66,7 +63,6 @@ FAMILY = Family(
     build_transformer=lambda spec: SD3Transformer(SD3Config.from_dict(spec.transformer)),
     prompt_encoder=lambda spec: SD3PromptEncoder,
     vae=AutoencoderKL,
-    # Widths are read from the model's modules, so the plan follows whatever checkpoint is loaded.
     tensor_plan=TensorPlan(
         family="SD3.5",
         heads=lambda model: model.config.num_attention_heads,
@@ -86,8 +82,7 @@ FAMILY = Family(
             "transformer_blocks.*.ff_context.net.2": ROW_MLP,
         },
     ),
-    # The embedders, the AdaLN modulation (which lives under "norm" names: norm1.linear, norm1_context.linear,
-    # norm_out) and the output projection.
+    # The embedders, the AdaLN modulation (under "norm" names: norm1.linear, norm1_context.linear, norm_out), proj_out.
     keep_high_precision=("embed", "norm", "proj_out"),
     after_dummy_init=lambda transformer: transformer.pos_embed.fill_position_table(),  # a fixed sin-cos buffer
 )

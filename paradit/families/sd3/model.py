@@ -7,8 +7,7 @@ goes through ``AttentionDispatch.attend``, and nothing here knows other devices.
 - ``run_blocks``: the joint blocks (SD3.5-medium's first add image-only attention; the last leaves the text as it is);
 - ``head``: image tokens -> one row of patch values per token (``unpatchify`` makes it latent-shaped).
 
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Reproduces diffusers' ``StableDiffusion3Pipeline``: same checkpoint and seed, same image. CLIP-L and OpenCLIP bigG give
 penultimate hidden states (concatenated on channels, zero-padded to T5's width) and pooled projections (concatenated),
 T5 its last hidden state, appended on the sequence; no attention mask. Differences for speed only: both branches share
-one batch (or the group's two halves under CFG parallelism); only rank 0 holds the encoders and the VAE.
-"""
+one batch (or the group's two halves under CFG parallelism); only rank 0 holds the encoders and the VAE."""
 
 from __future__ import annotations
 

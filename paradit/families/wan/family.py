@@ -1,5 +1,4 @@
 """Wan 2.2 (T2V-A14B, I2V-A14B, TI2V-5B) as one record: its checkpoints, its requests, its runtime facts.
-
 Must not import torch.distributed."""
 
 from __future__ import annotations
@@ -107,8 +106,7 @@ FAMILY = Family(
     build_transformer=lambda spec: WanTransformer(WanConfig.from_dict(spec.transformer)),
     prompt_encoder=lambda spec: UMT5PromptEncoder,
     vae=AutoencoderKLWan,
-    # Widths are read from the model's config, so the plan follows whatever checkpoint is loaded. The QK norms
-    # normalise over all heads: sharded, they take their squared sums over the tensor group, so it stays exact.
+    # The QK norms span all heads: sharded, they sum their squares over the tensor group, which keeps them exact.
     tensor_plan=TensorPlan(
         family="Wan",
         heads=lambda model: model.config.num_attention_heads,

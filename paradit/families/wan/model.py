@@ -8,11 +8,9 @@ attention calls ``AttentionDispatch.attend``; nothing here knows other devices. 
 - ``run_blocks``: modulated self-attention, text cross-attention (and Wan 2.1 I2V's CLIP features), modulated GELU MLP;
 - ``head``: video tokens -> one row of patch values per token; ``unpatchify`` makes it a video.
 
-The video is the one stream the runtime splits: every rank holds the whole text, so cross-attention runs locally, its
-module saying so with ``sequence_streams == ()``. Numerics follow the reference: layer norms and modulation in float32,
-rounded where it rounds; the Q and K RMS norms span all heads (one statistic over ``heads * head_dim``).
-Must not import torch.distributed.
-"""
+The video is the one stream the runtime splits: every rank holds the whole text, so cross-attention runs locally (its
+``sequence_streams == ()``). Numerics follow the reference: layer norms and modulation in float32, rounded where it
+rounds; Q/K RMS norms span all heads (one statistic over ``heads * head_dim``). Must not import torch.distributed."""
 
 from __future__ import annotations
 

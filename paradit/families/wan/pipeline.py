@@ -5,8 +5,7 @@ Reproduces diffusers' ``WanPipeline`` for T2V-A14B (``transformer`` above ``boun
 and ``WanImageToVideoPipeline`` for I2V-A14B (the image's latents and a first-frame mask as extra input channels) and
 TI2V-5B with an image (its latent frame replacing the first noisy one, at timestep 0): same checkpoint, image and seed,
 same frames. The loader puts the second expert (``spec.experts``) in ``self.experts``. Differences for speed only: both
-guidance branches run in one batch (or the group's two halves under CFG parallelism); the group encodes the image.
-"""
+guidance branches run in one batch (or the group's two halves under CFG parallelism); the group encodes the image."""
 
 from __future__ import annotations
 
@@ -78,9 +77,7 @@ class UMT5PromptEncoder:
 
     def __init__(self, encoder, tokenizer, max_length: int, device: torch.device, placement: str = "gpu") -> None:
         self.encoder = place(encoder.eval().requires_grad_(False), placement, device)
-        self.tokenizer = tokenizer
-        self.max_length = max_length
-        self.device = device
+        self.tokenizer, self.max_length, self.device = tokenizer, max_length, device
 
     def modules(self) -> list[nn.Module]:
         return [self.encoder]

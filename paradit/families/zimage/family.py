@@ -1,7 +1,4 @@
-"""Z-Image (Turbo and the base model) as one record: its checkpoints, its requests, its runtime facts.
-
-Must not import torch.distributed.
-"""
+"""Z-Image (Turbo, base) as one record: its checkpoints, requests, runtime facts. Must not import torch.distributed."""
 
 from __future__ import annotations
 
@@ -55,7 +52,6 @@ FAMILY = Family(
     build_transformer=lambda spec: ZImageTransformer(ZImageConfig.from_dict(spec.transformer)),
     prompt_encoder=lambda spec: CaptionEncoder,
     vae=AutoencoderKL,
-    # Widths are read from the model's modules, so the plan follows whatever checkpoint is loaded.
     tensor_plan=TensorPlan(
         family="Z-Image",
         heads=lambda model: model.config.n_heads,

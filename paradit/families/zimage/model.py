@@ -9,8 +9,7 @@ Names follow diffusers' ``ZImageTransformer2DModel`` (checkpoints load without k
 
 As in the reference, each stream is padded to a multiple of 32 tokens with a learnt pad token, a real key every query
 attends to; only batch padding past a caption's own rounded length is masked, by a key mask built once per forward.
-Must not import torch.distributed.
-"""
+Must not import torch.distributed."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Z-Image text-to-image: prompt encoding, seeded latents, denoising, VAE decoding.
 
 Reproduces diffusers' ``ZImagePipeline`` (Turbo, base): same checkpoint and seed, same image. Differences for speed
-only: CFG parallelism runs the unconditional branch on the group's other half; the text encoder stops at the layer read.
-"""
+only: CFG parallelism runs the unconditional branch on the group's other half; the text encoder stops at its layer."""
 
 from __future__ import annotations
 

@@ -1,0 +1,75 @@
+"""Weights sharded over neighbouring ranks (``ParallelConfig.shard_weights``), block by block, by PyTorch's FSDP2
+(``fully_shard``): each of N ranks keeps 1/N of every parameter; a block's pre-forward gathers its whole weights (FP8
+bytes and scales as stored: FSDP2 gathers parameters of mixed dtypes as bytes), issuing the next block's gather too
+so that it travels while this block computes, and its post-forward frees them.
+
+Each block is sharded as soon as it has loaded (``shard_module``), so a rank never holds more than its shares and one
+whole block. The root (``shard_root``) takes what is outside the blocks (embedders, output layers) and ties the blocks
+into one FSDP tree, whose one communication context lets a block prefetch the next. Written here: only the count of
+the bytes each gather sends (``CommStats``), which FSDP2 does not keep.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from paradit.compile import model_blocks
+from paradit.parallel.mesh import ParallelContext
+
+
+class ShardRoot(nn.Module):
+    """The FSDP root: calls the model (or its sequence-parallel wrapper) as it is."""
+
+    def __init__(self, forward: nn.Module) -> None:
+        super().__init__()
+        self.inner = forward
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.inner(*args, **kwargs)
+
+
+class ShardedForward(nn.Module):
+    """What to call in place of the model: its FSDP root, run outside inference mode (under ``no_grad``), since FSDP2
+    before torch 2.13 reads the version counter of each weight it gathers, which tensors made in inference mode lack.
+    Its inputs may still be inference tensors: they are only read."""
+
+    def __init__(self, root: ShardRoot) -> None:
+        super().__init__()
+        self.root = root
+
+    @property
+    def config(self):
+        return self.root.inner.config
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        with torch.inference_mode(False), torch.no_grad():
+            return self.root(*args, **kwargs)
+
+
+def shard_module(module: nn.Module, context: ParallelContext) -> None:
+    """``fully_shard`` the parameters of ``module`` that no inner module has sharded, and count what each of its
+    gathers sends: this rank's (padded) share to each of the N - 1 others."""
+    degree = context.config.shard_weights
+    own = [p for p in module.parameters() if not isinstance(p, DTensor)]
+    share = sum(-(-p.shape[0] // degree) * (p[0].numel() if p.dim() else 1) * p.element_size() for p in own)
+    fully_shard(module, mesh=context.shard_mesh, reshard_after_forward=True)
+
+    @torch.compiler.disable  # a side effect on the host's counters, outside any compiled graph
+    def count(*_) -> None:
+        context.stats.add(share * (degree - 1))
+
+    module.register_forward_pre_hook(count)
+
+
+def shard_root(forward: nn.Module, model: nn.Module, context: ParallelContext) -> ShardedForward:
+    """The module to call in place of ``forward``, once every block of ``model`` is sharded: it shards the rest and
+    sets each block to prefetch the next one's weights (the root, the first block's)."""
+    root = ShardRoot(forward)
+    shard_module(root, context)
+    chain = [root, *model_blocks(model)]
+    for current, following in zip(chain, chain[1:]):
+        current.set_modules_to_forward_prefetch([following])
+    return ShardedForward(root)
