@@ -154,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices", help="which GPUs, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES for this run)"
     )
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    lora = gen.add_argument_group("LoRA adapters (applied to the transformer)")
+    lora.add_argument(
+        "--lora", action="append", metavar="PATH[:SCALE]", help="a .safetensors file, a folder or a hub id; "
+        "repeatable; scale default 1 (of a model with two experts: the high-noise one)",
+    )  # fmt: skip
+    lora.add_argument("--lora-2", action="append", metavar="PATH[:SCALE]", help="a second expert's (the low-noise one)")
+    lora.add_argument("--lora-weight-name", help="the adapter file inside a folder or hub repository")
+    lora.add_argument(
+        "--lora-mode", choices=["fused", "unfused"], default="fused",
+        help="fused into the weights at load (no cost per step), or low-rank side paths beside the linears",
+    )  # fmt: skip
     gen.set_defaults(run=run_generate)
     add_execution_options(gen)
     par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
@@ -292,8 +303,23 @@ def asked_for(args: argparse.Namespace):
         args.model, args.device, args.dtype, args.load_format, args.allow_pickle, args.gpus, parallel,
         flag("comm_dtype", None), flag("patches", None), flag("warmup_steps", None), args.quantize, args.compile,
         args.cuda_graphs or None, args.swap_experts, args.max_gpu_memory, args.text_encoder_placement,
-        shard_weights=flag("shard_weights", None),
+        shard_weights=flag("shard_weights", None), lora=lora_set(args),
     )  # fmt: skip
+
+
+def lora_set(args: argparse.Namespace):
+    """The adapters the flags name (None: none)."""
+    from paradit.lora import LoraSet, parse_lora
+
+    first, second = getattr(args, "lora", None) or [], getattr(args, "lora_2", None) or []
+    if not first and not second:
+        return None
+    weight_name = args.lora_weight_name
+
+    def refs(texts: list[str]) -> tuple:
+        return tuple(parse_lora(text, weight_name) for text in texts)
+
+    return LoraSet(refs(first), refs(second), args.lora_mode)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -342,7 +368,7 @@ def run_generate(args: argparse.Namespace) -> int:
     settings = {
         "prompt": resolved.prompts, "negative_prompt": resolved.negative_prompts, "seed": result.seed,
         "model": run.spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
-        "software": f"paradit {__version__}",
+        "software": f"paradit {__version__}", **({"lora": lora_record(run.options.lora)} if run.options.lora else {}),
         **({"frames": resolved.frames, "fps": resolved.fps, "image": args.image} if result.is_video else {}),
     }  # fmt: skip
     metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
@@ -367,6 +393,15 @@ def run_generate(args: argparse.Namespace) -> int:
         with replaced(Path(args.json)) as temporary:
             temporary.write_text(json.dumps(record, indent=2) + "\n")
     return code
+
+
+def lora_record(lora) -> dict:
+    """The adapters and scales of a run, for the PNG metadata and ``--json``."""
+
+    def refs(adapters) -> list[dict]:
+        return [{"source": ref.source, "scale": ref.scale, "weight_name": ref.weight_name} for ref in adapters]
+
+    return {"transformer": refs(lora.transformer), "transformer_2": refs(lora.transformer_2), "mode": lora.mode}
 
 
 def serial_comparison(parallel, serial, exact: bool) -> tuple[int, str]:

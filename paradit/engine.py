@@ -67,7 +67,7 @@ class Engine:
             asked = Asked(
                 model, device, dtype, load_format, allow_pickle, parallel=parallel or ParallelConfig(),
                 max_gpu_memory=max_gpu_memory, text_encoder_placement=text_encoder_placement,
-                **dataclasses.asdict(options or ExecutionOptions()),  # quantize, compile, cuda_graphs, swap_experts
+                **_fields(options or ExecutionOptions()),  # quantize, compile, cuda_graphs, swap_experts, lora
             )  # fmt: skip
             settings = settle(asked, request)
         self.settings = settings
@@ -164,3 +164,8 @@ class Engine:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _fields(options: ExecutionOptions) -> dict:
+    """The options' fields, their values as they are (``dataclasses.asdict`` would turn the adapters into dicts)."""
+    return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}

@@ -46,6 +46,7 @@ class Family:
     vae: type  # the diffusers autoencoder class of the ``vae/`` component
     tensor_plan: TensorPlan | None
     keep_high_precision: tuple[str, ...]  # name fragments of the linears FP8 leaves in the model dtype
+    lora_loader: str  # the diffusers LoRA loader mixin whose ``lora_state_dict`` converts this family's adapters
     video: bool = False  # whether it makes videos (batch, frames, 3, H, W) rather than images
     sequence_tokens: Callable[[ModelSpec], int] = image_tokens  # tokens a sample's blocks see (memory estimate)
     after_dummy_init: Callable[[nn.Module], None] | None = None  # fills a model's fixed buffers after random init

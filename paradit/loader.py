@@ -16,6 +16,8 @@ from paradit.expert_swap import ExpertSwap
 from paradit.families import FAMILIES
 from paradit.family import Family
 from paradit.layers.fp8 import fp8_dtype
+from paradit.lora import LoraSet
+from paradit.lora.apply import LoraTensors, add_side_paths, read_updates
 from paradit.memory import hold_to_cap
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
@@ -46,17 +48,26 @@ class WorkerPlan:
 
 def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                      parallel: ParallelContext | None = None, quantize: str = "none",
-                     component: str = "transformer") -> Parallelized:  # fmt: skip
+                     component: str = "transformer", lora: LoraSet | None = None) -> Parallelized:  # fmt: skip
     """This rank's transformer, parallelized: built and parallelized on the meta device, then only the tensors the
     rank kept are read from ``spec``'s transformer folder or drawn at random. ``quantize="fp8"`` converts the
     quantizable linears as they load; an FP8 checkpoint's linears load as FP8 whatever ``quantize`` says. No check
     that FP8 can run here: converting on the CPU is allowed (``ExecutionOptions.validate`` guards execution).
-    ``component``: another transformer of the checkpoint (``spec.experts``; ``spec.transformer`` is its config)."""
+    ``component``: another transformer of the checkpoint (``spec.experts``; ``spec.transformer`` is its config).
+    ``lora``: adapters fused into the weights as they are read, or side paths added beside the linears."""
     with torch.device("meta"):
         plain = family.build_transformer(spec).eval()
     names = ModelNames(plain)
+    refs = lora.of(component) if lora else ()
+    updates = read_updates(family.lora_loader, refs, plain, component) if refs else {}  # the whole model's names
     parallelized = parallelize(plain, family.tensor_plan, parallel)
     fp8 = fp8_load(plain, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
+    if updates and lora.mode == "unfused":
+        add_side_paths(plain, names, updates, parallelized.slices, device, dtype)
+
+    def adapted(source: TensorSource) -> TensorSource:
+        return LoraTensors(source, updates, lora.mode == "fused") if updates else source
+
     # A preset's FP8 folder holds its transformer alone; a checkpoint folder holds each component (None: random).
     fp8_preset = isinstance(spec.weights, Fp8PresetFolder) and component == "transformer"
     folder = spec.weights.transformer if fp8_preset else spec.folder and spec.folder / component
@@ -64,13 +75,13 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
         buffers = {name for name, _ in plain.named_buffers()}
         # Each component its own random weights (two experts drawn alike would hide a swapped expert).
         seed = 0 if component == "transformer" else sum(component.encode())
-        _fill(plain, names, DummyTensors(device, dtype, buffers, seed), parallelized, fp8, parallel)
+        _fill(plain, names, adapted(DummyTensors(device, dtype, buffers, seed)), parallelized, fp8, parallel)
         if family.after_dummy_init is not None:
             family.after_dummy_init(plain)
     else:
         allow_pickle = isinstance(spec.weights, CheckpointFolder) and spec.weights.allow_pickle
         with CheckpointTensors(safetensors_files(folder, allow_pickle), device, dtype) as source:
-            _fill(plain, names, source, parallelized, fp8, parallel)
+            _fill(plain, names, adapted(source), parallelized, fp8, parallel)
     if parallel is not None and parallel.config.shard_weights:
         parallelized.forward = shard_root(parallelized.forward, plain, parallel)
     return parallelized
@@ -103,7 +114,8 @@ def load_pipeline(spec: ModelSpec, device: torch.device, dtype: torch.dtype, con
     swap = ExpertSwap(device) if options.swap_experts and spec.experts else None
     for component, config in {**spec.experts, "transformer": spec.transformer}.items():
         component_spec = dataclasses.replace(spec, transformer=config)
-        loaded = load_transformer(family, component_spec, device, dtype, context, options.quantize, component)
+        loaded = load_transformer(family, component_spec, device, dtype, context, options.quantize, component,
+                                  options.lora)  # fmt: skip
         loaded.forward = apply_execution_options(loaded, options, device)
         experts[component] = loaded
         if swap is not None:

@@ -3,7 +3,7 @@ the high-precision model never exists whole), regional compilation, CUDA graphs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from paradit.compile import compile_blocks
 from paradit.cuda_graphs import GraphedModule
 from paradit.errors import InvalidRequest
 from paradit.layers.fp8 import check_fp8_supported
+from paradit.lora import MODES, LoraSet
 from paradit.parallel.parallelize import Parallelized
 
 QUANTIZATIONS = ("none", "fp8")
@@ -21,12 +22,14 @@ QUANTIZATIONS = ("none", "fp8")
 class ExecutionOptions:
     """``quantize``: "none" or "fp8"; ``compile``: regional torch.compile of the repeated blocks (None: on GPUs);
     ``cuda_graphs``: replay each step's kernels from a CUDA graph (CUDA/ROCm only); ``swap_experts``: a model with
-    several experts keeps one on the device and the others in pinned host memory, swapped at the boundary."""
+    several experts keeps one on the device and the others in pinned host memory, swapped at the boundary;
+    ``lora``: the adapters applied to the transformers as they load."""
 
     quantize: str = "none"
     compile: bool | None = None
     cuda_graphs: bool = False
     swap_experts: bool = False
+    lora: LoraSet = field(default_factory=LoraSet)
 
     def validate(self, device: torch.device) -> None:
         if self.quantize not in QUANTIZATIONS:
@@ -35,6 +38,8 @@ class ExecutionOptions:
             check_fp8_supported(device)
         if self.cuda_graphs and device.type != "cuda":
             raise InvalidRequest(f"CUDA graphs need a GPU, not {device.type}; run without --cuda-graphs")
+        if self.lora.mode not in MODES:
+            raise InvalidRequest(f"unknown LoRA mode {self.lora.mode!r}; choose one of {', '.join(MODES)}")
         if self.cuda_graphs and self.swap_experts:  # a graph replays the addresses it captured; a swap moves them
             raise InvalidRequest("CUDA graphs do not combine with swapped experts; drop one of the two options")
 

@@ -19,6 +19,8 @@ from paradit.checkpoint import resolve_checkpoint
 from paradit.errors import InvalidRequest
 from paradit.families import DEFAULT_MODEL, FAMILIES, PRESETS, spec_from_folder
 from paradit.fp8_checkpoint import PRESET_FILE, spec_with_fp8_transformer
+from paradit.lora import LoraSet
+from paradit.lora.apply import check_adapters
 from paradit.memory import MemoryPlan, check_fits, check_placement, gib, parse_size
 from paradit.optimize import ExecutionOptions
 from paradit.parallel.config import ParallelConfig, plans_for
@@ -103,6 +105,7 @@ class Asked:
     max_gpu_memory: str | int | None = None
     text_encoder_placement: str = "auto"
     shard_weights: int | None = None
+    lora: LoraSet | None = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,7 @@ def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = N
     options = ExecutionOptions(
         quantize=asked.quantize or (planned.quantize if planned else "none"), compile=asked.compile,
         cuda_graphs=bool(asked.cuda_graphs or (planned and planned.cuda_graphs)),
-        swap_experts=asked.swap_experts or bool(planned and planned.swap_experts),
+        swap_experts=asked.swap_experts or bool(planned and planned.swap_experts), lora=asked.lora or LoraSet(),
     )  # fmt: skip
     return parallel, options, placement, planned.origin if planned else None
 
@@ -225,6 +228,7 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
             ) from None
     options.validate(device)
     check_plan(family, spec, parallel)
+    check_adapters(family, spec, options.lora)
     gpus, fp8 = parallel.world_size, options.quantize == "fp8"
     if device.type == "cuda" and not launched_by_torchrun() and (device.index or 0) + gpus > torch.cuda.device_count():
         start = "" if device.index is None else f" from {device}"

@@ -96,4 +96,5 @@ FAMILY = Family(
     # The embedders (x_ and context_embedder), the timestep and guidance MLPs, the shared modulation projections and
     # the output layers: a small share of the FLOPs that feeds every block or the prediction directly.
     keep_high_precision=("embed", "modulation", "norm_out", "proj_out"),
+    lora_loader="Flux2LoraLoaderMixin",
 )

@@ -64,4 +64,5 @@ FAMILY = Family(
     ),
     # The embedders (img_in, txt_in, the timestep MLP), the per-block modulation (img_mod, txt_mod), the output layers.
     keep_high_precision=("img_in", "txt_in", "time_text_embed", "_mod.", "norm_out", "proj_out"),
+    lora_loader="QwenImageLoraLoaderMixin",
 )

@@ -84,5 +84,6 @@ FAMILY = Family(
     ),
     # The embedders, the AdaLN modulation (under "norm" names: norm1.linear, norm1_context.linear, norm_out), proj_out.
     keep_high_precision=("embed", "norm", "proj_out"),
+    lora_loader="SD3LoraLoaderMixin",
     after_dummy_init=lambda transformer: transformer.pos_embed.fill_position_table(),  # a fixed sin-cos buffer
 )

@@ -123,6 +123,7 @@ FAMILY = Family(
     ),
     # The embedders, every ``scale_shift_table`` (parameters, named for completeness) and the output projection.
     keep_high_precision=("patch_embedding", "condition_embedder", "scale_shift_table", "proj_out"),
+    lora_loader="WanLoraLoaderMixin",
     video=True,
     sequence_tokens=sequence_tokens,
 )

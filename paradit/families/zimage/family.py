@@ -69,4 +69,5 @@ FAMILY = Family(
     ),
     # The embedders (all_x_embedder, cap_embedder, t_embedder), the per-block adaLN modulation, the output layer.
     keep_high_precision=("embedder", "adaLN", "final_layer"),
+    lora_loader="ZImageLoraLoaderMixin",
 )

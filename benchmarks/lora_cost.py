@@ -1,0 +1,177 @@
+"""What LoRA adapters cost on one GPU, with random full-size weights and a random adapter on every block linear
+(diffusers' layout, bf16 factors): the transformer's load time with the adapter fused against without it, and one
+forward's time with the adapter unfused (side paths at rank 32 and 64) against the plain transformer, eager and
+compiled, bf16 and FP8 (fused weights cost nothing per step: they are the plain transformer's shape). Also the FP8
+run's relative L2 against bf16 with the same adapter fused, beside the same figure without an adapter.
+
+    python benchmarks/lora_cost.py --out-dir $OUT
+    python benchmarks/lora_cost.py --models flux2-klein-4b --ranks 32 --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.parallel_step import BENCHES, with_batch  # noqa: E402
+from paradit.compile import model_blocks  # noqa: E402
+from paradit.families import FAMILIES, PRESETS  # noqa: E402
+from paradit.loader import load_transformer  # noqa: E402
+from paradit.lora import LoraRef, LoraSet  # noqa: E402
+from paradit.optimize import ExecutionOptions, apply_execution_options  # noqa: E402
+from paradit.spec import RandomWeights  # noqa: E402
+
+WAN_INPUTS = (480, 832, 81, 512)  # height, width, frames, text tokens
+
+
+def write_adapter(model: nn.Module, rank: int, path: Path) -> int:
+    """A random rank-``rank`` adapter on every linear of every block; returns its parameter count."""
+    block_ids = {id(block) for block in model_blocks(model)}
+    names = {id(module): name for name, module in model.named_modules()}
+    state, generator = {}, torch.Generator().manual_seed(rank)
+    for block in model.modules():
+        if id(block) not in block_ids:
+            continue
+        for leaf, linear in block.named_modules():
+            if isinstance(linear, nn.Linear):
+                key = f"transformer.{names[id(block)]}.{leaf}"
+                down = torch.randn(rank, linear.in_features, generator=generator) * linear.in_features**-0.5
+                state[f"{key}.lora_A.weight"] = down.bfloat16()
+                state[f"{key}.lora_B.weight"] = (torch.randn(linear.out_features, rank, generator=generator) * 0.01
+                                                 ).bfloat16()  # fmt: skip
+    save_file(state, str(path))
+    return sum(t.numel() for t in state.values())
+
+
+def forward_inputs(spec, model: nn.Module, device: torch.device):
+    if spec.family == "wan":
+        height, width, frames, text_len = WAN_INPUTS
+        config = model.config
+        gen = torch.Generator(device).manual_seed(0)
+        shape = (1, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
+        latents = torch.randn(shape, device=device, generator=gen).bfloat16()
+        text = torch.randn(1, text_len, config.text_dim, device=device, generator=gen).bfloat16()
+        return with_batch((latents, torch.full((1,), 500.0, device=device), text), 2)
+    bench_module, text_len = BENCHES[spec.family]
+    inputs = importlib.import_module(bench_module).step_inputs(model.config, spec.height, spec.width, text_len, device)
+    return with_batch(inputs, 2 if spec.guidance_mode == "cfg" else 1)
+
+
+def measure(spec, lora: LoraSet | None, mode: str, quantize: str, device: torch.device, iters: int) -> dict:
+    family = FAMILIES[spec.family]
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    loaded = load_transformer(family, spec, device, torch.bfloat16, None, quantize, lora=lora)
+    torch.cuda.synchronize(device)
+    load_s = time.perf_counter() - start
+    row = {"load_s": load_s, "resident_gib": torch.cuda.memory_allocated(device) / 2**30}
+    if mode == "load":
+        return row
+    forward = apply_execution_options(loaded, ExecutionOptions(quantize=quantize, compile=mode == "compiled"), device)
+    inputs = forward_inputs(spec, loaded.model, device)
+
+    def run():
+        with torch.inference_mode():
+            return forward(**inputs) if isinstance(inputs, dict) else forward(*inputs)
+
+    row["ms"] = time_cuda_ms(run, warmup=3, iters=iters)
+    row["output"] = run().float().cpu()
+    return row
+
+
+def measured(spec, lora, mode, quantize, device, iters) -> dict:
+    row = measure(spec, lora, mode, quantize, device, iters)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return row
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dict]:
+    spec = dataclasses.replace(PRESETS[name], weights=RandomWeights())
+    with torch.device("meta"):
+        model = FAMILIES[spec.family].build_transformer(spec)
+    adapters = {}
+    for rank in args.ranks:
+        adapters[rank] = folder / f"{name}-r{rank}.safetensors"
+        params = write_adapter(model, rank, adapters[rank])
+        print(f"{name}: rank {rank} adapter of {params / 1e6:.1f}M parameters", flush=True)
+    rows = []
+
+    def record(**row) -> dict:
+        rows.append({"model": name, **{k: v for k, v in row.items() if k != "output"}})
+        print_table(rows[-1:], COLUMNS)
+        return row
+
+    top = max(args.ranks)
+    fused = LoraSet((LoraRef(str(adapters[top])),))
+    plain = record(kind="load", adapter="none", **measured(spec, None, "load", "none", device, args.iters))
+    with_adapter = measured(spec, fused, "load", "none", device, 1)
+    record(kind="load", adapter=f"fused r{top}", fuse_s=with_adapter["load_s"] - plain["load_s"], **with_adapter)
+    if spec.family == "wan" and not args.wan_forwards:
+        return rows
+    outputs = {}
+    for mode, quantize in (("eager", "none"), ("compiled", "none"), ("compiled", "fp8")):
+        precision = quantize.replace("none", "bf16")
+        base = record(kind="forward", mode=mode, precision=precision, adapter="none",
+                      **measured(spec, None, mode, quantize, device, args.iters))  # fmt: skip
+        outputs[(mode, precision, "none")] = base["output"]
+        for rank in args.ranks:
+            unfused = measured(spec, LoraSet((LoraRef(str(adapters[rank])),), (), "unfused"), mode, quantize, device,
+                               args.iters)  # fmt: skip
+            record(kind="forward", mode=mode, precision=precision, adapter=f"unfused r{rank}",
+                   overhead=unfused["ms"] / base["ms"] - 1, **unfused)  # fmt: skip
+        if mode == "compiled":
+            row = record(kind="forward", mode=mode, precision=precision, adapter=f"fused r{top}",
+                         **measured(spec, fused, mode, quantize, device, args.iters))  # fmt: skip
+            outputs[(mode, precision, "fused")] = row["output"]
+    for adapter in ("none", "fused"):
+        error = relative_l2(outputs[("compiled", "fp8", adapter)], outputs[("compiled", "bf16", adapter)])
+        record(kind="fp8 error", adapter=adapter if adapter == "none" else f"fused r{top}", fp8_rel_l2=error)
+    return rows
+
+
+COLUMNS = [
+    ("model", "model", ""), ("kind", "kind", ""), ("mode", "mode", ""), ("precision", "precision", ""),
+    ("adapter", "adapter", ""), ("load_s", "load s", ".2f"), ("fuse_s", "fuse s", ".2f"), ("ms", "ms/forward", ".1f"),
+    ("overhead", "overhead", "+.1%"), ("resident_gib", "resident GiB", ".2f"), ("fp8_rel_l2", "FP8 rel L2", ".2e"),
+]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["flux2-dev", "wan2.2-t2v-a14b"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[32, 64])
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--wan-forwards", action="store_true", help="time Wan's forwards too (load and fuse only)")
+    parser.add_argument("--out-dir")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.models:
+            rows += bench_model(name, args, device, Path(folder))
+    print()
+    print_table(rows, COLUMNS)
+    write_json(args.out_dir, "lora_cost.json", {"environment": environment(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""LoRA adapters against diffusers: on tiny ``save_pretrained`` folders of every family (fp32, CPU), paradit's image
+with adapters fused or unfused equals diffusers' pipeline after ``load_lora_weights`` and ``set_adapters`` (PEFT's
+side paths) to one 8-bit level; adapters in diffusers' layout (with and without the alpha metadata) and in a
+non-diffusers layout that diffusers converts; bad adapters refused in one line before anything loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    Flux2KleinPipeline,
+    QwenImagePipeline,
+    StableDiffusion3Pipeline,
+    WanPipeline,
+    ZImagePipeline,
+)
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from paradit.engine import Engine
+from paradit.lora import LoraRef, LoraSet
+from paradit.optimize import ExecutionOptions
+from paradit.request import GenerationRequest
+from tests.checkpoint_cache import cached
+from tests.test_checkpoint_options import (
+    assert_one_line_error,
+    build_checkpoint,
+    generate_args,
+    run_cli,
+    verify_serial_line,
+)
+from tests.test_wan import wan_checkpoint
+
+PIPELINES = {
+    "flux2": Flux2KleinPipeline, "qwen_image": QwenImagePipeline, "sd3": StableDiffusion3Pipeline,
+    "zimage": ZImagePipeline, "wan": WanPipeline,
+}  # fmt: skip
+REQUEST = dict(prompt="a lighthouse on a cliff", height=32, width=48, steps=3, seed=3, guidance=4.0)
+RANK = 4
+
+
+def folder_of(family: str) -> Path:
+    return wan_checkpoint("t2v") if family == "wan" else cached(build_checkpoint, family)
+
+
+def diffusers_layout(transformer: nn.Module, seed: int) -> dict:
+    """Random rank-4 factors for every linear of ``transformer`` under diffusers' keys (without ``transformer.``)."""
+    generator = torch.Generator().manual_seed(seed)
+    factors = {}
+    for name, module in transformer.named_modules():
+        if isinstance(module, nn.Linear):
+            factors[f"{name}.lora_A.weight"] = torch.randn(RANK, module.in_features, generator=generator) * 0.3
+            factors[f"{name}.lora_B.weight"] = torch.randn(module.out_features, RANK, generator=generator) * 0.3
+    return factors
+
+
+def write_diffusers_lora(pipeline_class: type, factors: dict, path: Path, alpha: float | None) -> Path:
+    """The file diffusers' own ``save_lora_weights`` writes (``alpha`` in its LoraConfig metadata, or none)."""
+    targets = sorted({key.rsplit(".lora_", 1)[0] for key in factors})
+    metadata = None if alpha is None else {"r": RANK, "lora_alpha": alpha, "target_modules": targets}
+    pipeline_class.save_lora_weights(path.parent, transformer_lora_layers=factors, weight_name=path.name,
+                                     transformer_lora_adapter_metadata=metadata)  # fmt: skip
+    return path
+
+
+def reference_images(family: str, adapters: list[tuple[Path, float, str]]) -> np.ndarray:
+    """diffusers' images (0..255, unrounded) with ``adapters`` (file, scale, component) loaded through PEFT."""
+    pipeline = PIPELINES[family].from_pretrained(folder_of(family), dtype=torch.float32)
+    names, scales = [], []
+    for index, (path, scale, component) in enumerate(adapters):
+        extra = {"load_into_transformer_2": True} if component == "transformer_2" else {}
+        pipeline.load_lora_weights(str(path), adapter_name=f"a{index}", **extra)
+        names.append(f"a{index}")
+        scales.append(scale)
+    if names:
+        pipeline.set_adapters(names, scales)
+    kwargs = dict(prompt=REQUEST["prompt"], height=REQUEST["height"], width=REQUEST["width"],
+                  num_inference_steps=REQUEST["steps"], generator=torch.Generator("cpu").manual_seed(REQUEST["seed"]),
+                  output_type="np")  # fmt: skip
+    if family == "qwen_image":
+        kwargs.update(true_cfg_scale=REQUEST["guidance"], negative_prompt=" ")
+    elif family == "wan":
+        kwargs.update(guidance_scale=REQUEST["guidance"], guidance_scale_2=2.5, num_frames=5, max_sequence_length=512)
+    else:
+        kwargs.update(guidance_scale=REQUEST["guidance"])
+    output = pipeline(**kwargs)
+    return (output.frames if family == "wan" else output.images) * 255
+
+
+def paradit_images(family: str, lora: LoraSet | None) -> np.ndarray:
+    extra = {"negative_prompt": " "} if family == "qwen_image" else {}
+    extra.update({"frames": 5, "guidance_2": 2.5} if family == "wan" else {})
+    engine = Engine(
+        str(folder_of(family)), device="cpu", dtype="fp32", options=ExecutionOptions(lora=lora or LoraSet())
+    )
+    pixels = engine.generate(GenerationRequest(**REQUEST, **extra)).pixels
+    pixels = pixels.permute(0, 1, 3, 4, 2) if family == "wan" else pixels.permute(0, 2, 3, 1)
+    return pixels.numpy() * 255
+
+
+def levels(ours: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(ours.round() - expected.round()).max())
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, list[Path]]:
+    """Per family: two adapters in diffusers' layout, the first with alpha 8 over rank 4 in its metadata, the second
+    without metadata (alpha equals rank); Wan's second is for its low-noise expert."""
+    folder = tmp_path_factory.mktemp("lora")
+    files = {}
+    for family, pipeline_class in PIPELINES.items():
+        reference = pipeline_class.from_pretrained(folder_of(family), dtype=torch.float32)
+        second = reference.transformer_2 if family == "wan" else reference.transformer
+        files[family] = [
+            write_diffusers_lora(pipeline_class, diffusers_layout(reference.transformer, 1),
+                                 folder / f"{family}_a.safetensors", 8.0),
+            write_diffusers_lora(pipeline_class, diffusers_layout(second, 2),
+                                 folder / f"{family}_b.safetensors", None),
+        ]  # fmt: skip
+    return files
+
+
+@pytest.mark.parametrize("family", list(PIPELINES))
+def test_adapters_fused_and_unfused_equal_diffusers(family, adapters):
+    """One adapter at scale 1, then two at 0.5 and 1.2 (Wan: the second on the low-noise expert), each mode."""
+    first, second = adapters[family]
+    second_component = "transformer_2" if family == "wan" else "transformer"
+    one = reference_images(family, [(first, 1.0, "transformer")])
+    two = reference_images(family, [(first, 0.5, "transformer"), (second, 1.2, second_component)])
+    plain = paradit_images(family, None)
+    assert levels(plain, one) > 3  # the adapter changes the image: a LoRA left out would show
+    for mode in ("fused", "unfused"):
+        ours = paradit_images(family, LoraSet((LoraRef(str(first)),), (), mode))
+        assert levels(ours, one) <= 1, (mode, levels(ours, one))
+        pair = (LoraRef(str(first), 0.5), LoraRef(str(second), 1.2))
+        lora = LoraSet(pair[:1], pair[1:], mode) if family == "wan" else LoraSet(pair, (), mode)
+        ours = paradit_images(family, lora)
+        assert levels(ours, two) <= 1, (mode, levels(ours, two))
+
+
+def comfy_layout(factors: dict, alpha: float) -> dict:
+    """ComfyUI's layout of diffusers-named factors: ``diffusion_model.`` keys, kohya's down/up and an alpha each."""
+    converted = {}
+    for key, tensor in factors.items():
+        module, _, part = key.rpartition(".lora_")
+        kind = "lora_down" if part.startswith("A") else "lora_up"
+        converted[f"diffusion_model.{module}.{kind}.weight"] = tensor
+        converted[f"diffusion_model.{module}.alpha"] = torch.tensor(alpha)
+    return converted
+
+
+def musubi_layout(transformer: nn.Module, seed: int, alpha: float) -> dict:
+    """musubi-tuner's layout of a Wan LoRA: Wan's original module names flattened under ``lora_unet_``, kohya's
+    down/up and an alpha for every attention and feed-forward linear of every block, as its converter requires."""
+    generator = torch.Generator().manual_seed(seed)
+    originals = {"attn1": "self_attn", "attn2": "cross_attn"}
+    projections = {"to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o"}
+    converted = {}
+    for index, block in enumerate(transformer.blocks):
+        linears = {f"{originals[a]}_{p}": getattr(block, a).get_submodule(d) for a in originals
+                   for d, p in projections.items()}  # fmt: skip
+        linears.update(ffn_0=block.ffn.net[0].proj, ffn_2=block.ffn.net[2])
+        for name, linear in linears.items():
+            key = f"lora_unet_blocks_{index}_{name}"
+            converted[f"{key}.lora_down.weight"] = torch.randn(RANK, linear.in_features, generator=generator)
+            converted[f"{key}.lora_up.weight"] = torch.randn(linear.out_features, RANK, generator=generator)
+            converted[f"{key}.alpha"] = torch.tensor(alpha)
+    return converted
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "zimage", "wan"])
+def test_a_non_diffusers_layout_equals_diffusers(family, tmp_path):
+    """ComfyUI's for Qwen-Image and Z-Image, musubi-tuner's for Wan; alpha 2 over rank 4, converted by diffusers."""
+    reference = PIPELINES[family].from_pretrained(folder_of(family), dtype=torch.float32)
+    if family == "wan":
+        state = musubi_layout(reference.transformer, 5, 2.0)
+    else:
+        blocks = {
+            k: v for k, v in diffusers_layout(reference.transformer, 5).items() if ".attn" in k or "attention" in k
+        }
+        state = comfy_layout(blocks, 2.0)
+    path = tmp_path / f"{family}_comfy.safetensors"
+    save_file(state, str(path))
+    expected = reference_images(family, [(path, 0.8, "transformer")])
+    ours = paradit_images(family, LoraSet((LoraRef(str(path), 0.8),)))
+    assert levels(paradit_images(family, None), expected) > 3
+    assert levels(ours, expected) <= 1, levels(ours, expected)
+
+
+# One plan of every kind, each with two adapters (scales 0.5 and 1.2; Wan's second on its low-noise expert), through
+# the CLI against the same run in one process; unfused where the plan cuts or prunes the linears the side paths sit by.
+PLAN_CASES = {
+    "tensor": ("flux2", "unfused", ("--gpus", "2", "--tensor", "2"), "tensor 2"),
+    "pipefusion": ("qwen_image", "unfused", ("--gpus", "2", "--pipefusion", "2"), "pipefusion 2 (1 patches after 1 "
+                   "warm-up steps)"),
+    "cfg-ulysses": ("sd3", "fused", ("--gpus", "4", "--cfg-parallel", "--ulysses", "2"), "cfg 2 x ulysses 2"),
+    "ring": ("zimage", "unfused", ("--gpus", "3", "--ring", "3"), "ring 3"),
+    "sharded": ("wan", "unfused", ("--gpus", "2", "--ulysses", "2", "--shard-weights", "2"),
+                "ulysses 2, weights sharded over 2 (ulysses)"),
+}  # fmt: skip
+
+
+def lora_flags(family: str, files: list[Path], mode: str) -> list[str]:
+    second = "--lora-2" if family == "wan" else "--lora"
+    return ["--lora", f"{files[0]}:0.5", second, f"{files[1]}:1.2", "--lora-mode", mode]
+
+
+@pytest.mark.parametrize("case", list(PLAN_CASES))
+def test_every_plan_with_adapters_equals_one_process(case, adapters, tmp_path, capfd):
+    family, mode, flags, described = PLAN_CASES[case]
+    out = tmp_path / ("out.mp4" if family == "wan" else "out.png")
+    extra = ("--frames", "5") if family == "wan" else ()
+    argv = generate_args(folder_of(family), out, *flags, *extra, *lora_flags(family, adapters[family], mode))
+    code, stdout, err = run_cli([*argv, "--verify-serial"], capfd)
+    assert code == 0, err
+    assert verify_serial_line(stdout)[:2] == (described, "equals")
+
+
+def test_the_adapters_are_recorded_and_a_distilled_one_runs_the_steps_and_guidance_asked(adapters, tmp_path, capfd):
+    """A step-distilled adapter is used as its card says (Lightning: few steps, guidance 1): the run takes the
+    steps and guidance given, and the PNG and --json name the adapters with their scales."""
+    out, record = tmp_path / "distilled.png", tmp_path / "run.json"
+    flags = ("--steps", "4", "--guidance", "1.0", "--lora", f"{adapters['flux2'][1]}:1.0", "--json", str(record))
+    argv = [arg for arg in generate_args(folder_of("flux2"), out) if arg not in ("--steps", "2")]
+    code, _, err = run_cli([*argv, *flags], capfd)
+    assert code == 0, err
+    written = json.loads(record.read_text())
+    assert (written["steps"], written["guidance"], len(written["timings"]["step_ms"])) == (4, 1.0, 4)
+    expected = {"transformer": [{"source": str(adapters["flux2"][1]), "scale": 1.0, "weight_name": None}],
+                "transformer_2": [], "mode": "fused"}  # fmt: skip
+    assert written["lora"] == expected
+    with Image.open(out) as image:
+        assert json.loads(image.text["lora"]) == expected
+
+
+def bad_adapters(folder: Path, good: Path, wan: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (adapter file, what the refusal says)."""
+    state = load_file(good)
+    truncated = folder / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    pickle = folder / "adapter.bin"
+    torch.save(state, pickle)
+    nan = folder / "nan.safetensors"
+    first = next(key for key in state if key.endswith("lora_A.weight"))
+    save_file({**state, first: torch.full_like(state[first], float("nan"))}, str(nan))
+    encoder = folder / "encoder.safetensors"
+    save_file({**state, "text_encoder.layers.0.q.lora_A.weight": torch.zeros(4, 8)}, str(encoder))
+    rank = folder / "rank.safetensors"
+    save_file({**state, first: state[first][:2]}, str(rank))
+    return {
+        "another model's": (wan, "modules the transformer does not have"), "truncated": (truncated, "not a readable"),
+        "pickle": (pickle, "only .safetensors"), "NaN": (nan, "NaN"), "text encoder": (encoder, "text-encoder LoRA"),
+        "rank mismatch": (rank, "ranks that do not match"),
+    }  # fmt: skip
+
+
+def test_bad_adapters_are_refused_in_one_line_and_nothing_is_written(adapters, tmp_path, capfd):
+    cases = bad_adapters(tmp_path, adapters["flux2"][0], adapters["wan"][0])
+    cases["--lora-2 without a second expert"] = (None, "--lora-2 is for a second transformer")
+    for name, (path, fragment) in cases.items():
+        out = tmp_path / f"{name}.png"
+        flags = ("--lora-2", str(adapters["flux2"][0])) if path is None else ("--lora", str(path))
+        code, _, err = run_cli(generate_args(folder_of("flux2"), out, *flags), capfd)
+        assert_one_line_error(code, err, fragment)
+        assert not out.exists(), name
