@@ -256,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "a step")  # fmt: skip
     serve.add_argument("--max-pixels", type=positive, help="width x height a request may ask for (default 4x the "
                        "model's default size)")  # fmt: skip
+    lora = serve.add_argument_group("LoRA adapters each request may choose (its lora field), as side paths")
+    lora.add_argument("--lora", action="append", metavar="NAME=PATH", help="an adapter and its name; repeatable")
+    lora.add_argument("--lora-2", action="append", metavar="NAME=PATH", help="a second expert's (the low-noise one)")
+    lora.add_argument("--lora-dir", help="every .safetensors adapter in this folder, named by its file's stem")
     add_execution_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -303,8 +307,18 @@ def asked_for(args: argparse.Namespace):
         args.model, args.device, args.dtype, args.load_format, args.allow_pickle, args.gpus, parallel,
         flag("comm_dtype", None), flag("patches", None), flag("warmup_steps", None), args.quantize, args.compile,
         args.cuda_graphs or None, args.swap_experts, args.max_gpu_memory, args.text_encoder_placement,
-        shard_weights=flag("shard_weights", None), lora=lora_set(args),
+        shard_weights=flag("shard_weights", None), lora=(served_lora_set if args.run is run_serve else lora_set)(args),
     )  # fmt: skip
+
+
+def served_lora_set(args: argparse.Namespace):
+    """A server's named adapters (None: none), loaded unchosen: each request names those it wants."""
+    from paradit.lora import LoraSet
+    from paradit.lora.adapters import adapters_in, parse_named
+
+    first = tuple(parse_named(text) for text in args.lora or ()) + (adapters_in(args.lora_dir) if args.lora_dir else ())
+    second = tuple(parse_named(text) for text in args.lora_2 or ())
+    return LoraSet(first, second, "unfused", switchable=True) if first or second else None
 
 
 def lora_set(args: argparse.Namespace):

@@ -94,7 +94,7 @@ class Engine:
     def check(self, request: GenerationRequest) -> ResolvedRequest:
         """The request with the model's defaults filled in, or InvalidRequest for one this engine's model cannot
         serve (nothing runs)."""
-        return self.settings.family.resolve_request(self.spec, request)
+        return self.settings.resolve(request)
 
     def generate(
         self, request: Request | list[Request], progress: bool = False

@@ -17,7 +17,8 @@ from paradit.families import FAMILIES
 from paradit.family import Family
 from paradit.layers.fp8 import fp8_dtype
 from paradit.lora import LoraSet
-from paradit.lora.apply import LoraTensors, add_side_paths, read_updates
+from paradit.lora.adapters import adapter_key
+from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
 from paradit.memory import hold_to_cap
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
@@ -62,11 +63,13 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
     updates = read_updates(family.lora_loader, refs, plain, component) if refs else {}  # the whole model's names
     parallelized = parallelize(plain, family.tensor_plan, parallel)
     fp8 = fp8_load(plain, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
-    if updates and lora.mode == "unfused":
-        add_side_paths(plain, names, updates, parallelized.slices, device, dtype)
+    fuse = bool(updates) and lora.mode == "fused" and not lora.switchable
+    if updates and not fuse:  # a server's named adapters start unchosen; a run's all apply at their scales
+        scales = {} if lora.switchable else {adapter_key(ref, index): 1.0 for index, ref in enumerate(refs)}
+        add_side_paths(plain, names, updates, parallelized.slices, device, dtype, scales, lora.switchable)
 
     def adapted(source: TensorSource) -> TensorSource:
-        return LoraTensors(source, updates, lora.mode == "fused") if updates else source
+        return FusedLoraTensors(source, updates) if fuse else source
 
     # A preset's FP8 folder holds its transformer alone; a checkpoint folder holds each component (None: random).
     fp8_preset = isinstance(spec.weights, Fp8PresetFolder) and component == "transformer"

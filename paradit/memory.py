@@ -193,12 +193,12 @@ class MetaModels:
 
 
 def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, swap_experts: bool = False,
-              vae_tiled: bool = False, compiled: bool = False,
-              built: MetaModels | None = None) -> dict[str, MemoryPlan]:  # fmt: skip
+              vae_tiled: bool = False, compiled: bool = False, built: MetaModels | None = None,
+              adapter_bytes: int = 0) -> dict[str, MemoryPlan]:  # fmt: skip
     """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
     (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time;
     ``compiled``: regional compilation, whose fused blocks hold less working memory; ``built``: ``spec``'s models
-    on the meta device, when the caller has them."""
+    on the meta device, when the caller has them; ``adapter_bytes``: LoRA side paths held beside the weights."""
     family = FAMILIES[spec.family]
     built = built or MetaModels.build(spec, dtype)
     models, encoder, vae = built.transformers, built.encoder, built.vae
@@ -211,7 +211,7 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
 
     shares = [_transformer_bytes(model, rank0_blocks(model), dtype, fp8, family.keep_high_precision,
                                  parallel.tensor) for model in models]  # fmt: skip
-    transformer_bytes = _resident_bytes(shares, swap_experts, parallel.shard_weights)
+    transformer_bytes = _resident_bytes(shares, swap_experts, parallel.shard_weights) + adapter_bytes
     # The token width, from the attention projections (every family's blocks attend at the model width); a family
     # without a tensor plan states it in its config.
     plan = family.tensor_plan
@@ -253,7 +253,7 @@ def estimate(
 
 def check_fits(
     spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int, placement: str = "auto",
-    swap_experts: bool = False, compiled: bool = False,
+    swap_experts: bool = False, compiled: bool = False, adapter_bytes: int = 0,
 ) -> MemoryPlan:  # fmt: skip
     """The first plan that fits rank 0 under ``cap``, with the prompt encoders placed as asked or, for ``auto``,
     resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; and only when none of those fits, the
@@ -262,7 +262,7 @@ def check_fits(
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []
     for vae_tiled in (False, True):
-        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled, compiled)
+        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled, compiled, adapter_bytes=adapter_bytes)
         for plan in [plans[p] for p in candidates]:
             if plan.total <= cap:
                 return plan

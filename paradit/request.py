@@ -32,6 +32,8 @@ class GenerationRequest:
     guidance_2: float | None = None  # models with a low-noise expert: its guidance (diffusers' guidance_scale_2)
     image: Image.Image | None = None  # image-to-video: the first frame to animate (resized and cropped to the size)
     fps: int | None = None  # video models: frames per second of the written file (the model's default when unset)
+    # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
+    lora: tuple[tuple[str, float], ...] | None = None
 
     @property
     def prompts(self) -> list[str]:

@@ -20,11 +20,12 @@ from paradit.errors import InvalidRequest
 from paradit.families import DEFAULT_MODEL, FAMILIES, PRESETS, spec_from_folder
 from paradit.fp8_checkpoint import PRESET_FILE, spec_with_fp8_transformer
 from paradit.lora import LoraSet
-from paradit.lora.apply import check_adapters
+from paradit.lora.apply import check_adapters, check_choice, side_path_bytes
 from paradit.memory import MemoryPlan, check_fits, check_placement, gib, parse_size
 from paradit.optimize import ExecutionOptions
 from paradit.parallel.config import ParallelConfig, plans_for
 from paradit.parallel.validate import check_plan
+from paradit.pipelines.requests import ResolvedRequest
 from paradit.planner.choose import settings_for
 from paradit.quantize import fp8_checkpoint_layers
 from paradit.request import GenerationRequest
@@ -127,6 +128,12 @@ class RunSettings:
     @property
     def family(self):
         return FAMILIES[self.spec.family]
+
+    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
+        """``request`` with the model's defaults filled in and its choice of adapters checked against the run's, or
+        InvalidRequest naming what is wrong (the one resolution of a request, wherever it arrives)."""
+        resolved = self.family.resolve_request(self.spec, request)
+        return dataclasses.replace(resolved, lora=check_choice(self.options.lora, resolved.lora))
 
 
 def default_plan_for(spec: ModelSpec, gpus: int, request: GenerationRequest | None = None,
@@ -241,14 +248,15 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
         if resolved is not None:
             sized = dataclasses.replace(spec, height=resolved.height, width=resolved.width,
                                         frames=resolved.frames or spec.frames)  # fmt: skip
-        compiled = options.compiles(device)
+        compiled, adapters = options.compiles(device), side_path_bytes(options.lora, dtype)
         try:
-            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, options.swap_experts, compiled)
+            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, options.swap_experts, compiled,
+                                     adapters)  # fmt: skip
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
-            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, True, compiled)
+            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, True, compiled, adapters)
             options = dataclasses.replace(options, swap_experts=True)
             options.validate(device)
         placement = memory_plan.text_encoder_placement

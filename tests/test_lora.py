@@ -5,10 +5,14 @@ non-diffusers layout that diffusers converts; bad adapters refused in one line b
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 import torch
 from diffusers import (
@@ -26,6 +30,10 @@ from paradit.engine import Engine
 from paradit.lora import LoraRef, LoraSet
 from paradit.optimize import ExecutionOptions
 from paradit.request import GenerationRequest
+from paradit.serving.launch import ServeSettings, build_scheduler
+from paradit.serving.metrics import Metrics
+from paradit.serving.server import create_app
+from paradit.settings import Asked
 from tests.checkpoint_cache import cached
 from tests.test_checkpoint_options import (
     assert_one_line_error,
@@ -34,6 +42,7 @@ from tests.test_checkpoint_options import (
     run_cli,
     verify_serial_line,
 )
+from tests.test_serving_scheduler import app_in_thread
 from tests.test_wan import wan_checkpoint
 
 PIPELINES = {
@@ -173,11 +182,33 @@ def musubi_layout(transformer: nn.Module, seed: int, alpha: float) -> dict:
     return converted
 
 
-@pytest.mark.parametrize("family", ["qwen_image", "zimage", "wan"])
+def kohya_flux2_layout(transformer: nn.Module, seed: int, alpha: float) -> dict:
+    """sd-scripts' (kohya's) layout of a FLUX.2 LoRA: BFL's original module names under ``lora_unet_``, the joint
+    image QKV as one linear, kohya's down/up and an alpha; each double block's image attention and first MLP layer."""
+    generator = torch.Generator().manual_seed(seed)
+    converted = {}
+    for index, block in enumerate(transformer.transformer_blocks):
+        attention = block.attn
+        qkv_out = sum(getattr(attention, name).out_features for name in ("to_q", "to_k", "to_v"))
+        shapes = {"img_attn_qkv": (qkv_out, attention.to_q.in_features),
+                  "img_attn_proj": tuple(attention.to_out[0].weight.shape),
+                  "img_mlp_0": tuple(block.ff.linear_in.weight.shape)}  # fmt: skip
+        for name, (out_features, in_features) in shapes.items():
+            key = f"lora_unet_double_blocks_{index}_{name}"
+            converted[f"{key}.lora_down.weight"] = torch.randn(RANK, in_features, generator=generator)
+            converted[f"{key}.lora_up.weight"] = torch.randn(out_features, RANK, generator=generator)
+            converted[f"{key}.alpha"] = torch.tensor(alpha)
+    return converted
+
+
+@pytest.mark.parametrize("family", ["flux2", "qwen_image", "zimage", "wan"])
 def test_a_non_diffusers_layout_equals_diffusers(family, tmp_path):
-    """ComfyUI's for Qwen-Image and Z-Image, musubi-tuner's for Wan; alpha 2 over rank 4, converted by diffusers."""
+    """kohya's for FLUX.2, ComfyUI's for Qwen-Image and Z-Image, musubi-tuner's for Wan; alpha 2 over rank 4,
+    converted by diffusers (SD3.5's loader reads diffusers' layout only)."""
     reference = PIPELINES[family].from_pretrained(folder_of(family), dtype=torch.float32)
-    if family == "wan":
+    if family == "flux2":
+        state = kohya_flux2_layout(reference.transformer, 5, 2.0)
+    elif family == "wan":
         state = musubi_layout(reference.transformer, 5, 2.0)
     else:
         blocks = {
@@ -268,3 +299,60 @@ def test_bad_adapters_are_refused_in_one_line_and_nothing_is_written(adapters, t
         code, _, err = run_cli(generate_args(folder_of("flux2"), out, *flags), capfd)
         assert_one_line_error(code, err, fragment)
         assert not out.exists(), name
+
+
+def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_ones(adapters):
+    """Named adapters loaded once as side paths; each request's choice and scales equal a run fused with them, a
+    request naming none gets the base model, concurrent requests with different choices never share a batch."""
+    first, second = adapters["flux2"]
+    folder = folder_of("flux2")
+    served = LoraSet((LoraRef(str(first), name="style"), LoraRef(str(second), name="detail")), (), "unfused", True)
+    scheduler, config = build_scheduler(
+        ServeSettings(Asked(model=str(folder), device="cpu", dtype="fp32", lora=served), max_batch=2), Metrics()
+    )
+    choices = {
+        "both": ([{"name": "style", "scale": 0.5}, {"name": "detail", "scale": 1.2}],
+                 LoraSet((LoraRef(str(first), 0.5), LoraRef(str(second), 1.2)))),
+        "style": ([{"name": "style"}], LoraSet((LoraRef(str(first)),))),
+        "none": (None, None),
+    }  # fmt: skip
+    expected = {name: paradit_images("flux2", lora)[0] for name, (_, lora) in choices.items()}
+    scheduler.start()
+    try:
+        with app_in_thread(create_app(scheduler, config, Metrics())) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            assert [card.lora for card in client.models.list().data] == [["detail", "style"]]
+
+            def generate(name: str) -> np.ndarray:
+                lora = choices[name][0]
+                body = {"steps": REQUEST["steps"], "seed": REQUEST["seed"], "guidance": REQUEST["guidance"]}
+                answer = client.images.generate(prompt=REQUEST["prompt"], size="48x32",
+                                                extra_body={**body, **({"lora": lora} if lora else {})})  # fmt: skip
+                with Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))) as image:
+                    return np.asarray(image.convert("RGB"), dtype=np.float64)
+
+            with ThreadPoolExecutor(3) as pool:  # queued together: one batch each all the same
+                answers = dict(zip(choices, pool.map(generate, choices)))
+            for name in ("none", "style", "both", "none"):
+                assert levels(answers[name], expected[name]) <= 1, name
+                answers[name] = generate(name)  # again, alone, after the others' choices
+            with pytest.raises(openai.BadRequestError, match="unknown LoRA adapter 'nope'"):
+                client.images.generate(prompt="a fox", extra_body={"lora": [{"name": "nope"}]})
+    finally:
+        scheduler.close()
+
+
+def test_the_memory_plan_counts_side_paths_and_not_fused_adapters(adapters):
+    from paradit.settings import settle
+
+    first, second = adapters["flux2"]
+    factors = sum(t.numel() for path in (first, second) for t in load_file(path).values()) * 4  # fp32 run
+
+    def transformer_bytes(lora: LoraSet | None) -> int:
+        asked = Asked(model=str(folder_of("flux2")), device="cpu", dtype="fp32", max_gpu_memory="64GiB", lora=lora)
+        return settle(asked).memory_plan.transformer
+
+    refs = (LoraRef(str(first)), LoraRef(str(second)))
+    plain = transformer_bytes(None)
+    assert transformer_bytes(LoraSet(refs)) == plain
+    assert transformer_bytes(LoraSet(refs, (), "unfused")) - plain == factors > 0

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from paradit.errors import CheckpointError, InvalidRequest
-from paradit.lora.adapters import LoraRef, LoraSet, LowRank, read_adapter
+from paradit.lora.adapters import LoraRef, LoraSet, LowRank, adapter_file, adapter_key, read_adapter
 from paradit.weights import ModelNames, TensorSlice, TensorSource
 
 
@@ -30,26 +32,55 @@ def check_adapters(family, spec, lora: LoraSet) -> None:
             read_updates(family.lora_loader, refs, model, component)
 
 
+def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
+    """A request's choice of a server's named adapters, as the pipeline takes it: () for none, and for an engine
+    whose adapters are fixed None; InvalidRequest for a name it does not have or a scale that is not a number."""
+    if not lora.switchable:
+        if chosen:
+            raise InvalidRequest("this model was started without named LoRA adapters to choose from", param="lora")
+        return None
+    known = lora.names()
+    for name, scale in chosen or ():
+        if name not in known:
+            raise InvalidRequest(f"unknown LoRA adapter {name!r}; this server has {', '.join(known)}", param="lora")
+        if not math.isfinite(scale):
+            raise InvalidRequest(f"LoRA adapter {name!r}: the scale must be a finite number", param="lora")
+    return tuple(chosen or ())
+
+
+def side_path_bytes(lora: LoraSet, dtype: torch.dtype) -> int:
+    """What side paths hold on a rank, in ``dtype``: every adapter's factors whole (a tensor-parallel or PipeFusion
+    rank holds less, so this errs high); nothing for fused adapters, which become the weights."""
+    if not lora or (lora.mode == "fused" and not lora.switchable):
+        return 0
+    elements = 0
+    for ref in (*lora.transformer, *lora.transformer_2):
+        with safe_open(str(adapter_file(ref)), framework="pt", device="cpu") as handle:
+            elements += sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
+    return elements * dtype.itemsize
+
+
 def read_updates(loader_name: str, refs: tuple[LoraRef, ...], model: nn.Module, component: str) -> dict[str, list]:
-    """Each linear's updates from every adapter in ``refs``, in order; ``model`` the plain model (on meta)."""
+    """Each linear's updates from every adapter in ``refs`` as (its key, the update), in order; ``model`` the plain
+    model (on meta)."""
     loader = getattr(importlib.import_module("diffusers.loaders.lora_pipeline"), loader_name)
     linears = {name: tuple(m.weight.shape) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     biased = {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.bias is not None}
-    updates: dict[str, list[LowRank]] = {}
-    for ref in refs:
+    updates: dict[str, list[tuple[str, LowRank]]] = {}
+    for index, ref in enumerate(refs):
         for name, update in read_adapter(ref, loader, linears, component).items():
             if update.up_bias is not None and name not in biased:
                 raise InvalidRequest(f"--lora {ref.source}: a lora_B bias for {name}, a linear without a bias")
-            updates.setdefault(name, []).append(update)
+            updates.setdefault(name, []).append((adapter_key(ref, index), update))
     return updates
 
 
-class LoraTensors:
-    """``source`` with the updates added as tensors are read: weights too when ``fuse_weights`` (else only the
-    biases, which a side path leaves to its base linear)."""
+class FusedLoraTensors:
+    """``source`` with the updates fused into the weights and biases they name as those are read: the whole tensor
+    read in float32, the updates added, then cast and cut to the rank's slice."""
 
-    def __init__(self, source: TensorSource, updates: dict[str, list[LowRank]], fuse_weights: bool) -> None:
-        self.source, self.updates, self.fuse_weights = source, updates, fuse_weights
+    def __init__(self, source: TensorSource, updates: dict[str, list[tuple[str, LowRank]]]) -> None:
+        self.source, self.updates = source, updates
         self.dtype = source.dtype
 
     def __getattr__(self, name: str):  # the checkpoint's keys and folder, for the loader's key check
@@ -57,10 +88,10 @@ class LoraTensors:
 
     def read(self, name: str, full_shape: tuple[int, ...], cut: TensorSlice | None, dtype: torch.dtype | None):
         module, _, leaf = name.rpartition(".")
-        updates = self.updates.get(module, [])
+        updates = [update for _, update in self.updates.get(module, [])]
         if leaf == "bias":
             updates = [update for update in updates if update.up_bias is not None]
-        elif leaf != "weight" or not self.fuse_weights:
+        elif leaf != "weight":
             updates = []
         if not updates:
             return self.source.read(name, full_shape, cut, dtype)
@@ -75,14 +106,16 @@ class LoraTensors:
 
 
 class LoraSidePath(nn.Module):
-    """``linear`` with its adapters' updates beside it: ``linear(x) + (x @ down.T) @ up.T``, every adapter's factors
-    concatenated along the rank (one pair of GEMMs however many) and their scales folded into ``up``."""
+    """``linear`` with low-rank updates beside it: ``linear(x) + (x @ down.T) @ up.T (+ bias)``. It holds each
+    adapter's factors (``factors``: key -> down, up and bias, their file's scale folded in) and runs the ones
+    ``select`` chose, concatenated along the rank (one pair of GEMMs however many) with their scales folded into
+    ``up``. The chosen factors are plain attributes, not buffers: an expert swap leaves them where they are."""
 
-    def __init__(self, linear: nn.Module, down: torch.Tensor, up: torch.Tensor) -> None:
+    def __init__(self, linear: nn.Module, factors: dict[str, tuple]) -> None:
         super().__init__()
-        self.linear = linear
-        self.register_buffer("down", down, persistent=False)
-        self.register_buffer("up", up, persistent=False)
+        self.linear, self.factors = linear, factors
+        self.chosen: tuple = ()
+        self.down = self.up = self.up_bias = None
 
     @property
     def weight(self) -> torch.Tensor:  # the models read a linear's weight for its dtype
@@ -92,26 +125,59 @@ class LoraSidePath(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.linear.bias
 
+    def select(self, scales: dict[str, float]) -> None:
+        chosen = tuple((key, scale) for key, scale in scales.items() if key in self.factors)
+        if chosen == self.chosen:
+            return
+        self.chosen = chosen
+        parts = [(*self.factors[key], scale) for key, scale in chosen]
+        self.down = torch.cat([down for down, _, _, _ in parts]) if parts else None
+        self.up = torch.cat([up * scale for _, up, _, scale in parts], dim=1) if parts else None
+        biases = [bias * scale for _, _, bias, scale in parts if bias is not None]
+        self.up_bias = sum(biases) if biases else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.linear(x)
-        hidden = x.to(self.down.dtype) @ self.down.T
-        # The up projection accumulates into the base output in the GEMM itself (beta 1): a sum after it would read
-        # and write the whole output once more, which costs more than the low-rank GEMMs on wide linears.
-        return torch.addmm(base.flatten(0, -2), hidden.flatten(0, -2), self.up.T).view(base.shape)
+        if self.down is None:
+            return base
+        # A plain sum: accumulating into the base output inside the up GEMM (addmm, beta 1) measured slower on an
+        # H200 (FLUX.2-dev: +8.5% a forward against +6.7%, docs/benchmarks.md).
+        out = base + (x.to(self.down.dtype) @ self.down.T) @ self.up.T
+        return out if self.up_bias is None else out + self.up_bias
 
 
-def add_side_paths(model: nn.Module, names: ModelNames, updates: dict[str, list[LowRank]],
-                   slices: dict[str, TensorSlice], device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
+def add_side_paths(model: nn.Module, names: ModelNames, updates: dict[str, list[tuple[str, LowRank]]],
+                   slices: dict[str, TensorSlice], device: torch.device, dtype: torch.dtype,
+                   scales: dict[str, float], switchable: bool) -> None:  # fmt: skip
     """Wraps every linear this rank kept that an adapter updates (before the loader fills it, so FP8 can still swap
-    the linear inside the wrapper)."""
+    the linear inside the wrapper), choosing the adapters ``scales`` names (``switchable``: others later). A
+    column-parallel linear keeps some outputs (its ``up`` and bias rows), a row-parallel one some inputs (its
+    ``down`` columns; each rank adds its share of the bias, as the all-reduce after it sums the ranks)."""
     for parent in list(model.modules()):
         for leaf, child in list(parent.named_children()):
             name = names.module(child)
             if not isinstance(child, nn.Linear) or name not in updates:
                 continue
-            down = torch.cat([update.down for update in updates[name]]).to(device, dtype)
-            up = torch.cat([update.up * update.scale for update in updates[name]], dim=1).to(device, dtype)
             cut = slices.get(f"{name}.weight")
-            if cut is not None:  # a column-parallel linear keeps some outputs, a row-parallel one some inputs
-                down, up = (down, cut.take(up)) if cut.dim == 0 else (cut.take(down), up)
-            setattr(parent, leaf, LoraSidePath(child, down, up))
+            factors = {}
+            for key, update in updates[name]:
+                down, up = update.down.to(device, dtype), (update.up * update.scale).to(device, dtype)
+                bias = None if update.up_bias is None else (update.up_bias * update.scale).to(device, dtype)
+                if cut is not None and cut.dim == 0:
+                    up, bias = cut.take(up), None if bias is None else cut.take(bias)
+                elif cut is not None:
+                    down = cut.take(down)
+                    bias = None if bias is None else bias * (down.shape[1] / cut.size)
+                factors[key] = (down, up, bias)
+            side_path = LoraSidePath(child, factors)
+            side_path.select(scales)
+            if not switchable:  # the chosen factors are all it will run: no second copy of them
+                side_path.factors = {}
+            setattr(parent, leaf, side_path)
+
+
+def select_adapters(model: nn.Module, scales: dict[str, float]) -> None:
+    """Every side path of ``model`` runs the adapters ``scales`` names, at those scales (none: the base model)."""
+    for module in model.modules():
+        if isinstance(module, LoraSidePath):
+            module.select(scales)

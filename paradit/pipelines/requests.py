@@ -33,6 +33,7 @@ class ResolvedRequest:
     guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
     image: Image.Image | None = None  # image-to-video families: the first frame, RGB
     fps: int | None = None  # video families: frames per second of the written file
+    lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
 
     @property
     def batch(self) -> int:
@@ -104,7 +105,8 @@ def resolve_common(
     seed = random.randrange(2**31) if request.seed is None else int(request.seed)
     if not 0 <= seed < SEED_LIMIT:
         raise InvalidRequest(f"seed {seed} is not allowed; give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
-    return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt)
+    return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt,
+                           lora=request.lora)  # fmt: skip
 
 
 def batch_key(request: ResolvedRequest) -> tuple | None:
@@ -112,7 +114,7 @@ def batch_key(request: ResolvedRequest) -> tuple | None:
     if request.image is not None:
         return None
     return (request.height, request.width, request.steps, request.guidance, request.guidance_2, request.frames,
-            request.negative_prompts is None)  # fmt: skip
+            request.negative_prompts is None, request.lora)  # fmt: skip
 
 
 def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
@@ -121,8 +123,8 @@ def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
         return parts[0]
     if len({batch_key(part) for part in parts}) > 1 or batch_key(parts[0]) is None:
         raise InvalidRequest(
-            "requests batched together must share size, steps, guidance, frames and the use of a negative prompt, "
-            "and give no image"
+            "requests batched together must share size, steps, guidance, frames, adapters and the use of a negative "
+            "prompt, and give no image"
         )
     negatives = parts[0].negative_prompts is not None
     return dataclasses.replace(

@@ -87,7 +87,7 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
     max_pixels = settings.max_pixels or MAX_PIXELS_FACTOR * spec.height * spec.width
 
     def check(request: GenerationRequest) -> ResolvedRequest:
-        resolved = family.resolve_request(spec, request)
+        resolved = grouped.resolve(request)
         if resolved.width * resolved.height > max_pixels:
             raise InvalidRequest(f"{resolved.width}x{resolved.height} is past this server's {max_pixels} pixels a "
                                  "request (--max-pixels)", param="size")  # fmt: skip
@@ -97,7 +97,8 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
         build, settings.gpus + 1 if auto else settings.gpus // group_size, check, metrics,
         max_batch=settings.max_batch, max_queue=settings.max_queue, timeout_s=settings.timeout_s, auto=auto, pace=pace,
     )  # fmt: skip
-    return scheduler, ServerConfig(spec.name, video=family.video, api_key=settings.api_key)
+    names = tuple(grouped.options.lora.names())
+    return scheduler, ServerConfig(spec.name, video=family.video, api_key=settings.api_key, lora=names)
 
 
 class DrainingServer(uvicorn.Server):

@@ -20,6 +20,15 @@ SERVED_MAX_STEPS = 500
 SIZE_PATTERN = r"^(auto|\d{1,5}x\d{1,5})$"
 
 
+class LoraChoice(BaseModel):
+    """One of the server's named adapters, at a scale."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=200)
+    scale: float = Field(1.0, allow_inf_nan=False)
+
+
 class Body(BaseModel):
     """The fields both APIs take."""
 
@@ -32,13 +41,15 @@ class Body(BaseModel):
     steps: int | None = Field(None, ge=1, le=SERVED_MAX_STEPS)
     guidance: float | None = Field(None, ge=0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="drawn at random when absent; answered back")
+    lora: list[LoraChoice] | None = Field(None, max_length=16, description="the server's adapters to apply")
 
     def request(self, **fields) -> GenerationRequest:
         """The engine's request: these fields, ``size`` as height and width (``auto``: the model's), and ``fields``."""
         width, height = (None, None) if self.size == "auto" else map(int, self.size.split("x"))
         return GenerationRequest(
             prompt=self.prompt, negative_prompt=self.negative_prompt, height=height, width=width, steps=self.steps,
-            guidance=self.guidance, seed=self.seed, **fields,
+            guidance=self.guidance, seed=self.seed,
+            lora=None if self.lora is None else tuple((choice.name, choice.scale) for choice in self.lora), **fields,
         )  # fmt: skip
 
 
@@ -115,6 +126,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "paradit"
+    lora: list[str] = Field(default_factory=list, description="the named LoRA adapters a request may choose")
 
 
 class ModelList(BaseModel):

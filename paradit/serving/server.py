@@ -40,11 +40,12 @@ NO_KEY = "a valid API key is required: send the header Authorization: Bearer <ke
 @dataclass(frozen=True)
 class ServerConfig:
     """``model``: the name clients use; ``video``: whether it makes videos; ``api_key``: required as a bearer token
-    on every route but /health when set."""
+    on every route but /health when set; ``lora``: the adapters' names a request may choose."""
 
     model: str
     video: bool = False
     api_key: str | None = None
+    lora: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
     file_store_bytes: int = 1 << 30
 
@@ -260,7 +261,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
     async def delete_video(video_id: str):
         return schemas.DeletedVideo(id=video_id, status=await videos.delete(video_entry(video_id)))
 
-    card = schemas.ModelCard(id=config.model, created=int(time.time()))
+    card = schemas.ModelCard(id=config.model, created=int(time.time()), lora=list(config.lora))
 
     @app.get("/v1/models", response_model=schemas.ModelList)
     async def list_models():
