@@ -31,6 +31,7 @@ from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.loader import load_transformer  # noqa: E402
 from paradit.lora import LoraRef, LoraSet  # noqa: E402
+from paradit.lora.apply import select_adapters  # noqa: E402
 from paradit.optimize import ExecutionOptions, apply_execution_options  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402
 
@@ -100,6 +101,48 @@ def measured(spec, lora, mode, quantize, device, iters) -> dict:
     return row
 
 
+def switch_rows(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int) -> list[dict]:
+    rows = switches(name, spec, adapters, device, iters)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return rows
+
+
+def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int) -> list[dict]:
+    """A server's switch between named adapters (compiled bf16): the time ``select_adapters`` takes, and the first
+    forward after it against the steady one (a new total rank recompiles the blocks, until they run shape-generic)."""
+    refs = tuple(LoraRef(str(path), name=f"r{rank}") for rank, path in adapters.items())
+    loaded = load_transformer(FAMILIES[spec.family], spec, device, torch.bfloat16, None, "none",
+                              lora=LoraSet(refs, (), "unfused", switchable=True))  # fmt: skip
+    forward = apply_execution_options(loaded, ExecutionOptions(compile=True), device)
+    inputs = forward_inputs(spec, loaded.model, device)
+
+    def run():
+        with torch.inference_mode():
+            return forward(**inputs) if isinstance(inputs, dict) else forward(*inputs)
+
+    rows = []
+    choices = [{}, {refs[0].name: 1.0}, {refs[-1].name: 0.5}, {ref.name: 1.0 for ref in refs}, {refs[0].name: 0.7}]
+    for rounds in range(2):  # the second round: every total rank compiled once already
+        for choice in choices:
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            select_adapters(loaded.model, choice)
+            torch.cuda.synchronize(device)
+            switch_ms = (time.perf_counter() - start) * 1000
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize(device)
+            first_ms = (time.perf_counter() - start) * 1000
+            chosen = "+".join(f"{key}x{scale:g}" for key, scale in choice.items()) or "none"
+            steady = time_cuda_ms(run, warmup=1, iters=iters)
+            rows.append(dict(model=name, kind="switch", mode="compiled", precision="bf16", adapter=chosen,
+                             round=rounds + 1, switch_ms=switch_ms, first_ms=first_ms, ms=steady))  # fmt: skip
+            print_table(rows[-1:], SWITCH_COLUMNS)
+    return rows
+
+
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
@@ -142,6 +185,7 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
             row = record(kind="forward", mode=mode, precision=precision, adapter=f"fused r{top}",
                          **measured(spec, fused, mode, quantize, device, args.iters))  # fmt: skip
             outputs[(mode, precision, "fused")] = row["output"]
+    rows += switch_rows(name, spec, adapters, device, args.iters)
     for adapter in ("none", "fused"):
         error = relative_l2(outputs[("compiled", "fp8", adapter)], outputs[("compiled", "bf16", adapter)])
         record(kind="fp8 error", adapter=adapter if adapter == "none" else f"fused r{top}", fp8_rel_l2=error)
@@ -152,6 +196,12 @@ COLUMNS = [
     ("model", "model", ""), ("kind", "kind", ""), ("mode", "mode", ""), ("precision", "precision", ""),
     ("adapter", "adapter", ""), ("load_s", "load s", ".2f"), ("fuse_s", "fuse s", ".2f"), ("ms", "ms/forward", ".1f"),
     ("overhead", "overhead", "+.1%"), ("resident_gib", "resident GiB", ".2f"), ("fp8_rel_l2", "FP8 rel L2", ".2e"),
+]  # fmt: skip
+
+
+SWITCH_COLUMNS = [
+    ("model", "model", ""), ("kind", "kind", ""), ("adapter", "chosen", ""), ("round", "round", "d"),
+    ("switch_ms", "switch ms", ".1f"), ("first_ms", "first forward ms", ".1f"), ("ms", "ms/forward", ".1f"),
 ]  # fmt: skip
 
 
@@ -169,7 +219,8 @@ def main() -> None:
         for name in args.models:
             rows += bench_model(name, args, device, Path(folder))
     print()
-    print_table(rows, COLUMNS)
+    print_table([row for row in rows if row["kind"] != "switch"], COLUMNS)
+    print_table([row for row in rows if row["kind"] == "switch"], SWITCH_COLUMNS)
     write_json(args.out_dir, "lora_cost.json", {"environment": environment(), "rows": rows})
 
 

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     lora = gen.add_argument_group("LoRA adapters (applied to the transformer)")
     lora.add_argument(
         "--lora", action="append", metavar="PATH[:SCALE]", help="a .safetensors file, a folder or a hub id; "
-        "repeatable; scale default 1 (of a model with two experts: the high-noise one)",
+        "repeatable; scale default 1 (of a model with two experts: the high-noise one; with --server: NAME[:SCALE] "
+        "of the server's adapters)",
     )  # fmt: skip
     lora.add_argument("--lora-2", action="append", metavar="PATH[:SCALE]", help="a second expert's (the low-noise one)")
     lora.add_argument("--lora-weight-name", help="the adapter file inside a folder or hub repository")
@@ -314,7 +315,7 @@ def asked_for(args: argparse.Namespace):
 def served_lora_set(args: argparse.Namespace):
     """A server's named adapters (None: none), loaded unchosen: each request names those it wants."""
     from paradit.lora import LoraSet
-    from paradit.lora.adapters import adapters_in, parse_named
+    from paradit.lora.refs import adapters_in, parse_named
 
     first = tuple(parse_named(text) for text in args.lora or ()) + (adapters_in(args.lora_dir) if args.lora_dir else ())
     second = tuple(parse_named(text) for text in args.lora_2 or ())

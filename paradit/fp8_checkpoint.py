@@ -88,10 +88,7 @@ def spec_with_fp8_transformer(folder: Path) -> ModelSpec:
     if preset not in PRESETS:
         raise CheckpointError(f"{folder / PRESET_FILE} names preset {preset!r}; the presets: {', '.join(PRESETS)}")
     spec = PRESETS[preset]
-    return dataclasses.replace(
-        spec,
-        name=str(folder),
-        description=f"{spec.description}; FP8 transformer from {folder}, the rest random",
-        transformer=read_json(component_dir(folder, "transformer") / "config.json"),
-        weights=Fp8PresetFolder(folder / "transformer"),
-    )
+    return dataclasses.replace(spec, name=str(folder),
+                               description=f"{spec.description}; FP8 transformer from {folder}, the rest random",
+                               transformer=read_json(component_dir(folder, "transformer") / "config.json"),
+                               weights=Fp8PresetFolder(folder / "transformer"))  # fmt: skip

@@ -17,8 +17,8 @@ from paradit.families import FAMILIES
 from paradit.family import Family
 from paradit.layers.fp8 import fp8_dtype
 from paradit.lora import LoraSet
-from paradit.lora.adapters import adapter_key
 from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
+from paradit.lora.refs import adapter_key
 from paradit.memory import hold_to_cap
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig

@@ -204,7 +204,7 @@ def _fp8_linear(linear: nn.Linear, name: str, names: ModelNames, source: TensorS
     shape = names.tensor(linear, "weight", linear.weight)[1]
     if f"{name}.weight_scale" in fp8.scales:
         weight, scale = read(f"{name}.weight", shape, None), read(f"{name}.weight_scale", (shape[0], 1), torch.float32)
-        if weight.dtype != fp8.dtype:  # an OCP (e4m3fn) checkpoint on MI300's "fnuz" format: re-scaled into its range
+        if weight.dtype != fp8.dtype:  # an OCP (e4m3fn) checkpoint on MI300's "fnuz" format, or a LoRA fused in
             weight, scale = quantize_weight(weight.float() * scale, fp8.dtype)
     else:
         weight, scale = quantize_weight(read(f"{name}.weight", shape, source.dtype), fp8.dtype)

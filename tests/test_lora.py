@@ -301,7 +301,7 @@ def test_bad_adapters_are_refused_in_one_line_and_nothing_is_written(adapters, t
         assert not out.exists(), name
 
 
-def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_ones(adapters):
+def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_ones(adapters, tmp_path, capfd):
     """Named adapters loaded once as side paths; each request's choice and scales equal a run fused with them, a
     request naming none gets the base model, concurrent requests with different choices never share a batch."""
     first, second = adapters["flux2"]
@@ -338,6 +338,15 @@ def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_on
                 answers[name] = generate(name)  # again, alone, after the others' choices
             with pytest.raises(openai.BadRequestError, match="unknown LoRA adapter 'nope'"):
                 client.images.generate(prompt="a fox", extra_body={"lora": [{"name": "nope"}]})
+            # generate --server names the server's adapters as NAME:SCALE
+            out = tmp_path / "remote.png"
+            remote = ["generate", "--server", url, "--prompt", REQUEST["prompt"], "--height", "32", "--width", "48",
+                      "--steps", str(REQUEST["steps"]), "--seed", str(REQUEST["seed"]), "--guidance", "4.0",
+                      "--out", str(out), "--lora", "style:0.5", "--lora", "detail:1.2"]  # fmt: skip
+            assert run_cli(remote, capfd)[0] == 0
+            with Image.open(out) as image:
+                assert levels(np.asarray(image.convert("RGB"), dtype=np.float64), expected["both"]) <= 1
+            assert_one_line_error(*run_cli([*remote, "--lora-mode", "unfused"], capfd)[::2], "--lora-mode")
     finally:
         scheduler.close()
 
@@ -356,3 +365,53 @@ def test_the_memory_plan_counts_side_paths_and_not_fused_adapters(adapters):
     plain = transformer_bytes(None)
     assert transformer_bytes(LoraSet(refs)) == plain
     assert transformer_bytes(LoraSet(refs, (), "unfused")) - plain == factors > 0
+
+
+def test_a_lokr_adapter_fuses_as_diffusers_applies_it_and_is_refused_as_side_paths(tmp_path, capfd):
+    """ai-toolkit's Z-Image LoKr (diffusers-named modules under ``diffusion_model.``): a whole left factor and a
+    factored right one with alpha 1 over rank 2, which diffusers' converter bakes into the left factor."""
+    reference = PIPELINES["zimage"].from_pretrained(folder_of("zimage"), dtype=torch.float32)
+    generator, state = torch.Generator().manual_seed(7), {}
+    for name, module in reference.transformer.named_modules():
+        if isinstance(module, nn.Linear) and ".attention.to_" in name:
+            key = f"diffusion_model.{name}"
+            out_features, in_features = module.out_features // 4, module.in_features // 4
+            state[f"{key}.lokr_w1"] = torch.randn(4, 4, generator=generator)
+            state[f"{key}.lokr_w2_a"] = torch.randn(out_features, 2, generator=generator) * 0.5
+            state[f"{key}.lokr_w2_b"] = torch.randn(2, in_features, generator=generator) * 0.5
+            state[f"{key}.alpha"] = torch.tensor(1.0)
+    path = tmp_path / "lokr.safetensors"
+    save_file(state, str(path))
+    expected = reference_images("zimage", [(path, 0.9, "transformer")])
+    ours = paradit_images("zimage", LoraSet((LoraRef(str(path), 0.9),)))
+    assert levels(paradit_images("zimage", None), expected) > 3
+    assert levels(ours, expected) <= 1, levels(ours, expected)
+    argv = generate_args(folder_of("zimage"), tmp_path / "x.png", "--lora", str(path), "--lora-mode", "unfused")
+    assert_one_line_error(*run_cli(argv, capfd)[::2], "LoKr adapters fuse into the weights only")
+
+
+def test_an_fp8_checkpoint_takes_a_fused_adapter_dequantized_merged_and_quantized_again(adapters, tmp_path):
+    from paradit.families import FAMILIES, spec_from_folder
+    from paradit.fp8_checkpoint import write_fp8_checkpoint
+    from paradit.layers.fp8 import Fp8Linear
+    from paradit.loader import load_transformer
+
+    source = spec_from_folder(folder_of("flux2"))
+    write_fp8_checkpoint(source, tmp_path / "fp8", torch.float32)
+    fp8 = spec_from_folder(tmp_path / "fp8")
+    family, cpu = FAMILIES["flux2"], torch.device("cpu")
+    lora = LoraSet((LoraRef(str(adapters["flux2"][0]), 1.5),))
+    plain = load_transformer(family, fp8, cpu, torch.float32, None, "fp8").model
+    fused = load_transformer(family, fp8, cpu, torch.float32, None, "fp8", lora=lora).model
+    update = load_file(adapters["flux2"][0])
+    name = "transformer_blocks.0.attn.to_q"
+    delta = 1.5 * 2.0 * update[f"transformer.{name}.lora_B.weight"] @ update[f"transformer.{name}.lora_A.weight"]
+
+    def dequantized(model: nn.Module) -> torch.Tensor:
+        linear = model.get_submodule(name)
+        assert isinstance(linear, Fp8Linear)
+        return linear.weight.float() * linear.weight_scale
+
+    wanted = dequantized(plain) + delta
+    error = (dequantized(fused) - wanted).norm() / wanted.norm()
+    assert error < 0.05 < (dequantized(plain) - wanted).norm() / wanted.norm(), error  # one FP8 rounding, not none

@@ -57,9 +57,8 @@ def quantize_weight(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
 class Fp8Linear(nn.Module):
     """Drop-in for ``nn.Linear`` at inference: ``weight`` is FP8 (out, in), ``weight_scale`` float32 (out, 1)."""
 
-    def __init__(
-        self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
-    ):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype):  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)

@@ -14,80 +14,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from paradit.errors import InvalidRequest
+from paradit.lora.refs import LoraRef
 
 # The metadata diffusers' ``save_lora_weights`` writes into the safetensors header: the LoraConfig, keys prefixed by
 # the component (``transformer.r``, ``transformer.lora_alpha``, ...).
 METADATA_KEY = "lora_adapter_metadata"
-MODES = ("fused", "unfused")
-
-
-@dataclass(frozen=True)
-class LoraRef:
-    """One adapter as asked for: ``source`` a ``.safetensors`` file, a folder holding one, or a hub repository id
-    (``weight_name`` picks its file); ``scale`` multiplies its update (diffusers' ``set_adapters`` weight); ``name``
-    what a server's requests call it."""
-
-    source: str
-    scale: float = 1.0
-    weight_name: str | None = None
-    name: str | None = None
-
-
-@dataclass(frozen=True)
-class LoraSet:
-    """The adapters of a run: ``transformer``'s (Wan 2.2: the high-noise expert) and ``transformer_2``'s (the
-    low-noise expert), fused into the weights at load or kept as side paths beside each linear (``unfused``).
-    ``switchable``: named adapters loaded as side paths that each batch chooses among, with its own scales (a
-    server's); otherwise every adapter applies to every request at its scale."""
-
-    transformer: tuple[LoraRef, ...] = ()
-    transformer_2: tuple[LoraRef, ...] = ()
-    mode: str = "fused"
-    switchable: bool = False
-
-    def __bool__(self) -> bool:
-        return bool(self.transformer or self.transformer_2)
-
-    def of(self, component: str) -> tuple[LoraRef, ...]:
-        return self.transformer_2 if component == "transformer_2" else self.transformer
-
-    def names(self) -> list[str]:
-        return sorted({ref.name for ref in (*self.transformer, *self.transformer_2) if ref.name})
-
-
-def adapter_key(ref: LoraRef, index: int) -> str:
-    """What a side path calls an adapter: its name, or its place on the command line."""
-    return ref.name or f"#{index}"
-
-
-def parse_named(text: str) -> LoraRef:
-    """A server's ``NAME=PATH``."""
-    name, _, source = text.partition("=")
-    if not name or not source or not re.fullmatch(r"[\w.-]+", name):
-        raise InvalidRequest(f"--lora {text}: give NAME=PATH, NAME of letters, digits, '.', '-' or '_'")
-    return LoraRef(source, name=name)
-
-
-def adapters_in(folder: str) -> tuple[LoraRef, ...]:
-    """Every ``.safetensors`` file of ``folder``, named by its stem."""
-    files = sorted(Path(folder).expanduser().glob("*.safetensors"))
-    if not files:
-        raise InvalidRequest(f"--lora-dir {folder}: no .safetensors adapters there")
-    return tuple(LoraRef(str(path), name=path.stem) for path in files)
-
-
-def parse_lora(text: str, weight_name: str | None = None) -> LoraRef:
-    """``PATH[:SCALE]``; a last part that is not a number belongs to the path."""
-    source, _, last = text.rpartition(":")
-    try:
-        scale = float(last) if source else None
-    except ValueError:
-        scale = None
-    if scale is None:
-        return LoraRef(text, 1.0, weight_name)
-    if not math.isfinite(scale):
-        raise InvalidRequest(f"--lora {text}: the scale must be a finite number")
-    return LoraRef(source, scale, weight_name)
+# A converted state dict's keys after the module's name: LoRA's (PEFT's) and LoKr's (whole or factored).
+FACTOR_KEYS = r"lora_A\.weight|lora_B\.weight|lora_B\.bias|lokr_w[12](?:_[ab])?"
 
 
 @dataclass(frozen=True)
@@ -167,13 +100,11 @@ def _config(raw: str | None) -> dict:
 
 
 def _factors(path: Path, user_scale: float, state: dict, config: dict, linears: dict[str, tuple[int, int]],
-             component: str) -> dict[str, LowRank]:  # fmt: skip
+             component: str) -> dict[str, LowRank | Kronecker]:  # fmt: skip
     def refuse(why: str, keys: list[str]) -> InvalidRequest:
         shown = ", ".join(sorted(keys)[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
         return InvalidRequest(f"--lora {path}: {why}: {shown}")
 
-    if lokr := [key for key in state if "lokr_" in key]:
-        raise refuse("LoKr adapters are not applied by paradit yet (only LoRA)", lokr)
     if dora := [key for key in state if "lora_magnitude_vector" in key]:
         raise refuse("DoRA adapters are not applied by paradit", dora)
     if encoder := [key for key in state if key.startswith(("text_encoder", "te_", "lora_te"))]:
@@ -181,7 +112,7 @@ def _factors(path: Path, user_scale: float, state: dict, config: dict, linears: 
     modules: dict[str, dict[str, torch.Tensor]] = {}
     stray = []
     for key, tensor in state.items():
-        match = re.fullmatch(r"transformer\.(.+)\.(lora_A\.weight|lora_B\.weight|lora_B\.bias)", key)
+        match = re.fullmatch(rf"transformer\.(.+)\.({FACTOR_KEYS})", key)
         if match is None:
             stray.append(key)
             continue
@@ -192,6 +123,9 @@ def _factors(path: Path, user_scale: float, state: dict, config: dict, linears: 
         raise refuse(f"keys for modules the {component} does not have (an adapter for another model?)", unknown)
     factors = {}
     for name, parts in modules.items():
+        if any(part.startswith("lokr_") for part in parts):
+            factors[name] = _kronecker(name, parts, user_scale, config, linears[name], refuse)
+            continue
         if "lora_A.weight" not in parts or "lora_B.weight" not in parts:
             raise refuse("a module needs both lora_A and lora_B", [name])
         down, up, bias = parts["lora_A.weight"], parts["lora_B.weight"], parts.get("lora_B.bias")
@@ -206,6 +140,45 @@ def _factors(path: Path, user_scale: float, state: dict, config: dict, linears: 
             raise refuse("factors with NaN or infinite values", [name])
         factors[name] = LowRank(down, up, user_scale * _alpha_over_rank(name, down.shape[0], config), bias)
     return factors
+
+
+@dataclass(frozen=True)
+class Kronecker:
+    """A LoKr update ``scale * kron(left, right)`` of one linear (fused only: it has no low-rank side path)."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+    scale: float
+    up_bias: None = None
+
+    def delta(self, device: torch.device) -> torch.Tensor:
+        return torch.kron(self.left.to(device, torch.float32), self.right.to(device, torch.float32)) * self.scale
+
+
+def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: tuple[int, int], refuse) -> Kronecker:
+    """PEFT's LoKr, as diffusers loads it: each Kronecker factor whole (``lokr_w1``) or as a product (``_a @ _b``),
+    alpha already baked into the left factor by diffusers' converter, so scale 1 unless the file's config says
+    ``alpha / r``."""
+
+    def factor(which: str) -> torch.Tensor:
+        whole, a, b = (parts.get(f"lokr_{which}{suffix}") for suffix in ("", "_a", "_b"))
+        if whole is not None:
+            return whole
+        if a is None or b is None or a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+            raise refuse(f"a LoKr factor {which} needs lokr_{which} or matching lokr_{which}_a and _b", [name])
+        return a @ b
+
+    left, right = factor("w1"), factor("w2")
+    if (left.shape[0] * right.shape[0], left.shape[1] * right.shape[1]) != tuple(shape):
+        raise refuse(f"Kronecker factors {tuple(left.shape)} and {tuple(right.shape)} for a {shape[0]} x {shape[1]} "
+                     "linear", [name])  # fmt: skip
+    if not all(t.is_floating_point() and torch.isfinite(t).all() for t in (left, right)):
+        raise refuse("factors with NaN or infinite values", [name])
+    scale = 1.0
+    if config:
+        rank = _by_pattern(name, config.get("rank_pattern") or {}, config.get("r", 1))
+        scale = _by_pattern(name, config.get("alpha_pattern") or {}, config.get("alpha", rank)) / rank
+    return Kronecker(left, right, user_scale * scale)
 
 
 def _alpha_over_rank(module: str, rank: int, config: dict) -> float:

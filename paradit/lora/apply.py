@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from paradit.errors import CheckpointError, InvalidRequest
-from paradit.lora.adapters import LoraRef, LoraSet, LowRank, adapter_file, adapter_key, read_adapter
+from paradit.errors import InvalidRequest
+from paradit.lora.adapters import Kronecker, LowRank, adapter_file, read_adapter
+from paradit.lora.refs import LoraRef, LoraSet, adapter_key
 from paradit.weights import ModelNames, TensorSlice, TensorSource
 
 
@@ -29,7 +30,11 @@ def check_adapters(family, spec, lora: LoraSet) -> None:
         if refs := lora.of(component):
             with torch.device("meta"):
                 model = family.build_transformer(dataclasses.replace(spec, transformer=config))
-            read_updates(family.lora_loader, refs, model, component)
+            updates = read_updates(family.lora_loader, refs, model, component)
+            kronecker = [name for name, pairs in updates.items() if any(isinstance(u, Kronecker) for _, u in pairs)]
+            if kronecker and (lora.mode != "fused" or lora.switchable):
+                raise InvalidRequest(f"LoKr adapters fuse into the weights only (for {kronecker[0]} and others); "
+                                     "run with --lora-mode fused, not as side paths")  # fmt: skip
 
 
 def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
@@ -95,13 +100,17 @@ class FusedLoraTensors:
             updates = []
         if not updates:
             return self.source.read(name, full_shape, cut, dtype)
-        if dtype is None:  # an FP8 checkpoint's weight, read as stored
-            raise CheckpointError(f"{name} is FP8 in the checkpoint: a LoRA fuses into high-precision weights only; "
-                                  "run with --lora-mode unfused")  # fmt: skip
-        full = self.source.read(name, full_shape, None, torch.float32)
+        scale = None
+        if dtype is None:  # an FP8 checkpoint's weight, read as stored: dequantized by its row scales first
+            scale = self.source.read(f"{module}.weight_scale", (full_shape[0], 1), None, torch.float32)
+            full = self.source.read(name, full_shape, None, None).float() * scale
+        else:
+            full = self.source.read(name, full_shape, None, torch.float32)
         for update in updates:
             full += update.delta(full.device) if leaf == "weight" else update.up_bias.to(full) * update.scale
-        full = full.to(dtype)
+        # An FP8 weight goes back in float32 over the checkpoint's scales, which the loader multiplies it by before
+        # quantizing it anew (its path for a checkpoint whose FP8 format differs from the device's).
+        full = full.to(dtype) if scale is None else full / scale.clamp_min(torch.finfo(torch.float32).tiny)
         return full if cut is None else cut.take(full)
 
 

@@ -124,9 +124,8 @@ class SequenceParallelAttention:
 
         return finish
 
-    def ulysses_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
-    ) -> torch.Tensor:
+    def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                          local: AttentionFn) -> torch.Tensor:  # fmt: skip
         """(B, L_me, H, D) -> the same: the group's tokens for a share of the heads, attended (``_attend``), sent back.
         Plain SDPA without Ring runs in overlapped head chunks: exact, heads being independent."""
         heads, dtype = q.shape[2], q.dtype
@@ -148,9 +147,8 @@ class SequenceParallelAttention:
             finish()
         return self._from_wire(into, dtype)
 
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
-    ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                local: AttentionFn) -> torch.Tensor:  # fmt: skip
         """``local`` on this rank's heads over the call's whole sequence: with Ring, plain SDPA runs block by block as
         the K/V blocks travel; any other local attention (PipeFusion's K/V buffer) needs every key at once, so the
         ring members' K/V are all-gathered for it instead (the same bytes, without the overlap)."""
@@ -224,15 +222,9 @@ class SequenceParallelAttention:
 
     # Compiled blocks break their graph here: the collectives run eagerly between the compiled halves of a block.
     @torch.compiler.disable
-    def __call__(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_mask: torch.Tensor | None = None,
-        streams: tuple[str, ...] | None = None,
-        local: AttentionFn = sdpa_attention,
-    ) -> torch.Tensor:
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 key_mask: torch.Tensor | None = None, streams: tuple[str, ...] | None = None,
+                 local: AttentionFn = sdpa_attention) -> torch.Tensor:  # fmt: skip
         """``local`` attends this rank's heads over the gathered sequence (see ``_attend``)."""
         layout = _LAYOUT.get()
         sizes = [layout[name] for name in (streams or layout)]

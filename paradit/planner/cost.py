@@ -61,9 +61,8 @@ def attention_ms(facts: ModelFacts, workload: Workload, batch: float, profile: H
     return sum(g.flops(workload) * batch / (profile.attention_rate(g.head_dim) * 1e9) for g in facts.attention)
 
 
-def linear_efficiency(
-    facts: ModelFacts, workload: Workload, batch: int, fp8: bool, profile: HardwareProfile, measured_ms: float
-) -> float:
+def linear_efficiency(facts: ModelFacts, workload: Workload, batch: int, fp8: bool, profile: HardwareProfile,
+                      measured_ms: float) -> float:  # fmt: skip
     """The share of the matmul rates a model's linear layers reach, from its measured one-GPU step: the time left
     after attention and the rest, against the linears' time at full rate."""
     image, text = workload.image_tokens, workload.text_tokens

@@ -228,14 +228,8 @@ class MemoryEstimates:
         return self._known[key]
 
 
-def plan(
-    spec: ModelSpec,
-    gpus: int,
-    profile: HardwareProfile,
-    request: GenerationRequest | None = None,
-    quantize: str | None = None,
-    memory: MemoryEstimates | None = None,
-) -> PlanChoice:
+def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: GenerationRequest | None = None,
+         quantize: str | None = None, memory: MemoryEstimates | None = None) -> PlanChoice:  # fmt: skip
     """Rank every plan of ``gpus`` GPUs for ``spec`` on ``profile``. ``quantize``: "fp8" or "none" to decide FP8
     compute; None tries without FP8 first and falls back to it only when nothing fits."""
     wanted = request_for(spec, request)

@@ -73,12 +73,10 @@ def _collectives_worker(rank: int, world: int, init_file: str, backend: str, nby
                 work.wait()
 
         # Bytes one rank sends, as the runtime's counters count them.
-        probes = {
-            "all_to_all": (lambda: dist.all_to_all_single(received, send), nbytes * (world - 1) / world),
-            "send_recv": (ring, nbytes),
-            "all_reduce": (lambda: dist.all_reduce(send), 2 * nbytes * (world - 1) / world),
-            "all_gather": (lambda: dist.all_gather(gathered, send), nbytes * (world - 1)),
-        }
+        probes = {"all_to_all": (lambda: dist.all_to_all_single(received, send), nbytes * (world - 1) / world),
+                  "send_recv": (ring, nbytes),
+                  "all_reduce": (lambda: dist.all_reduce(send), 2 * nbytes * (world - 1) / world),
+                  "all_gather": (lambda: dist.all_gather(gathered, send), nbytes * (world - 1))}  # fmt: skip
         rates = {}
         for name, (run, sent) in probes.items():
             dist.barrier()

@@ -15,11 +15,13 @@ import urllib.request
 from pathlib import Path
 
 from paradit.errors import InvalidRequest, ParaditError
+from paradit.lora import parse_lora
 from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths
 
 POLL_S = 0.5
 # Options that shape what the server runs rather than the request: the server chose them when it started.
-LOCAL_ONLY = ("gpus", "ulysses", "ring", "tensor", "pipefusion", "quantize", "dtype", "device", "max_gpu_memory")
+LOCAL_ONLY = ("gpus", "ulysses", "ring", "tensor", "pipefusion", "quantize", "dtype", "device", "max_gpu_memory",
+              "lora_2", "lora_weight_name")  # fmt: skip
 
 
 class ServerError(ParaditError):
@@ -47,6 +49,7 @@ def call(server: str, method: str, path: str, api_key: str | None, body: dict | 
 def request_body(args: argparse.Namespace, video: bool) -> dict:
     """The request's fields, from ``generate``'s flags; flags a server cannot take are refused."""
     given = [name for name in LOCAL_ONLY if getattr(args, name, None) not in (None, False, "none")]
+    given += ["lora_mode"] if getattr(args, "lora_mode", "fused") != "fused" else []
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise InvalidRequest(f"{flags}: the server chose these when it started; drop them with --server")
@@ -60,6 +63,8 @@ def request_body(args: argparse.Namespace, video: bool) -> dict:
         "size": "auto" if args.height is None else f"{args.width}x{args.height}",
         **({"frames": args.frames, "fps": args.fps, "guidance_2": args.guidance_2} if video else {}),
     }  # fmt: skip
+    if args.lora:  # the server's named adapters, NAME[:SCALE]
+        body["lora"] = [{"name": ref.source, "scale": ref.scale} for ref in map(parse_lora, args.lora)]
     return {key: value for key, value in body.items() if value is not None}
 
 

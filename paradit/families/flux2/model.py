@@ -98,14 +98,8 @@ class Flux2TransformerBlock(nn.Module):
         self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.ff_context = FeedForward(dim, config.mlp_ratio)
 
-    def forward(
-        self,
-        img: torch.Tensor,
-        txt: torch.Tensor,
-        mod_img: torch.Tensor,
-        mod_txt: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, mod_img: torch.Tensor, mod_txt: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         (shift_a, scale_a, gate_a), (shift_m, scale_m, gate_m) = split_modulation(mod_img, 2)
         (c_shift_a, c_scale_a, c_gate_a), (c_shift_m, c_scale_m, c_gate_m) = split_modulation(mod_txt, 2)
         img_in = (1 + scale_a) * self.norm1(img) + shift_a
@@ -178,16 +172,11 @@ class Flux2Transformer(StagedTransformer):
         if guidance is not None:
             guidance = guidance.to(dtype) * 1000
         temb = self.time_guidance_embed(timestep, dtype, guidance)
-        return Flux2Tokens(
-            img=self.x_embedder(hidden_states),
-            txt=self.context_embedder(encoder_hidden_states),
-            img_rope=self.rope(img_ids),
-            txt_rope=self.rope(txt_ids),
-            temb=temb,
-            mod_img=self.double_stream_modulation_img(temb),
-            mod_txt=self.double_stream_modulation_txt(temb),
-            mod_single=self.single_stream_modulation(temb),
-        )
+        return Flux2Tokens(img=self.x_embedder(hidden_states), txt=self.context_embedder(encoder_hidden_states),
+                           img_rope=self.rope(img_ids), txt_rope=self.rope(txt_ids), temb=temb,
+                           mod_img=self.double_stream_modulation_img(temb),
+                           mod_txt=self.double_stream_modulation_txt(temb),
+                           mod_single=self.single_stream_modulation(temb))  # fmt: skip
 
     def run_blocks(self, tokens: Flux2Tokens) -> Flux2Tokens:
         rope = tuple(torch.cat([t, i], dim=0) for t, i in zip(tokens.txt_rope, tokens.img_rope))

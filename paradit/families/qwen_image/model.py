@@ -85,14 +85,8 @@ class QwenImageTransformerBlock(nn.Module):
         self.txt_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
         self.txt_mlp = GeluFeedForward(dim, 4 * dim, dim)
 
-    def forward(
-        self,
-        img: torch.Tensor,
-        txt: torch.Tensor,
-        temb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        key_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         (shift_a, scale_a, gate_a), (shift_m, scale_m, gate_m) = split_modulation(self.img_mod(temb), 2)
         (c_shift_a, c_scale_a, c_gate_a), (c_shift_m, c_scale_m, c_gate_m) = split_modulation(self.txt_mod(temb), 2)
         img_in = self.img_norm1(img) * (1 + scale_a) + shift_a
@@ -127,15 +121,8 @@ class QwenImageTransformer(StagedTransformer):
         self.norm_out = AdaLayerNormOut(dim, dim, eps=EPS)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.output_channels)
 
-    def embed(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        rows: int,
-        cols: int,
-        encoder_hidden_states_mask: torch.Tensor | None = None,
-    ) -> QwenImageTokens:
+    def embed(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor, rows: int,
+              cols: int, encoder_hidden_states_mask: torch.Tensor | None = None) -> QwenImageTokens:  # fmt: skip
         """``hidden_states``: packed latents (batch, rows * cols, in_channels); ``timestep``: sigma in [0, 1] per
         sample; ``encoder_hidden_states_mask``: (batch, text), nonzero for real tokens, None if nothing is padded."""
         img = self.img_in(hidden_states)

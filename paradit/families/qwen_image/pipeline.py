@@ -56,9 +56,8 @@ class QwenPromptEncoder:
         return [self.language_model]
 
     @classmethod
-    def from_folder(
-        cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
-    ) -> QwenPromptEncoder:
+    def from_folder(cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype,
+                    placement: str = "gpu") -> QwenPromptEncoder:  # fmt: skip
         """``config`` is the folder's own, which transformers reads again."""
         model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
             component_dir(weights.path, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device),

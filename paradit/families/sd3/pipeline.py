@@ -48,15 +48,8 @@ class SD3PromptEncoder:
     """CLIP-L, OpenCLIP bigG and T5 with their tokenizers, loaded on ``weights_device(placement, device)`` and run on
     ``device``; ``encode`` gives diffusers' ``prompt_embeds`` and ``pooled_prompt_embeds``."""
 
-    def __init__(
-        self,
-        clip_encoders: list[nn.Module],
-        t5: nn.Module,
-        tokenizers: list,
-        max_sequence_length: int,
-        device: torch.device,
-        placement: str = "gpu",
-    ) -> None:
+    def __init__(self, clip_encoders: list[nn.Module], t5: nn.Module, tokenizers: list, max_sequence_length: int,
+                 device: torch.device, placement: str = "gpu") -> None:  # fmt: skip
         self.clip_encoders = [
             place(encoder.eval().requires_grad_(False), placement, device) for encoder in clip_encoders
         ]
@@ -89,9 +82,8 @@ class SD3PromptEncoder:
         return cls(clip_encoders, t5, tokenizers, spec.max_sequence_length, device, placement)
 
     @classmethod
-    def dummy(
-        cls, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
-    ) -> SD3PromptEncoder:
+    def dummy(cls, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu",
+              seed: int = 0) -> SD3PromptEncoder:  # fmt: skip
         clip_encoders = [
             random_encoder(
                 lambda config=config: CLIPTextModelWithProjection._from_config(
@@ -125,14 +117,8 @@ class SD3PromptEncoder:
         """(batch, clip length + max_sequence_length, T5 width) embeddings and (batch, pooled width) vectors."""
         (hidden_l, pooled_l), (hidden_g, pooled_g) = self._clip(0, prompts), self._clip(1, prompts)
         warn_if_truncated(self.t5_tokenizer, prompts, self.max_sequence_length, "T5")
-        ids = self.t5_tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_tensors="pt",
-        ).input_ids
+        ids = self.t5_tokenizer(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                                add_special_tokens=True, return_tensors="pt").input_ids  # fmt: skip
         t5_hidden = self.t5(ids.to(self.device))[0]
         clip_hidden = torch.cat([hidden_l, hidden_g], dim=-1)
         clip_hidden = nn.functional.pad(clip_hidden, (0, t5_hidden.shape[-1] - clip_hidden.shape[-1]))
@@ -148,10 +134,8 @@ class SD3Pipeline(DiffusionPipeline):
         prompts = request.prompts + (request.negative_prompts if self.uses_cfg(request) else [])
         embeds, pooled = self.prompt_encoder.encode(prompts, self.dtype)
         repeat = request.images_per_prompt
-        return {
-            "embeds": embeds.to(self.device).repeat_interleave(repeat, dim=0),
-            "pooled": pooled.to(self.device).repeat_interleave(repeat, dim=0),
-        }
+        return {"embeds": embeds.to(self.device).repeat_interleave(repeat, dim=0),
+                "pooled": pooled.to(self.device).repeat_interleave(repeat, dim=0)}  # fmt: skip
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, None]:
         stride = vae_scale_factor(self.spec.vae)

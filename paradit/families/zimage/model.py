@@ -146,9 +146,8 @@ class ZImageBlock(nn.Module):
         self.ffn_norm2 = RMSNorm(dim, eps)
         self.adaLN_modulation = nn.Sequential(nn.Linear(config.adaln_dim, 4 * dim)) if modulated else None
 
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, key_mask: torch.Tensor | None, temb: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, key_mask: torch.Tensor | None,
+                temb: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if self.adaLN_modulation is None:
             x = x + self.attention_norm2(self.attention(self.attention_norm1(x), rope, key_mask))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
@@ -249,13 +248,8 @@ class ZImageTransformer(StagedTransformer):
         tables = self.rope_tables(positions.device)
         return torch.cat([table[positions[..., axis]] for axis, table in enumerate(tables)], dim=-1)
 
-    def embed(
-        self,
-        hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        encoder_attention_mask: torch.Tensor | None = None,
-    ) -> ZImageTokens:
+    def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+              encoder_attention_mask: torch.Tensor | None = None) -> ZImageTokens:  # fmt: skip
         """``hidden_states``: latents (B, C, H, W); ``timestep``: (B,) 1 - sigma; ``encoder_hidden_states``: captions
         (B, T, cap_feat_dim), right-padded where ``encoder_attention_mask`` is False (None: all T long)."""
         batch, device = hidden_states.shape[0], hidden_states.device
@@ -284,14 +278,9 @@ class ZImageTransformer(StagedTransformer):
         img_positions = torch.zeros(batch, img.shape[1], 3, dtype=torch.long, device=device)
         img_positions[:, :image_tokens, 0] = (caption_lens + 1)[:, None]
         img_positions[:, :image_tokens, 1:] = grid
-        return ZImageTokens(
-            img=img,
-            txt=txt,
-            img_rope=self.rope(img_positions),
-            txt_rope=self.rope(txt_positions),
-            txt_mask=None if encoder_attention_mask is None else text_index < caption_lens[:, None],
-            temb=temb,
-        )
+        return ZImageTokens(img=img, txt=txt, img_rope=self.rope(img_positions), txt_rope=self.rope(txt_positions),
+                            txt_mask=None if encoder_attention_mask is None else text_index < caption_lens[:, None],
+                            temb=temb)  # fmt: skip
 
     def run_blocks(self, tokens: ZImageTokens) -> ZImageTokens:
         img, txt = tokens.img, tokens.txt
