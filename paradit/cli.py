@@ -429,8 +429,9 @@ def serial_comparison(parallel, serial, exact: bool) -> tuple[int, str]:
     levels = int(((parallel.pixels * 255).round() - (serial.pixels * 255).round()).abs().max())
     within = levels <= 1 if exact else psnr >= LOSSY_PSNR_DB
     verdict = "equals" if levels <= 1 else "is within tolerance of" if within else "DIFFERS FROM"
+    kind = "video" if parallel.is_video else "image"
     line = (
-        f"{parallel.timings.plan} image {verdict} the 1-process image: max diff {float_diff:.2e} on [0, 1], "
+        f"{parallel.timings.plan} {kind} {verdict} the 1-process {kind}: max diff {float_diff:.2e} on [0, 1], "
         f"{levels} 8-bit level(s), PSNR {psnr:.1f} dB ({'exact plan' if exact else 'lossy plan'})"
     )
     return (0 if within else 3), line

@@ -195,7 +195,9 @@ LOSSY_PLAN = "pipefusion 2 x ulysses 2 (2 patches after 1 warm-up steps) (fp8 tr
 LOSSY_BOUNDS = {"flux2": (42, 5.8), "qwen_image": (5, 0.45), "sd3": (21, 2.0), "zimage": (68, 12.0)}
 
 # The verdict's wording ("equals" for an exact match) is all the exact plans are held to here.
-VERIFY_LINE = re.compile(r"^(.+?) image (.+?) the 1-process image: max diff \S+ on \[0, 1\], (\d+) 8-bit level")
+VERIFY_LINE = re.compile(
+    r"^(.+?) (?:image|video) (.+?) the 1-process (?:image|video): max diff \S+ on \[0, 1\], (\d+) 8-bit level"
+)
 
 
 def verify_serial_line(stdout: str) -> tuple[str, str, int]:

@@ -137,7 +137,7 @@ def test_a_request_with_sharded_weights_gives_the_one_process_video(tmp_path, ca
     assert main([*args, "--gpus", "4", "--cfg-parallel", "--ulysses", "2", "--shard-weights", "4",
                  "--verify-serial"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "cfg 2 x ulysses 2, weights sharded over 4 (cfg x ulysses) image equals the 1-process image" in out
+    assert "cfg 2 x ulysses 2, weights sharded over 4 (cfg x ulysses) video equals the 1-process video" in out
     assert float(re.search(r"max diff (\S+) on \[0, 1\]", out).group(1)) <= 1e-4
 
 
