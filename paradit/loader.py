@@ -63,13 +63,12 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
     updates = read_updates(family.lora_loader, refs, plain, component) if refs else {}  # the whole model's names
     parallelized = parallelize(plain, family.tensor_plan, parallel)
     fp8 = fp8_load(plain, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
-    fuse = bool(updates) and lora.mode == "fused" and not lora.switchable
-    if updates and not fuse:  # a server's named adapters start unchosen; a run's all apply at their scales
+    if updates and not lora.fused:  # a server's named adapters start unchosen; a run's all apply at their scales
         scales = {} if lora.switchable else {adapter_key(ref, index): 1.0 for index, ref in enumerate(refs)}
         add_side_paths(plain, names, updates, parallelized.slices, device, dtype, scales, lora.switchable)
 
     def adapted(source: TensorSource) -> TensorSource:
-        return FusedLoraTensors(source, updates) if fuse else source
+        return FusedLoraTensors(source, updates) if updates and lora.fused else source
 
     # A preset's FP8 folder holds its transformer alone; a checkpoint folder holds each component (None: random).
     fp8_preset = isinstance(spec.weights, Fp8PresetFolder) and component == "transformer"

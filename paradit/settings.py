@@ -20,7 +20,7 @@ from paradit.errors import InvalidRequest
 from paradit.families import DEFAULT_MODEL, FAMILIES, PRESETS, spec_from_folder
 from paradit.fp8_checkpoint import PRESET_FILE, spec_with_fp8_transformer
 from paradit.lora import LoraSet
-from paradit.lora.apply import check_adapters, check_choice, side_path_bytes
+from paradit.lora.apply import check_adapters, check_choice
 from paradit.memory import MemoryPlan, check_fits, check_placement, gib, parse_size
 from paradit.optimize import ExecutionOptions
 from paradit.parallel.config import ParallelConfig, plans_for
@@ -235,7 +235,7 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
             ) from None
     options.validate(device)
     check_plan(family, spec, parallel)
-    check_adapters(family, spec, options.lora)
+    adapter_bytes = check_adapters(family, spec, options.lora) * dtype.itemsize
     gpus, fp8 = parallel.world_size, options.quantize == "fp8"
     if device.type == "cuda" and not launched_by_torchrun() and (device.index or 0) + gpus > torch.cuda.device_count():
         start = "" if device.index is None else f" from {device}"
@@ -248,15 +248,15 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
         if resolved is not None:
             sized = dataclasses.replace(spec, height=resolved.height, width=resolved.width,
                                         frames=resolved.frames or spec.frames)  # fmt: skip
-        compiled, adapters = options.compiles(device), side_path_bytes(options.lora, dtype)
+        compiled = options.compiles(device)
         try:
             memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, options.swap_experts, compiled,
-                                     adapters)  # fmt: skip
+                                     adapter_bytes)  # fmt: skip
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
-            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, True, compiled, adapters)
+            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, True, compiled, adapter_bytes)
             options = dataclasses.replace(options, swap_experts=True)
             options.validate(device)
         placement = memory_plan.text_encoder_placement

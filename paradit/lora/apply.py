@@ -12,29 +12,36 @@ import importlib
 import math
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from paradit.errors import InvalidRequest
-from paradit.lora.adapters import Kronecker, LowRank, adapter_file, read_adapter
+from paradit.lora.adapters import Kronecker, LowRank, read_adapter
 from paradit.lora.refs import LoraRef, LoraSet, adapter_key
 from paradit.weights import ModelNames, TensorSlice, TensorSource
 
 
-def check_adapters(family, spec, lora: LoraSet) -> None:
+def check_adapters(family, spec, lora: LoraSet) -> int:
     """Refuses, before anything loads, an adapter that would not apply to ``spec``'s transformers (each rank reads
-    its adapters again as it loads: they are small, and the files are the only thing a worker is sent)."""
+    its adapters again as it loads: they are small, and the files are the only thing a worker is sent); returns the
+    elements their side paths hold on a rank, every factor whole (a tensor-parallel or PipeFusion rank holds less,
+    so this errs high), 0 for fused adapters, which become the weights."""
     if lora.transformer_2 and "transformer_2" not in spec.experts:
         raise InvalidRequest(f"--lora-2 is for a second transformer (a low-noise expert); {spec.name} has one")
+    elements = 0
     for component, config in {"transformer": spec.transformer, **spec.experts}.items():
         if refs := lora.of(component):
             with torch.device("meta"):
                 model = family.build_transformer(dataclasses.replace(spec, transformer=config))
-            updates = read_updates(family.lora_loader, refs, model, component)
-            kronecker = [name for name, pairs in updates.items() if any(isinstance(u, Kronecker) for _, u in pairs)]
-            if kronecker and (lora.mode != "fused" or lora.switchable):
+            keyed = read_updates(family.lora_loader, refs, model, component)
+            if lora.fused:
+                continue
+            updates = [(name, update) for name, pairs in keyed.items() for _, update in pairs]
+            if kronecker := [name for name, update in updates if isinstance(update, Kronecker)]:
                 raise InvalidRequest(f"LoKr adapters fuse into the weights only (for {kronecker[0]} and others); "
                                      "run with --lora-mode fused, not as side paths")  # fmt: skip
+            elements += sum(u.down.numel() + u.up.numel() + (0 if u.up_bias is None else u.up_bias.numel())
+                            for _, u in updates)  # fmt: skip
+    return elements
 
 
 def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
@@ -51,18 +58,6 @@ def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
         if not math.isfinite(scale):
             raise InvalidRequest(f"LoRA adapter {name!r}: the scale must be a finite number", param="lora")
     return tuple(chosen or ())
-
-
-def side_path_bytes(lora: LoraSet, dtype: torch.dtype) -> int:
-    """What side paths hold on a rank, in ``dtype``: every adapter's factors whole (a tensor-parallel or PipeFusion
-    rank holds less, so this errs high); nothing for fused adapters, which become the weights."""
-    if not lora or (lora.mode == "fused" and not lora.switchable):
-        return 0
-    elements = 0
-    for ref in (*lora.transformer, *lora.transformer_2):
-        with safe_open(str(adapter_file(ref)), framework="pt", device="cpu") as handle:
-            elements += sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
-    return elements * dtype.itemsize
 
 
 def read_updates(loader_name: str, refs: tuple[LoraRef, ...], model: nn.Module, component: str) -> dict[str, list]:

@@ -40,6 +40,11 @@ class LoraSet:
     def __bool__(self) -> bool:
         return bool(self.transformer or self.transformer_2)
 
+    @property
+    def fused(self) -> bool:
+        """Whether the adapters become the weights (else they run as side paths)."""
+        return self.mode == "fused" and not self.switchable
+
     def of(self, component: str) -> tuple[LoraRef, ...]:
         return self.transformer_2 if component == "transformer_2" else self.transformer
 
