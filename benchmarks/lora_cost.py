@@ -2,10 +2,12 @@
 (diffusers' layout, bf16 factors): the transformer's load time with the adapter fused against without it, and one
 forward's time with the adapter unfused (side paths at rank 32 and 64) against the plain transformer, eager and
 compiled, bf16 and FP8 (fused weights cost nothing per step: they are the plain transformer's shape). Also the FP8
-run's relative L2 against bf16 with the same adapter fused, beside the same figure without an adapter.
+run's relative L2 against bf16 with the same adapter fused, beside the same figure without an adapter, and a
+server's switches between named adapters: side paths in bf16, and a cache of fused choices in FP8.
 
     python benchmarks/lora_cost.py --out-dir $OUT
     python benchmarks/lora_cost.py --models flux2-klein-4b --ranks 32 --out-dir $OUT
+    python benchmarks/lora_cost.py --models flux2-dev --switch-only --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.loader import load_transformer  # noqa: E402
 from paradit.lora import LoraRef, LoraSet  # noqa: E402
-from paradit.lora.apply import select_adapters  # noqa: E402
 from paradit.optimize import ExecutionOptions, apply_execution_options  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402
 
@@ -101,34 +102,46 @@ def measured(spec, lora, mode, quantize, device, iters) -> dict:
     return row
 
 
-def switch_rows(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int) -> list[dict]:
-    rows = switches(name, spec, adapters, device, iters)
+def switch_rows(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int,
+                quantize: str) -> list[dict]:  # fmt: skip
+    rows = switches(name, spec, adapters, device, iters, cache, quantize)
     gc.collect()
     torch.cuda.empty_cache()
     torch._dynamo.reset()
     return rows
 
 
-def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int) -> list[dict]:
-    """A server's switch between named adapters (compiled bf16): the time ``select_adapters`` takes, and the first
-    forward after it against the steady one (a new total rank recompiles the blocks, until they run shape-generic)."""
+def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int,
+             quantize: str) -> list[dict]:  # fmt: skip
+    """A server's switch between named adapters (compiled): the time the choice takes (side paths, ``cache`` 0:
+    concatenating the factors; a cache of fused choices: a merge on a miss, a copy on a hit or back to none), and
+    the first forward after it against the steady one (side paths: a new total rank recompiles the blocks, until
+    they run shape-generic; fused choices keep every shape)."""
     refs = tuple(LoraRef(str(path), name=f"r{rank}") for rank, path in adapters.items())
-    loaded = load_transformer(FAMILIES[spec.family], spec, device, torch.bfloat16, None, "none",
-                              lora=LoraSet(refs, (), "unfused", switchable=True))  # fmt: skip
-    forward = apply_execution_options(loaded, ExecutionOptions(compile=True), device)
+    lora = LoraSet(refs, (), "unfused", switchable=True, cache=cache)
+    loaded = load_transformer(FAMILIES[spec.family], spec, device, torch.bfloat16, None, quantize, lora=lora)
+    forward = apply_execution_options(loaded, ExecutionOptions(quantize=quantize, compile=True), device)
     inputs = forward_inputs(spec, loaded.model, device)
+    resident_gib = torch.cuda.memory_allocated(device) / 2**30
 
     def run():
         with torch.inference_mode():
             return forward(**inputs) if isinstance(inputs, dict) else forward(*inputs)
 
+    first, last = {refs[0].name: 1.0}, {refs[-1].name: 0.5}
+    if cache:  # each kind of switch once: a miss, back to none, a hit, a miss that evicts, a miss after eviction
+        rounds = [[{}, first, {}, first, last, first, {}]]
+    else:  # the second round: every total rank compiled once already
+        rounds = [[{}, first, last, {ref.name: 1.0 for ref in refs}, {refs[0].name: 0.7}]] * 2
+    merged = getattr(loaded.choose_adapters, "__self__", None)
     rows = []
-    choices = [{}, {refs[0].name: 1.0}, {refs[-1].name: 0.5}, {ref.name: 1.0 for ref in refs}, {refs[0].name: 0.7}]
-    for rounds in range(2):  # the second round: every total rank compiled once already
+    for number, choices in enumerate(rounds, 1):
         for choice in choices:
+            key = tuple(sorted(choice.items()))
+            event = "side paths" if merged is None else "base" if not key else "hit" if key in merged.merged else "miss"
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-            select_adapters(loaded.model, choice)
+            loaded.choose_adapters(choice)
             torch.cuda.synchronize(device)
             switch_ms = (time.perf_counter() - start) * 1000
             start = time.perf_counter()
@@ -137,8 +150,9 @@ def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, i
             first_ms = (time.perf_counter() - start) * 1000
             chosen = "+".join(f"{key}x{scale:g}" for key, scale in choice.items()) or "none"
             steady = time_cuda_ms(run, warmup=1, iters=iters)
-            rows.append(dict(model=name, kind="switch", mode="compiled", precision="bf16", adapter=chosen,
-                             round=rounds + 1, switch_ms=switch_ms, first_ms=first_ms, ms=steady))  # fmt: skip
+            rows.append(dict(model=name, kind="switch", precision=quantize.replace("none", "bf16"), cache=cache,
+                             adapter=chosen, event=event, round=number, switch_ms=switch_ms, first_ms=first_ms,
+                             ms=steady, resident_gib=resident_gib))  # fmt: skip
             print_table(rows[-1:], SWITCH_COLUMNS)
     return rows
 
@@ -157,6 +171,9 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
         params = write_adapter(model, rank, adapters[rank])
         print(f"{name}: rank {rank} adapter of {params / 1e6:.1f}M parameters", flush=True)
     rows = []
+    if args.switch_only:
+        side_paths = switch_rows(name, spec, adapters, device, args.iters, 0, "none")
+        return side_paths + switch_rows(name, spec, adapters, device, args.iters, args.lora_cache, "fp8")
 
     def record(**row) -> dict:
         rows.append({"model": name, **{k: v for k, v in row.items() if k != "output"}})
@@ -185,7 +202,8 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
             row = record(kind="forward", mode=mode, precision=precision, adapter=f"fused r{top}",
                          **measured(spec, fused, mode, quantize, device, args.iters))  # fmt: skip
             outputs[(mode, precision, "fused")] = row["output"]
-    rows += switch_rows(name, spec, adapters, device, args.iters)
+    rows += switch_rows(name, spec, adapters, device, args.iters, 0, "none")
+    rows += switch_rows(name, spec, adapters, device, args.iters, args.lora_cache, "fp8")
     for adapter in ("none", "fused"):
         error = relative_l2(outputs[("compiled", "fp8", adapter)], outputs[("compiled", "bf16", adapter)])
         record(kind="fp8 error", adapter=adapter if adapter == "none" else f"fused r{top}", fp8_rel_l2=error)
@@ -200,8 +218,9 @@ COLUMNS = [
 
 
 SWITCH_COLUMNS = [
-    ("model", "model", ""), ("kind", "kind", ""), ("adapter", "chosen", ""), ("round", "round", "d"),
-    ("switch_ms", "switch ms", ".1f"), ("first_ms", "first forward ms", ".1f"), ("ms", "ms/forward", ".1f"),
+    ("model", "model", ""), ("precision", "precision", ""), ("cache", "cache", "d"), ("adapter", "chosen", ""),
+    ("event", "event", ""), ("round", "round", "d"), ("switch_ms", "switch ms", ".1f"),
+    ("first_ms", "first forward ms", ".1f"), ("ms", "ms/forward", ".1f"), ("resident_gib", "resident GiB", ".2f"),
 ]  # fmt: skip
 
 
@@ -211,6 +230,9 @@ def main() -> None:
     parser.add_argument("--ranks", nargs="+", type=int, default=[32, 64])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--wan-forwards", action="store_true", help="time Wan's forwards too (load and fuse only)")
+    parser.add_argument("--lora-cache", type=int, default=1, help="fused choices kept in the FP8 switch rows (N of "
+                        "them hold the weights the adapters change N+1 times: FLUX.2-dev FP8 fits one)")  # fmt: skip
+    parser.add_argument("--switch-only", action="store_true", help="the server's switches alone")
     parser.add_argument("--out-dir")
     args = parser.parse_args()
     device = torch.device("cuda", 0)

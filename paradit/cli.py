@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 
 from paradit import __version__
-from paradit.errors import ParaditError, report_warnings
+from paradit.errors import InvalidRequest, ParaditError, report_warnings
 from paradit.families import DEFAULT_MODEL, PRESETS
 from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths, read_image, save_images, save_videos
 from paradit.parallel.config import ParallelConfig
@@ -257,10 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "a step")  # fmt: skip
     serve.add_argument("--max-pixels", type=positive, help="width x height a request may ask for (default 4x the "
                        "model's default size)")  # fmt: skip
-    lora = serve.add_argument_group("LoRA adapters each request may choose (its lora field), as side paths")
+    lora = serve.add_argument_group("LoRA adapters each request may choose (its lora field)")
     lora.add_argument("--lora", action="append", metavar="NAME=PATH", help="an adapter and its name; repeatable")
     lora.add_argument("--lora-2", action="append", metavar="NAME=PATH", help="a second expert's (the low-noise one)")
     lora.add_argument("--lora-dir", help="every .safetensors adapter in this folder, named by its file's stem")
+    lora.add_argument("--lora-cache", type=int, default=0, metavar="N", help="choices of adapters and scales kept "
+                      "fused into weights of their own, the N most recently used: no cost per step, one merge a miss, "
+                      "the weights they change held N+1 times (default 0: side paths beside the weights)")  # fmt: skip
     add_execution_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -319,7 +322,11 @@ def served_lora_set(args: argparse.Namespace):
 
     first = tuple(parse_named(text) for text in args.lora or ()) + (adapters_in(args.lora_dir) if args.lora_dir else ())
     second = tuple(parse_named(text) for text in args.lora_2 or ())
-    return LoraSet(first, second, "unfused", switchable=True) if first or second else None
+    if not first and not second:
+        if args.lora_cache:
+            raise InvalidRequest("--lora-cache keeps choices of named adapters: give --lora NAME=PATH or --lora-dir")
+        return None
+    return LoraSet(first, second, "unfused", switchable=True, cache=args.lora_cache)
 
 
 def lora_set(args: argparse.Namespace):

@@ -19,6 +19,7 @@ from paradit.layers.fp8 import fp8_dtype
 from paradit.lora import LoraSet
 from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
 from paradit.lora.refs import adapter_key
+from paradit.lora.variants import adapter_chooser
 from paradit.memory import hold_to_cap
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
@@ -84,6 +85,8 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
         allow_pickle = isinstance(spec.weights, CheckpointFolder) and spec.weights.allow_pickle
         with CheckpointTensors(safetensors_files(folder, allow_pickle), device, dtype) as source:
             _fill(plain, names, adapted(source), parallelized, fp8, parallel)
+    if updates and lora.switchable:
+        parallelized.choose_adapters = adapter_chooser(plain, lora.cache)
     if parallel is not None and parallel.config.shard_weights:
         parallelized.forward = shard_root(parallelized.forward, plain, parallel)
     return parallelized

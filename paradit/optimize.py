@@ -42,6 +42,15 @@ class ExecutionOptions:
             raise InvalidRequest(f"unknown LoRA mode {self.lora.mode!r}; choose one of {', '.join(MODES)}")
         if self.cuda_graphs and self.swap_experts:  # a graph replays the addresses it captured; a swap moves them
             raise InvalidRequest("CUDA graphs do not combine with swapped experts; drop one of the two options")
+        if self.lora.cache < 0:
+            raise InvalidRequest(f"--lora-cache {self.lora.cache}: give 0 (side paths) or more fused choices")
+        if self.cuda_graphs and self.lora.switchable and not self.lora.cache:
+            # A graph replays the side paths it captured; fused choices copy into the captured weights instead.
+            raise InvalidRequest("CUDA graphs replay one choice of adapters; give --lora-cache 1 or more (choices "
+                                 "fused into the weights), or drop --cuda-graphs")  # fmt: skip
+        if self.swap_experts and self.lora.cache:  # fused choices would pin each expert's copies on the device
+            raise InvalidRequest("--lora-cache does not combine with swapped experts; give --lora-cache 0 (side "
+                                 "paths) or drop --swap-experts")  # fmt: skip
 
     def compiles(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile is None else self.compile

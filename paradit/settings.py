@@ -223,6 +223,9 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
         # A graph replays the addresses it captured, which each gather allocates anew; a swap moves whole tensors,
         # where sharding keeps 1/N of each expert resident already.
         raise InvalidRequest("--shard-weights does not combine with --cuda-graphs or --swap-experts; drop one")
+    if parallel.shard_weights and options.lora.cache:  # a merge copies into whole weights, which sharding splits
+        raise InvalidRequest("--lora-cache does not combine with --shard-weights; drop one (--lora-cache 0: side "
+                             "paths)")  # fmt: skip
     if fp8_checkpoint_layers(spec.transformer) is not None:  # it runs in FP8 or not at all
         if options.quantize != "fp8":
             raise InvalidRequest(f"{spec.name} holds an FP8 transformer; run it with --quantize fp8")
@@ -235,8 +238,8 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
             ) from None
     options.validate(device)
     check_plan(family, spec, parallel)
-    adapter_bytes = check_adapters(family, spec, options.lora) * dtype.itemsize
     gpus, fp8 = parallel.world_size, options.quantize == "fp8"
+    adapter_bytes = check_adapters(family, spec, options.lora, dtype, fp8)
     if device.type == "cuda" and not launched_by_torchrun() and (device.index or 0) + gpus > torch.cuda.device_count():
         start = "" if device.index is None else f" from {device}"
         raise InvalidRequest(f"{gpus} GPUs{start} asked for, but this machine has {torch.cuda.device_count()}")

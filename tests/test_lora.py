@@ -6,6 +6,7 @@ non-diffusers layout that diffusers converts; bad adapters refused in one line b
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -27,8 +28,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from paradit.engine import Engine
+from paradit.errors import InvalidRequest
+from paradit.families import FAMILIES, spec_from_folder
 from paradit.lora import LoraRef, LoraSet
 from paradit.optimize import ExecutionOptions
+from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
 from paradit.serving.launch import ServeSettings, build_scheduler
 from paradit.serving.metrics import Metrics
@@ -351,6 +355,48 @@ def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_on
         scheduler.close()
 
 
+@pytest.mark.parametrize("parallel", [None, ParallelConfig(tensor=2)], ids=["one process", "tensor 2"])
+def test_a_cache_of_fused_choices_gives_each_choice_the_image_of_its_side_paths(adapters, parallel):
+    """``--lora-cache 1``: each choice merged into the weights (a miss merges and evicts the older choice, a repeat
+    copies it back, none restores the base) gives the image of the same choice run as side paths, whatever ran
+    before; under tensor parallelism each rank merges the factors it cut into the weight slice it holds."""
+    first, second = adapters["flux2"]
+    refs = (LoraRef(str(first), name="style"), LoraRef(str(second), name="detail"))
+    sequence = [(("style", 0.5), ("detail", 1.2)), (("style", 1.0),), (("style", 0.5), ("detail", 1.2)), (),
+                (("detail", 1.2), ("style", 0.5)), (("style", 1.0),)]  # fmt: skip
+
+    def images(cache: int, parallel: ParallelConfig | None) -> list[np.ndarray]:
+        lora = LoraSet(refs, (), "unfused", switchable=True, cache=cache)
+        with Engine(str(folder_of("flux2")), device="cpu", dtype="fp32", parallel=parallel,
+                    options=ExecutionOptions(lora=lora)) as engine:  # fmt: skip
+            return [engine.generate(GenerationRequest(**REQUEST, lora=choice)).pixels.numpy() * 255
+                    for choice in sequence]  # fmt: skip
+
+    side_paths = images(0, None)
+    assert levels(side_paths[3], side_paths[0]) > 3 and levels(side_paths[1], side_paths[0]) > 3
+    for choice, ours, expected in zip(sequence, images(1, parallel), side_paths, strict=True):
+        assert levels(ours, expected) <= 1, choice
+
+
+def test_choices_that_graphs_or_sharding_could_not_replay_are_refused(adapters):
+    """Side paths a CUDA graph would replay as captured, and merges into weights that sharding splits or a swap
+    moves: refused, with the option that runs instead."""
+    from paradit.settings import settle
+
+    served = LoraSet((LoraRef(str(adapters["flux2"][0]), name="style"),), (), "unfused", switchable=True)
+    cached = dataclasses.replace(served, cache=2)
+    cuda = torch.device("cuda")  # validate only reads the device's type: no GPU needed to be refused
+    with pytest.raises(InvalidRequest, match="give --lora-cache 1 or more"):
+        ExecutionOptions(cuda_graphs=True, lora=served).validate(cuda)
+    ExecutionOptions(cuda_graphs=True, lora=cached).validate(cuda)
+    with pytest.raises(InvalidRequest, match="--lora-cache does not combine with swapped experts"):
+        ExecutionOptions(swap_experts=True, lora=cached).validate(cuda)
+    asked = Asked(model=str(folder_of("flux2")), device="cpu", dtype="fp32", gpus=2, lora=cached,
+                  parallel=ParallelConfig(ulysses=2, shard_weights=2))  # fmt: skip
+    with pytest.raises(InvalidRequest, match="--lora-cache does not combine with --shard-weights"):
+        settle(asked)
+
+
 def test_the_memory_plan_counts_side_paths_and_not_fused_adapters(adapters):
     from paradit.settings import settle
 
@@ -365,6 +411,13 @@ def test_the_memory_plan_counts_side_paths_and_not_fused_adapters(adapters):
     plain = transformer_bytes(None)
     assert transformer_bytes(LoraSet(refs)) == plain
     assert transformer_bytes(LoraSet(refs, (), "unfused")) - plain == factors > 0
+    # a cache of 2 fused choices: the base copy and two more of every weight the adapters change, beside the factors
+    targets = {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for path in (first, second)
+               for key in load_file(path)}  # fmt: skip
+    with torch.device("meta"):
+        model = FAMILIES["flux2"].build_transformer(spec_from_folder(folder_of("flux2")))
+    weights = sum(model.get_submodule(name).weight.numel() for name in targets) * 4
+    assert transformer_bytes(LoraSet(refs, (), "unfused", True, cache=2)) - plain == factors + 3 * weights
 
 
 def test_a_lokr_adapter_fuses_as_diffusers_applies_it_and_is_refused_as_side_paths(tmp_path, capfd):
@@ -391,7 +444,6 @@ def test_a_lokr_adapter_fuses_as_diffusers_applies_it_and_is_refused_as_side_pat
 
 
 def test_an_fp8_checkpoint_takes_a_fused_adapter_dequantized_merged_and_quantized_again(adapters, tmp_path):
-    from paradit.families import FAMILIES, spec_from_folder
     from paradit.fp8_checkpoint import write_fp8_checkpoint
     from paradit.layers.fp8 import Fp8Linear
     from paradit.loader import load_transformer

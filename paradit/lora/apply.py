@@ -20,14 +20,16 @@ from paradit.lora.refs import LoraRef, LoraSet, adapter_key
 from paradit.weights import ModelNames, TensorSlice, TensorSource
 
 
-def check_adapters(family, spec, lora: LoraSet) -> int:
+def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -> int:
     """Refuses, before anything loads, an adapter that would not apply to ``spec``'s transformers (each rank reads
     its adapters again as it loads: they are small, and the files are the only thing a worker is sent); returns the
-    elements their side paths hold on a rank, every factor whole (a tensor-parallel or PipeFusion rank holds less,
-    so this errs high), 0 for fused adapters, which become the weights."""
+    bytes a rank holds for them beyond the weights, every tensor whole (a tensor-parallel or PipeFusion rank holds
+    less, so this errs high): side paths' factors, and with a cache of fused choices the weights they change, once
+    for the base and once a choice (FP8: a byte an element, its row scales besides); 0 for fused adapters, which
+    become the weights."""
     if lora.transformer_2 and "transformer_2" not in spec.experts:
         raise InvalidRequest(f"--lora-2 is for a second transformer (a low-noise expert); {spec.name} has one")
-    elements = 0
+    held = 0
     for component, config in {"transformer": spec.transformer, **spec.experts}.items():
         if refs := lora.of(component):
             with torch.device("meta"):
@@ -39,9 +41,14 @@ def check_adapters(family, spec, lora: LoraSet) -> int:
             if kronecker := [name for name, update in updates if isinstance(update, Kronecker)]:
                 raise InvalidRequest(f"LoKr adapters fuse into the weights only (for {kronecker[0]} and others); "
                                      "run with --lora-mode fused, not as side paths")  # fmt: skip
-            elements += sum(u.down.numel() + u.up.numel() + (0 if u.up_bias is None else u.up_bias.numel())
-                            for _, u in updates)  # fmt: skip
-    return elements
+            held += dtype.itemsize * sum(u.down.numel() + u.up.numel() + (0 if u.up_bias is None else u.up_bias.numel())
+                                         for _, u in updates)  # fmt: skip
+            if lora.cache:
+                weights = [model.get_submodule(name).weight.shape for name in keyed]
+                per_copy = sum(rows * (columns + 4) if fp8 else rows * columns * dtype.itemsize
+                               for rows, columns in weights)  # fmt: skip
+                held += (1 + lora.cache) * per_copy
+    return held
 
 
 def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
@@ -129,24 +136,29 @@ class LoraSidePath(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.linear.bias
 
+    def combined(self, scales: dict[str, float]) -> tuple | None:
+        """The factors ``scales`` chooses, concatenated along the rank with the scales folded into ``up``: (down, up,
+        bias or None), or None where it chooses none of this linear's."""
+        parts = [(*self.factors[key], scale) for key, scale in scales.items() if key in self.factors]
+        if not parts:
+            return None
+        biases = [bias * scale for _, _, bias, scale in parts if bias is not None]
+        return (torch.cat([down for down, _, _, _ in parts]), torch.cat([up * scale for _, up, _, scale in parts], 1),
+                sum(biases) if biases else None)  # fmt: skip
+
     def select(self, scales: dict[str, float]) -> None:
         chosen = tuple((key, scale) for key, scale in scales.items() if key in self.factors)
         if chosen == self.chosen:
             return
         self.chosen = chosen
-        parts = [(*self.factors[key], scale) for key, scale in chosen]
-        self.down = torch.cat([down for down, _, _, _ in parts]) if parts else None
-        self.up = torch.cat([up * scale for _, up, _, scale in parts], dim=1) if parts else None
-        biases = [bias * scale for _, _, bias, scale in parts if bias is not None]
-        self.up_bias = sum(biases) if biases else None
+        self.down, self.up, self.up_bias = self.combined(scales) or (None, None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = self.linear(x)
-        if self.down is None:
-            return base
-        # A plain sum: accumulating into the base output inside the up GEMM (addmm, beta 1) measured slower on an
-        # H200 (FLUX.2-dev: +8.5% a forward against +6.7%, docs/benchmarks.md).
-        out = base + (x.to(self.down.dtype) @ self.down.T) @ self.up.T
+        out = self.linear(x)
+        if self.down is not None:
+            # A plain sum: accumulating into the base output inside the up GEMM (addmm, beta 1) measured slower on an
+            # H200 (FLUX.2-dev: +8.5% a forward against +6.7%, docs/benchmarks.md).
+            out = out + (x.to(self.down.dtype) @ self.down.T) @ self.up.T
         return out if self.up_bias is None else out + self.up_bias
 
 

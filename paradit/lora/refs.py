@@ -30,12 +30,15 @@ class LoraSet:
     """The adapters of a run: ``transformer``'s (Wan 2.2: the high-noise expert) and ``transformer_2``'s (the
     low-noise expert), fused into the weights at load or kept as side paths beside each linear (``unfused``).
     ``switchable``: named adapters loaded as side paths that each batch chooses among, with its own scales (a
-    server's); otherwise every adapter applies to every request at its scale."""
+    server's); otherwise every adapter applies to every request at its scale. ``cache``: how many of a server's
+    choices (adapters and scales) are kept fused into weights of their own, the most recently used (0: none, every
+    choice runs as side paths)."""
 
     transformer: tuple[LoraRef, ...] = ()
     transformer_2: tuple[LoraRef, ...] = ()
     mode: str = "fused"
     switchable: bool = False
+    cache: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.transformer or self.transformer_2)

@@ -96,7 +96,8 @@ class Parallelized:
     """A model with its parallelism applied: ``model`` is the plain model, parallelized in place (what FP8 and
     compilation act on); ``forward`` what to call in its place; ``slices`` the part of each sharded tensor this rank
     loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop;
-    ``vae_decode``/``vae_encode`` the VAE's (by the group if any, a band each; encode gives the latent distribution)."""
+    ``vae_decode``/``vae_encode`` the VAE's (by the group if any, a band each; encode gives the latent distribution);
+    ``choose_adapters`` runs a batch's choice of a server's adapters (name -> scale; None: it has none to choose)."""
 
     model: nn.Module
     forward: nn.Module
@@ -105,6 +106,7 @@ class Parallelized:
     loop: DenoiseLoop = field(default_factory=DenoiseLoop)
     vae_decode: Callable[[nn.Module, torch.Tensor], torch.Tensor] = plain_vae_decode
     vae_encode: Callable[[nn.Module, torch.Tensor], Any] = plain_vae_encode
+    choose_adapters: Callable[[dict[str, float]], None] | None = None
 
 
 def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: ParallelContext | None) -> Parallelized:

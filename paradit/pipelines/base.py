@@ -18,7 +18,6 @@ from torch import nn
 from paradit.checkpoint import component_dir
 from paradit.errors import NonFinitePrediction
 from paradit.expert_swap import ExpertSwap
-from paradit.lora.apply import select_adapters
 from paradit.parallel.cfg import BatchedBranches
 from paradit.parallel.comm import CommStats
 from paradit.parallel.mesh import ParallelContext
@@ -252,8 +251,8 @@ class DiffusionPipeline(ABC):
         stats.reset()
         for transformer in (self.parallelized, *self.experts.values()):
             transformer.loop.begin_request()
-            if resolved.lora is not None:
-                select_adapters(transformer.model, dict(resolved.lora))
+            if resolved.lora is not None and transformer.choose_adapters is not None:
+                transformer.choose_adapters(dict(resolved.lora))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()

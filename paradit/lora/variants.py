@@ -1,0 +1,83 @@
+"""A server's choices of adapters fused into the weights, a few at a time: the weights of a choice (its adapters and
+scales) merged once and kept in a least-recently-used cache, so a request whose choice is cached runs at the base
+model's speed after a copy of the weights it changes, and a miss costs one merge. Every choice is copied into the
+tensors the model already runs, never new ones, so compiled blocks and CUDA graphs stay valid across switches. Each
+side path's factors are this rank's cut of them, so a merged update matches the weight slice the rank holds.
+Must not import torch.distributed."""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from paradit.layers.fp8 import Fp8Linear, quantize_weight
+from paradit.lora.apply import LoraSidePath, select_adapters
+
+Merged = dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor | None]]  # path index -> its tensors, its bias
+
+
+def adapter_chooser(model: nn.Module, cache: int) -> Callable[[dict[str, float]], None]:
+    """What runs a batch's choice of adapters (name -> scale) on ``model``: side paths (``cache`` 0), else choices
+    fused into the weights, ``cache`` of them kept."""
+    return functools.partial(select_adapters, model) if cache == 0 else FusedVariants(model, cache).choose
+
+
+def _live(path: LoraSidePath) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``path``'s linear that a merge replaces: an FP8 weight comes with its row scales."""
+    linear = path.linear
+    return (linear.weight, linear.weight_scale) if isinstance(linear, Fp8Linear) else (linear.weight,)
+
+
+class FusedVariants:
+    """The model's side paths stop running factors: ``choose`` copies the chosen weights into their linears. A copy
+    of the base weights is kept to return to and to merge from (an FP8 weight merges dequantized, then is quantized
+    again row by row); an adapter's bias stays beside the linear as one tensor, zero where none is chosen (a row-
+    parallel linear adds its bias only after the all-reduce, so it cannot take a rank's share)."""
+
+    def __init__(self, model: nn.Module, size: int) -> None:
+        self.paths = [module for module in model.modules() if isinstance(module, LoraSidePath)]
+        self.size = size
+        self.base = [tuple(tensor.detach().clone() for tensor in _live(path)) for path in self.paths]
+        self.merged: OrderedDict[tuple, Merged] = OrderedDict()
+        self.chosen: tuple = ()
+        self.holding: Merged = {}
+        for path in self.paths:
+            biases = [bias for _, _, bias in path.factors.values() if bias is not None]
+            path.select({})
+            path.up_bias = torch.zeros_like(biases[0]) if biases else None
+
+    @torch.inference_mode()  # the weights may have loaded as inference tensors
+    def choose(self, scales: dict[str, float]) -> None:
+        key = tuple(sorted(scales.items()))
+        if key == self.chosen:
+            return
+        merged: Merged = {}
+        if key:
+            merged = self.merged.pop(key, None) or self._merge(scales)
+            self.merged[key] = merged
+            while len(self.merged) > self.size:
+                self.merged.popitem(last=False)
+        for index in self.holding.keys() | merged.keys():
+            path = self.paths[index]
+            tensors, bias = merged.get(index, (self.base[index], None))
+            for live, chosen in zip(_live(path), tensors):
+                live.copy_(chosen)
+            if path.up_bias is not None:
+                path.up_bias.zero_() if bias is None else path.up_bias.copy_(bias)
+        self.chosen, self.holding = key, merged
+
+    def _merge(self, scales: dict[str, float]) -> Merged:
+        merged: Merged = {}
+        for index, path in enumerate(self.paths):
+            if (combined := path.combined(scales)) is None:
+                continue
+            down, up, bias = combined
+            base = self.base[index]
+            weight = (base[0].float() * base[1] if len(base) == 2 else base[0].float()) + up.float() @ down.float()
+            tensors = quantize_weight(weight, base[0].dtype) if len(base) == 2 else (weight.to(base[0].dtype),)
+            merged[index] = (tensors, bias)
+        return merged
