@@ -107,6 +107,9 @@ def sharded_results(plan: ParallelConfig) -> dict:
             "fp8 linears": sum(isinstance(m, Fp8Linear) for m in model.modules()),
             "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
         }  # fmt: skip
+        if "FP8" in name and plan.ring > 1:
+            unsharded = dataclasses.replace(context, config=dataclasses.replace(plan, shard_weights=0))
+            results[name]["unsharded"] = load_and_run(name, case, unsharded)[1]
     return results
 
 
@@ -117,7 +120,14 @@ def test_sharded_weights_equal_one_process_and_each_rank_keeps_its_share(world, 
     degree = plan.shard_weights
     for name, (expected, whole, block) in serial.items():
         got = results[name]
-        assert relative_l2(got["out"], expected) <= 1e-5, name
+        if "unsharded" in got:
+            # FP8 rounds each token's activations on a grid its largest value sets; Ring's block-wise softmax moves
+            # that value by ~1e-6, and the grid with it, so one process is matched to FP8's rounding, and the same
+            # plan unsharded exactly.
+            assert relative_l2(got["out"], got["unsharded"]) <= 1e-5, name
+            assert relative_l2(got["out"], expected) <= 1e-2, name
+        else:
+            assert relative_l2(got["out"], expected) <= 1e-5, name
         assert got["sharded"], name
         # 1/N of every tensor (the first rank's rows of each, rounded up), within one block of the whole's 1/N.
         assert abs(got["held"] - whole / degree) <= block, (name, got["held"], whole)
