@@ -194,11 +194,12 @@ class MetaModels:
 
 def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, swap_experts: bool = False,
               vae_tiled: bool = False, compiled: bool = False, built: MetaModels | None = None,
-              adapter_bytes: int = 0) -> dict[str, MemoryPlan]:  # fmt: skip
+              adapter_bytes: int = 0, extra_tokens: int = 0) -> dict[str, MemoryPlan]:  # fmt: skip
     """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
     (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time;
     ``compiled``: regional compilation, whose fused blocks hold less working memory; ``built``: ``spec``'s models
-    on the meta device, when the caller has them; ``adapter_bytes``: LoRA side paths held beside the weights."""
+    on the meta device, when the caller has them; ``adapter_bytes``: LoRA side paths held beside the weights;
+    ``extra_tokens``: what a request's inputs add to each sample's sequence (FLUX.2's reference images)."""
     family = FAMILIES[spec.family]
     built = built or MetaModels.build(spec, dtype)
     models, encoder, vae = built.transformers, built.encoder, built.vae
@@ -217,7 +218,7 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
     plan = family.tensor_plan
     width = plan.widths(transformer)["attention"] if plan else transformer.config.inner_dim
     batch = 2 if spec.guidance_mode == "cfg" and parallel.cfg == 1 else 1
-    local_tokens = -(-family.sequence_tokens(spec) // parallel.sequence_degree)
+    local_tokens = -(-(family.sequence_tokens(spec) + extra_tokens) // parallel.sequence_degree)
     # Working memory as measured per family on the GPU (``working_units``), linear in the tokens and pixels.
     element = dtype.itemsize
     units = working_units(spec, "activations", compiled, fp8)
@@ -253,7 +254,7 @@ def estimate(
 
 def check_fits(
     spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int, placement: str = "auto",
-    swap_experts: bool = False, compiled: bool = False, adapter_bytes: int = 0,
+    swap_experts: bool = False, compiled: bool = False, adapter_bytes: int = 0, extra_tokens: int = 0,
 ) -> MemoryPlan:  # fmt: skip
     """The first plan that fits rank 0 under ``cap``, with the prompt encoders placed as asked or, for ``auto``,
     resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; and only when none of those fits, the
@@ -262,7 +263,8 @@ def check_fits(
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []
     for vae_tiled in (False, True):
-        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled, compiled, adapter_bytes=adapter_bytes)
+        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled, compiled, adapter_bytes=adapter_bytes,
+                          extra_tokens=extra_tokens)  # fmt: skip
         for plan in [plans[p] for p in candidates]:
             if plan.total <= cap:
                 return plan

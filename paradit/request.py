@@ -30,7 +30,8 @@ class GenerationRequest:
     num_images_per_prompt: int = 1
     frames: int | None = None  # video models: frames per video (the model's default when unset)
     guidance_2: float | None = None  # models with a low-noise expert: its guidance (diffusers' guidance_scale_2)
-    image: Image.Image | None = None  # image-to-video: the first frame to animate (resized and cropped to the size)
+    # image-conditioned models: Wan's first frame to animate, FLUX.2's reference images (a list: several)
+    image: Image.Image | list[Image.Image] | None = None
     fps: int | None = None  # video models: frames per second of the written file (the model's default when unset)
     # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
     lora: tuple[tuple[str, float], ...] | None = None

@@ -247,19 +247,20 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
     cap = None if asked.max_gpu_memory is None else parse_size(asked.max_gpu_memory)
     memory_plan = None
     if cap is not None:  # estimated at the request's size when there is one, else the model's
-        sized = spec
+        sized, extra_tokens = spec, 0 if resolved is None else resolved.reference_tokens
         if resolved is not None:
             sized = dataclasses.replace(spec, height=resolved.height, width=resolved.width,
                                         frames=resolved.frames or spec.frames)  # fmt: skip
         compiled = options.compiles(device)
         try:
             memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, options.swap_experts, compiled,
-                                     adapter_bytes)  # fmt: skip
+                                     adapter_bytes, extra_tokens)  # fmt: skip
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
-            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, True, compiled, adapter_bytes)
+            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, True, compiled, adapter_bytes,
+                                     extra_tokens)  # fmt: skip
             options = dataclasses.replace(options, swap_experts=True)
             options.validate(device)
         placement = memory_plan.text_encoder_placement

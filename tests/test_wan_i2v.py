@@ -141,14 +141,14 @@ def test_image_requests_are_checked(tmp_path):
     i2v, t2v, ti2v = PRESETS["wan2.2-i2v-a14b"], PRESETS["wan2.2-t2v-a14b"], PRESETS["wan2.2-ti2v-5b"]
     resolved = resolve_request(i2v, GenerationRequest(prompt="x", image=first_frame().convert("RGBA")))
     assert (resolved.guidance, resolved.guidance_2, resolved.frames, resolved.fps) == (3.5, 3.5, 81, 16)
-    assert resolved.image.mode == "RGB"
-    assert resolve_request(ti2v, GenerationRequest(prompt="x")).image is None  # TI2V: the image is optional
+    assert [image.mode for image in resolved.images] == ["RGB"]
+    assert resolve_request(ti2v, GenerationRequest(prompt="x")).images == ()  # TI2V: the image is optional
     assert resolve_request(ti2v, GenerationRequest(prompt="x", fps=30)).fps == 30
     with pytest.raises(InvalidRequest, match=r"animates an image; give the first frame \(--image PATH\)"):
         resolve_request(i2v, GenerationRequest(prompt="x"))
     with pytest.raises(InvalidRequest, match="text-to-video and takes no image; the image-to-video models are"):
         resolve_request(t2v, GenerationRequest(prompt="x", image=first_frame()))
-    with pytest.raises(InvalidRequest, match="image must be a PIL image, not str"):
+    with pytest.raises(InvalidRequest, match="image 1 must be a PIL image, not str"):
         resolve_request(i2v, GenerationRequest(prompt="x", image="cat.png"))
     for fps in (0, 241, 2.5):
         with pytest.raises(InvalidRequest, match="a whole number from 1 to 240"):

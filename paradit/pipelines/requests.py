@@ -31,7 +31,8 @@ class ResolvedRequest:
     images_per_prompt: int
     frames: int | None = None  # video families: frames per video
     guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
-    image: Image.Image | None = None  # image-to-video families: the first frame, RGB
+    images: tuple[Image.Image, ...] = ()  # the input images, RGB: Wan's first frame, FLUX.2's references
+    reference_tokens: int = 0  # tokens the input images add to the transformer's sequence (FLUX.2's references)
     fps: int | None = None  # video families: frames per second of the written file
     lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
 
@@ -62,9 +63,11 @@ def resolve_common(
     granularity: int,
     largest: tuple[int, int] | None = None,
     default_negative: str | None = None,
+    image_limit: int = 0,
 ) -> ResolvedRequest:
     """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest`` (height, width),
-    steps, guidance, negative prompts, images per prompt, seed), raising InvalidRequest with the allowed values."""
+    steps, guidance, negative prompts, images per prompt, seed, at most ``image_limit`` input images), raising
+    InvalidRequest with the allowed values."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
@@ -106,12 +109,28 @@ def resolve_common(
     if not 0 <= seed < SEED_LIMIT:
         raise InvalidRequest(f"seed {seed} is not allowed; give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
     return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt,
-                           lora=request.lora)  # fmt: skip
+                           images=resolve_images(spec, request.image, image_limit), lora=request.lora)  # fmt: skip
+
+
+def resolve_images(spec: ModelSpec, image, limit: int) -> tuple[Image.Image, ...]:
+    """A request's input image or list of them, RGB as diffusers' ``load_image`` gives them."""
+    from PIL import Image
+
+    from paradit.outputs import rgb_image
+
+    images = [] if image is None else list(image) if isinstance(image, list | tuple) else [image]
+    if len(images) > limit:
+        takes = "no input image" if not limit else f"at most {limit} input image{'s' * (limit > 1)}"
+        raise InvalidRequest(f"{spec.name} takes {takes}; {len(images)} given", param="image")
+    for index, item in enumerate(images):
+        if not isinstance(item, Image.Image):
+            raise InvalidRequest(f"image {index + 1} must be a PIL image, not {type(item).__name__}", param="image")
+    return tuple(rgb_image(item, f"image {index + 1}") for index, item in enumerate(images))
 
 
 def batch_key(request: ResolvedRequest) -> tuple | None:
-    """What one batch's requests share: all but prompts, seeds and image counts (None: one with an image, run alone)."""
-    if request.image is not None:
+    """What one batch's requests share: all but prompts, seeds and image counts (None: one with images, run alone)."""
+    if request.images:
         return None
     return (request.height, request.width, request.steps, request.guidance, request.guidance_2, request.frames,
             request.negative_prompts is None, request.lora)  # fmt: skip

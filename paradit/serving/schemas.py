@@ -16,6 +16,8 @@ from paradit.request import SEED_LIMIT, GenerationRequest
 # published schedule, so that no one request holds a shared group for long.
 MAX_PROMPT_CHARS = 10_000
 MAX_IMAGES = 10
+MAX_INPUT_IMAGES = 10  # input images one edit may send (as FLUX.2 takes them)
+MAX_INPUT_PIXELS = 40_000_000  # pixels of one input image: past a 7680x4320 photo, decoding it costs more than it gives
 SERVED_MAX_STEPS = 500
 SIZE_PATTERN = r"^(auto|\d{1,5}x\d{1,5})$"
 
@@ -61,6 +63,13 @@ class ImageGenerationBody(Body):
     response_format: Literal["b64_json", "url"] = "b64_json"
     output_format: Literal[*API_FORMATS] = "png"
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg and webp: quality, 100 the best")
+
+
+class ImageEditBody(ImageGenerationBody):
+    """OpenAI's image edits (``images.edit``), sent as multipart form fields, whose values are all text: numbers are
+    read from it ("3" for 3), as OpenAI's API reads them. The images travel as files beside these fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
 
 
 class VideoBody(Body):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
@@ -26,13 +28,14 @@ from paradit import __version__
 from paradit.errors import InvalidRequest, ParaditError
 from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
-from paradit.serving.media import MEDIA_TYPES, encode_image
+from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image
 from paradit.serving.metrics import Metrics
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.store import FileStore
 from paradit.serving.videos import VideoJobs
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler asks whether its client is still there
+EDITS = "/v1/images/edits"
 CLIENT_GONE = 499  # the status logged for a request whose client left (nginx's convention): nobody reads it
 NO_KEY = "a valid API key is required: send the header Authorization: Bearer <key>"
 
@@ -47,6 +50,7 @@ class ServerConfig:
     api_key: str | None = None
     lora: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
+    max_edit_bytes: int = 20 << 20  # an edit's body, its images included
     file_store_bytes: int = 1 << 30
 
 
@@ -102,22 +106,24 @@ class Gate:
     ``max_bytes`` (declared or streamed) gets 413 before anything parses it; every answer is counted by route and
     outcome, the generation routes timed end to end."""
 
-    TIMED = {"/v1/images/generations", "/v1/videos"}
+    TIMED = {"/v1/images/generations", EDITS, "/v1/videos"}
 
-    def __init__(self, app, max_bytes: int, metrics: Metrics, api_key: str | None) -> None:
-        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+    def __init__(self, app, max_bytes: int, edit_bytes: int, metrics: Metrics, api_key: str | None) -> None:
+        self.app, self.limits, self.metrics = app, {EDITS: edit_bytes}, metrics
+        self.max_bytes = max_bytes
         self.api_key = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start, status, received = time.perf_counter(), None, 0
+        max_bytes = self.limits.get(scope["path"], self.max_bytes)
 
         async def limited_receive():
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_bytes:
+            if received > max_bytes:
                 raise BodyTooLarge
             return message
 
@@ -136,12 +142,12 @@ class Gate:
                 scope["route"] = next((r for r in scope["app"].routes if r.matches(scope)[0] is Match.FULL), None)
                 answer = error_response(401, NO_KEY, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
                 return await answer(scope, receive, recording_send)
-            if int(headers.get(b"content-length", 0)) > self.max_bytes:
+            if int(headers.get(b"content-length", 0)) > max_bytes:
                 raise BodyTooLarge
             await self.app(scope, limited_receive, recording_send)
         except BodyTooLarge:
             if status is None:  # nothing answered yet
-                message = f"the body is larger than this server's limit of {self.max_bytes} bytes"
+                message = f"the body is larger than this server's limit of {max_bytes} bytes"
                 await error_response(413, message, "invalid_request_error", "body")(scope, receive, recording_send)
         finally:
             route = scope.get("route")  # set by the router once it matched
@@ -164,7 +170,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         exception_handlers={ParaditError: paradit_error, RequestValidationError: validation_error,
                             HTTPException: http_error},
     )  # fmt: skip
-    app.add_middleware(Gate, max_bytes=config.max_body_bytes, metrics=metrics, api_key=config.api_key)
+    app.add_middleware(Gate, max_bytes=config.max_body_bytes, edit_bytes=config.max_edit_bytes, metrics=metrics,
+                       api_key=config.api_key)  # fmt: skip
     files = FileStore(config.file_store_bytes)
     videos = VideoJobs(scheduler, files, config.model)
     app.state.videos = videos
@@ -202,9 +209,46 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
 
     @app.post("/v1/images/generations", response_model=schemas.ImagesResponse)
     async def generate_images(body: schemas.ImageGenerationBody, request: Request):
+        return await images_answer(body, request)
+
+    @app.post(EDITS, response_model=schemas.ImagesResponse)
+    async def edit_images(request: Request):
+        """Multipart: ``image`` (or ``image[]``, as OpenAI's client sends several) once per input image, and the
+        other fields as text."""
+        try:
+            form = await request.form(max_files=schemas.MAX_INPUT_IMAGES + 2)
+        except HTTPException as refused:  # Starlette's own, for a malformed body or too many parts
+            raise InvalidRequest(f"the body is not a multipart form of this API's fields: {refused.detail}",
+                                 param="image") from None  # fmt: skip
+        uploads = [*form.getlist("image"), *form.getlist("image[]")]
+        if "mask" in form:  # no family served here inpaints yet
+            raise InvalidRequest(f"{config.model} takes no mask; send the images to edit without one", param="mask")
+        if not uploads:
+            raise InvalidRequest("give the image(s) to edit as file parts named image", param="image")
+        if len(uploads) > schemas.MAX_INPUT_IMAGES:
+            raise InvalidRequest(f"{len(uploads)} images sent; this server takes at most {schemas.MAX_INPUT_IMAGES} "
+                                 "an edit", param="image")  # fmt: skip
+        fields = {key: value for key, value in form.multi_items() if key not in ("image", "image[]")}
+        if any(not isinstance(value, str) for value in fields.values()):
+            raise InvalidRequest("only image takes files; send the other fields as text", param="image")
+        try:
+            if "lora" in fields:  # a list of {name, scale}, as JSON text
+                fields["lora"] = json.loads(fields["lora"])
+            body = schemas.ImageEditBody.model_validate(fields)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        except ValueError:  # lora's text is not JSON
+            raise InvalidRequest("lora: give a JSON list of {name, scale} objects", param="lora") from None
+        contents = [await upload.read() for upload in uploads]
+        images = await run_in_threadpool(
+            lambda: [decode_input(data, i + 1, schemas.MAX_INPUT_PIXELS) for i, data in enumerate(contents)]
+        )
+        return await images_answer(body, request, image=images)
+
+    async def images_answer(body: schemas.ImageGenerationBody, request: Request, **fields):
         if body.output_compression is not None and body.output_format == "png":
             raise InvalidRequest("output_compression applies to jpeg and webp; png is lossless")
-        job = submitted(body, num_images_per_prompt=body.n)
+        job = submitted(body, num_images_per_prompt=body.n, **fields)
         result = await outcome_of(job, request)
         if result is None:
             return Response(status_code=CLIENT_GONE)

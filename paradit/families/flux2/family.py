@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 from diffusers import AutoencoderKLFlux2
+from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
 from paradit.errors import InvalidRequest
 from paradit.families import checkpoint_spec, component_config
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
-from paradit.families.flux2.pipeline import Flux2Pipeline, MistralPromptEncoder, pixel_granularity
+from paradit.families.flux2.pipeline import Flux2Pipeline, MistralPromptEncoder, pixel_granularity, reference_size
 from paradit.family import Family
 from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
 from paradit.pipelines.requests import ResolvedRequest, resolve_common
@@ -20,6 +22,9 @@ from paradit.spec import ModelSpec, TextEncoderSpec
 from paradit.text_encoder import DecoderPromptEncoder
 
 logger = logging.getLogger(__name__)
+
+REFERENCE_LIMIT = 10  # reference images a request may give: Black Forest Labs' stated maximum for FLUX.2
+REFERENCE_AREA = 1024 * 1024  # pixels diffusers shrinks a larger reference to
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -45,7 +50,28 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
         request = dataclasses.replace(request, guidance=None)
     if request.negative_prompt is not None and spec.guidance_mode != "cfg":
         raise InvalidRequest(f"{spec.name} does not use classifier-free guidance, so it takes no negative prompt")
-    return resolve_common(spec, request, pixel_granularity(spec.vae))
+    granularity = pixel_granularity(spec.vae)
+    resolved = resolve_common(spec, request, granularity, image_limit=REFERENCE_LIMIT)
+    resolved.images = tuple(resolve_reference(image, index) for index, image in enumerate(resolved.images))
+    if resolved.images:  # diffusers makes the first reference's size when none is asked for
+        first = reference_size(resolved.images[0], granularity)
+        resolved.height = resolved.height if request.height is not None else first[0]
+        resolved.width = resolved.width if request.width is not None else first[1]
+        resolved.reference_tokens = sum(math.prod(reference_size(image, granularity)) // granularity**2
+                                        for image in resolved.images)  # fmt: skip
+    return resolved
+
+
+def resolve_reference(image, index: int):
+    """A reference as diffusers' FLUX.2 pipelines take it: at least 64 pixels a side, an aspect ratio of at most 8,
+    shrunk (Lanczos) to REFERENCE_AREA pixels when larger."""
+    try:
+        Flux2ImageProcessor.check_image_input(image)
+    except ValueError as exc:
+        raise InvalidRequest(f"image {index + 1}: {exc}", param="image") from None
+    if image.width * image.height > REFERENCE_AREA:
+        image = Flux2ImageProcessor._resize_to_target_area(image, REFERENCE_AREA)
+    return image
 
 
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:

@@ -1,4 +1,4 @@
-"""FLUX.2 text-to-image: prompt encoding, seeded latents, denoising, VAE decoding.
+"""FLUX.2 text-to-image and editing: prompt encoding, reference images, seeded latents, denoising, VAE decoding.
 
 Reproduces diffusers' ``Flux2Pipeline`` (dev: Mistral3 encoder, embedded guidance) and ``Flux2KleinPipeline`` (klein:
 Qwen3 encoder, true CFG unless step-distilled): the same checkpoint and seed give the same image. Differences for speed
@@ -7,9 +7,12 @@ parallelism), and the text encoder stops at the deepest layer read."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
@@ -54,36 +57,90 @@ class MistralPromptEncoder(DecoderPromptEncoder):
         return inputs["input_ids"], inputs["attention_mask"]
 
 
+@dataclass(frozen=True)
+class Flux2Layout:
+    """The target's token grid, and the reference images' packed latents (1, tokens, channels) with their position
+    ids (tokens, 4): each reference its own time coordinate 10, 20, ... as diffusers numbers them."""
+
+    rows: int
+    cols: int
+    references: torch.Tensor | None = None
+    reference_ids: torch.Tensor | None = None
+
+
+def reference_size(image, granularity: int) -> tuple[int, int]:
+    """(height, width) a reference is encoded at: its sides floored to whole latent tokens (``pixel_granularity``)."""
+    return image.height // granularity * granularity, image.width // granularity * granularity
+
+
 class Flux2Pipeline(DiffusionPipeline):
-    def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[int, int]]:
-        """Seeded noise packed to (batch, tokens, channels), with the token grid's rows and columns."""
+    def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, Flux2Layout]:
+        """Seeded noise packed to (batch, tokens, channels), with the token grid and the encoded references."""
         granularity = pixel_granularity(self.spec.vae)
         rows, cols = request.height // granularity, request.width // granularity
         noise = seeded_noise((request.batch, self.transformer.config.in_channels, rows, cols), request.seed,
                              self.dtype, self.device)  # fmt: skip
-        return noise.flatten(2).transpose(1, 2), (rows, cols)
+        return noise.flatten(2).transpose(1, 2), Flux2Layout(rows, cols, *self.encode_references(request.images))
+
+    @torch.inference_mode()
+    def encode_references(self, images) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Each reference centre-cropped to its ``reference_size``, encoded to its latent mode, patchified 2x2 and
+        normalised by the VAE's batch-norm statistics, then packed; all references' tokens in one sequence."""
+        if not images:
+            return None, None
+        granularity = pixel_granularity(self.spec.vae)
+        processor = Flux2ImageProcessor(vae_scale_factor=granularity)
+        tokens, ids = [], []
+        for index, image in enumerate(images):
+            height, width = reference_size(image, granularity)
+            pixels = processor.preprocess(image, height=height, width=width, resize_mode="crop")
+            latents = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode()
+            batch, channels, rows, cols = latents.shape
+            latents = latents.view(batch, channels, rows // 2, 2, cols // 2, 2).permute(0, 1, 3, 5, 2, 4)
+            latents = latents.reshape(batch, channels * 4, rows // 2, cols // 2)
+            mean, std = self.latent_statistics(latents)
+            tokens.append(((latents - mean) / std).flatten(2).transpose(1, 2))
+            time = torch.tensor([10 * (index + 1)])
+            ids.append(torch.cartesian_prod(time, torch.arange(rows // 2), torch.arange(cols // 2), torch.arange(1)))
+        return torch.cat(tokens, dim=1), torch.cat(ids).to(self.device)
+
+    def latent_statistics(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's batch-norm mean and standard deviation per patchified channel, as (1, C, 1, 1) in ``latents``'."""
+        mean = self.vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
+        std = torch.sqrt(self.vae.bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
+        return mean, std
 
     def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor):
         sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
         mu = empirical_mu(latents.shape[1], request.steps)
         return self.scheduled(FlowMatchEulerDiscreteScheduler, sigmas=sigmas, mu=mu)
 
-    def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: tuple[int, int]):
+    def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: Flux2Layout):
+        """The references' tokens follow the target's in the image stream; only the target's rows are predicted."""
         embeds = conditioning["embeds"]
         one = torch.arange(1)
-        img_ids = torch.cartesian_prod(one, torch.arange(layout[0]), torch.arange(layout[1]), one).to(self.device)
+        img_ids = torch.cartesian_prod(one, torch.arange(layout.rows), torch.arange(layout.cols), one).to(self.device)
         txt_ids = torch.cartesian_prod(one, one, one, torch.arange(embeds.shape[1])).to(self.device)
         guidance = None
         if self.spec.guidance_mode == "embedded":
             guidance = torch.full((embeds.shape[0],), request.guidance, device=self.device, dtype=torch.float32)
-        return lambda transformer, x, timestep, latents: transformer(x, embeds, timestep, img_ids, txt_ids, guidance)
+        references = layout.references
+        if references is not None:
+            img_ids = torch.cat([img_ids, layout.reference_ids])
+
+        def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+            if references is None:
+                return transformer(x, embeds, timestep, img_ids, txt_ids, guidance)
+            joined = torch.cat([x, references.to(x.dtype).expand(x.shape[0], -1, -1)], dim=1)
+            return transformer(joined, embeds, timestep, img_ids, txt_ids, guidance)[:, : x.shape[1]]
+
+        return call
 
     @torch.inference_mode()
-    def decode(self, latents: torch.Tensor, layout: tuple[int, int]) -> torch.Tensor:
-        rows, cols = layout
+    def decode(self, latents: torch.Tensor, layout: Flux2Layout) -> torch.Tensor:
+        rows, cols = layout.rows, layout.cols
         latents = latents.transpose(1, 2).unflatten(2, (rows, cols))
-        mean = self.vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
-        std = torch.sqrt(self.vae.bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
+        mean, std = self.latent_statistics(latents)
         latents = latents * std + mean
         batch, channels = latents.shape[:2]
         latents = latents.reshape(batch, channels // 4, 2, 2, rows, cols).permute(0, 1, 4, 2, 5, 3)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffusers import AutoencoderKLWan
-from PIL import Image
 
 from paradit.errors import CheckpointError, InvalidRequest
 from paradit.families import checkpoint_spec, component_config
@@ -14,7 +13,6 @@ from paradit.families.wan.model import WanConfig, WanTransformer
 from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_input, vae_factors
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
 from paradit.family import Family
-from paradit.outputs import rgb_image
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
 from paradit.pipelines.requests import ResolvedRequest, resolve_common
 from paradit.request import GenerationRequest
@@ -53,7 +51,13 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     """Sides in multiples of the VAE stride times the patch, frames one more than a multiple of its temporal stride,
     a low-noise guidance only with that expert, an image where the model takes one (always for image-to-video)."""
     temporal, spatial = vae_factors(spec.vae)
-    resolved = resolve_common(spec, request, spatial * spec.transformer["patch_size"][1])
+    mode = image_input(spec)
+    if mode is None and request.image is not None:
+        raise InvalidRequest(f"{spec.name} is text-to-video and takes no image; the image-to-video models are "
+                             "wan2.2-i2v-a14b and wan2.2-ti2v-5b")  # fmt: skip
+    resolved = resolve_common(spec, request, spatial * spec.transformer["patch_size"][1], image_limit=1)
+    if mode == "channels" and not resolved.images:
+        raise InvalidRequest(f"{spec.name} animates an image; give the first frame (--image PATH)")
     frames = spec.frames if request.frames is None else int(request.frames)
     if frames < 1 or frames % temporal != 1 % temporal or frames > MAX_FRAMES:
         raise InvalidRequest(f"frames {frames} is not allowed; this model takes {temporal}k+1 frames (1, "
@@ -66,25 +70,11 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
         guidance_2 = spec.guidance_2 if request.guidance is None and spec.guidance_2 is not None else resolved.guidance
     if guidance_2 is not None and not 0 <= guidance_2 < float("inf"):
         raise InvalidRequest(f"guidance_2 {guidance_2} is not allowed; give a finite value >= 0")
-    resolved.frames, resolved.guidance_2, resolved.image = frames, guidance_2, resolve_image(spec, request.image)
+    resolved.frames, resolved.guidance_2 = frames, guidance_2
     resolved.fps = spec.fps if request.fps is None else request.fps
     if not isinstance(resolved.fps, int) or not 1 <= resolved.fps <= MAX_FPS:
         raise InvalidRequest(f"fps {resolved.fps} is not allowed; give a whole number from 1 to {MAX_FPS}")
     return resolved
-
-
-def resolve_image(spec: ModelSpec, image) -> Image.Image | None:
-    mode = image_input(spec)
-    if image is None:
-        if mode == "channels":
-            raise InvalidRequest(f"{spec.name} animates an image; give the first frame (--image PATH)")
-        return None
-    if mode is None:
-        raise InvalidRequest(f"{spec.name} is text-to-video and takes no image; the image-to-video models are "
-                             "wan2.2-i2v-a14b and wan2.2-ti2v-5b")  # fmt: skip
-    if not isinstance(image, Image.Image):
-        raise InvalidRequest(f"image must be a PIL image, not {type(image).__name__}")
-    return rgb_image(image)
 
 
 def sequence_tokens(spec: ModelSpec) -> int:

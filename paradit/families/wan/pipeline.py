@@ -122,7 +122,7 @@ class WanPipeline(DiffusionPipeline):
         shape = (request.batch, self.vae.config.z_dim, (request.frames - 1) // temporal + 1,
                  request.height // spatial, request.width // spatial)  # fmt: skip
         noise = seeded_noise(shape, request.seed, torch.float32, self.device)
-        return noise, None if request.image is None else self.image_condition(request, noise)
+        return noise, self.image_condition(request, noise) if request.images else None
 
     @torch.inference_mode()
     def image_condition(self, request: ResolvedRequest, noise: torch.Tensor) -> ImageCondition:
@@ -131,7 +131,7 @@ class WanPipeline(DiffusionPipeline):
         VAE's statistics; for ``channels``, a mask in front, 1 on the first frame's ``temporal`` slots."""
         temporal, spatial = vae_factors(self.spec.vae)
         pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(
-            request.image, height=request.height, width=request.width
+            request.images[0], height=request.height, width=request.width
         ).unsqueeze(2)  # fmt: skip
         mode = image_input(self.spec)
         if mode == "channels":

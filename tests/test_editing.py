@@ -1,0 +1,203 @@
+"""Editing with reference images against diffusers: on tiny ``save_pretrained`` folders (fp32, CPU), FLUX.2 klein
+and dev with one reference (the output at its size) and with three of different sizes (one past diffusers' area
+limit, shrunk) give diffusers' ``Flux2KleinPipeline`` / ``Flux2Pipeline`` image to one 8-bit level; every parallel
+plan with references equals one process; references diffusers refuses, or more than FLUX.2 takes, are one line;
+``POST /v1/images/edits`` through OpenAI's client gives the command line's image and refuses bad forms."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import io
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline, Flux2Pipeline
+from PIL import Image
+
+from paradit.engine import Engine
+from paradit.errors import InvalidRequest
+from paradit.families import FAMILIES, spec_from_folder
+from paradit.loader import load_pipeline
+from paradit.memory import estimates
+from paradit.parallel import ParallelConfig
+from paradit.parallel.mesh import ParallelContext
+from paradit.request import GenerationRequest
+from paradit.serving.launch import ServeSettings, build_scheduler
+from paradit.serving.metrics import Metrics
+from paradit.serving.server import create_app
+from paradit.settings import Asked
+from tests.checkpoint_cache import cached
+from tests.checkpoints import build_dev_checkpoint, relative_l2
+from tests.distributed import run_on_processes
+from tests.test_checkpoint_options import assert_one_line_error, build_checkpoint, run_cli
+from tests.test_serving_scheduler import app_in_thread
+
+PROMPT, STEPS, SEED, GUIDANCE = "the cat from the first picture, in the second's room", 3, 7, 4.0
+# klein's folder has heads a tensor degree of 2 divides (the one the other options' tests share).
+FOLDERS = {"klein": lambda: cached(build_checkpoint, "flux2"), "dev": lambda: cached(build_dev_checkpoint)}
+PIPELINES = {"klein": Flux2KleinPipeline, "dev": Flux2Pipeline}
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    """A random RGB picture with smooth structure (a VAE of random weights sees gradients, not only noise)."""
+    generator = np.random.default_rng(seed)
+    coarse = generator.integers(0, 256, (max(2, height // 16), max(2, width // 16), 3), dtype=np.uint8)
+    return Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC)
+
+
+# One reference of 80x112 (the output takes its size), and three: 96x64, 72x100 (cropped to 64x96) and 1300x820
+# (past 1024^2 pixels: shrunk to 1289x813 by diffusers, then cropped to 1280x800).
+REFERENCES = {
+    "one": ([(80, 112)], {}),
+    "three": ([(96, 64), (72, 100), (1300, 820)], {"height": 48, "width": 64}),
+}
+
+
+def references(case: str) -> list[Image.Image]:
+    return [picture(w, h, seed) for seed, (w, h) in enumerate(REFERENCES[case][0])]
+
+
+def diffusers_pixels(variant: str, case: str) -> np.ndarray:
+    pipeline = PIPELINES[variant].from_pretrained(FOLDERS[variant](), dtype=torch.float32)
+    output = pipeline(image=references(case), prompt=PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                      generator=torch.Generator("cpu").manual_seed(SEED), output_type="np",
+                      **REFERENCES[case][1])  # fmt: skip
+    return output.images[0] * 255
+
+
+def request(case: str) -> GenerationRequest:
+    return GenerationRequest(prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE, image=references(case),
+                             **REFERENCES[case][1])  # fmt: skip
+
+
+@pytest.mark.parametrize("variant,case", [("klein", "one"), ("klein", "three"), ("dev", "three")])
+def test_reference_images_give_diffusers_image(variant, case):
+    expected = diffusers_pixels(variant, case)
+    with Engine(str(FOLDERS[variant]()), device="cpu", dtype="fp32") as engine:
+        result = engine.generate(request(case))
+        without = engine.generate(GenerationRequest(prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE,
+                                                    height=expected.shape[0], width=expected.shape[1]))  # fmt: skip
+    ours = result.pixels[0].permute(1, 2, 0).numpy() * 255
+    assert ours.shape == expected.shape == ((112, 80, 3) if case == "one" else (48, 64, 3))
+    assert np.abs(ours.round() - expected.round()).max() <= 1
+    # The references matter: the same request without them is another image.
+    assert np.abs(without.pixels[0].permute(1, 2, 0).numpy() * 255 - expected).max() > 3
+
+
+PLANS = [
+    ParallelConfig(ulysses=2), ParallelConfig(ring=3), ParallelConfig(cfg=2, ulysses=2), ParallelConfig(tensor=2),
+    ParallelConfig(ring=2, tensor=2), ParallelConfig(pipefusion=2, warmup_steps=STEPS),
+]  # fmt: skip
+
+
+def _pixels(plan: ParallelConfig | None) -> torch.Tensor:
+    device = torch.device("cpu")
+    spec = spec_from_folder(FOLDERS["klein"]())
+    context = None if plan is None else ParallelContext.build(plan, device)
+    pipeline = load_pipeline(spec, device, torch.float32, context)
+    results = pipeline.generate([FAMILIES["flux2"].resolve_request(spec, request("three"))])
+    return None if results is None else results[0].pixels
+
+
+@functools.cache
+def one_process() -> torch.Tensor:
+    return _pixels(None)
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: plan.describe())
+def test_every_plan_with_references_equals_one_process(plan):
+    """The references' tokens join the split sequence (any lengths), each CFG half, each tensor shard and each
+    pipeline stage: the image is one process's."""
+    ours = run_on_processes(plan.world_size, _pixels, plan)
+    assert relative_l2(ours, one_process()) <= 1e-5
+
+
+def test_references_count_in_the_memory_estimate():
+    """Each reference adds its tokens to every sample's sequence: the estimate's working memory grows with them."""
+    spec = dataclasses.replace(spec_from_folder(FOLDERS["klein"]()), height=64, width=64)
+    resolved = FAMILIES["flux2"].resolve_request(spec, request("three"))
+    assert resolved.reference_tokens == 4 * 6 + 6 * 4 + 50 * 80
+    plain, joined = (estimates(spec, ParallelConfig(), torch.float32, False, extra_tokens=extra)["gpu"]
+                     for extra in (0, resolved.reference_tokens))  # fmt: skip
+    assert joined.activations > plain.activations * 2
+
+
+def test_references_diffusers_refuses_or_flux2_does_not_take_are_one_line(tmp_path, capfd):
+    spec = spec_from_folder(FOLDERS["klein"]())
+    resolve = functools.partial(FAMILIES["flux2"].resolve_request, spec)
+    with pytest.raises(InvalidRequest, match=r"image 2: Image too small: 40×80"):
+        resolve(GenerationRequest(prompt="a", image=[picture(64, 64, 0), picture(40, 80, 1)]))
+    with pytest.raises(InvalidRequest, match=r"image 1: Aspect ratio too extreme: 900×100"):
+        resolve(GenerationRequest(prompt="a", image=picture(900, 100, 0)))
+    with pytest.raises(InvalidRequest, match="takes at most 10 input images; 11 given"):
+        resolve(GenerationRequest(prompt="a", image=[picture(64, 64, seed) for seed in range(11)]))
+    # The command line: every reference is read before anything runs, and an unreadable one is named.
+    good, bad, out = tmp_path / "good.png", tmp_path / "bad.png", tmp_path / "out.png"
+    picture(64, 64, 0).save(good)
+    bad.write_bytes(b"not an image")
+    argv = ["generate", "--model", str(FOLDERS["klein"]()), "--device", "cpu", "--prompt", "a", "--steps", "1",
+            "--no-progress", "--out", str(out), "--image", str(good), "--image", str(bad)]  # fmt: skip
+    assert_one_line_error(*run_cli(argv, capfd)[::2], f"--image {bad} cannot be read as an image")
+    assert not out.exists()
+
+
+def test_the_official_client_edits_as_the_command_line_and_bad_forms_get_a_4xx(tmp_path, capfd):
+    """``images.edit`` with two images gives the command line's image for the same seed, as does ``generate
+    --server --image``; a form without an image, with a file that is no image, with a mask FLUX.2 does not take,
+    with 11 images or of 30 MB is refused naming the field, and the server serves on."""
+    folder = FOLDERS["klein"]()
+    paths = [tmp_path / f"reference_{index}.png" for index in range(2)]
+    for path, image in zip(paths, references("three")[:2]):
+        image.save(path)
+    fields = ["--steps", str(STEPS), "--seed", str(SEED), "--guidance", str(GUIDANCE), "--height", "48", "--width",
+              "64", "--no-progress"]  # fmt: skip
+    local = tmp_path / "local.png"
+    argv = ["generate", "--model", str(folder), "--device", "cpu", "--dtype", "fp32", "--prompt", PROMPT,
+            "--out", str(local), *fields, "--image", str(paths[0]), "--image", str(paths[1])]  # fmt: skip
+    code, _, err = run_cli(argv, capfd)
+    assert code == 0, err
+    expected = np.asarray(Image.open(local), dtype=np.float64)
+
+    scheduler, config = build_scheduler(ServeSettings(Asked(model=str(folder), device="cpu", dtype="fp32")), Metrics())
+    scheduler.start()
+    try:
+        with app_in_thread(create_app(scheduler, config, Metrics())) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            answer = client.images.edit(image=[path.open("rb") for path in paths], prompt=PROMPT, size="64x48",
+                                        extra_body={"steps": STEPS, "seed": SEED, "guidance": GUIDANCE})  # fmt: skip
+            with Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))) as image:
+                assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1
+            remote = tmp_path / "remote.png"
+            argv = ["generate", "--server", url, "--prompt", PROMPT, "--out", str(remote), *fields,
+                    "--image", str(paths[0]), "--image", str(paths[1])]  # fmt: skip
+            code, _, err = run_cli(argv, capfd)
+            assert code == 0, err
+            assert np.abs(np.asarray(Image.open(remote), dtype=np.float64) - expected).max() <= 1
+
+            png = paths[0].read_bytes()
+            form = {"prompt": "a fox", "steps": "1", "size": "64x48"}
+            refused = {
+                "no image": ({}, "image", "give the image(s) to edit"),
+                "not an image": ({"image": ("x.png", b"GIF89a but no more")}, "image", "image 1 cannot be read"),
+                "mask": ({"image": ("a.png", png), "mask": ("m.png", png)}, "mask", "takes no mask"),
+                "11 images": ([("image[]", ("a.png", png))] * 11, "image", "11 images sent; this server takes at most"),
+                "30 MB": ({"image": ("big.png", png + bytes(30 << 20))}, "body", "larger than this server's limit"),
+                "steps": ({"image": ("a.png", png)}, "steps", "steps: Input should be a valid integer"),
+            }  # fmt: skip
+            for case, (files, param, message) in refused.items():
+                data = {**form, "steps": "many"} if case == "steps" else form
+                response = httpx.post(url + "/v1/images/edits", data=data, files=files or None, timeout=60)
+                assert 400 <= response.status_code < 500, (case, response.status_code)
+                error = response.json()["error"]
+                assert error["param"] == param and message in error["message"], (case, error)
+            again = client.images.edit(image=[path.open("rb") for path in paths], prompt=PROMPT, size="64x48",
+                                       extra_body={"steps": STEPS, "seed": SEED, "guidance": GUIDANCE})  # fmt: skip
+            with Image.open(io.BytesIO(base64.b64decode(again.data[0].b64_json))) as image:
+                assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1
+    finally:
+        scheduler.close()
