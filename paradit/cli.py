@@ -137,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--images-per-prompt", type=int, default=1)
     gen.add_argument("--frames", type=int, help="video models: frames per video, 4k+1 (default: the model's)")
     gen.add_argument("--fps", type=positive, help="video models: frames per second of the MP4 (default: the model's)")
-    gen.add_argument("--image", action="append", help="image-to-video models: the first frame (resized to the "
-                     "video's size); FLUX.2: a reference image to edit or compose from, repeatable")  # fmt: skip
+    gen.add_argument("--image", action="append", help="an input image, repeatable where the model takes several: "
+                     "image-to-video's first frame, a reference to edit from, image-to-image's start")  # fmt: skip
+    gen.add_argument("--strength", type=finite, help="image-to-image (with --image): the share of the steps run from "
+                     "the noised image, above 0 to 1 (default 0.6)")  # fmt: skip
     gen.add_argument("--guidance-2", type=finite, help="models with a low-noise expert: its guidance scale")
     gen.add_argument(
         "--out",
@@ -373,7 +375,7 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0], negative_prompt=args.negative_prompt,
         height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
         num_images_per_prompt=args.images_per_prompt, frames=args.frames, guidance_2=args.guidance_2,
-        image=[read_image(path) for path in args.image] if args.image else None, fps=args.fps,
+        image=[read_image(path) for path in args.image] if args.image else None, fps=args.fps, strength=args.strength,
     )  # fmt: skip
     run = settle(asked_for(args), request)
     video = run.family.video
@@ -393,6 +395,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "model": run.spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
         "software": f"paradit {__version__}", **({"lora": lora_record(run.options.lora)} if run.options.lora else {}),
         **({"image": args.image} if args.image else {}),
+        **({"strength": resolved.strength} if resolved.strength is not None else {}),
         **({"frames": resolved.frames, "fps": resolved.fps} if result.is_video else {}),
     }  # fmt: skip
     metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}

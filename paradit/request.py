@@ -32,6 +32,7 @@ class GenerationRequest:
     guidance_2: float | None = None  # models with a low-noise expert: its guidance (diffusers' guidance_scale_2)
     # image-conditioned models: Wan's first frame to animate, FLUX.2's reference images (a list: several)
     image: Image.Image | list[Image.Image] | None = None
+    strength: float | None = None  # image-to-image: the share of the schedule run from the noised image (0-1]
     fps: int | None = None  # video models: frames per second of the written file (the model's default when unset)
     # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
     lora: tuple[tuple[str, float], ...] | None = None

@@ -2,6 +2,8 @@
 and dev with one reference (the output at its size) and with three of different sizes (one past diffusers' area
 limit, shrunk) give diffusers' ``Flux2KleinPipeline`` / ``Flux2Pipeline`` image to one 8-bit level; every parallel
 plan with references equals one process; references diffusers refuses, or more than FLUX.2 takes, are one line;
+SD3.5 and Z-Image image-to-image (strength 0.6, 1, and a few steps' share) give diffusers' image, on one process and
+split;
 ``POST /v1/images/edits`` through OpenAI's client gives the command line's image and refuses bad forms."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline
+from diffusers import Flux2KleinPipeline, Flux2Pipeline, StableDiffusion3Img2ImgPipeline, ZImageImg2ImgPipeline
 from PIL import Image
 
 from paradit.engine import Engine
@@ -115,6 +117,60 @@ def test_every_plan_with_references_equals_one_process(plan):
     pipeline stage: the image is one process's."""
     ours = run_on_processes(plan.world_size, _pixels, plan)
     assert relative_l2(ours, one_process()) <= 1e-5
+
+
+IMAGE_TO_IMAGE = {"sd3": StableDiffusion3Img2ImgPipeline, "zimage": ZImageImg2ImgPipeline}
+# SD3.5 resizes the image to the size asked for (48x32 here); Z-Image makes the image's size floored to whole tokens.
+IMAGE_SIZE = {"sd3": ((60, 40), {"height": 32, "width": 48}), "zimage": ((50, 37), {})}
+
+
+def image_request(family: str, strength: float) -> GenerationRequest:
+    size, asked = IMAGE_SIZE[family]
+    return GenerationRequest(prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE, image=picture(*size, 4),
+                             strength=strength, **asked)  # fmt: skip
+
+
+def _image_to_image_pixels(family: str, strength: float, plan: ParallelConfig | None) -> torch.Tensor:
+    device = torch.device("cpu")
+    spec = spec_from_folder(cached(build_checkpoint, family))
+    context = None if plan is None else ParallelContext.build(plan, device)
+    pipeline = load_pipeline(spec, device, torch.float32, context)
+    results = pipeline.generate([FAMILIES[family].resolve_request(spec, image_request(family, strength))])
+    return None if results is None else results[0].pixels
+
+
+@pytest.mark.parametrize("strength", [0.6, 1.0, 0.3])
+@pytest.mark.parametrize("family", IMAGE_TO_IMAGE)
+def test_image_to_image_gives_diffusers_image(family, strength):
+    """strength 0.3 of 3 steps runs one step, 0.6 two, 1 all three from pure noise (the image still sets the
+    size for Z-Image); each as diffusers' image-to-image pipeline makes it, and the Ulysses split equals it."""
+    size, asked = IMAGE_SIZE[family]
+    pipeline = IMAGE_TO_IMAGE[family].from_pretrained(cached(build_checkpoint, family), dtype=torch.float32)
+    expected = pipeline(image=picture(*size, 4), prompt=PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                        strength=strength, generator=torch.Generator("cpu").manual_seed(SEED), output_type="np",
+                        **asked).images[0] * 255  # fmt: skip
+    ours = _image_to_image_pixels(family, strength, None)[0].permute(1, 2, 0).numpy() * 255
+    assert ours.shape == expected.shape == (32, 48, 3)
+    assert np.abs(ours.round() - expected.round()).max() <= 1
+    if strength == 0.6:
+        split = run_on_processes(2, _image_to_image_pixels, family, strength, ParallelConfig(ulysses=2))
+        assert np.abs(split[0].permute(1, 2, 0).numpy() * 255 - ours).max() <= 1e-3
+
+
+def test_strength_is_refused_where_no_image_is_repainted():
+    sd3 = spec_from_folder(cached(build_checkpoint, "sd3"))
+    resolve = functools.partial(FAMILIES["sd3"].resolve_request, sd3)
+    for strength in (0, 1.5, float("nan")):
+        with pytest.raises(InvalidRequest, match=f"strength {strength} is not allowed; give a number above 0"):
+            resolve(GenerationRequest(prompt="a", image=picture(64, 64, 0), strength=strength))
+    with pytest.raises(InvalidRequest, match="takes an image"):
+        resolve(GenerationRequest(prompt="a", strength=0.5))
+    klein = spec_from_folder(FOLDERS["klein"]())
+    with pytest.raises(InvalidRequest, match="takes no strength"):
+        FAMILIES["flux2"].resolve_request(klein, GenerationRequest(prompt="a", image=picture(64, 64, 0), strength=0.5))
+    with pytest.raises(InvalidRequest, match="takes at most 1 input image; 2 given"):
+        resolve(GenerationRequest(prompt="a", image=[picture(64, 64, 0)] * 2))
+    assert resolve(GenerationRequest(prompt="a", image=picture(64, 64, 0))).strength == 0.6  # diffusers' default
 
 
 def test_references_count_in_the_memory_estimate():

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from paradit.errors import InvalidRequest, NonFinitePrediction
 from paradit.families import PRESETS
-from paradit.families.wan.family import resolve_image
+from paradit.families.wan.family import resolve_request
 from paradit.loader import load_pipeline
 from paradit.outputs import read_image, rgb_image
 from paradit.parallel import ParallelConfig
@@ -171,13 +171,17 @@ def test_every_pil_mode_reads_as_diffusers_load_image_gives_it_or_is_refused(tmp
     assert upright.size == (20, 40) and (np.asarray(upright) == np.asarray(load_image(turned))).all()
     assert upright.getpixel((10, 2))[2] > 200  # the blue band, first on the left, is now on top
     i2v = PRESETS["wan2.2-i2v-a14b"]
+
+    def resolve_image(spec, image):
+        return resolve_request(spec, GenerationRequest(prompt="x", image=image)).images[0]
+
     assert (np.asarray(resolve_image(i2v, upright)) == np.asarray(upright)).all()
     assert (np.asarray(resolve_image(i2v, Image.open(turned))) == np.asarray(upright)).all()
     # Premultiplied alpha, which PIL cannot turn into RGB directly (diffusers' load_image raises): its colours.
     premultiplied = colours.convert("RGBa").convert("La")
     assert (np.asarray(rgb_image(premultiplied)) == np.asarray(premultiplied.convert("LA").convert("RGB"))).all()
     for pixels, mode, allowed in ((-1, np.int32, 65535), (70000, np.int32, 65535), (np.nan, np.float32, 255)):
-        with pytest.raises(InvalidRequest, match=f"image has [IF] pixels outside 0 to {allowed}, the most paradit"):
+        with pytest.raises(InvalidRequest, match=f"image 1 has [IF] pixels outside 0 to {allowed}, the most paradit"):
             resolve_image(i2v, Image.fromarray(np.full((4, 4), pixels, mode)))
 
 

@@ -22,7 +22,7 @@ from paradit.parallel.cfg import BatchedBranches
 from paradit.parallel.comm import CommStats
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import NoisePredictor, Parallelized
-from paradit.pipelines.requests import ResolvedRequest, one_batch
+from paradit.pipelines.requests import ResolvedRequest, first_step, one_batch
 from paradit.request import GenerationResult, Timings
 from paradit.spec import ModelSpec
 
@@ -223,6 +223,25 @@ class DiffusionPipeline(ABC):
 
         return predict
 
+    def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
+        """Image-to-image families: the input image's latents in the noise's layout (batch 1), drawn from the VAE's
+        distribution with ``generator`` as diffusers' pipelines draw them."""
+        raise NotImplementedError(f"{type(self).__name__} does no image-to-image")
+
+    def start_from_image(self, request: ResolvedRequest, noise: torch.Tensor, scheduler,
+                         timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Image-to-image as diffusers starts it: the steps from ``first_step`` on, and the image's latents noised to
+        the first of them. One generator, seeded as the request, draws the latents from the VAE's distribution and
+        then the noise (which is therefore not ``noise``, text-to-image's first draw; only its shape is used)."""
+        start = first_step(request)
+        timesteps = timesteps[start:]
+        scheduler.set_begin_index(start)
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        image = self.image_latents(request, generator)
+        fresh = torch.randn(noise.shape, generator=generator, dtype=image.dtype).to(self.device)
+        image = image.expand(noise.shape[0], *image.shape[1:])
+        return scheduler.scale_noise(image, timesteps[:1].expand(noise.shape[0]), fresh).to(noise.dtype), timesteps
+
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """``self.vae.decode(latents)``'s sample as pixels in [0, 1], computed by the whole group when there is one."""
         return (self.parallelized.vae_decode(self.vae, latents) / 2 + 0.5).clamp(0, 1)
@@ -264,6 +283,8 @@ class DiffusionPipeline(ABC):
         noise = [self.initial_latents(part) for part in requests]
         latents, layout = torch.cat([latents for latents, _ in noise]), noise[0][1]
         scheduler, timesteps = self.make_scheduler(resolved, latents)
+        if resolved.strength is not None:
+            latents, timesteps = self.start_from_image(resolved, latents, scheduler, timesteps)
         clock = StepClock(self.device)
         finite: list[torch.Tensor] = []  # per step begun: whether all its predictions were finite
 

@@ -33,6 +33,7 @@ class ResolvedRequest:
     guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
     images: tuple[Image.Image, ...] = ()  # the input images, RGB: Wan's first frame, FLUX.2's references
     reference_tokens: int = 0  # tokens the input images add to the transformer's sequence (FLUX.2's references)
+    strength: float | None = None  # image-to-image: the share of the schedule run, from the image noised to its start
     fps: int | None = None  # video families: frames per second of the written file
     lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
 
@@ -64,10 +65,11 @@ def resolve_common(
     largest: tuple[int, int] | None = None,
     default_negative: str | None = None,
     image_limit: int = 0,
+    image_to_image: bool = False,
 ) -> ResolvedRequest:
     """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest`` (height, width),
-    steps, guidance, negative prompts, images per prompt, seed, at most ``image_limit`` input images), raising
-    InvalidRequest with the allowed values."""
+    steps, guidance, negative prompts, images per prompt, seed, at most ``image_limit`` input images, a strength
+    where the family runs ``image_to_image``), raising InvalidRequest with the allowed values."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
@@ -108,8 +110,33 @@ def resolve_common(
     seed = random.randrange(2**31) if request.seed is None else int(request.seed)
     if not 0 <= seed < SEED_LIMIT:
         raise InvalidRequest(f"seed {seed} is not allowed; give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
+    images = resolve_images(spec, request.image, image_limit)
+    strength = resolve_strength(spec, request.strength, images, image_to_image)
     return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt,
-                           images=resolve_images(spec, request.image, image_limit), lora=request.lora)  # fmt: skip
+                           images=images, lora=request.lora, strength=strength)  # fmt: skip
+
+
+def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: bool) -> float | None:
+    """diffusers' image-to-image strength, 0.6 unless given (above 0: a step runs); refused without an image."""
+    if not image_to_image or not images:
+        if strength is not None:
+            takes = "an image (--image) to start from" if image_to_image else "no strength: it does no image-to-image"
+            raise InvalidRequest(f"strength applies to image-to-image; {spec.name} takes {takes}", param="strength")
+        return None
+    strength = DEFAULT_STRENGTH if strength is None else strength
+    if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
+        raise InvalidRequest(f"strength {strength} is not allowed; give a number above 0 and at most 1 (the share "
+                             "of the steps run from the noised image)", param="strength")  # fmt: skip
+    return float(strength)
+
+
+def first_step(request: ResolvedRequest) -> int:
+    """The step image-to-image starts at: the schedule's first ``1 - strength`` share is skipped, as diffusers
+    counts it (``get_timesteps``)."""
+    return int(max(request.steps - min(request.steps * request.strength, request.steps), 0))
+
+
+DEFAULT_STRENGTH = 0.6  # diffusers' image-to-image pipelines' default
 
 
 def resolve_images(spec: ModelSpec, image, limit: int) -> tuple[Image.Image, ...]:

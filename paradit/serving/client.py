@@ -85,6 +85,8 @@ def request_body(args: argparse.Namespace, video: bool) -> dict:
         "size": "auto" if args.height is None else f"{args.width}x{args.height}",
         **({"frames": args.frames, "fps": args.fps, "guidance_2": args.guidance_2} if video else {}),
     }  # fmt: skip
+    if getattr(args, "strength", None) is not None:  # image-to-image, sent as an edit
+        body["strength"] = args.strength
     if args.lora:  # the server's named adapters, NAME[:SCALE]
         body["lora"] = [{"name": ref.source, "scale": ref.scale} for ref in map(parse_lora, args.lora)]
     return {key: value for key, value in body.items() if value is not None}

@@ -71,6 +71,8 @@ class ImageEditBody(ImageGenerationBody):
 
     model_config = ConfigDict(extra="forbid", strict=False)
 
+    strength: float | None = Field(None, gt=0, le=1, description="image-to-image: the share of the steps run")
+
 
 class VideoBody(Body):
     """A text-to-video job. ``frames`` and ``fps`` default to the model's."""

@@ -243,7 +243,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         images = await run_in_threadpool(
             lambda: [decode_input(data, i + 1, schemas.MAX_INPUT_PIXELS) for i, data in enumerate(contents)]
         )
-        return await images_answer(body, request, image=images)
+        return await images_answer(body, request, image=images, strength=body.strength)
 
     async def images_answer(body: schemas.ImageGenerationBody, request: Request, **fields):
         if body.output_compression is not None and body.output_format == "png":

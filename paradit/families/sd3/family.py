@@ -47,10 +47,12 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
-    """The negative prompt is "" unless given; the largest size is what the positional-embedding table covers."""
+    """The negative prompt is "" unless given; the largest size is what the positional-embedding table covers; an
+    image runs image-to-image at the model's size (or the one asked for)."""
     granularity = pixel_granularity(spec)
     largest = spec.transformer["pos_embed_max_size"] * granularity
-    return resolve_common(spec, request, granularity, largest=(largest, largest), default_negative="")
+    return resolve_common(spec, request, granularity, largest=(largest, largest), default_negative="", image_limit=1,
+                          image_to_image=True)  # fmt: skip
 
 
 FAMILY = Family(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import transformers
 from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.image_processor import VaeImageProcessor
 from tokenizers import pre_tokenizers
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -144,6 +145,15 @@ class SD3Pipeline(DiffusionPipeline):
 
     def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor):
         return self.scheduled(FlowMatchEulerDiscreteScheduler, num_inference_steps=request.steps)
+
+    @torch.inference_mode()
+    def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
+        """The image resized to the output's size (diffusers' ``StableDiffusion3Img2ImgPipeline``), a sample of its
+        latent distribution, shifted and scaled as the decode undoes."""
+        processor = VaeImageProcessor(vae_scale_factor=vae_scale_factor(self.spec.vae))
+        pixels = processor.preprocess(request.images[0], height=request.height, width=request.width)
+        sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)
+        return (sample - self.vae.config.shift_factor) * self.vae.config.scaling_factor
 
     def model_inputs(self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor, layout):
         return latents, t.expand(latents.shape[0])

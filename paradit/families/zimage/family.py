@@ -6,6 +6,7 @@ from pathlib import Path
 
 from diffusers import AutoencoderKL
 
+from paradit.errors import InvalidRequest
 from paradit.families import checkpoint_spec, component_config
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
 from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
@@ -37,7 +38,18 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     g = pixel_granularity(spec.vae)
     # Rotary positions are looked up in tables of axes_lens rows; a latent grid past them has no position.
     _, max_rows, max_cols = spec.transformer["axes_lens"]
-    return resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g))
+    resolved = resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=1,
+                              image_to_image=True)  # fmt: skip
+    if resolved.images and (request.height is None or request.width is None):
+        # Image-to-image makes the image's size, floored to whole tokens, unless asked otherwise.
+        image = resolved.images[0]
+        height, width = request.height or image.height // g * g, request.width or image.width // g * g
+        if not (g <= height <= max_rows * g and g <= width <= max_cols * g):
+            raise InvalidRequest(f"the image's {image.width}x{image.height} makes {width}x{height}, outside this "
+                                 f"model's {g} to {max_cols * g}x{max_rows * g}; give --width and --height",
+                                 param="size")  # fmt: skip
+        resolved.height, resolved.width = height, width
+    return resolved
 
 
 FAMILY = Family(

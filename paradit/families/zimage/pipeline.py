@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.image_processor import VaeImageProcessor
 
 from paradit.families.zimage.model import unpatchify
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, seeded_noise
@@ -52,6 +53,15 @@ class ZImagePipeline(DiffusionPipeline):
         patch = self.transformer.config.patch_size
         mu = dynamic_shift(latents.shape[2] // patch * (latents.shape[3] // patch), self.spec.scheduler)
         return self.scheduled(FlowMatchEulerDiscreteScheduler, sigmas=sigmas, mu=mu)
+
+    @torch.inference_mode()
+    def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
+        """The image at the output's size (by default its own, floored to whole tokens, as diffusers'
+        ``ZImageImg2ImgPipeline`` takes it), a sample of its latent distribution, shifted and scaled."""
+        processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
+        pixels = processor.preprocess(request.images[0], height=request.height, width=request.width)
+        sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)
+        return ((sample - self.vae.config.shift_factor) * self.vae.config.scaling_factor).float()
 
     def model_inputs(self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor, layout):
         # The transformer is conditioned on 1 - sigma, which the reference derives from the scheduler's t.
