@@ -1,10 +1,10 @@
 """Editing with reference images against diffusers: on tiny ``save_pretrained`` folders (fp32, CPU), FLUX.2 klein
-and dev with one reference (the output at its size) and with three of different sizes (one past diffusers' area
-limit, shrunk) give diffusers' ``Flux2KleinPipeline`` / ``Flux2Pipeline`` image to one 8-bit level; every parallel
+and dev with one reference (the output at its size) and with three of different sizes (cropped to whole tokens)
+give diffusers' ``Flux2KleinPipeline`` / ``Flux2Pipeline`` image to one 8-bit level; every parallel
 plan with references equals one process; references diffusers refuses, or more than FLUX.2 takes, are one line;
-SD3.5 and Z-Image image-to-image (strength 0.6, 1, and a few steps' share) give diffusers' image, on one process and
-split;
-``POST /v1/images/edits`` through OpenAI's client gives the command line's image and refuses bad forms."""
+SD3.5, Z-Image and Qwen-Image image-to-image (strength 0.6, 1, and a few steps' share) give diffusers' image, on one
+process and split; ``POST /v1/images/edits`` through OpenAI's client gives the command line's image and refuses
+bad forms."""
 
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ import numpy as np
 import openai
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline, StableDiffusion3Img2ImgPipeline, ZImageImg2ImgPipeline
+from diffusers import (
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    QwenImageImg2ImgPipeline,
+    StableDiffusion3Img2ImgPipeline,
+    ZImageImg2ImgPipeline,
+)
 from PIL import Image
 
 from paradit.engine import Engine
@@ -52,11 +58,11 @@ def picture(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC)
 
 
-# One reference of 80x112 (the output takes its size), and three: 96x64, 72x100 (cropped to 64x96) and 1300x820
-# (past 1024^2 pixels: shrunk to 1289x813 by diffusers, then cropped to 1280x800).
+# One reference of 80x112 (the output takes its size), and three: 96x64, 72x100 (cropped to 64x96) and 120x70
+# (cropped to 112x64).
 REFERENCES = {
     "one": ([(80, 112)], {}),
-    "three": ([(96, 64), (72, 100), (1300, 820)], {"height": 48, "width": 64}),
+    "three": ([(96, 64), (72, 100), (120, 70)], {"height": 48, "width": 64}),
 }
 
 
@@ -119,15 +125,20 @@ def test_every_plan_with_references_equals_one_process(plan):
     assert relative_l2(ours, one_process()) <= 1e-5
 
 
-IMAGE_TO_IMAGE = {"sd3": StableDiffusion3Img2ImgPipeline, "zimage": ZImageImg2ImgPipeline}
-# SD3.5 resizes the image to the size asked for (48x32 here); Z-Image makes the image's size floored to whole tokens.
-IMAGE_SIZE = {"sd3": ((60, 40), {"height": 32, "width": 48}), "zimage": ((50, 37), {})}
+IMAGE_TO_IMAGE = {
+    "sd3": StableDiffusion3Img2ImgPipeline, "zimage": ZImageImg2ImgPipeline, "qwen_image": QwenImageImg2ImgPipeline,
+}  # fmt: skip
+# SD3.5 and Qwen-Image resize the image to the size asked for (48x32 here); Z-Image makes the image's size floored
+# to whole tokens.
+IMAGE_SIZE = {"sd3": ((60, 40), {"height": 32, "width": 48}), "zimage": ((50, 37), {}),
+              "qwen_image": ((60, 40), {"height": 32, "width": 48})}  # fmt: skip
 
 
 def image_request(family: str, strength: float) -> GenerationRequest:
     size, asked = IMAGE_SIZE[family]
+    negative = {"negative_prompt": " "} if family == "qwen_image" else {}  # Qwen-Image guides only with one
     return GenerationRequest(prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE, image=picture(*size, 4),
-                             strength=strength, **asked)  # fmt: skip
+                             strength=strength, **asked, **negative)  # fmt: skip
 
 
 def _image_to_image_pixels(family: str, strength: float, plan: ParallelConfig | None) -> torch.Tensor:
@@ -146,9 +157,11 @@ def test_image_to_image_gives_diffusers_image(family, strength):
     size for Z-Image); each as diffusers' image-to-image pipeline makes it, and the Ulysses split equals it."""
     size, asked = IMAGE_SIZE[family]
     pipeline = IMAGE_TO_IMAGE[family].from_pretrained(cached(build_checkpoint, family), dtype=torch.float32)
-    expected = pipeline(image=picture(*size, 4), prompt=PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
-                        strength=strength, generator=torch.Generator("cpu").manual_seed(SEED), output_type="np",
-                        **asked).images[0] * 255  # fmt: skip
+    guidance = {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {
+        "guidance_scale": GUIDANCE}  # fmt: skip
+    expected = pipeline(image=picture(*size, 4), prompt=PROMPT, num_inference_steps=STEPS, strength=strength,
+                        generator=torch.Generator("cpu").manual_seed(SEED), output_type="np", **asked,
+                        **guidance).images[0] * 255  # fmt: skip
     ours = _image_to_image_pixels(family, strength, None)[0].permute(1, 2, 0).numpy() * 255
     assert ours.shape == expected.shape == (32, 48, 3)
     assert np.abs(ours.round() - expected.round()).max() <= 1
@@ -174,10 +187,13 @@ def test_strength_is_refused_where_no_image_is_repainted():
 
 
 def test_references_count_in_the_memory_estimate():
-    """Each reference adds its tokens to every sample's sequence: the estimate's working memory grows with them."""
+    """Each reference adds its tokens to every sample's sequence: the estimate's working memory grows with them. One
+    past 1024² pixels is shrunk as diffusers shrinks it (1300x820 to 1289x813), then cropped to 1280x800."""
     spec = dataclasses.replace(spec_from_folder(FOLDERS["klein"]()), height=64, width=64)
-    resolved = FAMILIES["flux2"].resolve_request(spec, request("three"))
-    assert resolved.reference_tokens == 4 * 6 + 6 * 4 + 50 * 80
+    images = [*references("three"), picture(1300, 820, 9)]
+    resolved = FAMILIES["flux2"].resolve_request(spec, GenerationRequest(prompt="a", image=images))
+    assert resolved.images[-1].size == (1289, 813)
+    assert resolved.reference_tokens == 4 * 6 + 6 * 4 + 4 * 7 + 50 * 80
     plain, joined = (estimates(spec, ParallelConfig(), torch.float32, False, extra_tokens=extra)["gpu"]
                      for extra in (0, resolved.reference_tokens))  # fmt: skip
     assert joined.activations > plain.activations * 2

@@ -224,9 +224,13 @@ class DiffusionPipeline(ABC):
         return predict
 
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """Image-to-image families: the input image's latents in the noise's layout (batch 1), drawn from the VAE's
-        distribution with ``generator`` as diffusers' pipelines draw them."""
+        """Image-to-image families: the input image's latents in the layout noise is drawn in (batch 1), drawn from
+        the VAE's distribution with ``generator`` as diffusers' pipelines draw them."""
         raise NotImplementedError(f"{type(self).__name__} does no image-to-image")
+
+    def pack_drawn(self, latents: torch.Tensor, request: ResolvedRequest) -> torch.Tensor:
+        """Latents in the layout noise is drawn in, in the layout the denoise loop steps (by default the same)."""
+        return latents
 
     def start_from_image(self, request: ResolvedRequest, noise: torch.Tensor, scheduler,
                          timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -238,9 +242,10 @@ class DiffusionPipeline(ABC):
         scheduler.set_begin_index(start)
         generator = torch.Generator("cpu").manual_seed(request.seed)
         image = self.image_latents(request, generator)
-        fresh = torch.randn(noise.shape, generator=generator, dtype=image.dtype).to(self.device)
-        image = image.expand(noise.shape[0], *image.shape[1:])
-        return scheduler.scale_noise(image, timesteps[:1].expand(noise.shape[0]), fresh).to(noise.dtype), timesteps
+        shape = (noise.shape[0], *image.shape[1:])
+        fresh = torch.randn(shape, generator=generator, dtype=image.dtype).to(self.device)
+        noised = scheduler.scale_noise(image.expand(shape), timesteps[:1].expand(shape[0]), fresh)
+        return self.pack_drawn(noised, request).to(noise.dtype), timesteps
 
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """``self.vae.decode(latents)``'s sample as pixels in [0, 1], computed by the whole group when there is one."""

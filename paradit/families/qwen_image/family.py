@@ -28,7 +28,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
     """``guidance`` is diffusers' ``true_cfg_scale``; as there, it takes effect only with a negative prompt (any
     string, even " ", which is what Qwen-Image's authors pass when they have nothing to exclude)."""
-    return resolve_common(spec, request, pixel_granularity(spec.vae))
+    return resolve_common(spec, request, pixel_granularity(spec.vae), image_limit=1, image_to_image=True)
 
 
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:

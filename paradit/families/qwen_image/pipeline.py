@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import transformers
 from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.image_processor import VaeImageProcessor
 from torch import nn
 
 from paradit.checkpoint import component_dir
@@ -115,8 +116,23 @@ class QwenImagePipeline(DiffusionPipeline):
         rows, cols = request.height // granularity, request.width // granularity
         channels = self.transformer.config.in_channels // 4
         noise = seeded_noise((request.batch, 1, channels, 2 * rows, 2 * cols), request.seed, self.dtype, self.device)
-        packed = noise.view(request.batch, channels, rows, 2, cols, 2).permute(0, 2, 4, 1, 3, 5)
-        return packed.reshape(request.batch, rows * cols, channels * 4), (rows, cols)
+        return self.pack_drawn(noise, request), (rows, cols)
+
+    def pack_drawn(self, latents: torch.Tensor, request: ResolvedRequest) -> torch.Tensor:
+        """(batch, 1, channels, 2 * rows, 2 * cols) packed 2x2 into (batch, rows * cols, 4 * channels)."""
+        batch, _, channels, height, width = latents.shape
+        packed = latents.reshape(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return packed.reshape(batch, height // 2 * (width // 2), channels * 4)
+
+    @torch.inference_mode()
+    def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
+        """The image resized to the output's size (diffusers' ``QwenImageImg2ImgPipeline``), as a one-frame video,
+        a sample of its latent distribution normalised by the VAE's statistics, in the noise's drawn layout."""
+        processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
+        pixels = processor.preprocess(request.images[0], height=request.height, width=request.width).unsqueeze(2)
+        sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)
+        mean, inverse_std = latent_statistics(self.vae.config, sample)
+        return ((sample - mean) * inverse_std).transpose(1, 2)
 
     def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor):
         sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
