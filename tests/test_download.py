@@ -312,11 +312,17 @@ def test_a_failed_download_is_completed_by_the_next_run(hub, capsys):
         f"paradit: error: the hub answered 403 for {REPO}: 403 Forbidden: Forbidden for now."
     )
 
+    # The files the failed run finished stay on disk; the parallel fetches it stopped (which, depends on timing)
+    # and the refused shard are all the next run fetches.
+    kept = set(files_under(snapshot(REPO))) if snapshot(REPO).is_dir() else set()
+    missing = sorted(set(READS) - kept)
+    assert SHARD in missing
     hub.requests.clear()
     code, out, err = run_cli(["download", PRESET], capsys)
     assert code == 0, err
-    assert hub.fetched(REPO) == [SHARD]  # the files of the failed run stayed on disk
-    assert out.splitlines()[1].startswith(f"fetching 1 file ({human_size(READS[SHARD])}) into ")
+    assert sorted(hub.fetched(REPO)) == missing
+    if missing == [SHARD]:
+        assert out.splitlines()[1].startswith(f"fetching 1 file ({human_size(READS[SHARD])}) into ")
     assert files_under(snapshot(REPO)) == {path: hub.repos[REPO][path] for path in READS}
 
 
