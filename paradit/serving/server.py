@@ -109,15 +109,14 @@ class Gate:
     TIMED = {"/v1/images/generations", EDITS, "/v1/videos"}
 
     def __init__(self, app, max_bytes: int, edit_bytes: int, metrics: Metrics, api_key: str | None) -> None:
-        self.app, self.limits, self.metrics = app, {EDITS: edit_bytes}, metrics
-        self.max_bytes = max_bytes
+        self.app, self.max_bytes, self.edit_bytes, self.metrics = app, max_bytes, edit_bytes, metrics
         self.api_key = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start, status, received = time.perf_counter(), None, 0
-        max_bytes = self.limits.get(scope["path"], self.max_bytes)
+        max_bytes = self.edit_bytes if scope["path"] == EDITS else self.max_bytes
 
         async def limited_receive():
             nonlocal received
