@@ -1,10 +1,14 @@
-"""What reference images cost a FLUX.2 request on one GPU, end to end through the engine, with random full-size
+"""What reference images cost an editing request on one GPU, end to end through the engine, with random full-size
 weights (dummy load): text-to-image at 1024² against the same request with 1 and 3 references of 1024² each
-(4096 more tokens each in every block's sequence). Per case: the median denoise step, the references' share of it
-(the step's growth over text-to-image), the time outside text encoding, steps and decoding (the references' VAE
-encode, mostly), and the request's latency at the model's default steps, projected from those measured parts.
+(4096 more tokens each in every block's sequence). An edit-only checkpoint (Qwen-Image-Edit-2511) is set against
+its text-to-image sibling's step (Qwen-Image: the same transformer), both with true CFG as their authors run them.
+Per case: the median denoise step, the references' share of it (the step's growth over text-to-image), the prompt
+encoding (which reads the images too for Qwen-Image-Edit), the time outside encoding, steps and decoding (the
+references' VAE encode, mostly), and the request's latency at the model's default steps, projected from those
+measured parts.
 
     python benchmarks/edit_cost.py --out-dir $OUT
+    python benchmarks/edit_cost.py --models qwen-image-edit-2511 --out-dir $OUT
     python benchmarks/edit_cost.py --models flux2-klein-4b --quantize none --out-dir $OUT
 """
 
@@ -30,7 +34,8 @@ from paradit.request import GenerationRequest  # noqa: E402
 COLUMNS = [
     ("model", "model", "s"), ("precision", "precision", "s"), ("references", "refs", "d"),
     ("tokens", "image tokens", "d"), ("step_ms", "step ms", ".1f"), ("reference_share", "refs' share", ".1%"),
-    ("encode_s", "refs encode s", ".3f"), ("total_s", "total s", ".2f"), ("steps", "steps", "d"),
+    ("text_encode_s", "prompt encode s", ".3f"), ("encode_s", "refs encode s", ".3f"), ("total_s", "total s", ".2f"),
+    ("steps", "steps", "d"),
     ("projected_s", "latency at default steps (projected) s", ".2f"), ("peak_gib", "peak GiB", ".1f"),
 ]  # fmt: skip
 
@@ -40,15 +45,32 @@ def reference(seed: int, side: int) -> Image.Image:
     return Image.fromarray(coarse).resize((side, side), Image.Resampling.BICUBIC)
 
 
+# Edit-only checkpoints, and the text-to-image model whose step is theirs without input images.
+TEXT_TO_IMAGE = {"qwen-image-edit-2511": "qwen-image", "qwen-image-edit-2509": "qwen-image"}
+
+
 def bench_model(name: str, args) -> list[dict]:
+    rows: list[dict] = []
+    if name in TEXT_TO_IMAGE:
+        rows += bench_engine(TEXT_TO_IMAGE[name], [count for count in args.references if count == 0], args, rows)
+        rows += bench_engine(name, [count for count in args.references if count], args, rows)
+        return rows
+    return bench_engine(name, args.references, args, rows)
+
+
+def bench_engine(name: str, counts: list[int], args, earlier: list[dict]) -> list[dict]:
+    """Rows for ``counts`` references; the references' share is against the text-to-image row among ``earlier``."""
     options = ExecutionOptions(quantize=args.quantize, compile=True)
     precision = args.quantize.replace("none", "bf16")
-    rows, plain_ms = [], None
+    plain_ms = next((row["step_ms"] for row in earlier if row["references"] == 0), None)
+    rows = []
+    # Qwen-Image guides only with a negative prompt; its authors pass " " when nothing is to be excluded.
+    negative = " " if PRESETS[name].family == "qwen_image" else None
     with Engine(name, device="cuda", dtype="bf16", load_format="dummy", options=options) as engine:
-        for count in args.references:
+        for count in counts:
             images = [reference(seed, args.size) for seed in range(count)] or None
             base = dict(prompt="the subject of the first image in the room of the second", height=args.size,
-                        width=args.size, image=images, seed=0)  # fmt: skip
+                        width=args.size, image=images, seed=0, negative_prompt=negative)  # fmt: skip
             engine.generate(GenerationRequest(**base, steps=2))  # compiles this sequence length's blocks
             torch.cuda.reset_peak_memory_stats()
             result = engine.generate(GenerationRequest(**base, steps=args.steps))

@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--image", action="append", help="an input image, repeatable where the model takes several: "
                      "image-to-video's first frame, a reference to edit from, image-to-image's start")  # fmt: skip
     gen.add_argument("--strength", type=finite, help="image-to-image (with --image): the share of the steps run from "
-                     "the noised image, above 0 to 1 (default 0.6)")  # fmt: skip
+                     "the noised image, above 0 to 1 (default 0.6; inpainting: the model pipeline's)")  # fmt: skip
+    gen.add_argument("--mask", help="inpainting (with --image): a picture of the image's size, white where it is "
+                     "repainted, black where it is kept")  # fmt: skip
     gen.add_argument("--guidance-2", type=finite, help="models with a low-noise expert: its guidance scale")
     gen.add_argument(
         "--out",
@@ -376,6 +378,7 @@ def run_generate(args: argparse.Namespace) -> int:
         height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
         num_images_per_prompt=args.images_per_prompt, frames=args.frames, guidance_2=args.guidance_2,
         image=[read_image(path) for path in args.image] if args.image else None, fps=args.fps, strength=args.strength,
+        mask=None if args.mask is None else read_image(args.mask, "--mask"),
     )  # fmt: skip
     run = settle(asked_for(args), request)
     video = run.family.video
@@ -394,7 +397,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "prompt": resolved.prompts, "negative_prompt": resolved.negative_prompts, "seed": result.seed,
         "model": run.spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
         "software": f"paradit {__version__}", **({"lora": lora_record(run.options.lora)} if run.options.lora else {}),
-        **({"image": args.image} if args.image else {}),
+        **({"image": args.image} if args.image else {}), **({"mask": args.mask} if args.mask else {}),
         **({"strength": resolved.strength} if resolved.strength is not None else {}),
         **({"frames": resolved.frames, "fps": resolved.fps} if result.is_video else {}),
     }  # fmt: skip

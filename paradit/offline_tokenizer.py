@@ -14,6 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+# Qwen2.5-VL's image markers, after the bytes (ids 261-264: the tiny Qwen-Image encoders' image_token_id and kin).
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -29,11 +31,12 @@ CHAT_TEMPLATE = (
 
 
 def build_offline_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    tokens = [*SPECIAL_TOKENS, *sorted(pre_tokenizers.ByteLevel.alphabet()), *VISION_TOKENS]
+    vocab = {token: i for i, token in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.add_special_tokens([*SPECIAL_TOKENS, *VISION_TOKENS])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                         model_max_length=model_max_length)  # fmt: skip
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -97,8 +97,8 @@ def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: dict[
     return written
 
 
-def read_image(path: str):
-    """``--image``'s picture as ``rgb_image`` reads it; refused with the reason if unreadable or past PIL's limit."""
+def read_image(path: str, flag: str = "--image"):
+    """``flag``'s picture as ``rgb_image`` reads it; refused with the reason if unreadable or past PIL's limit."""
     import warnings
 
     from PIL import Image, UnidentifiedImageError
@@ -106,9 +106,9 @@ def read_image(path: str):
     try:
         with warnings.catch_warnings(action="ignore", category=Image.DecompressionBombWarning):  # PIL's raw one
             with Image.open(path) as image:  # past PIL's limit (diffusers' too) it raises, naming size and limit
-                return rgb_image(image, f"--image {path}")
+                return rgb_image(image, f"{flag} {path}")
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
-        raise InvalidRequest(f"--image {path} cannot be read as an image ({exc.__class__.__name__}: {exc})") from None
+        raise InvalidRequest(f"{flag} {path} cannot be read as an image ({exc.__class__.__name__}: {exc})") from None
 
 
 def rgb_image(image, name: str = "image"):

@@ -33,6 +33,7 @@ class GenerationRequest:
     # image-conditioned models: Wan's first frame to animate, FLUX.2's reference images (a list: several)
     image: Image.Image | list[Image.Image] | None = None
     strength: float | None = None  # image-to-image: the share of the schedule run from the noised image (0-1]
+    mask: Image.Image | None = None  # inpainting: white where the image is repainted, the image's size
     fps: int | None = None  # video models: frames per second of the written file (the model's default when unset)
     # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
     lora: tuple[tuple[str, float], ...] | None = None

@@ -3,12 +3,25 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
+    QwenImagePipeline,
+)
 from diffusers import QwenImageTransformer2DModel as ReferenceTransformer
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import (
+    AutoTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLProcessor,
+)
 
 from paradit.families.qwen_image.presets import QWEN_IMAGE_SCHEDULER
 from paradit.offline_tokenizer import build_offline_tokenizer
@@ -17,17 +30,18 @@ from tests.checkpoints import randomize
 TEXT_HIDDEN = 24
 
 
-def tiny_transformer_config(heads: int = 3) -> dict:
+def tiny_transformer_config(heads: int = 3, zero_cond_t: bool = False) -> dict:
     """Head dim 16 split 4/6/6 over (frame, row, column); 2 blocks."""
     return {
         "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 2, "attention_head_dim": 16,
         "num_attention_heads": heads, "joint_attention_dim": TEXT_HIDDEN, "axes_dims_rope": [4, 6, 6],
+        "zero_cond_t": zero_cond_t,
     }  # fmt: skip
 
 
-def tiny_transformer(seed: int = 0, heads: int = 3) -> ReferenceTransformer:
+def tiny_transformer(seed: int = 0, heads: int = 3, zero_cond_t: bool = False) -> ReferenceTransformer:
     torch.manual_seed(seed)
-    transformer = ReferenceTransformer(**tiny_transformer_config(heads))
+    transformer = ReferenceTransformer(**tiny_transformer_config(heads, zero_cond_t))
     randomize(transformer)
     return transformer.eval()
 
@@ -44,7 +58,7 @@ def tiny_vae() -> AutoencoderKLQwenImage:
 
 
 def tiny_text_encoder() -> Qwen2_5_VLForConditionalGeneration:
-    """Qwen2.5-VL with a 2-layer, 24-wide language model and a one-block vision tower (never shown an image)."""
+    """Qwen2.5-VL with a 2-layer, 24-wide language model and a one-block vision tower (which only edits use)."""
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": 320, "hidden_size": TEXT_HIDDEN, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -56,7 +70,8 @@ def tiny_text_encoder() -> Qwen2_5_VLForConditionalGeneration:
             "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": TEXT_HIDDEN,
             "fullatt_block_indexes": [0],
         },
-        image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303,
+        # The offline tokenizer's image markers.
+        image_token_id=263, video_token_id=264, vision_start_token_id=261, vision_end_token_id=262,
     )  # fmt: skip
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
@@ -72,4 +87,38 @@ def build_qwen_image_checkpoint(folder: Path, seed: int = 0, heads: int = 3) -> 
         transformer=transformer,
     )
     pipe.save_pretrained(folder, max_shard_size="100KB")
+    return folder
+
+
+class ImagesOnlyProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor without its video processor, which needs torchvision (not installed here): what diffusers'
+    edit pipelines call to read images with the prompt."""
+
+    def check_argument_for_proper_class(self, name, argument):
+        return None if argument is None else super().check_argument_for_proper_class(name, argument)
+
+
+def edit_processor(folder: Path) -> ImagesOnlyProcessor:
+    """The edit checkpoint's processor, for diffusers' pipeline."""
+    processor = folder / "processor"
+    return ImagesOnlyProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(processor),
+                               tokenizer=AutoTokenizer.from_pretrained(processor), video_processor=None)  # fmt: skip
+
+
+def build_qwen_image_edit_checkpoint(folder: Path, plus: bool) -> Path:
+    """Qwen-Image-Edit (one image) or Edit-Plus (several; with 2511's zero_cond_t), saved by diffusers' pipeline;
+    the ``processor`` folder (tokenizer and image processor) as the published checkpoints hold it."""
+    pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    torch.manual_seed(1)
+    pipe = pipeline_class(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=tiny_vae(),
+        text_encoder=tiny_text_encoder(), tokenizer=build_offline_tokenizer(), processor=None,
+        transformer=tiny_transformer(0, heads=4, zero_cond_t=plus),
+    )  # fmt: skip
+    pipe.save_pretrained(folder, max_shard_size="100KB")
+    build_offline_tokenizer().save_pretrained(folder / "processor")
+    Qwen2VLImageProcessorPil().save_pretrained(folder / "processor")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
     return folder

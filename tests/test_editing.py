@@ -3,8 +3,8 @@ and dev with one reference (the output at its size) and with three of different 
 give diffusers' ``Flux2KleinPipeline`` / ``Flux2Pipeline`` image to one 8-bit level; every parallel
 plan with references equals one process; references diffusers refuses, or more than FLUX.2 takes, are one line;
 SD3.5, Z-Image and Qwen-Image image-to-image (strength 0.6, 1, and a few steps' share) give diffusers' image, on one
-process and split; ``POST /v1/images/edits`` through OpenAI's client gives the command line's image and refuses
-bad forms."""
+process and split, and so does their inpainting and klein's (with a reference besides); ``POST /v1/images/edits``
+through OpenAI's client, two images and a mask, gives the command line's image and refuses bad forms."""
 
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ import openai
 import pytest
 import torch
 from diffusers import (
+    Flux2KleinInpaintPipeline,
     Flux2KleinPipeline,
     Flux2Pipeline,
     QwenImageImg2ImgPipeline,
+    QwenImageInpaintPipeline,
     StableDiffusion3Img2ImgPipeline,
+    StableDiffusion3InpaintPipeline,
     ZImageImg2ImgPipeline,
+    ZImageInpaintPipeline,
 )
 from PIL import Image
 
@@ -170,6 +174,93 @@ def test_image_to_image_gives_diffusers_image(family, strength):
         assert np.abs(split[0].permute(1, 2, 0).numpy() * 255 - ours).max() <= 1e-3
 
 
+INPAINTING = {
+    "sd3": StableDiffusion3InpaintPipeline, "zimage": ZImageInpaintPipeline, "qwen_image": QwenImageInpaintPipeline,
+    "flux2": Flux2KleinInpaintPipeline,
+}  # fmt: skip
+# klein inpaints the image's own size (floored to whole tokens), here with a reference besides it.
+INPAINTING_SIZE = {**IMAGE_SIZE, "flux2": ((50, 37), {})}
+INPAINTING_REFERENCE = {"flux2": picture(72, 100, 1)}
+
+
+def mask_picture(width: int, height: int) -> Image.Image:
+    """White (repainted) over a box off the centre, black (kept) around it; grey edges, which the binarising cuts."""
+    mask = Image.new("L", (width, height), 0)
+    mask.paste(255, (width // 5, height // 4, width * 3 // 4, height * 4 // 5))
+    mask.paste(128, (width // 5, height // 4, width * 3 // 4, height // 4 + 2))
+    return mask
+
+
+def _inpainting_pixels(family: str, plan: ParallelConfig | None) -> torch.Tensor:
+    device = torch.device("cpu")
+    spec = spec_from_folder(cached(build_checkpoint, family))
+    context = None if plan is None else ParallelContext.build(plan, device)
+    pipeline = load_pipeline(spec, device, torch.float32, context)
+    size, asked = INPAINTING_SIZE[family]
+    image = [picture(*size, 4), *([INPAINTING_REFERENCE[family]] if family in INPAINTING_REFERENCE else [])]
+    negative = {"negative_prompt": " "} if family == "qwen_image" else {}  # Qwen-Image guides only with one
+    asked = GenerationRequest(prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE, image=image, strength=0.6,
+                              mask=mask_picture(*size), **asked, **negative)  # fmt: skip
+    results = pipeline.generate([FAMILIES[family].resolve_request(spec, asked)])
+    return None if results is None else results[0].pixels
+
+
+# Each split with its own blend: a sequence split (each rank steps the whole latents), and PipeFusion's band-by-band
+# update, where each band's copy of the scheduler counts its own steps.
+INPAINTING_PLANS = {"sd3": ParallelConfig(ulysses=2), "zimage": ParallelConfig(pipefusion=2, warmup_steps=STEPS),
+                    "qwen_image": ParallelConfig(cfg=2), "flux2": ParallelConfig(ring=2)}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", INPAINTING)
+def test_inpainting_gives_diffusers_image_and_keeps_the_image_outside_the_mask(family):
+    """Strength 0.6 with a mask as each family's diffusers inpainting pipeline makes it, on one process and split."""
+    size, asked = INPAINTING_SIZE[family]
+    pipeline = INPAINTING[family].from_pretrained(cached(build_checkpoint, family), dtype=torch.float32)
+    guidance = {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {
+        "guidance_scale": GUIDANCE}  # fmt: skip
+    if family in INPAINTING_REFERENCE:
+        guidance["image_reference"] = INPAINTING_REFERENCE[family]
+    # diffusers' SD3 inpainting decodes latents / scaling_factor, leaving out the VAE's shift_factor that its other
+    # SD3 pipelines (and the VAE's encode) apply: its latents are compared, decoded as its text-to-image decodes them.
+    latent = family == "sd3"
+    expected = pipeline(image=picture(*size, 4), mask_image=mask_picture(*size), prompt=PROMPT, strength=0.6,
+                        num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(SEED),
+                        output_type="latent" if latent else "np", **asked, **guidance).images  # fmt: skip
+    if latent:
+        with torch.no_grad():
+            vae = pipeline.vae
+            pixels = vae.decode(expected / vae.config.scaling_factor + vae.config.shift_factor).sample
+        expected = pipeline.image_processor.postprocess(pixels, output_type="np")
+    expected = expected[0] * 255
+    ours = _inpainting_pixels(family, None)[0].permute(1, 2, 0).numpy() * 255
+    assert ours.shape == expected.shape == (32, 48, 3)
+    assert np.abs(ours.round() - expected.round()).max() <= 1
+    if family in IMAGE_TO_IMAGE:
+        image_to_image = _image_to_image_pixels(family, 0.6, None)[0].permute(1, 2, 0).numpy() * 255
+        assert np.abs(ours - image_to_image).max() > 3  # the mask mattered
+    plan = INPAINTING_PLANS[family]
+    split = run_on_processes(plan.world_size, _inpainting_pixels, family, plan)
+    assert np.abs(split[0].permute(1, 2, 0).numpy() * 255 - ours).max() <= 1e-3
+
+
+def test_masks_are_refused_where_nothing_is_repainted_and_default_to_each_pipelines_strength():
+    sd3, zimage = (spec_from_folder(cached(build_checkpoint, family)) for family in ("sd3", "zimage"))
+    image, mask = picture(64, 48, 0), mask_picture(64, 48)
+    resolve = functools.partial(FAMILIES["sd3"].resolve_request, sd3)
+    with pytest.raises(InvalidRequest, match="a mask needs the image it masks"):
+        resolve(GenerationRequest(prompt="a", mask=mask))
+    with pytest.raises(InvalidRequest, match="the mask is 48x64 and the image 64x48; give a mask of the image's size"):
+        resolve(GenerationRequest(prompt="a", image=image, mask=mask.transpose(Image.Transpose.TRANSPOSE)))
+    dev = spec_from_folder(FOLDERS["dev"]())
+    with pytest.raises(InvalidRequest, match="does no inpainting; drop the mask"):
+        FAMILIES["flux2"].resolve_request(dev, GenerationRequest(prompt="a", image=image, mask=mask))
+    # diffusers' defaults: 0.6 for SD3.5's (and Qwen-Image's) inpainting, 1 for Z-Image's; the mask read as grayscale.
+    resolved = resolve(GenerationRequest(prompt="a", image=image, mask=mask.convert("RGBA")))
+    assert resolved.strength == 0.6 and resolved.mask.mode == "L"
+    zimage_request = GenerationRequest(prompt="a", image=image, mask=mask)
+    assert FAMILIES["zimage"].resolve_request(zimage, zimage_request).strength == 1.0
+
+
 def test_strength_is_refused_where_no_image_is_repainted():
     sd3 = spec_from_folder(cached(build_checkpoint, "sd3"))
     resolve = functools.partial(FAMILIES["sd3"].resolve_request, sd3)
@@ -219,18 +310,22 @@ def test_references_diffusers_refuses_or_flux2_does_not_take_are_one_line(tmp_pa
 
 
 def test_the_official_client_edits_as_the_command_line_and_bad_forms_get_a_4xx(tmp_path, capfd):
-    """``images.edit`` with two images gives the command line's image for the same seed, as does ``generate
-    --server --image``; a form without an image, with a file that is no image, with a mask FLUX.2 does not take,
-    with 11 images or of 30 MB is refused naming the field, and the server serves on."""
+    """``images.edit`` with two images and a mask (klein inpainting the first, the second a reference) gives the
+    command line's image for the same seed, as does ``generate --server --image --mask``; a form without an image,
+    with a file that is no image, with a mask of another size, with 11 images or of 30 MB is refused naming the field,
+    and the server serves on."""
     folder = FOLDERS["klein"]()
     paths = [tmp_path / f"reference_{index}.png" for index in range(2)]
     for path, image in zip(paths, references("three")[:2]):
         image.save(path)
+    mask = tmp_path / "mask.png"
+    mask_picture(*references("three")[0].size).save(mask)
     fields = ["--steps", str(STEPS), "--seed", str(SEED), "--guidance", str(GUIDANCE), "--height", "48", "--width",
               "64", "--no-progress"]  # fmt: skip
+    inputs = ["--image", str(paths[0]), "--image", str(paths[1]), "--mask", str(mask)]
     local = tmp_path / "local.png"
     argv = ["generate", "--model", str(folder), "--device", "cpu", "--dtype", "fp32", "--prompt", PROMPT,
-            "--out", str(local), *fields, "--image", str(paths[0]), "--image", str(paths[1])]  # fmt: skip
+            "--out", str(local), *fields, *inputs]  # fmt: skip
     code, _, err = run_cli(argv, capfd)
     assert code == 0, err
     expected = np.asarray(Image.open(local), dtype=np.float64)
@@ -240,13 +335,13 @@ def test_the_official_client_edits_as_the_command_line_and_bad_forms_get_a_4xx(t
     try:
         with app_in_thread(create_app(scheduler, config, Metrics())) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            answer = client.images.edit(image=[path.open("rb") for path in paths], prompt=PROMPT, size="64x48",
+            answer = client.images.edit(image=[path.open("rb") for path in paths], mask=mask.open("rb"),
+                                        prompt=PROMPT, size="64x48",
                                         extra_body={"steps": STEPS, "seed": SEED, "guidance": GUIDANCE})  # fmt: skip
             with Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))) as image:
                 assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1
             remote = tmp_path / "remote.png"
-            argv = ["generate", "--server", url, "--prompt", PROMPT, "--out", str(remote), *fields,
-                    "--image", str(paths[0]), "--image", str(paths[1])]  # fmt: skip
+            argv = ["generate", "--server", url, "--prompt", PROMPT, "--out", str(remote), *fields, *inputs]
             code, _, err = run_cli(argv, capfd)
             assert code == 0, err
             assert np.abs(np.asarray(Image.open(remote), dtype=np.float64) - expected).max() <= 1
@@ -256,18 +351,22 @@ def test_the_official_client_edits_as_the_command_line_and_bad_forms_get_a_4xx(t
             refused = {
                 "no image": ({}, "image", "give the image(s) to edit"),
                 "not an image": ({"image": ("x.png", b"GIF89a but no more")}, "image", "image 1 cannot be read"),
-                "mask": ({"image": ("a.png", png), "mask": ("m.png", png)}, "mask", "takes no mask"),
+                "mask of another size": ({"image": ("a.png", png), "mask": ("m.png", paths[1].read_bytes())}, "mask",
+                                         "give a mask of the image's size"),
+                "mask as text": ({"image": ("a.png", png)}, "mask", "send the mask as a file part"),
                 "11 images": ([("image[]", ("a.png", png))] * 11, "image", "11 images sent; this server takes at most"),
                 "30 MB": ({"image": ("big.png", png + bytes(30 << 20))}, "body", "larger than this server's limit"),
                 "steps": ({"image": ("a.png", png)}, "steps", "steps: Input should be a valid integer"),
             }  # fmt: skip
             for case, (files, param, message) in refused.items():
                 data = {**form, "steps": "many"} if case == "steps" else form
+                data = {**data, "mask": "white"} if case == "mask as text" else data
                 response = httpx.post(url + "/v1/images/edits", data=data, files=files or None, timeout=60)
                 assert 400 <= response.status_code < 500, (case, response.status_code)
                 error = response.json()["error"]
                 assert error["param"] == param and message in error["message"], (case, error)
-            again = client.images.edit(image=[path.open("rb") for path in paths], prompt=PROMPT, size="64x48",
+            again = client.images.edit(image=[path.open("rb") for path in paths], mask=mask.open("rb"),
+                                       prompt=PROMPT, size="64x48",
                                        extra_body={"steps": STEPS, "seed": SEED, "guidance": GUIDANCE})  # fmt: skip
             with Image.open(io.BytesIO(base64.b64decode(again.data[0].b64_json))) as image:
                 assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1

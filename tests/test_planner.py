@@ -188,6 +188,7 @@ def test_plan_command_takes_a_checkpoint_folder_of_a_presets_architecture(capsys
     from diffusers import Flux2Transformer2DModel
 
     folder = copy_of(cached(build_klein_checkpoint), tmp_path / "ckpt")
+    capsys.readouterr()  # a first build's progress bars
     code, _, err = run_cli(["plan", "--model", str(folder), "--gpus", "2"], capsys)
     assert_one_line_error(code, err, "no FLOP counts for", "pass the parallel flags yourself")
     shutil.rmtree(folder / "transformer")

@@ -180,8 +180,8 @@ def test_checkpoint_spec_has_diffusers_defaults(engine):
 
 def test_variant_checkpoints_are_refused(checkpoint):
     config = json.loads((checkpoint / "transformer" / "config.json").read_text())
-    with pytest.raises(CheckpointError, match="zero_cond_t"):
-        QwenImageConfig.from_dict({**config, "zero_cond_t": True})
+    with pytest.raises(CheckpointError, match="use_layer3d_rope"):
+        QwenImageConfig.from_dict({**config, "use_layer3d_rope": True})
 
 
 BAD_REQUESTS = [

@@ -22,6 +22,7 @@ from paradit.parallel.cfg import BatchedBranches
 from paradit.parallel.comm import CommStats
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import NoisePredictor, Parallelized
+from paradit.pipelines.inpainting import KeepUnmasked, latent_mask
 from paradit.pipelines.requests import ResolvedRequest, first_step, one_batch
 from paradit.request import GenerationResult, Timings
 from paradit.spec import ModelSpec
@@ -233,10 +234,11 @@ class DiffusionPipeline(ABC):
         return latents
 
     def start_from_image(self, request: ResolvedRequest, noise: torch.Tensor, scheduler,
-                         timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                         timesteps: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:  # fmt: skip
         """Image-to-image as diffusers starts it: the steps from ``first_step`` on, and the image's latents noised to
         the first of them. One generator, seeded as the request, draws the latents from the VAE's distribution and
-        then the noise (which is therefore not ``noise``, text-to-image's first draw; only its shape is used)."""
+        then the noise (which is therefore not ``noise``, text-to-image's first draw; only its shape is used).
+        Inpainting (a mask) steps with a scheduler that keeps the image outside the mask (``KeepUnmasked``)."""
         start = first_step(request)
         timesteps = timesteps[start:]
         scheduler.set_begin_index(start)
@@ -244,8 +246,18 @@ class DiffusionPipeline(ABC):
         image = self.image_latents(request, generator)
         shape = (noise.shape[0], *image.shape[1:])
         fresh = torch.randn(shape, generator=generator, dtype=image.dtype).to(self.device)
-        noised = scheduler.scale_noise(image.expand(shape), timesteps[:1].expand(shape[0]), fresh)
-        return self.pack_drawn(noised, request).to(noise.dtype), timesteps
+        image = image.expand(shape)
+        latents = self.pack_drawn(scheduler.scale_noise(image, timesteps[:1].expand(shape[0]), fresh), request)
+        if request.mask is not None:
+            image, fresh, mask = (self.pack_drawn(x, request).to(noise.dtype)
+                                  for x in (image, fresh, self.latent_mask(request, image)))  # fmt: skip
+            scheduler = KeepUnmasked(scheduler, image, fresh, mask)
+        return latents.to(noise.dtype), scheduler, timesteps
+
+    def latent_mask(self, request: ResolvedRequest, image: torch.Tensor) -> torch.Tensor:
+        """Inpainting: the request's mask over ``image`` (its latents in the drawn layout), as the family's
+        diffusers inpainting pipeline makes it (by default resized to the latents' grid by nearest neighbours)."""
+        return latent_mask(request, image)
 
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """``self.vae.decode(latents)``'s sample as pixels in [0, 1], computed by the whole group when there is one."""
@@ -289,7 +301,7 @@ class DiffusionPipeline(ABC):
         latents, layout = torch.cat([latents for latents, _ in noise]), noise[0][1]
         scheduler, timesteps = self.make_scheduler(resolved, latents)
         if resolved.strength is not None:
-            latents, timesteps = self.start_from_image(resolved, latents, scheduler, timesteps)
+            latents, scheduler, timesteps = self.start_from_image(resolved, latents, scheduler, timesteps)
         clock = StepClock(self.device)
         finite: list[torch.Tensor] = []  # per step begun: whether all its predictions were finite
 

@@ -34,6 +34,7 @@ class ResolvedRequest:
     images: tuple[Image.Image, ...] = ()  # the input images, RGB: Wan's first frame, FLUX.2's references
     reference_tokens: int = 0  # tokens the input images add to the transformer's sequence (FLUX.2's references)
     strength: float | None = None  # image-to-image: the share of the schedule run, from the image noised to its start
+    mask: Image.Image | None = None  # inpainting: grayscale, the image's size; white is repainted, black kept
     fps: int | None = None  # video families: frames per second of the written file
     lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
 
@@ -66,10 +67,12 @@ def resolve_common(
     default_negative: str | None = None,
     image_limit: int = 0,
     image_to_image: bool = False,
+    inpainting_strength: float | None = None,
 ) -> ResolvedRequest:
     """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest`` (height, width),
     steps, guidance, negative prompts, images per prompt, seed, at most ``image_limit`` input images, a strength
-    where the family runs ``image_to_image``), raising InvalidRequest with the allowed values."""
+    where the family runs ``image_to_image``, a mask where it inpaints, its default strength then
+    ``inpainting_strength``), raising InvalidRequest with the allowed values."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
@@ -111,19 +114,44 @@ def resolve_common(
     if not 0 <= seed < SEED_LIMIT:
         raise InvalidRequest(f"seed {seed} is not allowed; give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
     images = resolve_images(spec, request.image, image_limit)
-    strength = resolve_strength(spec, request.strength, images, image_to_image)
+    mask = resolve_mask(spec, request.mask, images, inpainting_strength is not None)
+    default_strength = DEFAULT_STRENGTH if mask is None else inpainting_strength
+    strength = resolve_strength(spec, request.strength, images, image_to_image, default_strength)
     return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt,
-                           images=images, lora=request.lora, strength=strength)  # fmt: skip
+                           images=images, lora=request.lora, strength=strength, mask=mask)  # fmt: skip
 
 
-def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: bool) -> float | None:
-    """diffusers' image-to-image strength, 0.6 unless given (above 0: a step runs); refused without an image."""
+def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
+    """An inpainting mask as diffusers' mask processor reads it (grayscale; EXIF-turned and deep pixels scaled as
+    images are), which must cover the image it masks pixel for pixel."""
+    from PIL import Image
+
+    from paradit.outputs import rgb_image
+
+    if mask is None:
+        return None
+    if not inpaints:
+        raise InvalidRequest(f"{spec.name} does no inpainting; drop the mask", param="mask")
+    if not images:
+        raise InvalidRequest("a mask needs the image it masks (--image)", param="mask")
+    if not isinstance(mask, Image.Image):
+        raise InvalidRequest(f"the mask must be a PIL image, not {type(mask).__name__}", param="mask")
+    mask = rgb_image(mask, "the mask").convert("L")
+    if mask.size != images[0].size:
+        raise InvalidRequest(f"the mask is {mask.width}x{mask.height} and the image {images[0].width}x"
+                             f"{images[0].height}; give a mask of the image's size", param="mask")  # fmt: skip
+    return mask
+
+
+def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: bool, default: float) -> float | None:
+    """diffusers' image-to-image strength, ``default`` unless given (above 0: a step runs); refused without an
+    image."""
     if not image_to_image or not images:
         if strength is not None:
             takes = "an image (--image) to start from" if image_to_image else "no strength: it does no image-to-image"
             raise InvalidRequest(f"strength applies to image-to-image; {spec.name} takes {takes}", param="strength")
         return None
-    strength = DEFAULT_STRENGTH if strength is None else strength
+    strength = default if strength is None else strength
     if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
         raise InvalidRequest(f"strength {strength} is not allowed; give a number above 0 and at most 1 (the share "
                              "of the steps run from the noised image)", param="strength")  # fmt: skip
@@ -136,7 +164,7 @@ def first_step(request: ResolvedRequest) -> int:
     return int(max(request.steps - min(request.steps * request.strength, request.steps), 0))
 
 
-DEFAULT_STRENGTH = 0.6  # diffusers' image-to-image pipelines' default
+DEFAULT_STRENGTH = 0.6  # diffusers' image-to-image pipelines' default (their inpainting pipelines' differ by model)
 
 
 def resolve_images(spec: ModelSpec, image, limit: int) -> tuple[Image.Image, ...]:

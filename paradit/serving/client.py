@@ -29,17 +29,17 @@ class ServerError(ParaditError):
     """The server refused or failed the request (its message)."""
 
 
-def multipart(fields: dict, files: list[Path]) -> tuple[bytes, str]:
-    """A multipart form of ``fields`` as text (lists as JSON) and ``files`` as parts named ``image``, and its
+def multipart(fields: dict, files: list[tuple[str, Path]]) -> tuple[bytes, str]:
+    """A multipart form of ``fields`` as text (lists as JSON) and ``files`` as (part name, path) file parts, and its
     content type: what OpenAI's image edits take. Written here, as urllib has no form encoder."""
     boundary = secrets.token_hex(16)
     parts = []
     for name, value in fields.items():
         text = json.dumps(value) if isinstance(value, list) else str(value)
         parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{text}\r\n'.encode())
-    for path in files:
+    for name, path in files:
         filename = path.name.replace('"', "_")
-        head = (f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{filename}"\r\n'
+        head = (f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
                 "Content-Type: application/octet-stream\r\n\r\n")  # fmt: skip
         parts.append(head.encode() + path.read_bytes() + b"\r\n")
     parts.append(f"--{boundary}--\r\n".encode())
@@ -47,12 +47,12 @@ def multipart(fields: dict, files: list[Path]) -> tuple[bytes, str]:
 
 
 def call(server: str, method: str, path: str, api_key: str | None, body: dict | None = None,
-         images: list[Path] | None = None) -> bytes:  # fmt: skip
-    """The answer's body (``images``: sent as a multipart form with ``body``); an error answer raises ServerError
-    with the server's message."""
+         files: list[tuple[str, Path]] | None = None) -> bytes:  # fmt: skip
+    """The answer's body (``files``, (part name, path): sent as a multipart form with ``body``); an error answer
+    raises ServerError with the server's message."""
     content_type, data = "application/json", None if body is None else json.dumps(body).encode()
-    if images:
-        data, content_type = multipart(body or {}, images)
+    if files:
+        data, content_type = multipart(body or {}, files)
     headers = {"Content-Type": content_type, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     request = urllib.request.Request(server.rstrip("/") + path, data=data, headers=headers, method=method)
     try:
@@ -103,10 +103,15 @@ def generate_remote(args: argparse.Namespace) -> int:
     out = args.out or "out/paradit.png"
     video = Path(out).suffix.lower() == VIDEO_SUFFIX
     body = request_body(args, video)
-    images = [Path(path) for path in args.image or ()]
-    for path in images:  # read before anything is sent, as generate does
+    files = [("image", Path(path)) for path in args.image or ()]
+    if getattr(args, "mask", None) is not None:
+        if not files:
+            raise InvalidRequest("--mask needs the --image it masks")
+        files.append(("mask", Path(args.mask)))
+    for flag, path in files:  # read before anything is sent, as generate does
         if not path.is_file():
-            raise InvalidRequest(f"--image {path} cannot be read as an image (no such file)")
+            raise InvalidRequest(f"--{flag} {path} cannot be read as an image (no such file)")
+    images = [path for flag, path in files if flag == "image"]
     if video and images:
         raise InvalidRequest("--image: a server's video jobs take no image; run image-to-video without --server")
     if video:
@@ -122,7 +127,7 @@ def generate_remote(args: argparse.Namespace) -> int:
         paths = output_paths(out, args.images_per_prompt)
         body.update(n=args.images_per_prompt, output_format=IMAGE_FORMATS[paths[0].suffix.lower()].lower())
         route = "/v1/images/edits" if images else "/v1/images/generations"
-        answer = json.loads(call(args.server, "POST", route, api_key, body, images))
+        answer = json.loads(call(args.server, "POST", route, api_key, body, files))
         files = {path: base64.b64decode(item["b64_json"]) for path, item in zip(paths, answer["data"])}
     for path, data in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)

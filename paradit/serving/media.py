@@ -26,15 +26,14 @@ def encode_image(image: Image.Image, output_format: str, quality: int | None = N
     return buffer.getvalue()
 
 
-def decode_input(data: bytes, index: int, max_pixels: int) -> Image.Image:
-    """An uploaded input image, RGB as ``rgb_image`` makes it; its size is read before its pixels are decoded, so
-    that one past ``max_pixels`` costs nothing to refuse."""
-    name = f"image {index}"
+def decode_input(data: bytes, name: str, max_pixels: int, param: str = "image") -> Image.Image:
+    """An uploaded input image (``name`` in messages, ``param`` the form field), RGB as ``rgb_image`` makes it; its
+    size is read before its pixels are decoded, so that one past ``max_pixels`` costs nothing to refuse."""
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.width * image.height > max_pixels:
                 raise InvalidRequest(f"{name} is {image.width}x{image.height}, past this server's {max_pixels} "
-                                     "pixels an input image", param="image")  # fmt: skip
+                                     "pixels an input image", param=param)  # fmt: skip
             return rgb_image(image, name)
     except (OSError, Image.DecompressionBombError) as exc:
-        raise InvalidRequest(f"{name} cannot be read as an image ({exc.__class__.__name__})", param="image") from None
+        raise InvalidRequest(f"{name} cannot be read as an image ({exc.__class__.__name__})", param=param) from None

@@ -212,24 +212,25 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
 
     @app.post(EDITS, response_model=schemas.ImagesResponse)
     async def edit_images(request: Request):
-        """Multipart: ``image`` (or ``image[]``, as OpenAI's client sends several) once per input image, and the
-        other fields as text."""
+        """Multipart: ``image`` (or ``image[]``, as OpenAI's client sends several) once per input image, an optional
+        ``mask`` file (inpainting), and the other fields as text."""
         try:
             form = await request.form(max_files=schemas.MAX_INPUT_IMAGES + 2)
         except HTTPException as refused:  # Starlette's own, for a malformed body or too many parts
             raise InvalidRequest(f"the body is not a multipart form of this API's fields: {refused.detail}",
                                  param="image") from None  # fmt: skip
-        uploads = [*form.getlist("image"), *form.getlist("image[]")]
-        if "mask" in form:  # no family served here inpaints yet
-            raise InvalidRequest(f"{config.model} takes no mask; send the images to edit without one", param="mask")
+        uploads, mask = [*form.getlist("image"), *form.getlist("image[]")], form.get("mask")
         if not uploads:
             raise InvalidRequest("give the image(s) to edit as file parts named image", param="image")
         if len(uploads) > schemas.MAX_INPUT_IMAGES:
             raise InvalidRequest(f"{len(uploads)} images sent; this server takes at most {schemas.MAX_INPUT_IMAGES} "
                                  "an edit", param="image")  # fmt: skip
-        fields = {key: value for key, value in form.multi_items() if key not in ("image", "image[]")}
+        fields = {key: value for key, value in form.multi_items() if key not in ("image", "image[]", "mask")}
         if any(not isinstance(value, str) for value in fields.values()):
-            raise InvalidRequest("only image takes files; send the other fields as text", param="image")
+            raise InvalidRequest("only image and mask take files; send the other fields as text", param="image")
+        if isinstance(mask, str):
+            raise InvalidRequest("mask: send the mask as a file part (an image of the first image's size)",
+                                 param="mask")  # fmt: skip
         try:
             if "lora" in fields:  # a list of {name, scale}, as JSON text
                 fields["lora"] = json.loads(fields["lora"])
@@ -239,10 +240,15 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         except ValueError:  # lora's text is not JSON
             raise InvalidRequest("lora: give a JSON list of {name, scale} objects", param="lora") from None
         contents = [await upload.read() for upload in uploads]
-        images = await run_in_threadpool(
-            lambda: [decode_input(data, i + 1, schemas.MAX_INPUT_PIXELS) for i, data in enumerate(contents)]
-        )
-        return await images_answer(body, request, image=images, strength=body.strength)
+        mask_bytes = None if mask is None else await mask.read()
+
+        def decoded():
+            images = [decode_input(data, f"image {i + 1}", schemas.MAX_INPUT_PIXELS) for i, data in enumerate(contents)]
+            pixels = schemas.MAX_INPUT_PIXELS
+            return images, None if mask_bytes is None else decode_input(mask_bytes, "the mask", pixels, "mask")
+
+        images, mask = await run_in_threadpool(decoded)
+        return await images_answer(body, request, image=images, mask=mask, strength=body.strength)
 
     async def images_answer(body: schemas.ImageGenerationBody, request: Request, **fields):
         if body.output_compression is not None and body.output_format == "png":

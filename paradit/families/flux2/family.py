@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 REFERENCE_LIMIT = 10  # reference images a request may give: Black Forest Labs' stated maximum for FLUX.2
 REFERENCE_AREA = 1024 * 1024  # pixels diffusers shrinks a larger reference to
+KLEIN_INPAINTING_STRENGTH = 0.8  # Flux2KleinInpaintPipeline's default
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -51,22 +52,30 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     if request.negative_prompt is not None and spec.guidance_mode != "cfg":
         raise InvalidRequest(f"{spec.name} does not use classifier-free guidance, so it takes no negative prompt")
     granularity = pixel_granularity(spec.vae)
-    resolved = resolve_common(spec, request, granularity, image_limit=REFERENCE_LIMIT)
-    resolved.images = tuple(resolve_reference(image, index) for index, image in enumerate(resolved.images))
-    if resolved.images:  # diffusers makes the first reference's size when none is asked for
+    # klein inpaints (Flux2KleinInpaintPipeline: the image to repaint, then at most one reference); dev does not.
+    inpainting = request.mask is not None and spec.guidance_mode != "embedded"
+    resolved = resolve_common(spec, request, granularity, image_limit=2 if inpainting else REFERENCE_LIMIT,
+                              image_to_image=inpainting, inpainting_strength=None if spec.guidance_mode == "embedded"
+                              else KLEIN_INPAINTING_STRENGTH)  # fmt: skip
+    resolved.images = tuple(resolve_reference(image, index, checked=not inpainting)
+                            for index, image in enumerate(resolved.images))  # fmt: skip
+    if resolved.images:  # diffusers makes the first image's size when none is asked for
         first = reference_size(resolved.images[0], granularity)
         resolved.height = resolved.height if request.height is not None else first[0]
         resolved.width = resolved.width if request.width is not None else first[1]
-        resolved.reference_tokens = sum(math.prod(reference_size(image, granularity)) // granularity**2
-                                        for image in resolved.images)  # fmt: skip
+        sizes = [reference_size(image, granularity) for image in resolved.images]
+        if inpainting:  # the image to repaint joins as a reference too, at the output's size
+            sizes[0] = (resolved.height, resolved.width)
+        resolved.reference_tokens = sum(math.prod(size) // granularity**2 for size in sizes)
     return resolved
 
 
-def resolve_reference(image, index: int):
-    """A reference as diffusers' FLUX.2 pipelines take it: at least 64 pixels a side, an aspect ratio of at most 8,
-    shrunk (Lanczos) to REFERENCE_AREA pixels when larger."""
+def resolve_reference(image, index: int, checked: bool = True):
+    """A reference as diffusers' FLUX.2 pipelines take it: shrunk (Lanczos) to REFERENCE_AREA pixels when larger;
+    ``checked``, at least 64 pixels a side and an aspect ratio of at most 8 (inpainting's images go unchecked)."""
     try:
-        Flux2ImageProcessor.check_image_input(image)
+        if checked:
+            Flux2ImageProcessor.check_image_input(image)
     except ValueError as exc:
         raise InvalidRequest(f"image {index + 1}: {exc}", param="image") from None
     if image.width * image.height > REFERENCE_AREA:

@@ -1,7 +1,8 @@
 """FLUX.2 text-to-image and editing: prompt encoding, reference images, seeded latents, denoising, VAE decoding.
 
-Reproduces diffusers' ``Flux2Pipeline`` (dev: Mistral3 encoder, embedded guidance) and ``Flux2KleinPipeline`` (klein:
-Qwen3 encoder, true CFG unless step-distilled): the same checkpoint and seed give the same image. Differences for speed
+Reproduces diffusers' ``Flux2Pipeline`` (dev: Mistral3 encoder, embedded guidance), ``Flux2KleinPipeline`` (klein:
+Qwen3 encoder, true CFG unless step-distilled) and ``Flux2KleinInpaintPipeline`` (klein with a mask: the image to
+repaint is also the first reference): the same checkpoint and seed give the same image. Differences for speed
 only: CFG's unconditional branch shares the conditional one's batch (or runs on the group's other half under CFG
 parallelism), and the text encoder stops at the deepest layer read."""
 
@@ -16,6 +17,7 @@ from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
+from paradit.pipelines.inpainting import latent_mask
 from paradit.pipelines.requests import ResolvedRequest
 from paradit.text_encoder import DecoderPromptEncoder, warn_if_truncated
 
@@ -80,29 +82,51 @@ class Flux2Pipeline(DiffusionPipeline):
         rows, cols = request.height // granularity, request.width // granularity
         noise = seeded_noise((request.batch, self.transformer.config.in_channels, rows, cols), request.seed,
                              self.dtype, self.device)  # fmt: skip
-        return noise.flatten(2).transpose(1, 2), Flux2Layout(rows, cols, *self.encode_references(request.images))
+        return self.pack_drawn(noise, request), Flux2Layout(rows, cols, *self.encode_references(request))
+
+    def pack_drawn(self, latents: torch.Tensor, request: ResolvedRequest) -> torch.Tensor:
+        """(batch, channels, rows, cols) as (batch, tokens, channels)."""
+        return latents.flatten(2).transpose(1, 2)
+
+    def encode_references(self, request: ResolvedRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Each reference centre-cropped to its ``reference_size`` (inpainting's image to repaint resized to the
+        output's size, as ``Flux2KleinInpaintPipeline`` conditions on it) and encoded (``encode_image``), then
+        packed; all references' tokens in one sequence, each its own time coordinate."""
+        if not request.images:
+            return None, None
+        tokens, ids = [], []
+        for index, image in enumerate(request.images):
+            if index == 0 and request.mask is not None:
+                latents = self.encode_image(image, request.height, request.width, "default")
+            else:
+                latents = self.encode_image(image, *reference_size(image, pixel_granularity(self.spec.vae)), "crop")
+            tokens.append(self.pack_drawn(latents, request))
+            _, _, rows, cols = latents.shape
+            time = torch.tensor([10 * (index + 1)])
+            ids.append(torch.cartesian_prod(time, torch.arange(rows), torch.arange(cols), torch.arange(1)))
+        return torch.cat(tokens, dim=1), torch.cat(ids).to(self.device)
 
     @torch.inference_mode()
-    def encode_references(self, images) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Each reference centre-cropped to its ``reference_size``, encoded to its latent mode, patchified 2x2 and
-        normalised by the VAE's batch-norm statistics, then packed; all references' tokens in one sequence."""
-        if not images:
-            return None, None
-        granularity = pixel_granularity(self.spec.vae)
-        processor = Flux2ImageProcessor(vae_scale_factor=granularity)
-        tokens, ids = [], []
-        for index, image in enumerate(images):
-            height, width = reference_size(image, granularity)
-            pixels = processor.preprocess(image, height=height, width=width, resize_mode="crop")
-            latents = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode()
-            batch, channels, rows, cols = latents.shape
-            latents = latents.view(batch, channels, rows // 2, 2, cols // 2, 2).permute(0, 1, 3, 5, 2, 4)
-            latents = latents.reshape(batch, channels * 4, rows // 2, cols // 2)
-            mean, std = self.latent_statistics(latents)
-            tokens.append(((latents - mean) / std).flatten(2).transpose(1, 2))
-            time = torch.tensor([10 * (index + 1)])
-            ids.append(torch.cartesian_prod(time, torch.arange(rows // 2), torch.arange(cols // 2), torch.arange(1)))
-        return torch.cat(tokens, dim=1), torch.cat(ids).to(self.device)
+    def encode_image(self, image, height: int, width: int, resize_mode: str) -> torch.Tensor:
+        """``image`` brought to ``height`` x ``width`` (``resize_mode`` as diffusers' image processor takes it),
+        encoded to its latent mode, patchified 2x2 and normalised by the VAE's batch-norm statistics:
+        (1, channels, rows, cols)."""
+        processor = Flux2ImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
+        pixels = processor.preprocess(image, height=height, width=width, resize_mode=resize_mode)
+        latents = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode()
+        batch, channels, rows, cols = latents.shape
+        latents = latents.view(batch, channels, rows // 2, 2, cols // 2, 2).permute(0, 1, 3, 5, 2, 4)
+        latents = latents.reshape(batch, channels * 4, rows // 2, cols // 2)
+        mean, std = self.latent_statistics(latents)
+        return (latents - mean) / std
+
+    def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
+        """Inpainting (klein): the image to repaint at the output's size, its latent mode; nothing is drawn."""
+        return self.encode_image(request.images[0], request.height, request.width, "default")
+
+    def latent_mask(self, request: ResolvedRequest, image: torch.Tensor) -> torch.Tensor:
+        """klein resizes the mask to the token grid bilinearly: its edges blend."""
+        return latent_mask(request, image, mode="bilinear")
 
     def latent_statistics(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The VAE's batch-norm mean and standard deviation per patchified channel, as (1, C, 1, 1) in ``latents``'."""

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from diffusers import AutoencoderKLQwenImage
 
+from paradit.errors import InvalidRequest
 from paradit.families import checkpoint_spec, component_config
+from paradit.families.qwen_image.edit import EDIT_PIPELINES, EditInputs
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
-from paradit.families.qwen_image.pipeline import QwenImagePipeline, QwenPromptEncoder, pixel_granularity
+from paradit.families.qwen_image.pipeline import (
+    QwenImagePipeline,
+    QwenPromptEncoder,
+    QwenVisionPromptEncoder,
+    pixel_granularity,
+)
 from paradit.family import Family
 from paradit.parallel.tensor import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
 from paradit.pipelines.requests import ResolvedRequest, resolve_common
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
+
+EDIT_PLUS_IMAGE_LIMIT = 10  # diffusers sets none; what one request's tokens can reasonably hold
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -22,13 +32,30 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     return checkpoint_spec(
         folder, index, "qwen_image", transformer=transformer, text_encoder=component_config(folder, "text_encoder"),
         guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024,
+        details=EDIT_PIPELINES.get(index["_class_name"]),
     )  # fmt: skip
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
     """``guidance`` is diffusers' ``true_cfg_scale``; as there, it takes effect only with a negative prompt (any
-    string, even " ", which is what Qwen-Image's authors pass when they have nothing to exclude)."""
-    return resolve_common(spec, request, pixel_granularity(spec.vae), image_limit=1, image_to_image=True)
+    string, even " ", which is what Qwen-Image's authors pass when they have nothing to exclude). A text-to-image
+    checkpoint runs image-to-image or inpainting given an image; an edit checkpoint needs its input image(s)."""
+    granularity = pixel_granularity(spec.vae)
+    if spec.details is None:
+        return resolve_common(spec, request, granularity, image_limit=1, image_to_image=True,
+                              inpainting_strength=0.6)  # fmt: skip
+    edit: EditInputs = spec.details
+    limit = EDIT_PLUS_IMAGE_LIMIT if edit.plus else 1
+    resolved = resolve_common(spec, request, granularity, image_limit=limit)
+    if not resolved.images:
+        raise InvalidRequest(f"{spec.name} edits: give the image{'(s)' * (limit > 1)} to edit (--image)",
+                             param="image")  # fmt: skip
+    # Without a size, Edit makes its image's input size and Edit-Plus its last image's, floored to whole tokens.
+    default = edit.input_size(resolved.images[-1])
+    resolved.height = resolved.height if request.height is not None else default[0] // granularity * granularity
+    resolved.width = resolved.width if request.width is not None else default[1] // granularity * granularity
+    resolved.reference_tokens = sum(math.prod(edit.input_size(image)) // granularity**2 for image in resolved.images)
+    return resolved
 
 
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
@@ -39,12 +66,12 @@ def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
 FAMILY = Family(
     name="qwen_image",
     pipeline=QwenImagePipeline,
-    diffusers_pipelines=("QwenImagePipeline",),
+    diffusers_pipelines=("QwenImagePipeline", *EDIT_PIPELINES),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
     uses_cfg=uses_cfg,
     build_transformer=lambda spec: QwenImageTransformer(QwenImageConfig.from_dict(spec.transformer)),
-    prompt_encoder=lambda spec: QwenPromptEncoder,
+    prompt_encoder=lambda spec: QwenPromptEncoder if spec.details is None else QwenVisionPromptEncoder,
     vae=AutoencoderKLQwenImage,
     tensor_plan=TensorPlan(
         family="Qwen-Image",

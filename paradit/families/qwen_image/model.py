@@ -29,8 +29,8 @@ from paradit.layers.stages import HeadsConfig, JointTokens, StagedTransformer
 ROPE_THETA = 10000
 EPS = 1e-6
 
-# Only the edit / layered / distilled variants of the diffusers class turn these on; with one on it is another model.
-_VARIANT_SWITCHES = ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+# Only the layered / distilled variants of the diffusers class turn these on; with one on it is another model.
+_VARIANT_SWITCHES = ("guidance_embeds", "use_additional_t_cond", "use_layer3d_rope")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class QwenImageConfig(HeadsConfig):
     num_attention_heads: int = 24
     joint_attention_dim: int = 3584
     axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    # Qwen-Image-Edit-2511: the input images' tokens are modulated as at timestep 0, the target's at the step's.
+    zero_cond_t: bool = False
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> QwenImageConfig:
@@ -50,22 +52,27 @@ class QwenImageConfig(HeadsConfig):
         if switched_on:
             raise CheckpointError(
                 f"transformer config sets {', '.join(switched_on)}: a Qwen-Image variant paradit does not serve "
-                "(the text-to-image model has all of these off)"
+                "(the text-to-image and edit models have all of these off)"
             )
         return super().from_dict(config)
 
 
-def image_positions(rows: int, cols: int, device: torch.device | None = None) -> torch.Tensor:
-    """(rows * cols, 3) row-major (frame, row, column) positions, centred: side n spans -(n - n // 2) .. n // 2 - 1."""
-    row = torch.arange(rows, device=device) - (rows - rows // 2)
-    col = torch.arange(cols, device=device) - (cols - cols // 2)
-    frame = torch.zeros(1, dtype=row.dtype, device=device)
-    return torch.cartesian_prod(frame, row, col)
+def image_positions(grids: tuple[tuple[int, int], ...], device: torch.device | None = None) -> torch.Tensor:
+    """(sum of rows * cols, 3) row-major (frame, row, column) positions of each (rows, cols) grid in turn, grid i at
+    frame i (the target, then the edit's input images), centred: side n spans -(n - n // 2) .. n // 2 - 1."""
+    positions = []
+    for frame, (rows, cols) in enumerate(grids):
+        row = torch.arange(rows, device=device) - (rows - rows // 2)
+        col = torch.arange(cols, device=device) - (cols - cols // 2)
+        positions.append(torch.cartesian_prod(torch.tensor([frame], device=device), row, col))
+    return torch.cat(positions)
 
 
-def text_positions(rows: int, cols: int, text_len: int, device: torch.device | None = None) -> torch.Tensor:
-    """(text_len, 3) positions of the text tokens: counting on from the image's largest half-side, on every axis."""
-    start = max(rows // 2, cols // 2)
+def text_positions(grids: tuple[tuple[int, int], ...], text_len: int,
+                   device: torch.device | None = None) -> torch.Tensor:  # fmt: skip
+    """(text_len, 3) positions of the text tokens: counting on from the largest half-side of any grid, on every
+    axis."""
+    start = max(max(rows // 2, cols // 2) for rows, cols in grids)
     return torch.arange(start, start + text_len, device=device)[:, None].expand(-1, 3)
 
 
@@ -86,8 +93,16 @@ class QwenImageTransformerBlock(nn.Module):
         self.txt_mlp = GeluFeedForward(dim, 4 * dim, dim)
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        (shift_a, scale_a, gate_a), (shift_m, scale_m, gate_m) = split_modulation(self.img_mod(temb), 2)
+                key_mask: torch.Tensor | None, input_images: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``input_images``: (timestep-0 embedding, (batch, img tokens, 1) bool of the input images' tokens), which
+        take the modulation of the former (``zero_cond_t``)."""
+        img_mods = split_modulation(self.img_mod(temb), 2)
+        if input_images is not None:
+            still, chosen = input_images
+            img_mods = [tuple(torch.where(chosen, at_zero, at_t) for at_t, at_zero in zip(mods, mods_zero))
+                        for mods, mods_zero in zip(img_mods, split_modulation(self.img_mod(still), 2))]  # fmt: skip
+        (shift_a, scale_a, gate_a), (shift_m, scale_m, gate_m) = img_mods
         (c_shift_a, c_scale_a, c_gate_a), (c_shift_m, c_scale_m, c_gate_m) = split_modulation(self.txt_mod(temb), 2)
         img_in = self.img_norm1(img) * (1 + scale_a) + shift_a
         img_attn, txt_attn = self.attn(img_in, self.txt_norm1(txt) * (1 + c_scale_a) + c_shift_a, rope, key_mask)
@@ -100,11 +115,16 @@ class QwenImageTransformerBlock(nn.Module):
 
 @dataclass
 class QwenImageTokens(JointTokens):
-    SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {**JointTokens.SEQUENCE_FIELDS, "txt_mask": ("txt", 1)}
+    SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
+        **JointTokens.SEQUENCE_FIELDS, "txt_mask": ("txt", 1), "input_image_rows": ("img", 1),
+    }  # fmt: skip
 
     # (batch, text) bool, True for real tokens; None when nothing is padded, so attention runs unmasked (fast kernels).
     txt_mask: torch.Tensor | None
     temb: torch.Tensor
+    # zero_cond_t with input images: (batch, img, 1) bool, True for their tokens, and the timestep-0 embedding.
+    input_image_rows: torch.Tensor | None = None
+    still_temb: torch.Tensor | None = None
 
 
 class QwenImageTransformer(StagedTransformer):
@@ -122,26 +142,37 @@ class QwenImageTransformer(StagedTransformer):
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.output_channels)
 
     def embed(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor, rows: int,
-              cols: int, encoder_hidden_states_mask: torch.Tensor | None = None) -> QwenImageTokens:  # fmt: skip
-        """``hidden_states``: packed latents (batch, rows * cols, in_channels); ``timestep``: sigma in [0, 1] per
-        sample; ``encoder_hidden_states_mask``: (batch, text), nonzero for real tokens, None if nothing is padded."""
+              cols: int, encoder_hidden_states_mask: torch.Tensor | None = None,
+              input_grids: tuple[tuple[int, int], ...] = ()) -> QwenImageTokens:  # fmt: skip
+        """``hidden_states``: packed latents (batch, rows * cols, in_channels), followed by the packed latents of an
+        edit's input images, of token grids ``input_grids``; ``timestep``: sigma in [0, 1] per sample;
+        ``encoder_hidden_states_mask``: (batch, text), nonzero for real tokens, None if nothing is padded."""
         img = self.img_in(hidden_states)
         text_len = encoder_hidden_states.shape[1]
         txt_mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)
-        device, axes = hidden_states.device, self.config.axes_dims_rope
+        device, axes, grids = hidden_states.device, self.config.axes_dims_rope, ((rows, cols), *input_grids)
+        temb = self.time_text_embed(timestep.to(img.dtype), img.dtype, scale=1000)
+        input_image_rows = still_temb = None
+        if self.config.zero_cond_t and input_grids:
+            input_image_rows = (torch.arange(img.shape[1], device=device) >= rows * cols).view(1, -1, 1)
+            input_image_rows = input_image_rows.expand(img.shape[0], -1, -1)
+            still_temb = self.time_text_embed(torch.zeros_like(timestep, dtype=img.dtype), img.dtype, scale=1000)
         # Float32 angles as in the reference: its tables to an ulp, where float64 angles differ by ~1e-6 at 1024x1024.
         return QwenImageTokens(
             img=img,
             txt=self.txt_in(self.txt_norm(encoder_hidden_states)),
-            img_rope=multi_axis_rope(image_positions(rows, cols, device), axes, ROPE_THETA, torch.float32),
-            txt_rope=multi_axis_rope(text_positions(rows, cols, text_len, device), axes, ROPE_THETA, torch.float32),
+            img_rope=multi_axis_rope(image_positions(grids, device), axes, ROPE_THETA, torch.float32),
+            txt_rope=multi_axis_rope(text_positions(grids, text_len, device), axes, ROPE_THETA, torch.float32),
             txt_mask=txt_mask,
-            temb=self.time_text_embed(timestep.to(img.dtype), img.dtype, scale=1000),
+            temb=temb,
+            input_image_rows=input_image_rows,
+            still_temb=still_temb,
         )
 
     def run_blocks(self, tokens: QwenImageTokens) -> QwenImageTokens:
         rope = tuple(torch.cat([t, i], dim=0) for t, i in zip(tokens.txt_rope, tokens.img_rope))
         key_mask = joint_key_mask(tokens.txt_mask, tokens.img, text_first=True)
+        input_images = None if tokens.still_temb is None else (tokens.still_temb, tokens.input_image_rows)
         for block in self.transformer_blocks:
-            tokens.img, tokens.txt = block(tokens.img, tokens.txt, tokens.temb, rope, key_mask)
+            tokens.img, tokens.txt = block(tokens.img, tokens.txt, tokens.temb, rope, key_mask, input_images)
         return tokens

@@ -14,6 +14,8 @@ prompt's text mask; diffusers' ``encode_prompt`` repeats embeddings image by ima
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import transformers
@@ -22,6 +24,7 @@ from diffusers.image_processor import VaeImageProcessor
 from torch import nn
 
 from paradit.checkpoint import component_dir
+from paradit.families.qwen_image.edit import EditInputs
 from paradit.offline_tokenizer import build_offline_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, latent_statistics, pad_rows, seeded_noise
 from paradit.pipelines.requests import ResolvedRequest
@@ -36,6 +39,18 @@ PROMPT_TEMPLATE = (
 # Hidden states dropped from the front of every encoded prompt: the system turn and "<|im_start|>user\n", 34 tokens
 # in Qwen2.5-VL's tokenizer. diffusers drops this count whatever the tokenizer, and so does paradit.
 TEMPLATE_PREFIX_TOKENS = 34
+# Qwen-Image-Edit's: the system turn asks to keep the input where the instruction does not change it. Its 64 leading
+# tokens are dropped; the user turn starts with the input images' markers (Edit-Plus numbers them "Picture N: ").
+EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "
+    "that meets the user's requirements while maintaining consistency with the original input where appropriate."
+    "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+EDIT_PREFIX_TOKENS = 64
+IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
 # Tokenizer limit past the prefix; embeddings are cut to MAX_SEQUENCE_LENGTH (diffusers' ``max_sequence_length``).
 TOKENIZER_MAX_LENGTH = 1024
 MAX_SEQUENCE_LENGTH = 512
@@ -97,26 +112,134 @@ class QwenPromptEncoder:
         return pad_rows(prompts_hidden)
 
 
+IMAGE_PAD = "<|image_pad|>"
+
+
+def widen_image_markers(text: str, counts) -> str:
+    """``text`` with each image marker repeated as many times as the next image of ``counts`` has merged patches."""
+    first, *rest = text.split(IMAGE_PAD)
+    return first + "".join(IMAGE_PAD * next(counts) + part for part in rest)
+
+
+class QwenVisionPromptEncoder:
+    """Qwen-Image-Edit's prompt encoder: Qwen2.5-VL whole (its vision tower reads the edit's input images; the LM
+    head, which nothing reads, dropped), the checkpoint's ``processor`` folder's tokenizer and image processor.
+    ``encode`` gives every token's last hidden state, the template's included. The image processor is used directly,
+    not through transformers' Qwen2VLProcessor, which will not load without torchvision's video processor: each image
+    marker is widened to the image's merged patches here, as that processor widens it."""
+
+    def __init__(self, model: nn.Module, tokenizer, image_processor, device: torch.device) -> None:
+        self.model, self.tokenizer, self.image_processor, self.device = model, tokenizer, image_processor, device
+
+    def modules(self) -> list[nn.Module]:
+        return [self.model]
+
+    @classmethod
+    def from_folder(cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype,
+                    placement: str = "gpu") -> QwenVisionPromptEncoder:  # fmt: skip
+        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            component_dir(weights.path, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device),
+            use_safetensors=weights.use_safetensors("text_encoder"),
+        )  # fmt: skip
+        processor = component_dir(weights.path, "processor")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(processor)
+        image_processor = transformers.AutoImageProcessor.from_pretrained(processor)
+        return cls(place(model.model.eval().requires_grad_(False), placement, device), tokenizer, image_processor,
+                   device)  # fmt: skip
+
+    @classmethod
+    def dummy(cls, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu",
+              seed: int = 0) -> QwenVisionPromptEncoder:  # fmt: skip
+        vl_config = transformers.Qwen2_5_VLConfig(**{k: v for k, v in config.items() if k != "model_type"})
+        model = random_encoder(lambda: transformers.AutoModel.from_config(vl_config, dtype=dtype), placement, device,
+                               dtype, seed)  # fmt: skip
+        vision = config["vision_config"]
+        image_processor = transformers.Qwen2VLImageProcessorPil(
+            patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+            merge_size=vision["spatial_merge_size"],
+        )  # fmt: skip
+        tokenizer = build_offline_tokenizer(TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS)
+        return cls(place(model, placement, device), tokenizer, image_processor, device)
+
+    @torch.no_grad()
+    def encode(self, texts: list[str], images: list, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each text's (tokens, hidden) last hidden states; its image markers, in order, read ``images``."""
+        vision = self.image_processor(images=images * len(texts), return_tensors="pt")
+        counts = iter((vision["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2).tolist())
+        inputs = self.tokenizer([widen_image_markers(text, counts) for text in texts], padding=True,
+                                return_tensors="pt")  # fmt: skip
+        mask = inputs["attention_mask"].to(self.device)
+        output = self.model(
+            input_ids=inputs["input_ids"].to(self.device), attention_mask=mask, use_cache=False,
+            pixel_values=vision["pixel_values"].to(self.device, self.model.dtype),
+            image_grid_thw=vision["image_grid_thw"].to(self.device),
+        )  # fmt: skip
+        return [h[m.bool()].to(dtype) for h, m in zip(output.last_hidden_state, mask)]
+
+
+@dataclass(frozen=True)
+class QwenLayout:
+    """The target's token grid; an edit's input images' packed latents (1, tokens, channels) and token grids."""
+
+    rows: int
+    cols: int
+    inputs: torch.Tensor | None = None
+    input_grids: tuple[tuple[int, int], ...] = ()
+
+
 class QwenImagePipeline(DiffusionPipeline):
     CONDITIONING = ("embeds", "mask")
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """[conditional; unconditional] embeddings and mask, branches encoded apart as diffusers does, then padded."""
+        """[conditional; unconditional] embeddings and mask, branches encoded apart as diffusers does, then padded;
+        an edit's prompts read with its input images."""
 
         def rows(prompts: list[str]) -> list[torch.Tensor]:
             embeds, mask = self.prompt_encoder.encode(prompts, self.dtype)
             return [row[keep] for row, keep in zip(embeds, mask)]
 
-        return self.encode_rows(request, rows)
+        def edit_rows(prompts: list[str]) -> list[torch.Tensor]:
+            texts = [EDIT_TEMPLATE.format(markers + prompt) for prompt in prompts]
+            return [row[EDIT_PREFIX_TOKENS:] for row in self.prompt_encoder.encode(texts, images, self.dtype)]
 
-    def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[int, int]]:
+        edit: EditInputs | None = self.spec.details
+        if edit is None:
+            return self.encode_rows(request, rows)
+        processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
+        images = [processor.resize(image, *edit.condition_size(image)) for image in request.images]
+        markers = IMAGE_MARKER
+        if edit.plus:
+            markers = "".join(f"Picture {i + 1}: {IMAGE_MARKER}" for i in range(len(images)))
+        return self.encode_rows(request, edit_rows)
+
+    def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, QwenLayout]:
         """Noise drawn as diffusers draws it (in the unpacked (batch, 1, channels, 2 * rows, 2 * cols) layout),
-        packed 2x2 into (batch, rows * cols, 4 * channels); returns it with the token grid's rows and columns."""
+        packed 2x2 into (batch, rows * cols, 4 * channels); returns it with the token grid and an edit's inputs."""
         granularity = pixel_granularity(self.spec.vae)
         rows, cols = request.height // granularity, request.width // granularity
         channels = self.transformer.config.in_channels // 4
         noise = seeded_noise((request.batch, 1, channels, 2 * rows, 2 * cols), request.seed, self.dtype, self.device)
-        return self.pack_drawn(noise, request), (rows, cols)
+        layout = QwenLayout(rows, cols)
+        if self.spec.details is not None:
+            layout = QwenLayout(rows, cols, *self.encode_inputs(request))
+        return self.pack_drawn(noise, request), layout
+
+    @torch.inference_mode()
+    def encode_inputs(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
+        """An edit's input images, each resized to its ``EditInputs.input_size``, encoded to its latent mode,
+        normalised by the VAE's statistics and packed; all in one sequence, with each one's token grid."""
+        granularity = pixel_granularity(self.spec.vae)
+        processor = VaeImageProcessor(vae_scale_factor=granularity)
+        tokens, grids = [], []
+        for image in request.images:
+            height, width = self.spec.details.input_size(image)
+            pixels = processor.preprocess(processor.resize(image, height, width), height, width).unsqueeze(2)
+            latents = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode()
+            mean, _ = latent_statistics(self.vae.config, latents)
+            std = torch.tensor(self.vae.config.latents_std).view(mean.shape).to(latents)
+            tokens.append(self.pack_drawn(((latents - mean) / std).transpose(1, 2), request))
+            grids.append((height // granularity, width // granularity))
+        return torch.cat(tokens, dim=1), tuple(grids)
 
     def pack_drawn(self, latents: torch.Tensor, request: ResolvedRequest) -> torch.Tensor:
         """(batch, 1, channels, 2 * rows, 2 * cols) packed 2x2 into (batch, rows * cols, 4 * channels)."""
@@ -139,9 +262,18 @@ class QwenImagePipeline(DiffusionPipeline):
         mu = dynamic_shift(latents.shape[1], self.spec.scheduler)
         return self.scheduled(FlowMatchEulerDiscreteScheduler, sigmas=sigmas, mu=mu)
 
-    def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: tuple[int, int]):
-        embeds, mask = conditioning["embeds"], conditioning["mask"]
-        return lambda transformer, x, timestep, latents: transformer(x, embeds, timestep, *layout, mask)
+    def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: QwenLayout):
+        """An edit's input tokens follow the target's in the image stream; only the target's rows are predicted."""
+        embeds, mask, inputs = conditioning["embeds"], conditioning["mask"], layout.inputs
+
+        def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+            if inputs is None:
+                return transformer(x, embeds, timestep, layout.rows, layout.cols, mask)
+            joined = torch.cat([x, inputs.to(x.dtype).expand(x.shape[0], -1, -1)], dim=1)
+            return transformer(joined, embeds, timestep, layout.rows, layout.cols, mask,
+                               layout.input_grids)[:, : x.shape[1]]  # fmt: skip
+
+        return call
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Qwen-Image keeps each token's guided prediction at the conditional branch's norm."""
@@ -149,8 +281,8 @@ class QwenImagePipeline(DiffusionPipeline):
         return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
     @torch.inference_mode()
-    def decode(self, latents: torch.Tensor, layout: tuple[int, int]) -> torch.Tensor:
-        rows, cols = layout
+    def decode(self, latents: torch.Tensor, layout: QwenLayout) -> torch.Tensor:
+        rows, cols = layout.rows, layout.cols
         batch, _, packed_channels = latents.shape
         channels = packed_channels // 4
         latents = latents.view(batch, rows, cols, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)

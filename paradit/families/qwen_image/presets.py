@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from paradit.families.qwen_image.edit import EDIT, EDIT_PLUS
 from paradit.spec import ModelSpec
 
 # The published scheduler config: dynamic shifting with mu from the image size (up to 8192 tokens), and the sigma
@@ -29,7 +30,8 @@ QWEN_IMAGE_VAE: dict[str, Any] = {
 }  # fmt: skip
 
 # Qwen2_5_VLForConditionalGeneration, Qwen2.5-VL-7B-Instruct (8,292,166,656 parameters with its vision tower).
-# The pipeline reads only the language model's last hidden states, so dummy mode builds the text config alone.
+# Text-to-image reads only the language model's last hidden states, so its dummy mode builds the text config alone;
+# the edit models' encoder reads their input images too, through the vision tower.
 QWEN25_VL_7B: dict[str, Any] = {
     "model_type": "qwen2_5_vl",
     "text_config": {
@@ -73,6 +75,8 @@ QWEN_IMAGE_TINY_TEXT_ENCODER: dict[str, Any] = {
         **QWEN25_VL_7B["vision_config"], "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
         "out_hidden_size": 64, "fullatt_block_indexes": [0],
     },
+    # The offline tokenizer's image markers.
+    "image_token_id": 263, "video_token_id": 264, "vision_start_token_id": 261, "vision_end_token_id": 262,
     "tie_word_embeddings": False,
 }  # fmt: skip
 QWEN_IMAGE_TINY_VAE = {**QWEN_IMAGE_VAE, "base_dim": 8, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
@@ -83,6 +87,28 @@ PRESETS: list[ModelSpec] = [
         description="Qwen-Image, 20B MMDiT (60 dual-stream blocks), true CFG; Qwen2.5-VL-7B text encoder",
         transformer=_QWEN_IMAGE, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, scheduler=QWEN_IMAGE_SCHEDULER,
         guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024, hub_id="Qwen/Qwen-Image",
+    ),
+    ModelSpec(
+        name="qwen-image-edit-2511", family="qwen_image",
+        description="Qwen-Image-Edit-2511, the 20B MMDiT editing from one or more images (their tokens modulated as "
+        "at timestep 0); Qwen2.5-VL-7B reads them with the prompt",
+        transformer={**_QWEN_IMAGE, "zero_cond_t": True}, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE,
+        scheduler=QWEN_IMAGE_SCHEDULER, guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024,
+        hub_id="Qwen/Qwen-Image-Edit-2511", details=EDIT_PLUS,
+    ),
+    ModelSpec(
+        name="qwen-image-edit-2509", family="qwen_image",
+        description="Qwen-Image-Edit-2509, the 20B MMDiT editing from one or more images; Qwen2.5-VL-7B reads them",
+        transformer=_QWEN_IMAGE, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, scheduler=QWEN_IMAGE_SCHEDULER,
+        guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024, hub_id="Qwen/Qwen-Image-Edit-2509",
+        details=EDIT_PLUS,
+    ),
+    ModelSpec(
+        name="qwen-image-edit", family="qwen_image",
+        description="Qwen-Image-Edit, the 20B MMDiT editing one image; Qwen2.5-VL-7B reads it with the prompt",
+        transformer=_QWEN_IMAGE, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, scheduler=QWEN_IMAGE_SCHEDULER,
+        guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024, hub_id="Qwen/Qwen-Image-Edit",
+        details=EDIT,
     ),
     ModelSpec(
         name="qwen-image-tiny", family="qwen_image",

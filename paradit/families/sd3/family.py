@@ -52,7 +52,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     granularity = pixel_granularity(spec)
     largest = spec.transformer["pos_embed_max_size"] * granularity
     return resolve_common(spec, request, granularity, largest=(largest, largest), default_negative="", image_limit=1,
-                          image_to_image=True)  # fmt: skip
+                          image_to_image=True, inpainting_strength=0.6)  # fmt: skip
 
 
 FAMILY = Family(

@@ -39,7 +39,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     # Rotary positions are looked up in tables of axes_lens rows; a latent grid past them has no position.
     _, max_rows, max_cols = spec.transformer["axes_lens"]
     resolved = resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=1,
-                              image_to_image=True)  # fmt: skip
+                              image_to_image=True, inpainting_strength=1.0)  # fmt: skip
     if resolved.images and (request.height is None or request.width is None):
         # Image-to-image makes the image's size, floored to whole tokens, unless asked otherwise.
         image = resolved.images[0]

@@ -1,0 +1,38 @@
+"""How Qwen-Image-Edit checkpoints take their input images: light (no torch), as the presets name it.
+Must not import torch.distributed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def area_dimensions(area: int, image) -> tuple[int, int]:
+    """(height, width) of about ``area`` pixels at ``image``'s aspect ratio, each rounded to 32 (diffusers'
+    ``calculate_dimensions``)."""
+    ratio = image.width / image.height
+    width = math.sqrt(area * ratio)
+    return round(width / ratio / 32) * 32, round(width / 32) * 32
+
+
+@dataclass(frozen=True)
+class EditInputs:
+    """How a Qwen-Image-Edit checkpoint takes its input images (its ``ModelSpec.details``; None: text-to-image).
+    The areas are diffusers' (the transformer sees each image at about 1024x1024 pixels, Edit-Plus's encoder at about
+    384x384, Edit's at the transformer's size), sides rounded to 32 pixels at the image's aspect ratio."""
+
+    plus: bool  # Edit-Plus (2509, 2511): several images, each numbered in the prompt ("Picture N: ")
+    input_area: int = 1024 * 1024
+    condition_area: int | None = None  # None: input_area
+
+    def input_size(self, image) -> tuple[int, int]:
+        return area_dimensions(self.input_area, image)
+
+    def condition_size(self, image) -> tuple[int, int]:
+        return area_dimensions(self.condition_area or self.input_area, image)
+
+
+# The edit checkpoints' pipeline classes and how they take images: Edit one image, Edit-Plus (2509, 2511) several, its
+# encoder seeing each at about 384x384 pixels.
+EDIT, EDIT_PLUS = EditInputs(plus=False), EditInputs(plus=True, condition_area=384 * 384)
+EDIT_PIPELINES = {"QwenImageEditPipeline": EDIT, "QwenImageEditPlusPipeline": EDIT_PLUS}
