@@ -154,7 +154,9 @@ class QwenVisionPromptEncoder:
         model = random_encoder(lambda: transformers.AutoModel.from_config(vl_config, dtype=dtype), placement, device,
                                dtype, seed)  # fmt: skip
         vision = config["vision_config"]
-        image_processor = transformers.Qwen2VLImageProcessorPil(
+        # transformers names its PIL-backed processor apart since 5.x, where the plain name wants torchvision.
+        processor_class = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+        image_processor = processor_class(
             patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
             merge_size=vision["spatial_merge_size"],
         )  # fmt: skip
