@@ -25,7 +25,7 @@ from torch import nn
 
 from paradit.checkpoint import component_dir
 from paradit.families.qwen_image.edit import EditInputs
-from paradit.offline_tokenizer import build_offline_tokenizer
+from paradit.offline_tokenizer import VISION_TOKENS, build_offline_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, latent_statistics, pad_rows, seeded_noise
 from paradit.pipelines.requests import ResolvedRequest
 from paradit.spec import CheckpointFolder
@@ -150,7 +150,12 @@ class QwenVisionPromptEncoder:
     @classmethod
     def dummy(cls, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu",
               seed: int = 0) -> QwenVisionPromptEncoder:  # fmt: skip
-        vl_config = transformers.Qwen2_5_VLConfig(**{k: v for k, v in config.items() if k != "model_type"})
+        tokenizer = build_offline_tokenizer(TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS)
+        # The image markers where the offline tokenizer has them (the published ids are past its vocabulary).
+        markers = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                           tokenizer.convert_tokens_to_ids(VISION_TOKENS)))  # fmt: skip
+        settings = {key: value for key, value in config.items() if key != "model_type"}
+        vl_config = transformers.Qwen2_5_VLConfig(**{**settings, **markers})
         model = random_encoder(lambda: transformers.AutoModel.from_config(vl_config, dtype=dtype), placement, device,
                                dtype, seed)  # fmt: skip
         vision = config["vision_config"]
@@ -160,7 +165,6 @@ class QwenVisionPromptEncoder:
             patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
             merge_size=vision["spatial_merge_size"],
         )  # fmt: skip
-        tokenizer = build_offline_tokenizer(TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS)
         return cls(place(model, placement, device), tokenizer, image_processor, device)
 
     @torch.no_grad()

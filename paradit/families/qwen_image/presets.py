@@ -75,8 +75,6 @@ QWEN_IMAGE_TINY_TEXT_ENCODER: dict[str, Any] = {
         **QWEN25_VL_7B["vision_config"], "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
         "out_hidden_size": 64, "fullatt_block_indexes": [0],
     },
-    # The offline tokenizer's image markers.
-    "image_token_id": 263, "video_token_id": 264, "vision_start_token_id": 261, "vision_end_token_id": 262,
     "tie_word_embeddings": False,
 }  # fmt: skip
 QWEN_IMAGE_TINY_VAE = {**QWEN_IMAGE_VAE, "base_dim": 8, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
