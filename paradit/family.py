@@ -21,9 +21,12 @@ if TYPE_CHECKING:
     from paradit.text_encoder import PromptEncoder
 
 
+PIXELS_PER_IMAGE_TOKEN = 16 * 16  # every image family's latent patch: 1/16 of the pixels per side
+
+
 def image_tokens(spec: ModelSpec) -> int:
-    """An image family's latent patches (1/16 of the pixels per side) and a text of 512 tokens."""
-    return spec.height * spec.width // 256 + 512
+    """An image family's latent patches and a text of 512 tokens."""
+    return spec.height * spec.width // PIXELS_PER_IMAGE_TOKEN + 512
 
 
 @dataclass(frozen=True)

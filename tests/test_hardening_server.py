@@ -8,6 +8,7 @@ a run stuck inside a step is killed."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from PIL import Image
 
 import paradit.cli
 import paradit.serving.launch
@@ -137,18 +139,24 @@ def test_sighup_to_serve_in_a_closing_terminal_finishes_the_accepted_request_and
     run = start(["-m", "paradit", "serve", "--model", "flux2-tiny", "--device", "cpu", "--port", "0"])
     found = run.wait_until(lambda: re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", run.stderr), "it serves")
     processes = descendants(run.proc.pid)
-    answers: list[httpx.Response] = []
-    body = {**BODY, "steps": 300}  # seconds of denoising: still running when the terminal closes
-    sender = threading.Thread(target=lambda: answers.append(httpx.post(found[1] + "/v1/images/generations", json=body,
-                                                                       timeout=120)))  # fmt: skip
+    answers: list[tuple[httpx.Response, float]] = []
+    body = {**BODY, "steps": 100}  # seconds of denoising: still running when the terminal closes
+
+    def send() -> None:
+        answer = httpx.post(found[1] + "/v1/images/generations", json=body, timeout=120)
+        answers.append((answer, time.monotonic()))
+
+    sender = threading.Thread(target=send)
     sender.start()
     taken = 'paradit_latency_seconds_count{phase="queue"} 1.0'  # a group took it
     run.wait_until(lambda: taken in httpx.get(found[1] + "/metrics").text, "the request running")
+    hung_up = time.monotonic()
     os.killpg(run.proc.pid, signal.SIGHUP)
     code = run.wait(timeout=120)
     sender.join(10)
     assert code == 0 and "draining" in run.stderr and "Traceback" not in run.stderr, run.stderr
-    assert [answer.status_code for answer in answers] == [200], run.stderr
+    assert [answer.status_code for answer, _ in answers] == [200], run.stderr
+    assert answers[0][1] > hung_up  # it was still running at the signal: the drain finished it
     assert not still_alive(processes)
     assert not leftovers(run.tmpdir)
 
@@ -183,7 +191,15 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_up_front_and_the_nex
             assert answer.status_code == 200 and answer.json()["data"][0]["b64_json"], answer.text
 
 
-def test_the_default_pixel_bound_is_four_times_the_model_default_size():
+def png_of(side: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), (90, 40, 200)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_the_default_pixel_bound_is_four_times_the_model_default_size_and_counts_input_images():
+    """A reference lengthens every block's sequence as the target's pixels do: 128x128 with a 256x256 reference
+    (65536 + 16384 pixels) is past flux2-tiny's 65536, with a 64x64 one within."""
     from tests.test_serving import live_server
 
     with live_server("flux2-tiny") as (url, _), httpx.Client(base_url=url, timeout=120) as client:
@@ -191,6 +207,12 @@ def test_the_default_pixel_bound_is_four_times_the_model_default_size():
         error = refused.json()["error"]
         assert refused.status_code == 400 and error["param"] == "size" and "65536 pixels" in error["message"], error
         assert client.post("/v1/images/generations", json={"prompt": "a fox", "size": "256x256", "steps": 1}).is_success
+        form = {"prompt": "a fox", "size": "128x128", "steps": "1"}
+        refused = client.post("/v1/images/edits", data=form, files={"image": ("a.png", png_of(256))})
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "image", error
+        assert "input images of 65536 pixels" in error["message"] and "--max-pixels" in error["message"], error
+        assert client.post("/v1/images/edits", data=form, files={"image": ("a.png", png_of(64))}).is_success
 
 
 @test_processes.pytestmark

@@ -259,3 +259,20 @@ def test_the_planner_weighs_swapped_experts_and_settings_apply_them():
     swapped = choose.settings_for(PRESETS["wan2.2-t2v-a14b"], 1, profile=profile)  # the tuned entry: FP8 + swap
     assert swapped.swap_experts and swapped.quantize == "fp8" and not swapped.cuda_graphs
     assert not choose.settings_for(PRESETS["flux2-klein-4b"], 1, profile=profile).swap_experts
+
+
+def test_input_images_lengthen_the_planned_step_as_measured():
+    """FLUX.2-dev at 1024² (FP8, one H200) with 0, 1 and 3 references of 1024²: the planner counts their tokens in
+    every block's sequence and in the memory estimate. Measured (docs/benchmarks.md, "Editing with reference images",
+    session 11): 285.4, 603.9 and 1469.9 ms a step; the predictions are within 10%."""
+    from PIL import Image
+
+    profile = load_profile("h200-nvlink")
+    measured = {0: 285.4, 1: 603.9, 3: 1469.9}
+    chosen = {}
+    for count in measured:
+        request = GenerationRequest(prompt="a", height=1024, width=1024,
+                                    image=[Image.new("RGB", (1024, 1024))] * count or None)  # fmt: skip
+        chosen[count] = plan(PRESETS["flux2-dev"], 1, profile, request, quantize="fp8").best
+        assert chosen[count].mean_ms == pytest.approx(measured[count], rel=0.1), count
+    assert chosen[0].memory.total < chosen[1].memory.total < chosen[3].memory.total

@@ -54,6 +54,7 @@ class Request:
     frames: int | None
     steps: int
     batch: int  # samples a step: 2 when both guidance branches run
+    input_tokens: int = 0  # what input images add to each sample's sequence (references, an edit's inputs)
 
     @property
     def uses_cfg(self) -> bool:
@@ -75,7 +76,8 @@ def request_for(spec: ModelSpec, request: GenerationRequest | None = None) -> Re
         blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
         resolved = family.resolve_request(spec, dataclasses.replace(request, image=blank))
     guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
-    return Request(resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1)
+    return Request(resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1,
+                   resolved.reference_tokens)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -214,8 +216,8 @@ class MemoryEstimates:
     """``paradit.memory.estimates`` of one model at one size, kept per plan shape, its models built on the meta device
     once (building them for each of dozens of plans would be the planner's slowest part)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ModelSpec, extra_tokens: int = 0) -> None:
+        self.spec, self.extra_tokens = spec, extra_tokens
         self._known: dict[tuple, dict[str, MemoryPlan]] = {}
         self._built = MetaModels.build(spec, torch.bfloat16)
 
@@ -224,7 +226,7 @@ class MemoryEstimates:
                parallel.shard_weights, fp8, swap)  # fmt: skip
         if key not in self._known:  # compiled: the GPUs' default
             self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, compiled=True,
-                                         built=self._built)  # fmt: skip
+                                         built=self._built, extra_tokens=self.extra_tokens)  # fmt: skip
         return self._known[key]
 
 
@@ -234,9 +236,11 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
     compute; None tries without FP8 first and falls back to it only when nothing fits."""
     wanted = request_for(spec, request)
     sized = dataclasses.replace(spec, height=wanted.height, width=wanted.width)
-    memory = memory if memory is not None and memory.spec == sized else MemoryEstimates(sized)
+    if memory is None or memory.spec != sized or memory.extra_tokens != wanted.input_tokens:
+        memory = MemoryEstimates(sized, wanted.input_tokens)
     facts = facts_for(spec)
     workload = facts.workload(wanted.height, wanted.width, wanted.frames)
+    workload = dataclasses.replace(workload, image_tokens=workload.image_tokens + wanted.input_tokens)
     fp8_supported = "fp8" in profile.matmul_tflops
     if quantize == "fp8" and not fp8_supported:
         raise InvalidRequest(f"{profile.name} has no FP8 matmul rate: its GPUs cannot run --quantize fp8")

@@ -16,6 +16,7 @@ import uvicorn
 
 from paradit.engine import Engine
 from paradit.errors import InvalidRequest
+from paradit.family import PIXELS_PER_IMAGE_TOKEN
 from paradit.pipelines.requests import ResolvedRequest
 from paradit.request import GenerationRequest
 from paradit.serving.metrics import Metrics
@@ -91,6 +92,13 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
         if resolved.width * resolved.height > max_pixels:
             raise InvalidRequest(f"{resolved.width}x{resolved.height} is past this server's {max_pixels} pixels a "
                                  "request (--max-pixels)", param="size")  # fmt: skip
+        # Input images' tokens (references, an edit's inputs) count as the pixels that many target tokens cover:
+        # each lengthens every block's sequence as much.
+        inputs = resolved.reference_tokens * PIXELS_PER_IMAGE_TOKEN
+        if resolved.width * resolved.height + inputs > max_pixels:
+            raise InvalidRequest(f"{resolved.width}x{resolved.height} with input images of {inputs} pixels (as the "
+                                 f"transformer sees them) is past this server's {max_pixels} pixels a request "
+                                 "(--max-pixels); send fewer or smaller images", param="image")  # fmt: skip
         return resolved
 
     scheduler = Scheduler(
