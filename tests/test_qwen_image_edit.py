@@ -1,6 +1,7 @@
 """Qwen-Image-Edit and Edit-Plus against diffusers, on tiny ``save_pretrained`` folders (fp32, CPU): the image each
-pipeline makes from the same input images, prompt and seed, to one 8-bit level (Edit with one image; Edit-Plus with
-two, its transformer modulating the input images' tokens as at timestep 0, as Qwen-Image-Edit-2511's does); every
+pipeline makes from the same input images, prompt and seed, to one 8-bit level (Edit with one image, and inpainting
+with it; Edit-Plus with two, its transformer modulating the input images' tokens as at timestep 0, as
+Qwen-Image-Edit-2511's does); every
 parallel plan at worlds 2-4 gives Edit-Plus's one-process image; what an edit checkpoint cannot take is refused.
 
 The input images are sized at smaller areas than diffusers' 1024x1024 (and Edit-Plus's 384x384 for its encoder),
@@ -14,8 +15,12 @@ import functools
 import numpy as np
 import pytest
 import torch
-from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+from diffusers import QwenImageEditInpaintPipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline
+from diffusers.pipelines.qwenimage import (
+    pipeline_qwenimage_edit,
+    pipeline_qwenimage_edit_inpaint,
+    pipeline_qwenimage_edit_plus,
+)
 
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, spec_from_folder
@@ -83,6 +88,28 @@ def test_edits_give_diffusers_image(variant, monkeypatch):
                         generator=torch.Generator("cpu").manual_seed(SEED), **SIZE).images[0] * 255  # fmt: skip
     ours = one_process(variant)[0].permute(1, 2, 0).numpy() * 255
     assert ours.shape == expected.shape == (32, 48, 3)
+    assert np.abs(ours.round() - expected.round()).max() <= 1
+
+
+def test_edit_inpainting_gives_diffusers_image(monkeypatch):
+    """Qwen-Image-Edit with a mask: its image, sampled from the VAE, is both where the denoise starts (strength 0.6)
+    and the transformer's input; outside the mask the image is kept. The output takes the image's edit size."""
+    sized = pipeline_qwenimage_edit_inpaint.calculate_dimensions
+    monkeypatch.setattr(pipeline_qwenimage_edit_inpaint, "calculate_dimensions",
+                        lambda _, ratio: sized(INPUT_AREA, ratio))  # fmt: skip
+    folder = cached(build_qwen_image_edit_checkpoint, False)
+    pipeline = QwenImageEditInpaintPipeline.from_pretrained(folder, processor=edit_processor(folder),
+                                                            dtype=torch.float32)  # fmt: skip
+    [image], mask = images("edit"), mask_picture(*IMAGES["edit"][0])
+    expected = pipeline(image=image, mask_image=mask, prompt=PROMPT, negative_prompt=" ", true_cfg_scale=GUIDANCE,
+                        num_inference_steps=STEPS, strength=0.6, output_type="np",
+                        generator=torch.Generator("cpu").manual_seed(SEED)).images[0] * 255  # fmt: skip
+    spec = small_spec("edit")
+    resolved = FAMILIES["qwen_image"].resolve_request(spec, request("edit", mask=mask, height=None, width=None))
+    assert resolved.strength == 0.6  # the pipeline's default
+    ours = load_pipeline(spec, torch.device("cpu"), torch.float32).generate([resolved])[0].pixels
+    ours = ours[0].permute(1, 2, 0).numpy() * 255
+    assert ours.shape == expected.shape == (64, 128, 3)
     assert np.abs(ours.round() - expected.round()).max() <= 1
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from paradit.parallel.tensor import COLUMN_MLP, ROW_MLP, TensorPlan, joint_atten
 from paradit.pipelines.requests import ResolvedRequest, resolve_common
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 EDIT_PLUS_IMAGE_LIMIT = 10  # diffusers sets none; what one request's tokens can reasonably hold
 
@@ -46,12 +50,20 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
                               inpainting_strength=0.6)  # fmt: skip
     edit: EditInputs = spec.details
     limit = EDIT_PLUS_IMAGE_LIMIT if edit.plus else 1
-    resolved = resolve_common(spec, request, granularity, image_limit=limit)
+    # Edit inpaints (QwenImageEditInpaintPipeline: its one image, noised where the mask is white); Edit-Plus does not.
+    inpainting = request.mask is not None and not edit.plus
+    resolved = resolve_common(spec, request, granularity, image_limit=limit, image_to_image=inpainting,
+                              inpainting_strength=None if edit.plus else 0.6)  # fmt: skip
     if not resolved.images:
         raise InvalidRequest(f"{spec.name} edits: give the image{'(s)' * (limit > 1)} to edit (--image)",
                              param="image")  # fmt: skip
     # Without a size, Edit makes its image's input size and Edit-Plus its last image's, floored to whole tokens.
     default = edit.input_size(resolved.images[-1])
+    if inpainting and (request.height, request.width) not in ((None, None), default):
+        # Its image is the target too: the two token grids must match.
+        logger.warning("inpainting with %s makes its image's %dx%d; the size asked is ignored, as diffusers "
+                       "ignores it", spec.name, default[1], default[0])  # fmt: skip
+        request = dataclasses.replace(request, height=None, width=None)
     resolved.height = resolved.height if request.height is not None else default[0] // granularity * granularity
     resolved.width = resolved.width if request.width is not None else default[1] // granularity * granularity
     resolved.reference_tokens = sum(math.prod(edit.input_size(image)) // granularity**2 for image in resolved.images)

@@ -226,7 +226,12 @@ class QwenImagePipeline(DiffusionPipeline):
         channels = self.transformer.config.in_channels // 4
         noise = seeded_noise((request.batch, 1, channels, 2 * rows, 2 * cols), request.seed, self.dtype, self.device)
         layout = QwenLayout(rows, cols)
-        if self.spec.details is not None:
+        if self.spec.details is not None and request.mask is not None:
+            # Edit's inpainting conditions on the image's latents its start draws (the request's generator's first
+            # draw: ``start_from_image``), drawn here alike.
+            drawn = self.image_latents(request, torch.Generator("cpu").manual_seed(request.seed))
+            layout = QwenLayout(rows, cols, self.pack_drawn(drawn, request), ((rows, cols),))
+        elif self.spec.details is not None:
             layout = QwenLayout(rows, cols, *self.encode_inputs(request))
         return self.pack_drawn(noise, request), layout
 
@@ -255,8 +260,9 @@ class QwenImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image resized to the output's size (diffusers' ``QwenImageImg2ImgPipeline``), as a one-frame video,
-        a sample of its latent distribution normalised by the VAE's statistics, in the noise's drawn layout."""
+        """The image resized to the output's size (diffusers' ``QwenImageImg2ImgPipeline``; an edit checkpoint's
+        inpainting: its edit size), as a one-frame video, a sample of its latent distribution normalised by the VAE's
+        statistics, in the noise's drawn layout."""
         processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(request.images[0], height=request.height, width=request.width).unsqueeze(2)
         sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)
