@@ -154,6 +154,11 @@ def _image_to_image_pixels(family: str, strength: float, plan: ParallelConfig | 
     return None if results is None else results[0].pixels
 
 
+@functools.cache
+def image_to_image_on_one_process(family: str, strength: float) -> torch.Tensor:
+    return _image_to_image_pixels(family, strength, None)
+
+
 @pytest.mark.parametrize("strength", [0.6, 1.0, 0.3])
 @pytest.mark.parametrize("family", IMAGE_TO_IMAGE)
 def test_image_to_image_gives_diffusers_image(family, strength):
@@ -166,7 +171,7 @@ def test_image_to_image_gives_diffusers_image(family, strength):
     expected = pipeline(image=picture(*size, 4), prompt=PROMPT, num_inference_steps=STEPS, strength=strength,
                         generator=torch.Generator("cpu").manual_seed(SEED), output_type="np", **asked,
                         **guidance).images[0] * 255  # fmt: skip
-    ours = _image_to_image_pixels(family, strength, None)[0].permute(1, 2, 0).numpy() * 255
+    ours = image_to_image_on_one_process(family, strength)[0].permute(1, 2, 0).numpy() * 255
     assert ours.shape == expected.shape == (32, 48, 3)
     assert np.abs(ours.round() - expected.round()).max() <= 1
     if strength == 0.6:
@@ -236,7 +241,7 @@ def test_inpainting_gives_diffusers_image_and_keeps_the_image_outside_the_mask(f
     assert ours.shape == expected.shape == (32, 48, 3)
     assert np.abs(ours.round() - expected.round()).max() <= 1
     if family in IMAGE_TO_IMAGE:
-        image_to_image = _image_to_image_pixels(family, 0.6, None)[0].permute(1, 2, 0).numpy() * 255
+        image_to_image = image_to_image_on_one_process(family, 0.6)[0].permute(1, 2, 0).numpy() * 255
         assert np.abs(ours - image_to_image).max() > 3  # the mask mattered
     plan = INPAINTING_PLANS[family]
     split = run_on_processes(plan.world_size, _inpainting_pixels, family, plan)

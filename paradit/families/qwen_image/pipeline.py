@@ -61,6 +61,14 @@ def pixel_granularity(vae_config: dict) -> int:
     return 2 ** len(vae_config.get("temperal_downsample", [False, True, True])) * 2
 
 
+def load_qwen25_vl(weights: CheckpointFolder, device: torch.device, dtype: torch.dtype, placement: str) -> nn.Module:
+    """The checkpoint's Qwen2.5-VL (``text_encoder``), loaded where ``placement`` loads weights."""
+    return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        component_dir(weights.path, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device),
+        use_safetensors=weights.use_safetensors("text_encoder"),
+    )  # fmt: skip
+
+
 class QwenPromptEncoder:
     """Tokenizer + the Qwen2.5-VL language model running on ``device``; ``encode`` gives each prompt's last hidden
     states past the template prefix, padded to the longest in the batch, with the mask of real tokens."""
@@ -75,10 +83,7 @@ class QwenPromptEncoder:
     def from_folder(cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype,
                     placement: str = "gpu") -> QwenPromptEncoder:  # fmt: skip
         """``config`` is the folder's own, which transformers reads again."""
-        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            component_dir(weights.path, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device),
-            use_safetensors=weights.use_safetensors("text_encoder"),
-        )  # fmt: skip
+        model = load_qwen25_vl(weights, device, dtype, placement)
         tokenizer = transformers.AutoTokenizer.from_pretrained(component_dir(weights.path, "tokenizer"))
         # Keeping only the language model frees the vision tower and the LM head once loading returns.
         language_model = model.model.language_model.eval().requires_grad_(False)
@@ -137,10 +142,7 @@ class QwenVisionPromptEncoder:
     @classmethod
     def from_folder(cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype,
                     placement: str = "gpu") -> QwenVisionPromptEncoder:  # fmt: skip
-        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            component_dir(weights.path, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device),
-            use_safetensors=weights.use_safetensors("text_encoder"),
-        )  # fmt: skip
+        model = load_qwen25_vl(weights, device, dtype, placement)
         processor = component_dir(weights.path, "processor")
         tokenizer = transformers.AutoTokenizer.from_pretrained(processor)
         image_processor = transformers.AutoImageProcessor.from_pretrained(processor)

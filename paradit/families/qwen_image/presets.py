@@ -86,27 +86,21 @@ PRESETS: list[ModelSpec] = [
         transformer=_QWEN_IMAGE, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, scheduler=QWEN_IMAGE_SCHEDULER,
         guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024, hub_id="Qwen/Qwen-Image",
     ),
-    ModelSpec(
-        name="qwen-image-edit-2511", family="qwen_image",
-        description="Qwen-Image-Edit-2511, the 20B MMDiT editing from one or more images (their tokens modulated as "
-        "at timestep 0); Qwen2.5-VL-7B reads them with the prompt",
-        transformer={**_QWEN_IMAGE, "zero_cond_t": True}, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE,
-        scheduler=QWEN_IMAGE_SCHEDULER, guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024,
-        hub_id="Qwen/Qwen-Image-Edit-2511", details=EDIT_PLUS,
-    ),
-    ModelSpec(
-        name="qwen-image-edit-2509", family="qwen_image",
-        description="Qwen-Image-Edit-2509, the 20B MMDiT editing from one or more images; Qwen2.5-VL-7B reads them",
-        transformer=_QWEN_IMAGE, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, scheduler=QWEN_IMAGE_SCHEDULER,
-        guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024, hub_id="Qwen/Qwen-Image-Edit-2509",
-        details=EDIT_PLUS,
-    ),
-    ModelSpec(
-        name="qwen-image-edit", family="qwen_image",
-        description="Qwen-Image-Edit, the 20B MMDiT editing one image; Qwen2.5-VL-7B reads it with the prompt",
-        transformer=_QWEN_IMAGE, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, scheduler=QWEN_IMAGE_SCHEDULER,
-        guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024, hub_id="Qwen/Qwen-Image-Edit",
-        details=EDIT,
+    *(
+        ModelSpec(
+            name=name, family="qwen_image", description=description, transformer=transformer,
+            text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, scheduler=QWEN_IMAGE_SCHEDULER, guidance_mode="cfg",
+            steps=50, guidance=4.0, height=1024, width=1024, hub_id=hub_id, details=inputs,
+        )
+        for name, hub_id, transformer, inputs, description in (
+            ("qwen-image-edit-2511", "Qwen/Qwen-Image-Edit-2511", {**_QWEN_IMAGE, "zero_cond_t": True}, EDIT_PLUS,
+             "Qwen-Image-Edit-2511, the 20B MMDiT editing from one or more images (their tokens modulated as at "
+             "timestep 0); Qwen2.5-VL-7B reads them with the prompt"),
+            ("qwen-image-edit-2509", "Qwen/Qwen-Image-Edit-2509", _QWEN_IMAGE, EDIT_PLUS,
+             "Qwen-Image-Edit-2509, the 20B MMDiT editing from one or more images; Qwen2.5-VL-7B reads them"),
+            ("qwen-image-edit", "Qwen/Qwen-Image-Edit", _QWEN_IMAGE, EDIT,
+             "Qwen-Image-Edit, the 20B MMDiT editing one image; Qwen2.5-VL-7B reads it with the prompt"),
+        )
     ),
     ModelSpec(
         name="qwen-image-tiny", family="qwen_image",
