@@ -358,12 +358,25 @@ def run_generate(args: argparse.Namespace) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = args.devices
     if args.no_progress:  # workers' transformers and diffusers read this when they are imported
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from paradit.pipelines.requests import check_text
+    from paradit.request import GenerationRequest
+
+    # What needs no model is checked first, before any heavy import or worker: a bad prompt or an unreadable image
+    # is refused at once.
+    check_text("prompt", args.prompt)
+    check_text("negative_prompt", [args.negative_prompt or ""])
+    request = GenerationRequest(
+        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0], negative_prompt=args.negative_prompt,
+        height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
+        num_images_per_prompt=args.images_per_prompt, frames=args.frames, guidance_2=args.guidance_2,
+        image=[read_image(path) for path in args.image] if args.image else None, fps=args.fps, strength=args.strength,
+        mask=None if args.mask is None else read_image(args.mask, "--mask"),
+    )  # fmt: skip
     degrees = (args.gpus, args.ulysses, args.ring, args.tensor, args.pipefusion)
     if args.cfg_parallel or args.shard_weights or any((degree or 1) > 1 for degree in degrees):
         start_worker_server(args.device)  # its imports overlap this process's, below
     from paradit.engine import Engine
     from paradit.outputs import replaced, writable_folder
-    from paradit.request import GenerationRequest
     from paradit.settings import settle
 
     if args.no_progress:  # this process imported them already
@@ -373,13 +386,6 @@ def run_generate(args: argparse.Namespace) -> int:
         transformers.utils.logging.disable_progress_bar()
         diffusers.utils.logging.disable_progress_bar()
 
-    request = GenerationRequest(
-        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0], negative_prompt=args.negative_prompt,
-        height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
-        num_images_per_prompt=args.images_per_prompt, frames=args.frames, guidance_2=args.guidance_2,
-        image=[read_image(path) for path in args.image] if args.image else None, fps=args.fps, strength=args.strength,
-        mask=None if args.mask is None else read_image(args.mask, "--mask"),
-    )  # fmt: skip
     run = settle(asked_for(args), request)
     video = run.family.video
     paths = output_paths(args.out or ("out/paradit.mp4" if video else "out/paradit.png"),
