@@ -103,15 +103,15 @@ def generate_remote(args: argparse.Namespace) -> int:
     out = args.out or "out/paradit.png"
     video = Path(out).suffix.lower() == VIDEO_SUFFIX
     body = request_body(args, video)
-    files = [("image", Path(path)) for path in args.image or ()]
+    parts = [("image", Path(path)) for path in args.image or ()]  # the form's file parts
     if getattr(args, "mask", None) is not None:
-        if not files:
+        if not parts:
             raise InvalidRequest("--mask needs the --image it masks")
-        files.append(("mask", Path(args.mask)))
-    for flag, path in files:  # read before anything is sent, as generate does
+        parts.append(("mask", Path(args.mask)))
+    for flag, path in parts:  # read before anything is sent, as generate does
         if not path.is_file():
             raise InvalidRequest(f"--{flag} {path} cannot be read as an image (no such file)")
-    images = [path for flag, path in files if flag == "image"]
+    images = [path for flag, path in parts if flag == "image"]
     if video and images:
         raise InvalidRequest("--image: a server's video jobs take no image; run image-to-video without --server")
     if video:
@@ -127,7 +127,7 @@ def generate_remote(args: argparse.Namespace) -> int:
         paths = output_paths(out, args.images_per_prompt)
         body.update(n=args.images_per_prompt, output_format=IMAGE_FORMATS[paths[0].suffix.lower()].lower())
         route = "/v1/images/edits" if images else "/v1/images/generations"
-        answer = json.loads(call(args.server, "POST", route, api_key, body, files))
+        answer = json.loads(call(args.server, "POST", route, api_key, body, parts))
         files = {path: base64.b64decode(item["b64_json"]) for path, item in zip(paths, answer["data"])}
     for path, data in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
