@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -58,14 +57,14 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
         raise InvalidRequest(f"{spec.name} edits: give the image{'(s)' * (limit > 1)} to edit (--image)",
                              param="image")  # fmt: skip
     # Without a size, Edit makes its image's input size and Edit-Plus its last image's, floored to whole tokens.
-    default = edit.input_size(resolved.images[-1])
-    if inpainting and (request.height, request.width) not in ((None, None), default):
+    height, width = (side // granularity * granularity for side in edit.input_size(resolved.images[-1]))
+    if inpainting and (request.height, request.width) not in ((None, None), (height, width)):
         # Its image is the target too: the two token grids must match.
         logger.warning("inpainting with %s makes its image's %dx%d; the size asked is ignored, as diffusers "
-                       "ignores it", spec.name, default[1], default[0])  # fmt: skip
-        request = dataclasses.replace(request, height=None, width=None)
-    resolved.height = resolved.height if request.height is not None else default[0] // granularity * granularity
-    resolved.width = resolved.width if request.width is not None else default[1] // granularity * granularity
+                       "ignores it", spec.name, width, height)  # fmt: skip
+        resolved.height, resolved.width = height, width
+    resolved.height = resolved.height if request.height is not None else height
+    resolved.width = resolved.width if request.width is not None else width
     resolved.reference_tokens = sum(math.prod(edit.input_size(image)) // granularity**2 for image in resolved.images)
     return resolved
 

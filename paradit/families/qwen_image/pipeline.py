@@ -240,19 +240,24 @@ class QwenImagePipeline(DiffusionPipeline):
     @torch.inference_mode()
     def encode_inputs(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
         """An edit's input images, each resized to its ``EditInputs.input_size``, encoded to its latent mode,
-        normalised by the VAE's statistics and packed; all in one sequence, with each one's token grid."""
+        normalised by the VAE's statistics (divided by their std, as diffusers' edit pipelines divide) and packed; all
+        in one sequence, with each one's token grid."""
         granularity = pixel_granularity(self.spec.vae)
-        processor = VaeImageProcessor(vae_scale_factor=granularity)
         tokens, grids = [], []
         for image in request.images:
             height, width = self.spec.details.input_size(image)
-            pixels = processor.preprocess(processor.resize(image, height, width), height, width).unsqueeze(2)
-            latents = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode()
+            latents = self.latent_distribution(image, height, width).mode()
             mean, _ = latent_statistics(self.vae.config, latents)
             std = torch.tensor(self.vae.config.latents_std).view(mean.shape).to(latents)
             tokens.append(self.pack_drawn(((latents - mean) / std).transpose(1, 2), request))
             grids.append((height // granularity, width // granularity))
         return torch.cat(tokens, dim=1), tuple(grids)
+
+    def latent_distribution(self, image, height: int, width: int):
+        """The VAE's latent distribution of ``image`` resized to ``height`` x ``width``, as a one-frame video."""
+        processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
+        pixels = processor.preprocess(image, height=height, width=width).unsqueeze(2)
+        return self.vae_encode(pixels.to(self.device, self.vae.dtype))
 
     def pack_drawn(self, latents: torch.Tensor, request: ResolvedRequest) -> torch.Tensor:
         """(batch, 1, channels, 2 * rows, 2 * cols) packed 2x2 into (batch, rows * cols, 4 * channels)."""
@@ -265,9 +270,7 @@ class QwenImagePipeline(DiffusionPipeline):
         """The image resized to the output's size (diffusers' ``QwenImageImg2ImgPipeline``; an edit checkpoint's
         inpainting: its edit size), as a one-frame video, a sample of its latent distribution normalised by the VAE's
         statistics, in the noise's drawn layout."""
-        processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
-        pixels = processor.preprocess(request.images[0], height=request.height, width=request.width).unsqueeze(2)
-        sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)
+        sample = self.latent_distribution(request.images[0], request.height, request.width).sample(generator)
         mean, inverse_std = latent_statistics(self.vae.config, sample)
         return ((sample - mean) * inverse_std).transpose(1, 2)
 
