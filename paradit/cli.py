@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 
 from paradit import __version__
+from paradit.cache_options import add_cache_arguments, cache_config, keep_curve
 from paradit.errors import InvalidRequest, ParaditError, report_warnings
 from paradit.families import DEFAULT_MODEL, PRESETS
 from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths, read_image, save_images, save_videos
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mask", help="inpainting (with --image): a picture of the image's size, white where it is "
                      "repainted, black where it is kept")  # fmt: skip
     gen.add_argument("--guidance-2", type=finite, help="models with a low-noise expert: its guidance scale")
+    add_cache_arguments(gen)
     gen.add_argument(
         "--out",
         help=f"image path, its format from the extension ({', '.join(IMAGE_FORMATS)}); a video's: {VIDEO_SUFFIX} "
@@ -298,6 +300,9 @@ def format_table(result) -> str:
         rows.append(("peak memory per rank", " ".join(f"{b / 2**30:.2f}" for b in t.peak_memory_per_rank) + " GiB"))
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
+    if t.cache_skipped:
+        rows.append(("step cache", f"{t.cache_skipped_steps} of {len(t.cache_skipped)} steps skipped, "
+                                   f"{t.cache_blocks_skipped} block evaluations"))  # fmt: skip
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -370,7 +375,7 @@ def run_generate(args: argparse.Namespace) -> int:
         height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
         num_images_per_prompt=args.images_per_prompt, frames=args.frames, guidance_2=args.guidance_2,
         image=[read_image(path) for path in args.image] if args.image else None, fps=args.fps, strength=args.strength,
-        mask=None if args.mask is None else read_image(args.mask, "--mask"),
+        mask=None if args.mask is None else read_image(args.mask, "--mask"), cache=cache_config(args),
     )  # fmt: skip
     degrees = (args.gpus, args.ulysses, args.ring, args.tensor, args.pipefusion)
     if args.cfg_parallel or args.shard_weights or any((degree or 1) > 1 for degree in degrees):
@@ -405,6 +410,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "software": f"paradit {__version__}", **({"lora": lora_record(run.options.lora)} if run.options.lora else {}),
         **({"image": args.image} if args.image else {}), **({"mask": args.mask} if args.mask else {}),
         **({"strength": resolved.strength} if resolved.strength is not None else {}),
+        **({"cache": dataclasses.asdict(resolved.cache)} if resolved.cache is not None else {}),
         **({"frames": resolved.frames, "fps": resolved.fps} if result.is_video else {}),
     }  # fmt: skip
     metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
@@ -414,6 +420,10 @@ def run_generate(args: argparse.Namespace) -> int:
         save_images(result.images, paths, metadata)
     print(format_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))
+    if resolved.cache is not None and resolved.cache.calibrate:
+        curve = result.timings.mag_ratios
+        print(f"MagCache ratios ({len(curve)} steps): {', '.join(f'{r:.5f}' for r in curve)}")
+        print(f"kept in {keep_curve(args.model, curve)} for the next --cache mag run of {args.model}")
     code, comparison = 0, None
     if args.verify_serial and run.parallel.world_size > 1:
         # The same model and options in one process, uncapped with its encoders resident, as a plain Engine runs.

@@ -14,6 +14,28 @@ if TYPE_CHECKING:
     from paradit.pipelines.requests import ResolvedRequest
 
 SEED_LIMIT = 2**64  # seeds are torch generators' 64-bit seeds: 0 to 2**64 - 1
+CACHE_METHODS = ("first-block", "mag", "taylorseer")
+CACHE_THRESHOLDS = {"first-block": 0.05, "mag": 0.06}  # diffusers' defaults
+
+
+@dataclass(frozen=True)
+class StepCacheConfig:
+    """Step caching (``--cache``): a method of ``CACHE_METHODS`` with the parameters of diffusers' config of it, by
+    their names and with their defaults (``threshold``: the method's in ``CACHE_THRESHOLDS`` when unset).
+    first-block reads ``threshold``; mag ``threshold``, ``max_skip_steps``, ``retention_ratio`` and ``mag_ratios`` (a
+    calibrated curve, any length) or ``calibrate``; taylorseer ``cache_interval``, ``disable_cache_before_step``,
+    ``disable_cache_after_step`` and ``max_order``."""
+
+    method: str
+    threshold: float | None = None
+    cache_interval: int = 5
+    disable_cache_before_step: int = 3
+    disable_cache_after_step: int | None = None
+    max_order: int = 1
+    max_skip_steps: int = 3
+    retention_ratio: float = 0.2
+    mag_ratios: tuple[float, ...] | None = None
+    calibrate: bool = False
 
 
 @dataclass
@@ -37,6 +59,7 @@ class GenerationRequest:
     fps: int | None = None  # video models: frames per second of the written file (the model's default when unset)
     # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
     lora: tuple[tuple[str, float], ...] | None = None
+    cache: StepCacheConfig | None = None  # step caching (None: every step runs every block)
 
     @property
     def prompts(self) -> list[str]:
@@ -55,6 +78,15 @@ class Timings:
     comm_bytes_per_step: int = 0  # sent by the rank that reports, per denoise step
     plan: str = "1 GPU"
     text_encoders: str = "gpu"  # their placement on rank 0 (text_encoder.PLACEMENTS)
+    # step caching, per model call: whether each guidance branch of each request had its blocks skipped
+    cache_skipped: list[tuple[bool, ...]] = field(default_factory=list)
+    cache_blocks_skipped: int = 0  # block evaluations not run (a batched call counts once)
+    mag_ratios: list[float] = field(default_factory=list)  # --cache mag --cache-calibrate: the curve measured
+
+    @property
+    def cache_skipped_steps(self) -> int:
+        """Model calls whose blocks every branch skipped."""
+        return sum(all(call) for call in self.cache_skipped)
 
     @property
     def median_step_ms(self) -> float:

@@ -133,6 +133,15 @@ class RunSettings:
         """``request`` with the model's defaults filled in and its choice of adapters checked against the run's, or
         InvalidRequest naming what is wrong (the one resolution of a request, wherever it arrives)."""
         resolved = self.family.resolve_request(self.spec, request)
+        if resolved.cache is not None:
+            # A decision made at the head block must reach every block of the step before they run: PipeFusion's
+            # stages run a step's blocks patch by patch ahead of it, and a CUDA graph replays one fixed set of blocks.
+            if self.parallel.pipefusion > 1:
+                raise InvalidRequest("step caching does not combine with PipeFusion; drop the cache or --pipefusion",
+                                     param="cache")  # fmt: skip
+            if self.options.cuda_graphs:
+                raise InvalidRequest("step caching does not combine with CUDA graphs; drop the cache or "
+                                     "--cuda-graphs", param="cache")  # fmt: skip
         return dataclasses.replace(resolved, lora=check_choice(self.options.lora, resolved.lora))
 
 

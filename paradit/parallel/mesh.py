@@ -90,6 +90,11 @@ class ParallelContext:
         mine = torch.tensor([value], dtype=torch.int64, device=self.device)
         return all_gather_uneven(mine, 0, [1] * dist.get_world_size(), None).tolist()
 
+    def sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over every rank of the group, on every rank (each rank the same sums)."""
+        dist.all_reduce(tensor)
+        return tensor
+
     def share_from_leader(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's ``tensor`` on every rank (the others pass None). Shape and dtype travel first, so prompt
         embeddings of any length can be shared; bool tensors travel as bytes (gloo carries no bool)."""

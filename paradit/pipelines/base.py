@@ -24,6 +24,7 @@ from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import NoisePredictor, Parallelized
 from paradit.pipelines.inpainting import KeepUnmasked, latent_mask
 from paradit.pipelines.requests import ResolvedRequest, first_step, one_batch
+from paradit.pipelines.step_cache import CacheRecord, StepCache
 from paradit.request import GenerationResult, Timings
 from paradit.spec import ModelSpec
 
@@ -124,6 +125,8 @@ class DiffusionPipeline(ABC):
         self.parallelized, self.transformer = transformer, transformer.forward
         self.experts, self.expert_swap = experts or {}, expert_swap
         self.prompt_encoder, self.vae, self.device, self.dtype = prompt_encoder, vae, device, dtype
+        reduce = parallel.sum_across if parallel is not None else (lambda sums: sums)
+        self.step_caches = [StepCache(each.model, reduce) for each in (transformer, *self.experts.values())]
 
     def uses_cfg(self, request: ResolvedRequest) -> bool:
         return self.family.uses_cfg(self.spec, request)
@@ -224,6 +227,21 @@ class DiffusionPipeline(ABC):
 
         return predict
 
+    def begin_caching(self, requests: list[ResolvedRequest], resolved: ResolvedRequest, steps: int) -> CacheRecord:
+        """Every transformer's step cache set for the batch: each request's guidance branches are groups of their
+        own (global order [conditional requests; unconditional requests]), of which this rank holds the rows that the
+        guidance branches give it. Experts keep caches of their own, each counting its own steps."""
+        parts = torch.tensor([part.batch for part in requests])
+        rows = torch.repeat_interleave(torch.arange(len(requests)), parts).to(self.device)
+        groups = len(requests)
+        if self.uses_cfg(resolved):
+            rows = self.parallelized.branches.local(torch.cat([rows, rows + groups]))
+            groups *= 2
+        record = CacheRecord()
+        for cache in self.step_caches:
+            cache.begin_request(resolved.cache, steps, rows, groups, record)
+        return record
+
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
         """Image-to-image families: the input image's latents in the layout noise is drawn in (batch 1), drawn from
         the VAE's distribution with ``generator`` as diffusers' pipelines draw them."""
@@ -302,6 +320,7 @@ class DiffusionPipeline(ABC):
         scheduler, timesteps = self.make_scheduler(resolved, latents)
         if resolved.strength is not None:
             latents, scheduler, timesteps = self.start_from_image(resolved, latents, scheduler, timesteps)
+        record = self.begin_caching(requests, resolved, len(timesteps))
         clock = StepClock(self.device)
         finite: list[torch.Tensor] = []  # per step begun: whether all its predictions were finite
 
@@ -316,6 +335,8 @@ class DiffusionPipeline(ABC):
         latents = self.parallelized.loop.run(predict, self.transformer, scheduler, latents, timesteps, self.band_mask,
                                              mark_step, progress)  # fmt: skip
         timings.step_ms = clock.durations_ms()
+        timings.cache_skipped, timings.cache_blocks_skipped = record.skipped, record.blocks_skipped
+        timings.mag_ratios = record.mag_ratios
         bad = [*torch.stack(finite).tolist(), False].index(False)  # read once: per step, it would stall the device
         if self.parallel is not None:  # all stop at the first any rank saw, or some would wait in a collective
             bad = min(self.parallel.gather_int(bad))

@@ -9,7 +9,7 @@ import random
 from typing import TYPE_CHECKING
 
 from paradit.errors import InvalidRequest
-from paradit.request import SEED_LIMIT, GenerationRequest
+from paradit.request import CACHE_METHODS, CACHE_THRESHOLDS, SEED_LIMIT, GenerationRequest, StepCacheConfig
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -37,6 +37,7 @@ class ResolvedRequest:
     mask: Image.Image | None = None  # inpainting: grayscale, the image's size; white is repainted, black kept
     fps: int | None = None  # video families: frames per second of the written file
     lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
+    cache: StepCacheConfig | None = None  # step caching, its threshold set
 
     @property
     def batch(self) -> int:
@@ -118,7 +119,34 @@ def resolve_common(
     default_strength = DEFAULT_STRENGTH if mask is None else inpainting_strength
     strength = resolve_strength(spec, request.strength, images, image_to_image, default_strength)
     return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt,
-                           images=images, lora=request.lora, strength=strength, mask=mask)  # fmt: skip
+                           images=images, lora=request.lora, strength=strength, mask=mask,
+                           cache=resolve_cache(request.cache))  # fmt: skip
+
+
+def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
+    """The step cache asked for with its method's threshold filled in, or InvalidRequest naming the allowed values."""
+    if config is None:
+        return None
+    if not isinstance(config, StepCacheConfig) or config.method not in CACHE_METHODS:
+        method = getattr(config, "method", config)
+        raise InvalidRequest(f"unknown cache method {method!r}; choose one of {', '.join(CACHE_METHODS)}",
+                             param="cache")  # fmt: skip
+    threshold = CACHE_THRESHOLDS.get(config.method) if config.threshold is None else config.threshold
+    bounds = {"threshold": (threshold, 0, None), "cache_interval": (config.cache_interval, 1, None),
+              "disable_cache_before_step": (config.disable_cache_before_step, 0, None),
+              "disable_cache_after_step": (config.disable_cache_after_step, 0, None),
+              "max_order": (config.max_order, 0, None), "max_skip_steps": (config.max_skip_steps, 0, None),
+              "retention_ratio": (config.retention_ratio, 0, 1)}  # fmt: skip
+    for name, (value, low, high) in bounds.items():
+        if value is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
+            allowed = f"{low} to {high}" if high is not None else f"{low} or more"
+            raise InvalidRequest(f"cache {name} {value} is not allowed; give {allowed}", param="cache")
+    if config.method == "mag" and not config.calibrate:
+        ratios = config.mag_ratios
+        if not ratios or not all(isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in ratios):
+            raise InvalidRequest("cache mag needs its model's magnitude ratios (mag_ratios: positive numbers, one a "
+                                 "step); measure them with --cache mag --cache-calibrate", param="cache")  # fmt: skip
+    return dataclasses.replace(config, threshold=threshold)
 
 
 def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
@@ -188,7 +216,7 @@ def batch_key(request: ResolvedRequest) -> tuple | None:
     if request.images:
         return None
     return (request.height, request.width, request.steps, request.guidance, request.guidance_2, request.frames,
-            request.negative_prompts is None, request.lora)  # fmt: skip
+            request.negative_prompts is None, request.lora, request.cache)  # fmt: skip
 
 
 def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import os
 import secrets
@@ -15,6 +16,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from paradit.cache_options import cache_config
 from paradit.errors import InvalidRequest, ParaditError
 from paradit.lora import parse_lora
 from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths
@@ -87,6 +89,12 @@ def request_body(args: argparse.Namespace, video: bool) -> dict:
     }  # fmt: skip
     if getattr(args, "strength", None) is not None:  # image-to-image, sent as an edit
         body["strength"] = args.strength
+    cache = cache_config(args)
+    if cache is not None:
+        if cache.calibrate or getattr(args, "image", None):
+            raise InvalidRequest("--server caches text-to-image requests; calibrate (--cache-calibrate) and edit with "
+                                 "a cache locally")  # fmt: skip
+        body["cache"] = {k: v for k, v in dataclasses.asdict(cache).items() if k != "calibrate" and v is not None}
     if args.lora:  # the server's named adapters, NAME[:SCALE]
         body["lora"] = [{"name": ref.source, "scale": ref.scale} for ref in map(parse_lora, args.lora)]
     return {key: value for key, value in body.items() if value is not None}

@@ -34,6 +34,10 @@ class Metrics:
             "Peak memory in each group's last run, per worker (device memory on GPUs, process RSS on the CPU).",
             ["group", "rank"],
         )
+        self.cached_steps = counter("paradit_cached_steps", "Denoise steps whose blocks the step cache skipped.",
+                                    ["group"])  # fmt: skip
+        self.cached_blocks = counter("paradit_cached_block_evaluations",
+                                     "Transformer block evaluations the step cache skipped.", ["group"])  # fmt: skip
         self.restarts = counter("paradit_group_restarts", "Worker groups rebuilt after a worker died.", ["group"])
         self.mode_switches = counter(
             "paradit_group_mode_switches",
@@ -48,6 +52,8 @@ class Metrics:
         self.latency.labels("decode").observe(timings.vae_decode_s)
         self.batch_images.observe(images)
         self.steps.labels(str(group)).inc(len(timings.step_ms))
+        self.cached_steps.labels(str(group)).inc(timings.cache_skipped_steps)
+        self.cached_blocks.labels(str(group)).inc(timings.cache_blocks_skipped)
         if denoise_s > 0:
             self.steps_per_second.labels(str(group)).set(len(timings.step_ms) / denoise_s)
         for rank, peak in enumerate(timings.peak_memory_per_rank or [timings.peak_memory_bytes]):

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from paradit.outputs import API_FORMATS
-from paradit.request import SEED_LIMIT, GenerationRequest
+from paradit.request import CACHE_METHODS, SEED_LIMIT, GenerationRequest, StepCacheConfig
 
 # Bounds a server sets on what one request may ask for, tighter than the engine's own (``pipelines.base``): a prompt
 # far past what any text encoder reads, as many images per request as OpenAI's Images API allows, and steps past any
@@ -31,6 +31,27 @@ class LoraChoice(BaseModel):
     scale: float = Field(1.0, allow_inf_nan=False)
 
 
+class CacheChoice(BaseModel):
+    """A request's step cache: ``method`` and its parameters, by diffusers' names (``StepCacheConfig``); MagCache's
+    curve is given (the server calibrates nothing)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    method: Literal[*CACHE_METHODS]
+    threshold: float | None = Field(None, ge=0, allow_inf_nan=False)
+    cache_interval: int = Field(5, ge=1)
+    disable_cache_before_step: int = Field(3, ge=0)
+    disable_cache_after_step: int | None = Field(None, ge=0)
+    max_order: int = Field(1, ge=0, le=8)
+    max_skip_steps: int = Field(3, ge=0)
+    retention_ratio: float = Field(0.2, ge=0, le=1)
+    mag_ratios: list[float] | None = Field(None, min_length=1, max_length=SERVED_MAX_STEPS)
+
+    def config(self) -> StepCacheConfig:
+        fields = self.model_dump()
+        return StepCacheConfig(**{**fields, "mag_ratios": None if self.mag_ratios is None else tuple(self.mag_ratios)})
+
+
 class Body(BaseModel):
     """The fields both APIs take."""
 
@@ -44,6 +65,7 @@ class Body(BaseModel):
     guidance: float | None = Field(None, ge=0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="drawn at random when absent; answered back")
     lora: list[LoraChoice] | None = Field(None, max_length=16, description="the server's adapters to apply")
+    cache: CacheChoice | None = Field(None, description="step caching for this request")
 
     def request(self, **fields) -> GenerationRequest:
         """The engine's request: these fields, ``size`` as height and width (``auto``: the model's), and ``fields``."""
@@ -51,7 +73,8 @@ class Body(BaseModel):
         return GenerationRequest(
             prompt=self.prompt, negative_prompt=self.negative_prompt, height=height, width=width, steps=self.steps,
             guidance=self.guidance, seed=self.seed,
-            lora=None if self.lora is None else tuple((choice.name, choice.scale) for choice in self.lora), **fields,
+            lora=None if self.lora is None else tuple((choice.name, choice.scale) for choice in self.lora),
+            cache=None if self.cache is None else self.cache.config(), **fields,
         )  # fmt: skip
 
 

@@ -204,6 +204,9 @@ class ZImageTokens:
 class ZImageTransformer(StagedTransformer):
     # A PipeFusion stage may hold refiner blocks, joint blocks or both.
     BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("noise_refiner", "context_refiner", "layers")
+    # Step caching watches the joint stack, as diffusers' hooks do (the refiners always run), and its joint stream.
+    CACHED_FROM: ClassVar[str] = "layers"
+    CACHE_STREAMS: ClassVar[tuple[str, ...]] = ("img", "txt")
 
     def __init__(self, config: ZImageConfig) -> None:
         super().__init__(config)

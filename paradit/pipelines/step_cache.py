@@ -1,0 +1,266 @@
+"""Step caching: skip the blocks of a denoise step whose result barely changes, deciding it as diffusers'
+``FirstBlockCacheConfig``, ``MagCacheConfig`` and ``TaylorSeerCacheConfig(use_lite_mode=True)`` hooks decide it.
+
+``StepCache`` is installed on a plain model from outside (``parallelize``) in place of its ``run_blocks`` and ``head``;
+it runs the blocks in ranges (the blocks before the cached stack, its head block, the rest) by handing the model's own
+``run_blocks`` a slice of each block list, so each family's joins between its lists stay its own. It acts on the token
+state each rank holds, a shard of the sequence under Ulysses or Ring, and keeps every rank's decision the same:
+
+- **first-block**: the head block's residual against its last computed one, summed per guidance branch (and per request
+  of a batch) over this rank's tokens, then over the group (``reduce``), so every rank compares the same ratio;
+- **mag**, **taylorseer**: decided by the step count alone, the same everywhere.
+
+Each guidance branch of each request keeps its own first-block state, as diffusers' ``cache_context("cond")`` and
+``("uncond")`` keep theirs, so a request decides alone whatever it is batched with; a state lives one request."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from paradit.request import StepCacheConfig
+
+Streams = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class CacheRecord:
+    """What a request's caching did, per model call in order: whether each guidance branch of each request (global
+    order: [conditional parts; unconditional parts]) had its blocks skipped; the block evaluations not run; MagCache's
+    calibration curve, one ratio a call."""
+
+    skipped: list[tuple[bool, ...]] = dataclasses.field(default_factory=list)
+    blocks_skipped: int = 0
+    mag_ratios: list[float] = dataclasses.field(default_factory=list)
+
+
+class StepCache:
+    """A model's blocks and head run through the request's cache method (none: as they are)."""
+
+    def __init__(self, model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.model, self.reduce = model, reduce
+        self.run_all, self.head_all = model.run_blocks, model.head
+        self.lists = {name: getattr(model, name) for name in model.BLOCK_LISTS}
+        sizes = [len(blocks) for blocks in self.lists.values()]
+        # diffusers hooks the stacks it names "blocks", "layers" and the like; Z-Image's refiners run before them.
+        self.first = sum(sizes[: model.BLOCK_LISTS.index(getattr(model, "CACHED_FROM", model.BLOCK_LISTS[0]))])
+        self.count = sum(sizes)
+        self.slices: dict[tuple[int, int], dict[str, nn.ModuleList]] = {}
+        self.method: FirstBlock | MagCache | TaylorSeer | None = None
+        model.run_blocks, model.head = self.run_blocks, self.head
+
+    def begin_request(self, config: StepCacheConfig | None, steps: int, row_groups: torch.Tensor, groups: int,
+                      record: CacheRecord) -> None:  # fmt: skip
+        """A fresh state for a request of ``steps`` steps whose model rows here belong to ``row_groups`` (one global
+        branch-and-request index a row, of ``groups``); its decisions go to ``record``."""
+        self.record = record
+        self.method = None if config is None else METHODS[config.method](config, self, steps, row_groups, groups)
+
+    def run_blocks(self, tokens):
+        if self.method is None:
+            return self.run_all(tokens)
+        return self.method.run_blocks(tokens)
+
+    def head(self, tokens) -> torch.Tensor:
+        if self.method is None:
+            return self.head_all(tokens)
+        return self.method.head(tokens)
+
+    def run_range(self, tokens, start: int, stop: int):
+        """``tokens`` through blocks ``start:stop`` of the stack (the block lists in order)."""
+        if start >= stop:
+            return tokens
+        if (start, stop) not in self.slices:
+            offset, cut = 0, {}
+            for name, blocks in self.lists.items():
+                cut[name] = blocks[max(0, start - offset) : max(0, stop - offset)]
+                offset += len(blocks)
+            self.slices[start, stop] = cut
+        modules = self.model._modules  # assigned directly: the lists are put back as they were, not re-registered
+        try:
+            modules.update(self.slices[start, stop])
+            return self.run_all(tokens)
+        finally:
+            modules.update(self.lists)
+
+    def streams(self, tokens) -> Streams:
+        """The token state's streams (its fields that are their own stream), those present."""
+        fields = type(tokens).SEQUENCE_FIELDS
+        return {name: getattr(tokens, name) for name, (stream, _) in fields.items()
+                if name == stream and getattr(tokens, name) is not None}  # fmt: skip
+
+    def statistic_streams(self, tokens) -> Streams:
+        """The streams diffusers' hook reads as the head block's hidden states: the output stream, or the model's
+        ``CACHE_STREAMS`` (Z-Image's joint stack: image and text)."""
+        names = getattr(self.model, "CACHE_STREAMS", (type(tokens).OUTPUT_STREAM,))
+        return {name: getattr(tokens, name) for name in names}
+
+
+class FirstBlock:
+    """diffusers' FirstBlockCache: the rest of the stack runs when the head block's residual moved by more than
+    ``threshold`` (mean absolute change over mean absolute value) since the last step that ran it; otherwise each
+    stream is the head block's output plus the rest's residual of that step."""
+
+    def __init__(self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor,
+                 groups: int) -> None:  # fmt: skip
+        self.threshold, self.cache, self.row_groups, self.groups = config.threshold, cache, row_groups, groups
+        self.head_residual: Streams | None = None
+        self.tail_residual: Streams = {}
+
+    def row_sums(self, values: Streams) -> torch.Tensor:
+        """Per row: the sum of |value| over every stream's tokens and channels, in float32."""
+        return sum(v.abs().sum(dim=tuple(range(1, v.ndim)), dtype=torch.float32) for v in values.values())
+
+    def decide(self, residual: Streams) -> list[bool]:
+        """Per global group: whether it runs the rest of the stack (all, at the first step)."""
+        if self.head_residual is None:
+            return [True] * self.groups
+        sums = torch.zeros(self.groups, 2, device=self.row_groups.device)
+        moved = {name: value - self.head_residual[name] for name, value in residual.items()}
+        sums[:, 0].index_add_(0, self.row_groups, self.row_sums(moved))
+        sums[:, 1].index_add_(0, self.row_groups, self.row_sums(self.head_residual))
+        sums = self.cache.reduce(sums)
+        return (sums[:, 0] / sums[:, 1] > self.threshold).tolist()
+
+    def run_blocks(self, tokens):
+        cache = self.cache
+        tokens = cache.run_range(tokens, 0, cache.first)
+        before = cache.statistic_streams(tokens)
+        tokens = cache.run_range(tokens, cache.first, cache.first + 1)
+        head = cache.streams(tokens)
+        residual = {name: head[name] - value for name, value in before.items()}
+        computes = self.decide(residual)
+        cache.record.skipped.append(tuple(not c for c in computes))
+        rows = torch.tensor(computes, device=self.row_groups.device)[self.row_groups]
+        if not bool(rows.any()):
+            cache.record.blocks_skipped += cache.count - cache.first - 1
+            cached = {name: self.tail_residual[name] + value for name, value in head.items()}
+            return dataclasses.replace(tokens, **cached)
+        tokens = cache.run_range(tokens, cache.first + 1, cache.count)
+        out = cache.streams(tokens)
+        tail = {name: out[name] - head[name] for name in out}
+        if not bool(rows.all()):  # some branches skip: their rows take the cached residual, and keep it
+            keep = rows.view(-1, *(1,) * (residual[next(iter(residual))].ndim - 1))
+            out = {name: torch.where(keep, value, self.tail_residual[name] + head[name]) for name, value in out.items()}
+            tail = {name: torch.where(keep, value, self.tail_residual[name]) for name, value in tail.items()}
+            residual = {name: torch.where(keep, value, self.head_residual[name]) for name, value in residual.items()}
+        self.tail_residual, self.head_residual = tail, residual
+        return dataclasses.replace(tokens, **out)
+
+    def head(self, tokens) -> torch.Tensor:
+        return self.cache.head_all(tokens)
+
+
+class MagCache:
+    """diffusers' MagCache: past the first ``retention_ratio`` of the steps, a step is skipped while the error its
+    magnitude ratios accumulate stays within ``threshold`` for at most ``max_skip_steps`` steps in a row; a skipped
+    stack adds the residual (stack output minus input) of the last step that ran it. ``calibrate`` runs every step and
+    records each step's ratio of residual norms."""
+
+    def __init__(self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor,
+                 groups: int) -> None:  # fmt: skip
+        self.config, self.cache, self.groups = config, cache, groups
+        self.ratios = None if config.calibrate else nearest_interpolation(config.mag_ratios, steps)
+        self.retention_step = int(config.retention_ratio * steps + 0.5)
+        self.step, self.ratio, self.error, self.skips = 0, 1.0, 0.0, 0
+        self.residual: Streams | None = None
+
+    def skips_step(self) -> bool:
+        if self.config.calibrate or self.step < self.retention_step:
+            return False
+        self.ratio *= float(self.ratios[self.step]) if self.step < len(self.ratios) else 1.0
+        self.skips += 1
+        self.error += abs(1.0 - self.ratio)
+        config = self.config
+        if self.residual is not None and self.error <= config.threshold and self.skips <= config.max_skip_steps:
+            return True
+        self.ratio, self.error, self.skips = 1.0, 0.0, 0
+        return False
+
+    def run_blocks(self, tokens):
+        cache = self.cache
+        tokens = cache.run_range(tokens, 0, cache.first)
+        before = cache.statistic_streams(tokens)
+        skip = self.skips_step()
+        self.step += 1
+        cache.record.skipped.append((skip,) * self.groups)
+        if skip:
+            cache.record.blocks_skipped += cache.count - cache.first
+            return dataclasses.replace(tokens, **{name: value + self.residual[name] for name, value in before.items()})
+        tokens = cache.run_range(tokens, cache.first, cache.count)
+        residual = {name: value - before[name] for name, value in cache.statistic_streams(tokens).items()}
+        if self.config.calibrate:
+            cache.record.mag_ratios.append(1.0 if self.residual is None else self.norm_ratio(residual))
+        self.residual = residual
+        return tokens
+
+    def norm_ratio(self, residual: Streams) -> float:
+        """The mean over tokens of each token's residual norm over its norm the step before, over the group."""
+        ratios = [(torch.linalg.norm(value.float(), dim=-1) / (torch.linalg.norm(self.residual[name].float(), dim=-1)
+                   + 1e-8)) for name, value in residual.items()]  # fmt: skip
+        sums = torch.stack([sum(r.sum() for r in ratios), torch.tensor(float(sum(r.numel() for r in ratios)))])
+        sums = self.cache.reduce(sums.to(ratios[0].device))
+        return float(sums[0] / sums[1])
+
+    def head(self, tokens) -> torch.Tensor:
+        return self.cache.head_all(tokens)
+
+
+class TaylorSeer:
+    """diffusers' TaylorSeer in its lite mode: the model's output (its output projection's) is computed in the first
+    ``disable_cache_before_step`` steps, every ``cache_interval`` steps after and from ``disable_cache_after_step``
+    on; the steps between skip every block and predict it by a Taylor expansion of order up to ``max_order`` from
+    the divided differences of the computed steps."""
+
+    def __init__(self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor,
+                 groups: int) -> None:  # fmt: skip
+        self.config, self.cache, self.groups = config, cache, groups
+        self.step, self.last_update = -1, None
+        self.factors: list[torch.Tensor] = []
+        self.computes = True
+
+    def run_blocks(self, tokens):
+        config, cache = self.config, self.cache
+        self.step += 1
+        after = config.disable_cache_after_step
+        self.computes = (self.step < config.disable_cache_before_step
+                         or (self.step - config.disable_cache_before_step - 1) % config.cache_interval == 0
+                         or (after is not None and self.step >= after))  # fmt: skip
+        cache.record.skipped.append((not self.computes,) * self.groups)
+        if not self.computes:
+            cache.record.blocks_skipped += cache.count
+            return tokens
+        return cache.run_all(tokens)
+
+    def head(self, tokens) -> torch.Tensor:
+        if not self.computes:
+            offset = self.step - self.last_update
+            out = torch.zeros_like(self.factors[0])
+            for order, factor in enumerate(self.factors):
+                out = out + factor * (offset**order / math.factorial(order))
+            return out
+        out = self.cache.head_all(tokens)
+        factors = [out]
+        if self.last_update is not None:  # divided differences against the last computed step's, order by order
+            delta = self.step - self.last_update
+            for previous in self.factors[: self.config.max_order]:
+                factors.append((factors[-1] - previous) / delta)
+        self.factors, self.last_update = factors, self.step
+        return out
+
+
+METHODS: dict[str, Any] = {"first-block": FirstBlock, "mag": MagCache, "taylorseer": TaylorSeer}
+
+
+def nearest_interpolation(ratios: tuple[float, ...], length: int) -> torch.Tensor:
+    """diffusers' ``nearest_interp``: a calibrated curve stretched or squeezed to ``length`` steps."""
+    curve = torch.tensor(ratios)
+    if length == 1:
+        return curve[-1:]
+    scale = (len(curve) - 1) / (length - 1)
+    return curve[torch.round(torch.arange(length, dtype=torch.float32) * scale).long()]
