@@ -13,7 +13,7 @@ Quality needs real weights: where they exist, compare the cached image with the 
 (``paradit generate --cache first-block --cache-threshold 0.08 --seed 0`` against the run without ``--cache``).
 
     python benchmarks/step_cache.py --models flux2-dev --out-dir $OUT
-    python benchmarks/step_cache.py --models wan2.2-t2v-a14b --out-dir $OUT
+    python benchmarks/step_cache.py --models wan2.2-t2v-a14b --caches none "mag every other" --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def bench_model(name: str, args) -> list[dict]:
         base = dict(prompt="a lighthouse on a cliff at dusk", seed=0, negative_prompt=negative, **size)
         engine.generate(GenerationRequest(**base, steps=2))  # compiles the blocks for this sequence
         for label, cache in caches(steps).items():
+            if label not in args.caches:
+                continue
             torch.cuda.reset_peak_memory_stats()
             timings = engine.generate(GenerationRequest(**base, steps=steps, cache=cache)).timings
             rows.append(dict(model=name, cache=label, steps=steps, skipped=timings.cache_skipped_steps,
@@ -81,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["flux2-dev"])
     parser.add_argument("--steps", type=int, help="denoise steps (default: each model's)")
+    parser.add_argument("--caches", nargs="+", default=list(caches(28)), help="which of the cases to run")
     parser.add_argument("--quantize", default="fp8", choices=["none", "fp8"])
     parser.add_argument("--out-dir")
     args = parser.parse_args()
