@@ -193,8 +193,8 @@ def engine_result():
 def test_every_plan_decides_as_one_process(plan):
     """The head block's statistic is summed over the group's shards (and the CFG halves' branches apart): every rank
     makes one process's decisions, branch by branch, and the image is one process's."""
-    pixels, pattern = run_on_processes(plan.world_size, _run, "qwen_image", "first-block", plan)
     expected_pixels, expected_pattern = one_process("qwen_image", "first-block")
+    pixels, pattern = run_on_processes(plan.world_size, _run, "qwen_image", "first-block", plan)
     assert pattern == expected_pattern
     assert relative_l2(pixels, expected_pixels) <= 1e-5
 
@@ -205,13 +205,14 @@ def test_every_plan_decides_as_one_process(plan):
         ("zimage", "first-block", ParallelConfig(ulysses=2)),
         ("wan", "mag", ParallelConfig(ring=2)),
         ("flux2", "first-block", ParallelConfig(cfg=2, ring=2)),
+        ("sd3", "first-block", ParallelConfig(ulysses=2)),
     ],
 )
 def test_other_families_split_as_one_process(family, method, plan):
-    """Z-Image's joint stack, Wan across its expert switch (each expert its own cache, counting its own steps) and
-    FLUX.2's two block lists decide on a split as on one process."""
+    """Z-Image's joint stack, Wan across its expert switch (each expert its own cache, counting its own steps),
+    FLUX.2's two block lists and SD3.5's last block (no text stream out) decide on a split as on one process."""
+    expected_pixels, expected_pattern = one_process(family, method)  # builds the folder here, before the processes
     pixels, pattern = run_on_processes(plan.world_size, _run, family, method, plan)
-    expected_pixels, expected_pattern = one_process(family, method)
     assert pattern == expected_pattern and any(all(call) for call in pattern)
     assert relative_l2(pixels, expected_pixels) <= 1e-5
 

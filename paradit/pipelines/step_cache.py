@@ -139,7 +139,8 @@ class FirstBlock:
         rows = torch.tensor(computes, device=self.row_groups.device)[self.row_groups]
         if not bool(rows.any()):
             cache.record.blocks_skipped += cache.count - cache.first - 1
-            cached = {name: self.tail_residual[name] + value for name, value in head.items()}
+            # The streams the last block returns (SD3.5's drops its text): what the head reads is among them.
+            cached = {name: residual + head[name] for name, residual in self.tail_residual.items()}
             return dataclasses.replace(tokens, **cached)
         tokens = cache.run_range(tokens, cache.first + 1, cache.count)
         out = cache.streams(tokens)
@@ -203,8 +204,8 @@ class MagCache:
         """The mean over tokens of each token's residual norm over its norm the step before, over the group."""
         ratios = [(torch.linalg.norm(value.float(), dim=-1) / (torch.linalg.norm(self.residual[name].float(), dim=-1)
                    + 1e-8)) for name, value in residual.items()]  # fmt: skip
-        sums = torch.stack([sum(r.sum() for r in ratios), torch.tensor(float(sum(r.numel() for r in ratios)))])
-        sums = self.cache.reduce(sums.to(ratios[0].device))
+        count = torch.tensor(float(sum(r.numel() for r in ratios)), device=ratios[0].device)
+        sums = self.cache.reduce(torch.stack([sum(r.sum() for r in ratios), count]))
         return float(sums[0] / sums[1])
 
     def head(self, tokens) -> torch.Tensor:
