@@ -36,7 +36,7 @@ class Family:
     facts (tensor plan, the linears FP8 keeps in high precision)."""
 
     name: str
-    pipeline: type[DiffusionPipeline]
+    pipeline: Callable[..., DiffusionPipeline]  # its class, or one choosing by the spec: (family, spec, ...) -> it
     diffusers_pipelines: tuple[str, ...]  # the diffusers pipeline classes whose checkpoints it serves
     # (folder, its model_index.json) -> the ModelSpec: architecture from its configs, defaults from diffusers
     read_checkpoint: Callable[[Path, dict[str, Any]], ModelSpec]

@@ -166,6 +166,7 @@ class DecoderPromptEncoder:
     """Tokenizer + truncated decoder on ``device``; ``encode`` gives (batch, max_length, len(layers) * hidden)."""
 
     thinking = False  # the chat template's enable_thinking (off: an empty think block follows the generation prompt)
+    templated = True  # whether prompts go through the chat template (else they are read as they are)
 
     def __init__(self, decoder: nn.Module, tokenizer, spec: TextEncoderSpec, device: torch.device) -> None:
         self.decoder, self.tokenizer, self.spec, self.device = decoder, tokenizer, spec, device
@@ -205,9 +206,12 @@ class DecoderPromptEncoder:
         return cls(decoder, build_offline_tokenizer(spec.max_length), spec, device)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each prompt as one user turn of the chat template, with the generation prompt, padded to ``max_length``."""
+        """Each prompt as one user turn of the chat template (if ``templated``), with the generation prompt, padded to
+        ``max_length``."""
         template = {"tokenize": False, "add_generation_prompt": True, "enable_thinking": self.thinking}
-        texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], **template) for p in prompts]
+        texts = prompts
+        if self.templated:
+            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], **template) for p in prompts]
         warn_if_truncated(self.tokenizer, texts, self.spec.max_length)
         inputs = self.tokenizer(
             texts, padding="max_length", max_length=self.spec.max_length, truncation=True, return_tensors="pt"

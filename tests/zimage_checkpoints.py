@@ -6,8 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-from transformers import Qwen3Config, Qwen3Model
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    ZImageOmniPipeline,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
+)
+from transformers import Qwen3Config, Qwen3Model, Siglip2ImageProcessorPil, Siglip2VisionConfig, Siglip2VisionModel
 
 from paradit.families.zimage.presets import BASE_SCHEDULER, TURBO_SCHEDULER
 from paradit.offline_tokenizer import build_offline_tokenizer
@@ -65,5 +71,33 @@ def build_zimage_checkpoint(folder: Path, seed: int = 0, turbo: bool = False) ->
         tokenizer=tokenizer,
         transformer=transformer,
     )
+    pipe.save_pretrained(folder, max_shard_size="100KB")
+    return folder
+
+
+SIGLIP_HIDDEN = 24
+
+
+def tiny_siglip() -> Siglip2VisionModel:
+    """Siglip2 with one 24-wide layer over 8-pixel patches, a 4x4 table of learnt positions (resized to each image's
+    patch grid)."""
+    config = Siglip2VisionConfig(hidden_size=SIGLIP_HIDDEN, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, patch_size=8, num_patches=16)  # fmt: skip
+    return Siglip2VisionModel(config).eval()
+
+
+def build_zimage_omni_checkpoint(folder: Path) -> Path:
+    """ZImageOmniPipeline's folder: Z-Image's components, its transformer with the SigLIP embedder and refiner, and
+    the ``siglip`` vision tower with its ``siglip_processor`` (images cut to at most 24 patches of 8 pixels)."""
+    torch.manual_seed(2)
+    transformer = ZImageTransformer2DModel(**tiny_transformer_config(), siglip_feat_dim=SIGLIP_HIDDEN)
+    randomize(transformer)
+    siglip = tiny_siglip()
+    randomize(siglip)
+    pipe = ZImageOmniPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**BASE_SCHEDULER), vae=tiny_vae(), text_encoder=qwen3_encoder(),
+        tokenizer=build_offline_tokenizer(), transformer=transformer, siglip=siglip,
+        siglip_processor=Siglip2ImageProcessorPil(patch_size=8, max_num_patches=24),
+    )  # fmt: skip
     pipe.save_pretrained(folder, max_shard_size="100KB")
     return folder

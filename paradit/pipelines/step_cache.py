@@ -96,9 +96,9 @@ class StepCache:
 
     def statistic_streams(self, tokens) -> Streams:
         """The streams diffusers' hook reads as the head block's hidden states: the output stream, or the model's
-        ``CACHE_STREAMS`` (Z-Image's joint stack: image and text)."""
+        ``CACHE_STREAMS`` (Z-Image's joint stack: image, text and Omni's SigLIP features), those present."""
         names = getattr(self.model, "CACHE_STREAMS", (type(tokens).OUTPUT_STREAM,))
-        return {name: getattr(tokens, name) for name in names}
+        return {name: getattr(tokens, name) for name in names if getattr(tokens, name, None) is not None}
 
 
 class FirstBlock:

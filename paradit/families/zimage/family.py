@@ -1,4 +1,5 @@
-"""Z-Image (Turbo, base) as one record: its checkpoints, requests, runtime facts. Must not import torch.distributed."""
+"""Z-Image (Turbo, base, Omni) as one record: its checkpoints, requests, runtime facts. Must not import
+torch.distributed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ from diffusers import AutoencoderKL
 from paradit.errors import InvalidRequest
 from paradit.families import checkpoint_spec, component_config
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
+from paradit.families.zimage.omni import (
+    IMAGE_LIMIT,
+    OmniEncoders,
+    OmniPromptEncoder,
+    ZImageOmniPipeline,
+    resolve_images,
+)
 from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
 from paradit.families.zimage.presets import TURBO_SCHEDULER, text_encoder_spec
 from paradit.family import Family
@@ -26,18 +34,29 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     encoder, scheduler = component_config(folder, "text_encoder"), component_config(folder, "scheduler")
     # The model_index of Turbo and of the base model are identical; their schedulers are not (shift 3.0 vs 6.0).
     turbo = all(scheduler.get(key) == value for key, value in TURBO_SCHEDULER.items())
+    text_encoder = text_encoder_spec(encoder, index.get("text_encoder", [None, None])[1])
+    if index["_class_name"] == "ZImageOmniPipeline":
+        text_encoder = OmniEncoders(text_encoder, component_config(folder, "siglip"))
     return checkpoint_spec(
         folder, index, "zimage", "Turbo, step-distilled" if turbo else "true CFG", scheduler=scheduler,
-        text_encoder=text_encoder_spec(encoder, index.get("text_encoder", [None, None])[1]), guidance_mode="cfg",
+        text_encoder=text_encoder, guidance_mode="cfg",
         steps=TURBO_STEPS if turbo else DEFAULT_STEPS, guidance=0.0 if turbo else DEFAULT_GUIDANCE,
         height=DEFAULT_SIZE, width=DEFAULT_SIZE,
     )  # fmt: skip
+
+
+def is_omni(spec: ModelSpec) -> bool:
+    return isinstance(spec.text_encoder, OmniEncoders)
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
     g = pixel_granularity(spec.vae)
     # Rotary positions are looked up in tables of axes_lens rows; a latent grid past them has no position.
     _, max_rows, max_cols = spec.transformer["axes_lens"]
+    if is_omni(spec):  # condition images; no image-to-image, no inpainting (diffusers has no Omni one)
+        resolved = resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=IMAGE_LIMIT)
+        resolve_images(resolved, request.height, request.width, (max_rows, max_cols), g)
+        return resolved
     resolved = resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=1,
                               image_to_image=True, inpainting_strength=1.0)  # fmt: skip
     if resolved.images and (request.height is None or request.width is None):
@@ -54,15 +73,17 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 FAMILY = Family(
     name="zimage",
-    pipeline=ZImagePipeline,
-    diffusers_pipelines=("ZImagePipeline",),
+    pipeline=lambda family, spec, *parts: (ZImageOmniPipeline if is_omni(spec) else ZImagePipeline)(
+        family, spec, *parts
+    ),
+    diffusers_pipelines=("ZImagePipeline", "ZImageOmniPipeline"),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
     # The reference guides whenever the scale is above 0 (its formula adds scale * (cond - uncond) to cond), the
     # step-distilled Turbo too: its default of 0 turns guidance off, a request may turn it on.
     uses_cfg=lambda spec, request: request.guidance > 0,
     build_transformer=lambda spec: ZImageTransformer(ZImageConfig.from_dict(spec.transformer)),
-    prompt_encoder=lambda spec: CaptionEncoder,
+    prompt_encoder=lambda spec: OmniPromptEncoder if is_omni(spec) else CaptionEncoder,
     vae=AutoencoderKL,
     tensor_plan=TensorPlan(
         family="Z-Image",

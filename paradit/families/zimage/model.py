@@ -7,6 +7,10 @@ Names follow diffusers' ``ZImageTransformer2DModel`` (checkpoints load without k
 - ``run_blocks``: noise refiner over the image, context refiner over the text, joint blocks over [image, text];
 - ``head``: image tokens -> prediction, one row per token (pad tokens included; ``unpatchify`` drops them).
 
+The Omni checkpoints (``siglip_feat_dim`` set) also take condition images (``OmniInputs``): their latents' tokens
+follow the target's in the image stream, their SigLIP features form a third stream with its own refiner, and every
+token before the target's, in the images and in the caption's segments, is modulated as at timestep 1 (clean).
+
 As in the reference, each stream is padded to a multiple of 32 tokens with a learnt pad token, a real key every query
 attends to; only batch padding past a caption's own rounded length is masked, by a key mask built once per forward.
 Must not import torch.distributed."""
@@ -21,7 +25,7 @@ import torch
 from torch import nn
 
 from paradit.layers import stages
-from paradit.layers.attention import QKVAttention, joint_key_mask
+from paradit.layers.attention import QKVAttention
 from paradit.layers.embeddings import sinusoidal_embedding
 from paradit.layers.stages import CheckpointConfig, StagedTransformer
 
@@ -43,6 +47,7 @@ class ZImageConfig(CheckpointConfig):
     norm_eps: float = 1e-5
     qk_norm: bool = True
     cap_feat_dim: int = 2560
+    siglip_feat_dim: int | None = None  # the Omni checkpoints' SigLIP width
     rope_theta: float = 256.0
     t_scale: float = 1000.0
     axes_dims: tuple[int, ...] = (32, 48, 48)
@@ -100,6 +105,35 @@ class RMSNorm(nn.Module):
         return x * self.weight
 
 
+def with_pad_tokens(x: torch.Tensor, pad_token: torch.Tensor) -> torch.Tensor:
+    """(B, n, dim) followed by ``pad_token`` rows up to a multiple of SEQUENCE_MULTIPLE."""
+    n = x.shape[1]
+    return torch.cat([x, pad_token.to(x.dtype).expand(x.shape[0], round_up(n) - n, -1)], dim=1)
+
+
+def image_positions(first: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """(B, n rounded up, 3) rotary positions: token i at (first[b], *grid[i]), then the pad tokens at (0, 0, 0)."""
+    n = grid.shape[0]
+    positions = torch.zeros(first.shape[0], round_up(n), 3, dtype=torch.long, device=first.device)
+    positions[:, :n, 0] = first[:, None]
+    positions[:, :n, 1:] = grid
+    return positions
+
+
+def raster_grid(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    return torch.cartesian_prod(torch.arange(rows, device=device), torch.arange(cols, device=device))
+
+
+def modulate(layer: nn.Module, temb: torch.Tensor, per_token: tuple[torch.Tensor, torch.Tensor] | None):
+    """``layer(temb)`` as one row for all tokens (B, 1, width); with ``per_token`` (the clean timestep's embedding and
+    which tokens are noisy, (B, S, 1)), a row per token, the clean tokens' from the clean embedding."""
+    rows = layer(temb).unsqueeze(1)
+    if per_token is None:
+        return rows
+    clean, noisy = per_token
+    return torch.where(noisy, rows, layer(clean).unsqueeze(1))
+
+
 def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate (B, S, H, D) by unit complex numbers (B or 1, S, D/2): channels (2i, 2i+1) are one complex number.
     A complex64 product, as in the reference, so that half-precision runs round exactly as it does."""
@@ -147,11 +181,11 @@ class ZImageBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.Linear(config.adaln_dim, 4 * dim)) if modulated else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, key_mask: torch.Tensor | None,
-                temb: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                temb: torch.Tensor | None = None, per_token=None) -> torch.Tensor:  # fmt: skip
         if self.adaLN_modulation is None:
             x = x + self.attention_norm2(self.attention(self.attention_norm1(x), rope, key_mask))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
-        scale_attn, gate_attn, scale_mlp, gate_mlp = self.adaLN_modulation(temb).unsqueeze(1).chunk(4, dim=2)
+        scale_attn, gate_attn, scale_mlp, gate_mlp = modulate(self.adaLN_modulation, temb, per_token).chunk(4, dim=2)
         attn = self.attention(self.attention_norm1(x) * (1.0 + scale_attn), rope, key_mask)
         x = x + gate_attn.tanh() * self.attention_norm2(attn)
         return x + gate_mlp.tanh() * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * (1.0 + scale_mlp)))
@@ -166,8 +200,8 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(dim, out_features)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(cond_dim, dim))
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.norm_final(x) * (1.0 + self.adaLN_modulation(temb)).unsqueeze(1))
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, per_token=None) -> torch.Tensor:
+        return self.linear(self.norm_final(x) * (1.0 + modulate(self.adaLN_modulation, temb, per_token)))
 
 
 class TimestepEmbedder(nn.Module):
@@ -200,13 +234,84 @@ class ZImageTokens:
     txt_mask: torch.Tensor | None
     temb: torch.Tensor  # (B, adaln_dim)
 
+    def per_token(self, *streams: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The per-token modulation of ``streams`` concatenated (``modulate``): none, every token is noisy."""
+        return None
+
+
+@dataclass
+class ZImageOmniTokens(ZImageTokens):
+    """With the Omni inputs: the image stream holds the target's tokens then each condition image's, each padded to
+    32; ``sig`` each image's SigLIP tokens, padded alike, then 32 pad tokens for the target (none without images)."""
+
+    SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
+        **ZImageTokens.SEQUENCE_FIELDS, "sig": ("sig", 1), "sig_rope": ("sig", 1), "img_noisy": ("img", 1),
+        "txt_noisy": ("txt", 1), "sig_noisy": ("sig", 1),
+    }  # fmt: skip
+
+    sig: torch.Tensor  # (B, SigLIP tokens, dim)
+    sig_rope: torch.Tensor  # complex (B, SigLIP tokens, head_dim / 2)
+    temb_clean: torch.Tensor  # (B, adaln_dim): the embedding of timestep 1, for the clean tokens
+    img_noisy: torch.Tensor  # (B, tokens, 1) bool per stream: True for the tokens modulated by ``temb``
+    txt_noisy: torch.Tensor
+    sig_noisy: torch.Tensor
+
+    def per_token(self, *streams: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.temb_clean, torch.cat([getattr(self, f"{stream}_noisy") for stream in streams], dim=1)
+
+
+@dataclass(frozen=True)
+class OmniInputs:
+    """ZImageOmniPipeline's inputs besides the caption features (each caption's segments one after another, as
+    ``build``'s ``segments`` count them), laid out once per request by ``build``."""
+
+    latents: tuple[torch.Tensor, ...]  # each condition image's latents (1, C, H, W)
+    siglip: tuple[torch.Tensor, ...]  # each condition image's SigLIP features (B, h, w, siglip_feat_dim)
+    caption_rows: torch.Tensor  # (B, T): the caption feature each text-stream row holds, -1 for a pad token
+    caption_positions: torch.Tensor  # (B, T) the rows' first rotary axis
+    caption_noisy: torch.Tensor  # (B, T, 1) bool
+    caption_mask: torch.Tensor | None  # (B, T) bool, False past a row's own length; None when none is shorter
+    image_starts: torch.Tensor  # (B, images + 1): each condition image's first rotary axis, then the target's
+
+    @classmethod
+    def build(cls, segments: list[list[int]], latents: tuple[torch.Tensor, ...], siglip: tuple[torch.Tensor, ...],
+              device: torch.device) -> OmniInputs:  # fmt: skip
+        """``segments``: per caption, its segments' token counts, the prompt template split before each image (the
+        condition images', then the target's) and after the last. Each segment is padded to 32 with pad tokens; the
+        segments before the target's are clean."""
+        rows, positions, noisy, starts = [], [], [], []
+        for lengths in segments:
+            row, position, noise, start, real, at = [], [], [], [], 0, 1
+            for index, n in enumerate(lengths):
+                padded = round_up(n)
+                row += [*range(real, real + n), *[-1] * (padded - n)]
+                # Numbered as the reference numbers them: a segment's positions run on through its pad tokens, then
+                # it appends one (0, 0, 0) per pad token, which the next segment's first rows take, and so on.
+                position += [*range(at, at + padded), *[0] * (padded - n)]
+                noise += [index >= len(latents)] * padded
+                real, at = real + n, at + n
+                start.append(at)
+                at += 2  # the positions of the segment's image: its latents', then its SigLIP features'
+            rows.append(row)
+            positions.append(position[: len(row)])
+            noisy.append(noise)
+            starts.append(start[: len(latents) + 1])
+        longest = max(len(row) for row in rows)
+
+        def padded(values: list[list], fill) -> torch.Tensor:
+            return torch.tensor([value + [fill] * (longest - len(value)) for value in values], device=device)
+
+        mask = padded([[True] * len(row) for row in rows], False)
+        return cls(latents, siglip, padded(rows, -1), padded(positions, 0), padded(noisy, False)[..., None],
+                   None if bool(mask.all()) else mask, torch.tensor(starts, device=device))  # fmt: skip
+
 
 class ZImageTransformer(StagedTransformer):
     # A PipeFusion stage may hold refiner blocks, joint blocks or both.
-    BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("noise_refiner", "context_refiner", "layers")
+    BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
     # Step caching watches the joint stack, as diffusers' hooks do (the refiners always run), and its joint stream.
     CACHED_FROM: ClassVar[str] = "layers"
-    CACHE_STREAMS: ClassVar[tuple[str, ...]] = ("img", "txt")
+    CACHE_STREAMS: ClassVar[tuple[str, ...]] = ("img", "txt", "sig")
 
     def __init__(self, config: ZImageConfig) -> None:
         super().__init__(config)
@@ -229,9 +334,18 @@ class ZImageTransformer(StagedTransformer):
         )
         self.x_pad_token = nn.Parameter(torch.zeros(1, dim))
         self.cap_pad_token = nn.Parameter(torch.zeros(1, dim))
-        self.layers = nn.ModuleList(
-            ZImageBlock(config, modulated=True, streams=("img", "txt")) for _ in range(config.n_layers)
-        )
+        self.siglip_refiner = nn.ModuleList()
+        joint = ("img", "txt")
+        if config.siglip_feat_dim is not None:
+            self.siglip_embedder = nn.Sequential(
+                RMSNorm(config.siglip_feat_dim, eps=config.norm_eps), nn.Linear(config.siglip_feat_dim, dim)
+            )
+            self.siglip_refiner.extend(
+                ZImageBlock(config, modulated=False, streams=("sig",)) for _ in range(config.n_refiner_layers)
+            )
+            self.siglip_pad_token = nn.Parameter(torch.zeros(1, dim))
+            joint = ("img", "txt", "sig")
+        self.layers = nn.ModuleList(ZImageBlock(config, modulated=True, streams=joint) for _ in range(config.n_layers))
         self._rope_tables: dict[torch.device, list[torch.Tensor]] = {}
 
     def rope_tables(self, device: torch.device) -> list[torch.Tensor]:
@@ -251,14 +365,23 @@ class ZImageTransformer(StagedTransformer):
         tables = self.rope_tables(positions.device)
         return torch.cat([table[positions[..., axis]] for axis, table in enumerate(tables)], dim=-1)
 
+    def embed_image(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, C, H, W) as tokens (B, H/p * W/p rounded up to 32, dim), the pad tokens last."""
+        tokens = self.all_x_embedder[self.config.patch_key](patchify(latents, self.config.patch_size))
+        return with_pad_tokens(tokens, self.x_pad_token)
+
     def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-              encoder_attention_mask: torch.Tensor | None = None) -> ZImageTokens:  # fmt: skip
+              encoder_attention_mask: torch.Tensor | None = None,
+              omni: OmniInputs | None = None) -> ZImageTokens:  # fmt: skip
         """``hidden_states``: latents (B, C, H, W); ``timestep``: (B,) 1 - sigma; ``encoder_hidden_states``: captions
-        (B, T, cap_feat_dim), right-padded where ``encoder_attention_mask`` is False (None: all T long)."""
+        (B, T, cap_feat_dim), right-padded where ``encoder_attention_mask`` is False (None: all T long); with
+        ``omni``, each caption's segments one after another (``OmniInputs.build`` says where, the mask is unused)."""
         batch, device = hidden_states.shape[0], hidden_states.device
         patch = self.config.patch_size
         rows, cols = hidden_states.shape[2] // patch, hidden_states.shape[3] // patch
         temb = self.t_embedder(timestep * self.config.t_scale).to(hidden_states.dtype)
+        if omni is not None:
+            return self.embed_omni(hidden_states, timestep, temb, encoder_hidden_states, omni)
 
         text_len = encoder_hidden_states.shape[1]
         text_stream = round_up(text_len)
@@ -272,33 +395,77 @@ class ZImageTransformer(StagedTransformer):
         txt = torch.where(real[..., None], captions, self.cap_pad_token.to(captions.dtype))
         txt_positions = nn.functional.pad((text_index + 1)[None, :, None], (0, 2))
 
-        image_tokens = rows * cols
-        img = self.all_x_embedder[self.config.patch_key](patchify(hidden_states, patch))
-        pads = self.x_pad_token.to(img.dtype).expand(batch, round_up(image_tokens) - image_tokens, -1)
-        img = torch.cat([img, pads], dim=1)
         # Image positions: (caption length + 1, row, column); the stream's pad tokens sit at (0, 0, 0).
-        grid = torch.cartesian_prod(torch.arange(rows, device=device), torch.arange(cols, device=device))
-        img_positions = torch.zeros(batch, img.shape[1], 3, dtype=torch.long, device=device)
-        img_positions[:, :image_tokens, 0] = (caption_lens + 1)[:, None]
-        img_positions[:, :image_tokens, 1:] = grid
-        return ZImageTokens(img=img, txt=txt, img_rope=self.rope(img_positions), txt_rope=self.rope(txt_positions),
-                            txt_mask=None if encoder_attention_mask is None else text_index < caption_lens[:, None],
-                            temb=temb)  # fmt: skip
+        img_positions = image_positions(caption_lens + 1, raster_grid(rows, cols, device))
+        txt_mask = None if encoder_attention_mask is None else text_index < caption_lens[:, None]
+        return ZImageTokens(img=self.embed_image(hidden_states), txt=txt, img_rope=self.rope(img_positions),
+                            txt_rope=self.rope(txt_positions), txt_mask=txt_mask, temb=temb)  # fmt: skip
+
+    def embed_omni(self, latents: torch.Tensor, timestep: torch.Tensor, temb: torch.Tensor, captions: torch.Tensor,
+                   omni: OmniInputs) -> ZImageOmniTokens:  # fmt: skip
+        """Each image sits on the first rotary axis where its caption segment ends, its SigLIP features one further,
+        their grid stretched over its latents' (not its tokens') rows and columns, as the reference stretches it."""
+        batch, device, patch = latents.shape[0], latents.device, self.config.patch_size
+        embedded = self.cap_embedder(captions)
+        rows = omni.caption_rows
+        txt = embedded.gather(1, rows.clamp(min=0)[..., None].expand(-1, -1, embedded.shape[-1]))
+        txt = torch.where(rows[..., None] >= 0, txt, self.cap_pad_token.to(txt.dtype))
+
+        def noisy(stream: list[torch.Tensor], flags: list[bool]) -> torch.Tensor:
+            return torch.cat([torch.full((batch, part.shape[1], 1), flag, device=device)
+                              for part, flag in zip(stream, flags)], dim=1)  # fmt: skip
+
+        images = (latents, *(image.expand(batch, -1, -1, -1) for image in omni.latents))
+        starts = omni.image_starts.roll(1, dims=1)  # the target's first, as its tokens are
+        img = [self.embed_image(image) for image in images]
+        grids = [raster_grid(image.shape[2] // patch, image.shape[3] // patch, device) for image in images]
+        img_positions = [image_positions(starts[:, j], grid) for j, grid in enumerate(grids)]
+        sig, sig_positions = [], []
+        for j, (features, image) in enumerate(zip(omni.siglip, omni.latents)):
+            height, width = features.shape[1:3]
+            # The reference's flattening: the (C, h, w) view's elements read as (h * w, C) rows.
+            flat = features.permute(0, 3, 1, 2).reshape(batch, height * width, -1)
+            sig.append(with_pad_tokens(self.siglip_embedder(flat), self.siglip_pad_token))
+            scale = torch.tensor([max(height - 1, 1), max(width - 1, 1)], device=device)
+            stretched = raster_grid(height, width, device) / scale * torch.tensor(image.shape[2:], device=device).sub(1)
+            sig_positions.append(image_positions(omni.image_starts[:, j] + 1, stretched.long()))
+        # The target's SigLIP slot, pad tokens only; without condition images there is no SigLIP stream at all.
+        target_slot = SEQUENCE_MULTIPLE if omni.latents else 0
+        sig.append(self.siglip_pad_token.to(txt.dtype).expand(batch, target_slot, -1))
+        sig_positions.append(torch.zeros(batch, target_slot, 3, dtype=torch.long, device=device))
+        clean = [False] * len(omni.latents)
+        return ZImageOmniTokens(
+            img=torch.cat(img, dim=1), txt=txt, img_rope=self.rope(torch.cat(img_positions, dim=1)),
+            txt_rope=self.rope(nn.functional.pad(omni.caption_positions[..., None], (0, 2))),
+            txt_mask=omni.caption_mask, temb=temb, sig=torch.cat(sig, dim=1),
+            sig_rope=self.rope(torch.cat(sig_positions, dim=1)),
+            temb_clean=self.t_embedder(torch.ones_like(timestep) * self.config.t_scale).to(latents.dtype),
+            img_noisy=noisy(img, [True, *clean]), txt_noisy=omni.caption_noisy, sig_noisy=noisy(sig, [*clean, True]),
+        )  # fmt: skip
 
     def run_blocks(self, tokens: ZImageTokens) -> ZImageTokens:
-        img, txt = tokens.img, tokens.txt
+        streams = {"img": tokens.img, "txt": tokens.txt}
         for block in self.noise_refiner:
-            img = block(img, tokens.img_rope, None, tokens.temb)
+            streams["img"] = block(streams["img"], tokens.img_rope, None, tokens.temb, tokens.per_token("img"))
         for block in self.context_refiner:
-            txt = block(txt, tokens.txt_rope, tokens.txt_mask)
+            streams["txt"] = block(streams["txt"], tokens.txt_rope, tokens.txt_mask)
+        if isinstance(tokens, ZImageOmniTokens):
+            streams["sig"] = tokens.sig
+            for block in self.siglip_refiner:
+                streams["sig"] = block(streams["sig"], tokens.sig_rope, None)
 
-        rope = torch.cat([tokens.img_rope, tokens.txt_rope.expand(img.shape[0], -1, -1)], dim=1)
-        joint_mask = joint_key_mask(tokens.txt_mask, img, text_first=False)
-        x = torch.cat([img, txt], dim=1)
+        batch = tokens.img.shape[0]
+        rope = torch.cat([getattr(tokens, f"{name}_rope").expand(batch, -1, -1) for name in streams], dim=1)
+        mask = tokens.txt_mask
+        if mask is not None:  # only captions are padded to the batch's longest
+            mask = torch.cat([mask if name == "txt" else mask.new_ones(x.shape[:2]) for name, x in streams.items()], 1)
+        x = torch.cat(list(streams.values()), dim=1)
+        per_token = tokens.per_token(*streams)
         for block in self.layers:
-            x = block(x, rope, joint_mask, tokens.temb)
-        tokens.img, tokens.txt = x.split([img.shape[1], txt.shape[1]], dim=1)
+            x = block(x, rope, mask, tokens.temb, per_token)
+        for name, part in zip(streams, x.split([part.shape[1] for part in streams.values()], dim=1)):
+            setattr(tokens, name, part)
         return tokens
 
     def head(self, tokens: ZImageTokens) -> torch.Tensor:
-        return self.all_final_layer[self.config.patch_key](tokens.img, tokens.temb)
+        return self.all_final_layer[self.config.patch_key](tokens.img, tokens.temb, tokens.per_token("img"))

@@ -67,14 +67,18 @@ class ZImagePipeline(DiffusionPipeline):
         # The transformer is conditioned on 1 - sigma, which the reference derives from the scheduler's t.
         return latents.to(self.dtype), (1000 - t.expand(latents.shape[0])) / 1000
 
-    def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: None):
-        embeds, mask, patch = conditioning["embeds"], conditioning["mask"], self.transformer.config.patch_size
+    def transformer_inputs(self, conditioning: dict[str, torch.Tensor], layout) -> tuple:
+        """What the transformer takes after the latents and timestep, once per request: the captions and their mask."""
+        return conditioning["embeds"], conditioning["mask"]
+
+    def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout):
+        inputs, patch = self.transformer_inputs(conditioning, layout), self.transformer.config.patch_size
 
         def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             rows, cols = (side // patch for side in latents.shape[2:])
             # The model predicts the velocity towards the image; the scheduler steps along noise minus image (the
             # sign commutes exactly with the guidance formula).
-            return -unpatchify(transformer(x, timestep, embeds, mask), rows, cols, patch).float()
+            return -unpatchify(transformer(x, timestep, *inputs), rows, cols, patch).float()
 
         return call
 
