@@ -146,7 +146,7 @@ class FirstBlock:
         out = cache.streams(tokens)
         tail = {name: out[name] - head[name] for name in out}
         if not bool(rows.all()):  # some branches skip: their rows take the cached residual, and keep it
-            keep = rows.view(-1, *(1,) * (residual[next(iter(residual))].ndim - 1))
+            keep = rows[:, None, None]  # every stream is (batch, tokens, channels)
             out = {name: torch.where(keep, value, self.tail_residual[name] + head[name]) for name, value in out.items()}
             tail = {name: torch.where(keep, value, self.tail_residual[name]) for name, value in tail.items()}
             residual = {name: torch.where(keep, value, self.head_residual[name]) for name, value in residual.items()}
