@@ -310,7 +310,9 @@ def test_delete_stops_a_running_video_job_within_one_step_and_the_next_job_compl
     with live_server(model="wan-tiny") as (url, scheduler), httpx.Client(base_url=url, timeout=60) as client:
         long_job = client.post("/v1/videos", json={**video, "size": "128x128", "frames": 17, "steps": 500}).json()
         short_job = client.post("/v1/videos", json={**video, "steps": 2}).json()
-        assert long_job["status"] == "queued" and long_job["steps"] == 500 and long_job["frames"] == 17
+        # the group may take the long job before its creation is answered; the short one waits behind it
+        assert long_job["status"] in ("queued", "in_progress") and short_job["status"] == "queued"
+        assert long_job["steps"] == 500 and long_job["frames"] == 17
         wait_until(lambda: client.get(f"/v1/videos/{long_job['id']}").json()["steps_done"] >= 3, 60, "it runs")
         running = client.get(f"/v1/videos/{long_job['id']}").json()
         assert running["status"] == "in_progress" and running["progress"] == 100 * running["steps_done"] // 500
