@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from paradit.pipelines.base import DiffusionPipeline
     from paradit.pipelines.requests import ResolvedRequest
     from paradit.request import GenerationRequest
+    from paradit.settings import RunSettings
     from paradit.text_encoder import PromptEncoder
 
 
@@ -53,3 +54,6 @@ class Family:
     video: bool = False  # whether it makes videos (batch, frames, 3, H, W) rather than images
     sequence_tokens: Callable[[ModelSpec], int] = image_tokens  # tokens a sample's blocks see (memory estimate)
     after_dummy_init: Callable[[nn.Module], None] | None = None  # fills a model's fixed buffers after random init
+    # (the run's settings, a resolved request) -> None, or an InvalidRequest for what the run's plan or options cannot
+    # give that request and what can (None: every request its resolution passes runs under any plan)
+    check_run: Callable[[RunSettings, ResolvedRequest], None] | None = None

@@ -133,6 +133,8 @@ class RunSettings:
         """``request`` with the model's defaults filled in and its choice of adapters checked against the run's, or
         InvalidRequest naming what is wrong (the one resolution of a request, wherever it arrives)."""
         resolved = self.family.resolve_request(self.spec, request)
+        if self.family.check_run is not None:
+            self.family.check_run(self, resolved)
         if resolved.cache is not None:
             # A decision made at the head block must reach every block of the step before they run: PipeFusion's
             # stages run a step's blocks patch by patch ahead of it, and a CUDA graph replays one fixed set of blocks.

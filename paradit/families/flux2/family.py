@@ -1,4 +1,5 @@
-"""FLUX.2 (dev and klein) as one record: its checkpoints, requests, runtime facts. Must not import torch.distributed."""
+"""FLUX.2 (dev, klein and klein KV) as one record: its checkpoints, requests, runtime facts. Must not import
+torch.distributed."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diffusers import AutoencoderKLFlux2
 from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
@@ -13,13 +15,23 @@ from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from paradit.errors import InvalidRequest
 from paradit.families import checkpoint_spec, component_config
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
-from paradit.families.flux2.pipeline import Flux2Pipeline, MistralPromptEncoder, pixel_granularity, reference_size
+from paradit.families.flux2.pipeline import (
+    Flux2Details,
+    Flux2Pipeline,
+    MistralPromptEncoder,
+    caches_references,
+    pixel_granularity,
+    reference_size,
+)
 from paradit.family import Family
 from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
 from paradit.pipelines.requests import ResolvedRequest, resolve_common
 from paradit.request import GenerationRequest
 from paradit.spec import ModelSpec, TextEncoderSpec
 from paradit.text_encoder import DecoderPromptEncoder
+
+if TYPE_CHECKING:
+    from paradit.settings import RunSettings
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +41,14 @@ KLEIN_INPAINTING_STRENGTH = 0.8  # Flux2KleinInpaintPipeline's default
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
-    """dev reads Mistral's layers 10, 20, 30, guidance embedded; klein Qwen3's 9, 18, 27, true CFG unless distilled."""
+    """dev reads Mistral's layers 10, 20, 30, guidance embedded; klein Qwen3's 9, 18, 27, true CFG unless distilled;
+    klein KV as distilled klein, whatever its index says (its pipeline never guides), its references cached."""
+    details = None
     if index["_class_name"] == "Flux2Pipeline":
         layers, mode, steps, guidance = (10, 20, 30), "embedded", 50, 4.0
+    elif index["_class_name"] == "Flux2KleinKVPipeline":
+        layers, mode, steps, guidance = (9, 18, 27), "none", 4, None
+        details = Flux2Details(cached_references=True)
     else:
         distilled = bool(index.get("is_distilled", False))
         layers, (mode, steps, guidance) = (9, 18, 27), ("none", 4, None) if distilled else ("cfg", 50, 4.0)
@@ -40,7 +57,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     encoder = TextEncoderSpec(encoder_config, layers=layers, class_name=index.get("text_encoder", [None, None])[1])
     return checkpoint_spec(
         folder, index, "flux2", text_encoder=encoder, guidance_mode=mode, steps=steps, guidance=guidance, height=1024,
-        width=1024,
+        width=1024, details=details,
     )  # fmt: skip
 
 
@@ -52,11 +69,12 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     if request.negative_prompt is not None and spec.guidance_mode != "cfg":
         raise InvalidRequest(f"{spec.name} does not use classifier-free guidance, so it takes no negative prompt")
     granularity = pixel_granularity(spec.vae)
-    # klein inpaints (Flux2KleinInpaintPipeline: the image to repaint, then at most one reference); dev does not.
-    inpainting = request.mask is not None and spec.guidance_mode != "embedded"
+    # klein inpaints (Flux2KleinInpaintPipeline: the image to repaint, then at most one reference); dev and KV do not.
+    inpaints = spec.guidance_mode != "embedded" and not caches_references(spec)
+    inpainting = request.mask is not None and inpaints
     resolved = resolve_common(spec, request, granularity, image_limit=2 if inpainting else REFERENCE_LIMIT,
-                              image_to_image=inpainting, inpainting_strength=None if spec.guidance_mode == "embedded"
-                              else KLEIN_INPAINTING_STRENGTH)  # fmt: skip
+                              image_to_image=inpainting,
+                              inpainting_strength=KLEIN_INPAINTING_STRENGTH if inpaints else None)  # fmt: skip
     resolved.images = tuple(resolve_reference(image, index, checked=not inpainting)
                             for index, image in enumerate(resolved.images))  # fmt: skip
     if resolved.images:  # diffusers makes the first image's size when none is asked for
@@ -81,6 +99,24 @@ def resolve_reference(image, index: int, checked: bool = True):
     if image.width * image.height > REFERENCE_AREA:
         image = Flux2ImageProcessor._resize_to_target_area(image, REFERENCE_AREA)
     return image
+
+
+def check_run(settings: RunSettings, request: ResolvedRequest) -> None:
+    """A KV checkpoint's cached references are every block's keys and values, whole on each rank, computed outside the
+    forward: the plans that split the sequence or the blocks (or gather each block's weights in its forward) would
+    need them split alike, and a CUDA graph captures only the tensors it is called with."""
+    if not request.images or not caches_references(settings.spec):
+        return
+    parallel = settings.parallel
+    refused = [flag for flag, used in (("--ulysses", parallel.ulysses > 1), ("--ring", parallel.ring > 1),
+                                       ("--pipefusion", parallel.pipefusion > 1),
+                                       ("--shard-weights", bool(parallel.shard_weights)),
+                                       ("--cuda-graphs", settings.options.cuda_graphs)) if used]  # fmt: skip
+    if refused:
+        flags = " and ".join(refused)
+        raise InvalidRequest(f"{settings.spec.name} caches its reference images' keys and values, which {flags} "
+                             f"cannot take yet; drop {flags} (one GPU and --tensor take references) or the images",
+                             param="image")  # fmt: skip
 
 
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
@@ -115,9 +151,10 @@ TENSOR_PLAN = TensorPlan(
 FAMILY = Family(
     name="flux2",
     pipeline=Flux2Pipeline,
-    diffusers_pipelines=("Flux2Pipeline", "Flux2KleinPipeline"),
+    diffusers_pipelines=("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline"),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
+    check_run=check_run,
     uses_cfg=uses_cfg,
     build_transformer=lambda spec: Flux2Transformer(Flux2Config.from_dict(spec.transformer)),
     # dev's Mistral gets diffusers' system turn; klein's Qwen3 a plain user turn.

@@ -7,6 +7,10 @@ Names follow diffusers' ``Flux2Transformer2DModel`` (checkpoints load without ke
 - ``run_blocks``: the double-stream blocks, then the single-stream blocks over [text, image];
 - ``head``: image tokens -> prediction.
 
+klein's KV checkpoints (diffusers' ``Flux2KleinKVPipeline``) run their reference images through the blocks once per
+request (``cache_references``): the references attend only to themselves, so their keys and values at every block are
+the same at every step, and each step's text and image tokens attend to them besides their own.
+
 Must not import torch.distributed."""
 
 from __future__ import annotations
@@ -43,6 +47,21 @@ class Flux2Config(HeadsConfig):
     guidance_embeds: bool = True
 
 
+# diffusers' KV pipeline leaves its transformer's ``ref_fixed_timestep`` at 0: the references are modulated as clean.
+REFERENCE_TIMESTEP = 0.0
+
+KeyValue = tuple[torch.Tensor, torch.Tensor]  # one block's references' keys and values (batch 1, rotated)
+ReferenceKV = dict[nn.Module, KeyValue]  # per block, as ``cache_references`` makes them
+
+
+def join_reference(key: torch.Tensor, value: torch.Tensor, reference: KeyValue, text_tokens: int) -> KeyValue:
+    """Keys and values as [text, references, image], the order diffusers' KV attention concatenates them in (the same
+    sums in the same order)."""
+    key_ref, value_ref = (cached.expand(key.shape[0], -1, -1, -1) for cached in reference)
+    return (torch.cat([key[:, :text_tokens], key_ref, key[:, text_tokens:]], dim=1),
+            torch.cat([value[:, :text_tokens], value_ref, value[:, text_tokens:]], dim=1))  # fmt: skip
+
+
 def _swiglu(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
@@ -74,14 +93,64 @@ class ParallelSelfAttention(AttentionDispatch):
         self.norm_k = nn.RMSNorm(self.head_dim, eps=config.eps)
         self.to_out = nn.Linear(self.inner_dim + self.mlp_hidden_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                reference: KeyValue | None = None, text_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+        """``reference``: keys and values the ``text_tokens`` text tokens at the front and the image after attend to."""
+        q, k, v, mlp = self.project(x, rope)
+        if reference is not None:
+            k, v = join_reference(k, v, reference, text_tokens)
+        return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp)
+
+    def attend_references(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """References attending only to themselves: the output, and their keys and values."""
+        q, k, v, mlp = self.project(x, rope)
+        # A copy: the slice would keep the whole projection (the MLP's input too) alive as long as the cache.
+        return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp), (k, v.contiguous())
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Rotated Q and K, V, and the MLP's input."""
         proj = self.to_qkv_mlp_proj(x)
         qkv_width = proj.shape[-1] * 3 * self.inner_dim // (3 * self.inner_dim + 2 * self.mlp_hidden_dim)
         qkv, mlp = proj.split([qkv_width, proj.shape[-1] - qkv_width], dim=-1)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.chunk(3, dim=-1))
         q, k = rotate_qk(self.norm_q(q), self.norm_k(k), rope)
-        attn = self.attend(q, k, v).flatten(2).to(q.dtype)
+        return q, k, v, mlp
+
+    def mix(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
         return self.to_out(torch.cat([attn, _swiglu(mlp)], dim=-1))
+
+
+class Flux2Attention(JointAttention):
+    """The double-stream blocks' joint attention, text first, whose keys and values may take a KV checkpoint's
+    cached references' besides."""
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                reference: KeyValue | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if reference is None:
+            return super().forward(img, txt, rope)
+        q_img, k_img, v_img = self.qkv(img)
+        q_txt = self.project(txt, self.add_q_proj, self.norm_added_q)
+        k_txt = self.project(txt, self.add_k_proj, self.norm_added_k)
+        q, k = rotate_qk(torch.cat([q_txt, q_img], dim=1), torch.cat([k_txt, k_img], dim=1), rope)
+        v = torch.cat([self.project(txt, self.add_v_proj), v_img], dim=1)
+        k, v = join_reference(k, v, reference, txt.shape[1])
+        txt_out, img_out = self.attend(q, k, v).flatten(2).to(q.dtype).split([txt.shape[1], img.shape[1]], dim=1)
+        return self.to_out[0](img_out), self.to_add_out(txt_out)
+
+    def attend_references(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """References (the image stream's weights) attending only to themselves: the output, their keys and values."""
+        q, k, v = self.qkv(x)
+        q, k = rotate_qk(q, k, rope)
+        return self.to_out[0](self.attend(q, k, v).flatten(2).to(q.dtype)), (k, v)
+
+
+def _after_attention(x: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor, mlp: tuple[torch.Tensor, ...],
+                     norm: nn.Module, ff: nn.Module) -> torch.Tensor:  # fmt: skip
+    """A double-stream block's gated residuals of one stream: its attention output, then its MLP's (``mlp``: the
+    MLP's shift, scale and gate)."""
+    shift, scale, mlp_gate = mlp
+    x = x + gate * attn
+    return x + mlp_gate * ff(norm(x) * (1 + scale) + shift)
 
 
 class Flux2TransformerBlock(nn.Module):
@@ -92,23 +161,29 @@ class Flux2TransformerBlock(nn.Module):
         dim, eps = config.inner_dim, config.eps
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.norm1_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
-        self.attn = JointAttention(dim, config.attention_head_dim, functools.partial(nn.RMSNorm, eps=eps), bias=False)
+        self.attn = Flux2Attention(dim, config.attention_head_dim, functools.partial(nn.RMSNorm, eps=eps), bias=False)
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.ff = FeedForward(dim, config.mlp_ratio)
         self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.ff_context = FeedForward(dim, config.mlp_ratio)
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, mod_img: torch.Tensor, mod_txt: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        (shift_a, scale_a, gate_a), (shift_m, scale_m, gate_m) = split_modulation(mod_img, 2)
-        (c_shift_a, c_scale_a, c_gate_a), (c_shift_m, c_scale_m, c_gate_m) = split_modulation(mod_txt, 2)
+                rope: tuple[torch.Tensor, torch.Tensor],
+                reference: KeyValue | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        (shift_a, scale_a, gate_a), mlp = split_modulation(mod_img, 2)
+        (c_shift_a, c_scale_a, c_gate_a), c_mlp = split_modulation(mod_txt, 2)
         img_in = (1 + scale_a) * self.norm1(img) + shift_a
-        img_attn, txt_attn = self.attn(img_in, (1 + c_scale_a) * self.norm1_context(txt) + c_shift_a, rope)
-        img = img + gate_a * img_attn
-        img = img + gate_m * self.ff(self.norm2(img) * (1 + scale_m) + shift_m)
-        txt = txt + c_gate_a * txt_attn
-        txt = txt + c_gate_m * self.ff_context(self.norm2_context(txt) * (1 + c_scale_m) + c_shift_m)
+        txt_in = (1 + c_scale_a) * self.norm1_context(txt) + c_shift_a
+        img_attn, txt_attn = self.attn(img_in, txt_in, rope, reference)
+        img = _after_attention(img, img_attn, gate_a, mlp, self.norm2, self.ff)
+        txt = _after_attention(txt, txt_attn, c_gate_a, c_mlp, self.norm2_context, self.ff_context)
         return img, clip_fp16(txt)
+
+    def run_references(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """References alone, through the image stream's weights: their next state, and their keys and values here."""
+        (shift, scale, gate), mlp = split_modulation(mod, 2)
+        out, kv = self.attn.attend_references((1 + scale) * self.norm1(x) + shift, rope)
+        return _after_attention(x, out, gate, mlp, self.norm2, self.ff), kv
 
 
 class Flux2SingleTransformerBlock(nn.Module):
@@ -119,10 +194,17 @@ class Flux2SingleTransformerBlock(nn.Module):
         self.norm = nn.LayerNorm(config.inner_dim, elementwise_affine=False, eps=config.eps)
         self.attn = ParallelSelfAttention(config)
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                reference: KeyValue | None = None, text_tokens: int = 0) -> torch.Tensor:  # fmt: skip
         ((shift, scale, gate),) = split_modulation(mod, 1)
-        x = x + gate * self.attn((1 + scale) * self.norm(x) + shift, rope)
+        x = x + gate * self.attn((1 + scale) * self.norm(x) + shift, rope, reference, text_tokens)
         return clip_fp16(x)
+
+    def run_references(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """References alone: their next state, and their keys and values here."""
+        ((shift, scale, gate),) = split_modulation(mod, 1)
+        out, kv = self.attn.attend_references((1 + scale) * self.norm(x) + shift, rope)
+        return clip_fp16(x + gate * out), kv
 
 
 @dataclass
@@ -133,6 +215,7 @@ class Flux2Tokens(JointTokens):
     mod_img: torch.Tensor
     mod_txt: torch.Tensor
     mod_single: torch.Tensor
+    reference_kv: ReferenceKV | None = None  # a KV checkpoint's cached references, which every block attends to
 
 
 class Flux2Transformer(StagedTransformer):
@@ -165,8 +248,11 @@ class Flux2Transformer(StagedTransformer):
         img_ids: torch.Tensor,
         txt_ids: torch.Tensor,
         guidance: torch.Tensor | None = None,
+        reference_kv: ReferenceKV | None = None,
     ) -> Flux2Tokens:
-        """``timestep`` and ``guidance`` are in [0, 1] as the pipeline passes them (sigma), per sample."""
+        """``timestep`` and ``guidance`` are in [0, 1] as the pipeline passes them (sigma), per sample;
+        ``reference_kv``: what ``cache_references`` made of the request's references (None: it has none, or they
+        join ``hidden_states``)."""
         dtype = hidden_states.dtype
         timestep = timestep.to(dtype) * 1000
         if guidance is not None:
@@ -176,14 +262,30 @@ class Flux2Transformer(StagedTransformer):
                            img_rope=self.rope(img_ids), txt_rope=self.rope(txt_ids), temb=temb,
                            mod_img=self.double_stream_modulation_img(temb),
                            mod_txt=self.double_stream_modulation_txt(temb),
-                           mod_single=self.single_stream_modulation(temb))  # fmt: skip
+                           mod_single=self.single_stream_modulation(temb), reference_kv=reference_kv)  # fmt: skip
+
+    def cache_references(self, latents: torch.Tensor, ids: torch.Tensor) -> ReferenceKV:
+        """Reference images' packed latents (1, tokens, channels) at position ``ids`` through every block, alone and
+        modulated at ``REFERENCE_TIMESTEP``: each block's keys and values of them."""
+        dtype = latents.dtype
+        temb = self.time_guidance_embed(latents.new_full((1,), REFERENCE_TIMESTEP * 1000), dtype)
+        mod_double, mod_single = self.double_stream_modulation_img(temb), self.single_stream_modulation(temb)
+        x, rope, cached = self.x_embedder(latents), self.rope(ids), {}
+        for block in self.transformer_blocks:
+            x, cached[block] = block.run_references(x, mod_double, rope)
+        for block in self.single_transformer_blocks:
+            x, cached[block] = block.run_references(x, mod_single, rope)
+        return cached
 
     def run_blocks(self, tokens: Flux2Tokens) -> Flux2Tokens:
         rope = tuple(torch.cat([t, i], dim=0) for t, i in zip(tokens.txt_rope, tokens.img_rope))
+        cached = tokens.reference_kv
         for block in self.transformer_blocks:
-            tokens.img, tokens.txt = block(tokens.img, tokens.txt, tokens.mod_img, tokens.mod_txt, rope)
+            reference = None if cached is None else cached[block]
+            tokens.img, tokens.txt = block(tokens.img, tokens.txt, tokens.mod_img, tokens.mod_txt, rope, reference)
         x = torch.cat([tokens.txt, tokens.img], dim=1)
         for block in self.single_transformer_blocks:
-            x = block(x, tokens.mod_single, rope)
+            reference = None if cached is None else cached[block]
+            x = block(x, tokens.mod_single, rope, reference, tokens.txt.shape[1])
         tokens.txt, tokens.img = x.split([tokens.txt.shape[1], tokens.img.shape[1]], dim=1)
         return tokens

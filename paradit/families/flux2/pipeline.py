@@ -1,8 +1,9 @@
 """FLUX.2 text-to-image and editing: prompt encoding, reference images, seeded latents, denoising, VAE decoding.
 
 Reproduces diffusers' ``Flux2Pipeline`` (dev: Mistral3 encoder, embedded guidance), ``Flux2KleinPipeline`` (klein:
-Qwen3 encoder, true CFG unless step-distilled) and ``Flux2KleinInpaintPipeline`` (klein with a mask: the image to
-repaint is also the first reference): the same checkpoint and seed give the same image. Differences for speed
+Qwen3 encoder, true CFG unless step-distilled), ``Flux2KleinInpaintPipeline`` (klein with a mask: the image to
+repaint is also the first reference) and ``Flux2KleinKVPipeline`` (klein without guidance, whose references' keys and
+values are computed once per request): the same checkpoint and seed give the same image. Differences for speed
 only: CFG's unconditional branch shares the conditional one's batch (or runs on the group's other half under CFG
 parallelism), and the text encoder stops at the deepest layer read."""
 
@@ -19,6 +20,7 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
 from paradit.pipelines.inpainting import latent_mask
 from paradit.pipelines.requests import ResolvedRequest
+from paradit.spec import ModelSpec
 from paradit.text_encoder import DecoderPromptEncoder, warn_if_truncated
 
 
@@ -57,6 +59,19 @@ class MistralPromptEncoder(DecoderPromptEncoder):
             padding="max_length", truncation=True, max_length=self.spec.max_length,
         )  # fmt: skip
         return inputs["input_ids"], inputs["attention_mask"]
+
+
+@dataclass(frozen=True)
+class Flux2Details:
+    """A checkpoint's facts beyond its configs (its ``ModelSpec.details``; None for presets and the other pipelines):
+    ``cached_references`` for ``Flux2KleinKVPipeline``'s, whose references attend only to themselves at a fixed
+    timestep, so that their keys and values are computed once per request (``Flux2Transformer.cache_references``)."""
+
+    cached_references: bool = False
+
+
+def caches_references(spec: ModelSpec) -> bool:
+    return spec.details is not None and spec.details.cached_references
 
 
 @dataclass(frozen=True)
@@ -140,7 +155,8 @@ class Flux2Pipeline(DiffusionPipeline):
         return self.scheduled(FlowMatchEulerDiscreteScheduler, sigmas=sigmas, mu=mu)
 
     def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: Flux2Layout):
-        """The references' tokens follow the target's in the image stream; only the target's rows are predicted."""
+        """The references' tokens follow the target's in the image stream; only the target's rows are predicted. A KV
+        checkpoint's references run once, here, and every step attends to their cached keys and values instead."""
         embeds = conditioning["embeds"]
         one = torch.arange(1)
         img_ids = torch.cartesian_prod(one, torch.arange(layout.rows), torch.arange(layout.cols), one).to(self.device)
@@ -148,13 +164,17 @@ class Flux2Pipeline(DiffusionPipeline):
         guidance = None
         if self.spec.guidance_mode == "embedded":
             guidance = torch.full((embeds.shape[0],), request.guidance, device=self.device, dtype=torch.float32)
-        references = layout.references
-        if references is not None:
+        references, cached = layout.references, None
+        if references is not None and caches_references(self.spec):
+            # The plain model: family.py refuses the plans whose forward would split the references' tokens or blocks.
+            with torch.inference_mode():
+                cached = self.parallelized.model.cache_references(references.to(self.dtype), layout.reference_ids)
+        elif references is not None:
             img_ids = torch.cat([img_ids, layout.reference_ids])
 
         def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-            if references is None:
-                return transformer(x, embeds, timestep, img_ids, txt_ids, guidance)
+            if references is None or cached is not None:
+                return transformer(x, embeds, timestep, img_ids, txt_ids, guidance, cached)
             joined = torch.cat([x, references.to(x.dtype).expand(x.shape[0], -1, -1)], dim=1)
             return transformer(joined, embeds, timestep, img_ids, txt_ids, guidance)[:, : x.shape[1]]
 
