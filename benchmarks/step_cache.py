@@ -44,8 +44,9 @@ SIZES = {"wan": {"height": 480, "width": 832, "frames": 81}}
 def caches(steps: int) -> dict[str, StepCacheConfig | None]:
     return {
         "none": None,
-        "mag every other": StepCacheConfig("mag", threshold=1.0, max_skip_steps=1, retention_ratio=4 / steps,
-                                           mag_ratios=(1.0,)),  # fmt: skip
+        "mag every other": StepCacheConfig(
+            "mag", threshold=1.0, max_skip_steps=1, retention_ratio=4 / steps, mag_ratios=(1.0,)
+        ),  # fmt: skip
         "taylorseer every other": StepCacheConfig("taylorseer", cache_interval=2, disable_cache_before_step=4),
         "first-block never": StepCacheConfig("first-block", threshold=0.0),
         "first-block always": StepCacheConfig("first-block", threshold=1e9),

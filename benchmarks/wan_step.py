@@ -48,24 +48,18 @@ def scaled_a14b_tflop(tokens: int) -> float:
     return linear + attention
 
 
-def build(workload: str, device: torch.device):
-    """paradit's transformer with random weights and diffusers' on the very same tensors, and one forward's inputs."""
-    from diffusers import WanTransformer3DModel
-
-    preset, height, width, frames, _ = WORKLOADS[workload]
-    spec = PRESETS[preset]
-    config = WanConfig.from_dict(spec.transformer)
+def build_paradit(workload: str, device: torch.device):
+    """paradit's transformer of ``workload``'s preset with random weights, and one forward's inputs."""
+    spec = PRESETS[WORKLOADS[workload][0]]
     with torch.device("meta"):
-        ours = WanTransformer(config)
+        ours = WanTransformer(WanConfig.from_dict(spec.transformer))
     init_dummy_weights(ours, device, torch.bfloat16)
-    ours.eval()
-    with torch.device("meta"):
-        reference = WanTransformer3DModel(**spec.transformer)
-    reference.load_state_dict(ours.state_dict(), assign=True, strict=True)
-    rope = reference.rope  # its tables are buffers outside the state dict: built again where the weights are
-    with torch.device(device):
-        reference.rope = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len)
-    reference.eval()
+    return spec, ours.eval(), *forward_inputs(workload, ours.config, device)
+
+
+def forward_inputs(workload: str, config: WanConfig, device: torch.device):
+    """((latents, timestep, text), token grid, tokens) of one forward at ``workload``'s size."""
+    spec, height, width, frames = PRESETS[WORKLOADS[workload][0]], *WORKLOADS[workload][1:4]
     temporal, spatial = vae_factors(spec.vae)
     gen = torch.Generator(device).manual_seed(0)
     shape = (1, config.in_channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)
@@ -75,7 +69,22 @@ def build(workload: str, device: torch.device):
     tokens = grid[0] * grid[1] * grid[2]
     per_token = spec.details.expand_timesteps
     timestep = torch.full((1, tokens) if per_token else (1,), 500.0, device=device)
-    return spec, ours, reference, (latents, timestep, text), grid, tokens
+    return (latents, timestep, text), grid, tokens
+
+
+def build(workload: str, device: torch.device):
+    """paradit's transformer with random weights and diffusers' on the very same tensors, and one forward's inputs."""
+    from diffusers import WanTransformer3DModel
+
+    spec, ours, inputs, grid, tokens = build_paradit(workload, device)
+    with torch.device("meta"):
+        reference = WanTransformer3DModel(**spec.transformer)
+    reference.load_state_dict(ours.state_dict(), assign=True, strict=True)
+    rope = reference.rope  # its tables are buffers outside the state dict: built again where the weights are
+    with torch.device(device):
+        reference.rope = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len)
+    reference.eval()
+    return spec, ours, reference, inputs, grid, tokens
 
 
 def attention_ms(spec, tokens: int, iters: int) -> float:

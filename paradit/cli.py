@@ -64,6 +64,13 @@ def positive(text: str) -> int:
     return value
 
 
+def nonnegative(text: str) -> int:
+    """A whole number of 0 or more (steps kept exact)."""
+    if (value := whole_number(text, "is not a whole number")) < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 or more")
+    return value
+
+
 def finite(text: str) -> float:
     if not math.isfinite(value := float(text)):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
@@ -105,6 +112,15 @@ def add_execution_options(parser: argparse.ArgumentParser) -> None:
         help="regional torch.compile of the repeated blocks (default: on GPUs only)",
     )  # fmt: skip
     parser.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
+    parser.add_argument(
+        "--attention", choices=["sdpa", "fp8"],
+        help="fp8: self-attention in 8 bits through paradit's Triton kernel (sm89+, MI300, RDNA 4; long sequences, "
+        "such as video); default sdpa",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attention-bf16-steps", type=nonnegative, default=0, metavar="N",
+        help="with --attention fp8: the first and last N steps attend exactly, in the run's dtype",
+    )  # fmt: skip
     parser.add_argument(
         "--swap-experts", action="store_true",
         help="models with two experts: one expert on the GPU, the other in pinned host memory, swapped at "
@@ -322,6 +338,7 @@ def asked_for(args: argparse.Namespace):
         flag("comm_dtype", None), flag("patches", None), flag("warmup_steps", None), args.quantize, args.compile,
         args.cuda_graphs or None, args.swap_experts, args.max_gpu_memory, args.text_encoder_placement,
         shard_weights=flag("shard_weights", None), lora=(served_lora_set if args.run is run_serve else lora_set)(args),
+        attention=args.attention, attention_bf16_steps=args.attention_bf16_steps,
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from paradit.errors import CheckpointError
 from paradit.expert_swap import ExpertSwap
 from paradit.families import FAMILIES
 from paradit.family import Family
+from paradit.layers.attention import use_fp8_attention
 from paradit.layers.fp8 import fp8_dtype
 from paradit.lora import LoraSet
 from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
@@ -50,19 +51,25 @@ class WorkerPlan:
 
 def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                      parallel: ParallelContext | None = None, quantize: str = "none",
-                     component: str = "transformer", lora: LoraSet | None = None) -> Parallelized:  # fmt: skip
+                     component: str = "transformer", lora: LoraSet | None = None,
+                     options: ExecutionOptions | None = None) -> Parallelized:  # fmt: skip
     """This rank's transformer, parallelized: built and parallelized on the meta device, then only the tensors the
     rank kept are read from ``spec``'s transformer folder or drawn at random. ``quantize="fp8"`` converts the
     quantizable linears as they load; an FP8 checkpoint's linears load as FP8 whatever ``quantize`` says. No check
     that FP8 can run here: converting on the CPU is allowed (``ExecutionOptions.validate`` guards execution).
     ``component``: another transformer of the checkpoint (``spec.experts``; ``spec.transformer`` is its config).
-    ``lora``: adapters fused into the weights as they are read, or side paths added beside the linears."""
+    ``lora``: adapters fused into the weights as they are read, or side paths added beside the linears.
+    ``options``: its attention kernel, chosen before parallelism wraps the attention."""
     with torch.device("meta"):
         plain = family.build_transformer(spec).eval()
     names = ModelNames(plain)
     refs = lora.of(component) if lora else ()
     updates = read_updates(family.lora_loader, refs, plain, component) if refs else {}  # the whole model's names
+    fp8_attention = None
+    if options is not None and options.attention == "fp8":
+        fp8_attention = use_fp8_attention(plain, options.attention_bf16_steps)
     parallelized = parallelize(plain, family.tensor_plan, parallel)
+    parallelized.attention = fp8_attention
     fp8 = fp8_load(plain, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
     if updates and not lora.fused:  # a server's named adapters start unchosen; a run's all apply at their scales
         scales = {} if lora.switchable else {adapter_key(ref, index): 1.0 for index, ref in enumerate(refs)}
@@ -120,7 +127,7 @@ def load_pipeline(spec: ModelSpec, device: torch.device, dtype: torch.dtype, con
     for component, config in {**spec.experts, "transformer": spec.transformer}.items():
         component_spec = dataclasses.replace(spec, transformer=config)
         loaded = load_transformer(family, component_spec, device, dtype, context, options.quantize, component,
-                                  options.lora)  # fmt: skip
+                                  options.lora, options)  # fmt: skip
         loaded.forward = apply_execution_options(loaded, options, device)
         experts[component] = loaded
         if swap is not None:

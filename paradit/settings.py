@@ -107,6 +107,8 @@ class Asked:
     text_encoder_placement: str = "auto"
     shard_weights: int | None = None
     lora: LoraSet | None = None
+    attention: str | None = None
+    attention_bf16_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = N
         quantize=asked.quantize or (planned.quantize if planned else "none"), compile=asked.compile,
         cuda_graphs=bool(asked.cuda_graphs or (planned and planned.cuda_graphs)),
         swap_experts=asked.swap_experts or bool(planned and planned.swap_experts), lora=asked.lora or LoraSet(),
+        attention=asked.attention or "sdpa", attention_bf16_steps=asked.attention_bf16_steps,
     )  # fmt: skip
     return parallel, options, placement, planned.origin if planned else None
 

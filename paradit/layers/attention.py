@@ -50,6 +50,9 @@ class AttentionDispatch(torch.nn.Module):
 
     def __init__(self, sequence_streams: tuple[str, ...] | None = None) -> None:
         super().__init__()
+        # ``kernel`` attends whole keys on this device (SDPA, or the run's FP8Attention); the parallel runtime wraps
+        # it (``attention_fn``) in what attends across the group.
+        self.kernel: AttentionFn = sdpa_attention
         self.attention_fn: AttentionFn = sdpa_attention
         self.sequence_streams = sequence_streams
 
@@ -60,6 +63,61 @@ class AttentionDispatch(torch.nn.Module):
 
     def set_attention_fn(self, fn: AttentionFn) -> None:
         self.attention_fn = fn
+
+    def set_kernel(self, kernel: AttentionFn) -> None:
+        """Attend with ``kernel``: before parallelism wraps it."""
+        self.kernel = self.attention_fn = kernel
+
+
+ATTENTIONS = ("sdpa", "fp8")
+# Keys below which FP8 attention does not pay (benchmarks/fp8_attention.py: its pre-pass and launch outweigh the
+# faster tiles); such calls stay exact.
+FP8_MIN_KEYS = 8192
+
+
+class FP8Attention:
+    """``--attention fp8``: the self-attention of every step through the FP8 kernel, except the first and last
+    ``exact_steps`` of a request and calls over fewer than ``FP8_MIN_KEYS`` keys, which SDPA attends exactly. One per
+    transformer, shared by its modules; the pipeline calls ``begin_step`` before each step (compiled blocks keep a graph
+    for each value of ``fp8_now``, a plain attribute they guard on)."""
+
+    def __init__(self, exact_steps: int = 0) -> None:
+        from paradit.layers.fp8_attention import fp8_attention_with_lse  # imports Triton: only runs that use it
+
+        self.fp8_kernel = fp8_attention_with_lse
+        self.exact_steps, self.fp8_now = exact_steps, True
+
+    def begin_step(self, step: int, steps: int) -> None:
+        self.fp8_now = self.exact_steps <= step < steps - self.exact_steps
+
+    def uses_fp8(self, key: torch.Tensor) -> bool:
+        # The crossover is a GPU's; Triton's interpreter on the CPU (the tests) runs every call through the kernel.
+        return self.fp8_now and (key.shape[1] >= FP8_MIN_KEYS or not key.is_cuda)
+
+    def __call__(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.uses_fp8(key):
+            return self.fp8_kernel(query, key, value, key_mask)[0]
+        return sdpa_attention(query, key, value, key_mask)
+
+    def with_lse(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``attention_with_lse`` gives, through the kernel ``__call__`` would use."""
+        if self.uses_fp8(key):
+            return self.fp8_kernel(query, key, value, key_mask)
+        return attention_with_lse(query, key, value, key_mask)
+
+
+def use_fp8_attention(model: nn.Module, exact_steps: int) -> FP8Attention:
+    """Every self-attention of the plain ``model`` (modules whose keys are its token streams) through one
+    FP8Attention; cross-attention to the text (``sequence_streams`` empty: a few hundred keys) stays on SDPA."""
+    kernel = FP8Attention(exact_steps)
+    for module in model.modules():
+        if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
+            module.set_kernel(kernel)
+    return kernel
 
 
 def attention_with_lse(

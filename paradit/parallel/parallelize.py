@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from paradit.layers.attention import FP8Attention
 from paradit.parallel.cfg import BatchedBranches, SplitBranches, guidance_branches
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.patch_loop import BandMask, denoise_by_patches
@@ -97,7 +98,8 @@ class Parallelized:
     compilation act on); ``forward`` what to call in its place; ``slices`` the part of each sharded tensor this rank
     loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop;
     ``vae_decode``/``vae_encode`` the VAE's (by the group if any, a band each; encode gives the latent distribution);
-    ``choose_adapters`` runs a batch's choice of a server's adapters (name -> scale; None: it has none to choose)."""
+    ``choose_adapters`` runs a batch's choice of a server's adapters (name -> scale; None: it has none to choose);
+    ``attention`` the FP8 attention its modules share, told each step (None: SDPA)."""
 
     model: nn.Module
     forward: nn.Module
@@ -107,6 +109,7 @@ class Parallelized:
     vae_decode: Callable[[nn.Module, torch.Tensor], torch.Tensor] = plain_vae_decode
     vae_encode: Callable[[nn.Module, torch.Tensor], Any] = plain_vae_encode
     choose_adapters: Callable[[dict[str, float]], None] | None = None
+    attention: FP8Attention | None = None
 
 
 def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: ParallelContext | None) -> Parallelized:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paradit.errors import InvalidRequest
-from paradit.layers.attention import AttentionDispatch, sdpa_attention
+from paradit.layers.attention import AttentionDispatch, AttentionFn, sdpa_attention
 from paradit.parallel.comm import broadcast, split_sizes
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.sequence import SequenceParallel, narrow_streams, scoped, sequence_layout, stream_lengths
@@ -83,8 +83,8 @@ class StaleKVAttention:
     """One attention layer's K/V buffer over its streams' whole sequence: the tokens in flight (their ``Window``) write
     their rows (and key mask's), then attend to every row (this step's where written, else the previous step's)."""
 
-    def __init__(self, streams: tuple[str, ...]) -> None:
-        self.streams = streams
+    def __init__(self, streams: tuple[str, ...], kernel: AttentionFn = sdpa_attention) -> None:
+        self.streams, self.kernel = streams, kernel
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
@@ -110,7 +110,7 @@ class StaleKVAttention:
             self.value[:, target : target + count] = value[:, source : source + count]
             if key_mask is not None and self.mask is not None:
                 self.mask[:, target : target + count] = key_mask[:, source : source + count]
-        return sdpa_attention(query, self.key, self.value, self.mask)
+        return self.kernel(query, self.key, self.value, self.mask)
 
 
 def band_rows(length: int, band: int, bands: int, lead: int = 0) -> tuple[int, int]:
@@ -203,7 +203,7 @@ class PipeFusion(nn.Module):
             if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
                 if module.sequence_streams is None:
                     raise InvalidRequest(f"pipefusion needs {type(module).__name__} to name its streams in order")
-                stale = StaleKVAttention(module.sequence_streams)
+                stale = StaleKVAttention(module.sequence_streams, module.kernel)
                 if self.sequence is not None:
                     self.sequence.set_local_attention(module, stale)
                 else:

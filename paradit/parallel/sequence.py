@@ -24,7 +24,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from paradit.layers.attention import AttentionDispatch, AttentionFn, attention_with_lse, sdpa_attention
+from paradit.layers.attention import AttentionDispatch, AttentionFn, FP8Attention, attention_with_lse, sdpa_attention
 from paradit.parallel.comm import RingExchange, all_gather_uneven, split_sizes, start_all_to_all_uneven
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.transport import decode_fp8_rows, encode_fp8_rows
@@ -52,6 +52,25 @@ def scoped(var: ContextVar, value) -> Iterator[None]:
 def sequence_layout(sizes: dict[str, list[int]]) -> contextlib.AbstractContextManager[None]:
     """Attention calls inside see ``sizes`` (stream -> tokens per sequence rank) as their forward's layout."""
     return scoped(_LAYOUT, sizes)
+
+
+def merge_partials(out_acc: torch.Tensor | None, lse_acc: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The attention over two key blocks from each one's: ``out`` (B, L, H, D) and ``lse`` (B, H, L) of the new block
+    merged into the running fp32 (``out_acc``, ``lse_acc`` (B, L, H, 1); None for the first block)."""
+    lse = lse.transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1), aligned with out
+    if out_acc is None:
+        return out.float(), lse
+    merged = torch.logaddexp(lse_acc, lse)
+    # A query with every key masked so far has lse -inf on both sides; its weights stay 0, not NaN.
+    merged_safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
+    return out_acc * torch.exp(lse_acc - merged_safe) + out.float() * torch.exp(lse - merged_safe), merged
+
+
+def blockwise(local: AttentionFn) -> bool:
+    """Whether ``local`` attends whatever keys it is given (SDPA, the FP8 kernel), so that Ring feeds it one block at a
+    time and Ulysses a chunk of heads; PipeFusion's buffer attention needs the whole sequence at once."""
+    return local is sdpa_attention or isinstance(local, FP8Attention)
 
 
 class SequenceParallelAttention:
@@ -129,7 +148,7 @@ class SequenceParallelAttention:
         """(B, L_me, H, D) -> the same: the group's tokens for a share of the heads, attended (``_attend``), sent back.
         Plain SDPA without Ring runs in overlapped head chunks: exact, heads being independent."""
         heads, dtype = q.shape[2], q.dtype
-        count = ULYSSES_CHUNKS if self.ring == 1 and local is sdpa_attention else 1
+        count = ULYSSES_CHUNKS if self.ring == 1 and blockwise(local) else 1
         chunks = [self._head_ranges(heads, c, count) for c in range(count)]
         chunks = [ranges for ranges in chunks if any(n for _, n in ranges)]
         key_mask = None if key_mask is None else self.gather_key_mask(key_mask)
@@ -149,19 +168,19 @@ class SequenceParallelAttention:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                 local: AttentionFn) -> torch.Tensor:  # fmt: skip
-        """``local`` on this rank's heads over the call's whole sequence: with Ring, plain SDPA runs block by block as
-        the K/V blocks travel; any other local attention (PipeFusion's K/V buffer) needs every key at once, so the
-        ring members' K/V are all-gathered for it instead (the same bytes, without the overlap)."""
+        """``local`` on this rank's heads over the call's whole sequence: with Ring, a ``blockwise`` kernel runs block
+        by block as the K/V blocks travel; any other local attention (PipeFusion's K/V buffer) needs every key at once,
+        so the ring members' K/V are all-gathered for it instead (the same bytes, without the overlap)."""
         if self.ring == 1:
             return local(q, k, v, key_mask)
-        if local is sdpa_attention:
-            return self.ring_attention(q, k, v, key_mask)
+        if blockwise(local):
+            return self.ring_attention(q, k, v, key_mask, getattr(local, "with_lse", attention_with_lse))
         return local(q, *self.ring_gather(k, v, key_mask))
 
-    def ring_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Exact attention of local queries over all ring ranks' K/V block-wise; ``key_mask`` is Ulysses-gathered."""
+    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                       with_lse=attention_with_lse) -> torch.Tensor:  # fmt: skip
+        """Attention of local queries over all ring ranks' K/V block-wise, each block through ``with_lse`` (exact:
+        ``attention_with_lse``), merged by log-sum-exp; ``key_mask`` is Ulysses-gathered."""
         lengths = self._ring_lengths()
         me = self.context.local_rank("ring")
         ring_group = self.context.group("ring")
@@ -177,16 +196,8 @@ class SequenceParallelAttention:
                 length = lengths[(source - 1) % self.ring]
                 shapes = [(t.shape[0], length, *t.shape[2:]) for t in wire]
                 next_wire, pending = self.ring_exchange.start(wire, shapes)
-            out, lse = attention_with_lse(q, *kv, masks[source] if masks else None)
-            lse = lse.transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1), aligned with out
-            if out_acc is None:
-                out_acc, lse_acc = out.float(), lse
-            else:
-                merged = torch.logaddexp(lse_acc, lse)
-                # A query with every key masked so far has lse -inf on both sides; its weights stay 0, not NaN.
-                merged_safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
-                out_acc = out_acc * torch.exp(lse_acc - merged_safe) + out.float() * torch.exp(lse - merged_safe)
-                lse_acc = merged
+            out, lse = with_lse(q, *kv, masks[source] if masks else None)
+            out_acc, lse_acc = merge_partials(out_acc, lse_acc, out, lse)
             if step + 1 < self.ring:
                 for work in pending:
                     work.wait()
@@ -269,7 +280,7 @@ class SequenceParallel(nn.Module):
         self.attention = SequenceParallelAttention(context)
         for module in model.modules():
             if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
-                self.set_local_attention(module, sdpa_attention)
+                self.set_local_attention(module, module.kernel)
 
     @property
     def config(self):

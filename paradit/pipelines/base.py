@@ -322,10 +322,13 @@ class DiffusionPipeline(ABC):
             latents, scheduler, timesteps = self.start_from_image(resolved, latents, scheduler, timesteps)
         record = self.begin_caching(requests, resolved, len(timesteps))
         clock = StepClock(self.device)
+        fp8_attention = [each.attention for each in (self.parallelized, *self.experts.values()) if each.attention]
         finite: list[torch.Tensor] = []  # per step begun: whether all its predictions were finite
 
         def mark_step() -> None:
             clock.mark()
+            for kernel in fp8_attention:
+                kernel.begin_step(len(clock.marks) - 1, len(timesteps))
             finite.append(torch.ones((), dtype=torch.bool, device=self.device))
             if on_step is not None:
                 on_step(len(clock.marks) - 1)

@@ -1,0 +1,299 @@
+"""FP8 attention: a Triton kernel of our own, because PyTorch's SDPA has no FP8 path and the vendors' FP8 kernels
+(FlashAttention-3, AITER, FlyDSL) each run on one vendor's GPUs only. Triton compiles the same source for CUDA and ROCm.
+
+The method is SageAttention's, in the variant the GPU multiplies fastest:
+
+- **Q·Kᵀ in 8 bits** (FP8, or INT8 where ``QK_FORMATS`` says so), both scaled per block: each query block's scale
+  is taken as it is loaded (no pass over Q), each key block's by a pre-pass over K (K is read once per query block,
+  so halving its bytes pays; Q is read once). K is first smoothed: its mean over the tokens is subtracted, which
+  adds the same constant to every score of a query, leaves the softmax unchanged and shrinks the range the 8 bits
+  must cover (keys share a large common component). The log-sum-exp gets the constant back (``q·mean``), so Ring
+  attention merges partial results exactly as it merges SDPA's.
+- **P·V in FP8**: P (in [0, 1] under the online softmax) scaled to the format's maximum, V per channel (pre-pass,
+  stored transposed: FP8 tensor cores take the reduced dimension contiguous), fp32 accumulation.
+- **Online softmax** in fp32, base 2, as FlashAttention does.
+
+The pre-pass (K's mean and V's channel maxima by torch, one Triton pass writing both in 8 bits) reads K and V twice
+and writes them once: at Wan 720p 1.5 ms beside 190 ms of attention. tests/test_fp8_attention.py derives the error.
+Must not import torch.distributed."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: ``check_fp8_attention`` names what to install
+    triton = None
+
+from paradit.errors import InvalidRequest
+from paradit.layers.fp8 import fp8_dtype
+
+# Key tokens per K scale: finer blocks follow the keys' range more closely; the kernel's key tile is a multiple.
+K_QUANT_BLOCK = 64
+# The key length is padded to this (the largest key tile), so the kernel reads whole tiles without bounds checks.
+K_PAD = 256
+INT8_MAX = 127.0
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_fp8_attention(device: torch.device) -> None:
+    """Refuse ``--attention fp8`` where the kernel cannot run, naming what would."""
+    problem = None
+    if triton is None:
+        problem = "FP8 attention needs Triton (pip install triton; ROCm builds of PyTorch bring pytorch-triton-rocm)"
+    elif device.type == "cpu" and not interpreting():
+        problem = "FP8 attention needs a GPU; on the CPU only Triton's interpreter runs it (TRITON_INTERPRET=1)"
+    elif device.type == "cuda" and torch.version.hip is not None:
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        if not arch.startswith(("gfx94", "gfx95", "gfx12")):
+            problem = f"FP8 attention needs FP8 matrix cores (MI300-class or RDNA 4); this GPU is {arch}"
+    elif device.type == "cuda" and (capability := torch.cuda.get_device_capability(device)) < (8, 9):
+        version = ".".join(map(str, capability))
+        problem = f"FP8 attention needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); this GPU is {version}"
+    if problem:
+        raise InvalidRequest(f"{problem}; run with --attention sdpa", param="attention")
+
+
+def qk_format(device: torch.device) -> torch.dtype:
+    """The 8-bit format of Q·Kᵀ: INT8 where its tensor cores run at FP8's rate (Hopper, MI300 and RDNA 4 do), since
+    INT8 under a per-block scale resolves 1/127 of the block's range everywhere, where FP8 keeps 3 mantissa bits."""
+    return torch.int8
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_8bit(x, DTYPE: tl.constexpr, ROUND: tl.constexpr, TINY: tl.constexpr):
+        """``x`` (already within the format's range) in ``DTYPE``: INT8 rounded half away from zero (the conversion
+        truncates), FP8 to nearest. ``ROUND`` first rounds FP8's values in fp32 arithmetic, for Triton's interpreter,
+        whose own conversion rounds wrongly (125.4 becomes 64); a GPU's conversion instruction rounds to nearest."""
+        if DTYPE == tl.int8:
+            x = tl.where(x >= 0, x + 0.5, x - 0.5)
+        elif ROUND:
+            split = x * 1048577.0  # 2^20 + 1: Veltkamp's split keeps fp32's 4 leading bits (FP8's), to nearest
+            normal = split - (split - x)
+            # Below the smallest normal ``TINY`` the grid is fixed (steps of TINY / 2^3: three mantissa bits), and
+            # adding 1.5 * 2^23 steps rounds to a multiple of one.
+            magic = TINY / 8.0 * 12582912.0
+            x = tl.where(tl.abs(x) < TINY, (x + magic) - magic, normal)
+        return x.to(DTYPE)
+
+    @triton.jit
+    def _quantize_keys_values(K, V, K_MEAN, V_SCALE, K_OUT, K_SCALE, V_OUT, length, heads,
+                              stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+                              padded, QMAX: tl.constexpr, VMAX: tl.constexpr, BLOCK: tl.constexpr,
+                              HEAD_DIM: tl.constexpr, ROUND: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
+        """One block of ``BLOCK`` tokens of one (batch, head): K smoothed and scaled to 8 bits (one scale for the
+        block), V divided by its channel scales and stored transposed ((batch, head, dim, padded length)). Rows past
+        ``length`` are written as zeros."""
+        block, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // heads, bh % heads
+        rows = block * BLOCK + tl.arange(0, BLOCK)
+        dims = tl.arange(0, HEAD_DIM)
+        real = rows[:, None] < length
+        k = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_kl + dims[None, :], mask=real, other=0.0)
+        mean = tl.load(K_MEAN + bh * HEAD_DIM + dims)
+        k = tl.where(real, k.to(tl.float32) - mean[None, :], 0.0)
+        scale = tl.maximum(tl.max(tl.abs(k)), 1e-30) / QMAX
+        k = _to_8bit(k / scale, K_OUT.dtype.element_ty, ROUND, TINY)
+        tl.store(K_OUT + bh * padded * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :], k)
+        tl.store(K_SCALE + bh * (padded // BLOCK) + block, scale)
+        v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vl + dims[None, :], mask=real, other=0.0)
+        v = v.to(tl.float32) / tl.load(V_SCALE + bh * HEAD_DIM + dims)[None, :]
+        v = tl.minimum(tl.maximum(v, -VMAX), VMAX)
+        tl.store(V_OUT + bh * HEAD_DIM * padded + dims[:, None] * padded + rows[None, :],
+                 _to_8bit(tl.trans(v), V_OUT.dtype.element_ty, ROUND, TINY))  # fmt: skip
+
+    @triton.jit
+    def _attend_tile(acc, m_i, l_i, q, k_ptrs, k_scale_ptrs, v_ptrs, qk_scale, keys, key_mask_ptrs,
+                     start, valid_length, QK_INT8: tl.constexpr, PMAX: tl.constexpr, CHECK: tl.constexpr,
+                     HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+                     ROUND: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
+        """One key tile folded into the running (acc, max, sum), scores in base 2."""
+        k = tl.load(k_ptrs)
+        if QK_INT8:
+            scores = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32)
+        else:
+            scores = tl.dot(q, k)
+        if BLOCK_N == QUANT_BLOCK:  # one scale for the tile
+            scores = scores * (qk_scale * tl.load(k_scale_ptrs + start // QUANT_BLOCK))
+        else:
+            scores = scores * (qk_scale * tl.load(k_scale_ptrs + (start + keys) // QUANT_BLOCK))[None, :]
+        if CHECK:
+            scores = tl.where((start + keys)[None, :] < valid_length, scores, float("-inf"))
+        if HAS_MASK:
+            scores = tl.where(tl.load(key_mask_ptrs + start + keys)[None, :] != 0, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key yet: weights 0, not NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs)
+        acc = tl.dot(_to_8bit(p * PMAX, v.dtype, ROUND, TINY), tl.trans(v), acc * alpha[:, None])
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _fp8_attention_forward(Q, K8, K_SCALE, V8, V_SCALE, K_MEAN, KEY_MASK, OUT, LSE, q_length, k_length, heads,
+                               padded, stride_qb, stride_ql, stride_qh, stride_ob, stride_ol, stride_oh, sm_scale,
+                               QMAX: tl.constexpr, PMAX: tl.constexpr, QK_INT8: tl.constexpr,
+                               HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND: tl.constexpr,
+                               TINY: tl.constexpr):  # fmt: skip
+        """One block of ``BLOCK_M`` queries of one (batch, head) against every key."""
+        block, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // heads, bh % heads
+        queries = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, HEAD_DIM)
+        keys = tl.arange(0, BLOCK_N)
+        q_ptrs = Q + b * stride_qb + h * stride_qh + queries[:, None] * stride_ql + dims[None, :]
+        q = tl.load(q_ptrs, mask=queries[:, None] < q_length, other=0.0).to(tl.float32)
+        # The constant that K's smoothing took from every score of a query, for its log-sum-exp.
+        q_mean = tl.sum(q * tl.load(K_MEAN + bh * HEAD_DIM + dims)[None, :], 1)
+        q_scale = tl.maximum(tl.max(tl.abs(q)), 1e-30) / QMAX
+        q = _to_8bit(q / q_scale, K8.dtype.element_ty, ROUND, TINY)
+        qk_scale = sm_scale * 1.4426950408889634 * q_scale  # softmax in base 2
+        k_ptrs = K8 + bh * padded * HEAD_DIM + keys[None, :] * HEAD_DIM + dims[:, None]  # (dim, keys)
+        v_ptrs = V8 + bh * HEAD_DIM * padded + dims[:, None] * padded + keys[None, :]  # (dim, keys)
+        k_scale_ptrs = K_SCALE + bh * (padded // QUANT_BLOCK)
+        key_mask_ptrs = KEY_MASK + b * padded
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        whole = k_length // BLOCK_N * BLOCK_N  # tiles every key of which is real: no bounds check
+        for start in range(0, whole, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptrs + start * HEAD_DIM, k_scale_ptrs, v_ptrs + start,
+                                         qk_scale, keys, key_mask_ptrs, start, k_length, QK_INT8, PMAX, False,
+                                         HAS_MASK, BLOCK_N, QUANT_BLOCK, ROUND, TINY)  # fmt: skip
+        if whole < k_length:
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptrs + whole * HEAD_DIM, k_scale_ptrs, v_ptrs + whole,
+                                         qk_scale, keys, key_mask_ptrs, whole, k_length, QK_INT8, PMAX, True,
+                                         HAS_MASK, BLOCK_N, QUANT_BLOCK, ROUND, TINY)  # fmt: skip
+        v_scale = tl.load(V_SCALE + bh * HEAD_DIM + dims)
+        empty = l_i == 0.0  # every key masked: output 0, log-sum-exp -inf (nothing when merged)
+        out = acc * v_scale[None, :] / (PMAX * tl.where(empty, 1.0, l_i))[:, None]
+        o_ptrs = OUT + b * stride_ob + h * stride_oh + queries[:, None] * stride_ol + dims[None, :]
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=queries[:, None] < q_length)
+        lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453 + q_mean * sm_scale
+        tl.store(LSE + bh * q_length + queries, tl.where(empty, float("-inf"), lse), mask=queries < q_length)
+
+
+def _configs(device: torch.device) -> list[tuple[int, int, int, int]]:
+    """(query tile, key tile, warps, stages) to try; one under the interpreter, where timing means nothing."""
+    if interpreting() or device.type == "cpu":
+        return [(128, 128, 4, 1)]
+    return [
+        (64, 128, 4, 3),
+        (64, 128, 4, 4),
+        (64, 64, 4, 4),
+        (128, 128, 8, 3),
+        (64, 256, 4, 2),
+        (64, 256, 8, 3),
+        (128, 256, 8, 2),
+    ]
+
+
+_CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # (device, head dim, formats) -> the fastest config measured
+
+
+def rounding(dtype: torch.dtype) -> dict:
+    """``_to_8bit``'s constants for FP8 format ``dtype``: whether to round in fp32 (under the interpreter), and the
+    format's smallest normal."""
+    return {"ROUND": interpreting(), "TINY": torch.finfo(dtype).tiny}
+
+
+def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype):
+    """The pre-pass: (K in 8 bits (B, H, padded, D), its per-block scales, K's mean (B, H, D) in fp32, V in FP8
+    transposed (B, H, D, padded), its channel scales (B, H, D))."""
+    batch, length, heads, dim = key.shape
+    padded = -(-length // K_PAD) * K_PAD
+    k_mean = key.mean(dim=1, dtype=torch.float32).contiguous()  # (B, H, D)
+    vmax = torch.finfo(pv_dtype).max
+    v_scale = (value.abs().amax(dim=1).float().clamp(min=1e-30) / vmax).contiguous()
+    k8 = torch.empty(batch, heads, padded, dim, dtype=qk_dtype, device=key.device)
+    k_scale = torch.empty(batch, heads, padded // K_QUANT_BLOCK, dtype=torch.float32, device=key.device)
+    v8 = torch.empty(batch, heads, dim, padded, dtype=pv_dtype, device=key.device)
+    qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
+    grid = (padded // K_QUANT_BLOCK, batch * heads)
+    _quantize_keys_values[grid](key, value, k_mean, v_scale, k8, k_scale, v8, length, heads, key.stride(0),
+                                key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+                                padded, QMAX=qmax, VMAX=vmax, BLOCK=K_QUANT_BLOCK, HEAD_DIM=dim,
+                                **rounding(pv_dtype))  # fmt: skip
+    return k8, k_scale, k_mean, v8, v_scale
+
+
+# An operator of its own, so that compiled blocks call the kernel as one opaque step instead of breaking their graph
+# (Dynamo cannot trace the tuning and the launch); the fake gives the shapes for tracing.
+@torch.library.custom_op("paradit::fp8_attention", mutates_args=())
+def fp8_attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of (batch, tokens, heads, head_dim) tensors in 8 bits, and each query's log-sum-exp (batch, heads,
+    q_len) in fp32, as ``attention_with_lse`` gives them. ``key_mask`` (batch, keys) is False for padding."""
+    batch, q_length, heads, dim = query.shape
+    k_length = key.shape[1]
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    pv_dtype = fp8_dtype(query.device)
+    qk_dtype = qk_format(query.device)
+    k8, k_scale, k_mean, v8, v_scale = quantize_keys_values(key, value, qk_dtype, pv_dtype)
+    padded = k8.shape[2]
+    if key_mask is not None:
+        mask = torch.zeros(batch, padded, dtype=torch.uint8, device=query.device)
+        mask[:, :k_length] = key_mask
+    else:
+        mask = k_scale  # never read: HAS_MASK is off
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    lse = torch.empty(batch, heads, q_length, dtype=torch.float32, device=query.device)
+    qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
+    args = (query, k8, k_scale, v8, v_scale, k_mean, mask, out, lse, q_length, k_length, heads, padded,
+            query.stride(0), query.stride(1), query.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            dim**-0.5)  # fmt: skip
+    constants = {"QMAX": qmax, "PMAX": torch.finfo(pv_dtype).max, "QK_INT8": qk_dtype == torch.int8,
+                 "HAS_MASK": key_mask is not None, **rounding(pv_dtype),
+                 "HEAD_DIM": dim, "QUANT_BLOCK": K_QUANT_BLOCK}  # fmt: skip
+
+    def launch(config: tuple[int, int, int, int]) -> None:
+        block_m, block_n, warps, stages = config
+        grid = (triton.cdiv(q_length, block_m), batch * heads)
+        _fp8_attention_forward[grid](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                     num_stages=stages)  # fmt: skip
+
+    chosen = _CHOSEN.get(tuning_key := (query.device, dim, qk_dtype, pv_dtype))
+    if chosen is None:
+        chosen = _CHOSEN[tuning_key] = fastest(launch, _configs(query.device))
+    launch(chosen)
+    return out, lse
+
+
+@fp8_attention_with_lse.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None):
+    lse = query.new_empty(query.shape[0], query.shape[2], query.shape[1], dtype=torch.float32)
+    return torch.empty_like(query, memory_format=torch.contiguous_format), lse
+
+
+def fastest(launch, configs: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
+    """The config that runs ``launch`` fastest on this GPU (Triton's own benchmark helper), once per process:
+    tiles that suit Hopper's tensor cores do not suit RDNA 4's. A config the compiler refuses (too much shared
+    memory, or registers the compiler cannot fit) is skipped."""
+    if len(configs) == 1:
+        return configs[0]
+    timed = {}
+    for config in configs:
+        try:
+            timed[config] = triton.testing.do_bench(lambda config=config: launch(config), warmup=5, rep=20)
+        except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError):
+            continue
+    return min(timed, key=timed.get)
+
+
+def fp8_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    return fp8_attention_with_lse(query, key, value, key_mask)[0]
