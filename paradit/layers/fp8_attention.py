@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -86,18 +87,18 @@ if triton is not None:
         return x.to(DTYPE)
 
     @triton.jit
-    def _quantize_keys_values(K, V, K_MEAN, V_SCALE, K_OUT, K_SCALE, V_OUT, length, heads,
+    def _quantize_keys_values(K, V, K_MEAN, V_SCALE, K_OUT, K_SCALE, V_OUT, length, heads, dim,
                               stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
                               padded, QMAX: tl.constexpr, VMAX: tl.constexpr, BLOCK: tl.constexpr,
                               HEAD_DIM: tl.constexpr, ROUND: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
         """One block of ``BLOCK`` tokens of one (batch, head): K smoothed and scaled to 8 bits (one scale for the
         block), V divided by its channel scales and stored transposed ((batch, head, dim, padded length)). Rows past
-        ``length`` are written as zeros."""
+        ``length`` and channels past ``dim`` (``HEAD_DIM`` is a power of two, as tiles must be) are written as zeros."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         rows = block * BLOCK + tl.arange(0, BLOCK)
         dims = tl.arange(0, HEAD_DIM)
-        real = rows[:, None] < length
+        real = (rows[:, None] < length) & (dims[None, :] < dim)
         k = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_kl + dims[None, :], mask=real, other=0.0)
         mean = tl.load(K_MEAN + bh * HEAD_DIM + dims)
         k = tl.where(real, k.to(tl.float32) - mean[None, :], 0.0)
@@ -140,7 +141,7 @@ if triton is not None:
         return acc, m_new, l_i
 
     @triton.jit
-    def _fp8_attention_forward(Q, K8, K_SCALE, V8, V_SCALE, K_MEAN, KEY_MASK, OUT, LSE, q_length, k_length, heads,
+    def _fp8_attention_forward(Q, K8, K_SCALE, V8, V_SCALE, K_MEAN, KEY_MASK, OUT, LSE, q_length, k_length, heads, dim,
                                padded, stride_qb, stride_ql, stride_qh, stride_ob, stride_ol, stride_oh, sm_scale,
                                QMAX: tl.constexpr, PMAX: tl.constexpr, QK_INT8: tl.constexpr,
                                HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_BLOCK: tl.constexpr,
@@ -153,7 +154,8 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         keys = tl.arange(0, BLOCK_N)
         q_ptrs = Q + b * stride_qb + h * stride_qh + queries[:, None] * stride_ql + dims[None, :]
-        q = tl.load(q_ptrs, mask=queries[:, None] < q_length, other=0.0).to(tl.float32)
+        real = (queries[:, None] < q_length) & (dims[None, :] < dim)
+        q = tl.load(q_ptrs, mask=real, other=0.0).to(tl.float32)
         # The constant that K's smoothing took from every score of a query, for its log-sum-exp.
         q_mean = tl.sum(q * tl.load(K_MEAN + bh * HEAD_DIM + dims)[None, :], 1)
         q_scale = tl.maximum(tl.max(tl.abs(q)), 1e-30) / QMAX
@@ -179,7 +181,7 @@ if triton is not None:
         empty = l_i == 0.0  # every key masked: output 0, log-sum-exp -inf (nothing when merged)
         out = acc * v_scale[None, :] / (PMAX * tl.where(empty, 1.0, l_i))[:, None]
         o_ptrs = OUT + b * stride_ob + h * stride_oh + queries[:, None] * stride_ol + dims[None, :]
-        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=queries[:, None] < q_length)
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=real)
         lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453 + q_mean * sm_scale
         tl.store(LSE + bh * q_length + queries, tl.where(empty, float("-inf"), lse), mask=queries < q_length)
 
@@ -187,7 +189,7 @@ if triton is not None:
 def _configs(device: torch.device) -> list[tuple[int, int, int, int]]:
     """(query tile, key tile, warps, stages) to try; one under the interpreter, where timing means nothing."""
     if interpreting() or device.type == "cpu":
-        return [(128, 128, 4, 1)]
+        return [(256, 256, 4, 1)]
     return [
         (64, 128, 4, 3),
         (64, 128, 4, 4),
@@ -208,22 +210,28 @@ def rounding(dtype: torch.dtype) -> dict:
     return {"ROUND": interpreting(), "TINY": torch.finfo(dtype).tiny}
 
 
+def tile_width(dim: int) -> int:
+    """The head dim as tiles hold it: a power of two (Triton's shapes), at least 32 (INT8 tensor cores' depth)."""
+    return max(32, triton.next_power_of_2(dim))
+
+
 def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype):
-    """The pre-pass: (K in 8 bits (B, H, padded, D), its per-block scales, K's mean (B, H, D) in fp32, V in FP8
-    transposed (B, H, D, padded), its channel scales (B, H, D))."""
+    """The pre-pass: (K in 8 bits (B, H, padded, W), its per-block scales, K's mean (B, H, W) in fp32, V in FP8
+    transposed (B, H, W, padded), its channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
     batch, length, heads, dim = key.shape
-    padded = -(-length // K_PAD) * K_PAD
-    k_mean = key.mean(dim=1, dtype=torch.float32).contiguous()  # (B, H, D)
+    padded, width = -(-length // K_PAD) * K_PAD, tile_width(dim)
+    k_mean = F.pad(key.mean(dim=1, dtype=torch.float32), (0, width - dim)).contiguous()  # (B, H, W)
     vmax = torch.finfo(pv_dtype).max
-    v_scale = (value.abs().amax(dim=1).float().clamp(min=1e-30) / vmax).contiguous()
-    k8 = torch.empty(batch, heads, padded, dim, dtype=qk_dtype, device=key.device)
+    v_scale = value.abs().amax(dim=1).float().clamp(min=1e-30) / vmax
+    v_scale = F.pad(v_scale, (0, width - dim), value=1.0).contiguous()
+    k8 = torch.empty(batch, heads, padded, width, dtype=qk_dtype, device=key.device)
     k_scale = torch.empty(batch, heads, padded // K_QUANT_BLOCK, dtype=torch.float32, device=key.device)
-    v8 = torch.empty(batch, heads, dim, padded, dtype=pv_dtype, device=key.device)
+    v8 = torch.empty(batch, heads, width, padded, dtype=pv_dtype, device=key.device)
     qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
     grid = (padded // K_QUANT_BLOCK, batch * heads)
-    _quantize_keys_values[grid](key, value, k_mean, v_scale, k8, k_scale, v8, length, heads, key.stride(0),
+    _quantize_keys_values[grid](key, value, k_mean, v_scale, k8, k_scale, v8, length, heads, dim, key.stride(0),
                                 key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-                                padded, QMAX=qmax, VMAX=vmax, BLOCK=K_QUANT_BLOCK, HEAD_DIM=dim,
+                                padded, QMAX=qmax, VMAX=vmax, BLOCK=K_QUANT_BLOCK, HEAD_DIM=width,
                                 **rounding(pv_dtype))  # fmt: skip
     return k8, k_scale, k_mean, v8, v_scale
 
@@ -252,12 +260,12 @@ def fp8_attention_with_lse(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, q_length, dtype=torch.float32, device=query.device)
     qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
-    args = (query, k8, k_scale, v8, v_scale, k_mean, mask, out, lse, q_length, k_length, heads, padded,
+    args = (query, k8, k_scale, v8, v_scale, k_mean, mask, out, lse, q_length, k_length, heads, dim, padded,
             query.stride(0), query.stride(1), query.stride(2), out.stride(0), out.stride(1), out.stride(2),
             dim**-0.5)  # fmt: skip
     constants = {"QMAX": qmax, "PMAX": torch.finfo(pv_dtype).max, "QK_INT8": qk_dtype == torch.int8,
                  "HAS_MASK": key_mask is not None, **rounding(pv_dtype),
-                 "HEAD_DIM": dim, "QUANT_BLOCK": K_QUANT_BLOCK}  # fmt: skip
+                 "HEAD_DIM": k8.shape[-1], "QUANT_BLOCK": K_QUANT_BLOCK}  # fmt: skip
 
     def launch(config: tuple[int, int, int, int]) -> None:
         block_m, block_n, warps, stages = config
