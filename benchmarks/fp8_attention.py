@@ -88,14 +88,14 @@ def bench_shape(name: str, args) -> list[dict]:
     for qk, config in ((qk, config) for qk in args.qk for config in configs):
         kernel._CHOSEN.clear()
         kernel._configs = tune if config is None else lambda device, config=config: [config]
-        kernel.qk_format = lambda device, qk=qk: QK[qk]
+        kernel.QK_FORMAT = QK[qk]
         out = kernel.fp8_attention(q, k, v)
         ms = time_cuda_ms(lambda: kernel.fp8_attention(q, k, v), warmup=3, iters=iters)
         chosen = next(iter(kernel._CHOSEN.values()))
         result.append({"shape": name, "tokens": tokens, "method": f"fp8 (QK {qk})", "ms": ms, "tflops": flop / ms / 1e9,
                        "speedup": sdpa_ms / ms, "rel_l2": relative_l2(out, exact, rows),
                        "config": ",".join(map(str, chosen))})  # fmt: skip
-    prepass = time_cuda_ms(lambda: kernel.quantize_keys_values(k, v, kernel.qk_format(q.device), torch.float8_e4m3fn),
+    prepass = time_cuda_ms(lambda: kernel.quantize_keys_values(k, v, kernel.QK_FORMAT, torch.float8_e4m3fn),
                            warmup=3, iters=iters)  # fmt: skip
     result[-1]["prepass_ms"] = prepass
     print(f"{name}: pre-pass {prepass:.2f} ms", flush=True)
