@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--quantize", choices=["none", "fp8"], help="FP8 compute or not (default: bf16 unless nothing fits without FP8)"
     )
+    planner.add_argument(
+        "--attention", choices=["sdpa", "fp8"], default="sdpa", help="fp8: predict with the FP8 attention kernel's rate"
+    )
     planner.set_defaults(run=run_plan)
 
     models = commands.add_parser("models", help="list the model presets, or with --local the checkpoints on disk")
@@ -519,7 +522,7 @@ def run_plan(args: argparse.Namespace) -> None:
     from paradit.planner.command import plan_text
 
     print(plan_text(args.model, args.gpus, args.profile, args.link, args.gpu_memory, args.size, args.frames,
-                    args.quantize))  # fmt: skip
+                    args.quantize, args.attention))  # fmt: skip
 
 
 def run_quantize(args: argparse.Namespace) -> None:

@@ -20,7 +20,7 @@ from paradit.families import FAMILIES, PRESETS
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.validate import check_plan
 from paradit.planner import choose
-from paradit.planner.cost import step_cost
+from paradit.planner.cost import attention_ms, step_cost
 from paradit.planner.facts import FACTS_FILE, facts_for
 from paradit.planner.measurements import all_measurements
 from paradit.planner.plan import MemoryEstimates, calibration, plan, request_for
@@ -276,3 +276,30 @@ def test_input_images_lengthen_the_planned_step_as_measured():
         chosen[count] = plan(PRESETS["flux2-dev"], 1, profile, request, quantize="fp8").best
         assert chosen[count].mean_ms == pytest.approx(measured[count], rel=0.1), count
     assert chosen[0].memory.total < chosen[1].memory.total < chosen[3].memory.total
+
+
+def test_fp8_attention_is_predicted_at_its_measured_rate_above_the_crossover_only():
+    """Wan 720p's self-attention (75,600 keys) moves to the FP8 kernel's 639 TFLOP/s, its text cross-attention (512
+    keys) stays at SDPA's; under Ring 2 each block still has 37,800 keys. FLUX.2-dev at 1024² (4,608 keys) never uses
+    the kernel; it loses its CUDA graphs, which FP8 attention does not combine with."""
+    h200 = load_profile("h200-nvlink")
+    wan = PRESETS["wan2.2-t2v-a14b"]
+    request = GenerationRequest(prompt="a", height=720, width=1280, frames=81)
+    sdpa, fp8 = (plan(wan, 1, h200, request, "fp8", attention=attention).best for attention in ("sdpa", "fp8"))
+    facts = facts_for(wan)
+    workload = facts.workload(720, 1280, 81)
+    self_attention = next(g for g in facts.attention if g.key_tokens.at(workload.image_tokens, 0) > 10_000)
+    saved = self_attention.flops(workload) * 2 * (1 / 594 - 1 / 639) / 1e9  # both guidance branches, ms
+    assert sdpa.cost.compute_ms - fp8.cost.compute_ms == pytest.approx(saved, rel=1e-6)
+    assert fp8.fp8_attention and not fp8.cuda_graphs
+    ring = plan(wan, 2, h200, request, "fp8", attention="fp8").ranked
+    ring2 = next(o for o in ring if o.parallel == ParallelConfig(ring=2))
+    assert ring2.cost.compute_ms < next(o for o in plan(wan, 2, h200, request, "fp8").ranked
+                                        if o.parallel == ParallelConfig(ring=2)).cost.compute_ms  # fmt: skip
+    flux, flux_facts = PRESETS["flux2-dev"], facts_for(PRESETS["flux2-dev"])
+    flux_workload = flux_facts.workload(1024, 1024, None)
+    kernel, exact = (attention_ms(flux_facts, flux_workload, 1, h200, fp8_attention) for fp8_attention in (True, False))
+    assert kernel == exact > 0
+    assert not plan(flux, 1, h200, attention="fp8").best.cuda_graphs
+    with pytest.raises(InvalidRequest, match="r9700s-pcie has no measured FP8 attention rate"):
+        plan(wan, 1, load_profile("r9700s-pcie"), request, "fp8", attention="fp8")

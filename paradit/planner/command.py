@@ -49,7 +49,7 @@ def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[Hardw
 
 def plan_text(
     model: str, gpus: int, profile_name: str | None = None, link: str | None = None, gpu_memory: str | None = None,
-    size: str | None = None, frames: int | None = None, quantize: str | None = None,
+    size: str | None = None, frames: int | None = None, quantize: str | None = None, attention: str = "sdpa",
 ) -> str:  # fmt: skip
     spec = resolve_model(model, "dummy")
     profile, note = choose_profile(profile_name, gpus, link)
@@ -57,5 +57,5 @@ def plan_text(
         profile = dataclasses.replace(profile, memory_gib=parse_size(gpu_memory) / 2**30)
     width, height = parse_image_size(size) if size else (None, None)
     request = GenerationRequest(prompt="a", height=height, width=width, frames=frames)
-    text = render(plan(spec, gpus, profile, request if size or frames else None, quantize))
+    text = render(plan(spec, gpus, profile, request if size or frames else None, quantize, attention=attention))
     return text if note is None else f"{note}\n{text}"

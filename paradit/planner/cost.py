@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paradit.layers.attention import FP8_MIN_KEYS
 from paradit.parallel.config import ParallelConfig
 from paradit.planner.facts import ModelFacts, Workload
 from paradit.planner.profile import HardwareProfile
@@ -57,8 +58,16 @@ class StepCost:
         return (warmup * self.warmup_ms + (steps - warmup) * self.steady_ms) / steps
 
 
-def attention_ms(facts: ModelFacts, workload: Workload, batch: float, profile: HardwareProfile) -> float:
-    return sum(g.flops(workload) * batch / (profile.attention_rate(g.head_dim) * 1e9) for g in facts.attention)
+def attention_ms(facts: ModelFacts, workload: Workload, batch: float, profile: HardwareProfile,
+                 fp8_attention: bool = False, ring: int = 1) -> float:  # fmt: skip
+    """With ``fp8_attention``, the calls the runtime gives the FP8 kernel (at least ``FP8_MIN_KEYS`` keys in each of
+    Ring's ``ring`` blocks) at its rate, the rest at SDPA's."""
+    total = 0.0
+    for group in facts.attention:
+        keys = group.key_tokens.at(workload.image_tokens, workload.text_tokens) / ring
+        fp8 = fp8_attention and keys >= FP8_MIN_KEYS
+        total += group.flops(workload) * batch / (profile.attention_rate(group.head_dim, fp8) * 1e9)
+    return total
 
 
 def linear_efficiency(facts: ModelFacts, workload: Workload, batch: int, fp8: bool, profile: HardwareProfile,
@@ -85,10 +94,12 @@ def step_cost(
     efficiency: float,
     cuda_graphs: bool,
     weight_bytes: float = 0.0,
+    fp8_attention: bool = False,
 ) -> StepCost:
     """One step of ``batch`` samples (both guidance branches count when the request runs them) under ``parallel``;
     ``weight_bytes``: the transformer's (one expert's), which sharded weights gather once a step. Without CUDA graphs
-    a step takes at least the host's time to launch its blocks."""
+    a step takes at least the host's time to launch its blocks. ``fp8_attention``: with paradit's FP8 kernel
+    (``attention_ms``)."""
     image, text = workload.image_tokens, workload.text_tokens
     local_batch = batch / parallel.cfg
     sequence, tensor, stages = parallel.sequence_degree, parallel.tensor, parallel.pipefusion
@@ -100,7 +111,8 @@ def step_cost(
         if group.kind.in_blocks:  # the split happens after the embedders and is undone before the head
             token_flops /= sequence * stages * (tensor if group.kind.sharded else 1)
         compute += (token_flops + group.flops.fixed) * local_batch / (rate * 1e9)
-    compute += attention_ms(facts, workload, local_batch, profile) / (sequence * tensor * stages)
+    attention = attention_ms(facts, workload, local_batch, profile, fp8_attention, parallel.ring)
+    compute += attention / (sequence * tensor * stages)
     compute += facts.other_flops.at(image, text) * local_batch / (profile.matmul_tflops["bf16"] * efficiency * 1e9)
 
     transfers = _transfers(facts, workload, local_batch, parallel, profile, weight_bytes)

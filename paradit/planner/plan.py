@@ -131,6 +131,7 @@ class Option:
     placement: str | None
     calibration: Calibration
     swap_experts: bool = False  # the experts take turns on the device, the idle one in host memory
+    fp8_attention: bool = False  # which CUDA graphs do not combine with
 
     @property
     def fits(self) -> bool:
@@ -138,7 +139,7 @@ class Option:
 
     @property
     def cuda_graphs(self) -> bool:  # a graph replays the addresses it captured, which a swap moves
-        return graphs_for(self.parallel) and not self.swap_experts
+        return graphs_for(self.parallel) and not self.swap_experts and not self.fp8_attention
 
     def describe(self) -> str:
         return self.parallel.describe() + " + FP8" * self.fp8 + " + experts swapped" * self.swap_experts
@@ -157,6 +158,7 @@ class PlanChoice:
     single_gpu: Option | None = None
     fp8_needed: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    attention: str = "sdpa"
 
     @property
     def best(self) -> Option:
@@ -231,9 +233,11 @@ class MemoryEstimates:
 
 
 def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: GenerationRequest | None = None,
-         quantize: str | None = None, memory: MemoryEstimates | None = None) -> PlanChoice:  # fmt: skip
+         quantize: str | None = None, memory: MemoryEstimates | None = None,
+         attention: str = "sdpa") -> PlanChoice:  # fmt: skip
     """Rank every plan of ``gpus`` GPUs for ``spec`` on ``profile``. ``quantize``: "fp8" or "none" to decide FP8
-    compute; None tries without FP8 first and falls back to it only when nothing fits."""
+    compute; None tries without FP8 first and falls back to it only when nothing fits. ``attention``: "fp8" predicts
+    with the FP8 attention kernel's measured rate."""
     wanted = request_for(spec, request)
     sized = dataclasses.replace(spec, height=wanted.height, width=wanted.width)
     if memory is None or memory.spec != sized or memory.extra_tokens != wanted.input_tokens:
@@ -245,12 +249,17 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
     if quantize == "fp8" and not fp8_supported:
         raise InvalidRequest(f"{profile.name} has no FP8 matmul rate: its GPUs cannot run --quantize fp8")
     attempts = [quantize == "fp8"] if quantize is not None else [False] + ([True] if fp8_supported else [])
+    fp8_attention = attention == "fp8"
+    if fp8_attention and not profile.fp8_attention_tflops:
+        raise InvalidRequest(f"{profile.name} has no measured FP8 attention rate: run benchmarks/fp8_attention.py "
+                             "there, or plan with --attention sdpa")  # fmt: skip
 
     def option(parallel: ParallelConfig, fp8: bool, swap: bool) -> Option:
-        graphs = graphs_for(parallel) and not swap
+        graphs = graphs_for(parallel) and not swap and not fp8_attention
         calibrated = calibration(facts, profile, fp8, graphs)
         weights = memory(ParallelConfig(), fp8, swap=True)["gpu"].transformer if parallel.shard_weights else 0.0
-        cost = step_cost(facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs, weights)
+        cost = step_cost(facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs, weights,
+                         fp8_attention)  # fmt: skip
         tried = [memory(parallel, fp8, swap)[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
         fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)
         chosen = fitting or min(tried, key=lambda m: m.total)
@@ -258,7 +267,7 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
         # Swapped experts copy one expert in twice a request (to the low-noise one, and back for the next request).
         swap_ms = 2 * chosen.transformer / (SWAP_GBPS * 1e9) * 1e3 if swap else 0.0
         mean_ms = cost.mean_ms(wanted.steps) + swap_ms / wanted.steps
-        return Option(parallel, fp8, cost, mean_ms, chosen, placement, calibrated, swap)
+        return Option(parallel, fp8, cost, mean_ms, chosen, placement, calibrated, swap, fp8_attention)
 
     refused: list[Option] = []
     for fp8 in attempts:  # bf16 first: FP8 compute only when nothing else fits
@@ -279,7 +288,8 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
         notes += [f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"] * (
             best.swap_experts
         )
-        return PlanChoice(spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes))
+        return PlanChoice(spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes),
+                          attention)  # fmt: skip
     if not refused:
         raise InvalidRequest(f"{spec.name} has no plan for {gpus} GPUs")
     smallest = min(refused, key=lambda o: o.memory.total)

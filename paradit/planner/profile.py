@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -22,8 +22,9 @@ COLLECTIVES = ("all_to_all", "send_recv", "all_reduce", "all_gather")
 @dataclass(frozen=True)
 class HardwareProfile:
     """``link_gbps``: GB/s a rank sends through each collective, as ``parallel/comm.py`` counts; ``linear_efficiency``:
-    achieved share of ``matmul_tflops`` by precision; ``attention_tflops``: by head dimension; ``host_ms_per_block``:
-    host time to launch one compiled block without CUDA graphs; ``predicted``: nothing measured here."""
+    achieved share of ``matmul_tflops`` by precision; ``attention_tflops``: by head dimension (SDPA), and
+    ``fp8_attention_tflops`` of paradit's FP8 kernel (empty: never measured there); ``host_ms_per_block``: host time to
+    launch one compiled block without CUDA graphs; ``predicted``: nothing measured here."""
 
     name: str
     description: str
@@ -39,12 +40,15 @@ class HardwareProfile:
     link_gbps: dict[str, float]
     host_ms_per_block: float
     sources: dict[str, str]
+    fp8_attention_tflops: dict[int, float] = field(default_factory=dict)
 
-    def attention_rate(self, head_dim: int) -> float:
-        """TFLOP/s of attention at ``head_dim``: the largest listed head size's not above it, else the smallest's."""
-        listed = sorted(self.attention_tflops)
+    def attention_rate(self, head_dim: int, fp8: bool = False) -> float:
+        """TFLOP/s of attention (``fp8``: the FP8 kernel's) at ``head_dim``: the largest listed head size's not above
+        it, else the smallest's."""
+        rates = self.fp8_attention_tflops if fp8 else self.attention_tflops
+        listed = sorted(rates)
         below = [d for d in listed if d <= head_dim]
-        return self.attention_tflops[below[-1] if below else listed[0]]
+        return rates[below[-1] if below else listed[0]]
 
     @property
     def memory_bytes(self) -> int:
@@ -56,6 +60,7 @@ class HardwareProfile:
             "device_names": tuple(data["device_names"]),
             "memory_gib": float(data["memory_gib"]),
             "attention_tflops": {int(dim): rate for dim, rate in data["attention_tflops"].items()},
+            "fp8_attention_tflops": {int(dim): rate for dim, rate in data.get("fp8_attention_tflops", {}).items()},
             "link_gbps": {name: float(data["link_gbps"][name]) for name in COLLECTIVES},
             "host_ms_per_block": float(data["host_ms_per_block"]),
             "sources": data.get("sources", {}),

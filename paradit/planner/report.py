@@ -107,6 +107,7 @@ def command(choice: PlanChoice) -> str:
         (parallel.pipefusion > 1, f"--patches {parallel.patches} --warmup-steps {parallel.warmup_steps}"),
         (parallel.comm_dtype == "fp8", "--comm-dtype fp8"),
         (best.fp8, "--quantize fp8"),
+        (choice.attention == "fp8", "--attention fp8"),
         (best.cuda_graphs, "--cuda-graphs"),
         (best.swap_experts, "--swap-experts"),
         (parallel.shard_weights, f"--shard-weights {parallel.shard_weights}"),
