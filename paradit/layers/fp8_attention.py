@@ -3,7 +3,7 @@
 
 The method is SageAttention's, in the variant the GPU multiplies fastest:
 
-- **Q·Kᵀ in 8 bits** (FP8, or INT8 where ``QK_FORMATS`` says so), both scaled per block: each query block's scale
+- **Q·Kᵀ in 8 bits** (INT8, ``QK_FORMAT``; FP8 works too), both scaled per block: each query block's scale
   is taken as it is loaded (no pass over Q), each key block's by a pre-pass over K (K is read once per query block,
   so halving its bytes pays; Q is read once). K is first smoothed: its mean over the tokens is subtracted, which
   adds the same constant to every score of a query, leaves the softmax unchanged and shrinks the range the 8 bits
