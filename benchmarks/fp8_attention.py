@@ -9,7 +9,7 @@ SDPA and with FP8 attention; then a 20-step Euler denoise of that expert at 832Ã
 (and FP8 with the first and last 2 steps exact), the relative L2 of each final latent against SDPA's.
 
     python benchmarks/fp8_attention.py --out-dir $OUT
-    python benchmarks/fp8_attention.py --shapes wan-720p --configs 128,128,8,3 128,64,4,3 --out-dir $OUT
+    python benchmarks/fp8_attention.py --shapes wan-720p --configs 128,128,8,3 64,128,4,2 --out-dir $OUT
     python benchmarks/fp8_attention.py --shapes --forward --out-dir $OUT
 """
 

@@ -2,14 +2,14 @@
 attention within a bound derived from the 8-bit formats; Ring's merge of its partial results; the engine through
 every family's attention entry point and the parallel plans; the per-step switch; the refusals.
 
-The bound. Round-to-nearest into e4m3 (3 mantissa bits) errs by at most u = 2^-4 of a value, and by u/√3 RMS when the
-error is uniform. P (scaled to the format's maximum) and V (per channel) are each rounded once, so each adds u/√3 of
-relative error to the output, whose terms average independent errors as they average the values. Q and K in INT8 each
-err by half a step (step = the block's absolute maximum / 127), step/√12 RMS a coordinate, so a score (scaled by
-1/√D) errs by RMS δs = √(D/12) · (step_q · rms(k) + step_k · rms(q)) / √D, and moves the output by δs of its spread,
-relative to the output's size about δs again. In all: relative L2 ≈ √(2 (u/√3)² + δs²); the tests allow twice that,
-for the approximations (independence, uniform errors). A query's log-sum-exp moves by the errors of its largest scores
-only: within 6 δs. Measured, the kernel's error is about two thirds of the estimate."""
+The bound. Round-to-nearest into e4m3 (3 mantissa bits) errs by at most u = 2^-4 of a value, and by u/√3 RMS when
+the error is uniform. P (scaled to the format's largest power of two) and V (per channel) are each rounded once, so
+each adds u/√3 of relative error to the output, whose terms average independent errors as they average the values. Q
+and K in INT8 each err by half a step (step = the block's absolute maximum / 127), step/√12 RMS a coordinate, so a
+score (scaled by 1/√D) errs by RMS δs = √(D/12) · (step_q · rms(k) + step_k · rms(q)) / √D, and moves the output by
+δs of its spread, relative to the output's size about δs again. In all: relative L2 ≈ √(2 (u/√3)² + δs²); the tests
+allow twice that, for the approximations (independence, uniform errors). A query's log-sum-exp moves by the errors
+of its largest scores only: within 6 δs. Measured, the kernel's error is about two thirds of the estimate."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ import torch
 
 from paradit.engine import Engine
 from paradit.errors import InvalidRequest
+from paradit.layers import fp8_attention
 from paradit.layers.attention import _masked_attention_with_lse
-from paradit.layers.fp8_attention import K_QUANT_BLOCK, fp8_attention_with_lse
+from paradit.layers.fp8_attention import KEY_TILE, fp8_attention_with_lse
 from paradit.optimize import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.sequence import merge_partials
@@ -128,11 +129,21 @@ def test_ring_merge_of_the_kernels_partials_is_within_the_bound():
     assert (lse_acc.squeeze(-1).transpose(1, 2) - want_lse).abs().max().item() < 6 * score_error(q, k)
 
 
+def test_tiles_loaded_through_tensor_descriptors_give_the_pointer_loads_result(monkeypatch):
+    """Hopper loads the tiles through TMA descriptors, other GPUs through pointers: the same numbers either way."""
+    q, k, v = inputs(77, 333, heads=3)
+    by_pointers = fp8_attention_with_lse(q, k, v)
+    monkeypatch.setattr(fp8_attention, "uses_descriptors", lambda device: True)
+    by_descriptors = fp8_attention_with_lse(q, k, v)
+    for got, want in zip(by_descriptors, by_pointers, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_per_block_scales_follow_the_keys_range():
     """Keys whose scale changes 100-fold along the sequence: one scale for all would leave the small ones a few
-    steps; per block of ``K_QUANT_BLOCK`` keys each gets the whole INT8 range."""
-    q, k, v = inputs(100, 4 * K_QUANT_BLOCK, offset=0.0)
-    k = k * torch.logspace(-1, 1, 4 * K_QUANT_BLOCK)[None, :, None, None]
+    steps; per block of ``KEY_TILE`` keys each gets the whole INT8 range."""
+    q, k, v = inputs(100, 4 * KEY_TILE, offset=0.0)
+    k = k * torch.logspace(-1, 1, 4 * KEY_TILE)[None, :, None, None]
     q = q * 0.1
     out, _ = fp8_attention_with_lse(q, k, v)
     assert relative_l2(out, exact(q, k, v)[0]) < 2 * math.sqrt(2) * U / math.sqrt(3) * 1.2
@@ -212,4 +223,4 @@ def test_the_cpu_without_the_interpreter_and_a_machine_without_triton_are_refuse
             "from paradit.layers.fp8_attention import check_fp8_attention\nimport torch\n"
             "check_fp8_attention(torch.device('cpu'))")  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "FP8 attention needs Triton (pip install triton" in run.stderr
+    assert "FP8 attention needs Triton 3.4 or newer (pip install triton" in run.stderr

@@ -4,13 +4,13 @@
 The method is SageAttention's, in the variant the GPU multiplies fastest:
 
 - **Q·Kᵀ in 8 bits** (INT8, ``QK_FORMAT``; FP8 works too), both scaled per block: each query block's scale
-  is taken as it is loaded (no pass over Q), each key block's by a pre-pass over K (K is read once per query block,
+  is taken as it is loaded (no pass over Q), each key tile's by a pre-pass over K (K is read once per query block,
   so halving its bytes pays; Q is read once). K is first smoothed: its mean over the tokens is subtracted, which
   adds the same constant to every score of a query, leaves the softmax unchanged and shrinks the range the 8 bits
   must cover (keys share a large common component). The log-sum-exp gets the constant back (``q·mean``), so Ring
   attention merges partial results exactly as it merges SDPA's.
-- **P·V in FP8**: P (in [0, 1] under the online softmax) scaled to the format's maximum, V per channel (pre-pass,
-  stored transposed: FP8 tensor cores take the reduced dimension contiguous), fp32 accumulation.
+- **P·V in FP8**: P (in [0, 1] under the online softmax) scaled to the format's largest power of two, V per channel
+  (pre-pass, stored transposed: FP8 tensor cores take the reduced dimension contiguous), fp32 accumulation.
 - **Online softmax** in fp32, base 2, as FlashAttention does.
 
 The pre-pass (K's mean and V's channel maxima by torch, one Triton pass writing both in 8 bits) reads K and V twice
@@ -19,6 +19,7 @@ Must not import torch.distributed."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -27,16 +28,19 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: ``check_fp8_attention`` names what to install
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # CPU-only installs (or a Triton before 3.4): ``check_fp8_attention`` names what to install
     triton = None
 
 from paradit.errors import InvalidRequest
 from paradit.layers.fp8 import fp8_dtype
 
-# Key tokens per K scale: finer blocks follow the keys' range more closely; the kernel's key tile is a multiple.
-K_QUANT_BLOCK = 64
-# The key length is padded to this (the largest key tile), so the kernel reads whole tiles without bounds checks.
-K_PAD = 256
+# The kernel's key tile, which is also K's scale block: one scale per tile lets a score's scaling fold into the
+# multiply-add that feeds exp2 (scales per 64 keys, which follow the keys' range more closely, cost a fifth more time
+# at Wan 720p).
+KEY_TILE = 128
+# The key length is padded to a whole number of tiles, so the kernel reads them without bounds checks.
+K_PAD = KEY_TILE
 INT8_MAX = 127.0
 
 
@@ -48,7 +52,10 @@ def check_fp8_attention(device: torch.device) -> None:
     """Refuse ``--attention fp8`` where the kernel cannot run, naming what would."""
     problem = None
     if triton is None:
-        problem = "FP8 attention needs Triton (pip install triton; ROCm builds of PyTorch bring pytorch-triton-rocm)"
+        problem = (
+            "FP8 attention needs Triton 3.4 or newer (pip install triton; ROCm builds of PyTorch bring "
+            "pytorch-triton-rocm)"
+        )
     elif device.type == "cpu" and not interpreting():
         problem = "FP8 attention needs a GPU; on the CPU only Triton's interpreter runs it (TRITON_INTERPRET=1)"
     elif device.type == "cuda" and torch.version.hip is not None:
@@ -113,41 +120,51 @@ if triton is not None:
                  _to_8bit(tl.trans(v), V_OUT.dtype.element_ty, ROUND, TINY))  # fmt: skip
 
     @triton.jit
-    def _attend_tile(acc, m_i, l_i, q, k_ptrs, k_scale_ptrs, v_ptrs, qk_scale, keys, key_mask_ptrs,
-                     start, valid_length, QK_INT8: tl.constexpr, PMAX: tl.constexpr, CHECK: tl.constexpr,
-                     HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, QUANT_BLOCK: tl.constexpr,
+    def _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr,
+                   DESCRIPTORS: tl.constexpr):  # fmt: skip
+        """A key tile of K (dim, keys) and of V (dim, keys), both from buffers padded to whole tiles: through
+        tensor descriptors (Hopper's TMA copies a tile without the threads computing its addresses: 7% at Wan
+        720p) or through pointers (ROCm, older GPUs, the interpreter)."""
+        if DESCRIPTORS:
+            return tl.trans(K_DESC.load([bh * padded + start, 0])), V_DESC.load([bh * HEAD_DIM, start])
+        return tl.load(k_ptrs + start * HEAD_DIM), tl.load(v_ptrs + start)
+
+    @triton.jit
+    def _attend_tile(acc, m_i, l_i, q, k, v, scale, keys, key_mask_ptrs, start, valid_length,
+                     QK_INT8: tl.constexpr, P_EXPONENT: tl.constexpr, CHECK: tl.constexpr, HAS_MASK: tl.constexpr,
                      ROUND: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
-        """One key tile folded into the running (acc, max, sum), scores in base 2."""
-        k = tl.load(k_ptrs)
+        """One key tile folded into the running (acc, max, sum), scores in base 2. The softmax's work per score
+        bounds this kernel (Hopper multiplies 8 bits faster than it converts, exponentiates and adds), so each score
+        costs one fused multiply-add on its way into exp2: ``scale`` (positive) takes the tile's products to scores
+        after the max is taken, and P's scaling to ``2^P_EXPONENT`` rides in the exponent (1.3x at Wan 720p)."""
         if QK_INT8:
-            scores = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32)
+            # int32 to fp32 without a conversion instruction: the bits of 1.5 * 2^23 added to a product (|x| < 2^22:
+            # 127² * 256 at most) give the float 1.5 * 2^23 + x exactly. Subtracted after the scale, the offset's
+            # rounding errs by under one product unit: far below INT8's own error (hundreds of units).
+            raw = (tl.dot(q, k, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+            offset = 12582912.0
         else:
-            scores = tl.dot(q, k)
-        if BLOCK_N == QUANT_BLOCK:  # one scale for the tile
-            scores = scores * (qk_scale * tl.load(k_scale_ptrs + start // QUANT_BLOCK))
-        else:
-            scores = scores * (qk_scale * tl.load(k_scale_ptrs + (start + keys) // QUANT_BLOCK))[None, :]
+            raw = tl.dot(q, k)
+            offset = 0.0
         if CHECK:
-            scores = tl.where((start + keys)[None, :] < valid_length, scores, float("-inf"))
+            raw = tl.where((start + keys)[None, :] < valid_length, raw, float("-inf"))
         if HAS_MASK:
-            scores = tl.where(tl.load(key_mask_ptrs + start + keys)[None, :] != 0, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key yet: weights 0, not NaN
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
+            raw = tl.where(tl.load(key_mask_ptrs + start + keys)[None, :] != 0, raw, float("-inf"))
+        m_new = tl.maximum(m_i, (tl.max(raw, 1) - offset) * scale)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(raw * scale - (offset * scale + m_new - P_EXPONENT)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs)
-        acc = tl.dot(_to_8bit(p * PMAX, v.dtype, ROUND, TINY), tl.trans(v), acc * alpha[:, None])
+        acc = tl.dot(_to_8bit(p, v.dtype, ROUND, TINY), tl.trans(v), acc * alpha[:, None])
         return acc, m_new, l_i
 
     @triton.jit
-    def _fp8_attention_forward(Q, K8, K_SCALE, V8, V_SCALE, K_MEAN, KEY_MASK, OUT, LSE, q_length, k_length, heads, dim,
-                               padded, stride_qb, stride_ql, stride_qh, stride_ob, stride_ol, stride_oh, sm_scale,
-                               QMAX: tl.constexpr, PMAX: tl.constexpr, QK_INT8: tl.constexpr,
-                               HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_BLOCK: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND: tl.constexpr,
-                               TINY: tl.constexpr):  # fmt: skip
-        """One block of ``BLOCK_M`` queries of one (batch, head) against every key."""
+    def _fp8_attention_forward(Q, K8, K_SCALE, V8, V_SCALE, K_MEAN, KEY_MASK, OUT, LSE, K_DESC, V_DESC, q_length,
+                               k_length, heads, dim, padded, stride_qb, stride_ql, stride_qh, stride_ob, stride_ol,
+                               stride_oh, sm_scale, QMAX: tl.constexpr, P_EXPONENT: tl.constexpr,
+                               QK_INT8: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESCRIPTORS: tl.constexpr,
+                               ROUND: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
+        """One block of ``BLOCK_M`` queries of one (batch, head) against every key; K's scales are per key tile."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         queries = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -163,26 +180,30 @@ if triton is not None:
         qk_scale = sm_scale * 1.4426950408889634 * q_scale  # softmax in base 2
         k_ptrs = K8 + bh * padded * HEAD_DIM + keys[None, :] * HEAD_DIM + dims[:, None]  # (dim, keys)
         v_ptrs = V8 + bh * HEAD_DIM * padded + dims[:, None] * padded + keys[None, :]  # (dim, keys)
-        k_scale_ptrs = K_SCALE + bh * (padded // QUANT_BLOCK)
+        k_scale_ptrs = K_SCALE + bh * (padded // BLOCK_N)
         key_mask_ptrs = KEY_MASK + b * padded
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        # Finite, so that a query with no key yet rescales by exp2(0) rather than NaN.
+        m_i = tl.full([BLOCK_M], -1e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         whole = k_length // BLOCK_N * BLOCK_N  # tiles every key of which is real: no bounds check
         for start in range(0, whole, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptrs + start * HEAD_DIM, k_scale_ptrs, v_ptrs + start,
-                                         qk_scale, keys, key_mask_ptrs, start, k_length, QK_INT8, PMAX, False,
-                                         HAS_MASK, BLOCK_N, QUANT_BLOCK, ROUND, TINY)  # fmt: skip
+            k, v = _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
+            # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
+            scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, scale, keys, key_mask_ptrs, start, k_length,
+                                         QK_INT8, P_EXPONENT, False, HAS_MASK, ROUND, TINY)  # fmt: skip
         if whole < k_length:
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptrs + whole * HEAD_DIM, k_scale_ptrs, v_ptrs + whole,
-                                         qk_scale, keys, key_mask_ptrs, whole, k_length, QK_INT8, PMAX, True,
-                                         HAS_MASK, BLOCK_N, QUANT_BLOCK, ROUND, TINY)  # fmt: skip
+            k, v = _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
+            scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + whole // BLOCK_N), 1e-30)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, scale, keys, key_mask_ptrs, whole, k_length,
+                                         QK_INT8, P_EXPONENT, True, HAS_MASK, ROUND, TINY)  # fmt: skip
         v_scale = tl.load(V_SCALE + bh * HEAD_DIM + dims)
         empty = l_i == 0.0  # every key masked: output 0, log-sum-exp -inf (nothing when merged)
-        out = acc * v_scale[None, :] / (PMAX * tl.where(empty, 1.0, l_i))[:, None]
+        out = acc * v_scale[None, :] / tl.where(empty, 1.0, l_i)[:, None]
         o_ptrs = OUT + b * stride_ob + h * stride_oh + queries[:, None] * stride_ol + dims[None, :]
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=real)
-        lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453 + q_mean * sm_scale
+        lse = (m_i + tl.log2(tl.where(empty, 1.0, l_i)) - P_EXPONENT) * 0.6931471805599453 + q_mean * sm_scale
         tl.store(LSE + bh * q_length + queries, tl.where(empty, float("-inf"), lse), mask=queries < q_length)
 
 
@@ -190,17 +211,10 @@ def _configs(device: torch.device) -> list[tuple[int, int, int, int]]:
     """(query tile, key tile, warps, stages) to try. Under the interpreter, one: timing means nothing there, and the
     largest tiles, as its cost is per operation, whatever the tile."""
     if interpreting() or device.type == "cpu":
-        return [(256, 256, 4, 1)]
-    # On the H200 (64, 128, 4, 3) won at all shapes but one; the others are there for GPUs that differ (RDNA 4).
-    return [
-        (64, 128, 4, 3),
-        (64, 128, 4, 4),
-        (64, 64, 4, 4),
-        (128, 128, 8, 3),
-        (64, 256, 4, 2),
-        (64, 256, 8, 3),
-        (128, 256, 8, 2),
-    ]
+        return [(256, KEY_TILE, 4, 1)]
+    # On the H200 (64, 128, 4, 3) wins: two blocks of one warpgroup each share an SM, one's softmax beside the
+    # other's matrix products. The others are there for GPUs that differ (RDNA 4).
+    return [(64, KEY_TILE, 4, 3), (128, KEY_TILE, 8, 3), (64, KEY_TILE, 4, 2), (32, KEY_TILE, 4, 3)]
 
 
 _CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # (device, head dim, formats) -> the fastest config measured
@@ -217,8 +231,13 @@ def tile_width(dim: int) -> int:
     return max(32, triton.next_power_of_2(dim))
 
 
+def uses_descriptors(device: torch.device) -> bool:
+    """Whether the kernel loads its tiles through tensor descriptors: on NVIDIA GPUs with TMA (Hopper on)."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype):
-    """The pre-pass: (K in 8 bits (B, H, padded, W), its per-block scales, K's mean (B, H, W) in fp32, V in FP8
+    """The pre-pass: (K in 8 bits (B, H, padded, W), its scales per key tile, K's mean (B, H, W) in fp32, V in FP8
     transposed (B, H, W, padded), its channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
     batch, length, heads, dim = key.shape
     padded, width = -(-length // K_PAD) * K_PAD, tile_width(dim)
@@ -227,13 +246,13 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
     v_scale = value.abs().amax(dim=1).float().clamp(min=1e-30) / vmax
     v_scale = F.pad(v_scale, (0, width - dim), value=1.0).contiguous()
     k8 = torch.empty(batch, heads, padded, width, dtype=qk_dtype, device=key.device)
-    k_scale = torch.empty(batch, heads, padded // K_QUANT_BLOCK, dtype=torch.float32, device=key.device)
+    k_scale = torch.empty(batch, heads, padded // KEY_TILE, dtype=torch.float32, device=key.device)
     v8 = torch.empty(batch, heads, width, padded, dtype=pv_dtype, device=key.device)
     qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
-    grid = (padded // K_QUANT_BLOCK, batch * heads)
+    grid = (padded // KEY_TILE, batch * heads)
     _quantize_keys_values[grid](key, value, k_mean, v_scale, k8, k_scale, v8, length, heads, dim, key.stride(0),
                                 key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-                                padded, QMAX=qmax, VMAX=vmax, BLOCK=K_QUANT_BLOCK, HEAD_DIM=width,
+                                padded, QMAX=qmax, VMAX=vmax, BLOCK=KEY_TILE, HEAD_DIM=width,
                                 **rounding(pv_dtype))  # fmt: skip
     return k8, k_scale, k_mean, v8, v_scale
 
@@ -262,12 +281,20 @@ def fp8_attention_with_lse(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, q_length, dtype=torch.float32, device=query.device)
     qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
-    args = (query, k8, k_scale, v8, v_scale, k_mean, mask, out, lse, q_length, k_length, heads, dim, padded,
-            query.stride(0), query.stride(1), query.stride(2), out.stride(0), out.stride(1), out.stride(2),
+    width = k8.shape[-1]
+    descriptors = uses_descriptors(query.device)
+    if descriptors:
+        k_desc = TensorDescriptor.from_tensor(k8.view(-1, width), [KEY_TILE, width])
+        v_desc = TensorDescriptor.from_tensor(v8.view(-1, padded), [width, KEY_TILE])
+    else:
+        k_desc = v_desc = k_scale  # never read: the kernel loads through pointers
+    args = (query, k8, k_scale, v8, v_scale, k_mean, mask, out, lse, k_desc, v_desc, q_length, k_length, heads, dim,
+            padded, query.stride(0), query.stride(1), query.stride(2), out.stride(0), out.stride(1), out.stride(2),
             dim**-0.5)  # fmt: skip
-    constants = {"QMAX": qmax, "PMAX": torch.finfo(pv_dtype).max, "QK_INT8": qk_dtype == torch.int8,
-                 "HAS_MASK": key_mask is not None, **rounding(pv_dtype),
-                 "HEAD_DIM": k8.shape[-1], "QUANT_BLOCK": K_QUANT_BLOCK}  # fmt: skip
+    # P is scaled to the largest power of two the format holds (2^8 in e4m3fn, 2^7 in MI300's e4m3fnuz).
+    constants = {"QMAX": qmax, "P_EXPONENT": math.floor(math.log2(torch.finfo(pv_dtype).max)),
+                 "QK_INT8": qk_dtype == torch.int8, "HAS_MASK": key_mask is not None, **rounding(pv_dtype),
+                 "HEAD_DIM": width, "DESCRIPTORS": descriptors}  # fmt: skip
 
     def launch(config: tuple[int, int, int, int]) -> None:
         block_m, block_n, warps, stages = config
