@@ -12,6 +12,34 @@ from tests.checkpoints import build_dev_checkpoint, build_klein_checkpoint
 
 torch.set_num_threads(2)
 
+# The files that take longest, slowest first (seconds summed over a 2-process run on 2 cores). ``--dist loadfile``
+# hands each process the next file as it finishes one, in collection order (pyproject's addopts turn off xdist's
+# reordering by test count, which put these few-test files last): started first, they leave the short files to even
+# out the two processes' ends.
+SLOWEST_FILES = [
+    "test_hardening_server.py",  # 180
+    "test_processes.py",  # 150
+    "test_lora.py",  # 127
+    "test_parallel_engine.py",  # 126
+    "test_serving.py",  # 95
+    "test_editing.py",  # 74
+    "test_step_cache.py",  # 73
+    "test_execution_options.py",  # 51
+    "test_checkpoint_options.py",  # 44
+    "test_fp8_attention.py",  # 44
+    "test_memory.py",  # 37
+    "test_parallel_matrix.py",  # 35
+    "test_pipefusion.py",  # 32
+    "test_hardening.py",  # 29
+    "test_planner.py",  # 29
+    "test_serving_process.py",  # 26
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def klein_checkpoint():

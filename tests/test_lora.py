@@ -355,26 +355,36 @@ def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_on
         scheduler.close()
 
 
+CHOICES = [(("style", 0.5), ("detail", 1.2)), (("style", 1.0),), (("style", 0.5), ("detail", 1.2)), (),
+           (("detail", 1.2), ("style", 0.5)), (("style", 1.0),)]  # fmt: skip
+
+
+def choice_images(adapters, cache: int, parallel: ParallelConfig | None) -> list[np.ndarray]:
+    """The images of ``CHOICES`` served in turn by one engine serving the two FLUX.2 adapters, ``cache`` choices
+    merged into its weights (0: run as side paths)."""
+    first, second = adapters["flux2"]
+    refs = (LoraRef(str(first), name="style"), LoraRef(str(second), name="detail"))
+    lora = LoraSet(refs, (), "unfused", switchable=True, cache=cache)
+    with Engine(str(folder_of("flux2")), device="cpu", dtype="fp32", parallel=parallel,
+                options=ExecutionOptions(lora=lora)) as engine:  # fmt: skip
+        return [engine.generate(GenerationRequest(**REQUEST, lora=choice)).pixels.numpy() * 255
+                for choice in CHOICES]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def side_path_images(adapters) -> list[np.ndarray]:
+    """``CHOICES`` run as side paths in one process: the reference of every plan's cache of fused choices."""
+    return choice_images(adapters, 0, None)
+
+
 @pytest.mark.parametrize("parallel", [None, ParallelConfig(tensor=2)], ids=["one process", "tensor 2"])
-def test_a_cache_of_fused_choices_gives_each_choice_the_image_of_its_side_paths(adapters, parallel):
+def test_a_cache_of_fused_choices_gives_each_choice_the_image_of_its_side_paths(adapters, side_path_images, parallel):
     """``--lora-cache 1``: each choice merged into the weights (a miss merges and evicts the older choice, a repeat
     copies it back, none restores the base) gives the image of the same choice run as side paths, whatever ran
     before; under tensor parallelism each rank merges the factors it cut into the weight slice it holds."""
-    first, second = adapters["flux2"]
-    refs = (LoraRef(str(first), name="style"), LoraRef(str(second), name="detail"))
-    sequence = [(("style", 0.5), ("detail", 1.2)), (("style", 1.0),), (("style", 0.5), ("detail", 1.2)), (),
-                (("detail", 1.2), ("style", 0.5)), (("style", 1.0),)]  # fmt: skip
-
-    def images(cache: int, parallel: ParallelConfig | None) -> list[np.ndarray]:
-        lora = LoraSet(refs, (), "unfused", switchable=True, cache=cache)
-        with Engine(str(folder_of("flux2")), device="cpu", dtype="fp32", parallel=parallel,
-                    options=ExecutionOptions(lora=lora)) as engine:  # fmt: skip
-            return [engine.generate(GenerationRequest(**REQUEST, lora=choice)).pixels.numpy() * 255
-                    for choice in sequence]  # fmt: skip
-
-    side_paths = images(0, None)
+    side_paths = side_path_images
     assert levels(side_paths[3], side_paths[0]) > 3 and levels(side_paths[1], side_paths[0]) > 3
-    for choice, ours, expected in zip(sequence, images(1, parallel), side_paths, strict=True):
+    for choice, ours, expected in zip(CHOICES, choice_images(adapters, 1, parallel), side_paths, strict=True):
         assert levels(ours, expected) <= 1, choice
 
 
