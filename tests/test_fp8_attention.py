@@ -13,10 +13,12 @@ of its largest scores only: within 6 δs. Measured, the kernel's error is about 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,6 +139,51 @@ def test_tiles_loaded_through_tensor_descriptors_give_the_pointer_loads_result(m
     by_descriptors = fp8_attention_with_lse(q, k, v)
     for got, want in zip(by_descriptors, by_pointers, strict=True):
         assert torch.equal(got, want)
+
+
+def test_the_kernel_compiles_for_hopper_to_8_bit_warpgroup_products_fed_by_tma(tmp_path):
+    """The interpreter runs the kernel's arithmetic, not its lowering. Triton's compiler runs on the CPU, so the
+    kernel is compiled for sm_90 as the H200 launches it (benchmarks/fp8_attention_isa.py): Q·Kᵀ must multiply INT8
+    and P·V e4m3 on the warpgroup MMA, its tiles copied by TMA. Compiled only, with the interpreter off."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_attention_isa.py"
+    command = [
+        sys.executable,
+        str(script),
+        "--targets",
+        "hopper",
+        "--configs",
+        "64,128,4,3",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "fp8_attention_isa.json").read_text())["rows"]
+    matrix = row["matrix"].split()
+    assert any(name.endswith(".s32.s8.s8") for name in matrix), matrix
+    assert any(name.endswith(".f32.e4m3.e4m3") for name in matrix), matrix
+    assert row["tma_loads"] > 0
+
+
+def test_the_fastest_config_is_chosen_and_a_gpu_that_compiles_none_is_told_so(monkeypatch):
+    import triton
+
+    refused = triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+    times = {(64, 128, 4, 3): 2.0, (128, 128, 8, 3): refused, (64, 128, 4, 2): 1.5}
+
+    def timed(launch, **_):
+        return launch()
+
+    def launch(config):
+        if isinstance(times[config], Exception):
+            raise times[config]
+        return times[config]
+
+    monkeypatch.setattr(triton.testing, "do_bench", timed)
+    assert fp8_attention.fastest(launch, list(times)) == (64, 128, 4, 2)
+    with pytest.raises(RuntimeError, match=r"compiled none of the FP8 attention configs .*; run with --attention sdpa"):
+        fp8_attention.fastest(launch, [(128, 128, 8, 3), (128, 128, 8, 3)])
 
 
 def test_mi300s_fp8_format_is_within_the_same_bound(monkeypatch):

@@ -297,10 +297,12 @@ def fp8_attention_with_lse(
                  "HEAD_DIM": width, "DESCRIPTORS": descriptors}  # fmt: skip
 
     def launch(config: tuple[int, int, int, int]) -> None:
+        # Fusion asked for, not assumed: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns
+        # fusion off by default.
         block_m, block_n, warps, stages = config
         grid = (triton.cdiv(q_length, block_m), batch * heads)
         _fp8_attention_forward[grid](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                                     num_stages=stages)  # fmt: skip
+                                     num_stages=stages, enable_fp_fusion=True)  # fmt: skip
 
     chosen = _CHOSEN.get(tuning_key := (query.device, dim, qk_dtype, pv_dtype))
     if chosen is None:
@@ -321,12 +323,16 @@ def fastest(launch, configs: list[tuple[int, int, int, int]]) -> tuple[int, int,
     memory, or registers the compiler cannot fit) is skipped."""
     if len(configs) == 1:
         return configs[0]
-    timed = {}
+    timed, refusal = {}, None
     for config in configs:
         try:
             timed[config] = triton.testing.do_bench(lambda config=config: launch(config), warmup=5, rep=20)
-        except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError):
-            continue
+        except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError) as error:
+            refusal = error
+    if not timed:
+        raise RuntimeError(
+            f"Triton compiled none of the FP8 attention configs {configs}; run with --attention sdpa"
+        ) from refusal
     return min(timed, key=timed.get)
 
 
