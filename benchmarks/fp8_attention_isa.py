@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
 import re
 import sys
 import time
@@ -40,7 +39,7 @@ TARGETS = {
     "mi300": Target("hip", "gfx942", 64, torch.float8_e4m3fnuz, False),
     "rdna4": Target("hip", "gfx1201", 32, torch.float8_e4m3fn, False),
 }
-TRITON_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8", torch.int8: "i8"}
+TRITON_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
 # The matrix instructions by their mnemonic prefix: Hopper's warpgroup MMA, CDNA's MFMA, RDNA's WMMA.
 MATRIX = re.compile(r"\b(wgmma\.mma_async[\w.]*|v_mfma\w*|v_wmma\w*|v_swmmac\w*)")
 
@@ -61,9 +60,9 @@ def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim:
                      "V_DESC": f"tensordesc<{fp8}[{head_dim}, {block_n}]>"}  # fmt: skip
     else:
         pointers |= {"K_DESC": "*fp32", "V_DESC": "*fp32"}  # never read there
-    constants = {"QMAX": kernel.INT8_MAX, "P_EXPONENT": math.floor(math.log2(torch.finfo(target.fp8).max)),
+    constants = {"QMAX": kernel.INT8_MAX, "P_EXPONENT": kernel.p_exponent(target.fp8),
                  "QK_INT8": True, "HAS_MASK": masked, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                 "DESCRIPTORS": target.descriptors, "ROUND": False, "TINY": torch.finfo(target.fp8).tiny}  # fmt: skip
+                 "DESCRIPTORS": target.descriptors, **kernel.rounding(target.fp8)}  # fmt: skip
     names = list(inspect.signature(kernel._fp8_attention_forward.fn).parameters)
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "fp32" if name == "sm_scale" else "i32")

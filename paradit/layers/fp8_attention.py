@@ -220,6 +220,11 @@ def _configs(device: torch.device) -> list[tuple[int, int, int, int]]:
 _CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # (device, head dim, formats) -> the fastest config measured
 
 
+def p_exponent(dtype: torch.dtype) -> int:
+    """P is scaled to the largest power of two FP8 format ``dtype`` holds (2^8 in e4m3fn, 2^7 in MI300's e4m3fnuz)."""
+    return math.floor(math.log2(torch.finfo(dtype).max))
+
+
 def rounding(dtype: torch.dtype) -> dict:
     """``_to_8bit``'s constants for FP8 format ``dtype``: whether to round in fp32 (under the interpreter), and the
     format's smallest normal."""
@@ -291,8 +296,7 @@ def fp8_attention_with_lse(
     args = (query, k8, k_scale, v8, v_scale, k_mean, mask, out, lse, k_desc, v_desc, q_length, k_length, heads, dim,
             padded, query.stride(0), query.stride(1), query.stride(2), out.stride(0), out.stride(1), out.stride(2),
             dim**-0.5)  # fmt: skip
-    # P is scaled to the largest power of two the format holds (2^8 in e4m3fn, 2^7 in MI300's e4m3fnuz).
-    constants = {"QMAX": qmax, "P_EXPONENT": math.floor(math.log2(torch.finfo(pv_dtype).max)),
+    constants = {"QMAX": qmax, "P_EXPONENT": p_exponent(pv_dtype),
                  "QK_INT8": qk_dtype == torch.int8, "HAS_MASK": key_mask is not None, **rounding(pv_dtype),
                  "HEAD_DIM": width, "DESCRIPTORS": descriptors}  # fmt: skip
 
