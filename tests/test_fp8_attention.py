@@ -27,7 +27,6 @@ import torch
 from paradit.engine import Engine
 from paradit.errors import InvalidRequest
 from paradit.layers import fp8_attention
-from paradit.layers import fp8_attention_hopper as hopper
 from paradit.layers.attention import _masked_attention_with_lse
 from paradit.layers.fp8_attention import KEY_TILE, fp8_attention_with_lse
 from paradit.optimize import ExecutionOptions
@@ -165,53 +164,6 @@ def test_the_kernel_compiles_for_hopper_to_8_bit_warpgroup_products_fed_by_tma(t
     assert any(name.endswith(".s32.s8.s8") for name in matrix), matrix
     assert any(name.endswith(".f32.e4m3.e4m3") for name in matrix), matrix
     assert row["tma_loads"] > 0
-
-
-def test_the_hopper_kernel_compiles_to_8_bit_products_that_ptxas_keeps_asynchronous(tmp_path):
-    """The Hopper kernel (Gluon: no interpreter runs it) compiled for sm_90 as the H200 launches it: INT8 Q·Kᵀ and e4m3
-    P·V on the warpgroup MMA, tiles by TMA, and, in every config the runtime times without P·V carried across
-    tiles, no register spills and no wgmma that ptxas serialized (one register read in flight serializes them all,
-    and the kernel's overlap with it)."""
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_attention_isa.py"
-    configs = [",".join(str(int(part)) for part in config) for config in hopper.CONFIGS if not config[3]]
-    command = [
-        sys.executable,
-        str(script),
-        "--targets",
-        "hopper-gluon",
-        "--configs",
-        *configs,
-        "--out-dir",
-        str(tmp_path),
-    ]
-    run = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads((tmp_path / "fp8_attention_isa.json").read_text())["rows"]
-    assert len(rows) == len(configs)
-    for row in rows:
-        matrix = row["matrix"].split()
-        assert any(name.endswith(".s32.s8.s8") for name in matrix), matrix
-        assert any(name.endswith(".f32.e4m3.e4m3") for name in matrix), matrix
-        assert row["tma_loads"] > 0
-        assert row["spill_bytes"] == 0 and not row["wgmma_serialized"], row
-
-
-def test_v_is_written_in_the_order_the_hopper_kernel_pairs_p_with():
-    """The pre-pass writes V's keys in ``permuted_key``'s order (a permutation within each 32-key group) and the
-    Hopper kernel relabels P's columns by the same digits: so P·V pairs each key's probability with its own value."""
-    q, k, v = inputs(5, 300, heads=2, dim=64)
-    natural = fp8_attention.quantize_keys_values(k, v, torch.int8, torch.float8_e4m3fn)[3]
-    permuted = fp8_attention.quantize_keys_values(k, v, torch.int8, torch.float8_e4m3fn, permute_keys=True)[3]
-    keys = torch.arange(natural.shape[-1])
-    position = hopper.permuted_key(keys)
-    assert sorted(position.tolist()) == keys.tolist() and not torch.equal(position, keys)
-    assert ((position // 32) == (keys // 32)).all()  # within its group: tiles of 128 keys stay whole
-    assert torch.equal(permuted[..., position].float(), natural.float())
-    # P's columns, relabelled by the kernel's digits (KEY_DIGITS reshaped, SWAPPED_DIGITS permuted), land where V's
-    # keys did.
-    columns = keys.view(-1, *hopper.KEY_DIGITS).permute(0, *(1 + d for d in hopper.SWAPPED_DIGITS)).flatten()
-    assert torch.equal(columns[position], keys)
 
 
 def test_the_fastest_config_is_chosen_and_a_gpu_that_compiles_none_is_told_so(monkeypatch):
