@@ -2,12 +2,9 @@
 kernel is compiled here for Hopper (sm_90, TMA descriptors), MI300 (gfx942, e4m3fnuz) and RDNA 4 (gfx1201), as the
 runtime would launch it there, and the matrix instructions each uses are listed, with AMD's register and spill counts.
 It proves the ROCm path compiles and multiplies in 8 bits on the matrix cores; it does not run it (no AMD GPU here).
-Target ``hopper-gluon`` is the Hopper kernel (``fp8_attention_hopper``, configs as its ``CONFIGS``: stages,
-schedule), with ptxas's register, spill and wgmma-serialization report.
 
     python benchmarks/fp8_attention_isa.py --out-dir out/isa
     python benchmarks/fp8_attention_isa.py --targets mi300 rdna4 --configs 64,128,4,3 32,128,4,3 --masked
-    python benchmarks/fp8_attention_isa.py --targets hopper-gluon --out-dir out/isa
 """
 
 from __future__ import annotations
@@ -15,9 +12,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import print_table, write_json  # noqa: E402
 from paradit.layers import fp8_attention as kernel  # noqa: E402
-from paradit.layers import fp8_attention_hopper as hopper  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -44,7 +38,6 @@ TARGETS = {
     "hopper": Target("cuda", 90, 32, torch.float8_e4m3fn, True),
     "mi300": Target("hip", "gfx942", 64, torch.float8_e4m3fnuz, False),
     "rdna4": Target("hip", "gfx1201", 32, torch.float8_e4m3fn, False),
-    "hopper-gluon": Target("cuda", 90, 32, torch.float8_e4m3fn, True),
 }
 TRITON_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
 # The matrix instructions by their mnemonic prefix: Hopper's warpgroup MMA, CDNA's MFMA, RDNA's WMMA.
@@ -84,68 +77,15 @@ def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim:
     )
 
 
-def compile_hopper(config: tuple[int, int, int], head_dim: int = 128, masked: bool = True):
-    """The Hopper kernel compiled for sm_90 as ``fp8_attention_hopper.launch`` launches it with ``config``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    stages, schedule, group = config
-    k_layout = hopper.shared_layout([hopper.BLOCK_N, head_dim], gl.int8)
-    v_layout = hopper.shared_layout([head_dim, hopper.BLOCK_N], gl.float8e4nv)
-    types = {"Q": "*bf16", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "K_MEAN": "*fp32", "KEY_MASK": "*u8",
-             "OUT": "*bf16", "LSE": "*fp32", "sm_scale": "fp32",
-             "K_DESC": f"tensordesc<i8[{hopper.BLOCK_N}, {head_dim}],{k_layout!r}>",
-             "V_DESC": f"tensordesc<fp8e4nv[{head_dim}, {hopper.BLOCK_N}],{v_layout!r}>"}  # fmt: skip
-    warps = hopper.ROWS // 16
-    constants = {"QMAX": kernel.INT8_MAX, "P_EXPONENT": kernel.p_exponent(torch.float8_e4m3fn), "HAS_MASK": masked,
-                 "HEAD_DIM": head_dim, "BLOCK_N": hopper.BLOCK_N, "STAGES": stages, "SCHEDULE": schedule,
-                 "GROUP": group, "num_warps": warps}  # fmt: skip
-    names = list(inspect.signature(hopper._hopper_forward.fn).parameters)
-    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
-    source = GluonASTSource(
-        hopper._hopper_forward, signature, constexprs={(names.index(n),): v for n, v in constants.items()}
-    )
-    return triton.compile(
-        source,
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "maxnreg": hopper.MAX_REGISTERS, "enable_fp_fusion": True},
-    )
-
-
-def ptxas_report(ptx: str) -> dict:
-    """Registers, spill bytes and whether ptxas serialized the warpgroup MMAs (advisories C7510-C7515), from the
-    ptxas that Triton ships."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as folder:
-        source = Path(folder) / "kernel.ptx"
-        source.write_text(ptx)
-        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(source), "-o", str(source) + ".cubin"],
-                                capture_output=True, text=True, check=True).stderr  # fmt: skip
-    spills = re.search(r"(\d+) bytes spill stores", report)
-    registers = re.search(r"Used (\d+) registers", report)
-    return {"registers": int(registers.group(1)) if registers else None,
-            "spill_bytes": int(spills.group(1)) if spills else None,
-            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in report}  # fmt: skip
-
-
 def describe(name: str, target: Target, config: tuple[int, int, int, int], masked: bool) -> dict:
     started = time.perf_counter()
-    compiled = (
-        compile_hopper(config, masked=masked)
-        if name == "hopper-gluon"
-        else compile_forward(target, config, masked=masked)
-    )
+    compiled = compile_forward(target, config, masked=masked)
     assembly = compiled.asm["ptx" if target.backend == "cuda" else "amdgcn"]
     row = {"target": name, "arch": str(target.arch), "config": ",".join(map(str, config)), "masked": masked,
            "compile_s": time.perf_counter() - started, "shared_bytes": compiled.metadata.shared,
            "matrix": " ".join(sorted(set(MATRIX.findall(assembly))))}  # fmt: skip
     if target.backend == "cuda":
         row["tma_loads"] = assembly.count("cp.async.bulk.tensor")
-        if name == "hopper-gluon":
-            row |= ptxas_report(assembly)
     else:  # the AMD assembler's own counts
         for key, label in (("vgprs", "NumVgprs"), ("scratch_bytes", "ScratchSize")):
             found = re.search(rf";\s*{label}:\s*(\d+)", assembly)
@@ -161,19 +101,16 @@ def main() -> None:
     parser.add_argument("--masked", action="store_true", help="with a key mask (padded text), as joint attention runs")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
+    if args.configs is None:
+        configs = kernel._configs(torch.device("cuda"))
+    else:
+        configs = [tuple(int(part) for part in text.split(",")) for text in args.configs]
     import triton
 
-    rows = []
-    for name in args.targets:
-        if args.configs is not None:
-            configs = [tuple(int(part) for part in text.split(",")) for text in args.configs]
-        else:
-            configs = list(hopper.CONFIGS) if name == "hopper-gluon" else kernel._configs(torch.device("cuda"))
-        rows += [describe(name, TARGETS[name], config, args.masked) for config in configs]
+    rows = [describe(name, TARGETS[name], config, args.masked) for name in args.targets for config in configs]
     print_table(rows, [("target", "target", "s"), ("arch", "arch", "s"), ("config", "config", "s"),
                        ("masked", "mask", ""), ("compile_s", "compile s", ".1f"), ("shared_bytes", "shared B", "d"),
-                       ("vgprs", "VGPRs", "d"), ("scratch_bytes", "spill B", "d"), ("registers", "registers", "d"),
-                       ("spill_bytes", "ptxas spill B", "d"), ("wgmma_serialized", "wgmma serialized", ""),
+                       ("vgprs", "VGPRs", "d"), ("scratch_bytes", "spill B", "d"),
                        ("matrix", "matrix instructions", "s")])  # fmt: skip
     write_json(args.out_dir, "fp8_attention_isa.json", {"triton": triton.__version__, "rows": rows})
 

@@ -33,7 +33,6 @@ except ImportError:  # CPU-only installs (or a Triton before 3.4): ``check_fp8_a
     triton = None
 
 from paradit.errors import InvalidRequest
-from paradit.layers import fp8_attention_hopper as hopper
 from paradit.layers.fp8 import fp8_dtype
 
 # The kernel's key tile, which is also K's scale block: one scale per tile lets a score's scaling fold into the
@@ -98,12 +97,10 @@ if triton is not None:
     def _quantize_keys_values(K, V, K_MEAN, V_SCALE, K_OUT, K_SCALE, V_OUT, length, heads, dim,
                               stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
                               padded, QMAX: tl.constexpr, VMAX: tl.constexpr, BLOCK: tl.constexpr,
-                              HEAD_DIM: tl.constexpr, PERMUTE_KEYS: tl.constexpr, ROUND: tl.constexpr,
-                              TINY: tl.constexpr):  # fmt: skip
+                              HEAD_DIM: tl.constexpr, ROUND: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
         """One block of ``BLOCK`` tokens of one (batch, head): K smoothed and scaled to 8 bits (one scale for the
         block), V divided by its channel scales and stored transposed ((batch, head, dim, padded length)). Rows past
-        ``length`` and channels past ``dim`` (``HEAD_DIM`` is a power of two, as tiles must be) are written as zeros.
-        ``PERMUTE_KEYS`` stores V's keys in the Hopper kernel's order (``fp8_attention_hopper.permuted_key``)."""
+        ``length`` and channels past ``dim`` (``HEAD_DIM`` is a power of two, as tiles must be) are written as zeros."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         rows = block * BLOCK + tl.arange(0, BLOCK)
@@ -119,13 +116,7 @@ if triton is not None:
         v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vl + dims[None, :], mask=real, other=0.0)
         v = v.to(tl.float32) / tl.load(V_SCALE + bh * HEAD_DIM + dims)[None, :]
         v = tl.minimum(tl.maximum(v, -VMAX), VMAX)
-        columns = rows
-        if PERMUTE_KEYS:
-            within = rows % 32
-            columns = (
-                rows - within + (within // 16) * 16 + ((within // 2) % 4) * 4 + ((within // 8) % 2) * 2 + within % 2
-            )
-        tl.store(V_OUT + bh * HEAD_DIM * padded + dims[:, None] * padded + columns[None, :],
+        tl.store(V_OUT + bh * HEAD_DIM * padded + dims[:, None] * padded + rows[None, :],
                  _to_8bit(tl.trans(v), V_OUT.dtype.element_ty, ROUND, TINY))  # fmt: skip
 
     @triton.jit
@@ -226,17 +217,7 @@ def _configs(device: torch.device) -> list[tuple[int, int, int, int]]:
     return [(64, KEY_TILE, 4, 3), (128, KEY_TILE, 8, 3), (64, KEY_TILE, 4, 2), (32, KEY_TILE, 4, 3)]
 
 
-_CHOSEN: dict[tuple, tuple] = {}  # (device, head dim, formats) -> the fastest config measured
-
-
-def _hopper_configs(device: torch.device, width: int, qk_dtype: torch.dtype, pv_dtype: torch.dtype) -> list[tuple]:
-    """The Hopper kernel's (queries per program, warps, stages, P·V beside the softmax) to time beside the portable
-    kernel's, where it runs: INT8 Q·Kᵀ and e4m3 P·V on an sm_90 GPU (``fp8_attention_hopper.available``)."""
-    if interpreting() or qk_dtype != torch.int8 or pv_dtype != torch.float8_e4m3fn:
-        return []
-    if not hopper.available(device, width):
-        return []
-    return list(hopper.CONFIGS)
+_CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # (device, head dim, formats) -> the fastest config measured
 
 
 def p_exponent(dtype: torch.dtype) -> int:
@@ -260,9 +241,7 @@ def uses_descriptors(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def quantize_keys_values(
-    key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype, permute_keys: bool = False
-):
+def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype):
     """The pre-pass: (K in 8 bits (B, H, padded, W), its scales per key tile, K's mean (B, H, W) in fp32, V in FP8
     transposed (B, H, W, padded), its channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
     batch, length, heads, dim = key.shape
@@ -279,7 +258,7 @@ def quantize_keys_values(
     _quantize_keys_values[grid](key, value, k_mean, v_scale, k8, k_scale, v8, length, heads, dim, key.stride(0),
                                 key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
                                 padded, QMAX=qmax, VMAX=vmax, BLOCK=KEY_TILE, HEAD_DIM=width,
-                                PERMUTE_KEYS=permute_keys, **rounding(pv_dtype))  # fmt: skip
+                                **rounding(pv_dtype))  # fmt: skip
     return k8, k_scale, k_mean, v8, v_scale
 
 
@@ -297,13 +276,7 @@ def fp8_attention_with_lse(
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     pv_dtype = fp8_dtype(query.device)
     qk_dtype = QK_FORMAT
-    width = tile_width(dim)
-    hopper_configs = _hopper_configs(query.device, width, qk_dtype, pv_dtype)
-    chosen = _CHOSEN.get(tuning_key := (query.device, dim, qk_dtype, pv_dtype))
-    # The Hopper kernel reads V in its own key order; while both kernels are timed, V is written both ways.
-    orders = [chosen in hopper_configs] if chosen else sorted({False, bool(hopper_configs)})
-    quantized = {order: quantize_keys_values(key, value, qk_dtype, pv_dtype, permute_keys=order) for order in orders}
-    k8, k_scale, k_mean, v8, v_scale = next(iter(quantized.values()))
+    k8, k_scale, k_mean, v8, v_scale = quantize_keys_values(key, value, qk_dtype, pv_dtype)
     padded = k8.shape[2]
     if key_mask is not None:
         mask = torch.zeros(batch, padded, dtype=torch.uint8, device=query.device)
@@ -313,6 +286,7 @@ def fp8_attention_with_lse(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, q_length, dtype=torch.float32, device=query.device)
     qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
+    width = k8.shape[-1]
     descriptors = uses_descriptors(query.device)
     if descriptors:
         k_desc = TensorDescriptor.from_tensor(k8.view(-1, width), [KEY_TILE, width])
@@ -326,12 +300,7 @@ def fp8_attention_with_lse(
                  "QK_INT8": qk_dtype == torch.int8, "HAS_MASK": key_mask is not None, **rounding(pv_dtype),
                  "HEAD_DIM": width, "DESCRIPTORS": descriptors}  # fmt: skip
 
-    def launch(config: tuple) -> None:
-        if config in hopper_configs:
-            hopper.launch(query, k_length, k8, k_scale, quantized[True][3], v_scale, k_mean, mask, out, lse,
-                          heads=heads, dim=dim, has_mask=key_mask is not None, qmax=qmax,
-                          p_exponent=p_exponent(pv_dtype), config=config)  # fmt: skip
-            return
+    def launch(config: tuple[int, int, int, int]) -> None:
         # Fusion asked for, not assumed: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns
         # fusion off by default.
         block_m, block_n, warps, stages = config
@@ -339,8 +308,9 @@ def fp8_attention_with_lse(
         _fp8_attention_forward[grid](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                                      num_stages=stages, enable_fp_fusion=True)  # fmt: skip
 
+    chosen = _CHOSEN.get(tuning_key := (query.device, dim, qk_dtype, pv_dtype))
     if chosen is None:
-        chosen = _CHOSEN[tuning_key] = fastest(launch, hopper_configs + _configs(query.device))
+        chosen = _CHOSEN[tuning_key] = fastest(launch, _configs(query.device))
     launch(chosen)
     return out, lse
 
