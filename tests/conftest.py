@@ -3,6 +3,12 @@ import os
 # The CPU runs Triton kernels (FP8 attention) only in Triton's interpreter, which is chosen as the kernels are defined:
 # set before anything imports them, and inherited by every worker and subprocess the tests start.
 os.environ["TRITON_INTERPRET"] = "1"
+# The two test processes, their engines' workers and their subprocesses share two cores: an OpenMP thread that waits at
+# a barrier by spinning (libgomp's default) holds a core that the thread it waits for, or another process, needs, and
+# a tiny model's many short parallel regions then run 10 to 20 times slower than alone. Passive waiting changes no
+# result (the same threads do the same work); it is read as the OpenMP library loads, so set before torch is imported,
+# and inherited by every worker and subprocess.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
