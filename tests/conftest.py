@@ -18,10 +18,11 @@ from tests.checkpoints import build_dev_checkpoint, build_klein_checkpoint
 
 torch.set_num_threads(2)
 
-# The files that take longest, slowest first (seconds summed over a 2-process run on 2 cores). ``--dist loadfile``
-# hands each process the next file as it finishes one, in collection order (pyproject's addopts turn off xdist's
-# reordering by test count, which put these few-test files last): started first, they leave the short files to even
-# out the two processes' ends.
+# The files that take longest, slowest first (seconds summed over a 2-process run on 2 cores, measured before OpenMP
+# waited passively; reordered by the passive run's sums, the suite took 7:26 against this order's 6:21).
+# ``--dist loadfile`` hands each process the next file as it finishes one, in collection order (pyproject's addopts
+# turn off xdist's reordering by test count, which put these few-test files last): started first, they leave the
+# short files to even out the two processes' ends.
 SLOWEST_FILES = [
     "test_hardening_server.py",  # 180
     "test_processes.py",  # 150
