@@ -18,8 +18,8 @@ demo: $(STAMP)
 	$(BIN)/paradit generate --model flux2-tiny --device cpu --gpus 2 --ulysses 2 --verify-serial \
 		--prompt "a lighthouse on a cliff at dusk" --seed 0 --out out/demo.png
 
-# Two test processes (6:11 and 6:30 for all of `make test` in two runs on 2 cores): much of a test's time goes to waiting on its workers
-# and subprocesses. Each file runs whole in one of them (its module fixtures are built once).
+# Two test processes (6:11 and 6:30 for all of `make test` in two runs on 2 cores): much of a test's time goes to
+# waiting on its workers and subprocesses. Each file runs whole in one of them (its module fixtures are built once).
 test: $(STAMP)
 	$(BIN)/ruff check paradit tests benchmarks
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
