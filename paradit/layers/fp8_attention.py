@@ -248,7 +248,8 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
     padded, width = -(-length // K_PAD) * K_PAD, tile_width(dim)
     k_mean = F.pad(key.mean(dim=1, dtype=torch.float32), (0, width - dim)).contiguous()  # (B, H, W)
     vmax = torch.finfo(pv_dtype).max
-    v_scale = value.abs().amax(dim=1).float().clamp(min=1e-30) / vmax
+    # The largest magnitude by one reduction: ``value.abs()`` first wrote a copy of V (0.5 ms at Wan 720p).
+    v_scale = torch.linalg.vector_norm(value, ord=math.inf, dim=1).float().clamp(min=1e-30) / vmax
     v_scale = F.pad(v_scale, (0, width - dim), value=1.0).contiguous()
     k8 = torch.empty(batch, heads, padded, width, dtype=qk_dtype, device=key.device)
     k_scale = torch.empty(batch, heads, padded // KEY_TILE, dtype=torch.float32, device=key.device)
