@@ -74,14 +74,17 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x_q, x_scale = quantize_rowwise(x.reshape(-1, shape[-1]), self.weight.dtype)
-        out = torch._scaled_mm(
-            x_q, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.t(), out_dtype=self.out_dtype,
-            use_fast_accum=True,
-        )  # fmt: skip
+        out = self.multiply(*quantize_rowwise(x.reshape(-1, shape[-1]), self.weight.dtype))
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
+
+    def multiply(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The GEMM alone: quantized rows ``x_q`` (scales ``x_scale``, (rows, 1)) times the weight, without bias."""
+        return torch._scaled_mm(
+            x_q, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.t(), out_dtype=self.out_dtype,
+            use_fast_accum=True,
+        )  # fmt: skip
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight FP8 stands for, in float32: what the GEMM effectively multiplies by (for error accounting)."""
