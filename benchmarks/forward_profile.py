@@ -44,21 +44,36 @@ def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
-def profile_forward(model, inputs, fp8_attention, attention: str, forwards: int) -> tuple[list[dict], float]:
-    """Rows of (kind or kernel, ms per forward, share) and the measured forward time."""
+def fp8_expert(workload: str, device: torch.device, blocks: int | None = None):
+    """Wan's expert of ``workload`` with random weights and FP8 linears (its first ``blocks`` blocks, else all of
+    them), one forward's inputs, and its token count."""
+    spec, model, inputs, _, tokens = build_paradit(workload, device)
+    if blocks is not None:
+        model.blocks = model.blocks[:blocks]
+    quantize_fp8(model, device, FAMILIES[spec.family].keep_high_precision)
+    return model, inputs, tokens
+
+
+def kernel_times(model, inputs, forwards: int) -> list[tuple[str, float, int]]:
+    """Every GPU kernel of ``forwards`` profiled forwards: (name, ms per forward, calls per forward)."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(forwards):
+            model(*inputs)
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total / 1000 / forwards, e.count // forwards) for e in prof.key_averages()]
+    return [k for k in kernels if k[1] > 0]
+
+
+def profile_forward(model, inputs, fp8_attention, attention: str, forwards: int) -> tuple[list[dict], float]:
+    """Rows of (kind or kernel, ms per forward, share) and the measured forward time."""
     fp8_attention.fp8_now = attention == "fp8"
     with torch.inference_mode():
         model(*inputs)  # compiles for this attention
         forward_ms = time_cuda_ms(lambda: model(*inputs), warmup=1, iters=3)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(forwards):
-                model(*inputs)
-            torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total / 1000 / forwards, e.count // forwards) for e in prof.key_averages()]
-    kernels = [k for k in kernels if k[1] > 0]
+        kernels = kernel_times(model, inputs, forwards)
     total = sum(ms for _, ms, _ in kernels)
     by_kind: dict[str, list[float]] = {}
     for name, ms, count in kernels:
@@ -105,8 +120,7 @@ def main() -> None:
     device = torch.device("cuda")
     env = environment()
     print(env, flush=True)
-    spec, model, inputs, _, tokens = build_paradit(args.workload, device)
-    quantize_fp8(model, device, FAMILIES[spec.family].keep_high_precision)
+    model, inputs, tokens = fp8_expert(args.workload, device)
     compile_blocks(model)
     fp8_attention = use_fp8_attention(model, 0)
     rows = []

@@ -20,12 +20,10 @@ import torch._dynamo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
-from benchmarks.forward_profile import kind_of  # noqa: E402
-from benchmarks.wan_step import WORKLOADS, build_paradit  # noqa: E402
+from benchmarks.forward_profile import fp8_expert, kernel_times, kind_of  # noqa: E402
+from benchmarks.wan_step import WORKLOADS  # noqa: E402
 from paradit.compile import RECOMPILE_LIMIT, model_blocks  # noqa: E402
-from paradit.families import FAMILIES  # noqa: E402
 from paradit.layers.attention import use_fp8_attention  # noqa: E402
-from paradit.quantize import quantize_fp8  # noqa: E402
 
 VARIANTS = {
     "default": {"triton.multi_kernel": 0},
@@ -37,8 +35,6 @@ TOP_KERNELS = 10
 
 
 def measure(model, inputs, options: dict, blocks: int) -> tuple[dict, list[dict]]:
-    from torch.profiler import ProfilerActivity, profile
-
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     for block in model_blocks(model):  # as ``compile_blocks`` does, with these options
@@ -49,17 +45,14 @@ def measure(model, inputs, options: dict, blocks: int) -> tuple[dict, list[dict]
         torch.cuda.synchronize()
         first_s = time.perf_counter() - start
         forward_ms = time_cuda_ms(lambda: model(*inputs), warmup=1, iters=3)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model(*inputs)
-            torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total / 1000) for e in prof.key_averages() if e.self_device_time_total > 0]
+        kernels = kernel_times(model, inputs, forwards=1)
     inductor = sorted((k for k in kernels if kind_of(k[0]) == "Inductor fused"), key=lambda k: -k[1])
     summary = {"forward_ms": forward_ms, "first_call_s": first_s, "per_block_ms": forward_ms / blocks,
-               "inductor_ms_per_block": sum(ms for _, ms in inductor) / blocks,
-               "attention_ms_per_block": sum(ms for n, ms in kernels if kind_of(n).startswith("self-attention"))
+               "inductor_ms_per_block": sum(ms for _, ms, _ in inductor) / blocks,
+               "attention_ms_per_block": sum(ms for n, ms, _ in kernels if kind_of(n).startswith("self-attention"))
                / blocks,
-               "gemm_ms_per_block": sum(ms for n, ms in kernels if kind_of(n) == "FP8 GEMM") / blocks}  # fmt: skip
-    top = [{"kernel": name[:100], "ms_per_block": ms / blocks} for name, ms in inductor[:TOP_KERNELS]]
+               "gemm_ms_per_block": sum(ms for n, ms, _ in kernels if kind_of(n) == "FP8 GEMM") / blocks}  # fmt: skip
+    top = [{"kernel": name[:100], "ms_per_block": ms / blocks} for name, ms, _ in inductor[:TOP_KERNELS]]
     return summary, top
 
 
@@ -73,9 +66,7 @@ def main() -> None:
     device = torch.device("cuda")
     env = environment()
     print(env, flush=True)
-    spec, model, inputs, _, _ = build_paradit(args.workload, device)
-    model.blocks = model.blocks[: args.blocks]
-    quantize_fp8(model, device, FAMILIES[spec.family].keep_high_precision)
+    model, inputs, _ = fp8_expert(args.workload, device, args.blocks)
     use_fp8_attention(model, 0).fp8_now = True
     rows, kernels = [], []
     for name in args.variants:
