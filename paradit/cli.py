@@ -1,8 +1,9 @@
 """``paradit`` command line: a thin face over ``paradit.Engine``.
 
-Errors paradit can name (bad input, missing checkpoints) print one line and exit 2, with no traceback; an
-unexpected error prints one line naming the file that holds its trace, and exits 1. Everything heavy (torch, the
-model families) is imported only by the command that needs it, so that help and refusals answer at once.
+Errors paradit can name (bad input, missing checkpoints) print one line and exit 2, with no traceback (the device
+running out of memory: one line, exit 1); an unexpected error prints one line naming the file that holds its trace,
+and exits 1. Everything heavy (torch, the model families) is imported only by the command that needs it, so that help
+and refusals answer at once.
 Must not import torch.distributed.
 """
 
@@ -311,7 +312,7 @@ def format_table(result) -> str:
         *([("denoise step (median)", f"{t.median_step_ms:.1f} ms x {len(t.step_ms) - 1} more")] * (len(t.step_ms) > 1)),
         ("VAE decode", f"{t.vae_decode_s:.3f} s"),
         ("total", f"{t.total_s:.3f} s"),
-        (f"peak memory ({t.peak_memory_kind})", f"{t.peak_memory_bytes / 2**30:.2f} GiB"),
+        (f"peak memory ({t.peak_memory_kind})", f"{t.peak_memory_bytes / 2**30:.2f} GiB" + peak_details(t)),
         ("parallel plan", t.plan),
         ("text encoder placement", t.text_encoders),
     ]
@@ -324,6 +325,13 @@ def format_table(result) -> str:
                                    f"{t.cache_blocks_skipped} block evaluations"))  # fmt: skip
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def peak_details(t) -> str:
+    """What the allocator held at most beside what tensors took, and the memory plan's estimate, where known."""
+    details = [f"{t.peak_reserved_bytes / 2**30:.2f} held by the allocator"] if t.peak_reserved_bytes else []
+    details += [f"planned {t.memory_estimate_bytes / 2**30:.2f}"] if t.memory_estimate_bytes else []
+    return f" ({', '.join(details)})" if details else ""
 
 
 def asked_for(args: argparse.Namespace):
@@ -576,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 13  # the shell's code for death by SIGPIPE (13; Windows has no signal.SIGPIPE)
     except ParaditError as exc:
         print(f"paradit: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         terminated = received == [signal.SIGTERM]
         print(f"paradit: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)

@@ -14,15 +14,16 @@ from typing import Literal
 
 import torch
 
+from paradit.device_memory import release_cached
 from paradit.families import DEFAULT_MODEL
-from paradit.loader import WorkerPlan, build_pipeline
+from paradit.loader import WorkerPlan, build_pipeline, run_requests
 from paradit.optimize import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
 from paradit.pipelines.requests import ResolvedRequest, one_batch
 from paradit.request import GenerationRequest, GenerationResult
 from paradit.settings import Asked, RunSettings, launched_by_torchrun, settle
 from paradit.spec import ModelSpec
-from paradit.worker import StepSignals, WorkerGroup
+from paradit.worker import StepSignals, WorkerFailure, WorkerGroup
 
 Request = GenerationRequest | ResolvedRequest
 
@@ -78,10 +79,12 @@ class Engine:
         plan = WorkerPlan(
             self.spec, self.device.type, self.dtype, self.parallel, self.options, self.memory_cap,
             text_encoder_placement=self.text_encoder_placement,
-            vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled,
+            vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled, budget=settings.memory_budget,
         )  # fmt: skip
+        self._plan = plan
         # pipeline: the one this process runs (None when the work happens in spawned worker processes)
         self.pipeline = self._group = self._signals = None
+        self._closed = False
         if self.parallel.world_size == 1 and not isolate and not self.parallel.shard_weights:
             self.pipeline = build_pipeline(plan, 0, self.device.index or 0)
             self._signals = StepSignals(1)
@@ -109,17 +112,20 @@ class Engine:
             for each in (request if isinstance(request, list) else [request])
         ]
         one_batch(resolved)  # requests that cannot share a batch are refused before any rank sees them
+        if self._closed:  # as a closed group of workers answers
+            raise WorkerFailure("this engine was closed; create a new Engine")
         if self._group is not None:
             results = self._group.generate(resolved, progress)
         else:
             signals = self._signals
             on_step = None if signals is None else functools.partial(signals.check, 0, signals.begin())
-            results = self.pipeline.generate(resolved, progress=progress, on_step=on_step)
+            results = run_requests(self.pipeline, self._plan, resolved, progress, on_step)
         if results is None:
             return None
         result = results if isinstance(request, list) else results[0]
         timings = results[0].timings  # one run: the batch shares them
         timings.plan = self.plan
+        timings.memory_estimate_bytes = self.memory_plan.total if self.memory_plan is not None else 0
         # "gpu" names the device the encoders stay resident on; on the CPU that is the CPU's memory.
         placement = self.text_encoder_placement
         timings.text_encoders = "resident" if self.device.type == "cpu" and placement == "gpu" else placement
@@ -154,10 +160,15 @@ class Engine:
 
     def close(self) -> None:
         """Stop the worker processes, if any, and remove their rendezvous folder; a request cut short (an interrupt)
-        is not waited for. Also done when the engine is garbage-collected or the interpreter exits. The engine serves
-        no more requests after this."""
+        is not waited for. An engine running in this process lets go of its pipeline and gives the device memory
+        back, so that the next engine has the whole device. Also done (for workers) when the engine is
+        garbage-collected or the interpreter exits. The engine serves no more requests after this."""
         if self._group is not None:
             self._group.close()
+        if self.pipeline is not None:
+            self.pipeline = None
+            release_cached(self.device)
+        self._closed = True
 
     def __enter__(self) -> Engine:
         return self

@@ -2,7 +2,9 @@
 
 
 class ParaditError(Exception):
-    """Base of every error the CLI prints as one line and exits 2 for."""
+    """Base of every error the CLI prints as one line; it exits with ``exit_code``."""
+
+    exit_code = 2  # bad input, something missing: what the user can change
 
 
 class InvalidRequest(ParaditError, ValueError):
@@ -20,6 +22,13 @@ class CheckpointError(ParaditError):
 
 class NonFinitePrediction(ParaditError):
     """A denoise step predicted NaN or inf, which would decode to a black image: the request fails instead."""
+
+
+class OutOfMemory(ParaditError):
+    """The device ran out of memory during a run (loading, encoding, a denoise step, decoding): not the input's
+    fault, so the CLI exits 1 and the server answers 503; the line says where, how much, and what would need less."""
+
+    exit_code = 1
 
 
 def report_warnings() -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from paradit.checkpoint import safetensors_files
 from paradit.compile import model_blocks
+from paradit.device_memory import MemoryBudget, configure_allocator, hold_to_cap, reporting_out_of_memory
 from paradit.errors import CheckpointError
 from paradit.expert_swap import ExpertSwap
 from paradit.families import FAMILIES
@@ -21,14 +22,15 @@ from paradit.lora import LoraSet
 from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
 from paradit.lora.refs import adapter_key
 from paradit.lora.variants import adapter_chooser
-from paradit.memory import hold_to_cap
 from paradit.optimize import ExecutionOptions, apply_execution_options
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
 from paradit.parallel.parallelize import Parallelized, parallelize, plain_vae_decode, plain_vae_encode
 from paradit.parallel.shard import shard_module, shard_root
 from paradit.pipelines.base import DiffusionPipeline, load_vae
+from paradit.pipelines.requests import ResolvedRequest
 from paradit.quantize import fp8_load
+from paradit.request import GenerationResult
 from paradit.spec import CheckpointFolder, Fp8PresetFolder, ModelSpec
 from paradit.text_encoder import load_prompt_encoder
 from paradit.weights import CheckpointTensors, DummyTensors, Fp8Load, ModelNames, TensorSource, materialize
@@ -47,6 +49,7 @@ class WorkerPlan:
     init_method: str = "env://"
     text_encoder_placement: str = "gpu"
     vae_tiled: bool = False  # the memory plan's last resort: every rank decodes the whole latent tile by tile
+    budget: MemoryBudget = MemoryBudget()  # what rank 0 was planned to hold, for an out-of-memory error's line
 
 
 def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
@@ -148,13 +151,29 @@ def load_pipeline(spec: ModelSpec, device: torch.device, dtype: torch.dtype, con
 
 
 def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:
-    """Rank ``rank``'s pipeline: holds its device to the memory cap, joins the group (when there is one), loads."""
+    """Rank ``rank``'s pipeline: sets up its device's allocator and holds it to the memory cap, joins the group (when
+    there is one), loads; running out of device memory while loading is ``OutOfMemory``'s one line."""
     device = torch.device("cuda", local_rank) if plan.device_type == "cuda" else torch.device("cpu")
-    if plan.memory_cap is not None:
-        hold_to_cap(device, plan.memory_cap)
+    configure_allocator(device)
+    hold_to_cap(device, plan.memory_cap)
     context = None
     if plan.parallel.world_size > 1 or plan.parallel.shard_weights:  # sharding over one GPU: a group of one
         init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
         context = ParallelContext.build(plan.parallel, device)
-    return load_pipeline(plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement,
-                         plan.vae_tiled)  # fmt: skip
+
+    def load() -> DiffusionPipeline:
+        return load_pipeline(plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement,
+                             plan.vae_tiled)  # fmt: skip
+
+    return reporting_out_of_memory(load, lambda: "while loading the model", device, plan.budget)
+
+
+def run_requests(pipeline: DiffusionPipeline, plan: WorkerPlan, requests: list[ResolvedRequest],
+                 progress: bool = False, on_step=None) -> list[GenerationResult] | None:  # fmt: skip
+    """``pipeline.generate``, running out of device memory reported as ``OutOfMemory``'s one line, naming the stage
+    the pipeline was in (``DiffusionPipeline.stage``), and the memory given back for the next request."""
+
+    def generate() -> list[GenerationResult] | None:
+        return pipeline.generate(requests, progress=progress, on_step=on_step)
+
+    return reporting_out_of_memory(generate, lambda: pipeline.stage, pipeline.device, plan.budget)

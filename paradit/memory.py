@@ -1,4 +1,5 @@
-"""Per-GPU memory: a cap each worker holds itself to, and the check that a plan fits under it before anything loads.
+"""Per-GPU memory: what a plan holds on rank 0, and the check that it fits under a cap (or, uncapped, the GPU's free
+memory) before anything loads; the device's side (the allocator, the cap held) is ``device_memory.py``'s.
 
 The weights are counted from the model itself: the transformer and the prompt encoders and VAE are built on the meta
 device (no memory, milliseconds) and their parameters counted as the run holds them; working memory is each
@@ -255,10 +256,12 @@ def estimate(
 def check_fits(
     spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int, placement: str = "auto",
     swap_experts: bool = False, compiled: bool = False, adapter_bytes: int = 0, extra_tokens: int = 0,
+    limit: str | None = None,
 ) -> MemoryPlan:  # fmt: skip
     """The first plan that fits rank 0 under ``cap``, with the prompt encoders placed as asked or, for ``auto``,
     resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; and only when none of those fits, the
-    same with the VAE decoding tile by tile; an InvalidRequest with the numbers when none fits."""
+    same with the VAE decoding tile by tile; an InvalidRequest with the numbers when none fits. ``limit``: what
+    ``cap`` is, in words (default: the ``--max-gpu-memory`` it was given as)."""
     check_placement(placement, fp8)
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []
@@ -270,19 +273,22 @@ def check_fits(
                 return plan
             tried.append(plan)
     smallest = min(tried, key=lambda plan: plan.total)
+    advice = lowering_options(spec, parallel, fp8, smallest.text_encoder_placement, swap_experts)
+    advice.append("or raise the cap" if limit is None else "or free memory on it")
+    raise InvalidRequest(f"{spec.name} with {parallel.describe()} does not fit under {limit or cap_words(cap)}: "
+                         f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}")  # fmt: skip
+
+
+def cap_words(cap: int) -> str:
+    return f"--max-gpu-memory {gib(cap)} GiB"
+
+
+def lowering_options(spec: ModelSpec, parallel: ParallelConfig, fp8: bool, placement: str,
+                     swap_experts: bool) -> list[str]:  # fmt: skip
+    """The options that would make a run of ``spec`` with this plan, precision, prompt-encoder placement and expert
+    swapping hold less on rank 0, in the order worth trying."""
     advice = ["give more GPUs to the plan (--shard-weights or --tensor shards the weights)"]
     advice += [] if fp8 else ["use --quantize fp8"]
-    advice += [] if smallest.text_encoder_placement == "offload" else ["--text-encoder-placement offload"]
+    advice += [] if placement == "offload" else ["--text-encoder-placement offload"]
     advice += [] if swap_experts or not spec.experts or parallel.shard_weights else ["--swap-experts"]
-    raise InvalidRequest(f"{spec.name} with {parallel.describe()} does not fit under --max-gpu-memory {gib(cap)} GiB: "
-                         f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}, or raise the "
-                         "cap")  # fmt: skip
-
-
-def hold_to_cap(device: torch.device, cap: int) -> None:
-    """Make the CUDA caching allocator refuse to grow past ``cap`` on this device (CPU processes rely on the
-    up-front check alone)."""
-    if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index  # "cuda" names no index
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+    return advice

@@ -74,6 +74,8 @@ class Timings:
     total_s: float = 0.0
     peak_memory_bytes: int = 0
     peak_memory_kind: str = "device"
+    peak_reserved_bytes: int = 0  # on GPUs: the most the caching allocator held, which a cap bounds
+    memory_estimate_bytes: int = 0  # what the memory plan estimated rank 0 would hold (0: no plan was made)
     peak_memory_per_rank: list[int] = field(default_factory=list)  # in a group: every rank's peak, rank order
     comm_bytes_per_step: int = 0  # sent by the rank that reports, per denoise step
     plan: str = "1 GPU"

@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 
 from paradit.checkpoint import resolve_checkpoint
+from paradit.device_memory import MemoryBudget, free_memory
 from paradit.errors import InvalidRequest
 from paradit.families import DEFAULT_MODEL, FAMILIES, PRESETS, spec_from_folder
 from paradit.fp8_checkpoint import PRESET_FILE, spec_with_fp8_transformer
 from paradit.lora import LoraSet
 from paradit.lora.apply import check_adapters, check_choice
-from paradit.memory import MemoryPlan, check_fits, check_placement, gib, parse_size
+from paradit.memory import MemoryPlan, cap_words, check_fits, check_placement, gib, lowering_options, parse_size
 from paradit.optimize import ExecutionOptions
 from paradit.parallel.config import ParallelConfig, plans_for
 from paradit.parallel.validate import check_plan
@@ -114,8 +115,9 @@ class Asked:
 @dataclass(frozen=True)
 class RunSettings:
     """What a run executes with, settled and checked: the model, where and in which dtype, the plan, the execution
-    options, the memory cap and plan (None without a cap), where the prompt encoders live (``gpu``, ``fp8`` or
-    ``offload``), and where the plan came from (None: the flags or the default)."""
+    options, the memory cap (None: none) and plan (None where none was made: the CPU without a cap), where the prompt
+    encoders live (``gpu``, ``fp8`` or ``offload``), where the plan came from (None: the flags or the default), and
+    the limit the memory plan was made for, in words."""
 
     spec: ModelSpec
     device: torch.device
@@ -126,10 +128,22 @@ class RunSettings:
     memory_plan: MemoryPlan | None = None
     text_encoder_placement: str = "gpu"
     origin: str | None = None
+    memory_limit: str | None = None
 
     @property
     def family(self):
         return FAMILIES[self.spec.family]
+
+    @property
+    def memory_budget(self) -> MemoryBudget:
+        """What rank 0 was planned to hold, for the line an out-of-memory error becomes."""
+        if self.memory_plan is None:
+            return MemoryBudget()
+        options = self.options
+        advice = lowering_options(self.spec, self.parallel, options.quantize == "fp8", self.text_encoder_placement,
+                                  options.swap_experts)  # fmt: skip
+        advice.append("or a smaller size")
+        return MemoryBudget(self.memory_plan.total, self.memory_limit or "", ", ".join(advice))
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
         """``request`` with the model's defaults filled in and its choice of adapters checked against the run's, or
@@ -259,26 +273,41 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
         raise InvalidRequest(f"{gpus} GPUs{start} asked for, but this machine has {torch.cuda.device_count()}")
     check_placement(placement, fp8)
     cap = None if asked.max_gpu_memory is None else parse_size(asked.max_gpu_memory)
+    # Uncapped on GPUs, the plan is made for the memory they have free, so that it places, swaps and tiles as a
+    # capped run would; a cap asked for on the CPU is for the GPU plan it would run.
+    limit, limit_words = (cap, cap_words(cap)) if cap is not None else free_limit(device, gpus)
     memory_plan = None
-    if cap is not None:  # estimated at the request's size when there is one, else the model's
+    if limit is not None:  # estimated at the request's size when there is one, else the model's
         sized, extra_tokens = spec, 0 if resolved is None else resolved.reference_tokens
         if resolved is not None:
             sized = dataclasses.replace(spec, height=resolved.height, width=resolved.width,
                                         frames=resolved.frames or spec.frames)  # fmt: skip
         compiled = options.compiles(device)
+        words = None if cap is not None else limit_words
         try:
-            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, options.swap_experts, compiled,
-                                     adapter_bytes, extra_tokens)  # fmt: skip
+            memory_plan = check_fits(sized, parallel, dtype, fp8, limit, placement, options.swap_experts, compiled,
+                                     adapter_bytes, extra_tokens, words)  # fmt: skip
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
-            memory_plan = check_fits(sized, parallel, dtype, fp8, cap, placement, True, compiled, adapter_bytes,
-                                     extra_tokens)  # fmt: skip
+            memory_plan = check_fits(sized, parallel, dtype, fp8, limit, placement, True, compiled, adapter_bytes,
+                                     extra_tokens, words)  # fmt: skip
             options = dataclasses.replace(options, swap_experts=True)
             options.validate(device)
         placement = memory_plan.text_encoder_placement
     if device.type == "cpu":  # after the cap's check: a cap asked for on the CPU is for the GPU plan it would run
         check_cpu_group(spec, parallel, dtype)
     return RunSettings(spec, device, dtype, parallel, options, cap, memory_plan,
-                       "gpu" if placement == "auto" else placement, origin)  # fmt: skip
+                       "gpu" if placement == "auto" else placement, origin, limit_words)  # fmt: skip
+
+
+def free_limit(device: torch.device, gpus: int) -> tuple[int | None, str | None]:
+    """The free memory of the group's least free GPU (``device_memory.free_memory``) and its words; none on the CPU.
+    Under torchrun each process checks its own GPU."""
+    if device.type != "cuda":
+        return None, None
+    first = int(os.environ["LOCAL_RANK"]) if launched_by_torchrun() else device.index or 0
+    indices = [first] if launched_by_torchrun() else range(first, first + gpus)
+    free, index = min((free_memory(index), index) for index in indices)
+    return free, f"the {gib(free)} GiB free on GPU {index}"

@@ -203,7 +203,7 @@ def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: 
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from paradit.loader import build_pipeline
+    from paradit.loader import build_pipeline, run_requests
 
     # tqdm's default lock is a named semaphore, which a worker killed inside a step (Engine.abort) would leave for the
     # resource tracker to warn about; one process's one bar needs only a thread lock.
@@ -219,8 +219,8 @@ def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: 
         while (message := requests[rank].get()) is not None:
             run, request, progress = message
             try:
-                result = pipeline.generate(
-                    request, progress=progress and rank == 0, on_step=functools.partial(signals.check, rank, run)
+                result = run_requests(
+                    pipeline, plan, request, progress and rank == 0, functools.partial(signals.check, rank, run)
                 )
             except Exception as exc:  # noqa: BLE001 - the request's failure, not the worker's: it serves on
                 results.put(("failed", rank, reportable(exc)))

@@ -1,7 +1,8 @@
 """``paradit serve`` as its own process (the command line's path, signals included), tiny FLUX.2 on the CPU with
 ``--max-batch 4``: requests queued behind a busy group share a forward pass, each image within one 8-bit level of
 what ``Engine.generate`` gives for its seed alone; ``paradit generate --server`` writes the image ``generate``
-writes; SIGTERM finishes the accepted requests, answers new ones 503, and exits 0."""
+writes; a request whose run exhausts the device's memory (``tests/oom_site``, at one size) is a 503 naming the stage,
+the server serving the next one; SIGTERM finishes the accepted requests, answers new ones 503, and exits 0."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from PIL import Image
 
 from paradit import Engine, GenerationRequest
 from paradit.cli import main
+from tests.test_device_memory import OOM_SIZE, oom_environment
 
 MODEL, SIZE, STEPS = "flux2-tiny", 32, 2
 START_S = 120  # two cores shared with the test process: importing torch and loading take a while
@@ -29,11 +31,12 @@ GOOD = {"prompt": "a fox in the snow", "size": f"{SIZE}x{SIZE}", "steps": STEPS}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    environment = oom_environment(tmp_path_factory.mktemp("serve"))
     process = subprocess.Popen(
         [sys.executable, "-m", "paradit", "serve", "--model", MODEL, "--device", "cpu", "--port", "0",
          "--max-batch", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
     )  # fmt: skip
     lines: list[str] = []
     deadline = time.monotonic() + START_S
@@ -115,6 +118,19 @@ def test_generate_with_server_writes_the_image_generate_writes(server, engine, t
     assert "the server answered 400: height 40 is not allowed" in capsys.readouterr().err
     assert main(["generate", "--server", url, "--prompt", "a", "--gpus", "2", "--out", str(out)]) == 2
     assert "--gpus: the server chose these when it started" in capsys.readouterr().err
+
+
+def test_a_request_that_runs_out_of_device_memory_is_a_503_and_the_server_serves_on(server, engine):
+    """It was a 500 "server_error" naming OutOfMemoryError; the server's capacity, not the client's input, is what
+    failed: 503 with the stage and the figures, /health still 200, the next request served."""
+    _, url, _ = server
+    answer = httpx.post(url + "/v1/images/generations", json={**GOOD, "size": f"{OOM_SIZE}x{OOM_SIZE}"}, timeout=120)
+    error = answer.json()["error"]
+    assert answer.status_code == 503 and error["type"] == "out_of_memory", answer.text
+    assert error["message"].startswith("out of memory on cpu at denoise step 1 of 2: 2.00 GiB more was asked for")
+    assert httpx.get(url + "/health").status_code == 200
+    assert np.array_equal(image_of(httpx.post(url + "/v1/images/generations", json={**GOOD, "seed": 5}, timeout=120)),
+                          reference(engine, 5))  # fmt: skip
 
 
 def test_sigterm_finishes_accepted_requests_refuses_new_ones_and_exits(server):

@@ -127,6 +127,7 @@ class DiffusionPipeline(ABC):
         self.prompt_encoder, self.vae, self.device, self.dtype = prompt_encoder, vae, device, dtype
         reduce = parallel.sum_across if parallel is not None else (lambda sums: sums)
         self.step_caches = [StepCache(each.model, reduce) for each in (transformer, *self.experts.values())]
+        self.stage = "before its first request"  # where ``generate`` is, in words (an out-of-memory error names it)
 
     def uses_cfg(self, request: ResolvedRequest) -> bool:
         return self.family.uses_cfg(self.spec, request)
@@ -310,11 +311,13 @@ class DiffusionPipeline(ABC):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
+        self.stage = "while encoding the prompt"
         conditioning = self.conditioning(resolved)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         timings.text_encode_s = time.perf_counter() - start
 
+        self.stage = "while preparing the latents"
         noise = [self.initial_latents(part) for part in requests]
         latents, layout = torch.cat([latents for latents, _ in noise]), noise[0][1]
         scheduler, timesteps = self.make_scheduler(resolved, latents)
@@ -327,6 +330,7 @@ class DiffusionPipeline(ABC):
 
         def mark_step() -> None:
             clock.mark()
+            self.stage = f"at denoise step {min(len(clock.marks), len(timesteps))} of {len(timesteps)}"
             for kernel in fp8_attention:
                 kernel.begin_step(len(clock.marks) - 1, len(timesteps))
             finite.append(torch.ones((), dtype=torch.bool, device=self.device))
@@ -349,6 +353,7 @@ class DiffusionPipeline(ABC):
             raise NonFinitePrediction(f"denoise step {bad + 1} of {len(timesteps)} predicted NaN or inf (the image "
                                       f"would be black); likely {guidance}NaN or inf in the weights")  # fmt: skip
         stats.phase = "decode"
+        self.stage = "while decoding"
         timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
         decode_start = time.perf_counter()
         pixels = self.decode(latents, layout).float().cpu()
@@ -359,6 +364,8 @@ class DiffusionPipeline(ABC):
                 return None
         timings.total_s = time.perf_counter() - start
         timings.peak_memory_bytes = peak_memory(self.device)
+        if self.device.type == "cuda":
+            timings.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
         timings.peak_memory_kind = "device" if self.device.type == "cuda" else "process RSS"
         if timings.peak_memory_per_rank:  # rank 0 decodes after the others reported: its own peak is final only now
             timings.peak_memory_per_rank[0] = timings.peak_memory_bytes

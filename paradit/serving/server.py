@@ -4,7 +4,8 @@ Handlers never wait on a group: they queue a job and await its future, polling f
 synchronous request whose client went away is cancelled), and encode images in the thread pool. Every error is an
 OpenAI-style ``{"error": {"message", "type", "param"}}`` answer: bad input 400 naming the field and what is allowed,
 a missing or wrong API key 401 (every route but /health), a body past the limit 413, a full queue 429 with
-``Retry-After``, shutting down 503, a timeout 504, a worker failure 500. Must not import torch.distributed."""
+``Retry-After``, shutting down or out of device memory 503, a timeout 504, a worker failure 500. Must not import
+torch.distributed."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from paradit import __version__
-from paradit.errors import InvalidRequest, ParaditError
+from paradit.errors import InvalidRequest, OutOfMemory, ParaditError
 from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
 from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image
@@ -63,6 +64,7 @@ ERRORS: dict[type[ParaditError], tuple[int, str]] = {
     InvalidRequest: (400, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),
     Draining: (503, "server_shutting_down"),
+    OutOfMemory: (503, "out_of_memory"),  # the server's capacity, not the client's input: it serves on
     JobTimeout: (504, "timeout"),
     JobCancelled: (409, "cancelled"),
 }

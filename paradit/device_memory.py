@@ -1,0 +1,108 @@
+"""The device's side of memory: the allocator set up for a run (expandable segments, the cap), the free memory an
+uncapped run is planned for, the cache given back when an engine closes, and a device out-of-memory error told in one
+line. The estimate itself is ``memory.py``'s. Must not import torch.distributed."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from paradit.errors import OutOfMemory
+
+# Any of these set by the user is their allocator configuration, which stands as they wrote it.
+ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+# Device memory a process holds outside PyTorch's allocator, which neither a cap nor the estimate counts: the CUDA or
+# HIP context and the kernels it loads. Measured by benchmarks/gpu_checks.py (docs/benchmarks.md).
+OUTSIDE_ALLOCATOR_BYTES = 2**30
+
+Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What a run was planned to hold on rank 0, for the line an out-of-memory error becomes: the estimate (None
+    where none was made: the CPU), the limit it was made for in words, and the options that would lower it."""
+
+    estimate: int | None = None
+    limit: str = ""
+    advice: str = ""
+
+
+def configure_allocator(device: torch.device) -> None:
+    """Expandable segments for this process's device memory, unless the user configured the allocator. A segment then
+    grows by mapping pages instead of one more allocation per size, so memory one phase's tensors free serves the next
+    phase's tensors of other sizes. With fixed segments, Wan 2.2 720p under a 32 GiB cap failed its first step holding
+    7.8 GiB reserved but unallocated (docs/benchmarks.md). Called before the run's first allocation; it applies to the
+    whole process."""
+    if device.type != "cuda" or any(os.environ.get(name) for name in ALLOCATOR_VARIABLES):
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    with warnings.catch_warnings():  # a build without them says so once and keeps fixed segments
+        warnings.simplefilter("ignore")
+        setter(EXPANDABLE_SEGMENTS)
+
+
+def hold_to_cap(device: torch.device, cap: int | None) -> None:
+    """Make the caching allocator refuse to grow past ``cap`` on this device; None gives it the whole device again (an
+    engine before this one in the process may have capped it). CPU processes rely on the up-front check alone."""
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index  # "cuda" names no index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if cap is None else min(1.0, cap / total), index)
+
+
+def free_memory(index: int) -> int:
+    """Bytes of GPU ``index`` a new process can give its allocator: what the driver has free (other processes'
+    memory taken away), less ``OUTSIDE_ALLOCATOR_BYTES``. Read through NVML (amdsmi on ROCm) where torch can: the
+    runtime's own answer creates a context on the device, which then holds memory for as long as this process lives,
+    on a GPU its workers need."""
+    total = torch.cuda.get_device_properties(index).total_memory
+    try:
+        free = total - torch.cuda.device_memory_used(index)
+    except Exception:  # noqa: BLE001 - no pynvml or amdsmi, or it cannot read the device: ask the runtime
+        free = torch.cuda.mem_get_info(index)[0]
+    return max(0, free - OUTSIDE_ALLOCATOR_BYTES)
+
+
+def release_cached(device: torch.device) -> None:
+    """Collect the objects only cycles kept, and give the allocator's cached blocks back to the device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def reporting_out_of_memory(
+    call: Callable[[], Result], stage: Callable[[], str], device: torch.device, budget: MemoryBudget
+) -> Result:
+    """``call()``, its device out-of-memory error raised as ``OutOfMemory``: one line naming ``stage()`` (where the run
+    was), what the allocator held and its peak, against ``budget``. The failed call's tensors are freed and the cache
+    emptied before it is raised, so the process can serve its next request."""
+    try:
+        return call()
+    except torch.OutOfMemoryError as exc:
+        error = out_of_memory(str(exc), stage(), device, budget)
+    # Past the except block the failed frames (and the tensors they held) are gone.
+    release_cached(device)
+    raise error
+
+
+def out_of_memory(message: str, stage: str, device: torch.device, budget: MemoryBudget) -> OutOfMemory:
+    """The one line for an out-of-memory error whose PyTorch ``message`` arose at ``stage`` on ``device``."""
+    gib = 2**30
+    tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", message)
+    figures = [f"{tried[1]} more was asked for"] if tried else []
+    if device.type == "cuda":
+        held, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)
+        figures.append(f"{held / gib:.1f} GiB was held by PyTorch (peak {peak / gib:.1f} GiB)")
+    if budget.estimate is not None:
+        figures.append(f"against the plan's {budget.estimate / gib:.1f} GiB for {budget.limit}")
+    line = f"out of memory on {device} {stage}: {', '.join(figures) or message}"
+    return OutOfMemory(line + (f"; to need less: {budget.advice}" if budget.advice else ""))
