@@ -79,6 +79,14 @@ def release_cached(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def unmap_free(device: torch.device) -> None:
+    """Give the device back the memory no tensor holds, at a boundary between phases of a request (encoding, the
+    experts' turns, decoding): each phase allocates tensors of other sizes, and blocks one phase freed would otherwise
+    stay mapped beside the next phase's, adding to the peak a cap bounds (docs/benchmarks.md)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def reporting_out_of_memory(
     call: Callable[[], Result], stage: Callable[[], str], device: torch.device, budget: MemoryBudget
 ) -> Result:

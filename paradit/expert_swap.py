@@ -15,6 +15,8 @@ import time
 import torch
 from torch import nn
 
+from paradit.device_memory import unmap_free
+
 
 def _slots(model: nn.Module) -> list[tuple[nn.Module, str, bool]]:
     """(module, name, is_parameter) of every tensor ``model`` holds, each once: where it is first found."""
@@ -68,6 +70,7 @@ class ExpertSwap:
             return
         start = time.perf_counter()
         self._place(self.active, on_device=False)
+        unmap_free(self.device)  # the leaving expert's blocks, so that the arriving one is mapped afresh
         self._place(name, on_device=True)
         if self.device.type == "cuda":  # the copies are queued before the next kernels; waited on only to time them
             torch.cuda.synchronize(self.device)

@@ -284,15 +284,16 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
                                         frames=resolved.frames or spec.frames)  # fmt: skip
         compiled = options.compiles(device)
         words = None if cap is not None else limit_words
+        fp8_attention = options.attention == "fp8"
         try:
             memory_plan = check_fits(sized, parallel, dtype, fp8, limit, placement, options.swap_experts, compiled,
-                                     adapter_bytes, extra_tokens, words)  # fmt: skip
+                                     adapter_bytes, extra_tokens, words, fp8_attention)  # fmt: skip
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
             memory_plan = check_fits(sized, parallel, dtype, fp8, limit, placement, True, compiled, adapter_bytes,
-                                     extra_tokens, words)  # fmt: skip
+                                     extra_tokens, words, fp8_attention)  # fmt: skip
             options = dataclasses.replace(options, swap_experts=True)
             options.validate(device)
         placement = memory_plan.text_encoder_placement

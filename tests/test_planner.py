@@ -99,7 +99,7 @@ def test_nothing_fits_is_refused_with_the_numbers():
         planned("flux2-dev", 1, "r9700s-pcie")
     message = str(refusal.value)
     assert "fits no plan on 1 x 32.0 GiB" in message
-    assert "1 GPU + FP8 with the text encoders offload, needs 34.4 GiB on rank 0 (transformer weights 30.8" in message
+    assert "1 GPU + FP8 with the text encoders offload, needs 34.5 GiB on rank 0 (transformer weights 30.8" in message
 
 
 @pytest.mark.parametrize("profile", list(all_profiles()))
@@ -210,7 +210,7 @@ def test_plan_command_shows_the_winner_the_runners_up_and_why(capsys):
 
 def test_plan_command_refusals_are_one_line_with_the_numbers(capsys):
     code, _, err = run_cli(["plan", "--model", "flux2-dev", "--gpus", "1", "--profile", "r9700s-pcie"], capsys)
-    assert_one_line_error(code, err, "fits no plan on 1 x 32.0 GiB", "needs 34.4 GiB on rank 0")
+    assert_one_line_error(code, err, "fits no plan on 1 x 32.0 GiB", "needs 34.5 GiB on rank 0")
     code, _, err = run_cli(["plan", "--model", "flux2-dev", "--gpus", "2", "--size", "1024"], capsys)
     assert_one_line_error(code, err, "not WIDTHxHEIGHT")
     code, _, err = run_cli(["plan", "--model", "flux2-dev", "--gpus", "2", "--profile", "a100"], capsys)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from paradit.checkpoint import component_dir
+from paradit.device_memory import unmap_free
 from paradit.errors import NonFinitePrediction
 from paradit.expert_swap import ExpertSwap
 from paradit.parallel.cfg import BatchedBranches
@@ -316,6 +317,7 @@ class DiffusionPipeline(ABC):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         timings.text_encode_s = time.perf_counter() - start
+        unmap_free(self.device)
 
         self.stage = "while preparing the latents"
         noise = [self.initial_latents(part) for part in requests]
@@ -354,6 +356,7 @@ class DiffusionPipeline(ABC):
                                       f"would be black); likely {guidance}NaN or inf in the weights")  # fmt: skip
         stats.phase = "decode"
         self.stage = "while decoding"
+        unmap_free(self.device)
         timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
         decode_start = time.perf_counter()
         pixels = self.decode(latents, layout).float().cpu()

@@ -218,8 +218,8 @@ class MemoryEstimates:
     """``paradit.memory.estimates`` of one model at one size, kept per plan shape, its models built on the meta device
     once (building them for each of dozens of plans would be the planner's slowest part)."""
 
-    def __init__(self, spec: ModelSpec, extra_tokens: int = 0) -> None:
-        self.spec, self.extra_tokens = spec, extra_tokens
+    def __init__(self, spec: ModelSpec, extra_tokens: int = 0, fp8_attention: bool = False) -> None:
+        self.spec, self.extra_tokens, self.fp8_attention = spec, extra_tokens, fp8_attention
         self._known: dict[tuple, dict[str, MemoryPlan]] = {}
         self._built = MetaModels.build(spec, torch.bfloat16)
 
@@ -228,7 +228,8 @@ class MemoryEstimates:
                parallel.shard_weights, fp8, swap)  # fmt: skip
         if key not in self._known:  # compiled: the GPUs' default
             self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, compiled=True,
-                                         built=self._built, extra_tokens=self.extra_tokens)  # fmt: skip
+                                         built=self._built, extra_tokens=self.extra_tokens,
+                                         fp8_attention=self.fp8_attention)  # fmt: skip
         return self._known[key]
 
 
@@ -240,8 +241,13 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
     with the FP8 attention kernel's measured rate."""
     wanted = request_for(spec, request)
     sized = dataclasses.replace(spec, height=wanted.height, width=wanted.width)
-    if memory is None or memory.spec != sized or memory.extra_tokens != wanted.input_tokens:
-        memory = MemoryEstimates(sized, wanted.input_tokens)
+    fp8_attention = attention == "fp8"
+    if memory is None or (memory.spec, memory.extra_tokens, memory.fp8_attention) != (
+        sized,
+        wanted.input_tokens,
+        fp8_attention,
+    ):
+        memory = MemoryEstimates(sized, wanted.input_tokens, fp8_attention)
     facts = facts_for(spec)
     workload = facts.workload(wanted.height, wanted.width, wanted.frames)
     workload = dataclasses.replace(workload, image_tokens=workload.image_tokens + wanted.input_tokens)
