@@ -22,6 +22,7 @@ demo: $(STAMP)
 # waiting on its workers and subprocesses. Each file runs whole in one of them (its module fixtures are built once).
 test: $(STAMP)
 	$(BIN)/ruff check paradit tests benchmarks
+	$(BIN)/ruff format --check paradit tests benchmarks
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)

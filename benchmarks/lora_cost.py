@@ -52,8 +52,9 @@ def write_adapter(model: nn.Module, rank: int, path: Path) -> int:
                 key = f"transformer.{names[id(block)]}.{leaf}"
                 down = torch.randn(rank, linear.in_features, generator=generator) * linear.in_features**-0.5
                 state[f"{key}.lora_A.weight"] = down.bfloat16()
-                state[f"{key}.lora_B.weight"] = (torch.randn(linear.out_features, rank, generator=generator) * 0.01
-                                                 ).bfloat16()  # fmt: skip
+                state[f"{key}.lora_B.weight"] = (
+                    torch.randn(linear.out_features, rank, generator=generator) * 0.01
+                ).bfloat16()
     save_file(state, str(path))
     return sum(t.numel() for t in state.values())
 
@@ -102,8 +103,9 @@ def measured(spec, lora, mode, quantize, device, iters) -> dict:
     return row
 
 
-def switch_rows(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int,
-                quantize: str) -> list[dict]:  # fmt: skip
+def switch_rows(
+    name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int, quantize: str
+) -> list[dict]:
     rows = switches(name, spec, adapters, device, iters, cache, quantize)
     gc.collect()
     torch.cuda.empty_cache()
@@ -111,8 +113,9 @@ def switch_rows(name: str, spec, adapters: dict[int, Path], device: torch.device
     return rows
 
 
-def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int,
-             quantize: str) -> list[dict]:  # fmt: skip
+def switches(
+    name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int, quantize: str
+) -> list[dict]:
     """A server's switch between named adapters (compiled): the time the choice takes (side paths, ``cache`` 0:
     concatenating the factors; a cache of fused choices: a merge on a miss, a copy on a hit or back to none), and
     the first forward after it against the steady one (side paths: a new total rank recompiles the blocks, until
@@ -150,9 +153,21 @@ def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, i
             first_ms = (time.perf_counter() - start) * 1000
             chosen = "+".join(f"{key}x{scale:g}" for key, scale in choice.items()) or "none"
             steady = time_cuda_ms(run, warmup=1, iters=iters)
-            rows.append(dict(model=name, kind="switch", precision=quantize.replace("none", "bf16"), cache=cache,
-                             adapter=chosen, event=event, round=number, switch_ms=switch_ms, first_ms=first_ms,
-                             ms=steady, resident_gib=resident_gib))  # fmt: skip
+            rows.append(
+                dict(
+                    model=name,
+                    kind="switch",
+                    precision=quantize.replace("none", "bf16"),
+                    cache=cache,
+                    adapter=chosen,
+                    event=event,
+                    round=number,
+                    switch_ms=switch_ms,
+                    first_ms=first_ms,
+                    ms=steady,
+                    resident_gib=resident_gib,
+                )
+            )
             print_table(rows[-1:], SWITCH_COLUMNS)
     return rows
 
@@ -190,17 +205,34 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
     outputs = {}
     for mode, quantize in (("eager", "none"), ("compiled", "none"), ("compiled", "fp8")):
         precision = quantize.replace("none", "bf16")
-        base = record(kind="forward", mode=mode, precision=precision, adapter="none",
-                      **measured(spec, None, mode, quantize, device, args.iters))  # fmt: skip
+        base = record(
+            kind="forward",
+            mode=mode,
+            precision=precision,
+            adapter="none",
+            **measured(spec, None, mode, quantize, device, args.iters),
+        )
         outputs[(mode, precision, "none")] = base["output"]
         for rank in args.ranks:
-            unfused = measured(spec, LoraSet((LoraRef(str(adapters[rank])),), (), "unfused"), mode, quantize, device,
-                               args.iters)  # fmt: skip
-            record(kind="forward", mode=mode, precision=precision, adapter=f"unfused r{rank}",
-                   overhead=unfused["ms"] / base["ms"] - 1, **unfused)  # fmt: skip
+            unfused = measured(
+                spec, LoraSet((LoraRef(str(adapters[rank])),), (), "unfused"), mode, quantize, device, args.iters
+            )
+            record(
+                kind="forward",
+                mode=mode,
+                precision=precision,
+                adapter=f"unfused r{rank}",
+                overhead=unfused["ms"] / base["ms"] - 1,
+                **unfused,
+            )
         if mode == "compiled":
-            row = record(kind="forward", mode=mode, precision=precision, adapter=f"fused r{top}",
-                         **measured(spec, fused, mode, quantize, device, args.iters))  # fmt: skip
+            row = record(
+                kind="forward",
+                mode=mode,
+                precision=precision,
+                adapter=f"fused r{top}",
+                **measured(spec, fused, mode, quantize, device, args.iters),
+            )
             outputs[(mode, precision, "fused")] = row["output"]
     rows += switch_rows(name, spec, adapters, device, args.iters, 0, "none")
     rows += switch_rows(name, spec, adapters, device, args.iters, args.lora_cache, "fp8")
@@ -211,17 +243,32 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
 
 
 COLUMNS = [
-    ("model", "model", ""), ("kind", "kind", ""), ("mode", "mode", ""), ("precision", "precision", ""),
-    ("adapter", "adapter", ""), ("load_s", "load s", ".2f"), ("fuse_s", "fuse s", ".2f"), ("ms", "ms/forward", ".1f"),
-    ("overhead", "overhead", "+.1%"), ("resident_gib", "resident GiB", ".2f"), ("fp8_rel_l2", "FP8 rel L2", ".2e"),
-]  # fmt: skip
+    ("model", "model", ""),
+    ("kind", "kind", ""),
+    ("mode", "mode", ""),
+    ("precision", "precision", ""),
+    ("adapter", "adapter", ""),
+    ("load_s", "load s", ".2f"),
+    ("fuse_s", "fuse s", ".2f"),
+    ("ms", "ms/forward", ".1f"),
+    ("overhead", "overhead", "+.1%"),
+    ("resident_gib", "resident GiB", ".2f"),
+    ("fp8_rel_l2", "FP8 rel L2", ".2e"),
+]
 
 
 SWITCH_COLUMNS = [
-    ("model", "model", ""), ("precision", "precision", ""), ("cache", "cache", "d"), ("adapter", "chosen", ""),
-    ("event", "event", ""), ("round", "round", "d"), ("switch_ms", "switch ms", ".1f"),
-    ("first_ms", "first forward ms", ".1f"), ("ms", "ms/forward", ".1f"), ("resident_gib", "resident GiB", ".2f"),
-]  # fmt: skip
+    ("model", "model", ""),
+    ("precision", "precision", ""),
+    ("cache", "cache", "d"),
+    ("adapter", "chosen", ""),
+    ("event", "event", ""),
+    ("round", "round", "d"),
+    ("switch_ms", "switch ms", ".1f"),
+    ("first_ms", "first forward ms", ".1f"),
+    ("ms", "ms/forward", ".1f"),
+    ("resident_gib", "resident GiB", ".2f"),
+]
 
 
 def main() -> None:
@@ -230,8 +277,13 @@ def main() -> None:
     parser.add_argument("--ranks", nargs="+", type=int, default=[32, 64])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--wan-forwards", action="store_true", help="time Wan's forwards too (load and fuse only)")
-    parser.add_argument("--lora-cache", type=int, default=1, help="fused choices kept in the FP8 switch rows (N of "
-                        "them hold the weights the adapters change N+1 times: FLUX.2-dev FP8 fits one)")  # fmt: skip
+    parser.add_argument(
+        "--lora-cache",
+        type=int,
+        default=1,
+        help="fused choices kept in the FP8 switch rows (N of "
+        "them hold the weights the adapters change N+1 times: FLUX.2-dev FP8 fits one)",
+    )
     parser.add_argument("--switch-only", action="store_true", help="the server's switches alone")
     parser.add_argument("--out-dir")
     args = parser.parse_args()

@@ -80,9 +80,16 @@ def workloads(spec: ModelSpec, text_tokens: int):
 
 
 def fit_facts(
-    traces: dict[Workload, StepTrace], *, preset: str, blocks: int, width: int, token_side: int,
-    frame_stride: int | None, text_tokens: int, experts: int,
-) -> ModelFacts:  # fmt: skip
+    traces: dict[Workload, StepTrace],
+    *,
+    preset: str,
+    blocks: int,
+    width: int,
+    token_side: int,
+    frame_stride: int | None,
+    text_tokens: int,
+    experts: int,
+) -> ModelFacts:
     """Facts from three traces of one sample each: a reference workload, one with other image tokens, one with
     other text tokens."""
     (base, base_trace), (image, image_trace), (text, text_trace) = _three(traces)
@@ -110,12 +117,20 @@ def fit_facts(
         for (query, key), layers in by_tokens.items():
             attention.append(AttentionGroup(exchanged, heads, head_dim, layers, query, key))
     return ModelFacts(
-        preset=preset, blocks=blocks, width=width, token_side=token_side, frame_stride=frame_stride,
-        text_tokens=text_tokens, experts=experts, linear=linear, other_flops=line(lambda t: t.other_flops),
+        preset=preset,
+        blocks=blocks,
+        width=width,
+        token_side=token_side,
+        frame_stride=frame_stride,
+        text_tokens=text_tokens,
+        experts=experts,
+        linear=linear,
+        other_flops=line(lambda t: t.other_flops),
         prediction_elements=line(lambda t: t.prediction_elements),
-        all_reduce_elements=line(lambda t: t.all_reduce_elements), all_reduce_calls=base_trace.all_reduce_calls,
+        all_reduce_elements=line(lambda t: t.all_reduce_elements),
+        all_reduce_calls=base_trace.all_reduce_calls,
         attention=tuple(attention),
-    )  # fmt: skip
+    )
 
 
 def _three(traces: dict[Workload, StepTrace]):

@@ -49,8 +49,9 @@ def measure(name: str, mode: str, quantize: str, sharded: bool, context: Paralle
     loaded = load_transformer(family, spec, device, torch.bfloat16, context if sharded else None, quantize)
     forward = apply_execution_options(loaded, ExecutionOptions(quantize=quantize, compile=mode == "compiled"), device)
     bench_module, text_len = BENCHES[spec.family]
-    inputs = importlib.import_module(bench_module).step_inputs(loaded.model.config, spec.height, spec.width,
-                                                               text_len, device)  # fmt: skip
+    inputs = importlib.import_module(bench_module).step_inputs(
+        loaded.model.config, spec.height, spec.width, text_len, device
+    )
     inputs = with_batch(inputs, 2 if spec.guidance_mode == "cfg" else 1)
 
     def run():
@@ -60,9 +61,15 @@ def measure(name: str, mode: str, quantize: str, sharded: bool, context: Paralle
     resident = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     ms = time_cuda_ms(run, warmup=3, iters=iters)
-    row = dict(model=name, mode=mode, precision=quantize.replace("none", "bf16"), weights="shard 1" if sharded else
-               "whole", ms=ms, resident_gib=resident / 2**30,
-               peak_gib=torch.cuda.max_memory_allocated(device) / 2**30)  # fmt: skip
+    row = dict(
+        model=name,
+        mode=mode,
+        precision=quantize.replace("none", "bf16"),
+        weights="shard 1" if sharded else "whole",
+        ms=ms,
+        resident_gib=resident / 2**30,
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+    )
     return row
 
 
@@ -94,10 +101,15 @@ def main() -> None:
 
 
 COLUMNS = [
-    ("model", "model", ""), ("mode", "mode", ""), ("precision", "precision", ""), ("weights", "weights", ""),
-    ("ms", "ms/forward", ".1f"), ("cost", "gather cost", "+.1%"), ("resident_gib", "resident GiB", ".2f"),
+    ("model", "model", ""),
+    ("mode", "mode", ""),
+    ("precision", "precision", ""),
+    ("weights", "weights", ""),
+    ("ms", "ms/forward", ".1f"),
+    ("cost", "gather cost", "+.1%"),
+    ("resident_gib", "resident GiB", ".2f"),
     ("peak_gib", "peak GiB", ".2f"),
-]  # fmt: skip
+]
 
 if __name__ == "__main__":
     main()

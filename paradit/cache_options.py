@@ -25,14 +25,25 @@ PARAMETERS = {
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache", choices=CACHE_METHODS, help="step caching: skip the blocks of steps that barely "
-                        "change, as diffusers' FirstBlockCache, MagCache and TaylorSeer (lite) hooks do")  # fmt: skip
+    parser.add_argument(
+        "--cache",
+        choices=CACHE_METHODS,
+        help="step caching: skip the blocks of steps that barely "
+        "change, as diffusers' FirstBlockCache, MagCache and TaylorSeer (lite) hooks do",
+    )
     for flag, (_, kind, text) in PARAMETERS.items():
         parser.add_argument(flag, type=kind, help=text)
-    parser.add_argument("--cache-mag-ratios", help="mag: the model's magnitude ratios, comma-separated (default: "
-                        "the curve --cache-calibrate measured for this model)")  # fmt: skip
-    parser.add_argument("--cache-calibrate", action="store_true", help="with --cache mag: skip nothing, print the "
-                        "model's magnitude ratios and keep them for the next --cache mag run")  # fmt: skip
+    parser.add_argument(
+        "--cache-mag-ratios",
+        help="mag: the model's magnitude ratios, comma-separated (default: "
+        "the curve --cache-calibrate measured for this model)",
+    )
+    parser.add_argument(
+        "--cache-calibrate",
+        action="store_true",
+        help="with --cache mag: skip nothing, print the "
+        "model's magnitude ratios and keep them for the next --cache mag run",
+    )
 
 
 def curve_path(model: str) -> Path:
@@ -67,8 +78,10 @@ def read_ratios(text: str) -> tuple[float, ...]:
 def stored_curve(model: str) -> tuple[float, ...]:
     path = curve_path(model)
     if not path.is_file():
-        raise InvalidRequest(f"--cache mag needs {model}'s magnitude ratios: measure them once with --cache mag "
-                             f"--cache-calibrate (kept in {path}), or give --cache-mag-ratios")  # fmt: skip
+        raise InvalidRequest(
+            f"--cache mag needs {model}'s magnitude ratios: measure them once with --cache mag "
+            f"--cache-calibrate (kept in {path}), or give --cache-mag-ratios"
+        )
     try:
         return read_ratios(",".join(str(r) for r in json.loads(path.read_text())["mag_ratios"]))
     except (OSError, ValueError, KeyError, TypeError):

@@ -65,8 +65,10 @@ def resolve_checkpoint(model: str, allow_pickle: bool = False) -> Path:
     except HFValidationError as exc:  # a name the hub cannot have, said in the hub's words
         raise CheckpointError(f"{model!r} is not a hub id (org/name): {exc}") from None
     except RepositoryNotFoundError as exc:  # GatedRepoError included
-        raise CheckpointError(f"hub repository {model!r} does not exist or is gated; accept its licence on the hub "
-                              "and log in (`hf auth login`) or set HF_TOKEN") from exc  # fmt: skip
+        raise CheckpointError(
+            f"hub repository {model!r} does not exist or is gated; accept its licence on the hub "
+            "and log in (`hf auth login`) or set HF_TOKEN"
+        ) from exc
 
 
 def read_json(path: Path) -> dict:
@@ -106,11 +108,15 @@ def weights_file(component: Path, allow_pickle: bool = False) -> Path:
         return held[0]
     pickles = sorted(path.name for path in component.glob("*") if path.suffix in PICKLE_SUFFIXES)
     if pickles and not allow_pickle:
-        raise CheckpointError(f"{component} holds pickle weights ({', '.join(pickles)}), which can run code when "
-                              "loaded; convert them to safetensors (load and save_pretrained them once: safetensors "
-                              "is its default), or pass --allow-pickle if you trust their source")  # fmt: skip
-    raise CheckpointError(f"{component} holds no weights its loader reads: {' or '.join(names)}, whole or with the "
-                          ".index.json of its shards")  # fmt: skip
+        raise CheckpointError(
+            f"{component} holds pickle weights ({', '.join(pickles)}), which can run code when "
+            "loaded; convert them to safetensors (load and save_pretrained them once: safetensors "
+            "is its default), or pass --allow-pickle if you trust their source"
+        )
+    raise CheckpointError(
+        f"{component} holds no weights its loader reads: {' or '.join(names)}, whole or with the "
+        ".index.json of its shards"
+    )
 
 
 def safetensors_files(component: Path, allow_pickle: bool = False) -> list[Path]:

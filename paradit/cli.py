@@ -109,32 +109,41 @@ def add_execution_options(parser: argparse.ArgumentParser) -> None:
         "--quantize", choices=["none", "fp8"], help="fp8: e4m3 linears (sm89+, MI300); default none, or the planner's"
     )
     parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="regional torch.compile of the repeated blocks (default: on GPUs only)",
-    )  # fmt: skip
+    )
     parser.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
     parser.add_argument(
-        "--attention", choices=["sdpa", "fp8"],
+        "--attention",
+        choices=["sdpa", "fp8"],
         help="fp8: self-attention in 8 bits through paradit's Triton kernel (sm89+, MI300, RDNA 4; long sequences, "
         "such as video); default sdpa",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--attention-bf16-steps", type=nonnegative, default=0, metavar="N",
+        "--attention-bf16-steps",
+        type=nonnegative,
+        default=0,
+        metavar="N",
         help="with --attention fp8: the first and last N steps attend exactly, in the run's dtype",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--swap-experts", action="store_true",
+        "--swap-experts",
+        action="store_true",
         help="models with two experts: one expert on the GPU, the other in pinned host memory, swapped at "
         "the boundary (chosen by itself when --max-gpu-memory leaves no room for both)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--max-gpu-memory", help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused"
     )
     parser.add_argument(
-        "--text-encoder-placement", choices=["auto", "gpu", "fp8", "offload"], default="auto",
+        "--text-encoder-placement",
+        choices=["auto", "gpu", "fp8", "offload"],
+        default="auto",
         help="prompt encoders on rank 0's GPU, there with FP8 linears (with --quantize fp8), or in CPU memory streamed "
         "to it while encoding; auto: the first that fits under --max-gpu-memory (on the GPU without a cap)",
-    )  # fmt: skip
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,12 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--images-per-prompt", type=int, default=1)
     gen.add_argument("--frames", type=int, help="video models: frames per video, 4k+1 (default: the model's)")
     gen.add_argument("--fps", type=positive, help="video models: frames per second of the MP4 (default: the model's)")
-    gen.add_argument("--image", action="append", help="an input image, repeatable where the model takes several: "
-                     "image-to-video's first frame, a reference to edit from, image-to-image's start")  # fmt: skip
-    gen.add_argument("--strength", type=finite, help="image-to-image (with --image): the share of the steps run from "
-                     "the noised image, above 0 to 1 (default 0.6; inpainting: the model pipeline's)")  # fmt: skip
-    gen.add_argument("--mask", help="inpainting (with --image): a picture of the image's size, white where it is "
-                     "repainted, black where it is kept")  # fmt: skip
+    gen.add_argument(
+        "--image",
+        action="append",
+        help="an input image, repeatable where the model takes several: "
+        "image-to-video's first frame, a reference to edit from, image-to-image's start",
+    )
+    gen.add_argument(
+        "--strength",
+        type=finite,
+        help="image-to-image (with --image): the share of the steps run from "
+        "the noised image, above 0 to 1 (default 0.6; inpainting: the model pipeline's)",
+    )
+    gen.add_argument(
+        "--mask",
+        help="inpainting (with --image): a picture of the image's size, white where it is "
+        "repainted, black where it is kept",
+    )
     gen.add_argument("--guidance-2", type=finite, help="models with a low-noise expert: its guidance scale")
     add_cache_arguments(gen)
     gen.add_argument(
@@ -180,16 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     lora = gen.add_argument_group("LoRA adapters (applied to the transformer)")
     lora.add_argument(
-        "--lora", action="append", metavar="PATH[:SCALE]", help="a .safetensors file, a folder or a hub id; "
+        "--lora",
+        action="append",
+        metavar="PATH[:SCALE]",
+        help="a .safetensors file, a folder or a hub id; "
         "repeatable; scale default 1 (of a model with two experts: the high-noise one; with --server: NAME[:SCALE] "
         "of the server's adapters)",
-    )  # fmt: skip
+    )
     lora.add_argument("--lora-2", action="append", metavar="PATH[:SCALE]", help="a second expert's (the low-noise one)")
     lora.add_argument("--lora-weight-name", help="the adapter file inside a folder or hub repository")
     lora.add_argument(
-        "--lora-mode", choices=["fused", "unfused"], default="fused",
+        "--lora-mode",
+        choices=["fused", "unfused"],
+        default="fused",
         help="fused into the weights at load (no cost per step), or low-rank side paths beside the linears",
-    )  # fmt: skip
+    )
     gen.set_defaults(run=run_generate)
     add_execution_options(gen)
     par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
@@ -203,9 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     par.add_argument("--pipefusion", type=positive, help="pipeline stages over the blocks (least traffic)")
     par.add_argument(
-        "--shard-weights", type=positive, metavar="N", help="each of N neighbouring GPUs keeps 1/N of the weights, "
+        "--shard-weights",
+        type=positive,
+        metavar="N",
+        help="each of N neighbouring GPUs keeps 1/N of the weights, "
         "gathering each block just before it runs (FSDP; with ulysses, ring, cfg; N divides the GPUs)",
-    )  # fmt: skip
+    )
     par.add_argument("--patches", type=positive, help="pipefusion: image patches in flight per step (default 1)")
     par.add_argument("--warmup-steps", type=positive, help="pipefusion: exact steps before patching (default 1)")
     par.add_argument(
@@ -227,17 +255,23 @@ def build_parser() -> argparse.ArgumentParser:
     quant.set_defaults(run=run_quantize)
 
     planner = commands.add_parser(
-        "plan", help="rank every parallel plan for a model on N GPUs by predicted time, and say why the best wins",
+        "plan",
+        help="rank every parallel plan for a model on N GPUs by predicted time, and say why the best wins",
         formatter_class=_Help,
-    )  # fmt: skip
-    planner.add_argument("--model", default=DEFAULT_MODEL, help="preset name, or a checkpoint folder or hub id of a "
-                         "preset's architecture (the planner's FLOP counts are per preset)")  # fmt: skip
+    )
+    planner.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="preset name, or a checkpoint folder or hub id of a "
+        "preset's architecture (the planner's FLOP counts are per preset)",
+    )
     planner.add_argument("--gpus", type=positive, required=True)
     planner.add_argument("--profile", help="hardware profile (default: this machine's, else h200-nvlink)")
     planner.add_argument(
-        "--link", choices=["nvlink", "pcie", "measure"],
+        "--link",
+        choices=["nvlink", "pcie", "measure"],
         help="the profile's GPU with these links; measure: probe this machine's matmul, attention and collectives",
-    )  # fmt: skip
+    )
     planner.add_argument("--gpu-memory", help="memory per GPU with its unit, e.g. 32GiB (default: the profile's)")
     planner.add_argument("--size", help="WIDTHxHEIGHT (default: the model's)")
     planner.add_argument("--frames", type=positive, help="video models: frames (default: the model's)")
@@ -262,35 +296,54 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=DEFAULT_MODEL, help="preset name, checkpoint folder or hub id")
     serve.add_argument("--gpus", type=positive, default=1, help="GPUs to serve with (CPU processes with --device cpu)")
     serve.add_argument(
-        "--group-size", type=group_size,
+        "--group-size",
+        type=group_size,
         help="GPUs per group, each running the plan generate chooses for that many: --gpus (the default) splits each "
         "request over all of them (lowest latency), 1 serves independent requests on each (most throughput); auto "
         "chooses per batch from the queue (each GPU then holds the model twice)",
-    )  # fmt: skip
-    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface) and "
-                       "url answers link to (under 0.0.0.0: the one a request reached; never its Host)")  # fmt: skip
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (0.0.0.0: every interface) and "
+        "url answers link to (under 0.0.0.0: the one a request reached; never its Host)",
+    )
     serve.add_argument("--port", type=int, default=8000, help="0: any free one; one in use is refused before loading")
     serve.add_argument(
         "--api-key", help="require `Authorization: Bearer KEY` on every route but /health (default: $PARADIT_API_KEY)"
     )
     serve.add_argument(
-        "--max-batch", type=positive, default=1,
+        "--max-batch",
+        type=positive,
+        default=1,
         help="images per forward pass: queued requests of the same size, steps and guidance run together (more "
         "throughput; a batched image can differ from the unbatched one in its last bits)",
-    )  # fmt: skip
+    )
     serve.add_argument("--max-queue", type=positive, default=64, help="requests waiting; more get 429 (Retry-After)")
-    serve.add_argument("--timeout", type=positive, default=600, help="seconds a request may take, its wait "
-                       "included: one its measured pace puts at 3x that is refused, a run past it stopped within "
-                       "a step")  # fmt: skip
-    serve.add_argument("--max-pixels", type=positive, help="width x height a request may ask for (default 4x the "
-                       "model's default size)")  # fmt: skip
+    serve.add_argument(
+        "--timeout",
+        type=positive,
+        default=600,
+        help="seconds a request may take, its wait "
+        "included: one its measured pace puts at 3x that is refused, a run past it stopped within "
+        "a step",
+    )
+    serve.add_argument(
+        "--max-pixels", type=positive, help="width x height a request may ask for (default 4x the model's default size)"
+    )
     lora = serve.add_argument_group("LoRA adapters each request may choose (its lora field)")
     lora.add_argument("--lora", action="append", metavar="NAME=PATH", help="an adapter and its name; repeatable")
     lora.add_argument("--lora-2", action="append", metavar="NAME=PATH", help="a second expert's (the low-noise one)")
     lora.add_argument("--lora-dir", help="every .safetensors adapter in this folder, named by its file's stem")
-    lora.add_argument("--lora-cache", type=int, default=0, metavar="N", help="choices of adapters and scales kept "
-                      "fused into weights of their own, the N most recently used: no cost per step, one merge a miss, "
-                      "the weights they change held N+1 times (default 0: side paths beside the weights)")  # fmt: skip
+    lora.add_argument(
+        "--lora-cache",
+        type=int,
+        default=0,
+        metavar="N",
+        help="choices of adapters and scales kept "
+        "fused into weights of their own, the N most recently used: no cost per step, one merge a miss, "
+        "the weights they change held N+1 times (default 0: side paths beside the weights)",
+    )
     add_execution_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -321,8 +374,13 @@ def format_table(result) -> str:
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
     if t.cache_skipped:
-        rows.append(("step cache", f"{t.cache_skipped_steps} of {len(t.cache_skipped)} steps skipped, "
-                                   f"{t.cache_blocks_skipped} block evaluations"))  # fmt: skip
+        rows.append(
+            (
+                "step cache",
+                f"{t.cache_skipped_steps} of {len(t.cache_skipped)} steps skipped, "
+                f"{t.cache_blocks_skipped} block evaluations",
+            )
+        )
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -345,12 +403,27 @@ def asked_for(args: argparse.Namespace):
     explicit = any(degrees.values())  # a degree given is 1 or more (``positive``)
     parallel = ParallelConfig(**{name: degree or 1 for name, degree in degrees.items()}) if explicit else None
     return Asked(
-        args.model, args.device, args.dtype, args.load_format, args.allow_pickle, args.gpus, parallel,
-        flag("comm_dtype", None), flag("patches", None), flag("warmup_steps", None), args.quantize, args.compile,
-        args.cuda_graphs or None, args.swap_experts, args.max_gpu_memory, args.text_encoder_placement,
-        shard_weights=flag("shard_weights", None), lora=(served_lora_set if args.run is run_serve else lora_set)(args),
-        attention=args.attention, attention_bf16_steps=args.attention_bf16_steps,
-    )  # fmt: skip
+        args.model,
+        args.device,
+        args.dtype,
+        args.load_format,
+        args.allow_pickle,
+        args.gpus,
+        parallel,
+        flag("comm_dtype", None),
+        flag("patches", None),
+        flag("warmup_steps", None),
+        args.quantize,
+        args.compile,
+        args.cuda_graphs or None,
+        args.swap_experts,
+        args.max_gpu_memory,
+        args.text_encoder_placement,
+        shard_weights=flag("shard_weights", None),
+        lora=(served_lora_set if args.run is run_serve else lora_set)(args),
+        attention=args.attention,
+        attention_bf16_steps=args.attention_bf16_steps,
+    )
 
 
 def served_lora_set(args: argparse.Namespace):
@@ -399,12 +472,22 @@ def run_generate(args: argparse.Namespace) -> int:
     check_text("prompt", args.prompt)
     check_text("negative_prompt", [args.negative_prompt or ""])
     request = GenerationRequest(
-        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0], negative_prompt=args.negative_prompt,
-        height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
-        num_images_per_prompt=args.images_per_prompt, frames=args.frames, guidance_2=args.guidance_2,
-        image=[read_image(path) for path in args.image] if args.image else None, fps=args.fps, strength=args.strength,
-        mask=None if args.mask is None else read_image(args.mask, "--mask"), cache=cache_config(args),
-    )  # fmt: skip
+        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0],
+        negative_prompt=args.negative_prompt,
+        height=args.height,
+        width=args.width,
+        steps=args.steps,
+        guidance=args.guidance,
+        seed=args.seed,
+        num_images_per_prompt=args.images_per_prompt,
+        frames=args.frames,
+        guidance_2=args.guidance_2,
+        image=[read_image(path) for path in args.image] if args.image else None,
+        fps=args.fps,
+        strength=args.strength,
+        mask=None if args.mask is None else read_image(args.mask, "--mask"),
+        cache=cache_config(args),
+    )
     degrees = (args.gpus, args.ulysses, args.ring, args.tensor, args.pipefusion)
     if args.cfg_parallel or args.shard_weights or any((degree or 1) > 1 for degree in degrees):
         start_worker_server(args.device)  # its imports overlap this process's, below
@@ -421,8 +504,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
     run = settle(asked_for(args), request)
     video = run.family.video
-    paths = output_paths(args.out or ("out/paradit.mp4" if video else "out/paradit.png"),
-                         len(args.prompt) * args.images_per_prompt, video)  # fmt: skip
+    paths = output_paths(
+        args.out or ("out/paradit.mp4" if video else "out/paradit.png"),
+        len(args.prompt) * args.images_per_prompt,
+        video,
+    )
     if args.json is not None:  # checked as --out is, before anything runs
         writable_folder("--json", args.json)
     if run.origin is not None:
@@ -433,14 +519,21 @@ def run_generate(args: argparse.Namespace) -> int:
         return 0
     resolved = result.request
     settings = {
-        "prompt": resolved.prompts, "negative_prompt": resolved.negative_prompts, "seed": result.seed,
-        "model": run.spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
-        "software": f"paradit {__version__}", **({"lora": lora_record(run.options.lora)} if run.options.lora else {}),
-        **({"image": args.image} if args.image else {}), **({"mask": args.mask} if args.mask else {}),
+        "prompt": resolved.prompts,
+        "negative_prompt": resolved.negative_prompts,
+        "seed": result.seed,
+        "model": run.spec.name,
+        "steps": resolved.steps,
+        "guidance": resolved.guidance,
+        "plan": result.timings.plan,
+        "software": f"paradit {__version__}",
+        **({"lora": lora_record(run.options.lora)} if run.options.lora else {}),
+        **({"image": args.image} if args.image else {}),
+        **({"mask": args.mask} if args.mask else {}),
         **({"strength": resolved.strength} if resolved.strength is not None else {}),
         **({"cache": dataclasses.asdict(resolved.cache)} if resolved.cache is not None else {}),
         **({"frames": resolved.frames, "fps": resolved.fps} if result.is_video else {}),
-    }  # fmt: skip
+    }
     metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
     if result.is_video:
         paths = save_videos(result.frames, paths, resolved.fps, metadata)
@@ -455,8 +548,9 @@ def run_generate(args: argparse.Namespace) -> int:
     code, comparison = 0, None
     if args.verify_serial and run.parallel.world_size > 1:
         # The same model and options in one process, uncapped with its encoders resident, as a plain Engine runs.
-        alone = dataclasses.replace(run, parallel=ParallelConfig(), memory_cap=None, memory_plan=None,
-                                    text_encoder_placement="gpu", origin=None)  # fmt: skip
+        alone = dataclasses.replace(
+            run, parallel=ParallelConfig(), memory_cap=None, memory_plan=None, text_encoder_placement="gpu", origin=None
+        )
         with Engine(settings=alone) as serial_engine:
             serial = serial_engine.generate(dataclasses.replace(request, seed=result.seed), progress=False)
         code, comparison = serial_comparison(result, serial, exact=run.parallel.exact)
@@ -519,18 +613,34 @@ def run_serve(args: argparse.Namespace) -> None:
     from paradit.serving.launch import ServeSettings, serve
 
     settings = ServeSettings(
-        asked_for(args), gpus=args.gpus, group_size=args.group_size, max_batch=args.max_batch,
-        max_queue=args.max_queue, timeout_s=args.timeout, api_key=args.api_key or os.environ.get("PARADIT_API_KEY"),
+        asked_for(args),
+        gpus=args.gpus,
+        group_size=args.group_size,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        timeout_s=args.timeout,
+        api_key=args.api_key or os.environ.get("PARADIT_API_KEY"),
         max_pixels=args.max_pixels,
-    )  # fmt: skip
+    )
     serve(settings, host=args.host, port=args.port)
 
 
 def run_plan(args: argparse.Namespace) -> None:
     from paradit.planner.command import plan_text
 
-    print(plan_text(args.model, args.gpus, args.profile, args.link, args.gpu_memory, args.size, args.frames,
-                    args.quantize, args.attention))  # fmt: skip
+    print(
+        plan_text(
+            args.model,
+            args.gpus,
+            args.profile,
+            args.link,
+            args.gpu_memory,
+            args.size,
+            args.frames,
+            args.quantize,
+            args.attention,
+        )
+    )
 
 
 def run_quantize(args: argparse.Namespace) -> None:

@@ -100,14 +100,16 @@ def hub_errors(repo_id: str) -> Iterator[None]:
         yield
     except hub.GatedRepoError:
         if get_token() is None:
-            raise DownloadError(f"{repo_id} is gated: accept its licence at {page}, then log in (`hf auth login`) or "
-                                "set HF_TOKEN") from None  # fmt: skip
+            raise DownloadError(
+                f"{repo_id} is gated: accept its licence at {page}, then log in (`hf auth login`) or set HF_TOKEN"
+            ) from None
         raise DownloadError(f"{repo_id} is gated and this token has no access yet: request it at {page}") from None
     except hub.HFValidationError as exc:  # a name the hub cannot have, said in the hub's words
         raise DownloadError(f"{repo_id!r} is not a hub id (org/name): {exc}") from None
     except hub.RepositoryNotFoundError:
-        raise DownloadError(f"no model {repo_id} on the hub ({page}); if it is private, log in (`hf auth login`) or "
-                            "set HF_TOKEN") from None  # fmt: skip
+        raise DownloadError(
+            f"no model {repo_id} on the hub ({page}); if it is private, log in (`hf auth login`) or set HF_TOKEN"
+        ) from None
     except hub.RemoteEntryNotFoundError:
         raise DownloadError(f"{repo_id} has no {MODEL_INDEX}: it is not a diffusers pipeline paradit loads") from None
     except hub.HfHubHTTPError as exc:

@@ -66,10 +66,16 @@ class Engine:
     ) -> None:
         if settings is None:
             asked = Asked(
-                model, device, dtype, load_format, allow_pickle, parallel=parallel or ParallelConfig(),
-                max_gpu_memory=max_gpu_memory, text_encoder_placement=text_encoder_placement,
+                model,
+                device,
+                dtype,
+                load_format,
+                allow_pickle,
+                parallel=parallel or ParallelConfig(),
+                max_gpu_memory=max_gpu_memory,
+                text_encoder_placement=text_encoder_placement,
                 **_fields(options or ExecutionOptions()),  # quantize, compile, cuda_graphs, swap_experts, lora
-            )  # fmt: skip
+            )
             settings = settle(asked, request)
         self.settings = settings
         self.spec, self.device, self.dtype = settings.spec, settings.device, settings.dtype
@@ -77,10 +83,16 @@ class Engine:
         self.memory_cap, self.memory_plan = settings.memory_cap, settings.memory_plan
         self.text_encoder_placement = settings.text_encoder_placement
         plan = WorkerPlan(
-            self.spec, self.device.type, self.dtype, self.parallel, self.options, self.memory_cap,
+            self.spec,
+            self.device.type,
+            self.dtype,
+            self.parallel,
+            self.options,
+            self.memory_cap,
             text_encoder_placement=self.text_encoder_placement,
-            vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled, budget=settings.memory_budget,
-        )  # fmt: skip
+            vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled,
+            budget=settings.memory_budget,
+        )
         self._plan = plan
         # pipeline: the one this process runs (None when the work happens in spawned worker processes)
         self.pipeline = self._group = self._signals = None

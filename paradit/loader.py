@@ -52,10 +52,17 @@ class WorkerPlan:
     budget: MemoryBudget = MemoryBudget()  # what rank 0 was planned to hold, for an out-of-memory error's line
 
 
-def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                     parallel: ParallelContext | None = None, quantize: str = "none",
-                     component: str = "transformer", lora: LoraSet | None = None,
-                     options: ExecutionOptions | None = None) -> Parallelized:  # fmt: skip
+def load_transformer(
+    family: Family,
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelContext | None = None,
+    quantize: str = "none",
+    component: str = "transformer",
+    lora: LoraSet | None = None,
+    options: ExecutionOptions | None = None,
+) -> Parallelized:
     """This rank's transformer, parallelized: built and parallelized on the meta device, then only the tensors the
     rank kept are read from ``spec``'s transformer folder or drawn at random. ``quantize="fp8"`` converts the
     quantizable linears as they load; an FP8 checkpoint's linears load as FP8 whatever ``quantize`` says. No check
@@ -102,8 +109,14 @@ def load_transformer(family: Family, spec: ModelSpec, device: torch.device, dtyp
     return parallelized
 
 
-def _fill(plain: nn.Module, names: ModelNames, source: TensorSource, parallelized: Parallelized, fp8: Fp8Load | None,
-          context: ParallelContext | None) -> None:  # fmt: skip
+def _fill(
+    plain: nn.Module,
+    names: ModelNames,
+    source: TensorSource,
+    parallelized: Parallelized,
+    fp8: Fp8Load | None,
+    context: ParallelContext | None,
+) -> None:
     """Every tensor this rank keeps, read from ``source``; with sharded weights, each block sharded as soon as it has
     loaded, so that no more than one block is ever whole."""
     if context is not None and context.config.shard_weights:
@@ -113,9 +126,15 @@ def _fill(plain: nn.Module, names: ModelNames, source: TensorSource, parallelize
     materialize(plain, names, source, parallelized.slices, fp8)
 
 
-def load_pipeline(spec: ModelSpec, device: torch.device, dtype: torch.dtype, context: ParallelContext | None = None,
-                  options: ExecutionOptions | None = None, placement: str = "gpu",
-                  vae_tiled: bool = False) -> DiffusionPipeline:  # fmt: skip
+def load_pipeline(
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    context: ParallelContext | None = None,
+    options: ExecutionOptions | None = None,
+    placement: str = "gpu",
+    vae_tiled: bool = False,
+) -> DiffusionPipeline:
     """This rank's pipeline in ``context``'s group (None: one process): its share of the transformer, with the
     execution options applied; the prompt encoders (placed as ``placement`` says) on rank 0 alone; the VAE, decoding
     with the group (or, ``vae_tiled``, alone and tile by tile: diffusers' tiling, which blends the tiles' seams and so
@@ -129,8 +148,9 @@ def load_pipeline(spec: ModelSpec, device: torch.device, dtype: torch.dtype, con
     swap = ExpertSwap(device) if options.swap_experts and spec.experts else None
     for component, config in {**spec.experts, "transformer": spec.transformer}.items():
         component_spec = dataclasses.replace(spec, transformer=config)
-        loaded = load_transformer(family, component_spec, device, dtype, context, options.quantize, component,
-                                  options.lora, options)  # fmt: skip
+        loaded = load_transformer(
+            family, component_spec, device, dtype, context, options.quantize, component, options.lora, options
+        )
         loaded.forward = apply_execution_options(loaded, options, device)
         experts[component] = loaded
         if swap is not None:
@@ -162,14 +182,16 @@ def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> Diff
         context = ParallelContext.build(plan.parallel, device)
 
     def load() -> DiffusionPipeline:
-        return load_pipeline(plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement,
-                             plan.vae_tiled)  # fmt: skip
+        return load_pipeline(
+            plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement, plan.vae_tiled
+        )
 
     return reporting_out_of_memory(load, lambda: "while loading the model", device, plan.budget)
 
 
-def run_requests(pipeline: DiffusionPipeline, plan: WorkerPlan, requests: list[ResolvedRequest],
-                 progress: bool = False, on_step=None) -> list[GenerationResult] | None:  # fmt: skip
+def run_requests(
+    pipeline: DiffusionPipeline, plan: WorkerPlan, requests: list[ResolvedRequest], progress: bool = False, on_step=None
+) -> list[GenerationResult] | None:
     """``pipeline.generate``, running out of device memory reported as ``OutOfMemory``'s one line, naming the stage
     the pipeline was in (``DiffusionPipeline.stage``), and the memory given back for the next request."""
 

@@ -144,8 +144,9 @@ def _measured() -> dict:
     return json.loads(MEMORY_FILE.read_text())
 
 
-def _transformer_bytes(model: nn.Module, kept: list[nn.Module], dtype: torch.dtype, fp8: bool, keep: tuple[str, ...],
-                       tensor: int) -> tuple[int, list[int]]:  # fmt: skip
+def _transformer_bytes(
+    model: nn.Module, kept: list[nn.Module], dtype: torch.dtype, fp8: bool, keep: tuple[str, ...], tensor: int
+) -> tuple[int, list[int]]:
     """Rank 0's share of a transformer: the bytes of every parameter outside the blocks, and of each ``kept`` block
     (PipeFusion's first stage) divided by tensor parallelism; FP8 linears as the conversion makes them (a byte a
     weight and a float32 scale a row), the ``keep`` ones left in ``dtype``."""
@@ -194,10 +195,19 @@ class MetaModels:
         return cls(models, encoder, load_vae(family, spec, torch.device("meta"), dtype, dummy=True))
 
 
-def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, swap_experts: bool = False,
-              vae_tiled: bool = False, compiled: bool = False, built: MetaModels | None = None,
-              adapter_bytes: int = 0, extra_tokens: int = 0,
-              fp8_attention: bool = False) -> dict[str, MemoryPlan]:  # fmt: skip
+def estimates(
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    fp8: bool,
+    swap_experts: bool = False,
+    vae_tiled: bool = False,
+    compiled: bool = False,
+    built: MetaModels | None = None,
+    adapter_bytes: int = 0,
+    extra_tokens: int = 0,
+    fp8_attention: bool = False,
+) -> dict[str, MemoryPlan]:
     """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
     (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time;
     ``compiled``: regional compilation, whose fused blocks hold less working memory; ``built``: ``spec``'s models
@@ -214,8 +224,10 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
         blocks = model_blocks(model)
         return [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
 
-    shares = [_transformer_bytes(model, rank0_blocks(model), dtype, fp8, family.keep_high_precision,
-                                 parallel.tensor) for model in models]  # fmt: skip
+    shares = [
+        _transformer_bytes(model, rank0_blocks(model), dtype, fp8, family.keep_high_precision, parallel.tensor)
+        for model in models
+    ]
     transformer_bytes = _resident_bytes(shares, swap_experts, parallel.shard_weights) + adapter_bytes
     # The token width, from the attention projections (every family's blocks attend at the model width); a family
     # without a tensor plan states it in its config.
@@ -252,17 +264,31 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
 
 
 def estimate(
-    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, placement: str = "gpu",
-    swap_experts: bool = False, compiled: bool = False,
-) -> MemoryPlan:  # fmt: skip
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    fp8: bool,
+    placement: str = "gpu",
+    swap_experts: bool = False,
+    compiled: bool = False,
+) -> MemoryPlan:
     return estimates(spec, parallel, dtype, fp8, swap_experts, compiled=compiled)[placement]
 
 
 def check_fits(
-    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int, placement: str = "auto",
-    swap_experts: bool = False, compiled: bool = False, adapter_bytes: int = 0, extra_tokens: int = 0,
-    limit: str | None = None, fp8_attention: bool = False,
-) -> MemoryPlan:  # fmt: skip
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    fp8: bool,
+    cap: int,
+    placement: str = "auto",
+    swap_experts: bool = False,
+    compiled: bool = False,
+    adapter_bytes: int = 0,
+    extra_tokens: int = 0,
+    limit: str | None = None,
+    fp8_attention: bool = False,
+) -> MemoryPlan:
     """The first plan that fits rank 0 under ``cap``, with the prompt encoders placed as asked or, for ``auto``,
     resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; and only when none of those fits, the
     same with the VAE decoding tile by tile; an InvalidRequest with the numbers when none fits. ``limit``: what
@@ -271,8 +297,18 @@ def check_fits(
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []
     for vae_tiled in (False, True):
-        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled, compiled, adapter_bytes=adapter_bytes,
-                          extra_tokens=extra_tokens, fp8_attention=fp8_attention)  # fmt: skip
+        plans = estimates(
+            spec,
+            parallel,
+            dtype,
+            fp8,
+            swap_experts,
+            vae_tiled,
+            compiled,
+            adapter_bytes=adapter_bytes,
+            extra_tokens=extra_tokens,
+            fp8_attention=fp8_attention,
+        )
         for plan in [plans[p] for p in candidates]:
             if plan.total <= cap:
                 return plan
@@ -280,16 +316,19 @@ def check_fits(
     smallest = min(tried, key=lambda plan: plan.total)
     advice = lowering_options(spec, parallel, fp8, smallest.text_encoder_placement, swap_experts)
     advice.append("or raise the cap" if limit is None else "or free memory on it")
-    raise InvalidRequest(f"{spec.name} with {parallel.describe()} does not fit under {limit or cap_words(cap)}: "
-                         f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}")  # fmt: skip
+    raise InvalidRequest(
+        f"{spec.name} with {parallel.describe()} does not fit under {limit or cap_words(cap)}: "
+        f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}"
+    )
 
 
 def cap_words(cap: int) -> str:
     return f"--max-gpu-memory {gib(cap)} GiB"
 
 
-def lowering_options(spec: ModelSpec, parallel: ParallelConfig, fp8: bool, placement: str,
-                     swap_experts: bool) -> list[str]:  # fmt: skip
+def lowering_options(
+    spec: ModelSpec, parallel: ParallelConfig, fp8: bool, placement: str, swap_experts: bool
+) -> list[str]:
     """The options that would make a run of ``spec`` with this plan, precision, prompt-encoder placement and expert
     swapping hold less on rank 0, in the order worth trying."""
     advice = ["give more GPUs to the plan (--shard-weights or --tensor shards the weights)"]

@@ -37,8 +37,13 @@ def build_offline_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerF
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([*SPECIAL_TOKENS, *VISION_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                        model_max_length=model_max_length)  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=model_max_length,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

@@ -48,27 +48,36 @@ class ExecutionOptions:
         if self.cuda_graphs and self.swap_experts:  # a graph replays the addresses it captured; a swap moves them
             raise InvalidRequest("CUDA graphs do not combine with swapped experts; drop one of the two options")
         if self.attention not in ATTENTIONS:
-            raise InvalidRequest(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}",
-                                 param="attention")  # fmt: skip
+            raise InvalidRequest(
+                f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}", param="attention"
+            )
         if self.attention_bf16_steps < 0 or (self.attention_bf16_steps and self.attention != "fp8"):
-            raise InvalidRequest(f"--attention-bf16-steps {self.attention_bf16_steps}: give 0 or more steps, with "
-                                 "--attention fp8", param="attention_bf16_steps")  # fmt: skip
+            raise InvalidRequest(
+                f"--attention-bf16-steps {self.attention_bf16_steps}: give 0 or more steps, with --attention fp8",
+                param="attention_bf16_steps",
+            )
         if self.attention == "fp8":
             from paradit.layers.fp8_attention import check_fp8_attention  # imports Triton: only runs that use it
 
             check_fp8_attention(device)
             if self.cuda_graphs:  # a replay would keep the kernels, and each step's choice, of its capture
-                raise InvalidRequest("FP8 attention does not combine with CUDA graphs yet; drop --cuda-graphs or "
-                                     "give --attention sdpa", param="attention")  # fmt: skip
+                raise InvalidRequest(
+                    "FP8 attention does not combine with CUDA graphs yet; drop --cuda-graphs or give --attention sdpa",
+                    param="attention",
+                )
         if self.lora.cache < 0:
             raise InvalidRequest(f"--lora-cache {self.lora.cache}: give 0 (side paths) or more fused choices")
         if self.cuda_graphs and self.lora.switchable and not self.lora.cache:
             # A graph replays the side paths it captured; fused choices copy into the captured weights instead.
-            raise InvalidRequest("CUDA graphs replay one choice of adapters; give --lora-cache 1 or more (choices "
-                                 "fused into the weights), or drop --cuda-graphs")  # fmt: skip
+            raise InvalidRequest(
+                "CUDA graphs replay one choice of adapters; give --lora-cache 1 or more (choices "
+                "fused into the weights), or drop --cuda-graphs"
+            )
         if self.swap_experts and self.lora.cache:  # fused choices would pin each expert's copies on the device
-            raise InvalidRequest("--lora-cache does not combine with swapped experts; give --lora-cache 0 (side "
-                                 "paths) or drop --swap-experts")  # fmt: skip
+            raise InvalidRequest(
+                "--lora-cache does not combine with swapped experts; give --lora-cache 0 (side "
+                "paths) or drop --swap-experts"
+            )
 
     def compiles(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile is None else self.compile

@@ -64,8 +64,9 @@ def fp8_checkpoint_layers(config: dict) -> list[str] | None:
     return list(quantization["modules"])
 
 
-def fp8_load(model: nn.Module, names: ModelNames, config: dict, quantize: str, dtype: torch.dtype,
-             keep: tuple[str, ...]) -> Fp8Load | None:  # fmt: skip
+def fp8_load(
+    model: nn.Module, names: ModelNames, config: dict, quantize: str, dtype: torch.dtype, keep: tuple[str, ...]
+) -> Fp8Load | None:
     """The linears of the (parallelized, still meta) ``model`` to load as ``dtype`` FP8, by ``names`` (of the plain
     model): those of an FP8 checkpoint (``config`` declares them), else with ``quantize="fp8"`` the quantizable ones
     (``keep``: the family's high-precision fragments) at their sharded sizes. None when nothing loads as FP8."""

@@ -140,8 +140,9 @@ class RunSettings:
         if self.memory_plan is None:
             return MemoryBudget()
         options = self.options
-        advice = lowering_options(self.spec, self.parallel, options.quantize == "fp8", self.text_encoder_placement,
-                                  options.swap_experts)  # fmt: skip
+        advice = lowering_options(
+            self.spec, self.parallel, options.quantize == "fp8", self.text_encoder_placement, options.swap_experts
+        )
         advice.append("or a smaller size")
         return MemoryBudget(self.memory_plan.total, self.memory_limit or "", ", ".join(advice))
 
@@ -155,16 +156,19 @@ class RunSettings:
             # A decision made at the head block must reach every block of the step before they run: PipeFusion's
             # stages run a step's blocks patch by patch ahead of it, and a CUDA graph replays one fixed set of blocks.
             if self.parallel.pipefusion > 1:
-                raise InvalidRequest("step caching does not combine with PipeFusion; drop the cache or --pipefusion",
-                                     param="cache")  # fmt: skip
+                raise InvalidRequest(
+                    "step caching does not combine with PipeFusion; drop the cache or --pipefusion", param="cache"
+                )
             if self.options.cuda_graphs:
-                raise InvalidRequest("step caching does not combine with CUDA graphs; drop the cache or "
-                                     "--cuda-graphs", param="cache")  # fmt: skip
+                raise InvalidRequest(
+                    "step caching does not combine with CUDA graphs; drop the cache or --cuda-graphs", param="cache"
+                )
         return dataclasses.replace(resolved, lora=check_choice(self.options.lora, resolved.lora))
 
 
-def default_plan_for(spec: ModelSpec, gpus: int, request: GenerationRequest | None = None,
-                     device: str | torch.device | None = None) -> ParallelConfig:  # fmt: skip
+def default_plan_for(
+    spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None
+) -> ParallelConfig:
     """The plan ``--gpus N`` alone gets: on GPUs of a known hardware profile, the planner's (the tuned entry for the
     request, else a plan made for it: ``planner.choose``). Elsewhere (CPU processes, an unknown GPU): CFG parallel
     only when the request (or, without one, the model's defaults) runs both guidance branches, so that no half of the
@@ -172,8 +176,11 @@ def default_plan_for(spec: ModelSpec, gpus: int, request: GenerationRequest | No
     return choices(Asked(spec, device, gpus=gpus), spec, request)[0]
 
 
-def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = None,
-            ) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:  # fmt: skip
+def choices(
+    asked: Asked,
+    spec: ModelSpec,
+    request: GenerationRequest | None = None,
+) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:
     """What ``asked`` leaves open, chosen: the plan (the degrees asked for, else the tuned or planned one, else the
     default), the execution options and prompt-encoder placement (asked for, else the tuned choice's), and a line
     saying where a tuned or planned choice came from (None otherwise). Nothing is checked yet."""
@@ -192,19 +199,24 @@ def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = N
         guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
         parallel = plans_for(gpus, guides, spec.attention_heads)[0]
     parallel = dataclasses.replace(
-        parallel, comm_dtype=asked.comm_dtype or parallel.comm_dtype, patches=asked.patches or parallel.patches,
+        parallel,
+        comm_dtype=asked.comm_dtype or parallel.comm_dtype,
+        patches=asked.patches or parallel.patches,
         warmup_steps=asked.warmup_steps or parallel.warmup_steps,
         shard_weights=parallel.shard_weights if asked.shard_weights is None else asked.shard_weights,
-    )  # fmt: skip
+    )
     placement = asked.text_encoder_placement
     if planned is not None and placement == "auto" and asked.max_gpu_memory is None:
         placement = planned.text_encoder_placement  # under a cap, the memory plan places them for that cap
     options = ExecutionOptions(
-        quantize=asked.quantize or (planned.quantize if planned else "none"), compile=asked.compile,
+        quantize=asked.quantize or (planned.quantize if planned else "none"),
+        compile=asked.compile,
         cuda_graphs=bool(asked.cuda_graphs or (planned and planned.cuda_graphs)),
-        swap_experts=asked.swap_experts or bool(planned and planned.swap_experts), lora=asked.lora or LoraSet(),
-        attention=asked.attention or "sdpa", attention_bf16_steps=asked.attention_bf16_steps,
-    )  # fmt: skip
+        swap_experts=asked.swap_experts or bool(planned and planned.swap_experts),
+        lora=asked.lora or LoraSet(),
+        attention=asked.attention or "sdpa",
+        attention_bf16_steps=asked.attention_bf16_steps,
+    )
     return parallel, options, placement, planned.origin if planned else None
 
 
@@ -221,17 +233,21 @@ def check_cpu_group(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtyp
     the transformer's weights alone pass the memory available (a bound that errs low: the rest is not counted)."""
     processes, cores = parallel.world_size, os.cpu_count() or 1
     if processes > PROCESSES_PER_CORE * cores:
-        raise InvalidRequest(f"{processes} CPU processes asked for on {cores} cores; give at most "
-                             f"{PROCESSES_PER_CORE * cores} ({PROCESSES_PER_CORE} a core)")  # fmt: skip
+        raise InvalidRequest(
+            f"{processes} CPU processes asked for on {cores} cores; give at most "
+            f"{PROCESSES_PER_CORE * cores} ({PROCESSES_PER_CORE} a core)"
+        )
     with torch.device("meta"):
         parameters = sum(p.numel() for p in FAMILIES[spec.family].build_transformer(spec).parameters())
     shares = parallel.tensor * parallel.pipefusion * (parallel.shard_weights or 1)
     held = processes * parameters * dtype.itemsize // shares
     if held > (available := available_memory() or held):
-        raise InvalidRequest(f"{processes} CPU process(es) would hold {gib(held)} GiB of {spec.name}'s transformer "
-                             f"weights in {str(dtype).removeprefix('torch.')}, past the {gib(available)} GiB of memory "
-                             "available; give --dtype bf16 (half), --shard-weights, --tensor or --pipefusion (a share "
-                             "each), or fewer processes")  # fmt: skip
+        raise InvalidRequest(
+            f"{processes} CPU process(es) would hold {gib(held)} GiB of {spec.name}'s transformer "
+            f"weights in {str(dtype).removeprefix('torch.')}, past the {gib(available)} GiB of memory "
+            "available; give --dtype bf16 (half), --shard-weights, --tensor or --pipefusion (a share "
+            "each), or fewer processes"
+        )
 
 
 def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSettings:
@@ -239,8 +255,11 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
     for it), or InvalidRequest naming what cannot run and what can."""
     device = parse_device(asked.device)
     dtype = parse_dtype(asked.dtype, device)
-    spec = asked.model if isinstance(asked.model, ModelSpec) else resolve_model(asked.model, asked.load_format,
-                                                                               asked.allow_pickle)  # fmt: skip
+    spec = (
+        asked.model
+        if isinstance(asked.model, ModelSpec)
+        else resolve_model(asked.model, asked.load_format, asked.allow_pickle)
+    )
     family = FAMILIES[spec.family]
     resolved = None if request is None else family.resolve_request(spec, request)
     parallel, options, placement, origin = choices(asked, spec, request)
@@ -252,8 +271,9 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
         # where sharding keeps 1/N of each expert resident already.
         raise InvalidRequest("--shard-weights does not combine with --cuda-graphs or --swap-experts; drop one")
     if parallel.shard_weights and options.lora.cache:  # a merge copies into whole weights, which sharding splits
-        raise InvalidRequest("--lora-cache does not combine with --shard-weights; drop one (--lora-cache 0: side "
-                             "paths)")  # fmt: skip
+        raise InvalidRequest(
+            "--lora-cache does not combine with --shard-weights; drop one (--lora-cache 0: side paths)"
+        )
     if fp8_checkpoint_layers(spec.transformer) is not None:  # it runs in FP8 or not at all
         if options.quantize != "fp8":
             raise InvalidRequest(f"{spec.name} holds an FP8 transformer; run it with --quantize fp8")
@@ -280,27 +300,62 @@ def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSetting
     if limit is not None:  # estimated at the request's size when there is one, else the model's
         sized, extra_tokens = spec, 0 if resolved is None else resolved.reference_tokens
         if resolved is not None:
-            sized = dataclasses.replace(spec, height=resolved.height, width=resolved.width,
-                                        frames=resolved.frames or spec.frames)  # fmt: skip
+            sized = dataclasses.replace(
+                spec, height=resolved.height, width=resolved.width, frames=resolved.frames or spec.frames
+            )
         compiled = options.compiles(device)
         words = None if cap is not None else limit_words
         fp8_attention = options.attention == "fp8"
         try:
-            memory_plan = check_fits(sized, parallel, dtype, fp8, limit, placement, options.swap_experts, compiled,
-                                     adapter_bytes, extra_tokens, words, fp8_attention)  # fmt: skip
+            memory_plan = check_fits(
+                sized,
+                parallel,
+                dtype,
+                fp8,
+                limit,
+                placement,
+                options.swap_experts,
+                compiled,
+                adapter_bytes,
+                extra_tokens,
+                words,
+                fp8_attention,
+            )
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
-            memory_plan = check_fits(sized, parallel, dtype, fp8, limit, placement, True, compiled, adapter_bytes,
-                                     extra_tokens, words, fp8_attention)  # fmt: skip
+            memory_plan = check_fits(
+                sized,
+                parallel,
+                dtype,
+                fp8,
+                limit,
+                placement,
+                True,
+                compiled,
+                adapter_bytes,
+                extra_tokens,
+                words,
+                fp8_attention,
+            )
             options = dataclasses.replace(options, swap_experts=True)
             options.validate(device)
         placement = memory_plan.text_encoder_placement
     if device.type == "cpu":  # after the cap's check: a cap asked for on the CPU is for the GPU plan it would run
         check_cpu_group(spec, parallel, dtype)
-    return RunSettings(spec, device, dtype, parallel, options, cap, memory_plan,
-                       "gpu" if placement == "auto" else placement, origin, limit_words)  # fmt: skip
+    return RunSettings(
+        spec,
+        device,
+        dtype,
+        parallel,
+        options,
+        cap,
+        memory_plan,
+        "gpu" if placement == "auto" else placement,
+        origin,
+        limit_words,
+    )
 
 
 def free_limit(device: torch.device, gpus: int) -> tuple[int | None, str | None]:

@@ -37,9 +37,12 @@ def warn_if_truncated(tokenizer, texts: list[str], limit: int, reader: str = "th
     longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"])
     if longest > limit:
         logger.warning(
-            "a prompt is %d tokens long and %s reads %d: its last %d tokens are dropped", longest, reader, limit,
+            "a prompt is %d tokens long and %s reads %d: its last %d tokens are dropped",
+            longest,
+            reader,
+            limit,
             longest - limit,
-        )  # fmt: skip
+        )
 
 
 def weights_device(placement: str, device: torch.device) -> torch.device:
@@ -152,8 +155,9 @@ class PromptEncoder(Protocol):
     def modules(self) -> list[nn.Module]: ...
 
 
-def load_prompt_encoder(family, spec, device: torch.device, dtype: torch.dtype, dummy: bool,
-                        placement: str = "gpu") -> PromptEncoder:  # fmt: skip
+def load_prompt_encoder(
+    family, spec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
+) -> PromptEncoder:
     """``family``'s prompt encoder for ``spec``, placed as ``placement`` says: read from its checkpoint folder
     (``spec.weights``), or random (``dummy``; on the meta device for memory estimates)."""
     encoder = family.prompt_encoder(spec)
@@ -175,8 +179,14 @@ class DecoderPromptEncoder:
         return [self.decoder]
 
     @classmethod
-    def from_folder(cls, weights: CheckpointFolder, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype,
-                    placement: str = "gpu") -> DecoderPromptEncoder:  # fmt: skip
+    def from_folder(
+        cls,
+        weights: CheckpointFolder,
+        spec: TextEncoderSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        placement: str = "gpu",
+    ) -> DecoderPromptEncoder:
         config = transformers.AutoConfig.from_pretrained(weights.path / "text_encoder")
         _truncate_config(config, max(spec.layers))
         model_cls = getattr(transformers, spec.class_name)
@@ -184,17 +194,22 @@ class DecoderPromptEncoder:
         # The dropped layers' weights are reported as unexpected keys; that is the point, so keep the log quiet.
         transformers.logging.set_verbosity_error()
         try:
-            model = model_cls.from_pretrained(weights.path / "text_encoder", config=config, dtype=dtype,
-                                              device_map=weights_device(placement, device),
-                                              use_safetensors=weights.use_safetensors("text_encoder"))  # fmt: skip
+            model = model_cls.from_pretrained(
+                weights.path / "text_encoder",
+                config=config,
+                dtype=dtype,
+                device_map=weights_device(placement, device),
+                use_safetensors=weights.use_safetensors("text_encoder"),
+            )
         finally:
             transformers.logging.set_verbosity(verbosity)
         tokenizer = transformers.AutoProcessor.from_pretrained(weights.path / "tokenizer")
         return cls(place(_decoder_without_final_norm(model), placement, device), tokenizer, spec, device)
 
     @classmethod
-    def dummy(cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str = "gpu",
-              seed: int = 0) -> DecoderPromptEncoder:  # fmt: skip
+    def dummy(
+        cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
+    ) -> DecoderPromptEncoder:
         config = transformers.AutoConfig.for_model(**spec.config)
         _truncate_config(config, max(spec.layers))
 

@@ -179,9 +179,19 @@ def start_worker_server(device: str | None) -> None:
     worker_context(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type)
 
 
-def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: Queue, rendezvous: str,
-                signals: StepSignals, lifeline: Connection, environment: dict[str, str], streams: list[int] | None,
-                first_device: int = 0, threads: int | None = None) -> None:  # fmt: skip
+def worker_main(
+    rank: int,
+    pickled_plan: bytes,
+    requests: list[Queue],
+    results: Queue,
+    rendezvous: str,
+    signals: StepSignals,
+    lifeline: Connection,
+    environment: dict[str, str],
+    streams: list[int] | None,
+    first_device: int = 0,
+    threads: int | None = None,
+) -> None:
     """A worker: build this rank's pipeline from the pickled ``WorkerPlan`` on device ``first_device + rank`` and serve
     requests until told to stop (None), reporting readiness, each request's end and any fatal failure on ``results``; it
     ends when ``lifeline`` closes. ``environment``, ``streams`` (``EngineStreams``' descriptors; None: keep those
@@ -320,8 +330,18 @@ class WorkerGroup:
         self._in_flight = False  # a request is being served: close() does not wait for it
         try:
             streams = EngineStreams() if context.get_start_method() == "forkserver" else None
-            shared = (plan, self.requests, self.results, self._rendezvous.name, self.signals, lifeline,
-                      dict(os.environ), streams, first_device, threads)  # fmt: skip
+            shared = (
+                plan,
+                self.requests,
+                self.results,
+                self._rendezvous.name,
+                self.signals,
+                lifeline,
+                dict(os.environ),
+                streams,
+                first_device,
+                threads,
+            )
             for rank in range(self.world_size):
                 process = context.Process(target=worker_main, args=(rank, *shared), daemon=True)
                 with sigint_ignored_by_children():
@@ -390,8 +410,10 @@ class WorkerGroup:
                 silent = sorted(set(range(self.world_size)) - ends.keys())
                 failed = sorted(rank for rank, (kind, _) in ends.items() if kind == "failed")
                 self.stop()
-                raise WorkerFailure(f"workers {silent} did not end a request that workers {failed} failed "
-                                    f"({ends[failed[0]][1]}); the worker group was stopped")  # fmt: skip
+                raise WorkerFailure(
+                    f"workers {silent} did not end a request that workers {failed} failed "
+                    f"({ends[failed[0]][1]}); the worker group was stopped"
+                )
             kind, rank, payload = message
             ends[rank] = (kind, payload)
             if kind == "failed" and deadline is None:

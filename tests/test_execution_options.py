@@ -48,11 +48,18 @@ def test_layer_selection_keeps_embedders_modulation_and_output_in_high_precision
     linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     kept = linears - chosen
     assert kept == {
-        "time_guidance_embed.timestep_embedder.linear_1", "time_guidance_embed.timestep_embedder.linear_2",
-        "time_guidance_embed.guidance_embedder.linear_1", "time_guidance_embed.guidance_embedder.linear_2",
-        "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "single_stream_modulation.linear",
-        "x_embedder", "context_embedder", "norm_out.linear", "proj_out",
-    }  # fmt: skip
+        "time_guidance_embed.timestep_embedder.linear_1",
+        "time_guidance_embed.timestep_embedder.linear_2",
+        "time_guidance_embed.guidance_embedder.linear_1",
+        "time_guidance_embed.guidance_embedder.linear_2",
+        "double_stream_modulation_img.linear",
+        "double_stream_modulation_txt.linear",
+        "single_stream_modulation.linear",
+        "x_embedder",
+        "context_embedder",
+        "norm_out.linear",
+        "proj_out",
+    }
     assert "transformer_blocks.0.attn.to_q" in chosen and "single_transformer_blocks.1.attn.to_qkv_mlp_proj" in chosen
 
 

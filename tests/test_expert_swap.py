@@ -58,8 +58,14 @@ def test_the_memory_plan_counts_one_expert_and_a_tight_cap_chooses_the_swap():
     # Under a cap that not even one expert fits, the refusal gives the swapped plan's numbers.
     swapped_bf16 = estimate(spec, ParallelConfig(), torch.bfloat16, False, "offload", swap_experts=True)
     with pytest.raises(InvalidRequest, match=rf"needs {gib(swapped_bf16.total)} GiB on rank 0"):
-        Engine(spec, device="cpu", dtype="bf16", max_gpu_memory="32GiB", load_format="dummy",
-               request=GenerationRequest(prompt="x"))  # fmt: skip
+        Engine(
+            spec,
+            device="cpu",
+            dtype="bf16",
+            max_gpu_memory="32GiB",
+            load_format="dummy",
+            request=GenerationRequest(prompt="x"),
+        )
 
 
 def test_cuda_graphs_do_not_combine_with_swapped_experts():

@@ -195,7 +195,7 @@ def _shard(folder: Path) -> Path:
         "no text_encoder",
         "no tokenizer",
         "pickle beside safetensors",
-    ],  # fmt: skip
+    ],
 )
 def test_damaged_checkpoints_are_one_line_naming_the_file(klein_folder, tmp_path, capsys, damage, fragments):
     folder = _damaged_copy(klein_folder, tmp_path)

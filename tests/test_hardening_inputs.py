@@ -53,8 +53,24 @@ def test_a_checkpoint_with_nan_weights_fails_naming_the_weights(tmp_path, capsys
     tensors["proj_out.weight"][0, 0] = float("nan")
     save_file(tensors, shard, metadata={"format": "pt"})
     out = tmp_path / "x.png"
-    argv = ["generate", "--model", str(folder), "--device", "cpu", "--prompt", "a cat", "--steps", "2",
-            "--height", "32", "--width", "32", "--no-progress", "--out", str(out)]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        str(folder),
+        "--device",
+        "cpu",
+        "--prompt",
+        "a cat",
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     code, _, err = run_cli(argv, capsys)
     assert_one_line_error(code, err, "denoise step 1 of 2 predicted NaN or inf", "NaN or inf in the weights")
     assert not out.exists()
@@ -93,10 +109,14 @@ def _failure_with_a_nan_in_the_last_token_at(plan: ParallelConfig, step: int) ->
 
 @pytest.mark.parametrize(
     "plan",
-    [ParallelConfig(), ParallelConfig(pipefusion=2, patches=2, warmup_steps=1), ParallelConfig(cfg=2),
-     ParallelConfig(tensor=2)],
+    [
+        ParallelConfig(),
+        ParallelConfig(pipefusion=2, patches=2, warmup_steps=1),
+        ParallelConfig(cfg=2),
+        ParallelConfig(tensor=2),
+    ],
     ids=lambda plan: plan.describe(),
-)  # fmt: skip
+)
 def test_every_rank_of_a_group_fails_at_the_step_that_went_bad(plan):
     """Every rank raises (one raising alone would leave the others in the decode's collectives: a hang), naming the
     step the bad prediction belongs to, as one process does."""

@@ -75,9 +75,10 @@ def test_file_urls_name_the_address_the_request_reached_never_the_host_header(ho
     """Bound to every interface, the link names the interface the client reached (here 127.0.0.1)."""
     with app_on(host) as port:
         answer = httpx.post(
-            f"http://127.0.0.1:{port}/v1/images/generations", json={**BODY, "response_format": "url"},
+            f"http://127.0.0.1:{port}/v1/images/generations",
+            json={**BODY, "response_format": "url"},
             headers={"Host": "evil.example.com"},
-        )  # fmt: skip
+        )
         assert answer.status_code == 200, answer.text
         url = answer.json()["data"][0]["url"]
         assert url.startswith(f"http://127.0.0.1:{port}/v1/files/"), url
@@ -112,8 +113,11 @@ def test_a_size_the_model_refuses_is_a_400_naming_size_and_the_allowed_values():
             assert "size" in message and "multiples of 16 from 16 to 8192" in message and '"auto"' in message
             assert "128x128" in message, message  # what auto gives for this model
         assert client.images.generate(prompt="a fox", size="32x32", extra_body={"steps": 1}).data
-        bad_steps = httpx.post(url + "/v1/images/generations", json={**BODY, "size": "40x32", "steps": 0},
-                               headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+        bad_steps = httpx.post(
+            url + "/v1/images/generations",
+            json={**BODY, "size": "40x32", "steps": 0},
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
         assert bad_steps.status_code == 400 and bad_steps.json()["error"]["param"] == "steps"
     with scheduler() as (scheduling, _, _), http_server(scheduling, video=True) as url:
         refused = httpx.post(url + "/v1/videos", json={**BODY, "size": "40x32"})

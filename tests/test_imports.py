@@ -32,8 +32,10 @@ def runtime_imports(tree: ast.Module, modules: set[str]) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # ``from a import b`` imports the module a.b when there is one, else a's name b.
-            found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                         for alias in node.names)  # fmt: skip
+            found.update(
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                for alias in node.names
+            )
     return {name for name in found if name in modules}
 
 

@@ -167,8 +167,7 @@ def test_both_experts_of_a_two_expert_model_are_counted():
     """Wan 2.2 A14B keeps its high- and low-noise experts resident on every rank: the estimate holds both."""
     spec = PRESETS["wan2.2-t2v-a14b"]
     both = estimate(spec, ParallelConfig(), torch.bfloat16, fp8=False).transformer
-    one = estimate(dataclasses.replace(spec, experts={}), ParallelConfig(),
-                   torch.bfloat16, fp8=False).transformer  # fmt: skip
+    one = estimate(dataclasses.replace(spec, experts={}), ParallelConfig(), torch.bfloat16, fp8=False).transformer
     assert both == 2 * one and one == 14_288_491_584 * 2  # the published expert's parameters, in bf16
 
 

@@ -53,8 +53,10 @@ def test_facts_give_the_flops_and_the_bytes_the_benchmarks_counted():
     facts = facts_for(PRESETS["flux2-dev"])
     workload = facts.workload(1024, 1024, None)
     linear = sum(group.flops.at(workload.image_tokens, workload.text_tokens) for group in facts.linear)
-    attention = sum(4 * g.layers * g.heads * g.head_dim * g.query_tokens.at(4096, 512) * g.key_tokens.at(4096, 512)
-                    for g in facts.attention)  # fmt: skip
+    attention = sum(
+        4 * g.layers * g.heads * g.head_dim * g.query_tokens.at(4096, 512) * g.key_tokens.at(4096, 512)
+        for g in facts.attention
+    )
     assert (linear + attention) / 1e12 == pytest.approx(282.599551401984, rel=1e-9)  # shared/models/configs.json
     # "MiB sent/step" of rank 0 in docs/benchmarks.md, counted by paradit's collectives on H200s.
     assert sent_mib("flux2-dev", ParallelConfig(ulysses=2), 1) == pytest.approx(3024, abs=1)
@@ -271,8 +273,9 @@ def test_input_images_lengthen_the_planned_step_as_measured():
     measured = {0: 285.4, 1: 603.9, 3: 1469.9}
     chosen = {}
     for count in measured:
-        request = GenerationRequest(prompt="a", height=1024, width=1024,
-                                    image=[Image.new("RGB", (1024, 1024))] * count or None)  # fmt: skip
+        request = GenerationRequest(
+            prompt="a", height=1024, width=1024, image=[Image.new("RGB", (1024, 1024))] * count or None
+        )
         chosen[count] = plan(PRESETS["flux2-dev"], 1, profile, request, quantize="fp8").best
         assert chosen[count].mean_ms == pytest.approx(measured[count], rel=0.1), count
     assert chosen[0].memory.total < chosen[1].memory.total < chosen[3].memory.total
@@ -294,8 +297,12 @@ def test_fp8_attention_is_predicted_at_its_measured_rate_above_the_crossover_onl
     assert fp8.fp8_attention and not fp8.cuda_graphs
     ring = plan(wan, 2, h200, request, "fp8", attention="fp8").ranked
     ring2 = next(o for o in ring if o.parallel == ParallelConfig(ring=2))
-    assert ring2.cost.compute_ms < next(o for o in plan(wan, 2, h200, request, "fp8").ranked
-                                        if o.parallel == ParallelConfig(ring=2)).cost.compute_ms  # fmt: skip
+    assert (
+        ring2.cost.compute_ms
+        < next(
+            o for o in plan(wan, 2, h200, request, "fp8").ranked if o.parallel == ParallelConfig(ring=2)
+        ).cost.compute_ms
+    )
     flux, flux_facts = PRESETS["flux2-dev"], facts_for(PRESETS["flux2-dev"])
     flux_workload = flux_facts.workload(1024, 1024, None)
     kernel, exact = (attention_ms(flux_facts, flux_workload, 1, h200, fp8_attention) for fp8_attention in (True, False))

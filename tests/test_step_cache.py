@@ -83,11 +83,17 @@ def diffusers_config(family: str, method: str):
     if method == "mag":
         return MagCacheConfig(threshold=0.2, num_inference_steps=STEPS, mag_ratios=list(RATIOS))
     # Z-Image's final layer and blocks go by other names than the lite mode's patterns.
-    names = ({"cache_identifiers": [r"all_final_layer\.2-1"],
-              "skip_predict_identifiers": [r"(noise_refiner|context_refiner|layers)\.\d+"]}
-             if family == "zimage" else {"use_lite_mode": True})  # fmt: skip
-    return TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32,
-                                 **names)  # fmt: skip
+    names = (
+        {
+            "cache_identifiers": [r"all_final_layer\.2-1"],
+            "skip_predict_identifiers": [r"(noise_refiner|context_refiner|layers)\.\d+"],
+        }
+        if family == "zimage"
+        else {"use_lite_mode": True}
+    )
+    return TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32, **names
+    )
 
 
 def diffusers_run(family: str, method: str, monkeypatch) -> tuple[np.ndarray, list[tuple[bool, ...]]]:
@@ -123,8 +129,11 @@ def diffusers_run(family: str, method: str, monkeypatch) -> tuple[np.ndarray, li
         first_block(first_block_cache.FBCHeadBlockHook._should_compute_remaining_blocks),
     )
     monkeypatch.setattr(mag_cache.MagCacheHeadHook, "new_forward", mag(mag_cache.MagCacheHeadHook.new_forward))
-    monkeypatch.setattr(taylorseer_cache.TaylorSeerCacheHook, "_measure_should_compute",
-                        taylor(taylorseer_cache.TaylorSeerCacheHook._measure_should_compute))  # fmt: skip
+    monkeypatch.setattr(
+        taylorseer_cache.TaylorSeerCacheHook,
+        "_measure_should_compute",
+        taylor(taylorseer_cache.TaylorSeerCacheHook._measure_should_compute),
+    )
     pipeline = DiffusionPipeline.from_pretrained(folder(family), dtype=torch.float32)
     apply = {"first-block": apply_first_block_cache, "mag": apply_mag_cache, "taylorseer": apply_taylorseer_cache}
     for name in ("transformer", "transformer_2"):  # Wan's experts: a cache each
@@ -132,12 +141,20 @@ def diffusers_run(family: str, method: str, monkeypatch) -> tuple[np.ndarray, li
             apply[method](getattr(pipeline, name), diffusers_config(family, method))
             if family not in OWN_CONTEXTS:
                 _set_cache_context(getattr(pipeline, name), CacheContext("cond"))
-    guidance = {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {
-        "guidance_scale": GUIDANCE}  # fmt: skip
+    guidance = (
+        {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {"guidance_scale": GUIDANCE}
+    )
     if family == "wan":
         guidance.update(guidance_scale_2=2.5, num_frames=5)
-    output = pipeline(prompt="a cat", num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(SEED),
-                      height=32, width=48, output_type="np", **guidance)  # fmt: skip
+    output = pipeline(
+        prompt="a cat",
+        num_inference_steps=STEPS,
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        height=32,
+        width=48,
+        output_type="np",
+        **guidance,
+    )
     pixels = (output.frames[0] if family == "wan" else output.images[0]) * 255
     branches = [decisions[name] for name in ("cond", "uncond") if name in decisions]
     if family not in OWN_CONTEXTS:  # one decision for the batched branches
@@ -145,10 +162,20 @@ def diffusers_run(family: str, method: str, monkeypatch) -> tuple[np.ndarray, li
     return pixels, list(zip(*branches))
 
 
-@pytest.mark.parametrize("family,method", [
-    ("qwen_image", "first-block"), ("qwen_image", "mag"), ("qwen_image", "taylorseer"), ("flux2", "mag"),
-    ("flux2", "taylorseer"), ("sd3", "mag"), ("zimage", "taylorseer"), ("wan", "first-block"), ("wan", "mag"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family,method",
+    [
+        ("qwen_image", "first-block"),
+        ("qwen_image", "mag"),
+        ("qwen_image", "taylorseer"),
+        ("flux2", "mag"),
+        ("flux2", "taylorseer"),
+        ("sd3", "mag"),
+        ("zimage", "taylorseer"),
+        ("wan", "first-block"),
+        ("wan", "mag"),
+    ],
+)
 def test_skip_pattern_and_image_equal_diffusers_hooks(family, method, monkeypatch):
     expected, pattern = diffusers_run(family, method, monkeypatch)
     with Engine(str(folder(family)), device="cpu", dtype="fp32") as engine:
@@ -163,9 +190,13 @@ def test_skip_pattern_and_image_equal_diffusers_hooks(family, method, monkeypatc
 
 
 PLANS = [
-    ParallelConfig(ulysses=2), ParallelConfig(ring=3), ParallelConfig(cfg=2), ParallelConfig(tensor=2),
-    ParallelConfig(cfg=2, ulysses=2), ParallelConfig(ring=2, tensor=2),
-]  # fmt: skip
+    ParallelConfig(ulysses=2),
+    ParallelConfig(ring=3),
+    ParallelConfig(cfg=2),
+    ParallelConfig(tensor=2),
+    ParallelConfig(cfg=2, ulysses=2),
+    ParallelConfig(ring=2, tensor=2),
+]
 
 
 def _run(family: str, method: str, plan: ParallelConfig | None):
@@ -245,12 +276,15 @@ def test_mag_calibration_records_the_curve_without_skipping():
     assert torch.equal(result.pixels, plain.pixels)
 
 
-@pytest.mark.parametrize("cache,fragment", [
-    (StepCacheConfig("teacache"), "choose one of first-block, mag, taylorseer"),
-    (StepCacheConfig("first-block", threshold=-1), "threshold -1 is not allowed"),
-    (StepCacheConfig("taylorseer", cache_interval=0), "cache_interval 0 is not allowed; give 1 or more"),
-    (StepCacheConfig("mag"), "needs its model's magnitude ratios"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cache,fragment",
+    [
+        (StepCacheConfig("teacache"), "choose one of first-block, mag, taylorseer"),
+        (StepCacheConfig("first-block", threshold=-1), "threshold -1 is not allowed"),
+        (StepCacheConfig("taylorseer", cache_interval=0), "cache_interval 0 is not allowed; give 1 or more"),
+        (StepCacheConfig("mag"), "needs its model's magnitude ratios"),
+    ],
+)
 def test_bad_cache_parameters_are_refused(cache, fragment):
     spec = spec_from_folder(folder("sd3"))
     with pytest.raises(InvalidRequest, match=fragment):
@@ -290,45 +324,85 @@ def test_command_line_caches_reports_and_keeps_the_calibrated_curve(tmp_path, mo
         "--device",
         "cpu",
     ]
-    out = generate(["generate", *args, "--out", str(tmp_path / "fbc.png"), "--json", str(tmp_path / "fbc.json"),
-                    "--cache", "first-block", "--cache-threshold", "1.212"], capfd)  # fmt: skip
+    out = generate(
+        [
+            "generate",
+            *args,
+            "--out",
+            str(tmp_path / "fbc.png"),
+            "--json",
+            str(tmp_path / "fbc.json"),
+            "--cache",
+            "first-block",
+            "--cache-threshold",
+            "1.212",
+        ],
+        capfd,
+    )
     expected = engine_result().timings
     skipped = expected.cache_skipped_steps
-    assert table_row(out, "step cache") == f"{skipped} of {STEPS} steps skipped, {expected.cache_blocks_skipped} " \
-                                           "block evaluations"  # fmt: skip
+    assert (
+        table_row(out, "step cache") == f"{skipped} of {STEPS} steps skipped, {expected.cache_blocks_skipped} "
+        "block evaluations"
+    )
     written = json.loads((tmp_path / "fbc.json").read_text())["timings"]
     assert [tuple(call) for call in written["cache_skipped"]] == expected.cache_skipped
     assert json.loads(Image.open(tmp_path / "fbc.png").info["cache"])["threshold"] == 1.212
 
-    out = generate(["generate", *args, "--out", str(tmp_path / "calibrate.png"), "--cache", "mag",
-                    "--cache-calibrate"], capfd)  # fmt: skip
+    out = generate(
+        ["generate", *args, "--out", str(tmp_path / "calibrate.png"), "--cache", "mag", "--cache-calibrate"], capfd
+    )
     kept = curve_path(model)
     assert str(kept) in out and len(json.loads(kept.read_text())["mag_ratios"]) == STEPS
     out = generate(["generate", *args, "--out", str(tmp_path / "mag.png"), "--cache", "mag"], capfd)
     assert int(table_row(out, "step cache").split()[0]) > 0
 
 
-@pytest.mark.parametrize("extra,fragment", [
-    (["--cache-threshold", "0.1"], "need a method"),
-    (["--cache", "first-block", "--cache-calibrate"], "give it with --cache mag"),
-    (["--cache", "mag", "--cache-mag-ratios", "1,x"], "is not a comma-separated list"),
-    (["--cache", "mag"], "measure them once with --cache mag --cache-calibrate"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra,fragment",
+    [
+        (["--cache-threshold", "0.1"], "need a method"),
+        (["--cache", "first-block", "--cache-calibrate"], "give it with --cache mag"),
+        (["--cache", "mag", "--cache-mag-ratios", "1,x"], "is not a comma-separated list"),
+        (["--cache", "mag"], "measure them once with --cache mag --cache-calibrate"),
+    ],
+)
 def test_command_line_refuses_cache_flags_it_cannot_use(extra, fragment, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    code, _, err = run_cli(["generate", "--model", "sd3.5-tiny", "--prompt", "a cat", "--device", "cpu",
-                            "--out", str(tmp_path / "x.png"), *extra], capfd)  # fmt: skip
+    code, _, err = run_cli(
+        [
+            "generate",
+            "--model",
+            "sd3.5-tiny",
+            "--prompt",
+            "a cat",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "x.png"),
+            *extra,
+        ],
+        capfd,
+    )
     assert_one_line_error(code, err, fragment)
     assert not (tmp_path / "x.png").exists()
 
 
 def test_server_takes_a_cache_per_request_and_counts_what_it_skipped():
     metrics = Metrics()
-    scheduler, config = build_scheduler(ServeSettings(Asked(model=str(folder("qwen_image")), device="cpu",
-                                                            dtype="fp32")), metrics)  # fmt: skip
+    scheduler, config = build_scheduler(
+        ServeSettings(Asked(model=str(folder("qwen_image")), device="cpu", dtype="fp32")), metrics
+    )
     expected = engine_result()
-    body = {"prompt": "a cat", "negative_prompt": " ", "size": "48x32", "steps": STEPS, "seed": SEED,
-            "guidance": GUIDANCE, "cache": {"method": "first-block", "threshold": 1.212}}  # fmt: skip
+    body = {
+        "prompt": "a cat",
+        "negative_prompt": " ",
+        "size": "48x32",
+        "steps": STEPS,
+        "seed": SEED,
+        "guidance": GUIDANCE,
+        "cache": {"method": "first-block", "threshold": 1.212},
+    }
     scheduler.start()
     try:
         with app_in_thread(create_app(scheduler, config, metrics)) as url:

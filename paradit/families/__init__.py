@@ -23,8 +23,13 @@ from paradit.spec import CheckpointFolder, ModelSpec
 if TYPE_CHECKING:
     from paradit.family import Family
 
-PACKAGES = ("paradit.families.flux2", "paradit.families.qwen_image", "paradit.families.sd3", "paradit.families.wan",
-            "paradit.families.zimage")  # fmt: skip
+PACKAGES = (
+    "paradit.families.flux2",
+    "paradit.families.qwen_image",
+    "paradit.families.sd3",
+    "paradit.families.wan",
+    "paradit.families.zimage",
+)
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec for package in PACKAGES for spec in import_module(f"{package}.presets").PRESETS
 }

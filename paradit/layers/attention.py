@@ -176,8 +176,15 @@ class QKVAttention(AttentionDispatch):
     ``norm_q``/``norm_k`` (``qk_norm(width)``; ``nn.Identity``: none) on Q and K, per head or over all heads
     (``across_heads``, Wan). Called: self-attention, rotated by ``rope`` (cos, sin) if given."""
 
-    def __init__(self, dim: int, head_dim: int, qk_norm: Callable[[int], nn.Module], bias: bool = True,
-                 across_heads: bool = False, sequence_streams: tuple[str, ...] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        head_dim: int,
+        qk_norm: Callable[[int], nn.Module],
+        bias: bool = True,
+        across_heads: bool = False,
+        sequence_streams: tuple[str, ...] | None = None,
+    ) -> None:
         super().__init__(sequence_streams)
         self.head_dim, self.across_heads = head_dim, across_heads
         self.to_q = nn.Linear(dim, dim, bias=bias)
@@ -213,8 +220,15 @@ class JointAttention(QKVAttention):
     text through ``add_q_proj``/... and ``norm_added_q``/..., concatenated text or image first. ``context_pre_only``
     (SD3's last block) drops ``to_add_out``: nothing reads the text output."""
 
-    def __init__(self, dim: int, head_dim: int, qk_norm: Callable[[int], nn.Module], bias: bool = True,
-                 text_first: bool = True, context_pre_only: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        head_dim: int,
+        qk_norm: Callable[[int], nn.Module],
+        bias: bool = True,
+        text_first: bool = True,
+        context_pre_only: bool = False,
+    ) -> None:
         streams = ("txt", "img") if text_first else ("img", "txt")
         super().__init__(dim, head_dim, qk_norm, bias, sequence_streams=streams)
         # The tensor plans of FLUX.2 and Qwen-Image divide ``heads`` by the degree (their local_attributes).
@@ -226,8 +240,13 @@ class JointAttention(QKVAttention):
         self.norm_added_k = qk_norm(head_dim)
         self.to_add_out = None if context_pre_only else nn.Linear(dim, dim, bias=bias)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(image out, text out or None); ``rope`` (cos, sin) and ``key_mask`` (batch, keys) follow the joint order."""
         q_img, k_img, v_img = self.qkv(img)
         q_txt = self.project(txt, self.add_q_proj, self.norm_added_q)

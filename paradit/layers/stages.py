@@ -64,8 +64,11 @@ class JointTokens:
     (batch, tokens, dim) and their rotary (cos, sin) tables, split along with them, a row per token."""
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
-        "img": ("img", 1), "txt": ("txt", 1), "img_rope": ("img", 0), "txt_rope": ("txt", 0),
-    }  # fmt: skip
+        "img": ("img", 1),
+        "txt": ("txt", 1),
+        "img_rope": ("img", 0),
+        "txt_rope": ("txt", 0),
+    }
     OUTPUT_STREAM: ClassVar[str] = "img"
 
     img: torch.Tensor

@@ -99,8 +99,9 @@ def _config(raw: str | None) -> dict:
     return {key.removeprefix(prefix): value for key, value in json.loads(raw).items() if key.startswith(prefix)}
 
 
-def _factors(path: Path, user_scale: float, state: dict, config: dict, linears: dict[str, tuple[int, int]],
-             component: str) -> dict[str, LowRank | Kronecker]:  # fmt: skip
+def _factors(
+    path: Path, user_scale: float, state: dict, config: dict, linears: dict[str, tuple[int, int]], component: str
+) -> dict[str, LowRank | Kronecker]:
     def refuse(why: str, keys: list[str]) -> InvalidRequest:
         shown = ", ".join(sorted(keys)[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
         return InvalidRequest(f"--lora {path}: {why}: {shown}")
@@ -133,8 +134,10 @@ def _factors(path: Path, user_scale: float, state: dict, config: dict, linears: 
         if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1]:
             raise refuse(f"ranks that do not match (lora_A {tuple(down.shape)}, lora_B {tuple(up.shape)})", [name])
         if down.shape[1] != in_features or up.shape[0] != out_features:
-            raise refuse(f"factors of {tuple(up.shape)} x {tuple(down.shape)} for a {out_features} x {in_features} "
-                         "linear", [name])  # fmt: skip
+            raise refuse(
+                f"factors of {tuple(up.shape)} x {tuple(down.shape)} for a {out_features} x {in_features} linear",
+                [name],
+            )
         tensors = [t for t in (down, up, bias) if t is not None]
         if not all(t.is_floating_point() and torch.isfinite(t).all() for t in tensors):
             raise refuse("factors with NaN or infinite values", [name])
@@ -170,8 +173,10 @@ def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: t
 
     left, right = factor("w1"), factor("w2")
     if (left.shape[0] * right.shape[0], left.shape[1] * right.shape[1]) != tuple(shape):
-        raise refuse(f"Kronecker factors {tuple(left.shape)} and {tuple(right.shape)} for a {shape[0]} x {shape[1]} "
-                     "linear", [name])  # fmt: skip
+        raise refuse(
+            f"Kronecker factors {tuple(left.shape)} and {tuple(right.shape)} for a {shape[0]} x {shape[1]} linear",
+            [name],
+        )
     if not all(t.is_floating_point() and torch.isfinite(t).all() for t in (left, right)):
         raise refuse("factors with NaN or infinite values", [name])
     scale = 1.0

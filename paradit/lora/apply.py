@@ -39,14 +39,18 @@ def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -
                 continue
             updates = [(name, update) for name, pairs in keyed.items() for _, update in pairs]
             if kronecker := [name for name, update in updates if isinstance(update, Kronecker)]:
-                raise InvalidRequest(f"LoKr adapters fuse into the weights only (for {kronecker[0]} and others); "
-                                     "run with --lora-mode fused, not as side paths")  # fmt: skip
-            held += dtype.itemsize * sum(u.down.numel() + u.up.numel() + (0 if u.up_bias is None else u.up_bias.numel())
-                                         for _, u in updates)  # fmt: skip
+                raise InvalidRequest(
+                    f"LoKr adapters fuse into the weights only (for {kronecker[0]} and others); "
+                    "run with --lora-mode fused, not as side paths"
+                )
+            held += dtype.itemsize * sum(
+                u.down.numel() + u.up.numel() + (0 if u.up_bias is None else u.up_bias.numel()) for _, u in updates
+            )
             if lora.cache:
                 weights = [model.get_submodule(name).weight.shape for name in keyed]
-                per_copy = sum(rows * (columns + 4) if fp8 else rows * columns * dtype.itemsize
-                               for rows, columns in weights)  # fmt: skip
+                per_copy = sum(
+                    rows * (columns + 4) if fp8 else rows * columns * dtype.itemsize for rows, columns in weights
+                )
                 held += (1 + lora.cache) * per_copy
     return held
 
@@ -143,8 +147,11 @@ class LoraSidePath(nn.Module):
         if not parts:
             return None
         biases = [bias * scale for _, _, bias, scale in parts if bias is not None]
-        return (torch.cat([down for down, _, _, _ in parts]), torch.cat([up * scale for _, up, _, scale in parts], 1),
-                sum(biases) if biases else None)  # fmt: skip
+        return (
+            torch.cat([down for down, _, _, _ in parts]),
+            torch.cat([up * scale for _, up, _, scale in parts], 1),
+            sum(biases) if biases else None,
+        )
 
     def select(self, scales: dict[str, float]) -> None:
         chosen = tuple((key, scale) for key, scale in scales.items() if key in self.factors)
@@ -162,9 +169,16 @@ class LoraSidePath(nn.Module):
         return out if self.up_bias is None else out + self.up_bias
 
 
-def add_side_paths(model: nn.Module, names: ModelNames, updates: dict[str, list[tuple[str, LowRank]]],
-                   slices: dict[str, TensorSlice], device: torch.device, dtype: torch.dtype,
-                   scales: dict[str, float], switchable: bool) -> None:  # fmt: skip
+def add_side_paths(
+    model: nn.Module,
+    names: ModelNames,
+    updates: dict[str, list[tuple[str, LowRank]]],
+    slices: dict[str, TensorSlice],
+    device: torch.device,
+    dtype: torch.dtype,
+    scales: dict[str, float],
+    switchable: bool,
+) -> None:
     """Wraps every linear this rank kept that an adapter updates (before the loader fills it, so FP8 can still swap
     the linear inside the wrapper), choosing the adapters ``scales`` names (``switchable``: others later). A
     column-parallel linear keeps some outputs (its ``up`` and bias rows), a row-parallel one some inputs (its

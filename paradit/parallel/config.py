@@ -77,9 +77,12 @@ class ParallelConfig:
     def degrees(self) -> tuple[tuple[str, int], ...]:
         """(name, degree) in mesh order, outermost first."""
         return (
-            ("cfg", self.cfg), ("pipefusion", self.pipefusion), ("ring", self.ring), ("ulysses", self.ulysses),
+            ("cfg", self.cfg),
+            ("pipefusion", self.pipefusion),
+            ("ring", self.ring),
+            ("ulysses", self.ulysses),
             ("tensor", self.tensor),
-        )  # fmt: skip
+        )
 
     def validate(self, gpus: int, has_cfg: bool, heads: int) -> None:
         """Raises InvalidRequest naming the problem and the plans that do work for ``gpus``."""

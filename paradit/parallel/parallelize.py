@@ -44,8 +44,17 @@ class DenoiseLoop:
     def begin_request(self) -> None:
         """Called before each request's loop."""
 
-    def run(self, predict: NoisePredictor, transformer, scheduler, latents: torch.Tensor, timesteps: torch.Tensor,
-            band_mask: BandMask, mark_step: Callable[[], None], progress: bool) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        predict: NoisePredictor,
+        transformer,
+        scheduler,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        band_mask: BandMask,
+        mark_step: Callable[[], None],
+        progress: bool,
+    ) -> torch.Tensor:
         """``mark_step`` is called once at the start and once after each step."""
         mark_step()
         for t in tqdm(timesteps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False):
@@ -77,8 +86,9 @@ class PipeFusionLoop(DenoiseLoop):
             except Exception as exc:  # noqa: BLE001 - re-raised below, whatever it is
                 raised.append(exc)
 
-        latents = denoise_by_patches(predict, scheduler, latents, timesteps, self.pipefusion, band_mask,
-                                     mark_step_deferring, progress)  # fmt: skip
+        latents = denoise_by_patches(
+            predict, scheduler, latents, timesteps, self.pipefusion, band_mask, mark_step_deferring, progress
+        )
         if raised:
             raise raised[0]
         return latents

@@ -158,8 +158,9 @@ def _conv_plan(rows: tuple[int, ...], kernel: int, stride: int, pad_top: int, pa
     return _ConvPlan(height, bands, need, tuple(send_up), tuple(recv_up), tuple(send_down), tuple(recv_down))
 
 
-def _conv_forward(module: nn.Module, bands: _Bands, pad_h: tuple[int, int], pad_w: tuple[int, int],
-                  temporal_pad: int) -> Callable:  # fmt: skip
+def _conv_forward(
+    module: nn.Module, bands: _Bands, pad_h: tuple[int, int], pad_w: tuple[int, int], temporal_pad: int
+) -> Callable:
     weight = module.weight
     three_d = weight.ndim == 5
     conv = F.conv3d if three_d else F.conv2d
@@ -227,8 +228,9 @@ def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
             var, mean = torch.var_mean(x, dim=dims, correction=0)
         else:
             step = max(1, _STATS_CHUNK // max(1, batch * count))
-            pieces = [torch.var_mean(x[:, c : c + step].float(), dim=dims, correction=0)
-                      for c in range(0, channels, step)]  # fmt: skip
+            pieces = [
+                torch.var_mean(x[:, c : c + step].float(), dim=dims, correction=0) for c in range(0, channels, step)
+            ]
             var, mean = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1)
         mean = mean.double()
         moments = torch.stack([torch.full_like(mean, count), mean, var.double() * count])

@@ -115,10 +115,19 @@ class DiffusionPipeline(ABC):
 
     CONDITIONING: ClassVar[tuple[str, ...]] = ("embeds",)
 
-    def __init__(self, family: Family, spec: ModelSpec, transformer: Parallelized, prompt_encoder, vae,
-                 device: torch.device, dtype: torch.dtype, parallel: ParallelContext | None = None,
-                 experts: dict[str, Parallelized] | None = None,
-                 expert_swap: ExpertSwap | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        family: Family,
+        spec: ModelSpec,
+        transformer: Parallelized,
+        prompt_encoder,
+        vae,
+        device: torch.device,
+        dtype: torch.dtype,
+        parallel: ParallelContext | None = None,
+        experts: dict[str, Parallelized] | None = None,
+        expert_swap: ExpertSwap | None = None,
+    ) -> None:
         """In a group, only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so that the
         group decodes together. ``experts``: the further transformers of ``spec.experts``, by component;
         ``expert_swap``, when they take turns on the device (``transformer`` first), what swaps them."""
@@ -169,8 +178,9 @@ class DiffusionPipeline(ABC):
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
 
-    def model_inputs(self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor,
-                     layout) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def model_inputs(
+        self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor, layout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One branch's model input and timestep(s) at scheduler time ``t``: by default as the reference casts t to the
         latent dtype before dividing by 1000 (which keeps bf16 runs bit-faithful), and the latents in the model's."""
         return latents.to(self.dtype), t.expand(latents.shape[0]).to(latents.dtype) / 1000
@@ -199,16 +209,19 @@ class DiffusionPipeline(ABC):
             return patch_grid_band_mask(latents, self.transformer.config.patch_size, start, stop)
         return token_band_mask(latents, start, stop)
 
-    def predictor(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout,
-                  finite: list[torch.Tensor]) -> NoisePredictor:  # fmt: skip
+    def predictor(
+        self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout, finite: list[torch.Tensor]
+    ) -> NoisePredictor:
         """``predict(latents, t, transformer)``: the guided prediction. Under CFG the model sees [conditional;
         unconditional] rows, of which the parallel runtime's branches say which this rank computes (all on one GPU,
         half under CFG parallelism); ``guide`` runs on the combined rows. ``finite[-1] &=`` whether it is finite."""
         cfg = self.uses_cfg(request)
         branches = self.parallelized.branches if cfg else BatchedBranches()
         # A mask with no padding is dropped, so attention runs unmasked (every rank holds it whole: all decide alike).
-        local = {name: None if value.dtype == torch.bool and bool(value.all()) else branches.local(value)
-                 for name, value in conditioning.items()}  # fmt: skip
+        local = {
+            name: None if value.dtype == torch.bool and bool(value.all()) else branches.local(value)
+            for name, value in conditioning.items()
+        }
         call = self.model_call(request, local, layout)
 
         def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
@@ -253,8 +266,9 @@ class DiffusionPipeline(ABC):
         """Latents in the layout noise is drawn in, in the layout the denoise loop steps (by default the same)."""
         return latents
 
-    def start_from_image(self, request: ResolvedRequest, noise: torch.Tensor, scheduler,
-                         timesteps: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:  # fmt: skip
+    def start_from_image(
+        self, request: ResolvedRequest, noise: torch.Tensor, scheduler, timesteps: torch.Tensor
+    ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """Image-to-image as diffusers starts it: the steps from ``first_step`` on, and the image's latents noised to
         the first of them. One generator, seeded as the request, draws the latents from the VAE's distribution and
         then the noise (which is therefore not ``noise``, text-to-image's first draw; only its shape is used).
@@ -269,8 +283,9 @@ class DiffusionPipeline(ABC):
         image = image.expand(shape)
         latents = self.pack_drawn(scheduler.scale_noise(image, timesteps[:1].expand(shape[0]), fresh), request)
         if request.mask is not None:
-            image, fresh, mask = (self.pack_drawn(x, request).to(noise.dtype)
-                                  for x in (image, fresh, self.latent_mask(request, image)))  # fmt: skip
+            image, fresh, mask = (
+                self.pack_drawn(x, request).to(noise.dtype) for x in (image, fresh, self.latent_mask(request, image))
+            )
             scheduler = KeepUnmasked(scheduler, image, fresh, mask)
         return latents.to(noise.dtype), scheduler, timesteps
 
@@ -341,8 +356,9 @@ class DiffusionPipeline(ABC):
 
         predict = self.predictor(resolved, conditioning, layout, finite)
         stats.phase = "denoise"
-        latents = self.parallelized.loop.run(predict, self.transformer, scheduler, latents, timesteps, self.band_mask,
-                                             mark_step, progress)  # fmt: skip
+        latents = self.parallelized.loop.run(
+            predict, self.transformer, scheduler, latents, timesteps, self.band_mask, mark_step, progress
+        )
         timings.step_ms = clock.durations_ms()
         timings.cache_skipped, timings.cache_blocks_skipped = record.skipped, record.blocks_skipped
         timings.mag_ratios = record.mag_ratios
@@ -352,8 +368,10 @@ class DiffusionPipeline(ABC):
         if bad < len(finite):
             scale = self.expert_at(resolved, timesteps[bad])[1]
             guidance = "" if scale is None else f"a guidance scale too large ({scale:g} at this step) or "
-            raise NonFinitePrediction(f"denoise step {bad + 1} of {len(timesteps)} predicted NaN or inf (the image "
-                                      f"would be black); likely {guidance}NaN or inf in the weights")  # fmt: skip
+            raise NonFinitePrediction(
+                f"denoise step {bad + 1} of {len(timesteps)} predicted NaN or inf (the image "
+                f"would be black); likely {guidance}NaN or inf in the weights"
+            )
         stats.phase = "decode"
         self.stage = "while decoding"
         unmap_free(self.device)
@@ -372,8 +390,10 @@ class DiffusionPipeline(ABC):
         timings.peak_memory_kind = "device" if self.device.type == "cuda" else "process RSS"
         if timings.peak_memory_per_rank:  # rank 0 decodes after the others reported: its own peak is final only now
             timings.peak_memory_per_rank[0] = timings.peak_memory_bytes
-        return [GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part)
-                for part, images in zip(requests, pixels.split([part.batch for part in requests]))]  # fmt: skip
+        return [
+            GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part)
+            for part, images in zip(requests, pixels.split([part.batch for part in requests]))
+        ]
 
 
 def token_band_mask(latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:

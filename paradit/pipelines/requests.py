@@ -85,8 +85,9 @@ def resolve_common(
         if value < granularity or value % granularity or value > limit:
             raise InvalidRequest(
                 f"{name} {value} is not allowed; this model takes multiples of {granularity} from {granularity} to "
-                f"{limit}", param="size",
-            )  # fmt: skip
+                f"{limit}",
+                param="size",
+            )
     steps = spec.steps if request.steps is None else request.steps
     if not 1 <= steps <= MAX_STEPS:
         raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more (at most {MAX_STEPS})", param="steps")
@@ -118,9 +119,21 @@ def resolve_common(
     mask = resolve_mask(spec, request.mask, images, inpainting_strength is not None)
     default_strength = DEFAULT_STRENGTH if mask is None else inpainting_strength
     strength = resolve_strength(spec, request.strength, images, image_to_image, default_strength)
-    return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt,
-                           images=images, lora=request.lora, strength=strength, mask=mask,
-                           cache=resolve_cache(request.cache))  # fmt: skip
+    return ResolvedRequest(
+        prompts,
+        negatives,
+        height,
+        width,
+        steps,
+        guidance,
+        seed,
+        request.num_images_per_prompt,
+        images=images,
+        lora=request.lora,
+        strength=strength,
+        mask=mask,
+        cache=resolve_cache(request.cache),
+    )
 
 
 def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
@@ -129,14 +142,19 @@ def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
         return None
     if not isinstance(config, StepCacheConfig) or config.method not in CACHE_METHODS:
         method = getattr(config, "method", config)
-        raise InvalidRequest(f"unknown cache method {method!r}; choose one of {', '.join(CACHE_METHODS)}",
-                             param="cache")  # fmt: skip
+        raise InvalidRequest(
+            f"unknown cache method {method!r}; choose one of {', '.join(CACHE_METHODS)}", param="cache"
+        )
     threshold = CACHE_THRESHOLDS.get(config.method) if config.threshold is None else config.threshold
-    bounds = {"threshold": (threshold, 0, None), "cache_interval": (config.cache_interval, 1, None),
-              "disable_cache_before_step": (config.disable_cache_before_step, 0, None),
-              "disable_cache_after_step": (config.disable_cache_after_step, 0, None),
-              "max_order": (config.max_order, 0, None), "max_skip_steps": (config.max_skip_steps, 0, None),
-              "retention_ratio": (config.retention_ratio, 0, 1)}  # fmt: skip
+    bounds = {
+        "threshold": (threshold, 0, None),
+        "cache_interval": (config.cache_interval, 1, None),
+        "disable_cache_before_step": (config.disable_cache_before_step, 0, None),
+        "disable_cache_after_step": (config.disable_cache_after_step, 0, None),
+        "max_order": (config.max_order, 0, None),
+        "max_skip_steps": (config.max_skip_steps, 0, None),
+        "retention_ratio": (config.retention_ratio, 0, 1),
+    }
     for name, (value, low, high) in bounds.items():
         if value is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
             allowed = f"{low} to {high}" if high is not None else f"{low} or more"
@@ -144,8 +162,11 @@ def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
     if config.method == "mag" and not config.calibrate:
         ratios = config.mag_ratios
         if not ratios or not all(isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in ratios):
-            raise InvalidRequest("cache mag needs its model's magnitude ratios (mag_ratios: positive numbers, one a "
-                                 "step); measure them with --cache mag --cache-calibrate", param="cache")  # fmt: skip
+            raise InvalidRequest(
+                "cache mag needs its model's magnitude ratios (mag_ratios: positive numbers, one a "
+                "step); measure them with --cache mag --cache-calibrate",
+                param="cache",
+            )
     return dataclasses.replace(config, threshold=threshold)
 
 
@@ -166,8 +187,11 @@ def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
         raise InvalidRequest(f"the mask must be a PIL image, not {type(mask).__name__}", param="mask")
     mask = rgb_image(mask, "the mask").convert("L")
     if mask.size != images[0].size:
-        raise InvalidRequest(f"the mask is {mask.width}x{mask.height} and the image {images[0].width}x"
-                             f"{images[0].height}; give a mask of the image's size", param="mask")  # fmt: skip
+        raise InvalidRequest(
+            f"the mask is {mask.width}x{mask.height} and the image {images[0].width}x"
+            f"{images[0].height}; give a mask of the image's size",
+            param="mask",
+        )
     return mask
 
 
@@ -181,8 +205,11 @@ def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: b
         return None
     strength = default if strength is None else strength
     if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
-        raise InvalidRequest(f"strength {strength} is not allowed; give a number above 0 and at most 1 (the share "
-                             "of the steps run from the noised image)", param="strength")  # fmt: skip
+        raise InvalidRequest(
+            f"strength {strength} is not allowed; give a number above 0 and at most 1 (the share "
+            "of the steps run from the noised image)",
+            param="strength",
+        )
     return float(strength)
 
 
@@ -215,8 +242,17 @@ def batch_key(request: ResolvedRequest) -> tuple | None:
     """What one batch's requests share: all but prompts, seeds and image counts (None: one with images, run alone)."""
     if request.images:
         return None
-    return (request.height, request.width, request.steps, request.guidance, request.guidance_2, request.frames,
-            request.negative_prompts is None, request.lora, request.cache)  # fmt: skip
+    return (
+        request.height,
+        request.width,
+        request.steps,
+        request.guidance,
+        request.guidance_2,
+        request.frames,
+        request.negative_prompts is None,
+        request.lora,
+        request.cache,
+    )
 
 
 def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
@@ -233,6 +269,7 @@ def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
         parts[0],
         prompts=[text for p in parts for text in p.prompts for _ in range(p.images_per_prompt)],
         negative_prompts=[text for p in parts for text in p.negative_prompts for _ in range(p.images_per_prompt)]
-        if negatives else None,
+        if negatives
+        else None,
         images_per_prompt=1,
-    )  # fmt: skip
+    )

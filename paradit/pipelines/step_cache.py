@@ -54,8 +54,9 @@ class StepCache:
         self.method: FirstBlock | MagCache | TaylorSeer | None = None
         model.run_blocks, model.head = self.run_blocks, self.head
 
-    def begin_request(self, config: StepCacheConfig | None, steps: int, row_groups: torch.Tensor, groups: int,
-                      record: CacheRecord) -> None:  # fmt: skip
+    def begin_request(
+        self, config: StepCacheConfig | None, steps: int, row_groups: torch.Tensor, groups: int, record: CacheRecord
+    ) -> None:
         """A fresh state for a request of ``steps`` steps whose model rows here belong to ``row_groups`` (one global
         branch-and-request index a row, of ``groups``); its decisions go to ``record``."""
         self.record = record
@@ -91,8 +92,11 @@ class StepCache:
     def streams(self, tokens) -> Streams:
         """The token state's streams (its fields that are their own stream), those present."""
         fields = type(tokens).SEQUENCE_FIELDS
-        return {name: getattr(tokens, name) for name, (stream, _) in fields.items()
-                if name == stream and getattr(tokens, name) is not None}  # fmt: skip
+        return {
+            name: getattr(tokens, name)
+            for name, (stream, _) in fields.items()
+            if name == stream and getattr(tokens, name) is not None
+        }
 
     def statistic_streams(self, tokens) -> Streams:
         """The streams diffusers' hook reads as the head block's hidden states: the output stream, or the model's
@@ -106,8 +110,9 @@ class FirstBlock:
     ``threshold`` (mean absolute change over mean absolute value) since the last step that ran it; otherwise each
     stream is the head block's output plus the rest's residual of that step."""
 
-    def __init__(self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor,
-                 groups: int) -> None:  # fmt: skip
+    def __init__(
+        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
+    ) -> None:
         self.threshold, self.cache, self.row_groups, self.groups = config.threshold, cache, row_groups, groups
         self.head_residual: Streams | None = None
         self.tail_residual: Streams = {}
@@ -163,8 +168,9 @@ class MagCache:
     stack adds the residual (stack output minus input) of the last step that ran it. ``calibrate`` runs every step and
     records each step's ratio of residual norms."""
 
-    def __init__(self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor,
-                 groups: int) -> None:  # fmt: skip
+    def __init__(
+        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
+    ) -> None:
         self.config, self.cache, self.groups = config, cache, groups
         self.ratios = None if config.calibrate else nearest_interpolation(config.mag_ratios, steps)
         self.retention_step = int(config.retention_ratio * steps + 0.5)
@@ -202,8 +208,10 @@ class MagCache:
 
     def norm_ratio(self, residual: Streams) -> float:
         """The mean over tokens of each token's residual norm over its norm the step before, over the group."""
-        ratios = [(torch.linalg.norm(value.float(), dim=-1) / (torch.linalg.norm(self.residual[name].float(), dim=-1)
-                   + 1e-8)) for name, value in residual.items()]  # fmt: skip
+        ratios = [
+            (torch.linalg.norm(value.float(), dim=-1) / (torch.linalg.norm(self.residual[name].float(), dim=-1) + 1e-8))
+            for name, value in residual.items()
+        ]
         count = torch.tensor(float(sum(r.numel() for r in ratios)), device=ratios[0].device)
         sums = self.cache.reduce(torch.stack([sum(r.sum() for r in ratios), count]))
         return float(sums[0] / sums[1])
@@ -218,8 +226,9 @@ class TaylorSeer:
     on; the steps between skip every block and predict it by a Taylor expansion of order up to ``max_order`` from
     the divided differences of the computed steps."""
 
-    def __init__(self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor,
-                 groups: int) -> None:  # fmt: skip
+    def __init__(
+        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
+    ) -> None:
         self.config, self.cache, self.groups = config, cache, groups
         self.step, self.last_update = -1, None
         self.factors: list[torch.Tensor] = []
@@ -229,9 +238,11 @@ class TaylorSeer:
         config, cache = self.config, self.cache
         self.step += 1
         after = config.disable_cache_after_step
-        self.computes = (self.step < config.disable_cache_before_step
-                         or (self.step - config.disable_cache_before_step - 1) % config.cache_interval == 0
-                         or (after is not None and self.step >= after))  # fmt: skip
+        self.computes = (
+            self.step < config.disable_cache_before_step
+            or (self.step - config.disable_cache_before_step - 1) % config.cache_interval == 0
+            or (after is not None and self.step >= after)
+        )
         cache.record.skipped.append((not self.computes,) * self.groups)
         if not self.computes:
             cache.record.blocks_skipped += cache.count

@@ -30,9 +30,12 @@ class PlannedSettings:
 
 
 def settings_for(
-    spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None,
+    spec: ModelSpec,
+    gpus: int,
+    request: GenerationRequest | None = None,
+    device: str | torch.device | None = None,
     profile: HardwareProfile | None = None,
-) -> PlannedSettings | None:  # fmt: skip
+) -> PlannedSettings | None:
     """The planned settings for ``gpus`` GPUs of ``profile`` (default: this machine's, when ``device`` is a GPU)."""
     if device is not None and torch.device(device).type == "cpu":
         return None
@@ -45,12 +48,14 @@ def settings_for(
         if entry.refused:
             raise InvalidRequest(entry.refused)
         origin = f"tuned configuration for {spec.name} on {gpus} x {profile.name}: {entry.describe()}"
-        return PlannedSettings(entry.parallel, entry.quantize, entry.text_encoder_placement, entry.cuda_graphs, origin,
-                               entry.swap_experts)  # fmt: skip
+        return PlannedSettings(
+            entry.parallel, entry.quantize, entry.text_encoder_placement, entry.cuda_graphs, origin, entry.swap_experts
+        )
     best = plan(spec, gpus, profile, request).best
     origin = (
         f"planned for this request on {gpus} x {profile.name}: {best.describe()}, text encoders {best.placement}, "
         f"{'CUDA graphs' if best.cuda_graphs else 'no CUDA graphs'} (predicted {best.mean_ms:.1f} ms/step)"
     )
-    return PlannedSettings(best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs, origin,
-                           best.swap_experts)  # fmt: skip
+    return PlannedSettings(
+        best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs, origin, best.swap_experts
+    )

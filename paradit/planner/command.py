@@ -48,9 +48,16 @@ def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[Hardw
 
 
 def plan_text(
-    model: str, gpus: int, profile_name: str | None = None, link: str | None = None, gpu_memory: str | None = None,
-    size: str | None = None, frames: int | None = None, quantize: str | None = None, attention: str = "sdpa",
-) -> str:  # fmt: skip
+    model: str,
+    gpus: int,
+    profile_name: str | None = None,
+    link: str | None = None,
+    gpu_memory: str | None = None,
+    size: str | None = None,
+    frames: int | None = None,
+    quantize: str | None = None,
+    attention: str = "sdpa",
+) -> str:
     spec = resolve_model(model, "dummy")
     profile, note = choose_profile(profile_name, gpus, link)
     if gpu_memory is not None:

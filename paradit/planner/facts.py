@@ -112,14 +112,19 @@ class ModelFacts:
         plain = ("blocks", "width", "token_side", "frame_stride", "text_tokens", "experts", "all_reduce_calls")
         counts = ("other_flops", "prediction_elements", "all_reduce_elements")
         return cls(
-            preset=preset, **{k: data[k] for k in plain}, **{k: TokenLinear(**data[k]) for k in counts},
+            preset=preset,
+            **{k: data[k] for k in plain},
+            **{k: TokenLinear(**data[k]) for k in counts},
             linear=tuple(LinearGroup(LinearKind(**g["kind"]), TokenLinear(**g["flops"])) for g in data["linear"]),
             attention=tuple(
-                AttentionGroup(**{k: g[k] for k in ("exchanged", "heads", "head_dim", "layers")},
-                               query_tokens=TokenLinear(**g["query_tokens"]), key_tokens=TokenLinear(**g["key_tokens"]))
+                AttentionGroup(
+                    **{k: g[k] for k in ("exchanged", "heads", "head_dim", "layers")},
+                    query_tokens=TokenLinear(**g["query_tokens"]),
+                    key_tokens=TokenLinear(**g["key_tokens"]),
+                )
                 for g in data["attention"]
             ),
-        )  # fmt: skip
+        )
 
 
 @cache

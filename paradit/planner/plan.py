@@ -76,8 +76,9 @@ def request_for(spec: ModelSpec, request: GenerationRequest | None = None) -> Re
         blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
         resolved = family.resolve_request(spec, dataclasses.replace(request, image=blank))
     guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
-    return Request(resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1,
-                   resolved.reference_tokens)  # fmt: skip
+    return Request(
+        resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1, resolved.reference_tokens
+    )
 
 
 @dataclass(frozen=True)
@@ -224,18 +225,40 @@ class MemoryEstimates:
         self._built = MetaModels.build(spec, torch.bfloat16)
 
     def __call__(self, parallel: ParallelConfig, fp8: bool, swap: bool = False) -> dict[str, MemoryPlan]:
-        key = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.world_size,
-               parallel.shard_weights, fp8, swap)  # fmt: skip
+        key = (
+            parallel.tensor,
+            parallel.pipefusion,
+            parallel.sequence_degree,
+            parallel.cfg,
+            parallel.world_size,
+            parallel.shard_weights,
+            fp8,
+            swap,
+        )
         if key not in self._known:  # compiled: the GPUs' default
-            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, compiled=True,
-                                         built=self._built, extra_tokens=self.extra_tokens,
-                                         fp8_attention=self.fp8_attention)  # fmt: skip
+            self._known[key] = estimates(
+                self.spec,
+                parallel,
+                torch.bfloat16,
+                fp8,
+                swap,
+                compiled=True,
+                built=self._built,
+                extra_tokens=self.extra_tokens,
+                fp8_attention=self.fp8_attention,
+            )
         return self._known[key]
 
 
-def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: GenerationRequest | None = None,
-         quantize: str | None = None, memory: MemoryEstimates | None = None,
-         attention: str = "sdpa") -> PlanChoice:  # fmt: skip
+def plan(
+    spec: ModelSpec,
+    gpus: int,
+    profile: HardwareProfile,
+    request: GenerationRequest | None = None,
+    quantize: str | None = None,
+    memory: MemoryEstimates | None = None,
+    attention: str = "sdpa",
+) -> PlanChoice:
     """Rank every plan of ``gpus`` GPUs for ``spec`` on ``profile``. ``quantize``: "fp8" or "none" to decide FP8
     compute; None tries without FP8 first and falls back to it only when nothing fits. ``attention``: "fp8" predicts
     with the FP8 attention kernel's measured rate."""
@@ -257,15 +280,18 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
     attempts = [quantize == "fp8"] if quantize is not None else [False] + ([True] if fp8_supported else [])
     fp8_attention = attention == "fp8"
     if fp8_attention and not profile.fp8_attention_tflops:
-        raise InvalidRequest(f"{profile.name} has no measured FP8 attention rate: run benchmarks/fp8_attention.py "
-                             "there, or plan with --attention sdpa")  # fmt: skip
+        raise InvalidRequest(
+            f"{profile.name} has no measured FP8 attention rate: run benchmarks/fp8_attention.py "
+            "there, or plan with --attention sdpa"
+        )
 
     def option(parallel: ParallelConfig, fp8: bool, swap: bool) -> Option:
         graphs = graphs_for(parallel) and not swap and not fp8_attention
         calibrated = calibration(facts, profile, fp8, graphs)
         weights = memory(ParallelConfig(), fp8, swap=True)["gpu"].transformer if parallel.shard_weights else 0.0
-        cost = step_cost(facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs, weights,
-                         fp8_attention)  # fmt: skip
+        cost = step_cost(
+            facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs, weights, fp8_attention
+        )
         tried = [memory(parallel, fp8, swap)[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
         fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)
         chosen = fitting or min(tried, key=lambda m: m.total)
@@ -294,8 +320,9 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
         notes += [f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"] * (
             best.swap_experts
         )
-        return PlanChoice(spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes),
-                          attention)  # fmt: skip
+        return PlanChoice(
+            spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes), attention
+        )
     if not refused:
         raise InvalidRequest(f"{spec.name} has no plan for {gpus} GPUs")
     smallest = min(refused, key=lambda o: o.memory.total)

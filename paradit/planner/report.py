@@ -10,8 +10,12 @@ from paradit.planner.plan import EXACT_PREMIUM, Option, PlanChoice
 
 RUNNERS_UP = 5
 RIVALS = 2
-COLLECTIVE_NAMES = {"all_to_all": "all-to-all", "send_recv": "point-to-point", "all_reduce": "all-reduce",
-                    "all_gather": "all-gather"}  # fmt: skip
+COLLECTIVE_NAMES = {
+    "all_to_all": "all-to-all",
+    "send_recv": "point-to-point",
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+}
 
 
 def size(nbytes: float) -> str:

@@ -23,8 +23,19 @@ from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths
 
 POLL_S = 0.5
 # Options that shape what the server runs rather than the request: the server chose them when it started.
-LOCAL_ONLY = ("gpus", "ulysses", "ring", "tensor", "pipefusion", "quantize", "dtype", "device", "max_gpu_memory",
-              "lora_2", "lora_weight_name")  # fmt: skip
+LOCAL_ONLY = (
+    "gpus",
+    "ulysses",
+    "ring",
+    "tensor",
+    "pipefusion",
+    "quantize",
+    "dtype",
+    "device",
+    "max_gpu_memory",
+    "lora_2",
+    "lora_weight_name",
+)
 
 
 class ServerError(ParaditError):
@@ -41,15 +52,23 @@ def multipart(fields: dict, files: list[tuple[str, Path]]) -> tuple[bytes, str]:
         parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{text}\r\n'.encode())
     for name, path in files:
         filename = path.name.replace('"', "_")
-        head = (f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
-                "Content-Type: application/octet-stream\r\n\r\n")  # fmt: skip
+        head = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        )
         parts.append(head.encode() + path.read_bytes() + b"\r\n")
     parts.append(f"--{boundary}--\r\n".encode())
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
-def call(server: str, method: str, path: str, api_key: str | None, body: dict | None = None,
-         files: list[tuple[str, Path]] | None = None) -> bytes:  # fmt: skip
+def call(
+    server: str,
+    method: str,
+    path: str,
+    api_key: str | None,
+    body: dict | None = None,
+    files: list[tuple[str, Path]] | None = None,
+) -> bytes:
     """The answer's body (``files``, (part name, path): sent as a multipart form with ``body``); an error answer
     raises ServerError with the server's message."""
     content_type, data = "application/json", None if body is None else json.dumps(body).encode()
@@ -82,18 +101,22 @@ def request_body(args: argparse.Namespace, video: bool) -> dict:
     if (args.height is None) != (args.width is None):
         raise InvalidRequest("--server needs --height and --width together (or neither, for the model's size)")
     body = {
-        "prompt": args.prompt[0], "negative_prompt": args.negative_prompt, "steps": args.steps,
-        "guidance": args.guidance, "seed": args.seed,
+        "prompt": args.prompt[0],
+        "negative_prompt": args.negative_prompt,
+        "steps": args.steps,
+        "guidance": args.guidance,
+        "seed": args.seed,
         "size": "auto" if args.height is None else f"{args.width}x{args.height}",
         **({"frames": args.frames, "fps": args.fps, "guidance_2": args.guidance_2} if video else {}),
-    }  # fmt: skip
+    }
     if getattr(args, "strength", None) is not None:  # image-to-image, sent as an edit
         body["strength"] = args.strength
     cache = cache_config(args)
     if cache is not None:
         if cache.calibrate or getattr(args, "image", None):
-            raise InvalidRequest("--server caches text-to-image requests; calibrate (--cache-calibrate) and edit with "
-                                 "a cache locally")  # fmt: skip
+            raise InvalidRequest(
+                "--server caches text-to-image requests; calibrate (--cache-calibrate) and edit with a cache locally"
+            )
         body["cache"] = {k: v for k, v in dataclasses.asdict(cache).items() if k != "calibrate" and v is not None}
     if args.lora:  # the server's named adapters, NAME[:SCALE]
         body["lora"] = [{"name": ref.source, "scale": ref.scale} for ref in map(parse_lora, args.lora)]

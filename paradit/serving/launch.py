@@ -90,21 +90,34 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
     def check(request: GenerationRequest) -> ResolvedRequest:
         resolved = grouped.resolve(request)
         if resolved.width * resolved.height > max_pixels:
-            raise InvalidRequest(f"{resolved.width}x{resolved.height} is past this server's {max_pixels} pixels a "
-                                 "request (--max-pixels)", param="size")  # fmt: skip
+            raise InvalidRequest(
+                f"{resolved.width}x{resolved.height} is past this server's {max_pixels} pixels a "
+                "request (--max-pixels)",
+                param="size",
+            )
         # Input images' tokens (references, an edit's inputs) count as the pixels that many target tokens cover:
         # each lengthens every block's sequence as much.
         inputs = resolved.reference_tokens * PIXELS_PER_IMAGE_TOKEN
         if resolved.width * resolved.height + inputs > max_pixels:
-            raise InvalidRequest(f"{resolved.width}x{resolved.height} with input images of {inputs} pixels (as the "
-                                 f"transformer sees them) is past this server's {max_pixels} pixels a request "
-                                 "(--max-pixels); send fewer or smaller images", param="image")  # fmt: skip
+            raise InvalidRequest(
+                f"{resolved.width}x{resolved.height} with input images of {inputs} pixels (as the "
+                f"transformer sees them) is past this server's {max_pixels} pixels a request "
+                "(--max-pixels); send fewer or smaller images",
+                param="image",
+            )
         return resolved
 
     scheduler = Scheduler(
-        build, settings.gpus + 1 if auto else settings.gpus // group_size, check, metrics,
-        max_batch=settings.max_batch, max_queue=settings.max_queue, timeout_s=settings.timeout_s, auto=auto, pace=pace,
-    )  # fmt: skip
+        build,
+        settings.gpus + 1 if auto else settings.gpus // group_size,
+        check,
+        metrics,
+        max_batch=settings.max_batch,
+        max_queue=settings.max_queue,
+        timeout_s=settings.timeout_s,
+        auto=auto,
+        pace=pace,
+    )
     names = tuple(grouped.options.lora.names())
     return scheduler, ServerConfig(spec.name, video=family.video, api_key=settings.api_key, lora=names)
 

@@ -32,8 +32,10 @@ def decode_input(data: bytes, name: str, max_pixels: int, param: str = "image") 
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.width * image.height > max_pixels:
-                raise InvalidRequest(f"{name} is {image.width}x{image.height}, past this server's {max_pixels} "
-                                     "pixels an input image", param=param)  # fmt: skip
+                raise InvalidRequest(
+                    f"{name} is {image.width}x{image.height}, past this server's {max_pixels} pixels an input image",
+                    param=param,
+                )
             return rgb_image(image, name)
     except (OSError, Image.DecompressionBombError) as exc:
         raise InvalidRequest(f"{name} cannot be read as an image ({exc.__class__.__name__})", param=param) from None

@@ -71,11 +71,17 @@ class Body(BaseModel):
         """The engine's request: these fields, ``size`` as height and width (``auto``: the model's), and ``fields``."""
         width, height = (None, None) if self.size == "auto" else map(int, self.size.split("x"))
         return GenerationRequest(
-            prompt=self.prompt, negative_prompt=self.negative_prompt, height=height, width=width, steps=self.steps,
-            guidance=self.guidance, seed=self.seed,
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            height=height,
+            width=width,
+            steps=self.steps,
+            guidance=self.guidance,
+            seed=self.seed,
             lora=None if self.lora is None else tuple((choice.name, choice.scale) for choice in self.lora),
-            cache=None if self.cache is None else self.cache.config(), **fields,
-        )  # fmt: skip
+            cache=None if self.cache is None else self.cache.config(),
+            **fields,
+        )
 
 
 class ImageGenerationBody(Body):

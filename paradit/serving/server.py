@@ -159,20 +159,32 @@ class Gate:
 
 
 def outcome(status: int) -> str:
-    named = {401: "unauthorized", 413: "too_large", 429: "rejected", CLIENT_GONE: "cancelled", 503: "unavailable",
-             504: "timeout"}  # fmt: skip
+    named = {
+        401: "unauthorized",
+        413: "too_large",
+        429: "rejected",
+        CLIENT_GONE: "cancelled",
+        503: "unavailable",
+        504: "timeout",
+    }
     return "ok" if status < 400 else named.get(status, "invalid" if status < 500 else "failed")
 
 
 def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(
-        title="paradit", version=__version__, description="OpenAI-compatible image and video generation.",
+        title="paradit",
+        version=__version__,
+        description="OpenAI-compatible image and video generation.",
         responses={code: {"model": schemas.ErrorResponse} for code in (400, 401, 413, 429, 500, 503, 504)},
-        exception_handlers={ParaditError: paradit_error, RequestValidationError: validation_error,
-                            HTTPException: http_error},
-    )  # fmt: skip
-    app.add_middleware(Gate, max_bytes=config.max_body_bytes, edit_bytes=config.max_edit_bytes, metrics=metrics,
-                       api_key=config.api_key)  # fmt: skip
+        exception_handlers={
+            ParaditError: paradit_error,
+            RequestValidationError: validation_error,
+            HTTPException: http_error,
+        },
+    )
+    app.add_middleware(
+        Gate, max_bytes=config.max_body_bytes, edit_bytes=config.max_edit_bytes, metrics=metrics, api_key=config.api_key
+    )
     files = FileStore(config.file_store_bytes)
     videos = VideoJobs(scheduler, files, config.model)
     app.state.videos = videos
@@ -219,20 +231,24 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         try:
             form = await request.form(max_files=schemas.MAX_INPUT_IMAGES + 2)
         except HTTPException as refused:  # Starlette's own, for a malformed body or too many parts
-            raise InvalidRequest(f"the body is not a multipart form of this API's fields: {refused.detail}",
-                                 param="image") from None  # fmt: skip
+            raise InvalidRequest(
+                f"the body is not a multipart form of this API's fields: {refused.detail}", param="image"
+            ) from None
         uploads, mask = [*form.getlist("image"), *form.getlist("image[]")], form.get("mask")
         if not uploads:
             raise InvalidRequest("give the image(s) to edit as file parts named image", param="image")
         if len(uploads) > schemas.MAX_INPUT_IMAGES:
-            raise InvalidRequest(f"{len(uploads)} images sent; this server takes at most {schemas.MAX_INPUT_IMAGES} "
-                                 "an edit", param="image")  # fmt: skip
+            raise InvalidRequest(
+                f"{len(uploads)} images sent; this server takes at most {schemas.MAX_INPUT_IMAGES} an edit",
+                param="image",
+            )
         fields = {key: value for key, value in form.multi_items() if key not in ("image", "image[]", "mask")}
         if any(not isinstance(value, str) for value in fields.values()):
             raise InvalidRequest("only image and mask take files; send the other fields as text", param="image")
         if isinstance(mask, str):
-            raise InvalidRequest("mask: send the mask as a file part (an image of the first image's size)",
-                                 param="mask")  # fmt: skip
+            raise InvalidRequest(
+                "mask: send the mask as a file part (an image of the first image's size)", param="mask"
+            )
         try:
             if "lora" in fields:  # a list of {name, scale}, as JSON text
                 fields["lora"] = json.loads(fields["lora"])
@@ -273,9 +289,13 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             data = [schemas.ImageData(b64_json=base64.b64encode(item).decode()) for item in encoded]
         resolved = job.resolved
         return schemas.ImagesResponse(
-            created=int(job.created), data=data, output_format=body.output_format,
-            size=f"{resolved.width}x{resolved.height}", seed=resolved.seed, plan=job.plan,
-        )  # fmt: skip
+            created=int(job.created),
+            data=data,
+            output_format=body.output_format,
+            size=f"{resolved.width}x{resolved.height}",
+            seed=resolved.seed,
+            plan=job.plan,
+        )
 
     def stored_file(stored: tuple[bytes, str] | None, missing: str) -> Response:
         if stored is None:

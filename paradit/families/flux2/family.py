@@ -56,9 +56,17 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     encoder_config = component_config(folder, "text_encoder")
     encoder = TextEncoderSpec(encoder_config, layers=layers, class_name=index.get("text_encoder", [None, None])[1])
     return checkpoint_spec(
-        folder, index, "flux2", text_encoder=encoder, guidance_mode=mode, steps=steps, guidance=guidance, height=1024,
-        width=1024, details=details,
-    )  # fmt: skip
+        folder,
+        index,
+        "flux2",
+        text_encoder=encoder,
+        guidance_mode=mode,
+        steps=steps,
+        guidance=guidance,
+        height=1024,
+        width=1024,
+        details=details,
+    )
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
@@ -72,11 +80,17 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     # klein inpaints (Flux2KleinInpaintPipeline: the image to repaint, then at most one reference); dev and KV do not.
     inpaints = spec.guidance_mode != "embedded" and not caches_references(spec)
     inpainting = request.mask is not None and inpaints
-    resolved = resolve_common(spec, request, granularity, image_limit=2 if inpainting else REFERENCE_LIMIT,
-                              image_to_image=inpainting,
-                              inpainting_strength=KLEIN_INPAINTING_STRENGTH if inpaints else None)  # fmt: skip
-    resolved.images = tuple(resolve_reference(image, index, checked=not inpainting)
-                            for index, image in enumerate(resolved.images))  # fmt: skip
+    resolved = resolve_common(
+        spec,
+        request,
+        granularity,
+        image_limit=2 if inpainting else REFERENCE_LIMIT,
+        image_to_image=inpainting,
+        inpainting_strength=KLEIN_INPAINTING_STRENGTH if inpaints else None,
+    )
+    resolved.images = tuple(
+        resolve_reference(image, index, checked=not inpainting) for index, image in enumerate(resolved.images)
+    )
     if resolved.images:  # diffusers makes the first image's size when none is asked for
         first = reference_size(resolved.images[0], granularity)
         resolved.height = resolved.height if request.height is not None else first[0]
@@ -108,15 +122,24 @@ def check_run(settings: RunSettings, request: ResolvedRequest) -> None:
     if not request.images or not caches_references(settings.spec):
         return
     parallel = settings.parallel
-    refused = [flag for flag, used in (("--ulysses", parallel.ulysses > 1), ("--ring", parallel.ring > 1),
-                                       ("--pipefusion", parallel.pipefusion > 1),
-                                       ("--shard-weights", bool(parallel.shard_weights)),
-                                       ("--cuda-graphs", settings.options.cuda_graphs)) if used]  # fmt: skip
+    refused = [
+        flag
+        for flag, used in (
+            ("--ulysses", parallel.ulysses > 1),
+            ("--ring", parallel.ring > 1),
+            ("--pipefusion", parallel.pipefusion > 1),
+            ("--shard-weights", bool(parallel.shard_weights)),
+            ("--cuda-graphs", settings.options.cuda_graphs),
+        )
+        if used
+    ]
     if refused:
         flags = " and ".join(refused)
-        raise InvalidRequest(f"{settings.spec.name} caches its reference images' keys and values, which {flags} "
-                             f"cannot take yet; drop {flags} (one GPU and --tensor take references) or the images",
-                             param="image")  # fmt: skip
+        raise InvalidRequest(
+            f"{settings.spec.name} caches its reference images' keys and values, which {flags} "
+            f"cannot take yet; drop {flags} (one GPU and --tensor take references) or the images",
+            param="image",
+        )
 
 
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:

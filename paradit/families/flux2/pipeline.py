@@ -55,9 +55,15 @@ class MistralPromptEncoder(DecoderPromptEncoder):
         texts = self.tokenizer.apply_chat_template(conversations, tokenize=False)
         warn_if_truncated(self.tokenizer, texts, self.spec.max_length)
         inputs = self.tokenizer.apply_chat_template(
-            conversations, add_generation_prompt=False, tokenize=True, return_dict=True, return_tensors="pt",
-            padding="max_length", truncation=True, max_length=self.spec.max_length,
-        )  # fmt: skip
+            conversations,
+            add_generation_prompt=False,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            padding="max_length",
+            truncation=True,
+            max_length=self.spec.max_length,
+        )
         return inputs["input_ids"], inputs["attention_mask"]
 
 
@@ -95,8 +101,9 @@ class Flux2Pipeline(DiffusionPipeline):
         """Seeded noise packed to (batch, tokens, channels), with the token grid and the encoded references."""
         granularity = pixel_granularity(self.spec.vae)
         rows, cols = request.height // granularity, request.width // granularity
-        noise = seeded_noise((request.batch, self.transformer.config.in_channels, rows, cols), request.seed,
-                             self.dtype, self.device)  # fmt: skip
+        noise = seeded_noise(
+            (request.batch, self.transformer.config.in_channels, rows, cols), request.seed, self.dtype, self.device
+        )
         return self.pack_drawn(noise, request), Flux2Layout(rows, cols, *self.encode_references(request))
 
     def pack_drawn(self, latents: torch.Tensor, request: ResolvedRequest) -> torch.Tensor:

@@ -33,10 +33,18 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     transformer = component_config(folder, "transformer")
     QwenImageConfig.from_dict(transformer)  # refuses the variants this pipeline does not serve, before loading
     return checkpoint_spec(
-        folder, index, "qwen_image", transformer=transformer, text_encoder=component_config(folder, "text_encoder"),
-        guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024,
+        folder,
+        index,
+        "qwen_image",
+        transformer=transformer,
+        text_encoder=component_config(folder, "text_encoder"),
+        guidance_mode="cfg",
+        steps=50,
+        guidance=4.0,
+        height=1024,
+        width=1024,
         details=EDIT_PIPELINES.get(index["_class_name"]),
-    )  # fmt: skip
+    )
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
@@ -45,23 +53,31 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     checkpoint runs image-to-image or inpainting given an image; an edit checkpoint needs its input image(s)."""
     granularity = pixel_granularity(spec.vae)
     if spec.details is None:
-        return resolve_common(spec, request, granularity, image_limit=1, image_to_image=True,
-                              inpainting_strength=0.6)  # fmt: skip
+        return resolve_common(spec, request, granularity, image_limit=1, image_to_image=True, inpainting_strength=0.6)
     edit: EditInputs = spec.details
     limit = EDIT_PLUS_IMAGE_LIMIT if edit.plus else 1
     # Edit inpaints (QwenImageEditInpaintPipeline: its one image, noised where the mask is white); Edit-Plus does not.
     inpainting = request.mask is not None and not edit.plus
-    resolved = resolve_common(spec, request, granularity, image_limit=limit, image_to_image=inpainting,
-                              inpainting_strength=None if edit.plus else 0.6)  # fmt: skip
+    resolved = resolve_common(
+        spec,
+        request,
+        granularity,
+        image_limit=limit,
+        image_to_image=inpainting,
+        inpainting_strength=None if edit.plus else 0.6,
+    )
     if not resolved.images:
-        raise InvalidRequest(f"{spec.name} edits: give the image{'(s)' * (limit > 1)} to edit (--image)",
-                             param="image")  # fmt: skip
+        raise InvalidRequest(f"{spec.name} edits: give the image{'(s)' * (limit > 1)} to edit (--image)", param="image")
     # Without a size, Edit makes its image's input size and Edit-Plus its last image's, floored to whole tokens.
     height, width = (side // granularity * granularity for side in edit.input_size(resolved.images[-1]))
     if inpainting and (request.height, request.width) not in ((None, None), (height, width)):
         # Its image is the target too: the two token grids must match.
-        logger.warning("inpainting with %s makes its image's %dx%d; the size asked is ignored, as diffusers "
-                       "ignores it", spec.name, width, height)  # fmt: skip
+        logger.warning(
+            "inpainting with %s makes its image's %dx%d; the size asked is ignored, as diffusers ignores it",
+            spec.name,
+            width,
+            height,
+        )
         resolved.height, resolved.width = height, width
     resolved.height = resolved.height if request.height is not None else height
     resolved.width = resolved.width if request.width is not None else width

@@ -41,9 +41,19 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     steps, guidance = published_defaults(transformer)
     size = transformer.get("sample_size", 128) * vae_scale_factor(vae)
     return checkpoint_spec(
-        folder, index, "sd3", transformer=transformer, text_encoder=encoders, vae=vae, scheduler=scheduler,
-        guidance_mode="cfg", steps=steps, guidance=guidance, height=size, width=size,
-    )  # fmt: skip
+        folder,
+        index,
+        "sd3",
+        transformer=transformer,
+        text_encoder=encoders,
+        vae=vae,
+        scheduler=scheduler,
+        guidance_mode="cfg",
+        steps=steps,
+        guidance=guidance,
+        height=size,
+        width=size,
+    )
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
@@ -51,8 +61,16 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     image runs image-to-image at the model's size (or the one asked for)."""
     granularity = pixel_granularity(spec)
     largest = spec.transformer["pos_embed_max_size"] * granularity
-    return resolve_common(spec, request, granularity, largest=(largest, largest), default_negative="", image_limit=1,
-                          image_to_image=True, inpainting_strength=0.6)  # fmt: skip
+    return resolve_common(
+        spec,
+        request,
+        granularity,
+        largest=(largest, largest),
+        default_negative="",
+        image_limit=1,
+        image_to_image=True,
+        inpainting_strength=0.6,
+    )
 
 
 FAMILY = Family(

@@ -185,8 +185,13 @@ class SD3Transformer(StagedTransformer):
         self.norm_out = AdaLayerNormOut(dim, dim, eps=EPS)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.output_channels)
 
-    def embed(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, pooled_projections: torch.Tensor,
-              timestep: torch.Tensor) -> SD3Tokens:  # fmt: skip
+    def embed(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep: torch.Tensor,
+    ) -> SD3Tokens:
         """``hidden_states``: latents (batch, channels, height, width); ``timestep``: per sample, 0-1000."""
         return SD3Tokens(
             img=self.pos_embed(hidden_states).contiguous(),

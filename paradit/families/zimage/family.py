@@ -38,11 +38,18 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     if index["_class_name"] == "ZImageOmniPipeline":
         text_encoder = OmniEncoders(text_encoder, component_config(folder, "siglip"))
     return checkpoint_spec(
-        folder, index, "zimage", "Turbo, step-distilled" if turbo else "true CFG", scheduler=scheduler,
-        text_encoder=text_encoder, guidance_mode="cfg",
-        steps=TURBO_STEPS if turbo else DEFAULT_STEPS, guidance=0.0 if turbo else DEFAULT_GUIDANCE,
-        height=DEFAULT_SIZE, width=DEFAULT_SIZE,
-    )  # fmt: skip
+        folder,
+        index,
+        "zimage",
+        "Turbo, step-distilled" if turbo else "true CFG",
+        scheduler=scheduler,
+        text_encoder=text_encoder,
+        guidance_mode="cfg",
+        steps=TURBO_STEPS if turbo else DEFAULT_STEPS,
+        guidance=0.0 if turbo else DEFAULT_GUIDANCE,
+        height=DEFAULT_SIZE,
+        width=DEFAULT_SIZE,
+    )
 
 
 def is_omni(spec: ModelSpec) -> bool:
@@ -57,16 +64,25 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
         resolved = resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=IMAGE_LIMIT)
         resolve_images(resolved, request.height, request.width, (max_rows, max_cols), g)
         return resolved
-    resolved = resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=1,
-                              image_to_image=True, inpainting_strength=1.0)  # fmt: skip
+    resolved = resolve_common(
+        spec,
+        request,
+        g,
+        largest=(max_rows * g, max_cols * g),
+        image_limit=1,
+        image_to_image=True,
+        inpainting_strength=1.0,
+    )
     if resolved.images and (request.height is None or request.width is None):
         # Image-to-image makes the image's size, floored to whole tokens, unless asked otherwise.
         image = resolved.images[0]
         height, width = request.height or image.height // g * g, request.width or image.width // g * g
         if not (g <= height <= max_rows * g and g <= width <= max_cols * g):
-            raise InvalidRequest(f"the image's {image.width}x{image.height} makes {width}x{height}, outside this "
-                                 f"model's {g} to {max_cols * g}x{max_rows * g}; give --width and --height",
-                                 param="size")  # fmt: skip
+            raise InvalidRequest(
+                f"the image's {image.width}x{image.height} makes {width}x{height}, outside this "
+                f"model's {g} to {max_cols * g}x{max_rows * g}; give --width and --height",
+                param="size",
+            )
         resolved.height, resolved.width = height, width
     return resolved
 
