@@ -239,6 +239,9 @@ def worker_main(
     except SystemExit:  # stopped (exit_on_sigterm): nothing to report
         raise
     except BaseException as exc:  # noqa: BLE001 - whatever it is, the engine must hear it rather than hang
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            # Stopped, and the SystemExit surfaced as another error (code it interrupted wrapped it): nothing to report.
+            raise SystemExit(128 + signal.SIGTERM) from None
         results.put(("error", rank, reportable(exc)))
         raise SystemExit(1) from None
     finally:
