@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, print_table, write_json  # noqa: E402
 from paradit.engine import Engine  # noqa: E402
 from paradit.families import PRESETS  # noqa: E402
-from paradit.optimize import ExecutionOptions  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.request import GenerationRequest  # noqa: E402
 
 COLUMNS = [

@@ -76,7 +76,7 @@ def switch_costs(repeats: int) -> dict:
 
 def whole_video(args) -> dict:
     from paradit import Engine, GenerationRequest
-    from paradit.optimize import ExecutionOptions
+    from paradit.options import ExecutionOptions
 
     request = GenerationRequest(
         prompt="a heron lands on a misty lake",

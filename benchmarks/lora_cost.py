@@ -33,7 +33,8 @@ from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.loader import load_transformer  # noqa: E402
 from paradit.lora import LoraRef, LoraSet  # noqa: E402
-from paradit.optimize import ExecutionOptions, apply_execution_options  # noqa: E402
+from paradit.optimize import apply_execution_options  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402
 
 WAN_INPUTS = (480, 832, 81, 512)  # height, width, frames, text tokens

@@ -28,7 +28,7 @@ from benchmarks.common import environment, print_table, write_json  # noqa: E402
 from paradit import Engine, GenerationRequest  # noqa: E402
 from paradit.errors import ParaditError  # noqa: E402
 from paradit.memory import estimate  # noqa: E402
-from paradit.optimize import ExecutionOptions  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 
 IMAGES = ["flux2-dev", "flux2-klein-4b", "flux2-klein-9b", "qwen-image", "sd3.5-large", "sd3.5-medium", "z-image"]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, print_table, write_json  # noqa: E402
 from paradit import Engine, GenerationRequest  # noqa: E402
 from paradit.errors import ParaditError  # noqa: E402
-from paradit.optimize import ExecutionOptions  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 
 DEFAULT_PLANS = ["pipefusion=2,patches=2", "tensor=2", "ulysses=2"]

@@ -168,7 +168,7 @@ def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, fl
     before any server starts so that the two never share a GPU; and of encoding its image as the server does."""
     from paradit import Engine, GenerationRequest
     from paradit.cli import build_parser
-    from paradit.optimize import ExecutionOptions
+    from paradit.options import ExecutionOptions
     from paradit.serving.media import encode_image
     from paradit.settings import default_plan_for, resolve_model
 

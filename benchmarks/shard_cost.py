@@ -28,7 +28,8 @@ from benchmarks.common import environment, print_table, time_cuda_ms, write_json
 from benchmarks.parallel_step import BENCHES, with_batch  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.loader import load_transformer  # noqa: E402
-from paradit.optimize import ExecutionOptions, apply_execution_options  # noqa: E402
+from paradit.optimize import apply_execution_options  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402

@@ -7,7 +7,6 @@ the engine ready for the next one.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Literal
@@ -15,9 +14,10 @@ from typing import Literal
 import torch
 
 from paradit.device_memory import release_cached
+from paradit.errors import InvalidRequest
 from paradit.families import DEFAULT_MODEL
 from paradit.loader import WorkerPlan, build_pipeline, run_requests
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
 from paradit.pipelines.requests import ResolvedRequest, one_batch
 from paradit.request import GenerationRequest, GenerationResult
@@ -37,7 +37,8 @@ class Engine:
     ``text_encoder_placement`` is ``gpu`` (prompt encoders resident on rank 0's GPU), ``fp8`` (resident with FP8
     linears; FP8 runs only), ``offload`` (kept in CPU memory and streamed to the GPU while encoding) or ``auto``: under
     a cap, the first of those that fits (the choice is ``memory_plan.text_encoder_placement``); without one, resident.
-    ``request``, when given, is checked too before anything loads (the CLI's one request). ``allow_pickle`` lets a
+    ``request``, when given, is settled with the run (resolved once, checked and sized for before anything loads;
+    ``generate()`` without one runs it). ``allow_pickle`` lets a
     checkpoint folder's pickle weights load (they can run code).
 
     With a ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host
@@ -72,9 +73,9 @@ class Engine:
                 load_format,
                 allow_pickle,
                 parallel=parallel or ParallelConfig(),
+                options=options or ExecutionOptions(),
                 max_gpu_memory=max_gpu_memory,
                 text_encoder_placement=text_encoder_placement,
-                **_fields(options or ExecutionOptions()),  # quantize, compile, cuda_graphs, swap_experts, lora
             )
             settings = settle(asked, request)
         self.settings = settings
@@ -112,13 +113,17 @@ class Engine:
         return self.settings.resolve(request)
 
     def generate(
-        self, request: Request | list[Request], progress: bool = False
+        self, request: Request | list[Request] | None = None, progress: bool = False
     ) -> GenerationResult | list[GenerationResult] | None:
         """The request's result; for a list of requests that differ only in prompts, seeds and image counts, one
         batch and a list of results, each what its request gives alone (``DiffusionPipeline.generate``). A request
-        ``check`` resolved already (the server's) runs as it is. Raises RequestCancelled when ``cancel`` stopped it."""
+        resolved already (``check``, the server's; the one the settings were settled for, which ``generate()`` runs)
+        runs as it is. Raises RequestCancelled when ``cancel`` stopped it."""
         # Resolved here once, each seed drawn here: the ranks run what they are sent, and a seed each rank drew for
         # itself would give each rank other noise, and the result a seed that is not its image's.
+        request = self.settings.request if request is None else request
+        if request is None:
+            raise InvalidRequest("generate() needs a request: this engine was settled for none")
         resolved = [
             each if isinstance(each, ResolvedRequest) else self.check(each)
             for each in (request if isinstance(request, list) else [request])
@@ -187,8 +192,3 @@ class Engine:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _fields(options: ExecutionOptions) -> dict:
-    """The options' fields, their values as they are (``dataclasses.asdict`` would turn the adapters into dicts)."""
-    return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}

@@ -22,7 +22,8 @@ from paradit.lora import LoraSet
 from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
 from paradit.lora.refs import adapter_key
 from paradit.lora.variants import adapter_chooser
-from paradit.optimize import ExecutionOptions, apply_execution_options
+from paradit.optimize import apply_execution_options
+from paradit.options import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
 from paradit.parallel.parallelize import Parallelized, parallelize, plain_vae_decode, plain_vae_encode

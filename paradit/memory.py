@@ -26,13 +26,14 @@ from torch import nn
 from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, PRESETS
+from paradit.options import PLACEMENTS
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.pipefusion import stage_range
 from paradit.pipelines.base import load_vae
 from paradit.planner.facts import find_facts
 from paradit.quantize import quantizable
 from paradit.spec import ModelSpec
-from paradit.text_encoder import PLACEMENTS, converts_to_fp8, load_prompt_encoder
+from paradit.text_encoder import converts_to_fp8, load_prompt_encoder
 
 TEXT_ENCODER_PLACEMENTS = ("auto", *PLACEMENTS)
 MEMORY_FILE = Path(__file__).parent / "planner" / "memory.json"
@@ -176,6 +177,11 @@ def _resident_bytes(shares: list[tuple[int, list[int]]], swap_experts: bool, sha
     return sum(-(-total // shard) for total in totals) + gathered
 
 
+# Architectures whose meta-device models are kept (every preset's together: about 100 MiB of module objects).
+BUILT_KEPT = 32
+_BUILT: dict[str, MetaModels] = {}
+
+
 @dataclass(frozen=True)
 class MetaModels:
     """A model's transformers (the further ones: a low-noise expert), prompt encoder and VAE on the meta device: what
@@ -187,6 +193,18 @@ class MetaModels:
 
     @classmethod
     def build(cls, spec: ModelSpec, dtype: torch.dtype) -> MetaModels:
+        """``spec``'s models on the meta device, built once per architecture and dtype (a second or more for the
+        largest models' prompt encoders; ``settle`` and the planner estimate the same model many times)."""
+        # What the models are built from: their configs and the family's own details, not the sizes or weights.
+        key = repr((spec.family, spec.transformer, spec.experts, spec.text_encoder, spec.vae, spec.details, dtype))
+        if key not in _BUILT:
+            if len(_BUILT) >= BUILT_KEPT:
+                del _BUILT[next(iter(_BUILT))]
+            _BUILT[key] = cls._build(spec, dtype)
+        return _BUILT[key]
+
+    @classmethod
+    def _build(cls, spec: ModelSpec, dtype: torch.dtype) -> MetaModels:
         family = FAMILIES[spec.family]
         with torch.device("meta"):
             configs = [spec.transformer, *spec.experts.values()]

@@ -3,10 +3,15 @@ Must not import torch (the command line reads its limits before anything heavy l
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from PIL import Image
+
+from paradit.errors import InvalidRequest
+from paradit.flags import GENERATE, PLAN, REQUIRED, finite, option, positive, whole_number
+from paradit.outputs import read_image
 
 if TYPE_CHECKING:
     import torch
@@ -14,8 +19,41 @@ if TYPE_CHECKING:
     from paradit.pipelines.requests import ResolvedRequest
 
 SEED_LIMIT = 2**64  # seeds are torch generators' 64-bit seeds: 0 to 2**64 - 1
+# Bounds a server sets on what one request may ask for, tighter than the engine's own (``pipelines.requests``): a
+# prompt far past what any text encoder reads, and steps past any published schedule, so that no one request holds a
+# shared group for long.
+MAX_PROMPT_CHARS = 10_000
+SERVED_MAX_STEPS = 500
 CACHE_METHODS = ("first-block", "mag", "taylorseer")
 CACHE_THRESHOLDS = {"first-block": 0.05, "mag": 0.06}  # diffusers' defaults
+
+
+CACHING = "step caching (skip the blocks of steps that barely change)"
+
+
+def read_ratios(text: str) -> tuple[float, ...]:
+    """``--cache-mag-ratios``: comma-separated numbers."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidRequest(f"--cache-mag-ratios {text!r} is not a comma-separated list of numbers") from None
+
+
+def seed(text: str) -> int | str:
+    """A 64-bit seed, or ``random`` (drawn once the request is resolved, then printed)."""
+    if text == "random":
+        return text
+    if not 0 <= (value := whole_number(text, "is neither a whole number nor 'random'")) < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 to {SEED_LIMIT - 1} or 'random'")
+    return value
+
+
+def one_or_many(prompts: list[str]) -> str | list[str]:
+    return prompts[0] if len(prompts) == 1 else prompts
+
+
+def read_images(paths: list[str]) -> list[Image.Image]:
+    return [read_image(path) for path in paths]
 
 
 @dataclass(frozen=True)
@@ -26,40 +64,203 @@ class StepCacheConfig:
     calibrated curve, any length) or ``calibrate``; taylorseer ``cache_interval``, ``disable_cache_before_step``,
     ``disable_cache_after_step`` and ``max_order``."""
 
-    method: str
-    threshold: float | None = None
-    cache_interval: int = 5
-    disable_cache_before_step: int = 3
-    disable_cache_after_step: int | None = None
-    max_order: int = 1
-    max_skip_steps: int = 3
-    retention_ratio: float = 0.2
-    mag_ratios: tuple[float, ...] | None = None
-    calibrate: bool = False
+    method: str = option(
+        name="--cache",
+        choices=CACHE_METHODS,
+        commands=(GENERATE,),
+        group=CACHING,
+        help="as diffusers' FirstBlockCache, MagCache and TaylorSeer (lite) hooks do",
+    )
+    threshold: float | None = option(
+        name="--cache-threshold",
+        type=float,
+        commands=(GENERATE,),
+        group=CACHING,
+        help="first-block, mag: the threshold (default 0.05; mag 0.06)",
+    )
+    cache_interval: int = option(
+        5,
+        name="--cache-interval",
+        type=int,
+        commands=(GENERATE,),
+        group=CACHING,
+        help="taylorseer: steps between computed ones (default 5)",
+    )
+    disable_cache_before_step: int = option(
+        3,
+        name="--cache-disable-before-step",
+        type=int,
+        commands=(GENERATE,),
+        group=CACHING,
+        help="taylorseer: steps computed first (default 3)",
+    )
+    disable_cache_after_step: int | None = option(
+        name="--cache-disable-after-step",
+        type=int,
+        commands=(GENERATE,),
+        group=CACHING,
+        help="taylorseer: computed from this step on",
+    )
+    max_order: int = option(
+        1,
+        name="--cache-max-order",
+        type=int,
+        commands=(GENERATE,),
+        group=CACHING,
+        help="taylorseer: the expansion's highest order (default 1)",
+    )
+    max_skip_steps: int = option(
+        3,
+        name="--cache-max-skip-steps",
+        type=int,
+        commands=(GENERATE,),
+        group=CACHING,
+        help="mag: most steps skipped in a row (default 3)",
+    )
+    retention_ratio: float = option(
+        0.2,
+        name="--cache-retention-ratio",
+        type=float,
+        commands=(GENERATE,),
+        group=CACHING,
+        help="mag: the share of first steps never skipped (default 0.2)",
+    )
+    mag_ratios: tuple[float, ...] | None = option(
+        name="--cache-mag-ratios",
+        convert=read_ratios,
+        commands=(GENERATE,),
+        group=CACHING,
+        help="mag: the model's magnitude ratios, comma-separated (default: the curve --cache-calibrate measured for "
+        "this model)",
+    )
+    calibrate: bool = option(
+        False,
+        name="--cache-calibrate",
+        action="store_true",
+        commands=(GENERATE,),
+        group=CACHING,
+        help="with --cache mag: skip nothing, print the model's magnitude ratios and keep them for the next --cache "
+        "mag run",
+    )
 
 
 @dataclass
 class GenerationRequest:
     """One call: ``prompt`` may be a list (one batch); unset fields take the model's defaults."""
 
-    prompt: str | list[str]
-    negative_prompt: str | list[str] | None = None
-    height: int | None = None
-    width: int | None = None
-    steps: int | None = None
-    guidance: float | None = None
-    seed: int | None = None
-    num_images_per_prompt: int = 1
-    frames: int | None = None  # video models: frames per video (the model's default when unset)
-    guidance_2: float | None = None  # models with a low-noise expert: its guidance (diffusers' guidance_scale_2)
+    prompt: str | list[str] = option(
+        REQUIRED,
+        name="--prompt",
+        action="append",
+        required=True,
+        convert=one_or_many,
+        commands=(GENERATE,),
+        help="repeat for several prompts in one batch",
+    )
+    negative_prompt: str | list[str] | None = option(
+        name="--negative-prompt",
+        commands=(GENERATE,),
+        remote="negative_prompt",
+        http=(str | None, dict(max_length=MAX_PROMPT_CHARS)),
+        help="for models with true classifier-free guidance",
+    )
+    # Sizes and steps are checked against the model, which knows its bounds.
+    height: int | None = option(
+        name="--height", type=int, commands=(GENERATE, PLAN), help="pixels (default: the model's)"
+    )
+    width: int | None = option(
+        name="--width", type=int, commands=(GENERATE, PLAN), help="pixels (default: the model's)"
+    )
+    steps: int | None = option(
+        name="--steps",
+        type=int,
+        commands=(GENERATE, PLAN),
+        remote="steps",
+        http=(int | None, dict(ge=1, le=SERVED_MAX_STEPS)),
+        help="denoise steps (default: the model's)",
+    )
+    guidance: float | None = option(
+        name="--guidance",
+        type=finite,
+        commands=(GENERATE,),
+        remote="guidance",
+        http=(float | None, dict(ge=0, allow_inf_nan=False)),
+        help="guidance scale (default: the model's)",
+    )
+    seed: int | None = option(
+        name="--seed",
+        type=seed,
+        absent=0,
+        convert=lambda value: None if value == "random" else value,
+        commands=(GENERATE,),
+        remote="seed",
+        http=(int | None, dict(ge=0, lt=SEED_LIMIT, description="drawn at random when absent; answered back")),
+        help="a 64-bit seed, or 'random'",
+    )
+    num_images_per_prompt: int = option(
+        1,
+        name="--images-per-prompt",
+        type=positive,
+        absent=1,
+        commands=(GENERATE,),
+        help="images of each prompt",
+    )
+    frames: int | None = option(
+        name="--frames",
+        type=int,
+        commands=(GENERATE, PLAN),
+        remote="frames",
+        http=(int | None, dict(ge=1)),
+        routes=("videos",),
+        help="video models: frames per video, 4k+1 (default: the model's)",
+    )
+    guidance_2: float | None = option(
+        name="--guidance-2",
+        type=finite,
+        commands=(GENERATE,),
+        remote="guidance_2",
+        http=(float | None, dict(ge=0, allow_inf_nan=False)),
+        routes=("videos",),
+        help="models with a low-noise expert: its guidance scale (diffusers' guidance_scale_2)",
+    )
     # image-conditioned models: Wan's first frame to animate, FLUX.2's reference images (a list: several)
-    image: Image.Image | list[Image.Image] | None = None
-    strength: float | None = None  # image-to-image: the share of the schedule run from the noised image (0-1]
-    mask: Image.Image | None = None  # inpainting: white where the image is repainted, the image's size
-    fps: int | None = None  # video models: frames per second of the written file (the model's default when unset)
+    image: Image.Image | list[Image.Image] | None = option(
+        name="--image",
+        action="append",
+        convert=read_images,
+        commands=(GENERATE,),
+        help="an input image, repeatable where the model takes several: image-to-video's first frame, a reference to "
+        "edit from, image-to-image's start",
+    )
+    strength: float | None = option(
+        name="--strength",
+        type=finite,
+        commands=(GENERATE,),
+        remote="strength",
+        http=(float | None, dict(gt=0, le=1, description="image-to-image: the share of the steps run")),
+        routes=("edits",),
+        help="image-to-image (with --image): the share of the steps run from the noised image, above 0 to 1 (default "
+        "0.6; inpainting: the model pipeline's)",
+    )
+    mask: Image.Image | None = option(
+        name="--mask",
+        convert=lambda path: read_image(path, "--mask"),
+        commands=(GENERATE,),
+        help="inpainting (with --image): a picture of the image's size, white where it is repainted, black where it "
+        "is kept",
+    )
+    fps: int | None = option(
+        name="--fps",
+        type=positive,
+        commands=(GENERATE,),
+        remote="fps",
+        http=(int | None, dict(ge=1)),
+        routes=("videos",),
+        help="video models: frames per second of the MP4 (default: the model's)",
+    )
     # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
     lora: tuple[tuple[str, float], ...] | None = None
-    cache: StepCacheConfig | None = None  # step caching (None: every step runs every block)
+    cache: StepCacheConfig | None = None  # step caching (None: every step runs every block; its flags: StepCacheConfig)
 
     @property
     def prompts(self) -> list[str]:

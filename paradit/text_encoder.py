@@ -26,7 +26,6 @@ from paradit.spec import CheckpointFolder, TextEncoderSpec
 from paradit.weights import DummyTensors
 
 logger = logging.getLogger(__name__)
-PLACEMENTS = ("gpu", "fp8", "offload")
 # Host copies are packed into buffers of at least this size: fewer, larger page-locked allocations.
 _MIN_HOST_BUFFER = 2**28
 
@@ -56,10 +55,11 @@ def random_encoder(build, placement: str, device: torch.device, dtype: torch.dty
     at ~40M values a second a thread when the encoder is bound for host memory (offload, fp8): minutes for FLUX.2-dev's
     17B-parameter encoder; here each parameter is drawn on ``device`` (milliseconds on a GPU) and moved one at a time,
     so a memory cap still holds. Buffers (rotary tables) are computed as transformers does; tied weights stay tied."""
+    if device.type == "meta":  # the memory plan counts tensors: built on meta, transformers initialises nothing
+        with init_empty_weights(), torch.device("meta"):
+            return build().eval().requires_grad_(False)
     with init_empty_weights():  # parameters on the meta device, buffers real
         model = build()
-    if device.type == "meta":  # the memory plan counts parameters; it needs no values
-        return model.to(device).eval().requires_grad_(False)
     target = weights_device(placement, device)
     source = DummyTensors(device, dtype, buffers=set(), seed=seed)
     drawn: dict[int, nn.Parameter] = {}

@@ -12,7 +12,7 @@ import torch
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.families import PRESETS
 from paradit.memory import estimate, gib
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions, check_conflicts
 from paradit.parallel import ParallelConfig
 
 REQUEST = GenerationRequest(prompt="a heron", height=32, width=48, frames=5, steps=4, seed=2)
@@ -70,4 +70,4 @@ def test_the_memory_plan_counts_one_expert_and_a_tight_cap_chooses_the_swap():
 
 def test_cuda_graphs_do_not_combine_with_swapped_experts():
     with pytest.raises(InvalidRequest, match="CUDA graphs do not combine with swapped experts"):
-        ExecutionOptions(cuda_graphs=True, swap_experts=True).validate(torch.device("cuda"))
+        check_conflicts(ParallelConfig(), ExecutionOptions(cuda_graphs=True, swap_experts=True), "cuda")

@@ -29,7 +29,7 @@ from paradit.errors import InvalidRequest
 from paradit.layers import fp8_attention
 from paradit.layers.attention import _masked_attention_with_lse
 from paradit.layers.fp8_attention import KEY_TILE, fp8_attention_with_lse
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.sequence import merge_partials
 from paradit.request import GenerationRequest
@@ -263,9 +263,9 @@ def test_plans_attend_in_fp8_like_one_process(plan, one_process_images):
 
 
 def test_bad_attention_options_are_one_line_naming_the_choices():
-    with pytest.raises(InvalidRequest, match="unknown attention 'fp4'; choose one of sdpa, fp8"):
+    with pytest.raises(InvalidRequest, match="--attention 'fp4' is not allowed; choose one of sdpa, fp8"):
         Engine(MODEL, device="cpu", options=ExecutionOptions(attention="fp4"))
-    with pytest.raises(InvalidRequest, match="--attention-bf16-steps 2: give 0 or more steps, with --attention fp8"):
+    with pytest.raises(InvalidRequest, match="--attention-bf16-steps keeps the first and last steps exact under FP8"):
         Engine(MODEL, device="cpu", options=ExecutionOptions(attention_bf16_steps=2))
 
 

@@ -31,7 +31,7 @@ from paradit.engine import Engine
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, spec_from_folder
 from paradit.lora import LoraRef, LoraSet
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions, check_conflicts
 from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
 from paradit.serving.launch import ServeSettings, build_scheduler
@@ -338,7 +338,10 @@ def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_on
     folder = folder_of("flux2")
     served = LoraSet((LoraRef(str(first), name="style"), LoraRef(str(second), name="detail")), (), "unfused", True)
     scheduler, config = build_scheduler(
-        ServeSettings(Asked(model=str(folder), device="cpu", dtype="fp32", lora=served), max_batch=2), Metrics()
+        ServeSettings(
+            Asked(model=str(folder), device="cpu", dtype="fp32", options=ExecutionOptions(lora=served)), max_batch=2
+        ),
+        Metrics(),
     )
     choices = {
         "both": (
@@ -452,16 +455,16 @@ def test_choices_that_graphs_or_sharding_could_not_replay_are_refused(adapters):
     cached = dataclasses.replace(served, cache=2)
     cuda = torch.device("cuda")  # validate only reads the device's type: no GPU needed to be refused
     with pytest.raises(InvalidRequest, match="give --lora-cache 1 or more"):
-        ExecutionOptions(cuda_graphs=True, lora=served).validate(cuda)
-    ExecutionOptions(cuda_graphs=True, lora=cached).validate(cuda)
+        check_conflicts(ParallelConfig(), ExecutionOptions(cuda_graphs=True, lora=served), cuda.type)
+    check_conflicts(ParallelConfig(), ExecutionOptions(cuda_graphs=True, lora=cached), cuda.type)
     with pytest.raises(InvalidRequest, match="--lora-cache does not combine with swapped experts"):
-        ExecutionOptions(swap_experts=True, lora=cached).validate(cuda)
+        check_conflicts(ParallelConfig(), ExecutionOptions(swap_experts=True, lora=cached), cuda.type)
     asked = Asked(
         model=str(folder_of("flux2")),
         device="cpu",
         dtype="fp32",
         gpus=2,
-        lora=cached,
+        options=ExecutionOptions(lora=cached),
         parallel=ParallelConfig(ulysses=2, shard_weights=2),
     )
     with pytest.raises(InvalidRequest, match="--lora-cache does not combine with --shard-weights"):
@@ -475,7 +478,13 @@ def test_the_memory_plan_counts_side_paths_and_not_fused_adapters(adapters):
     factors = sum(t.numel() for path in (first, second) for t in load_file(path).values()) * 4  # fp32 run
 
     def transformer_bytes(lora: LoraSet | None) -> int:
-        asked = Asked(model=str(folder_of("flux2")), device="cpu", dtype="fp32", max_gpu_memory="64GiB", lora=lora)
+        asked = Asked(
+            model=str(folder_of("flux2")),
+            device="cpu",
+            dtype="fp32",
+            max_gpu_memory="64GiB",
+            options=ExecutionOptions(lora=lora or LoraSet()),
+        )
         return settle(asked).memory_plan.transformer
 
     refs = (LoraRef(str(first)), LoraRef(str(second)))

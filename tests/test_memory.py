@@ -188,7 +188,7 @@ def test_a_decode_that_only_fits_in_tiles_is_tiled_and_its_error_measured():
     plain = Engine("sd3.5-tiny", device="cpu", dtype="fp32").generate(request).pixels
     with Engine("sd3.5-tiny", device="cpu", dtype="fp32", max_gpu_memory=f"{cap}B", request=request) as engine:
         assert engine.memory_plan.vae_tiled and engine.pipeline.vae.use_tiling
-        pixels = engine.generate(request).pixels
+        pixels = engine.generate().pixels
     mse = ((pixels - plain) ** 2).mean().item()
     psnr = 10 * torch.log10(torch.tensor(1.0 / mse)).item()
     assert 0 < mse and psnr > 25, psnr  # the tiles really changed the decode, and only a little

@@ -17,7 +17,7 @@ from PIL import Image
 
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.cli import main
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.worker import WorkerFailure, worker_context
 

@@ -15,7 +15,7 @@ from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
 from paradit.families.sd3.model import SD3Config, SD3Transformer
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import parallelize

@@ -20,6 +20,7 @@ from paradit.families import FAMILIES, PRESETS, spec_from_folder
 from paradit.layers.fp8 import Fp8Linear
 from paradit.loader import load_transformer
 from paradit.memory import estimate
+from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
 from paradit.planner.choose import settings_for
@@ -183,7 +184,13 @@ def test_a_request_with_sharded_weights_gives_the_one_process_video(tmp_path, ca
             "shard weights combines with ulysses, ring and cfg, not with tensor or pipefusion",
         ),
         (
-            Asked("wan-tiny", "cpu", parallel=ParallelConfig(ulysses=2), shard_weights=2, swap_experts=True),
+            Asked(
+                "wan-tiny",
+                "cpu",
+                parallel=ParallelConfig(ulysses=2),
+                shard_weights=2,
+                options=ExecutionOptions(swap_experts=True),
+            ),
             "--shard-weights does not combine with --cuda-graphs or --swap-experts",
         ),
     ],

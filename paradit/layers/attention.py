@@ -69,7 +69,6 @@ class AttentionDispatch(torch.nn.Module):
         self.kernel = self.attention_fn = kernel
 
 
-ATTENTIONS = ("sdpa", "fp8")
 # Keys below which FP8 attention does not pay, so such calls stay exact. On the H200 (docs/benchmarks.md, issue 28)
 # the kernel runs at 0.61-0.82x cuDNN's bf16 speed at FLUX.2's and Qwen-Image's 1024² (4,352-4,608 keys), 0.70x at
 # 8,192, 1.11x at 16,384 and 1.32x at TI2V-5B's 27,280: images up to 1024² stay on SDPA, 2048² and video go FP8.

@@ -31,6 +31,7 @@ from paradit.families import FAMILIES, PRESETS
 from paradit.memory import MemoryPlan, MetaModels, estimates, gib
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.validate import check_plan
+from paradit.pipelines.requests import ResolvedRequest
 from paradit.planner.cost import StepCost, linear_efficiency, step_cost
 from paradit.planner.facts import ModelFacts, facts_for
 from paradit.planner.measurements import Measurement, one_gpu_reference
@@ -61,20 +62,24 @@ class Request:
         return self.batch == 2
 
 
-def request_for(spec: ModelSpec, request: GenerationRequest | None = None) -> Request:
-    """The request (default: the model's defaults) with the defaults filled in and checked; a model that animates
-    an image, given none, is planned for a blank first frame of the request's size."""
+def request_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | None = None) -> Request:
+    """The request as the planner sizes it: one resolved already (``settle``'s) as it is, else resolved here (default:
+    the model's defaults); a model that animates an image, given none, is planned for a blank first frame of the
+    request's size."""
     family = FAMILIES[spec.family]
-    request = request or GenerationRequest(prompt="a")
-    try:
-        resolved = family.resolve_request(spec, request)
-    except InvalidRequest:
-        if request.image is not None:
-            raise
-        from PIL import Image
+    if isinstance(request, ResolvedRequest):
+        resolved = request
+    else:
+        request = request or GenerationRequest(prompt="a")
+        try:
+            resolved = family.resolve_request(spec, request)
+        except InvalidRequest:
+            if request.image is not None:
+                raise
+            from PIL import Image
 
-        blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
-        resolved = family.resolve_request(spec, dataclasses.replace(request, image=blank))
+            blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
+            resolved = family.resolve_request(spec, dataclasses.replace(request, image=blank))
     guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
     return Request(
         resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1, resolved.reference_tokens

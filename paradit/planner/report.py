@@ -6,6 +6,7 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 from paradit.memory import gib
+from paradit.parallel.config import ParallelConfig
 from paradit.planner.plan import EXACT_PREMIUM, Option, PlanChoice
 
 RUNNERS_UP = 5
@@ -102,23 +103,48 @@ def why(choice: PlanChoice) -> str:
 
 
 def command(choice: PlanChoice) -> str:
-    best, parallel = choice.best, choice.best.parallel
-    flags = [f"--model {choice.spec.name}", f"--gpus {choice.gpus}"]
+    """``paradit generate``'s flags for the planner's choice."""
+    best = choice.best
+    return generate_command(
+        choice.spec.name,
+        choice.gpus,
+        best.parallel,
+        best.fp8,
+        choice.attention == "fp8",
+        best.cuda_graphs,
+        best.swap_experts,
+        best.placement,
+    )
+
+
+def generate_command(
+    model: str,
+    gpus: int,
+    parallel: ParallelConfig,
+    fp8: bool,
+    fp8_attention: bool,
+    cuda_graphs: bool,
+    swap_experts: bool,
+    placement: str | None,
+    extra: tuple[str, ...] = (),
+) -> str:
+    """The ``paradit generate`` command that runs this plan with these options (``extra``: further flags)."""
+    flags = [f"--model {model}", f"--gpus {gpus}"]
     for name, degree in parallel.degrees():
         if degree > 1:
             flags.append("--cfg-parallel" if name == "cfg" else f"--{name} {degree}")
     optional = [
         (parallel.pipefusion > 1, f"--patches {parallel.patches} --warmup-steps {parallel.warmup_steps}"),
         (parallel.comm_dtype == "fp8", "--comm-dtype fp8"),
-        (best.fp8, "--quantize fp8"),
-        (choice.attention == "fp8", "--attention fp8"),
-        (best.cuda_graphs, "--cuda-graphs"),
-        (best.swap_experts, "--swap-experts"),
+        (fp8, "--quantize fp8"),
+        (fp8_attention, "--attention fp8"),
+        (cuda_graphs, "--cuda-graphs"),
+        (swap_experts, "--swap-experts"),
         (parallel.shard_weights, f"--shard-weights {parallel.shard_weights}"),
-        (best.placement != "gpu", f"--text-encoder-placement {best.placement}"),
+        (placement not in (None, "gpu"), f"--text-encoder-placement {placement}"),
     ]
     flags += [flag for wanted, flag in optional if wanted]
-    return "paradit generate " + " ".join(flags) + ' --prompt "..."'
+    return "paradit generate " + " ".join([*flags, *extra]) + ' --prompt "..."'
 
 
 def render(choice: PlanChoice) -> str:
@@ -140,7 +166,5 @@ def render(choice: PlanChoice) -> str:
         "(* chosen; x does not fit in memory; 1 one GPU for comparison; ms/step averages the request's steps)",
         "",
         "Why: " + why(choice),
-        "",
-        "Run it: " + command(choice),
     ]
     return "\n".join(lines)

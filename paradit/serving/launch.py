@@ -9,7 +9,6 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass, field
 
 import torch
 import uvicorn
@@ -17,31 +16,16 @@ import uvicorn
 from paradit.engine import Engine
 from paradit.errors import InvalidRequest
 from paradit.family import PIXELS_PER_IMAGE_TOKEN
+from paradit.options import ServeSettings
 from paradit.pipelines.requests import ResolvedRequest
 from paradit.request import GenerationRequest
 from paradit.serving.metrics import Metrics
 from paradit.serving.pace import Pace
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.server import ServerConfig, create_app
-from paradit.settings import Asked, settle
+from paradit.settings import settle
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """What ``paradit serve`` was asked for: the model and how it executes (``asked``, as ``generate`` takes it:
-    unset options follow the tuned choice for a group's size), ``gpus`` in groups of ``group_size`` (CPU processes
-    with ``device="cpu"``), and the queue's limits."""
-
-    asked: Asked = field(default_factory=Asked)
-    gpus: int = 1
-    group_size: int | str | None = None  # default: all of them in one group; "auto": see Scheduler
-    max_batch: int = 1
-    max_queue: int = 64
-    timeout_s: float = 600.0
-    api_key: str | None = None
-    max_pixels: int | None = None  # width x height one request may ask for; default MAX_PIXELS_FACTOR x the model's
 
 
 # What one request may ask for by default, against the model's default size: a larger request costs the square of
@@ -157,7 +141,8 @@ def listen(host: str, port: int) -> socket.socket:
         raise InvalidRequest(f"port {port} on {host}: {reason}; give a free --port or another --host") from None
 
 
-def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def serve(settings: ServeSettings, log_level: str = "info") -> None:
+    host, port = settings.host, settings.port
     with listen(host, port) as listening:
         metrics = Metrics()
         scheduler, config = build_scheduler(settings, metrics)

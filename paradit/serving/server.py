@@ -266,7 +266,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             return images, None if mask_bytes is None else decode_input(mask_bytes, "the mask", pixels, "mask")
 
         images, mask = await run_in_threadpool(decoded)
-        return await images_answer(body, request, image=images, mask=mask, strength=body.strength)
+        return await images_answer(body, request, image=images, mask=mask)
 
     async def images_answer(body: schemas.ImageGenerationBody, request: Request, **fields):
         if body.output_compression is not None and body.output_format == "png":
@@ -308,7 +308,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
 
     @app.post("/v1/videos", response_model=schemas.VideoJob)
     async def create_video(body: schemas.VideoBody):
-        return videos.view(submitted(body, guidance_2=body.guidance_2, frames=body.frames, fps=body.fps))
+        return videos.view(submitted(body))
 
     def video_entry(video_id: str):
         entry = videos.get(video_id)

@@ -1,0 +1,523 @@
+"""What a run, a server and the command's own flags are asked for, each option declared once on its record's field
+(``flags.option``): ``Asked`` (the model, where and how it runs, its memory), ``ExecutionOptions`` (how the
+transformer executes), ``ServeSettings``, ``LoraFlags`` and the commands' own flags. A request's fields declare
+theirs on ``request.GenerationRequest`` and ``request.StepCacheConfig``, a plan's degrees on
+``parallel.config.ParallelConfig``; ``COMMANDS`` lists which records each command takes. ``CONFLICTS`` is the one
+table of options that do not combine, which ``settle`` and the planner both consult. Imports nothing heavy: the
+command line builds its parser from here before torch loads."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from paradit.errors import InvalidRequest
+from paradit.families import DEFAULT_MODEL
+from paradit.flags import GENERATE, PLAN, SERVE, nonnegative, option, positive
+from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_lora, parse_named
+from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig
+from paradit.request import GenerationRequest, StepCacheConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from paradit.pipelines.requests import ResolvedRequest
+    from paradit.spec import ModelSpec
+
+DEVICES = ("cuda", "cpu")
+DTYPES = ("bf16", "fp16", "fp32")
+LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("none", "fp8")
+ATTENTIONS = ("sdpa", "fp8")
+PLACEMENTS = ("gpu", "fp8", "offload")  # where the prompt encoders live (``text_encoder``)
+LINKS = ("nvlink", "pcie", "measure")
+
+# --verify-serial: the least PSNR against the one-process image that a lossy plan must keep (measured CPU deviations
+# of PipeFusion and FP8 transport on the tiny models sit well above it: docs/benchmarks.md).
+LOSSY_PSNR_DB = 30.0
+
+EXECUTION = "how the run executes"
+MEMORY = "memory"
+LORA = "LoRA adapters (applied to the transformer)"
+SERVED_LORA = "LoRA adapters each request may choose (its lora field)"
+
+
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """How the transformers execute. None leaves ``quantize``, ``cuda_graphs`` and ``swap_experts`` to the tuned
+    configuration or the planner (then none, off, off) and ``compile`` to the device (on GPUs); ``lora``: the
+    adapters applied as the transformers load (their flags: ``LoraFlags``)."""
+
+    quantize: str | None = option(
+        name="--quantize",
+        choices=QUANTIZATIONS,
+        group=EXECUTION,
+        help="fp8: e4m3 linears (sm89+, MI300, RDNA 4); default none, or the planner's",
+    )
+    compile: bool | None = option(
+        name="--compile",
+        action=argparse.BooleanOptionalAction,
+        group=EXECUTION,
+        help="regional torch.compile of the repeated blocks (default: on GPUs only)",
+    )
+    cuda_graphs: bool | None = option(
+        name="--cuda-graphs",
+        action="store_true",
+        group=EXECUTION,
+        help="replay each step from a CUDA graph (short steps)",
+    )
+    swap_experts: bool | None = option(
+        name="--swap-experts",
+        action="store_true",
+        group=MEMORY,
+        help="models with two experts: one expert on the GPU, the other in pinned host memory, swapped at the "
+        "boundary (chosen by itself when the GPU's memory leaves no room for both)",
+    )
+    lora: LoraSet = option(factory=LoraSet)
+    attention: str | None = option(
+        name="--attention",
+        choices=ATTENTIONS,
+        group=EXECUTION,
+        help="fp8: self-attention in 8 bits through paradit's Triton kernel (sm89+, MI300, RDNA 4; long sequences, "
+        "such as video); default sdpa",
+    )
+    attention_bf16_steps: int = option(
+        0,
+        name="--attention-bf16-steps",
+        type=nonnegative,
+        metavar="N",
+        group=EXECUTION,
+        help="with --attention fp8: the first and last N steps attend exactly, in the run's dtype",
+    )
+
+    def compiles(self, device) -> bool:
+        return device.type == "cuda" if self.compile is None else self.compile
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a user asked for; None (and ``auto``) leave the choice to paradit. ``parallel``: explicit degrees (the
+    flags of ``ParallelConfig``); ``comm_dtype``, ``patches``, ``warmup_steps`` and ``shard_weights`` apply on top of
+    whichever plan runs."""
+
+    model: str | ModelSpec = option(
+        DEFAULT_MODEL, name="--model", help="preset name, checkpoint folder or hub id", absent=DEFAULT_MODEL
+    )
+    device: str | None = option(
+        name="--device", choices=DEVICES, group=EXECUTION, help="default: cuda when a GPU is visible"
+    )
+    dtype: str | torch.dtype | None = option(name="--dtype", choices=DTYPES, group=EXECUTION, help="the run's dtype")
+    load_format: str = option(
+        "auto", name="--load-format", choices=LOAD_FORMATS, group=EXECUTION, help="dummy: random weights"
+    )
+    allow_pickle: bool = option(
+        False,
+        name="--allow-pickle",
+        action="store_true",
+        group=EXECUTION,
+        help="load a checkpoint's pickle (.bin) weights: they can run code",
+    )
+    gpus: int | None = option(
+        name="--gpus",
+        type=positive,
+        commands=(GENERATE, PLAN),
+        group=PARALLEL,
+        help="processes in the group; default: the product of the degrees",
+    )
+    parallel: ParallelConfig | None = None
+    comm_dtype: str | None = option(
+        name="--comm-dtype",
+        choices=COMM_DTYPES,
+        commands=(GENERATE, PLAN),
+        group=PARALLEL,
+        help="fp8: Ulysses/Ring traffic in FP8 with scales (default auto)",
+    )
+    patches: int | None = option(
+        name="--patches",
+        type=positive,
+        commands=(GENERATE, PLAN),
+        group=PARALLEL,
+        help="pipefusion: image patches in flight per step (default 1)",
+    )
+    warmup_steps: int | None = option(
+        name="--warmup-steps",
+        type=positive,
+        commands=(GENERATE, PLAN),
+        group=PARALLEL,
+        help="pipefusion: exact steps before patching (default 1)",
+    )
+    shard_weights: int | None = option(
+        name="--shard-weights",
+        type=positive,
+        metavar="N",
+        commands=(GENERATE, PLAN),
+        group=PARALLEL,
+        help="each of N neighbouring GPUs keeps 1/N of the weights, gathering each block just before it runs (FSDP; "
+        "with ulysses, ring, cfg; N divides the GPUs)",
+    )
+    options: ExecutionOptions = option(factory=ExecutionOptions)
+    max_gpu_memory: str | int | None = option(
+        name="--max-gpu-memory",
+        group=MEMORY,
+        help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused",
+    )
+    text_encoder_placement: str = option(
+        "auto",
+        name="--text-encoder-placement",
+        choices=("auto", *PLACEMENTS),
+        group=MEMORY,
+        help="prompt encoders on rank 0's GPU, there with FP8 linears (with --quantize fp8), or in CPU memory streamed "
+        "to it while encoding; auto: the first that fits the GPU's memory (its cap, or what it has free)",
+    )
+
+
+@dataclass(frozen=True)
+class LoraFlags:
+    """The adapters' flags, which ``lora_set`` turns into the run's ``LoraSet``: ``generate``'s by path and scale,
+    ``serve``'s by name (each request chooses among them)."""
+
+    lora: list[str] | None = option(
+        name="--lora",
+        action="append",
+        metavar="PATH[:SCALE]",
+        commands=(GENERATE,),
+        group=LORA,
+        help="a .safetensors file, a folder or a hub id; repeatable; scale default 1 (of a model with two experts: "
+        "the high-noise one; with --server: NAME[:SCALE] of the server's adapters)",
+    )
+    lora_2: list[str] | None = option(
+        name="--lora-2",
+        action="append",
+        metavar="PATH[:SCALE]",
+        commands=(GENERATE,),
+        group=LORA,
+        help="a second expert's (the low-noise one)",
+    )
+    lora_weight_name: str | None = option(
+        name="--lora-weight-name",
+        commands=(GENERATE,),
+        group=LORA,
+        help="the adapter file inside a folder or hub repository",
+    )
+    lora_mode: str = option(
+        "fused",
+        name="--lora-mode",
+        choices=MODES,
+        absent="fused",
+        commands=(GENERATE,),
+        group=LORA,
+        help="fused into the weights at load (no cost per step), or low-rank side paths beside the linears",
+    )
+    named: list[str] | None = option(
+        name="--lora",
+        action="append",
+        metavar="NAME=PATH",
+        commands=(SERVE,),
+        group=SERVED_LORA,
+        help="an adapter and its name; repeatable",
+    )
+    named_2: list[str] | None = option(
+        name="--lora-2",
+        action="append",
+        metavar="NAME=PATH",
+        commands=(SERVE,),
+        group=SERVED_LORA,
+        help="a second expert's (the low-noise one)",
+    )
+    lora_dir: str | None = option(
+        name="--lora-dir",
+        commands=(SERVE,),
+        group=SERVED_LORA,
+        help="every .safetensors adapter in this folder, named by its file's stem",
+    )
+    lora_cache: int = option(
+        0,
+        name="--lora-cache",
+        type=nonnegative,
+        metavar="N",
+        absent=0,
+        commands=(SERVE,),
+        group=SERVED_LORA,
+        help="choices of adapters and scales kept fused into weights of their own, the N most recently used: no cost "
+        "per step, one merge a miss, the weights they change held N+1 times (0: side paths beside the weights)",
+    )
+
+    def lora_set(self) -> LoraSet | None:
+        """The adapters these flags name (None: none): a run's, each at its scale, or a server's, named and loaded
+        unchosen."""
+        served = tuple(parse_named(text) for text in self.named or ())
+        served += adapters_in(self.lora_dir) if self.lora_dir else ()
+        served_2 = tuple(parse_named(text) for text in self.named_2 or ())
+        if served or served_2:
+            return LoraSet(served, served_2, "unfused", switchable=True, cache=self.lora_cache)
+        if self.lora_cache:
+            raise InvalidRequest("--lora-cache keeps choices of named adapters: give --lora NAME=PATH or --lora-dir")
+        first = tuple(parse_lora(text, self.lora_weight_name) for text in self.lora or ())
+        second = tuple(parse_lora(text, self.lora_weight_name) for text in self.lora_2 or ())
+        return LoraSet(first, second, self.lora_mode) if first or second else None
+
+
+def group_size(text: str) -> int | str:
+    """GPUs per serving group, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; give 1 or more, or auto") from None
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What ``paradit serve`` was asked for: the model and how it executes (``asked``, as ``generate`` takes it:
+    unset options follow the tuned choice for a group's size), ``gpus`` in groups of ``group_size`` (CPU processes
+    with ``device="cpu"``), where it listens, and the queue's limits."""
+
+    asked: Asked = option(factory=Asked)
+    gpus: int = option(
+        1,
+        name="--gpus",
+        type=positive,
+        absent=1,
+        commands=(SERVE,),
+        help="GPUs to serve with (CPU processes with --device cpu)",
+    )
+    group_size: int | str | None = option(
+        name="--group-size",
+        type=group_size,
+        commands=(SERVE,),
+        help="GPUs per group, each running the plan generate chooses for that many: --gpus (the default) splits each "
+        "request over all of them (lowest latency), 1 serves independent requests on each (most throughput); auto "
+        "chooses per batch from the queue (each GPU then holds the model twice)",
+    )
+    host: str = option(
+        "127.0.0.1",
+        name="--host",
+        absent="127.0.0.1",
+        commands=(SERVE,),
+        help="the address to listen on (0.0.0.0: every interface) and url answers link to (under 0.0.0.0: the one a "
+        "request reached; never its Host)",
+    )
+    port: int = option(
+        8000,
+        name="--port",
+        type=int,
+        absent=8000,
+        commands=(SERVE,),
+        help="0: any free one; one in use is refused before loading",
+    )
+    api_key: str | None = option(
+        name="--api-key",
+        commands=(SERVE,),
+        help="require `Authorization: Bearer KEY` on every route but /health (default: $PARADIT_API_KEY)",
+    )
+    max_batch: int = option(
+        1,
+        name="--max-batch",
+        type=positive,
+        absent=1,
+        commands=(SERVE,),
+        help="images per forward pass: queued requests of the same size, steps and guidance run together (more "
+        "throughput; a batched image can differ from the unbatched one in its last bits)",
+    )
+    max_queue: int = option(
+        64,
+        name="--max-queue",
+        type=positive,
+        absent=64,
+        commands=(SERVE,),
+        help="requests waiting; more get 429 (Retry-After)",
+    )
+    timeout_s: float = option(
+        600.0,
+        name="--timeout",
+        type=positive,
+        absent=600,
+        commands=(SERVE,),
+        help="seconds a request may take, its wait included: one its measured pace puts at 3x that is refused, a "
+        "run past it stopped within a step",
+    )
+    max_pixels: int | None = option(
+        name="--max-pixels",
+        type=positive,
+        commands=(SERVE,),
+        help="width x height a request may ask for (default 4x the model's default size)",
+    )
+
+
+@dataclass(frozen=True)
+class GenerateFlags:
+    """``paradit generate``'s own flags: where its files go, a server to send the request to, what it shows."""
+
+    out: str | None = option(
+        name="--out",
+        commands=(GENERATE,),
+        help="image path, its format from the extension (.png, .jpg, .jpeg, .webp); a video's: .mp4 (H.264), or a "
+        "folder (or an image extension: x.png -> x/) for one image per frame; with several images or videos, _N is "
+        "appended to the name (default: out/paradit.png, out/paradit.mp4 for video models)",
+    )
+    json: str | None = option(
+        name="--json",
+        commands=(GENERATE,),
+        help="also write the closing table, the seed and the plan to this JSON file",
+    )
+    server: str | None = option(
+        name="--server",
+        commands=(GENERATE,),
+        help="send the request to a running `paradit serve` at this URL (http://host:port) instead",
+    )
+    api_key: str | None = option(
+        name="--api-key", commands=(GENERATE,), help="with --server: the server's API key (default: $PARADIT_API_KEY)"
+    )
+    devices: str | None = option(
+        name="--devices",
+        commands=(GENERATE,),
+        help="which GPUs, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES for this run)",
+    )
+    no_progress: bool = option(
+        False, name="--no-progress", action="store_true", commands=(GENERATE,), help="hide the progress bar"
+    )
+    verify_serial: bool = option(
+        False,
+        name="--verify-serial",
+        action="store_true",
+        commands=(GENERATE,),
+        group=PARALLEL,
+        help="also run the request in one process and compare: exit 3 when an exact plan differs by more than one "
+        f"8-bit level, or a lossy one (FP8 transport, PipeFusion patches) falls under {LOSSY_PSNR_DB:.0f} dB PSNR",
+    )
+
+
+@dataclass(frozen=True)
+class PlanFlags:
+    """``paradit plan``'s own flags: the hardware to plan for, when not this machine."""
+
+    profile: str | None = option(
+        name="--profile",
+        commands=(PLAN,),
+        help="plan for this hardware profile's GPUs instead of this machine (see paradit/planner/profiles/)",
+    )
+    link: str | None = option(
+        name="--link",
+        choices=LINKS,
+        commands=(PLAN,),
+        help="the profile's GPU with these links; measure: probe this machine's matmul, attention and collectives",
+    )
+
+
+# The records each command takes flags from, in the order its help lists them.
+COMMANDS: dict[str, tuple[type, ...]] = {
+    GENERATE: (Asked, GenerationRequest, StepCacheConfig, GenerateFlags, LoraFlags, ExecutionOptions, ParallelConfig),
+    SERVE: (Asked, ServeSettings, LoraFlags, ExecutionOptions),
+    PLAN: (Asked, GenerationRequest, PlanFlags, ExecutionOptions, ParallelConfig),
+}
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Options that do not combine: ``applies(parallel, options, device, request)`` (``request``: the resolved
+    request, None where the run's settings are checked alone) and the one line that says so."""
+
+    name: str
+    applies: Callable[[ParallelConfig, ExecutionOptions, str, ResolvedRequest | None], bool]
+    message: str
+    param: str | None = None
+
+
+def _caches(request: ResolvedRequest | None) -> bool:
+    return request is not None and request.cache is not None
+
+
+CONFLICTS = (
+    # PipeFusion counts steps on the host to choose warm-up or patched steps; a graph replay would skip that.
+    Conflict(
+        "graphs with pipefusion",
+        lambda parallel, options, device, request: bool(options.cuda_graphs) and parallel.pipefusion > 1,
+        "CUDA graphs do not combine with pipefusion yet; drop --cuda-graphs or --pipefusion",
+    ),
+    # A graph replays the addresses it captured, which each gather allocates anew; a swap moves whole tensors, where
+    # sharding keeps 1/N of each expert resident already.
+    Conflict(
+        "sharded weights with graphs or swapped experts",
+        lambda parallel, options, device, request: (
+            bool(parallel.shard_weights) and bool(options.cuda_graphs or options.swap_experts)
+        ),
+        "--shard-weights does not combine with --cuda-graphs or --swap-experts; drop one",
+    ),
+    # A merge copies into whole weights, which sharding splits.
+    Conflict(
+        "fused adapter choices with sharded weights",
+        lambda parallel, options, device, request: bool(parallel.shard_weights and options.lora.cache),
+        "--lora-cache does not combine with --shard-weights; drop one (--lora-cache 0: side paths)",
+    ),
+    Conflict(
+        "graphs off a GPU",
+        lambda parallel, options, device, request: bool(options.cuda_graphs) and device != "cuda",
+        "CUDA graphs need a GPU; run without --cuda-graphs",
+    ),
+    # A graph replays the addresses it captured; a swap moves them.
+    Conflict(
+        "graphs with swapped experts",
+        lambda parallel, options, device, request: bool(options.cuda_graphs and options.swap_experts),
+        "CUDA graphs do not combine with swapped experts; drop one of the two options",
+    ),
+    Conflict(
+        "exact attention steps without FP8 attention",
+        lambda parallel, options, device, request: options.attention_bf16_steps > 0 and options.attention != "fp8",
+        "--attention-bf16-steps keeps the first and last steps exact under FP8 attention; give --attention fp8 with "
+        "it, or drop it",
+        param="attention_bf16_steps",
+    ),
+    # A replay would keep the kernels, and each step's choice of precision, of its capture.
+    Conflict(
+        "FP8 attention with graphs",
+        lambda parallel, options, device, request: options.attention == "fp8" and bool(options.cuda_graphs),
+        "FP8 attention does not combine with CUDA graphs yet; drop --cuda-graphs or give --attention sdpa",
+        param="attention",
+    ),
+    # A graph replays the side paths it captured; fused choices copy into the captured weights instead.
+    Conflict(
+        "graphs with switchable adapters as side paths",
+        lambda parallel, options, device, request: (
+            bool(options.cuda_graphs) and options.lora.switchable and not options.lora.cache
+        ),
+        "CUDA graphs replay one choice of adapters; give --lora-cache 1 or more (choices fused into the weights), or "
+        "drop --cuda-graphs",
+    ),
+    # Fused choices would pin each expert's copies on the device.
+    Conflict(
+        "fused adapter choices with swapped experts",
+        lambda parallel, options, device, request: bool(options.swap_experts and options.lora.cache),
+        "--lora-cache does not combine with swapped experts; give --lora-cache 0 (side paths) or drop --swap-experts",
+    ),
+    # A decision made at the head block must reach every block of the step before they run: PipeFusion's stages run a
+    # step's blocks patch by patch ahead of it, and a CUDA graph replays one fixed set of blocks.
+    Conflict(
+        "step caching with pipefusion",
+        lambda parallel, options, device, request: _caches(request) and parallel.pipefusion > 1,
+        "step caching does not combine with PipeFusion; drop the cache or --pipefusion",
+        param="cache",
+    ),
+    Conflict(
+        "step caching with graphs",
+        lambda parallel, options, device, request: _caches(request) and bool(options.cuda_graphs),
+        "step caching does not combine with CUDA graphs; drop the cache or --cuda-graphs",
+        param="cache",
+    ),
+)
+
+
+def check_conflicts(
+    parallel: ParallelConfig, options: ExecutionOptions, device: str, request: ResolvedRequest | None = None
+) -> None:
+    """Refuse the first row of ``CONFLICTS`` that applies, with its line."""
+    for conflict in CONFLICTS:
+        if conflict.applies(parallel, options, device, request):
+            raise InvalidRequest(conflict.message, param=conflict.param)
+
+
+def conflicts(parallel: ParallelConfig, options: ExecutionOptions, device: str) -> bool:
+    """Whether any row of ``CONFLICTS`` refuses these settings (the planner asks before it proposes them)."""
+    return any(conflict.applies(parallel, options, device, None) for conflict in CONFLICTS)
