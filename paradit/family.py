@@ -16,8 +16,7 @@ if TYPE_CHECKING:
 
     from paradit.parallel.tensor import TensorPlan
     from paradit.pipelines.base import DiffusionPipeline
-    from paradit.pipelines.requests import ResolvedRequest
-    from paradit.request import GenerationRequest
+    from paradit.request import GenerationRequest, ResolvedRequest
     from paradit.settings import RunSettings
     from paradit.text_encoder import PromptEncoder
 

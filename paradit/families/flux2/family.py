@@ -25,8 +25,8 @@ from paradit.families.flux2.pipeline import (
 )
 from paradit.family import Family
 from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, TextEncoderSpec
 from paradit.text_encoder import DecoderPromptEncoder
 

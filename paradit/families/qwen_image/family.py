@@ -20,8 +20,8 @@ from paradit.families.qwen_image.pipeline import (
 )
 from paradit.family import Family
 from paradit.parallel.tensor import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from paradit.families.sd3.pipeline import SD3Pipeline, SD3PromptEncoder, pixel_g
 from paradit.families.sd3.presets import PRESETS, SD3TextEncoders
 from paradit.family import Family
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan, joint_attention
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec
 
 # diffusers' StableDiffusion3Pipeline.__call__ defaults, for checkpoints that are not a published SD3.5.

@@ -14,8 +14,8 @@ from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
 from paradit.family import Family
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec
 
 # diffusers' WanPipeline.__call__ defaults, for a checkpoint folder.

@@ -21,8 +21,8 @@ from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pix
 from paradit.families.zimage.presets import TURBO_SCHEDULER, text_encoder_spec
 from paradit.family import Family
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec
 
 # diffusers' ZImagePipeline defaults; a checkpoint scheduled like the published Turbo gets Turbo's instead.

@@ -22,7 +22,7 @@ from paradit.errors import InvalidRequest
 from paradit.families.zimage.model import OmniInputs
 from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
 from paradit.pipelines.base import pad_rows
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.spec import CheckpointFolder, TextEncoderSpec
 from paradit.text_encoder import place, random_encoder, weights_device
 
