@@ -7,17 +7,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from paradit.spec import ModelSpec
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from paradit.optimize import ExecutionOptions
+    from paradit.parallel.config import ParallelConfig
     from paradit.parallel.tensor import TensorPlan
-    from paradit.pipelines.base import DiffusionPipeline
     from paradit.request import GenerationRequest, ResolvedRequest
-    from paradit.settings import RunSettings
     from paradit.text_encoder import PromptEncoder
 
 
@@ -29,6 +29,20 @@ def image_tokens(spec: ModelSpec) -> int:
     return spec.height * spec.width // PIXELS_PER_IMAGE_TOKEN + 512
 
 
+class SettledRun(Protocol):
+    """What a family's ``check_run`` reads of a settled run: ``settings.RunSettings``, which the record cannot name
+    (the front door that settles runs sits above every family)."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def parallel(self) -> ParallelConfig: ...
+
+    @property
+    def options(self) -> ExecutionOptions: ...
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family: its pipeline (prompt encoding, latents, model call, guidance formula, decoding), how it reads
@@ -36,7 +50,9 @@ class Family:
     facts (tensor plan, the linears FP8 keeps in high precision)."""
 
     name: str
-    pipeline: Callable[..., DiffusionPipeline]  # its class, or one choosing by the spec: (family, spec, ...) -> it
+    # its ``pipelines.base.DiffusionPipeline`` class, or one choosing by the spec: (family, spec, ...) -> the pipeline
+    # (untyped here: the skeleton holds its family's record, so the record sits below it)
+    pipeline: Callable[..., Any]
     diffusers_pipelines: tuple[str, ...]  # the diffusers pipeline classes whose checkpoints it serves
     # (folder, its model_index.json) -> the ModelSpec: architecture from its configs, defaults from diffusers
     read_checkpoint: Callable[[Path, dict[str, Any]], ModelSpec]
@@ -55,4 +71,4 @@ class Family:
     after_dummy_init: Callable[[nn.Module], None] | None = None  # fills a model's fixed buffers after random init
     # (the run's settings, a resolved request) -> None, or an InvalidRequest for what the run's plan or options cannot
     # give that request and what can (None: every request its resolution passes runs under any plan)
-    check_run: Callable[[RunSettings, ResolvedRequest], None] | None = None
+    check_run: Callable[[SettledRun, ResolvedRequest], None] | None = None

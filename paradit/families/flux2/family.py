@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from diffusers import AutoencoderKLFlux2
 from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
@@ -23,15 +22,12 @@ from paradit.families.flux2.pipeline import (
     pixel_granularity,
     reference_size,
 )
-from paradit.family import Family
+from paradit.family import Family, SettledRun
 from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, TextEncoderSpec
 from paradit.text_encoder import DecoderPromptEncoder
-
-if TYPE_CHECKING:
-    from paradit.settings import RunSettings
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +111,7 @@ def resolve_reference(image, index: int, checked: bool = True):
     return image
 
 
-def check_run(settings: RunSettings, request: ResolvedRequest) -> None:
+def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
     """A KV checkpoint's cached references are every block's keys and values, whole on each rank, computed outside the
     forward: the plans that split the sequence or the blocks (or gather each block's weights in its forward) would
     need them split alike, and a CUDA graph captures only the tensors it is called with."""
