@@ -99,6 +99,12 @@ def component_dir(folder: Path, name: str) -> Path:
     return path
 
 
+def component_config(folder: Path, component: str) -> dict:
+    """The config a diffusers component folder holds (``scheduler_config.json`` for the scheduler)."""
+    name = "scheduler_config.json" if component == "scheduler" else "config.json"
+    return read_json(component_dir(folder, component) / name)
+
+
 def weights_file(component: Path, allow_pickle: bool = False) -> Path:
     """Where a component's loader reads its weights from: the index of its shards, else the whole file, of the first
     name in ``SAFETENSORS_WEIGHTS`` (then, if ``allow_pickle``, ``PICKLE_WEIGHTS``) it holds."""

@@ -16,7 +16,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from paradit.checkpoint import check_components, component_dir, read_json
+from paradit.checkpoint import check_components, read_json
 from paradit.errors import CheckpointError
 from paradit.spec import CheckpointFolder, ModelSpec
 
@@ -60,19 +60,3 @@ def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
             return dataclasses.replace(spec, weights=CheckpointFolder(folder, allow_pickle))
     served = ", ".join(name for family in _registry().values() for name in family.diffusers_pipelines)
     raise CheckpointError(f"{folder} holds a {pipeline_class}; paradit serves {served}")
-
-
-def component_config(folder: Path, component: str) -> dict:
-    """The config a diffusers component folder holds (``scheduler_config.json`` for the scheduler)."""
-    name = "scheduler_config.json" if component == "scheduler" else "config.json"
-    return read_json(component_dir(folder, component) / name)
-
-
-def checkpoint_spec(folder: Path, index: dict, family: str, detail: str | None = None, **fields) -> ModelSpec:
-    """A checkpoint folder's ModelSpec: ``fields`` as the family reads them, the transformer, VAE and scheduler
-    configs as the folder holds them where ``fields`` give none, described by its pipeline class and ``detail``."""
-    for component in ("transformer", "vae", "scheduler"):
-        if component not in fields:
-            fields[component] = component_config(folder, component)
-    description = f"{index['_class_name']} checkpoint" + (f" ({detail})" if detail else "")
-    return ModelSpec(str(folder), family, description, weights=CheckpointFolder(folder), **fields)

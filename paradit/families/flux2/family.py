@@ -11,8 +11,8 @@ from pathlib import Path
 from diffusers import AutoencoderKLFlux2
 from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
+from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.flux2.pipeline import (
     Flux2Details,
@@ -26,7 +26,7 @@ from paradit.family import Family, SettledRun
 from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
-from paradit.spec import ModelSpec, TextEncoderSpec
+from paradit.spec import ModelSpec, TextEncoderSpec, checkpoint_spec
 from paradit.text_encoder import DecoderPromptEncoder
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from diffusers import AutoencoderKLQwenImage
 
+from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.qwen_image.edit import EDIT_PIPELINES, EditInputs
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
 from paradit.families.qwen_image.pipeline import (
@@ -22,7 +22,7 @@ from paradit.family import Family
 from paradit.parallel.tensor import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
-from paradit.spec import ModelSpec
+from paradit.spec import ModelSpec, checkpoint_spec
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from diffusers import AutoencoderKL
 
+from paradit.checkpoint import component_config
 from paradit.errors import CheckpointError
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.sd3.model import SD3Config, SD3Transformer
 from paradit.families.sd3.pipeline import SD3Pipeline, SD3PromptEncoder, pixel_granularity, vae_scale_factor
 from paradit.families.sd3.presets import PRESETS, SD3TextEncoders
@@ -15,7 +15,7 @@ from paradit.family import Family
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
-from paradit.spec import ModelSpec
+from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' StableDiffusion3Pipeline.__call__ defaults, for checkpoints that are not a published SD3.5.
 PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE = 28, 7.0

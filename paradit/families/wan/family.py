@@ -7,8 +7,8 @@ from pathlib import Path
 
 from diffusers import AutoencoderKLWan
 
+from paradit.checkpoint import component_config
 from paradit.errors import CheckpointError, InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.wan.model import WanConfig, WanTransformer
 from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_input, vae_factors
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
@@ -16,7 +16,7 @@ from paradit.family import Family
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
-from paradit.spec import ModelSpec
+from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' WanPipeline.__call__ defaults, for a checkpoint folder.
 DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FRAMES, DEFAULT_FPS = 50, 5.0, 480, 832, 81, 16

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from diffusers import AutoencoderKL
 
+from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
 from paradit.families.zimage.omni import (
     IMAGE_LIMIT,
@@ -23,7 +23,7 @@ from paradit.family import Family
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
-from paradit.spec import ModelSpec
+from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' ZImagePipeline defaults; a checkpoint scheduled like the published Turbo gets Turbo's instead.
 DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_SIZE = 50, 5.0, 1024
