@@ -1,6 +1,7 @@
-"""No import circles in ``paradit``: every import a module can run (at the top or inside a function) is an edge of
-one graph, and the graph has no cycle. Imports under ``if TYPE_CHECKING:`` never run and are left out, as are the
-implicit imports of parent packages."""
+"""No import circles in ``paradit``: every import a module names is an edge of one graph, and the graph has no cycle.
+Every import counts: at the top, inside a function, under ``if TYPE_CHECKING:`` (a type a module names is a layer it
+leans on), and by name (a string naming a paradit module, as the family registry's ``PACKAGES`` and the package's lazy
+exports do, for ``import_module``). The implicit imports of parent packages are left out."""
 
 from __future__ import annotations
 
@@ -15,34 +16,52 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_imports(tree: ast.Module, modules: set[str]) -> set[str]:
-    """The paradit modules ``tree`` imports outside ``if TYPE_CHECKING:`` blocks."""
-    skipped = {
-        id(child)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for statement in node.body
-        for child in ast.walk(statement)
-    }
+def package_name(path: Path) -> str:
+    """The package a module's relative imports start from: a package's own ``__init__`` is in it."""
+    return ".".join(path.relative_to(PACKAGE.parent).parts[:-1])
+
+
+def docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the docstring constants of ``tree``: prose, which may name modules without importing them."""
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def imports(tree: ast.Module, package: str, modules: set[str]) -> set[str]:
+    """The paradit modules a module of ``package`` (parsed as ``tree``) imports: by statement anywhere in it (relative
+    ones resolved against ``package``), and by name (a string naming a module; one naming a package stands for every
+    module in it)."""
+    found = set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, (base, node.module)))
             # ``from a import b`` imports the module a.b when there is one, else a's name b.
             found.update(
-                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                for alias in node.names
+                f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module for alias in node.names
             )
+    prose = docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            if node.value.startswith("paradit."):
+                found.update(
+                    module for module in modules if module == node.value or module.startswith(node.value + ".")
+                )
     return {name for name in found if name in modules}
 
 
 def import_graph() -> dict[str, set[str]]:
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(path) for path in paths}
-    return {module_name(path): runtime_imports(ast.parse(path.read_text()), modules) for path in paths}
+    return {module_name(path): imports(ast.parse(path.read_text()), package_name(path), modules) for path in paths}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -73,12 +92,22 @@ def test_no_module_of_paradit_imports_itself_through_others():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
-def test_the_cycle_finder_finds_cycles_and_reads_local_imports():
+def test_the_cycle_finder_finds_cycles_and_reads_every_kind_of_import():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     graph = import_graph()
     assert "paradit.settings" in graph["paradit.engine"]
     # A function-local import counts (the CLI imports the engine only when a command needs it).
     assert "paradit.engine" in graph["paradit.cli"]
+    # So does one under TYPE_CHECKING, and an import by name: the registry imports each family's record by its
+    # package's name, the package its exports on first use.
+    modules = {"paradit.engine", "paradit.request", "paradit.families.a", "paradit.families.a.family"}
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import paradit.engine\n")
-    assert runtime_imports(tree, {"paradit.engine"}) == set()
+    assert imports(tree, "paradit", modules) == {"paradit.engine"}
+    tree = ast.parse('"""Names paradit.request in prose."""\nPACKAGES = ("paradit.families.a",)\n')
+    assert imports(tree, "paradit.families", modules) == {"paradit.families.a", "paradit.families.a.family"}
+    assert "paradit.families.flux2.family" in graph["paradit.families"]
+    assert "paradit.engine" in graph["paradit"]
+    # A relative import resolves against the module's package.
+    tree = ast.parse("from . import family\nfrom ...request import GenerationRequest\n")
+    assert imports(tree, "paradit.families.a", modules) == {"paradit.families.a.family", "paradit.request"}
