@@ -4,11 +4,13 @@ Must not import torch.distributed."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from paradit.planner.facts import ModelFacts, read_facts
 from paradit.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -22,11 +24,39 @@ if TYPE_CHECKING:
 
 
 PIXELS_PER_IMAGE_TOKEN = 16 * 16  # every image family's latent patch: 1/16 of the pixels per side
+MEMORY_FILE = "memory.json"  # in a family's folder: its working memory measured on the GPU
+FACTS_FILE = "model_facts.json"  # in a family's folder: its transformers' FLOPs and shapes, counted on the meta device
 
 
 def image_tokens(spec: ModelSpec) -> int:
     """An image family's latent patches and a text of 512 tokens."""
     return spec.height * spec.width // PIXELS_PER_IMAGE_TOKEN + 512
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What was measured of a family's presets, by preset name, as data in its ``folder``: working memory
+    (``MEMORY_FILE``, by ``benchmarks/memory_estimates.py``: ``activations`` by execution, eager or compiled, and
+    precision, bf16 or fp8, and ``vae_decode``, in the units the file states and ``paradit.memory`` scales) and the
+    planner's counts of each transformer (``FACTS_FILE``, by ``benchmarks/model_facts.py``). Where a family or preset
+    has none, the memory estimate takes the largest figure of its family or, failing that, of any family, and the
+    planner leaves ``--gpus N`` the default plan."""
+
+    folder: Path | None = None
+    activations: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    vae_decode: dict[str, float] = field(default_factory=dict)
+    model_facts: dict[str, ModelFacts] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, folder: Path) -> Measured:
+        """What ``folder`` holds: either file may be missing (a family not yet measured on a GPU has no memory)."""
+        memory = json.loads((folder / MEMORY_FILE).read_text()) if (folder / MEMORY_FILE).is_file() else {}
+        return cls(
+            folder,
+            memory.get("activations", {}).get("models", {}),
+            memory.get("vae_decode", {}).get("models", {}),
+            read_facts(folder / FACTS_FILE) if (folder / FACTS_FILE).is_file() else {},
+        )
 
 
 class SettledRun(Protocol):
@@ -46,8 +76,8 @@ class SettledRun(Protocol):
 @dataclass(frozen=True)
 class Family:
     """A model family: its pipeline (prompt encoding, latents, model call, guidance formula, decoding), how it reads
-    a checkpoint and a request, how it builds its transformer and loads its prompt encoder and VAE, and its runtime
-    facts (tensor plan, the linears FP8 keeps in high precision)."""
+    a checkpoint and a request, how it builds its transformer and loads its prompt encoder and VAE, its runtime
+    facts (tensor plan, the linears FP8 keeps in high precision) and what was measured of its presets."""
 
     name: str
     # its ``pipelines.base.DiffusionPipeline`` class, or one choosing by the spec: (family, spec, ...) -> the pipeline
@@ -72,3 +102,4 @@ class Family:
     # (the run's settings, a resolved request) -> None, or an InvalidRequest for what the run's plan or options cannot
     # give that request and what can (None: every request its resolution passes runs under any plan)
     check_run: Callable[[SettledRun, ResolvedRequest], None] | None = None
+    measured: Measured = Measured()  # what was measured of its presets: ``Measured.read`` of its folder

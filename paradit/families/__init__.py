@@ -6,12 +6,15 @@ latents, the model call, the guidance formula, decoding), ``presets.py`` (publis
 below. A checkpoint folder finds its family by the pipeline class ``model_index.json`` names, a preset by ``family``.
 
 The presets are light (no torch); the family records are imported on first use of ``FAMILIES``, so that listing
-models and refusing bad flags answer at once."""
+models and refusing bad flags answer at once. What was measured of a model (``Measured``: its working memory, the
+planner's counts of its transformer) lies in its family's folder, under its preset's name: ``measured_preset`` finds
+the preset a checkpoint folder's figures come from."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +25,7 @@ from paradit.spec import CheckpointFolder, ModelSpec
 
 if TYPE_CHECKING:
     from paradit.family import Family
+    from paradit.planner.facts import ModelFacts
 
 PACKAGES = (
     "paradit.families.flux2",
@@ -60,3 +64,24 @@ def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
             return dataclasses.replace(spec, weights=CheckpointFolder(folder, allow_pickle))
     served = ", ".join(name for family in _registry().values() for name in family.diffusers_pipelines)
     raise CheckpointError(f"{folder} holds a {pipeline_class}; paradit serves {served}")
+
+
+def measured_preset(spec: ModelSpec, measured: Collection[str]) -> str | None:
+    """Of the presets ``measured`` names, ``spec``'s own, else the first of its family whose transformer a checkpoint
+    folder shares (its config holds every setting the preset's does, with the same values); None when none is."""
+    if spec.name in measured:
+        return spec.name
+    for name in measured:
+        preset = PRESETS.get(name)
+        if preset is not None and preset.family == spec.family:
+            if all(spec.transformer.get(key) == value for key, value in preset.transformer.items()):
+                return name
+    return None
+
+
+def find_facts(spec: ModelSpec) -> ModelFacts | None:
+    """The planner's counts of ``spec``'s transformer: its preset's, or those of the preset whose architecture a
+    checkpoint folder shares (``measured_preset``); None for an architecture its family has not counted."""
+    counted = _registry()[spec.family].measured.model_facts
+    preset = measured_preset(spec, counted)
+    return None if preset is None else counted[preset]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from paradit.errors import InvalidRequest
+from paradit.families import find_facts
 from paradit.parallel.config import ParallelConfig
-from paradit.planner.facts import find_facts
 from paradit.planner.plan import plan, request_for
 from paradit.planner.profile import HardwareProfile, detect_profile
 from paradit.planner.tuned import tuned_entry

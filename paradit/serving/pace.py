@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from paradit.planner.facts import find_facts
+from paradit.families import find_facts
 
 if TYPE_CHECKING:
     from paradit.family import Family

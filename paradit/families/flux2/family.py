@@ -22,7 +22,7 @@ from paradit.families.flux2.pipeline import (
     pixel_granularity,
     reference_size,
 )
-from paradit.family import Family, SettledRun
+from paradit.family import Family, Measured, SettledRun
 from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
@@ -188,4 +188,5 @@ FAMILY = Family(
     # the output layers: a small share of the FLOPs that feeds every block or the prediction directly.
     keep_high_precision=("embed", "modulation", "norm_out", "proj_out"),
     lora_loader="Flux2LoraLoaderMixin",
+    measured=Measured.read(Path(__file__).parent),
 )

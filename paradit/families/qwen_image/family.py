@@ -18,7 +18,7 @@ from paradit.families.qwen_image.pipeline import (
     QwenVisionPromptEncoder,
     pixel_granularity,
 )
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
@@ -119,4 +119,5 @@ FAMILY = Family(
     # The embedders (img_in, txt_in, the timestep MLP), the per-block modulation (img_mod, txt_mod), the output layers.
     keep_high_precision=("img_in", "txt_in", "time_text_embed", "_mod.", "norm_out", "proj_out"),
     lora_loader="QwenImageLoraLoaderMixin",
+    measured=Measured.read(Path(__file__).parent),
 )

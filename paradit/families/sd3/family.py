@@ -11,7 +11,7 @@ from paradit.errors import CheckpointError
 from paradit.families.sd3.model import SD3Config, SD3Transformer
 from paradit.families.sd3.pipeline import SD3Pipeline, SD3PromptEncoder, pixel_granularity, vae_scale_factor
 from paradit.families.sd3.presets import PRESETS, SD3TextEncoders
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
@@ -106,4 +106,5 @@ FAMILY = Family(
     keep_high_precision=("embed", "norm", "proj_out"),
     lora_loader="SD3LoraLoaderMixin",
     after_dummy_init=lambda transformer: transformer.pos_embed.fill_position_table(),  # a fixed sin-cos buffer
+    measured=Measured.read(Path(__file__).parent),
 )

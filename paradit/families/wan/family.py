@@ -12,7 +12,7 @@ from paradit.errors import CheckpointError, InvalidRequest
 from paradit.families.wan.model import WanConfig, WanTransformer
 from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_input, vae_factors
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
@@ -134,4 +134,5 @@ FAMILY = Family(
     lora_loader="WanLoraLoaderMixin",
     video=True,
     sequence_tokens=sequence_tokens,
+    measured=Measured.read(Path(__file__).parent),
 )

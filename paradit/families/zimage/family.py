@@ -19,7 +19,7 @@ from paradit.families.zimage.omni import (
 )
 from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
 from paradit.families.zimage.presets import TURBO_SCHEDULER, text_encoder_spec
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
@@ -119,4 +119,5 @@ FAMILY = Family(
     # The embedders (all_x_embedder, cap_embedder, t_embedder), the per-block adaLN modulation, the output layer.
     keep_high_precision=("embedder", "adaLN", "final_layer"),
     lora_loader="ZImageLoraLoaderMixin",
+    measured=Measured.read(Path(__file__).parent),
 )
