@@ -1,5 +1,5 @@
 """Checkpoint folders in the diffusers layout: finding one (a local folder, or a hub id fetched with only the files
-the loader reads), reading its JSON, checking its components, listing their weight files. Must not import torch."""
+the loader reads), reading its JSON, checking its components, listing their weight files."""
 
 from __future__ import annotations
 

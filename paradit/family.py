@@ -1,6 +1,5 @@
 """``Family``: one record that says everything the runtime needs of a model family, as torchtitan's ``TrainSpec``
-describes a model: each family folder exports one (``families/<family>/family.py``), and the registry lists them.
-Must not import torch.distributed."""
+describes a model: each family folder exports one (``families/<family>/family.py``), and the registry lists them."""
 
 from __future__ import annotations
 

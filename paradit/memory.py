@@ -6,8 +6,6 @@ device (no memory, milliseconds) and their parameters counted as the run holds t
 family's, measured on the GPU (``memory.json`` in its folder: ``family.Measured``), for the tokens and pixels each
 rank holds. Rank 0 carries the prompt encoders and the VAE, so it is the rank that must fit; the plan also places the
 prompt encoders (``check_fits``).
-
-Must not import torch.distributed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""What a caller asks for, what a request becomes once resolved, and what it gets back.
-Must not import torch (the command line reads its limits before anything heavy loads)."""
+"""What a caller asks for, what a request becomes once resolved, and what it gets back."""
 
 from __future__ import annotations
 

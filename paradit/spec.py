@@ -1,5 +1,5 @@
 """``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder (the one
-a family's ``read_checkpoint`` builds: ``checkpoint_spec``). Must not import torch.distributed."""
+a family's ``read_checkpoint`` builds: ``checkpoint_spec``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Resolving a request (``ResolvedRequest``: every default filled in and every value checked): the checks every family
-shares, and what requests must share to run as one batch. Must not import torch.distributed."""
+shares, and what requests must share to run as one batch."""
 
 from __future__ import annotations
 

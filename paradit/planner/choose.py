@@ -1,7 +1,7 @@
 """What ``--gpus N`` alone runs on a GPU the planner knows: the tuned entry of the detected hardware profile when the
 request is the one the entry was planned for, else the planner's choice for this request. None where no profile
 applies (CPU processes, an unknown GPU) or the model's architecture is none the planner has counted, which leaves the
-engine's own default. Must not import torch.distributed."""
+engine's own default."""
 
 from __future__ import annotations
 

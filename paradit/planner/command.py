@@ -1,5 +1,5 @@
 """``paradit plan``: pick the hardware profile (named, this machine's, or measured by a probe), adjust its link and
-memory as asked, plan, and render the answer. Must not import torch.distributed."""
+memory as asked, plan, and render the answer."""
 
 from __future__ import annotations
 

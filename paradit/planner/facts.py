@@ -5,7 +5,7 @@ workloads differing in image and in text tokens give each count exactly as ``per
 fixed``; attention calls keep their shapes as the same kind of function of (I, T). The counts are kept per preset in
 each family's folder (``model_facts.json``, by ``benchmarks/model_facts.py``, which knows how to call each family's
 transformer) and read through its ``Family`` record; a checkpoint folder uses the facts of the preset whose
-architecture it shares (``families.find_facts``). Must not import torch.distributed."""
+architecture it shares (``families.find_facts``)."""
 
 from __future__ import annotations
 

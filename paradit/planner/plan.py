@@ -12,8 +12,6 @@ Ranking prefers exact plans: an approximate one (FP8 transport, PipeFusion's sta
 ``EXACT_PREMIUM`` faster to rank above an exact one. Plans within ``SAME_SPEED`` of each other count as equally fast
 (the model cannot tell them apart), and among them the least approximate goes first (exact, then FP8 transport, then
 fewer patches).
-
-Must not import torch.distributed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""FLUX.2 (dev, klein and klein KV) as one record: its checkpoints, requests, runtime facts. Must not import
-torch.distributed."""
+"""FLUX.2 (dev, klein and klein KV) as one record: its checkpoints, requests, runtime facts."""
 
 from __future__ import annotations
 

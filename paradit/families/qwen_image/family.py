@@ -1,4 +1,4 @@
-"""Qwen-Image as one record: its checkpoints, its requests, its runtime facts. Must not import torch.distributed."""
+"""Qwen-Image as one record: its checkpoints, its requests, its runtime facts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stable Diffusion 3 / 3.5 as one record: checkpoints, requests, runtime facts. Must not import torch.distributed."""
+"""Stable Diffusion 3 / 3.5 as one record: checkpoints, requests, runtime facts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Wan 2.2 (T2V-A14B, I2V-A14B, TI2V-5B) as one record: its checkpoints, its requests, its runtime facts.
-Must not import torch.distributed."""
+"""Wan 2.2 (T2V-A14B, I2V-A14B, TI2V-5B) as one record: its checkpoints, its requests, its runtime facts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Z-Image (Turbo, base, Omni) as one record: its checkpoints, requests, runtime facts. Must not import
-torch.distributed."""
+"""Z-Image (Turbo, base, Omni) as one record: its checkpoints, requests, runtime facts."""
 
 from __future__ import annotations
 
