@@ -48,7 +48,7 @@ class Measured:
 
     @classmethod
     def read(cls, folder: Path) -> Measured:
-        """What ``folder`` holds: either file may be missing (a family not yet measured on a GPU has no memory)."""
+        """What ``folder`` holds: either file may be missing (a family not yet measured on a GPU has no memory.json)."""
         memory = json.loads((folder / MEMORY_FILE).read_text()) if (folder / MEMORY_FILE).is_file() else {}
         return cls(
             folder,
