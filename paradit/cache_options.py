@@ -1,5 +1,5 @@
 """The command line's step cache (its flags declared on ``request.StepCacheConfig``) and MagCache's
-calibrated curves, kept per model where the next ``--cache mag`` finds them. Must not import torch."""
+calibrated curves, kept per model where the next ``--cache mag`` finds them."""
 
 from __future__ import annotations
 

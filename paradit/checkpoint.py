@@ -1,5 +1,5 @@
 """Checkpoint folders in the diffusers layout: finding one (a local folder, or a hub id fetched with only the files
-the loader reads), reading its JSON, checking its components, listing their weight files. Must not import torch."""
+the loader reads), reading its JSON, checking its components, listing their weight files."""
 
 from __future__ import annotations
 
@@ -97,6 +97,12 @@ def component_dir(folder: Path, name: str) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {folder} has no {name}/ component")
     return path
+
+
+def component_config(folder: Path, component: str) -> dict:
+    """The config a diffusers component folder holds (``scheduler_config.json`` for the scheduler)."""
+    name = "scheduler_config.json" if component == "scheduler" else "config.json"
+    return read_json(component_dir(folder, component) / name)
 
 
 def weights_file(component: Path, allow_pickle: bool = False) -> Path:

@@ -4,7 +4,6 @@ Errors paradit can name (bad input, missing checkpoints) print one line and exit
 running out of memory: one line, exit 1); an unexpected error prints one line naming the file that holds its trace,
 and exits 1. Everything heavy (torch, the model families) is imported only by the command that needs it, so that help
 and refusals answer at once.
-Must not import torch.distributed.
 """
 
 from __future__ import annotations

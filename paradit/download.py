@@ -5,7 +5,7 @@ safetensors and tokenizer files, not the root single-file checkpoints, pickle, O
 bytes than the pipeline). huggingface_hub transfers (token from ``HF_TOKEN`` or ``hf auth login``; files on disk are
 kept; cut connections resume); this module picks the files, checks disk space first and turns hub errors into one line.
 
-Light on imports (no torch): the CLI answers at once. Must not import torch.distributed."""
+Light on imports (no torch): the CLI answers at once."""
 
 from __future__ import annotations
 

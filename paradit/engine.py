@@ -15,12 +15,12 @@ import torch
 
 from paradit.device_memory import release_cached
 from paradit.errors import InvalidRequest
-from paradit.families import DEFAULT_MODEL
+from paradit.families.default import DEFAULT_MODEL
 from paradit.loader import WorkerPlan, build_pipeline, run_requests
 from paradit.options import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
-from paradit.pipelines.requests import ResolvedRequest, one_batch
-from paradit.request import GenerationRequest, GenerationResult
+from paradit.pipelines.requests import one_batch
+from paradit.request import GenerationRequest, GenerationResult, ResolvedRequest
 from paradit.settings import Asked, RunSettings, launched_by_torchrun, settle
 from paradit.spec import ModelSpec
 from paradit.worker import StepSignals, WorkerFailure, WorkerGroup

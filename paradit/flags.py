@@ -22,10 +22,10 @@ REQUIRED = object()  # ``option``'s default for a field that has none
 @dataclass(frozen=True)
 class Flag:
     """How the command line spells an option. ``commands``: those that take it; ``group``: the heading it is listed
-    under in their help; ``convert``: the flag's value to the field's (argparse's ``type`` reads text, this runs
-    after, where a refusal is paradit's own one line); ``remote``: with ``generate --server``, the request body's
-    field it is sent as, or None where the server chose it when it started (then it is refused); ``http``: the JSON type
-and bounds of that field where the server's bodies take it, ``routes``: which of them."""
+        under in their help; ``convert``: the flag's value to the field's (argparse's ``type`` reads text, this runs
+        after, where a refusal is paradit's own one line); ``remote``: with ``generate --server``, the request body's
+        field it is sent as, or None where the server chose it when it started (then it is refused); ``http``: the JSON
+    type and bounds of that field where the server's bodies take it, ``routes``: which of them."""
 
     name: str
     help: str

@@ -1,5 +1,5 @@
 """``paradit quantize``: write an FP8 checkpoint folder (the transformer quantized linear by linear as it loads, the
-other components linked), and read back one written for a preset. Must not import torch.distributed."""
+other components linked), and read back one written for a preset."""
 
 from __future__ import annotations
 

@@ -29,9 +29,8 @@ from paradit.parallel.mesh import ParallelContext, init_process_group
 from paradit.parallel.parallelize import Parallelized, parallelize, plain_vae_decode, plain_vae_encode
 from paradit.parallel.shard import shard_module, shard_root
 from paradit.pipelines.base import DiffusionPipeline, load_vae
-from paradit.pipelines.requests import ResolvedRequest
 from paradit.quantize import fp8_load
-from paradit.request import GenerationResult
+from paradit.request import GenerationResult, ResolvedRequest
 from paradit.spec import CheckpointFolder, Fp8PresetFolder, ModelSpec
 from paradit.text_encoder import load_prompt_encoder
 from paradit.weights import CheckpointTensors, DummyTensors, Fp8Load, ModelNames, TensorSource, materialize

@@ -3,21 +3,16 @@ memory) before anything loads; the device's side (the allocator, the cap held) i
 
 The weights are counted from the model itself: the transformer and the prompt encoders and VAE are built on the meta
 device (no memory, milliseconds) and their parameters counted as the run holds them; working memory is each
-family's, measured on the GPU (``planner/memory.json``), for the tokens and pixels each rank holds. Rank 0 carries the
-prompt encoders and the VAE, so it is the rank that must fit; the plan also places the prompt encoders
-(``check_fits``).
-
-Must not import torch.distributed.
+family's, measured on the GPU (``memory.json`` in its folder: ``family.Measured``), for the tokens and pixels each
+rank holds. Rank 0 carries the prompt encoders and the VAE, so it is the rank that must fit; the plan also places the
+prompt encoders (``check_fits``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,18 +20,16 @@ from torch import nn
 
 from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
-from paradit.families import FAMILIES, PRESETS
+from paradit.families import FAMILIES, measured_preset
 from paradit.options import PLACEMENTS
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.pipefusion import stage_range
 from paradit.pipelines.base import load_vae
-from paradit.planner.facts import find_facts
 from paradit.quantize import quantizable
 from paradit.spec import ModelSpec
 from paradit.text_encoder import converts_to_fp8, load_prompt_encoder
 
 TEXT_ENCODER_PLACEMENTS = ("auto", *PLACEMENTS)
-MEMORY_FILE = Path(__file__).parent / "planner" / "memory.json"
 VIDEO_FRAMES_MEASURED = 81
 # Over the measured working memory (max_memory_allocated): what the caching allocator holds past it (with expandable
 # segments: 0.3 to 2.5 GiB on one H100, the most for Wan 2.2 A14B at 720p) and what a measurement at other sizes varies
@@ -127,22 +120,19 @@ class MemoryPlan:
 
 
 def working_units(spec: ModelSpec, table: str, compiled: bool, fp8: bool) -> float:
-    """The measured working-memory coefficient ``table`` (``activations`` or ``vae_decode``, ``MEMORY_FILE``) of the
-    preset whose architecture ``spec`` shares, in this mode (eager or compiled, bf16 or FP8); an unmeasured mode or
-    architecture takes the largest figure its preset or family has, which errs high."""
-    models = _measured()[table]["models"]
-    facts = find_facts(spec)
-    preset = facts.preset if facts is not None and facts.preset in models else None
-    entries = [models[preset]] if preset else [v for k, v in models.items() if PRESETS[k].family == spec.family]
+    """The measured working-memory coefficient ``table`` (``activations`` or ``vae_decode`` of ``family.Measured``) of
+    the preset whose architecture ``spec`` shares, in this mode (eager or compiled, bf16 or FP8). Each figure that is
+    missing takes the largest there is, which errs high: of an unmeasured mode, the largest its preset has; of an
+    unmeasured architecture, its family's; of a family measured nowhere, any family's."""
+    tables = {name: getattr(family.measured, table) for name, family in FAMILIES.items()}
+    measured = tables[spec.family]
+    preset = measured_preset(spec, measured)
+    entries = [measured[preset]] if preset else list(measured.values())
+    entries = entries or [entry for other in tables.values() for entry in other.values()]
     if table == "vae_decode":
         return max(entries)
     mode, precision = "compiled" if compiled else "eager", "fp8" if fp8 else "bf16"
     return max(e.get(mode, {}).get(precision) or max(x for m in e.values() for x in m.values()) for e in entries)
-
-
-@cache
-def _measured() -> dict:
-    return json.loads(MEMORY_FILE.read_text())
 
 
 def _transformer_bytes(

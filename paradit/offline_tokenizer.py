@@ -3,7 +3,7 @@
 Byte-level BPE with no merges: every UTF-8 byte is one token, plus the chat-format special tokens, and a chat
 template that accepts plain-string and list-of-parts message contents (the two forms the FLUX.2 pipelines send).
 Real checkpoints bring their own tokenizer; this exists only so that a model with random weights can still take a
-text prompt end to end, offline. Must not import torch.distributed."""
+text prompt end to end, offline."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Execution options (``options.ExecutionOptions``) applied to a transformer from outside: FP8 linears (converted as
-read by ``load_transformer``: the high-precision model never exists whole), regional compilation, CUDA graphs.
-Must not import torch.distributed."""
+read by ``load_transformer``: the high-precision model never exists whole), regional compilation, CUDA graphs."""
 
 from __future__ import annotations
 

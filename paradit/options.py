@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from paradit.errors import InvalidRequest
-from paradit.families import DEFAULT_MODEL
+from paradit.families.default import DEFAULT_MODEL
 from paradit.flags import GENERATE, PLAN, SERVE, nonnegative, option, positive
 from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_lora, parse_named
 from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig
@@ -23,7 +23,7 @@ from paradit.request import GenerationRequest, StepCacheConfig
 if TYPE_CHECKING:
     import torch
 
-    from paradit.pipelines.requests import ResolvedRequest
+    from paradit.request import ResolvedRequest
     from paradit.spec import ModelSpec
 
 DEVICES = ("cuda", "cpu")

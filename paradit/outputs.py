@@ -1,5 +1,5 @@
 """Output files: image formats, ``--out``'s paths, files written, MP4s (H.264: PyAV's libx264). The CLI writes these;
-the server (``serving.media``) encodes the same formats, by API name, and ``encode_mp4``. Must not import torch."""
+the server (``serving.media``) encodes the same formats, by API name, and ``encode_mp4``."""
 
 from __future__ import annotations
 

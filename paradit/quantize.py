@@ -7,8 +7,7 @@ diffusers refuses the unknown method rather than reading FP8 bytes as weights.
 Converting and saving run anywhere (the CPU included); only executing FP8 needs a GPU (``check_fp8_supported``).
 Which layers stay in bf16 is a measured choice, not a guess: the embedders, the timestep/guidance MLPs, the
 modulation projections and the output projection are a small share of the FLOPs but feed every block (modulation)
-or the final prediction directly, so their error is not averaged away; the benchmark reports the resulting error.
-Must not import torch.distributed."""
+or the final prediction directly, so their error is not averaged away; the benchmark reports the resulting error."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a caller asks for and what it gets back.
-Must not import torch (the command line reads its limits before anything heavy loads)."""
+"""What a caller asks for, what a request becomes once resolved, and what it gets back."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ from paradit.outputs import read_image
 
 if TYPE_CHECKING:
     import torch
-
-    from paradit.pipelines.requests import ResolvedRequest
 
 SEED_LIMIT = 2**64  # seeds are torch generators' 64-bit seeds: 0 to 2**64 - 1
 # Bounds a server sets on what one request may ask for, tighter than the engine's own (``pipelines.requests``): a
@@ -265,6 +262,33 @@ class GenerationRequest:
     @property
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+@dataclass
+class ResolvedRequest:
+    """A request with every default filled in and every value checked."""
+
+    prompts: list[str]
+    negative_prompts: list[str] | None
+    height: int
+    width: int
+    steps: int
+    guidance: float | None
+    seed: int
+    images_per_prompt: int
+    frames: int | None = None  # video families: frames per video
+    guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
+    images: tuple[Image.Image, ...] = ()  # the input images, RGB: Wan's first frame, FLUX.2's references
+    reference_tokens: int = 0  # tokens the input images add to the transformer's sequence (FLUX.2's references)
+    strength: float | None = None  # image-to-image: the share of the schedule run, from the image noised to its start
+    mask: Image.Image | None = None  # inpainting: grayscale, the image's size; white is repainted, black kept
+    fps: int | None = None  # video families: frames per second of the written file
+    lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
+    cache: StepCacheConfig | None = None  # step caching, its threshold set
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts) * self.images_per_prompt
 
 
 @dataclass

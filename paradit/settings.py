@@ -3,7 +3,6 @@ a server's settings, the Python ``Engine``'s arguments) and the request, when th
 executes with (``choices``, then every check, the family's included, and the memory plan) and the request resolved
 once, before anything loads.
 
-Must not import torch.distributed.
 """
 
 from __future__ import annotations
@@ -29,10 +28,9 @@ from paradit.memory import MemoryPlan, cap_words, check_fits, check_placement, g
 from paradit.options import LOAD_FORMATS, Asked, ExecutionOptions, check_conflicts
 from paradit.parallel.config import ParallelConfig, plans_for
 from paradit.parallel.validate import check_plan
-from paradit.pipelines.requests import ResolvedRequest
 from paradit.planner.choose import settings_for
 from paradit.quantize import fp8_checkpoint_layers
-from paradit.request import GenerationRequest
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, RandomWeights
 
 # The dtypes ``options.DTYPES`` names.

@@ -1,5 +1,5 @@
-"""``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder.
-Must not import torch.distributed."""
+"""``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder (the one
+a family's ``read_checkpoint`` builds: ``checkpoint_spec``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from paradit.checkpoint import safetensors_files
+from paradit.checkpoint import component_config, safetensors_files
 
 GuidanceMode = Literal["embedded", "cfg", "none"]
 
@@ -84,3 +84,13 @@ class ModelSpec:
     @property
     def attention_heads(self) -> int:
         return int(self.transformer.get("num_attention_heads") or self.transformer["n_heads"])
+
+
+def checkpoint_spec(folder: Path, index: dict, family: str, detail: str | None = None, **fields) -> ModelSpec:
+    """A checkpoint folder's ModelSpec: ``fields`` as the family reads them, the transformer, VAE and scheduler
+    configs as the folder holds them where ``fields`` give none, described by its pipeline class and ``detail``."""
+    for component in ("transformer", "vae", "scheduler"):
+        if component not in fields:
+            fields[component] = component_config(folder, component)
+    description = f"{index['_class_name']} checkpoint" + (f" ({detail})" if detail else "")
+    return ModelSpec(str(folder), family, description, weights=CheckpointFolder(folder), **fields)

@@ -5,8 +5,7 @@ time); the final norm becomes an identity, so the last kept layer gives the raw 
 
 Prompt encoders are placed one of three ways (``PLACEMENTS``), as the memory plan chooses: ``gpu``, resident in the run
 dtype; ``fp8``, resident with FP8 linears (``quantize_to``) where the run already executes in FP8; ``offload``, weights
-in host memory streamed to the device (``stream_weights``), when the encoder does not fit beside the transformer.
-Must not import torch.distributed."""
+in host memory streamed to the device (``stream_weights``), when the encoder does not fit beside the transformer."""
 
 from __future__ import annotations
 

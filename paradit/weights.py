@@ -5,7 +5,7 @@ tensors this rank kept materialised (``materialize``): read from the memory-mapp
 slice a tensor-parallel rank keeps) or drawn at random (``dummy``), one tensor at a time, straight into their final
 device and dtype. Linears converted to FP8 while loading become FP8 as they are read. So a rank's memory while
 loading is its own share plus at most one full tensor. Keys must match the model exactly: a missing or unexpected
-key is an error that names it. Must not import torch.distributed."""
+key is an error that names it."""
 
 from __future__ import annotations
 

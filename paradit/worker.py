@@ -42,8 +42,7 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
     from paradit.loader import WorkerPlan
-    from paradit.pipelines.requests import ResolvedRequest
-    from paradit.request import GenerationResult
+    from paradit.request import GenerationResult, ResolvedRequest
 
 POLL_S = 0.5
 # After one worker fails a request, how long its peers get to report that request's end before the group is taken for

@@ -12,8 +12,9 @@ import torch
 
 from paradit import Engine, InvalidRequest
 from paradit.cli import main
-from paradit.families import PRESETS
+from paradit.families import FAMILIES, PRESETS
 from paradit.families.flux2.family import FAMILY as FLUX2
+from paradit.family import Measured
 from paradit.memory import WORKING_MARGIN, check_fits, estimate, estimates, parse_size, working_units
 from paradit.parallel import ParallelConfig
 
@@ -91,6 +92,24 @@ def test_pipefusion_keeps_only_the_first_stage_on_rank_0():
     assert whole.activations == int(max(block, decode) * WORKING_MARGIN)  # one GPU: the whole decode dominates
     staged_working = max(block, decode / 2) + len(blocks) // 2 * 2 * tokens * width * 2
     assert staged.activations == int(staged_working * WORKING_MARGIN)
+
+
+def test_working_memory_nobody_measured_takes_the_largest_figure_there_is(monkeypatch):
+    """A preset without figures of its own takes its family's largest, and a family measured nowhere the largest of
+    any family: an estimate that errs high, where ``max()`` of nothing once failed every capped run."""
+    tiny = PRESETS["flux2-tiny"]
+    klein = FAMILIES["flux2"].measured.activations["flux2-klein-4b"]["eager"]["bf16"]
+    assert working_units(tiny, "activations", False, False) == klein == 22.57  # FLUX.2's largest eager bf16 figure
+    every = [family.measured for family in FAMILIES.values()]
+    largest = max(
+        x for m in every for entry in m.activations.values() for mode in entry.values() for x in mode.values()
+    )
+    largest_decode = max(x for m in every for x in m.vae_decode.values())
+    monkeypatch.setitem(FAMILIES, "flux2", dataclasses.replace(FAMILIES["flux2"], measured=Measured()))
+    assert working_units(tiny, "activations", False, False) == largest == 47.5  # Wan TI2V-5B's eager FP8 figure
+    assert working_units(tiny, "vae_decode", False, False) == largest_decode == 6158
+    plan = check_fits(tiny, ParallelConfig(), torch.float32, False, CAP_32)
+    assert plan.activations == int(6158 * 128 * 128 * 4 * WORKING_MARGIN)  # the decode's working set dominates
 
 
 @pytest.mark.parametrize(

@@ -17,14 +17,14 @@ from benchmarks.model_facts import preset_facts
 from paradit import cli, machine
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, PRESETS
+from paradit.family import FACTS_FILE
 from paradit.options import PLACEMENTS
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.validate import check_plan
 from paradit.planner import choose
 from paradit.planner.cost import attention_ms, step_cost
-from paradit.planner.facts import FACTS_FILE, facts_for
 from paradit.planner.measurements import all_measurements
-from paradit.planner.plan import MemoryEstimates, calibration, plan, request_for
+from paradit.planner.plan import MemoryEstimates, calibration, facts_for, plan, request_for
 from paradit.planner.probe import collective_gbps
 from paradit.planner.profile import all_profiles, load_profile
 from paradit.planner.tuned import GPU_COUNTS, tuned_entry
@@ -69,8 +69,9 @@ def test_facts_give_the_flops_and_the_bytes_the_benchmarks_counted():
 
 
 @pytest.mark.parametrize("preset", ["flux2-tiny", "qwen-image-tiny", "sd3.5-tiny", "z-image-tiny", "wan-tiny"])
-def test_models_json_is_what_a_fresh_meta_device_trace_counts(preset):
-    stored = json.loads(FACTS_FILE.read_text())["models"][preset]
+def test_model_facts_json_is_what_a_fresh_meta_device_trace_counts(preset):
+    folder = FAMILIES[PRESETS[preset].family].measured.folder
+    stored = json.loads((folder / FACTS_FILE).read_text())["models"][preset]
     assert json.loads(json.dumps(preset_facts(PRESETS[preset]))) == stored
 
 

@@ -15,8 +15,7 @@ import uvicorn
 
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES
-from paradit.pipelines.requests import ResolvedRequest
-from paradit.request import GenerationRequest, GenerationResult, Timings
+from paradit.request import GenerationRequest, GenerationResult, ResolvedRequest, Timings
 from paradit.serving.jobs import JobCancelled, JobTimeout, QueueFull
 from paradit.serving.metrics import Metrics
 from paradit.serving.pace import Pace

@@ -2,7 +2,7 @@
 
 Models' attention modules call ``self.attend(q, k, v)``; the parallel runtime swaps ``attend`` for a distributed
 implementation (Ulysses, Ring, ...) from outside. Tensors are (batch, sequence, heads, head_dim), as the projections
-produce them, so no transpose is spent before the dispatch decides what it needs. Must not import torch.distributed."""
+produce them, so no transpose is spent before the dispatch decides what it needs."""
 
 from __future__ import annotations
 

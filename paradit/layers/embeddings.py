@@ -1,5 +1,4 @@
-"""Timestep and condition embeddings: sinusoidal features, MLPs lifting them to model width, the conditioning vector.
-Must not import torch.distributed."""
+"""Timestep and condition embeddings: sinusoidal features, MLPs lifting them to model width, the conditioning vector."""
 
 from __future__ import annotations
 

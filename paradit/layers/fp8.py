@@ -2,7 +2,7 @@
 
 Row-wise scales keep FP8's error near 1e-2 relative on DiT activations, whose magnitudes vary from token to token; a
 tensor-wide scale would let the loudest token set everyone's resolution. ``torch._scaled_mm`` is PyTorch's one FP8 GEMM
-on both CUDA (sm89+) and ROCm (MI300, RDNA 4): nothing vendor-only is on the path. Must not import torch.distributed."""
+on both CUDA (sm89+) and ROCm (MI300, RDNA 4): nothing vendor-only is on the path."""
 
 from __future__ import annotations
 

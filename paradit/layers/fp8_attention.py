@@ -14,8 +14,7 @@ The method is SageAttention's, in the variant the GPU multiplies fastest:
 - **Online softmax** in fp32, base 2, as FlashAttention does.
 
 The pre-pass (K's mean and V's channel maxima by torch, one Triton pass writing both in 8 bits) reads K and V twice
-and writes them once: at Wan 720p 1.5 ms beside 190 ms of attention. tests/test_fp8_attention.py derives the error.
-Must not import torch.distributed."""
+and writes them once: at Wan 720p 1.5 ms beside 190 ms of attention. tests/test_fp8_attention.py derives the error."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Rotary position embeddings over several position axes (FLUX-style: interleaved pairs, one frequency band per axis).
-Must not import torch.distributed."""
+"""Rotary position embeddings over several position axes (FLUX-style: interleaved pairs, one frequency band per
+axis)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What every family's transformer is built on: its config (``transformer/config.json``), the three stages the parallel
-runtime acts between, the joint models' token state, the inverse patch embedding. Must not import torch.distributed."""
+runtime acts between, the joint models' token state, the inverse patch embedding."""
 
 from __future__ import annotations
 

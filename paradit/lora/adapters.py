@@ -1,6 +1,6 @@
 """LoRA adapters as published: read from a file, a folder or the hub, converted to diffusers' keys by diffusers' own
 loader for the family (kohya, ComfyUI, musubi, ai-toolkit layouts), checked against the model, and reduced to each
-linear's low-rank factors with the scale the file states. Must not import torch.distributed."""
+linear's low-rank factors with the scale the file states."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ its updates added in float32, and only then cut to the rank's tensor-parallel sl
 plan and precision gets the same merged weight at no cost per step. Unfused: each targeted linear gets a low-rank
 side path beside it (bf16 beside an FP8 GEMM), its factors cut the way the base weight is cut (``up`` for a column-
 parallel linear, ``down`` for a row-parallel one, whose partial output the existing all-reduce sums), so no extra
-communication. Must not import torch.distributed."""
+communication."""
 
 from __future__ import annotations
 

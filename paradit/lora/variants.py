@@ -2,8 +2,7 @@
 scales) merged once and kept in a least-recently-used cache, so a request whose choice is cached runs at the base
 model's speed after a copy of the weights it changes, and a miss costs one merge. Every choice is copied into the
 tensors the model already runs, never new ones, so compiled blocks and CUDA graphs stay valid across switches. Each
-side path's factors are this rank's cut of them, so a merged update matches the weight slice the rank holds.
-Must not import torch.distributed."""
+side path's factors are this rank's cut of them, so a merged update matches the weight slice the rank holds."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""``ParallelConfig``: how one request is spread over a group of GPUs, and the check that it can be.
-
-Must not import torch.distributed (it is imported by the CLI before any process group exists).
-"""
+"""``ParallelConfig``: how one request is spread over a group of GPUs, and the check that it can be."""
 
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ from paradit.parallel.comm import CommStats
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import NoisePredictor, Parallelized
 from paradit.pipelines.inpainting import KeepUnmasked, latent_mask
-from paradit.pipelines.requests import ResolvedRequest, first_step, one_batch
+from paradit.pipelines.requests import first_step, one_batch
 from paradit.pipelines.step_cache import CacheRecord, StepCache
-from paradit.request import GenerationResult, Timings
+from paradit.request import GenerationResult, ResolvedRequest, Timings
 from paradit.spec import ModelSpec
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Inpainting as diffusers' flow-matching inpainting pipelines run it: after every step, the latents outside the mask
-are put back to the input image's, noised to the level of the step that follows (the last step's to the image itself).
-Must not import torch.distributed."""
+are put back to the input image's, noised to the level of the step that follows (the last step's to the image
+itself)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What a request becomes once resolved: every default filled in and every value checked (``ResolvedRequest``), the
-checks every family shares, and what requests must share to run as one batch. Must not import torch.distributed."""
+"""Resolving a request (``ResolvedRequest``: every default filled in and every value checked): the checks every family
+shares, and what requests must share to run as one batch."""
 
 from __future__ import annotations
 
@@ -9,39 +9,19 @@ import random
 from typing import TYPE_CHECKING
 
 from paradit.errors import InvalidRequest
-from paradit.request import CACHE_METHODS, CACHE_THRESHOLDS, SEED_LIMIT, GenerationRequest, StepCacheConfig
+from paradit.request import (
+    CACHE_METHODS,
+    CACHE_THRESHOLDS,
+    SEED_LIMIT,
+    GenerationRequest,
+    ResolvedRequest,
+    StepCacheConfig,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
 
     from paradit.spec import ModelSpec
-
-
-@dataclasses.dataclass
-class ResolvedRequest:
-    """A request with every default filled in and every value checked."""
-
-    prompts: list[str]
-    negative_prompts: list[str] | None
-    height: int
-    width: int
-    steps: int
-    guidance: float | None
-    seed: int
-    images_per_prompt: int
-    frames: int | None = None  # video families: frames per video
-    guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
-    images: tuple[Image.Image, ...] = ()  # the input images, RGB: Wan's first frame, FLUX.2's references
-    reference_tokens: int = 0  # tokens the input images add to the transformer's sequence (FLUX.2's references)
-    strength: float | None = None  # image-to-image: the share of the schedule run, from the image noised to its start
-    mask: Image.Image | None = None  # inpainting: grayscale, the image's size; white is repainted, black kept
-    fps: int | None = None  # video families: frames per second of the written file
-    lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
-    cache: StepCacheConfig | None = None  # step caching, its threshold set
-
-    @property
-    def batch(self) -> int:
-        return len(self.prompts) * self.images_per_prompt
 
 
 # Bounds of what a request may ask for, where the model sets none tighter: a side far past any published model's

@@ -1,7 +1,7 @@
 """What ``--gpus N`` alone runs on a GPU the planner knows: the tuned entry of the detected hardware profile when the
 request is the one the entry was planned for, else the planner's choice for this request. None where no profile
 applies (CPU processes, an unknown GPU) or the model's architecture is none the planner has counted, which leaves the
-engine's own default. Must not import torch.distributed."""
+engine's own default."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from paradit.errors import InvalidRequest
+from paradit.families import find_facts
 from paradit.parallel.config import ParallelConfig
-from paradit.planner.facts import find_facts
 from paradit.planner.plan import plan, request_for
 from paradit.planner.profile import HardwareProfile, detect_profile
 from paradit.planner.tuned import tuned_entry

@@ -1,6 +1,6 @@
 """``paradit plan``: what ``generate`` with the same flags would run, through the same ``settle``, on this machine or
 on GPUs of a hardware profile (named, this machine's, or measured by a probe, its link as asked), with the planner's
-ranking where the planner chose. Must not import torch.distributed."""
+ranking where the planner chose."""
 
 from __future__ import annotations
 

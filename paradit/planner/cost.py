@@ -13,7 +13,6 @@
   blocks (``host_ms_per_block`` each), which bounds models of many short blocks.
 
 Efficiency: from the model's one-GPU step (``calibration``) or the profile; plan changes are counted, not fitted.
-Must not import torch.distributed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Measured step times (``measurements.json``, copied from docs/benchmarks.md): the one-GPU rows calibrate the cost
 model's compute, the rows of several GPUs are what its predictions are checked against, and both mark tuned
-configurations as measured. Must not import torch.distributed."""
+configurations as measured."""
 
 from __future__ import annotations
 

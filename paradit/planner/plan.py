@@ -12,8 +12,6 @@ Ranking prefers exact plans: an approximate one (FP8 transport, PipeFusion's sta
 ``EXACT_PREMIUM`` faster to rank above an exact one. Plans within ``SAME_SPEED`` of each other count as equally fast
 (the model cannot tell them apart), and among them the least approximate goes first (exact, then FP8 transport, then
 fewer patches).
-
-Must not import torch.distributed.
 """
 
 from __future__ import annotations
@@ -27,16 +25,15 @@ from typing import TypeVar
 import torch
 
 from paradit.errors import InvalidRequest
-from paradit.families import FAMILIES, PRESETS
+from paradit.families import FAMILIES, PRESETS, find_facts
 from paradit.memory import MemoryPlan, MetaModels, estimates, gib
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.validate import check_plan
-from paradit.pipelines.requests import ResolvedRequest
 from paradit.planner.cost import StepCost, linear_efficiency, step_cost
-from paradit.planner.facts import ModelFacts, facts_for
+from paradit.planner.facts import ModelFacts
 from paradit.planner.measurements import Measurement, one_gpu_reference
 from paradit.planner.profile import HardwareProfile
-from paradit.request import GenerationRequest
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec
 
 SAME_SPEED = 0.02
@@ -84,6 +81,19 @@ def request_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | 
     return Request(
         resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1, resolved.reference_tokens
     )
+
+
+def facts_for(spec: ModelSpec) -> ModelFacts:
+    """The planner's counts of ``spec``'s transformer (``families.find_facts``), or an InvalidRequest saying how to
+    run without them."""
+    facts = find_facts(spec)
+    if facts is None:
+        counted = ", ".join(name for family in FAMILIES.values() for name in family.measured.model_facts)
+        raise InvalidRequest(
+            f"the planner has no FLOP counts for {spec.name}'s transformer (it knows {counted}); "
+            "pass the parallel flags yourself, or add its preset and rerun benchmarks/model_facts.py"
+        )
+    return facts
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,4 @@
-"""A ``PlanChoice`` as text: plan and runners-up (ms/step, sent/step, GPU memory), why the winner won, its command.
-
-Must not import torch.distributed.
-"""
+"""A ``PlanChoice`` as text: plan and runners-up (ms/step, sent/step, GPU memory), why the winner won, its command."""
 
 from __future__ import annotations
 

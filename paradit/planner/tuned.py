@@ -3,7 +3,7 @@ shipped as data in ``paradit/configs/<profile>.json`` (written by ``python -m be
 
 An entry's figure is a measurement (where, when, which command) or the planner's prediction. ``paradit generate
 --gpus N`` with no parallel flag runs the entry of the detected profile when the request matches it (the preset's
-defaults, which it was planned for); any parallel flag replaces it. Must not import torch.distributed."""
+defaults, which it was planned for); any parallel flag replaces it."""
 
 from __future__ import annotations
 

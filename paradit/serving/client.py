@@ -1,6 +1,6 @@
 """``paradit generate --server URL``: the request sent to a running ``paradit serve`` instead of a model loaded here,
 the files written where ``--out`` says. An ``--out`` ending in .mp4 makes a video job and waits for it. Standard
-library only, so that the command answers at once. Must not import torch."""
+library only, so that the command answers at once."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``paradit serve``: its socket, the groups' engines, the scheduler, the app, and uvicorn, which on SIGTERM (or Ctrl-C,
 or SIGHUP: the command line takes a closed terminal for SIGTERM) first drains (new requests get 503, the accepted
-ones finish) and then exits; a second signal exits at once. Must not import torch.distributed."""
+ones finish) and then exits; a second signal exits at once."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from paradit.engine import Engine
 from paradit.errors import InvalidRequest
 from paradit.family import PIXELS_PER_IMAGE_TOKEN
 from paradit.options import ServeSettings
-from paradit.pipelines.requests import ResolvedRequest
-from paradit.request import GenerationRequest
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.serving.metrics import Metrics
 from paradit.serving.pace import Pace
 from paradit.serving.scheduler import Scheduler

@@ -1,5 +1,5 @@
 """Image files made from what the workers return, in the formats of ``paradit.outputs``. Called from the front end's
-thread pool, never from a group's thread, so that encoding overlaps the next batch. Must not import torch."""
+thread pool, never from a group's thread, so that encoding overlaps the next batch."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of their own so that several servers in one
-process (tests) do not collide. Must not import torch."""
+process (tests) do not collide."""
 
 from __future__ import annotations
 

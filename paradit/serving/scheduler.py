@@ -18,8 +18,7 @@ front end never waits on a group: it awaits the job's future, and encodes the im
 - ``auto``: group 0 spans every GPU and the other groups hold one GPU each, on the same devices (each with its own
   copy of the model). Per batch, from the queue: while it holds at most one batch, group 0 runs it split across every
   GPU (lowest latency); past that, the one-GPU groups run independent batches (most throughput), never both at once.
-
-Must not import torch.distributed."""
+"""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ from paradit.worker import RequestCancelled, RequestFailed, WorkerFailure
 
 if TYPE_CHECKING:
     from paradit.engine import Engine
-    from paradit.pipelines.requests import ResolvedRequest
-    from paradit.request import GenerationRequest, GenerationResult
+    from paradit.request import GenerationRequest, GenerationResult, ResolvedRequest
     from paradit.serving.metrics import Metrics
     from paradit.serving.pace import Pace
 

@@ -1,6 +1,6 @@
 """The HTTP API's bodies and answers (pydantic): what FastAPI validates each request against and what the OpenAPI
 schema shows. Requests refuse fields they do not know and values of the wrong JSON type ("2" for 2); the model's own
-limits (sizes, frames) are checked afterwards by the engine, which knows them. Must not import torch."""
+limits (sizes, frames) are checked afterwards by the engine, which knows them."""
 
 from __future__ import annotations
 

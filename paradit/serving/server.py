@@ -4,8 +4,7 @@ Handlers never wait on a group: they queue a job and await its future, polling f
 synchronous request whose client went away is cancelled), and encode images in the thread pool. Every error is an
 OpenAI-style ``{"error": {"message", "type", "param"}}`` answer: bad input 400 naming the field and what is allowed,
 a missing or wrong API key 401 (every route but /health), a body past the limit 413, a full queue 429 with
-``Retry-After``, shutting down or out of device memory 503, a timeout 504, a worker failure 500. Must not import
-torch.distributed."""
+``Retry-After``, shutting down or out of device memory 503, a timeout 504, a worker failure 500."""
 
 from __future__ import annotations
 

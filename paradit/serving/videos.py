@@ -1,5 +1,5 @@
 """Video jobs (``/v1/videos``): each a scheduler job, its MP4 encoded in a thread pool once the workers return its
-frames, so that the group goes on to the next job at once. The last ``keep`` jobs are kept. Must not import torch."""
+frames, so that the group goes on to the next job at once. The last ``keep`` jobs are kept."""
 
 from __future__ import annotations
 

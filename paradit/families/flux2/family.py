@@ -1,5 +1,4 @@
-"""FLUX.2 (dev, klein and klein KV) as one record: its checkpoints, requests, runtime facts. Must not import
-torch.distributed."""
+"""FLUX.2 (dev, klein and klein KV) as one record: its checkpoints, requests, runtime facts."""
 
 from __future__ import annotations
 
@@ -7,13 +6,12 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from diffusers import AutoencoderKLFlux2
 from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
+from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.flux2.pipeline import (
     Flux2Details,
@@ -23,15 +21,12 @@ from paradit.families.flux2.pipeline import (
     pixel_granularity,
     reference_size,
 )
-from paradit.family import Family
+from paradit.family import Family, Measured, SettledRun
 from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec, TextEncoderSpec
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, TextEncoderSpec, checkpoint_spec
 from paradit.text_encoder import DecoderPromptEncoder
-
-if TYPE_CHECKING:
-    from paradit.settings import RunSettings
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +110,7 @@ def resolve_reference(image, index: int, checked: bool = True):
     return image
 
 
-def check_run(settings: RunSettings, request: ResolvedRequest) -> None:
+def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
     """A KV checkpoint's cached references are every block's keys and values, whole on each rank, computed outside the
     forward: the plans that split the sequence or the blocks (or gather each block's weights in its forward) would
     need them split alike, and a CUDA graph captures only the tensors it is called with."""
@@ -192,4 +187,5 @@ FAMILY = Family(
     # the output layers: a small share of the FLOPs that feeds every block or the prediction directly.
     keep_high_precision=("embed", "modulation", "norm_out", "proj_out"),
     lora_loader="Flux2LoraLoaderMixin",
+    measured=Measured.read(Path(__file__).parent),
 )

@@ -10,8 +10,7 @@ Names follow diffusers' ``Flux2Transformer2DModel`` (checkpoints load without ke
 klein's KV checkpoints (diffusers' ``Flux2KleinKVPipeline``) run their reference images through the blocks once per
 request (``cache_references``): the references attend only to themselves, so their keys and values at every block are
 the same at every step, and each step's text and image tokens attend to them besides their own.
-
-Must not import torch.distributed."""
+"""
 
 from __future__ import annotations
 

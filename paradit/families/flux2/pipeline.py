@@ -19,7 +19,7 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
 from paradit.pipelines.inpainting import latent_mask
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.spec import ModelSpec
 from paradit.text_encoder import DecoderPromptEncoder, warn_if_truncated
 

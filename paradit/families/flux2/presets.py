@@ -1,5 +1,5 @@
 """FLUX.2 presets: full-size dev and klein configs (published ``transformer/config.json``), the text encoders'
-decoder configs (for ``--load-format dummy``), a tiny model for demo and tests. Must not import torch.distributed."""
+decoder configs (for ``--load-format dummy``), a tiny model for demo and tests."""
 
 from __future__ import annotations
 

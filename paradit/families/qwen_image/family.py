@@ -1,4 +1,4 @@
-"""Qwen-Image as one record: its checkpoints, its requests, its runtime facts. Must not import torch.distributed."""
+"""Qwen-Image as one record: its checkpoints, its requests, its runtime facts."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from diffusers import AutoencoderKLQwenImage
 
+from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.qwen_image.edit import EDIT_PIPELINES, EditInputs
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
 from paradit.families.qwen_image.pipeline import (
@@ -18,11 +18,11 @@ from paradit.families.qwen_image.pipeline import (
     QwenVisionPromptEncoder,
     pixel_granularity,
 )
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, checkpoint_spec
 
 logger = logging.getLogger(__name__)
 
@@ -119,4 +119,5 @@ FAMILY = Family(
     # The embedders (img_in, txt_in, the timestep MLP), the per-block modulation (img_mod, txt_mod), the output layers.
     keep_high_precision=("img_in", "txt_in", "time_text_embed", "_mod.", "norm_out", "proj_out"),
     lora_loader="QwenImageLoraLoaderMixin",
+    measured=Measured.read(Path(__file__).parent),
 )

@@ -6,8 +6,7 @@ Names follow diffusers' ``QwenImageTransformer2DModel`` (checkpoints load withou
 - ``embed``: packed latents, masked text, timestep, grid -> ``QwenImageTokens`` (streams, rotary tables, mask, temb);
 - ``run_blocks``: the dual-stream blocks, text and image meeting in joint attention over [text, image];
 - ``head``: image tokens -> prediction.
-
-Must not import torch.distributed."""
+"""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from paradit.checkpoint import component_dir
 from paradit.families.qwen_image.edit import EditInputs
 from paradit.offline_tokenizer import VISION_TOKENS, build_offline_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, latent_statistics, pad_rows, seeded_noise
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.spec import CheckpointFolder
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 

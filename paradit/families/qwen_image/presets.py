@@ -1,5 +1,5 @@
 """Qwen-Image presets: the published full-size model (``Qwen/Qwen-Image``), its Qwen2.5-VL-7B text encoder's config
-(for ``--load-format dummy``), VAE and scheduler, a tiny model for demo and tests. Must not import torch.distributed."""
+(for ``--load-format dummy``), VAE and scheduler, a tiny model for demo and tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stable Diffusion 3 / 3.5 as one record: checkpoints, requests, runtime facts. Must not import torch.distributed."""
+"""Stable Diffusion 3 / 3.5 as one record: checkpoints, requests, runtime facts."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ from pathlib import Path
 
 from diffusers import AutoencoderKL
 
+from paradit.checkpoint import component_config
 from paradit.errors import CheckpointError
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.sd3.model import SD3Config, SD3Transformer
 from paradit.families.sd3.pipeline import SD3Pipeline, SD3PromptEncoder, pixel_granularity, vae_scale_factor
 from paradit.families.sd3.presets import PRESETS, SD3TextEncoders
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan, joint_attention
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' StableDiffusion3Pipeline.__call__ defaults, for checkpoints that are not a published SD3.5.
 PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE = 28, 7.0
@@ -106,4 +106,5 @@ FAMILY = Family(
     keep_high_precision=("embed", "norm", "proj_out"),
     lora_loader="SD3LoraLoaderMixin",
     after_dummy_init=lambda transformer: transformer.pos_embed.fill_position_table(),  # a fixed sin-cos buffer
+    measured=Measured.read(Path(__file__).parent),
 )

@@ -6,8 +6,7 @@ goes through ``AttentionDispatch.attend``, and nothing here knows other devices.
 - ``embed``: latents -> patch tokens + cropped sin-cos positions, text -> context, timestep + pooled -> ``SD3Tokens``;
 - ``run_blocks``: the joint blocks (SD3.5-medium's first add image-only attention; the last leaves the text as it is);
 - ``head``: image tokens -> one row of patch values per token (``unpatchify`` makes it latent-shaped).
-
-Must not import torch.distributed."""
+"""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from paradit.families.sd3.model import unpatchify
 from paradit.families.sd3.presets import SD3TextEncoders
 from paradit.offline_tokenizer import offline_t5_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.spec import CheckpointFolder, ModelSpec
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 

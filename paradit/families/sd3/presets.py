@@ -1,6 +1,6 @@
 """Stable Diffusion 3.5 presets: full-size large and medium transformer configs (published ``transformer/config.json``),
 the three text encoders' configs (for ``--load-format dummy``), the VAE and scheduler as published, the model cards'
-defaults, and a tiny model for the demo and tests. Must not import torch.distributed."""
+defaults, and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 

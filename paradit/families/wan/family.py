@@ -1,5 +1,4 @@
-"""Wan 2.2 (T2V-A14B, I2V-A14B, TI2V-5B) as one record: its checkpoints, its requests, its runtime facts.
-Must not import torch.distributed."""
+"""Wan 2.2 (T2V-A14B, I2V-A14B, TI2V-5B) as one record: its checkpoints, its requests, its runtime facts."""
 
 from __future__ import annotations
 
@@ -7,16 +6,16 @@ from pathlib import Path
 
 from diffusers import AutoencoderKLWan
 
+from paradit.checkpoint import component_config
 from paradit.errors import CheckpointError, InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.wan.model import WanConfig, WanTransformer
 from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_input, vae_factors
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' WanPipeline.__call__ defaults, for a checkpoint folder.
 DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FRAMES, DEFAULT_FPS = 50, 5.0, 480, 832, 81, 16
@@ -134,4 +133,5 @@ FAMILY = Family(
     lora_loader="WanLoraLoaderMixin",
     video=True,
     sequence_tokens=sequence_tokens,
+    measured=Measured.read(Path(__file__).parent),
 )

@@ -10,7 +10,7 @@ attention calls ``AttentionDispatch.attend``; nothing here knows other devices. 
 
 The video is the one stream the runtime splits: every rank holds the whole text, so cross-attention runs locally (its
 ``sequence_streams == ()``). Numerics follow the reference: layer norms and modulation in float32, rounded where it
-rounds; Q/K RMS norms span all heads (one statistic over ``heads * head_dim``). Must not import torch.distributed."""
+rounds; Q/K RMS norms span all heads (one statistic over ``heads * head_dim``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Wan 2.2 presets: T2V-A14B (two 14B experts, high-noise then low-noise, switched at ``boundary_ratio``), I2V-A14B (the
 same with the image's latents as extra input channels), and TI2V-5B (one transformer, per-token timesteps, the 2.2 VAE;
-text or text and image), with the umT5-XXL prompt encoder, the schedulers as published, and a tiny model for tests.
-Must not import torch.distributed."""
+text or text and image), with the umT5-XXL prompt encoder, the schedulers as published, and a tiny model for tests."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Z-Image (Turbo, base, Omni) as one record: its checkpoints, requests, runtime facts. Must not import
-torch.distributed."""
+"""Z-Image (Turbo, base, Omni) as one record: its checkpoints, requests, runtime facts."""
 
 from __future__ import annotations
 
@@ -7,8 +6,8 @@ from pathlib import Path
 
 from diffusers import AutoencoderKL
 
+from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
 from paradit.families.zimage.omni import (
     IMAGE_LIMIT,
@@ -19,11 +18,11 @@ from paradit.families.zimage.omni import (
 )
 from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
 from paradit.families.zimage.presets import TURBO_SCHEDULER, text_encoder_spec
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' ZImagePipeline defaults; a checkpoint scheduled like the published Turbo gets Turbo's instead.
 DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_SIZE = 50, 5.0, 1024
@@ -119,4 +118,5 @@ FAMILY = Family(
     # The embedders (all_x_embedder, cap_embedder, t_embedder), the per-block adaLN modulation, the output layer.
     keep_high_precision=("embedder", "adaLN", "final_layer"),
     lora_loader="ZImageLoraLoaderMixin",
+    measured=Measured.read(Path(__file__).parent),
 )

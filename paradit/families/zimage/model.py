@@ -12,8 +12,7 @@ follow the target's in the image stream, their SigLIP features form a third stre
 token before the target's, in the images and in the caption's segments, is modulated as at timestep 1 (clean).
 
 As in the reference, each stream is padded to a multiple of 32 tokens with a learnt pad token, a real key every query
-attends to; only batch padding past a caption's own rounded length is masked, by a key mask built once per forward.
-Must not import torch.distributed."""
+attends to; only batch padding past a caption's own rounded length is masked, by a key mask built once per forward."""
 
 from __future__ import annotations
 

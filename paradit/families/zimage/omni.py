@@ -4,8 +4,7 @@ The prompt template is cut before each image it shows (the condition images, the
 and Qwen3 reads each piece apart; SigLIP2 reads each condition image; the VAE encodes each one, centre-cropped to whole
 tokens. Without images it is text-to-image with the Omni template and positions (not ``ZImagePipeline``'s).
 One deliberate difference: diffusers casts the condition images to bfloat16 for the VAE whatever its dtype (a float32
-VAE then fails); paradit encodes them in the VAE's dtype, which for a bfloat16 run is the same.
-Must not import torch.distributed."""
+VAE then fails); paradit encodes them in the VAE's dtype, which for a bfloat16 run is the same."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from paradit.errors import InvalidRequest
 from paradit.families.zimage.model import OmniInputs
 from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
 from paradit.pipelines.base import pad_rows
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.spec import CheckpointFolder, TextEncoderSpec
 from paradit.text_encoder import place, random_encoder, weights_device
 

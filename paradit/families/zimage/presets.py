@@ -1,6 +1,6 @@
 """Z-Image presets: the full-size Turbo (step-distilled) and base transformers (published ``transformer/config.json``),
 the Qwen3-4B text encoder read at its second-to-last hidden state, the FLUX.1 VAE and the schedulers as published,
-and a tiny model for the demo and tests. Must not import torch.distributed."""
+and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 
