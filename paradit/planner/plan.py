@@ -27,6 +27,7 @@ import torch
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, PRESETS, find_facts
 from paradit.memory import MemoryPlan, MetaModels, estimates, gib
+from paradit.options import ExecutionOptions, conflicts
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.validate import check_plan
 from paradit.planner.cost import StepCost, linear_efficiency, step_cost
@@ -154,8 +155,8 @@ class Option:
         return self.placement is not None
 
     @property
-    def cuda_graphs(self) -> bool:  # a graph replays the addresses it captured, which a swap moves
-        return graphs_for(self.parallel) and not self.swap_experts and not self.fp8_attention
+    def cuda_graphs(self) -> bool:
+        return graphs_for(self.parallel, self.swap_experts, self.fp8_attention)
 
     def describe(self) -> str:
         return self.parallel.describe() + " + FP8" * self.fp8 + " + experts swapped" * self.swap_experts
@@ -301,7 +302,7 @@ def plan(
         )
 
     def option(parallel: ParallelConfig, fp8: bool, swap: bool) -> Option:
-        graphs = graphs_for(parallel) and not swap and not fp8_attention
+        graphs = graphs_for(parallel, swap, fp8_attention)
         calibrated = calibration(facts, profile, fp8, graphs)
         weights = memory(ParallelConfig(), fp8, swap=True)["gpu"].transformer if parallel.shard_weights else 0.0
         cost = step_cost(
@@ -348,8 +349,9 @@ def plan(
     )
 
 
-def graphs_for(parallel: ParallelConfig) -> bool:
-    """CUDA graphs for the plans they have been measured with (one GPU, CFG, Ulysses, Ring): PipeFusion counts steps
-    on the host, which a replay would skip, tensor parallelism has run compiled only, and sharded weights' gathers
-    allocate anew each step."""
-    return parallel.pipefusion == 1 and parallel.tensor == 1 and not parallel.shard_weights
+def graphs_for(parallel: ParallelConfig, swap_experts: bool, fp8_attention: bool) -> bool:
+    """CUDA graphs where ``CONFLICTS`` allows them with these options and they have been measured with the plan (one
+    GPU, CFG, Ulysses, Ring: tensor parallelism has run compiled only)."""
+    attention = "fp8" if fp8_attention else "sdpa"
+    options = ExecutionOptions(cuda_graphs=True, swap_experts=swap_experts, attention=attention)
+    return parallel.tensor == 1 and not conflicts(parallel, options, "cuda")
