@@ -360,8 +360,8 @@ class DiffusionPipeline(ABC):
             predict, self.transformer, scheduler, latents, timesteps, self.band_mask, mark_step, progress
         )
         timings.step_ms = clock.durations_ms()
-        timings.cache_skipped, timings.cache_blocks_skipped = record.skipped, record.blocks_skipped
-        timings.mag_ratios = record.mag_ratios
+        if resolved.cache is not None:
+            timings.features["step_cache"] = record
         bad = [*torch.stack(finite).tolist(), False].index(False)  # read once: per step, it would stall the device
         if self.parallel is not None:  # all stop at the first any rank saw, or some would wait in a collective
             bad = min(self.parallel.gather_int(bad))

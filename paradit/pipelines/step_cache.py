@@ -30,13 +30,18 @@ Streams = dict[str, torch.Tensor]
 
 @dataclasses.dataclass
 class CacheRecord:
-    """What a request's caching did, per model call in order: whether each guidance branch of each request (global
-    order: [conditional parts; unconditional parts]) had its blocks skipped; the block evaluations not run; MagCache's
-    calibration curve, one ratio a call."""
+    """What a request's caching did (its ``Timings.features["step_cache"]``), per model call in order: whether each
+    guidance branch of each request (global order: [conditional parts; unconditional parts]) had its blocks skipped;
+    the block evaluations not run (a batched call counts once); MagCache's calibration curve, one ratio a call."""
 
     skipped: list[tuple[bool, ...]] = dataclasses.field(default_factory=list)
     blocks_skipped: int = 0
     mag_ratios: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Model calls whose blocks every branch skipped."""
+        return sum(all(call) for call in self.skipped)
 
 
 class StepCache:
