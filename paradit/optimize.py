@@ -6,15 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
-from paradit.compile import compile_blocks
-from paradit.cuda_graphs import GraphedModule
 from paradit.errors import InvalidRequest
 from paradit.layers.attention import ATTENTIONS
 from paradit.layers.fp8 import check_fp8_supported
 from paradit.lora import MODES, LoraSet
-from paradit.parallel.parallelize import Parallelized
 
 QUANTIZATIONS = ("none", "fp8")
 
@@ -81,11 +77,3 @@ class ExecutionOptions:
 
     def compiles(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile is None else self.compile
-
-
-def apply_execution_options(transformer: Parallelized, options: ExecutionOptions, device: torch.device) -> nn.Module:
-    """Compiles the plain model's blocks in place; returns the module to call in place of ``transformer.forward``
-    (itself, or its CUDA-graphed wrapper). FP8 is not applied here: ``options.quantize`` goes to the loader."""
-    if options.compiles(device):
-        compile_blocks(transformer.model)
-    return GraphedModule(transformer.forward) if options.cuda_graphs else transformer.forward

@@ -1,7 +1,7 @@
 """What every family's pipeline shares: the skeleton (``DiffusionPipeline``, whose hooks each family implements, and
 which owns the guided step), seeded noise, the timestep shift, the VAE's loading and latent statistics, and the clocks
-that time the denoise loop without stalling the device. Names no family and no parallel strategy: the parallel runtime
-hands a pipeline what it needs (``Parallelized``)."""
+that time the denoise loop without stalling the device. Names no family and no parallel strategy: the runtime build
+hands a pipeline what it needs (``runtime.Runtime``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from paradit.expert_swap import ExpertSwap
 from paradit.parallel.cfg import BatchedBranches
 from paradit.parallel.comm import CommStats
 from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.parallelize import NoisePredictor, Parallelized
+from paradit.parallel.parallelize import NoisePredictor
 from paradit.pipelines.inpainting import KeepUnmasked, latent_mask
 from paradit.pipelines.requests import ResolvedRequest, first_step, one_batch
 from paradit.pipelines.step_cache import CacheRecord, StepCache
@@ -31,6 +31,7 @@ from paradit.spec import ModelSpec
 
 if TYPE_CHECKING:
     from paradit.family import Family
+    from paradit.runtime import Runtime
 
 # call(transformer, model_input, timestep, latents) -> the model's prediction in the latents' layout
 ModelCall = Callable[[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -119,20 +120,20 @@ class DiffusionPipeline(ABC):
         self,
         family: Family,
         spec: ModelSpec,
-        transformer: Parallelized,
+        transformer: Runtime,
         prompt_encoder,
         vae,
         device: torch.device,
         dtype: torch.dtype,
         parallel: ParallelContext | None = None,
-        experts: dict[str, Parallelized] | None = None,
+        experts: dict[str, Runtime] | None = None,
         expert_swap: ExpertSwap | None = None,
     ) -> None:
         """In a group, only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so that the
         group decodes together. ``experts``: the further transformers of ``spec.experts``, by component;
         ``expert_swap``, when they take turns on the device (``transformer`` first), what swaps them."""
         self.family, self.spec, self.parallel = family, spec, parallel
-        self.parallelized, self.transformer = transformer, transformer.forward
+        self.runtime, self.transformer = transformer, transformer.forward
         self.experts, self.expert_swap = experts or {}, expert_swap
         self.prompt_encoder, self.vae, self.device, self.dtype = prompt_encoder, vae, device, dtype
         reduce = parallel.sum_across if parallel is not None else (lambda sums: sums)
@@ -216,7 +217,7 @@ class DiffusionPipeline(ABC):
         unconditional] rows, of which the parallel runtime's branches say which this rank computes (all on one GPU,
         half under CFG parallelism); ``guide`` runs on the combined rows. ``finite[-1] &=`` whether it is finite."""
         cfg = self.uses_cfg(request)
-        branches = self.parallelized.branches if cfg else BatchedBranches()
+        branches = self.runtime.parallel.branches if cfg else BatchedBranches()
         # A mask with no padding is dropped, so attention runs unmasked (every rank holds it whole: all decide alike).
         local = {
             name: None if value.dtype == torch.bool and bool(value.all()) else branches.local(value)
@@ -250,7 +251,7 @@ class DiffusionPipeline(ABC):
         rows = torch.repeat_interleave(torch.arange(len(requests)), parts).to(self.device)
         groups = len(requests)
         if self.uses_cfg(resolved):
-            rows = self.parallelized.branches.local(torch.cat([rows, rows + groups]))
+            rows = self.runtime.parallel.branches.local(torch.cat([rows, rows + groups]))
             groups *= 2
         record = CacheRecord()
         for cache in self.step_caches:
@@ -296,11 +297,11 @@ class DiffusionPipeline(ABC):
 
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """``self.vae.decode(latents)``'s sample as pixels in [0, 1], computed by the whole group when there is one."""
-        return (self.parallelized.vae_decode(self.vae, latents) / 2 + 0.5).clamp(0, 1)
+        return (self.runtime.parallel.vae_decode(self.vae, latents) / 2 + 0.5).clamp(0, 1)
 
     def vae_encode(self, images: torch.Tensor):
         """``self.vae.encode(images).latent_dist``, computed by the whole group when there is one."""
-        return self.parallelized.vae_encode(self.vae, images)
+        return self.runtime.parallel.vae_encode(self.vae, images)
 
     def conditioning(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
         """The family's prompt encoding on rank 0, shared with the group tensor by tensor."""
@@ -320,10 +321,10 @@ class DiffusionPipeline(ABC):
         timings = Timings()
         stats = self.parallel.stats if self.parallel else CommStats()  # one process's: sends nothing
         stats.reset()
-        for transformer in (self.parallelized, *self.experts.values()):
-            transformer.loop.begin_request()
-            if resolved.lora is not None and transformer.choose_adapters is not None:
-                transformer.choose_adapters(dict(resolved.lora))
+        for runtime in (self.runtime, *self.experts.values()):
+            runtime.parallel.loop.begin_request()
+            if resolved.lora is not None and runtime.choose_adapters is not None:
+                runtime.choose_adapters(dict(resolved.lora))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
@@ -342,7 +343,7 @@ class DiffusionPipeline(ABC):
             latents, scheduler, timesteps = self.start_from_image(resolved, latents, scheduler, timesteps)
         record = self.begin_caching(requests, resolved, len(timesteps))
         clock = StepClock(self.device)
-        fp8_attention = [each.attention for each in (self.parallelized, *self.experts.values()) if each.attention]
+        fp8_attention = [each.attention for each in (self.runtime, *self.experts.values()) if each.attention]
         finite: list[torch.Tensor] = []  # per step begun: whether all its predictions were finite
 
         def mark_step() -> None:
@@ -356,7 +357,7 @@ class DiffusionPipeline(ABC):
 
         predict = self.predictor(resolved, conditioning, layout, finite)
         stats.phase = "denoise"
-        latents = self.parallelized.loop.run(
+        latents = self.runtime.parallel.loop.run(
             predict, self.transformer, scheduler, latents, timesteps, self.band_mask, mark_step, progress
         )
         timings.step_ms = clock.durations_ms()

@@ -175,7 +175,7 @@ class Flux2Pipeline(DiffusionPipeline):
         if references is not None and caches_references(self.spec):
             # The plain model: family.py refuses the plans whose forward would split the references' tokens or blocks.
             with torch.inference_mode():
-                cached = self.parallelized.model.cache_references(references.to(self.dtype), layout.reference_ids)
+                cached = self.runtime.model.cache_references(references.to(self.dtype), layout.reference_ids)
         elif references is not None:
             img_ids = torch.cat([img_ids, layout.reference_ids])
 
