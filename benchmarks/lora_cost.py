@@ -32,6 +32,7 @@ from benchmarks.parallel_step import BENCHES, with_batch  # noqa: E402
 from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.lora import LoraRef, LoraSet  # noqa: E402
+from paradit.lora.variants import AdapterChoice  # noqa: E402
 from paradit.optimize import ExecutionOptions  # noqa: E402
 from paradit.runtime import load_transformer  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402
@@ -138,7 +139,8 @@ def switches(
         rounds = [[{}, first, {}, first, last, first, {}]]
     else:  # the second round: every total rank compiled once already
         rounds = [[{}, first, last, {ref.name: 1.0 for ref in refs}, {refs[0].name: 0.7}]] * 2
-    merged = getattr(loaded.choose_adapters, "__self__", None)
+    choose = next(hook for hook in loaded.hooks if isinstance(hook, AdapterChoice)).choose
+    merged = getattr(choose, "__self__", None)
     rows = []
     for number, choices in enumerate(rounds, 1):
         for choice in choices:
@@ -146,7 +148,7 @@ def switches(
             event = "side paths" if merged is None else "base" if not key else "hit" if key in merged.merged else "miss"
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-            loaded.choose_adapters(choice)
+            choose(choice)
             torch.cuda.synchronize(device)
             switch_ms = (time.perf_counter() - start) * 1000
             start = time.perf_counter()

@@ -6,7 +6,7 @@ A module of its own beside the loader rather than ``parallel/parallelize.py``: `
 strategies alone, which the parallel tests and benchmarks apply to models that already hold their weights, and is one
 step here; the steps around it (weights, FP8, adapters, compilation, CUDA graphs) are not parallelism. The order:
 
-1. **attention kernel** (``layers.attention.use_fp8_attention``): before parallelism wraps each module's kernel;
+1. **attention kernel** (``layers.attention.apply_fp8_attention``): before parallelism wraps each module's kernel;
 2. **parallelism** (``parallel.parallelize.parallelize``: tensor, sequence, PipeFusion, then CFG's branches and the
    VAE's bands), on the meta device, so that only the tensors the rank keeps are ever read;
 3. **LoRA side paths** (``lora.apply.add_side_paths``): before the weights, while each linear is the plain model's
@@ -14,7 +14,7 @@ step here; the steps around it (weights, FP8, adapters, compilation, CUDA graphs
 4. **weights** (``load_weights``): read or drawn, FP8 as they load (``quantize.fp8_load``), fused adapters added as they
    are read (``lora.apply.FusedLoraTensors``), and with sharded weights each block sharded as soon as it has loaded
    (``parallel.shard.shard_module``), so that no more than one block is ever whole;
-5. **adapter choice** (``lora.variants.adapter_chooser``): a server's choice per request, merged into loaded weights;
+5. **adapter choice** (``lora.variants.AdapterChoice``): a server's choice per request, merged into loaded weights;
 6. **sharded weights** (``parallel.shard.shard_root``): the rest sharded, each block's gather prefetching the next;
 7. **compile** (``compile.compile_blocks``): the loaded blocks, in place;
 8. **CUDA graphs** (``cuda_graphs.GraphedModule``): around whatever the steps before made the forward.
@@ -23,7 +23,7 @@ step here; the steps around it (weights, FP8, adapters, compilation, CUDA graphs
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,17 +33,18 @@ from paradit.checkpoint import safetensors_files
 from paradit.compile import compile_blocks, model_blocks
 from paradit.cuda_graphs import GraphedModule
 from paradit.family import Family
-from paradit.layers.attention import FP8Attention, use_fp8_attention
+from paradit.layers.attention import apply_fp8_attention
 from paradit.layers.fp8 import fp8_dtype
 from paradit.lora.adapters import LowRank
 from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
 from paradit.lora.refs import adapter_key
-from paradit.lora.variants import adapter_chooser
+from paradit.lora.variants import AdapterChoice
 from paradit.optimize import ExecutionOptions
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import Parallelized, parallelize
 from paradit.parallel.shard import shard_module, shard_root
 from paradit.quantize import fp8_load
+from paradit.request_hooks import RequestHook
 from paradit.spec import CheckpointFolder, Fp8PresetFolder, ModelSpec
 from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, TensorSlice, TensorSource, materialize
 
@@ -51,14 +52,12 @@ from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, TensorS
 @dataclass(frozen=True)
 class Runtime:
     """A transformer as this rank runs it: ``parallel`` what parallelism made of the plain model (its guidance
-    branches, denoise loop and VAE), ``forward`` what to call in the model's place, ``attention`` the FP8 attention
-    its modules share, told each step (None: SDPA), ``choose_adapters`` what runs a batch's choice of a server's
-    adapters (name -> scale; None: it has none to choose)."""
+    branches, denoise loop and VAE), ``forward`` what to call in the model's place, ``hooks`` the request hooks its
+    steps made (FP8 attention's exact steps, a server's adapter choice)."""
 
     parallel: Parallelized
     forward: nn.Module
-    attention: FP8Attention | None = None
-    choose_adapters: Callable[[dict[str, float]], None] | None = None
+    hooks: tuple[RequestHook, ...] = ()
 
     @property
     def model(self) -> nn.Module:
@@ -86,21 +85,24 @@ def load_transformer(
     lora, refs = options.lora, options.lora.of(component)
     updates = read_updates(family.lora_loader, refs, model, component) if refs else {}  # the whole model's names
     shard = context if context is not None and context.config.shard_weights else None
+    hooks: list[RequestHook] = []
 
-    attention = use_fp8_attention(model, options.attention_bf16_steps) if options.attention == "fp8" else None
+    if options.attention == "fp8":
+        hooks.append(apply_fp8_attention(model, options.attention_bf16_steps))
     parallel = parallelize(model, family.tensor_plan, context)
     if updates and not lora.fused:  # a server's named adapters start unchosen; a run's all apply at their scales
         scales = {} if lora.switchable else {adapter_key(ref, index): 1.0 for index, ref in enumerate(refs)}
         add_side_paths(model, names, updates, parallel.slices, device, dtype, scales, lora.switchable)
     fused = updates if lora.fused else {}
     load_weights(model, names, family, spec, component, device, dtype, options.quantize, parallel.slices, fused, shard)
-    choose = adapter_chooser(model, lora.cache) if updates and lora.switchable else None
+    if updates and lora.switchable:
+        hooks.append(AdapterChoice(model, lora.cache))
     forward = parallel.forward if shard is None else shard_root(parallel.forward, model, shard)
     if options.compiles(device):
         compile_blocks(model)
     if options.cuda_graphs:
         forward = GraphedModule(forward)
-    return Runtime(parallel, forward, attention, choose)
+    return Runtime(parallel, forward, tuple(hooks))
 
 
 def load_weights(

@@ -43,7 +43,7 @@ class DenoiseLoop:
     """The scheduler run over the timesteps, one whole prediction per step."""
 
     def begin_request(self) -> None:
-        """Called before each request's loop."""
+        """What a request starts from (``run`` calls it first)."""
 
     def run(
         self,
@@ -57,6 +57,7 @@ class DenoiseLoop:
         progress: bool,
     ) -> torch.Tensor:
         """``mark_step`` is called once at the start and once after each step."""
+        self.begin_request()
         mark_step()
         for t in tqdm(timesteps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False):
             latents = scheduler.step(predict(latents, t, transformer), t, latents, return_dict=False)[0]
@@ -77,6 +78,7 @@ class PipeFusionLoop(DenoiseLoop):
     def run(self, predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress):
         if self.pipefusion.patches == 1:
             return super().run(predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress)
+        self.begin_request()
         # A step ends while later patches are in flight between the stages: stopping there would leave their transfers
         # unmatched. What ``mark_step`` raises (a cancellation) is raised once the loop has drained.
         raised = []
