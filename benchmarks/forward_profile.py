@@ -22,7 +22,7 @@ from benchmarks.common import environment, print_table, time_cuda_ms, write_json
 from benchmarks.wan_step import WORKLOADS, build_paradit  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES  # noqa: E402
-from paradit.layers.attention import use_fp8_attention  # noqa: E402
+from paradit.layers.attention import apply_fp8_attention  # noqa: E402
 from paradit.layers.fp8 import Fp8Linear, fp8_dtype, quantize_rowwise  # noqa: E402
 from paradit.quantize import quantize_fp8  # noqa: E402
 
@@ -139,7 +139,7 @@ def main() -> None:
     print(env, flush=True)
     model, inputs, tokens = fp8_expert(args.workload, device)
     compile_blocks(model)
-    fp8_attention = use_fp8_attention(model, 0)
+    fp8_attention = apply_fp8_attention(model, 0)
     rows = []
     for attention in args.attention:
         found, forward_ms = profile_forward(model, inputs, fp8_attention, attention, args.forwards)

@@ -30,7 +30,7 @@ from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES  # noqa: E402
 from paradit.families.wan.model import unpatchify  # noqa: E402
 from paradit.layers import fp8_attention as kernel  # noqa: E402
-from paradit.layers.attention import sdpa_attention, use_fp8_attention  # noqa: E402
+from paradit.layers.attention import apply_fp8_attention, sdpa_attention  # noqa: E402
 from paradit.quantize import quantize_fp8  # noqa: E402
 
 # name -> (tokens, heads, head_dim): Wan 2.2 A14B at 1280×720×81 and 832×480×81, TI2V-5B at 1280×704×121, FLUX.2-dev
@@ -141,7 +141,7 @@ def expert_forward_and_denoise() -> list[dict]:
     spec, model, (latents, timestep, text), grid, _ = build_paradit("a14b-720p", device)
     quantize_fp8(model, device, FAMILIES[spec.family].keep_high_precision)
     compile_blocks(model)
-    fp8 = use_fp8_attention(model, 0)
+    fp8 = apply_fp8_attention(model, 0)
     rows, outputs = [], {}
     for attention in ("sdpa", "fp8"):
         fp8.fp8_now = attention == "fp8"
@@ -171,7 +171,7 @@ def expert_forward_and_denoise() -> list[dict]:
         with torch.inference_mode():
             for step in range(DENOISE_STEPS):
                 fp8.exact_steps = exact_steps or 0
-                fp8.begin_step(step, DENOISE_STEPS)
+                fp8.at_step(step, DENOISE_STEPS)
                 fp8.fp8_now = fp8.fp8_now and exact_steps is not None
                 t = torch.full((1,), 1000 * sigmas[step], device=device)
                 velocity = unpatchify(model(x.bfloat16(), t, text), grid, model.config.patch_size).float()

@@ -23,7 +23,7 @@ from benchmarks.common import environment, print_table, time_cuda_ms, write_json
 from benchmarks.forward_profile import fp8_expert, kernel_times, kind_of  # noqa: E402
 from benchmarks.wan_step import WORKLOADS  # noqa: E402
 from paradit.compile import RECOMPILE_LIMIT, model_blocks  # noqa: E402
-from paradit.layers.attention import use_fp8_attention  # noqa: E402
+from paradit.layers.attention import apply_fp8_attention  # noqa: E402
 
 VARIANTS = {
     "default": {"triton.multi_kernel": 0},
@@ -70,7 +70,7 @@ def main() -> None:
     env = environment()
     print(env, flush=True)
     model, inputs, _ = fp8_expert(args.workload, device, args.blocks)
-    use_fp8_attention(model, 0).fp8_now = True
+    apply_fp8_attention(model, 0).fp8_now = True
     rows, kernels = [], []
     for name in args.variants:
         summary, top = measure(model, inputs, VARIANTS[name], args.blocks)

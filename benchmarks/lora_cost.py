@@ -31,10 +31,10 @@ from benchmarks.common import environment, print_table, time_cuda_ms, write_json
 from benchmarks.parallel_step import BENCHES, with_batch  # noqa: E402
 from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
-from paradit.loader import load_transformer  # noqa: E402
 from paradit.lora import LoraRef, LoraSet  # noqa: E402
-from paradit.optimize import apply_execution_options  # noqa: E402
+from paradit.lora.variants import AdapterChoice  # noqa: E402
 from paradit.options import ExecutionOptions  # noqa: E402
+from paradit.runtime import load_transformer  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402
 
 WAN_INPUTS = (480, 832, 81, 512)  # height, width, frames, text tokens
@@ -78,13 +78,14 @@ def measure(spec, lora: LoraSet | None, mode: str, quantize: str, device: torch.
     family = FAMILIES[spec.family]
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    loaded = load_transformer(family, spec, device, torch.bfloat16, None, quantize, lora=lora)
+    options = ExecutionOptions(quantize=quantize, compile=mode == "compiled", lora=lora or LoraSet())
+    loaded = load_transformer(family, spec, device, torch.bfloat16, None, options)
     torch.cuda.synchronize(device)
     load_s = time.perf_counter() - start
     row = {"load_s": load_s, "resident_gib": torch.cuda.memory_allocated(device) / 2**30}
     if mode == "load":
         return row
-    forward = apply_execution_options(loaded, ExecutionOptions(quantize=quantize, compile=mode == "compiled"), device)
+    forward = loaded.forward
     inputs = forward_inputs(spec, loaded.model, device)
 
     def run():
@@ -123,8 +124,9 @@ def switches(
     they run shape-generic; fused choices keep every shape)."""
     refs = tuple(LoraRef(str(path), name=f"r{rank}") for rank, path in adapters.items())
     lora = LoraSet(refs, (), "unfused", switchable=True, cache=cache)
-    loaded = load_transformer(FAMILIES[spec.family], spec, device, torch.bfloat16, None, quantize, lora=lora)
-    forward = apply_execution_options(loaded, ExecutionOptions(quantize=quantize, compile=True), device)
+    options = ExecutionOptions(quantize=quantize, compile=True, lora=lora)
+    loaded = load_transformer(FAMILIES[spec.family], spec, device, torch.bfloat16, None, options)
+    forward = loaded.forward
     inputs = forward_inputs(spec, loaded.model, device)
     resident_gib = torch.cuda.memory_allocated(device) / 2**30
 
@@ -137,7 +139,8 @@ def switches(
         rounds = [[{}, first, {}, first, last, first, {}]]
     else:  # the second round: every total rank compiled once already
         rounds = [[{}, first, last, {ref.name: 1.0 for ref in refs}, {refs[0].name: 0.7}]] * 2
-    merged = getattr(loaded.choose_adapters, "__self__", None)
+    choose = next(hook for hook in loaded.hooks if isinstance(hook, AdapterChoice)).choose
+    merged = getattr(choose, "__self__", None)
     rows = []
     for number, choices in enumerate(rounds, 1):
         for choice in choices:
@@ -145,7 +148,7 @@ def switches(
             event = "side paths" if merged is None else "base" if not key else "hit" if key in merged.merged else "miss"
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-            loaded.choose_adapters(choice)
+            choose(choice)
             torch.cuda.synchronize(device)
             switch_ms = (time.perf_counter() - start) * 1000
             start = time.perf_counter()

@@ -74,12 +74,13 @@ def bench_model(name: str, args) -> list[dict]:
                 continue
             torch.cuda.reset_peak_memory_stats()
             timings = engine.generate(GenerationRequest(**base, steps=steps, cache=cache)).timings
+            record = timings.features.get("step_cache")  # none without a cache
             rows.append(
                 dict(
                     model=name,
                     cache=label,
                     steps=steps,
-                    skipped=timings.cache_skipped_steps,
+                    skipped=record.skipped_steps if record else 0,
                     denoise_s=sum(timings.step_ms) / 1000,
                     step_ms=timings.median_step_ms,
                     peak_gib=timings.peak_memory_bytes / 2**30,

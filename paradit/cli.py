@@ -108,12 +108,12 @@ def format_table(result) -> str:
         rows.append(("peak memory per rank", " ".join(f"{b / 2**30:.2f}" for b in t.peak_memory_per_rank) + " GiB"))
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
-    if t.cache_skipped:
+    if (cache := t.features.get("step_cache")) is not None:
         rows.append(
             (
                 "step cache",
-                f"{t.cache_skipped_steps} of {len(t.cache_skipped)} steps skipped, "
-                f"{t.cache_blocks_skipped} block evaluations",
+                f"{cache.skipped_steps} of {len(cache.skipped)} steps skipped, "
+                f"{cache.blocks_skipped} block evaluations",
             )
         )
     width = max(len(name) for name, _ in rows)
@@ -213,7 +213,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(format_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))
     if resolved.cache is not None and resolved.cache.calibrate:
-        curve = result.timings.mag_ratios
+        curve = result.timings.features["step_cache"].mag_ratios
         print(f"MagCache ratios ({len(curve)} steps): {', '.join(f'{r:.5f}' for r in curve)}")
         print(f"kept in {keep_curve(args.model, curve)} for the next --cache mag run of {args.model}")
     code, comparison = 0, None

@@ -17,9 +17,10 @@ from paradit.download import checkpoint_bytes, human_size
 from paradit.errors import CheckpointError, InvalidRequest
 from paradit.families import FAMILIES, PRESETS
 from paradit.layers.fp8 import Fp8Linear
-from paradit.loader import load_transformer
+from paradit.options import ExecutionOptions
 from paradit.outputs import replaced, writable_folder
 from paradit.quantize import CHECKPOINT_FORMAT, FP8_METHOD, convert_fp8
+from paradit.runtime import load_transformer
 from paradit.spec import Fp8PresetFolder, ModelSpec
 from paradit.weights import save_component
 
@@ -39,7 +40,8 @@ def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list
             f"random weights are quantized for presets only; {spec.name} is quantized from its weights"
         )
     check_out(out, spec, dtype)
-    model = load_transformer(FAMILIES[spec.family], spec, torch.device("cpu"), dtype, quantize="fp8").model
+    options = ExecutionOptions(quantize="fp8")
+    model = load_transformer(FAMILIES[spec.family], spec, torch.device("cpu"), dtype, options=options).model
     layers = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]  # CPU: e4m3fn
     marker = {
         "quant_method": FP8_METHOD,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
@@ -305,15 +305,8 @@ class Timings:
     comm_bytes_per_step: int = 0  # sent by the rank that reports, per denoise step
     plan: str = "1 GPU"
     text_encoders: str = "gpu"  # their placement on rank 0 (text_encoder.PLACEMENTS)
-    # step caching, per model call: whether each guidance branch of each request had its blocks skipped
-    cache_skipped: list[tuple[bool, ...]] = field(default_factory=list)
-    cache_blocks_skipped: int = 0  # block evaluations not run (a batched call counts once)
-    mag_ratios: list[float] = field(default_factory=list)  # --cache mag --cache-calibrate: the curve measured
-
-    @property
-    def cache_skipped_steps(self) -> int:
-        """Model calls whose blocks every branch skipped."""
-        return sum(all(call) for call in self.cache_skipped)
+    # what the request's features reported, by name: "step_cache", what step caching skipped (a CacheRecord)
+    features: dict[str, Any] = field(default_factory=dict)
 
     @property
     def median_step_ms(self) -> float:

@@ -99,8 +99,8 @@ def test_closing_an_engine_releases_every_tensor_it_held():
     engine = Engine("flux2-tiny", device="cpu")
     engine.generate(GenerationRequest(prompt="a fox", steps=1, height=32, width=32))
     pipeline = engine.pipeline
-    held = [pipeline, pipeline.vae, *pipeline.prompt_encoder.modules(), *pipeline.parallelized.model.modules()]
-    held += list(pipeline.parallelized.model.parameters())
+    held = [pipeline, pipeline.vae, *pipeline.prompt_encoder.modules(), *pipeline.runtime.model.modules()]
+    held += list(pipeline.runtime.model.parameters())
     refs = [weakref.ref(each) for each in held]
     del pipeline, held
     engine.close()

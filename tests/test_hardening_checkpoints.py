@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from paradit.cli import main
 from paradit.errors import CheckpointError
 from paradit.families import FAMILIES
-from paradit.loader import load_transformer
 from paradit.pipelines.base import load_vae
+from paradit.runtime import load_transformer
 from paradit.settings import resolve_model
 from paradit.spec import CheckpointFolder
 from paradit.text_encoder import load_prompt_encoder

@@ -177,7 +177,6 @@ IMPORT_RULES: dict[str, tuple[str, ...]] = {
     "paradit.machine": (DISTRIBUTED,),
     "paradit.memory": (DISTRIBUTED,),
     "paradit.offline_tokenizer": (DISTRIBUTED,),
-    "paradit.optimize": (DISTRIBUTED,),
     "paradit.options": (TORCH, DISTRIBUTED),  # every option's declaration, read before anything heavy
     "paradit.outputs": (TORCH,),
     "paradit.parallel.config": (DISTRIBUTED,),  # the command line reads it before any process group exists

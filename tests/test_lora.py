@@ -527,15 +527,15 @@ def test_a_lokr_adapter_fuses_as_diffusers_applies_it_and_is_refused_as_side_pat
 def test_an_fp8_checkpoint_takes_a_fused_adapter_dequantized_merged_and_quantized_again(adapters, tmp_path):
     from paradit.fp8_checkpoint import write_fp8_checkpoint
     from paradit.layers.fp8 import Fp8Linear
-    from paradit.loader import load_transformer
+    from paradit.runtime import load_transformer
 
     source = spec_from_folder(folder_of("flux2"))
     write_fp8_checkpoint(source, tmp_path / "fp8", torch.float32)
     fp8 = spec_from_folder(tmp_path / "fp8")
     family, cpu = FAMILIES["flux2"], torch.device("cpu")
     lora = LoraSet((LoraRef(str(adapters["flux2"][0]), 1.5),))
-    plain = load_transformer(family, fp8, cpu, torch.float32, None, "fp8").model
-    fused = load_transformer(family, fp8, cpu, torch.float32, None, "fp8", lora=lora).model
+    plain = load_transformer(family, fp8, cpu, torch.float32, None, ExecutionOptions(quantize="fp8")).model
+    fused = load_transformer(family, fp8, cpu, torch.float32, None, ExecutionOptions(quantize="fp8", lora=lora)).model
     update = load_file(adapters["flux2"][0])
     name = "transformer_blocks.0.attn.to_q"
     delta = 1.5 * 2.0 * update[f"transformer.{name}.lora_B.weight"] @ update[f"transformer.{name}.lora_A.weight"]

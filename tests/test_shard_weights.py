@@ -18,7 +18,6 @@ from paradit.cli import main
 from paradit.compile import model_blocks
 from paradit.families import FAMILIES, PRESETS, spec_from_folder
 from paradit.layers.fp8 import Fp8Linear
-from paradit.loader import load_transformer
 from paradit.memory import estimate
 from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
@@ -29,6 +28,7 @@ from paradit.planner.profile import load_profile
 from paradit.planner.report import command
 from paradit.planner.tuned import tuned_entry
 from paradit.request import GenerationRequest
+from paradit.runtime import load_transformer
 from paradit.settings import Asked, settle
 from tests.checkpoint_cache import cached
 from tests.checkpoints import build_klein_checkpoint, relative_l2
@@ -76,8 +76,9 @@ def load_and_run(name: str, case: tuple, context: ParallelContext | None) -> tup
     spec, component, quantize, inputs = case
     config = spec.transformer if component == "transformer" else spec.experts[component]
     spec = dataclasses.replace(spec, transformer=config)
+    options = ExecutionOptions(quantize=quantize)
     loaded = load_transformer(
-        FAMILIES[spec.family], spec, torch.device("cpu"), torch.float32, context, quantize, component
+        FAMILIES[spec.family], spec, torch.device("cpu"), torch.float32, context, options, component
     )
     with torch.inference_mode():
         out = loaded.forward(**inputs) if isinstance(inputs, dict) else loaded.forward(*inputs)

@@ -180,9 +180,9 @@ def test_skip_pattern_and_image_equal_diffusers_hooks(family, method, monkeypatc
     expected, pattern = diffusers_run(family, method, monkeypatch)
     with Engine(str(folder(family)), device="cpu", dtype="fp32") as engine:
         result = engine.generate(request(family, CONFIGS[method]))
-    timings = result.timings
-    assert timings.cache_skipped == pattern
-    assert 0 < timings.cache_skipped_steps < STEPS and timings.cache_blocks_skipped > 0
+    record = result.timings.features["step_cache"]
+    assert record.skipped == pattern
+    assert 0 < record.skipped_steps < STEPS and record.blocks_skipped > 0
     ours = result.pixels[0].permute(*((0, 2, 3, 1) if family == "wan" else (1, 2, 0))).numpy() * 255
     assert np.abs(ours.round() - expected.round()).max() <= 1
     if (family, method) == ("qwen_image", "first-block"):  # the branches part: one skips while the other runs
@@ -199,13 +199,18 @@ PLANS = [
 ]
 
 
+def skipped(result) -> list[tuple[bool, ...]]:
+    """Per model call of ``result``'s request, whether each guidance branch of each request skipped its blocks."""
+    return result.timings.features["step_cache"].skipped
+
+
 def _run(family: str, method: str, plan: ParallelConfig | None):
     device = torch.device("cpu")
     spec = spec_from_folder(folder(family))
     context = None if plan is None else ParallelContext.build(plan, device)
     pipeline = load_pipeline(spec, device, torch.float32, context)
     results = pipeline.generate([FAMILIES[family].resolve_request(spec, request(family, CONFIGS[method]))])
-    return None if results is None else (results[0].pixels, results[0].timings.cache_skipped)
+    return None if results is None else (results[0].pixels, skipped(results[0]))
 
 
 @functools.cache
@@ -256,13 +261,13 @@ def test_a_request_decides_alone_after_another_and_in_a_batch():
         alone = [engine.generate(request("qwen_image", cache, seed=seed)) for seed in (SEED, 3)]
         again = engine.generate(request("qwen_image", cache, seed=SEED))
         batched = engine.generate([request("qwen_image", cache, seed=seed) for seed in (SEED, 3)])
-    assert again.timings.cache_skipped == alone[0].timings.cache_skipped
+    assert skipped(again) == skipped(alone[0])
     assert torch.equal(again.pixels, alone[0].pixels)
-    assert alone[0].timings.cache_skipped != alone[1].timings.cache_skipped  # the two decide differently
+    assert skipped(alone[0]) != skipped(alone[1])  # the two decide differently
     # Batched, the groups are [request 1, request 2] per branch: each request's pair of branches is its own.
-    both = batched[0].timings.cache_skipped
-    assert [(call[0], call[2]) for call in both] == alone[0].timings.cache_skipped
-    assert [(call[1], call[3]) for call in both] == alone[1].timings.cache_skipped
+    both = skipped(batched[0])
+    assert [(call[0], call[2]) for call in both] == skipped(alone[0])
+    assert [(call[1], call[3]) for call in both] == skipped(alone[1])
     for each, single in zip(batched, alone):
         assert relative_l2(each.pixels, single.pixels) <= 1e-5
 
@@ -271,8 +276,9 @@ def test_mag_calibration_records_the_curve_without_skipping():
     with Engine(str(folder("qwen_image")), device="cpu", dtype="fp32") as engine:
         result = engine.generate(request("qwen_image", StepCacheConfig("mag", calibrate=True)))
         plain = engine.generate(request("qwen_image", None))
-    assert result.timings.cache_skipped_steps == 0 and len(result.timings.mag_ratios) == STEPS
-    assert result.timings.mag_ratios[0] == 1.0 and all(r > 0 for r in result.timings.mag_ratios)
+    record = result.timings.features["step_cache"]
+    assert record.skipped_steps == 0 and len(record.mag_ratios) == STEPS
+    assert record.mag_ratios[0] == 1.0 and all(r > 0 for r in record.mag_ratios)
     assert torch.equal(result.pixels, plain.pixels)
 
 
@@ -339,14 +345,13 @@ def test_command_line_caches_reports_and_keeps_the_calibrated_curve(tmp_path, mo
         ],
         capfd,
     )
-    expected = engine_result().timings
-    skipped = expected.cache_skipped_steps
+    expected = engine_result().timings.features["step_cache"]
     assert (
-        table_row(out, "step cache") == f"{skipped} of {STEPS} steps skipped, {expected.cache_blocks_skipped} "
-        "block evaluations"
+        table_row(out, "step cache")
+        == f"{expected.skipped_steps} of {STEPS} steps skipped, {expected.blocks_skipped} block evaluations"
     )
-    written = json.loads((tmp_path / "fbc.json").read_text())["timings"]
-    assert [tuple(call) for call in written["cache_skipped"]] == expected.cache_skipped
+    written = json.loads((tmp_path / "fbc.json").read_text())["timings"]["features"]["step_cache"]
+    assert [tuple(call) for call in written["skipped"]] == expected.skipped
     assert json.loads(Image.open(tmp_path / "fbc.png").info["cache"])["threshold"] == 1.212
 
     out = generate(
@@ -415,4 +420,5 @@ def test_server_takes_a_cache_per_request_and_counts_what_it_skipped():
     image = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
     assert np.array_equal(np.asarray(image), np.asarray(expected.images[0]))
     assert bad.status_code == 400 and "cache" in bad.text
-    assert f'paradit_cached_steps_total{{group="0"}} {float(expected.timings.cache_skipped_steps)}' in exposition
+    skipped_steps = expected.timings.features["step_cache"].skipped_steps
+    assert f'paradit_cached_steps_total{{group="0"}} {float(skipped_steps)}' in exposition

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paradit.layers.rotary import rotate_qk
+from paradit.request_hooks import RequestHook
 
 
 class AttentionFn(Protocol):
@@ -75,11 +76,11 @@ class AttentionDispatch(torch.nn.Module):
 FP8_MIN_KEYS = 16384
 
 
-class FP8Attention:
+class FP8Attention(RequestHook):
     """``--attention fp8``: the self-attention of every step through the FP8 kernel, except the first and last
     ``exact_steps`` of a request and calls over fewer than ``FP8_MIN_KEYS`` keys, which SDPA attends exactly. One per
-    transformer, shared by its modules; the pipeline calls ``begin_step`` before each step (compiled blocks keep a graph
-    for each value of ``fp8_now``, a plain attribute they guard on)."""
+    transformer, shared by its modules; a request hook, told of each step (compiled blocks keep a graph for each value
+    of ``fp8_now``, a plain attribute they guard on)."""
 
     def __init__(self, exact_steps: int = 0) -> None:
         from paradit.layers.fp8_attention import fp8_attention_with_lse  # imports Triton: only runs that use it
@@ -87,8 +88,8 @@ class FP8Attention:
         self.fp8_kernel = fp8_attention_with_lse
         self.exact_steps, self.fp8_now = exact_steps, True
 
-    def begin_step(self, step: int, steps: int) -> None:
-        self.fp8_now = self.exact_steps <= step < steps - self.exact_steps
+    def at_step(self, done: int, steps: int) -> None:
+        self.fp8_now = self.exact_steps <= done < steps - self.exact_steps
 
     def uses_fp8(self, key: torch.Tensor) -> bool:
         # The crossover is a GPU's; Triton's interpreter on the CPU (the tests) runs every call through the kernel.
@@ -110,7 +111,7 @@ class FP8Attention:
         return attention_with_lse(query, key, value, key_mask)
 
 
-def use_fp8_attention(model: nn.Module, exact_steps: int) -> FP8Attention:
+def apply_fp8_attention(model: nn.Module, exact_steps: int) -> FP8Attention:
     """Every self-attention of the plain ``model`` (modules whose keys are its token streams) through one
     FP8Attention; cross-attention to the text (``sequence_streams`` empty: a few hundred keys) stays on SDPA."""
     kernel = FP8Attention(exact_steps)

@@ -11,7 +11,9 @@ Like torchtitan's ``parallelize_*``, each strategy acts on the plain model in pl
 5. **VAE**: the group decodes together, each rank a band of the latents (``parallel.vae``).
 
 What comes back (``Parallelized``) is what loading and the denoise loop need; pipelines use it and never name a
-strategy. FP8 and compilation act on the parallelized plain model afterwards, so every strategy gets them unchanged."""
+strategy. The runtime build (``paradit.runtime``) applies it between the attention kernel and the weights, so FP8,
+adapters, sharded weights and compilation act on the parallelized plain model and every strategy gets them
+unchanged."""
 
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from paradit.layers.attention import FP8Attention
 from paradit.parallel.cfg import BatchedBranches, SplitBranches, guidance_branches
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.patch_loop import BandMask, denoise_by_patches
@@ -42,7 +43,7 @@ class DenoiseLoop:
     """The scheduler run over the timesteps, one whole prediction per step."""
 
     def begin_request(self) -> None:
-        """Called before each request's loop."""
+        """What a request starts from (``run`` calls it first)."""
 
     def run(
         self,
@@ -56,6 +57,7 @@ class DenoiseLoop:
         progress: bool,
     ) -> torch.Tensor:
         """``mark_step`` is called once at the start and once after each step."""
+        self.begin_request()
         mark_step()
         for t in tqdm(timesteps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False):
             latents = scheduler.step(predict(latents, t, transformer), t, latents, return_dict=False)[0]
@@ -76,6 +78,7 @@ class PipeFusionLoop(DenoiseLoop):
     def run(self, predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress):
         if self.pipefusion.patches == 1:
             return super().run(predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress)
+        self.begin_request()
         # A step ends while later patches are in flight between the stages: stopping there would leave their transfers
         # unmatched. What ``mark_step`` raises (a cancellation) is raised once the loop has drained.
         raised = []
@@ -102,14 +105,12 @@ def plain_vae_encode(vae: nn.Module, images: torch.Tensor):
     return vae.encode(images).latent_dist
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parallelized:
     """A model with its parallelism applied: ``model`` is the plain model, parallelized in place (what FP8 and
     compilation act on); ``forward`` what to call in its place; ``slices`` the part of each sharded tensor this rank
     loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop;
-    ``vae_decode``/``vae_encode`` the VAE's (by the group if any, a band each; encode gives the latent distribution);
-    ``choose_adapters`` runs a batch's choice of a server's adapters (name -> scale; None: it has none to choose);
-    ``attention`` the FP8 attention its modules share, told each step (None: SDPA)."""
+    ``vae_decode``/``vae_encode`` the VAE's (by the group if any, a band each; encode gives the latent distribution)."""
 
     model: nn.Module
     forward: nn.Module
@@ -118,8 +119,6 @@ class Parallelized:
     loop: DenoiseLoop = field(default_factory=DenoiseLoop)
     vae_decode: Callable[[nn.Module, torch.Tensor], torch.Tensor] = plain_vae_decode
     vae_encode: Callable[[nn.Module, torch.Tensor], Any] = plain_vae_encode
-    choose_adapters: Callable[[dict[str, float]], None] | None = None
-    attention: FP8Attention | None = None
 
 
 def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: ParallelContext | None) -> Parallelized:

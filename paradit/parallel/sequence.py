@@ -323,5 +323,5 @@ class SequenceParallel(nn.Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         tokens, sizes = self.split(self.model.embed(*args, **kwargs))
         with sequence_layout(sizes):
-            out = self.model.head(self.model.run_blocks(tokens))
+            out = self.model.run_stack(tokens)
         return self.gather(out, sizes[type(tokens).OUTPUT_STREAM])

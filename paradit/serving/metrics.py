@@ -58,8 +58,9 @@ class Metrics:
         self.latency.labels("decode").observe(timings.vae_decode_s)
         self.batch_images.observe(images)
         self.steps.labels(str(group)).inc(len(timings.step_ms))
-        self.cached_steps.labels(str(group)).inc(timings.cache_skipped_steps)
-        self.cached_blocks.labels(str(group)).inc(timings.cache_blocks_skipped)
+        cache = timings.features.get("step_cache")  # a CacheRecord, where the batch asked for a step cache
+        self.cached_steps.labels(str(group)).inc(cache.skipped_steps if cache else 0)
+        self.cached_blocks.labels(str(group)).inc(cache.blocks_skipped if cache else 0)
         if denoise_s > 0:
             self.steps_per_second.labels(str(group)).set(len(timings.step_ms) / denoise_s)
         for rank, peak in enumerate(timings.peak_memory_per_rank or [timings.peak_memory_bytes]):

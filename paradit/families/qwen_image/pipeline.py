@@ -245,7 +245,7 @@ class QwenImagePipeline(DiffusionPipeline):
         layout = QwenLayout(rows, cols)
         if self.spec.details is not None and request.mask is not None:
             # Edit's inpainting conditions on the image's latents its start draws (the request's generator's first
-            # draw: ``start_from_image``), drawn here alike.
+            # draw: ``ImageToImage``), drawn here alike.
             drawn = self.image_latents(request, torch.Generator("cpu").manual_seed(request.seed))
             layout = QwenLayout(rows, cols, self.pack_drawn(drawn, request), ((rows, cols),))
         elif self.spec.details is not None:
