@@ -1,24 +1,11 @@
-"""The transformer a rank runs, built in one fixed order of steps on the plain model, each step a function of the module
-that owns its concern, the result one frozen record (``Runtime``): like torchtitan's ``parallelize_llama``, one
-function to read (``load_transformer``).
-
-A module of its own beside the loader rather than ``parallel/parallelize.py``: ``parallelize`` stays the parallel
-strategies alone, which the parallel tests and benchmarks apply to models that already hold their weights, and is one
-step here; the steps around it (weights, FP8, adapters, compilation, CUDA graphs) are not parallelism. The order:
-
-1. **attention kernel** (``layers.attention.apply_fp8_attention``): before parallelism wraps each module's kernel;
-2. **parallelism** (``parallel.parallelize.parallelize``: tensor, sequence, PipeFusion, then CFG's branches and the
-   VAE's bands), on the meta device, so that only the tensors the rank keeps are ever read;
-3. **LoRA side paths** (``lora.apply.add_side_paths``): before the weights, while each linear is the plain model's
-   (tensor parallelism wrapped some; FP8 replaces others as they load, inside the side path);
-4. **weights** (``load_weights``): read or drawn, FP8 as they load (``quantize.fp8_load``), fused adapters added as they
-   are read (``lora.apply.FusedLoraTensors``), and with sharded weights each block sharded as soon as it has loaded
-   (``parallel.shard.shard_module``), so that no more than one block is ever whole;
-5. **adapter choice** (``lora.variants.AdapterChoice``): a server's choice per request, merged into loaded weights;
-6. **sharded weights** (``parallel.shard.shard_root``): the rest sharded, each block's gather prefetching the next;
-7. **compile** (``compile.compile_blocks``): the loaded blocks, in place;
-8. **CUDA graphs** (``cuda_graphs.GraphedModule``): around whatever the steps before made the forward.
-"""
+"""The transformer a rank runs, built in one fixed order of steps on the plain model (docs/architecture.md lists
+them), each step a function of the module that owns its concern, the result one frozen record (``Runtime``), as
+torchtitan's ``parallelize_llama`` is one function to read. Beside the loader, not in ``parallel/parallelize.py``,
+which stays the parallel strategies alone (the parallel tests apply it to loaded models). Why this order: the FP8
+attention kernel goes in before parallelism wraps each module's kernel; parallelism runs on the meta device, so only
+the tensors the rank keeps are ever read; LoRA side paths go in while each linear is still the plain model's; with
+sharded weights each block is sharded as soon as it has loaded, so no more than one block is ever whole; CUDA graphs
+wrap whatever the steps before made the forward."""
 
 from __future__ import annotations
 

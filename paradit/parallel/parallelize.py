@@ -1,19 +1,8 @@
-"""``parallelize``: the one place that applies parallelism to a plain model, every strategy in a fixed order.
-
-Like torchtitan's ``parallelize_*``, each strategy acts on the plain model in place on the meta device, before loading:
-
-1. **tensor**: shards every block's projections (the slices each rank keeps go to the loader);
-2. **sequence** (Ulysses, Ring, USP): swaps every attention module's implementation for one that attends across the
-   sequence group, and splits the token streams between ``embed`` and the blocks;
-3. **PipeFusion**: keeps this rank's stage of the blocks, and turns each attention into its stale-K/V form (inside
-   the sequence group's, when both are on);
-4. **CFG**: the guidance branches this rank computes;
-5. **VAE**: the group decodes together, each rank a band of the latents (``parallel.vae``).
-
-What comes back (``Parallelized``) is what loading and the denoise loop need; pipelines use it and never name a
-strategy. The runtime build (``paradit.runtime``) applies it between the attention kernel and the weights, so FP8,
-adapters, sharded weights and compilation act on the parallelized plain model and every strategy gets them
-unchanged."""
+"""``parallelize``: the one place that applies parallelism to a plain model, every strategy in a fixed order (tensor,
+sequence, PipeFusion, CFG, the VAE's bands), each in place on the meta device before loading, as torchtitan's
+``parallelize_*`` do. What comes back (``Parallelized``) is what loading and the denoise loop need; pipelines use it
+and never name a strategy. Tensor parallelism goes first so that the slices each rank keeps reach the loader, and
+PipeFusion's stale-K/V attention wraps the sequence group's when both are on."""
 
 from __future__ import annotations
 
