@@ -36,12 +36,20 @@ def cache_config(args: argparse.Namespace) -> StepCacheConfig | None:
 
 
 def stored_curve(model: str) -> tuple[float, ...]:
-    path = curve_path(model)
-    if not path.is_file():
+    ratios = kept_curve(model)
+    if ratios is None:
         raise InvalidRequest(
             f"--cache mag needs {model}'s magnitude ratios: measure them once with --cache mag "
-            f"--cache-calibrate (kept in {path}), or give --cache-mag-ratios"
+            f"--cache-calibrate (kept in {curve_path(model)}), or give --cache-mag-ratios"
         )
+    return ratios
+
+
+def kept_curve(model: str) -> tuple[float, ...] | None:
+    """The curve ``--cache-calibrate`` kept for ``model``, None if none was."""
+    path = curve_path(model)
+    if not path.is_file():
+        return None
     try:
         return tuple(float(ratio) for ratio in json.loads(path.read_text())["mag_ratios"])
     except (OSError, ValueError, KeyError, TypeError):

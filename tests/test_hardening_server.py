@@ -241,3 +241,33 @@ def test_abort_kills_a_group_inside_a_step_at_once_and_leaves_no_process():
     assert not still_alive(workers)
     with pytest.raises(WorkerFailure, match="create a new Engine"):
         engine.generate(GenerationRequest(prompt="a fox", steps=1))
+
+
+def test_client_faults_in_an_edit_form_or_a_body_are_400s_naming_the_field_and_kept_curves_serve_mag(
+    tmp_path, monkeypatch
+):
+    """An image sent as text, a value past what any dtype holds, MagCache without a curve where none was kept: each
+    the client's 400 naming its field. The form takes the JSON body's objects (``cache``, ``lora``) as JSON text, and
+    MagCache without a curve takes the one ``--cache-calibrate`` kept for the served model."""
+    from paradit.cache_options import keep_curve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    form = {"prompt": "a fox", "size": "32x32", "steps": "2"}
+    image = {"image": ("a.png", png_of(64))}
+    with scheduler() as (scheduling, _, _), http_server(scheduling) as url, httpx.Client(base_url=url) as client:
+        refusals = [
+            (client.post("/v1/images/edits", data={**form, "image": "a.png"}), "image", "file part"),
+            (client.post("/v1/images/edits", data={**form, "cache": "{method"}, files=image), "cache", "JSON text"),
+            (client.post("/v1/images/generations", json={**BODY, "guidance": 1e300}), "guidance", "3.4e+38"),
+            (client.post("/v1/images/generations", json={**BODY, "cache": {"method": "mag"}}), "cache", "calibrated"),
+        ]
+        for answer, param, words in refusals:
+            error = answer.json()["error"]
+            assert answer.status_code == 400 and error["param"] == param and words in error["message"], error
+        cached = {**form, "cache": '{"method": "first-block", "threshold": 0.1}'}
+        assert client.post("/v1/images/edits", data=cached, files=image).is_success
+        keep_curve("flux2-tiny", [1.0, 1.0])
+        assert client.post("/v1/images/generations", json={**BODY, "cache": {"method": "mag"}}).is_success
+        metrics = client.get("/metrics").text
+    assert 'endpoint="/v1/images/edits",outcome="invalid"} 2.0' in metrics
+    assert 'outcome="failed"' not in metrics

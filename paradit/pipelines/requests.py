@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 MAX_SIDE = 8192
 MAX_STEPS = 10_000
 MAX_BATCH = 64
+# float32's largest value: a guidance scale past it makes the guided step infinite in every dtype a run computes in.
+MAX_GUIDANCE = 3.4028234663852886e38
 
 
 def check_text(name: str, texts: list[str]) -> None:
@@ -72,8 +74,7 @@ def resolve_common(
     if not 1 <= steps <= MAX_STEPS:
         raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more (at most {MAX_STEPS})", param="steps")
     guidance = spec.guidance if request.guidance is None else float(request.guidance)
-    if guidance is not None and not 0 <= guidance < math.inf:  # NaN fails both comparisons
-        raise InvalidRequest(f"guidance {guidance} is not allowed; give a finite value >= 0")
+    check_guidance("guidance", guidance)
     negative = request.negative_prompt if request.negative_prompt is not None else default_negative
     negatives = None
     if negative is not None:
@@ -216,6 +217,13 @@ def resolve_images(spec: ModelSpec, image, limit: int) -> tuple[Image.Image, ...
         if not isinstance(item, Image.Image):
             raise InvalidRequest(f"image {index + 1} must be a PIL image, not {type(item).__name__}", param="image")
     return tuple(rgb_image(item, f"image {index + 1}") for index, item in enumerate(images))
+
+
+def check_guidance(name: str, value: float | None) -> None:
+    if value is not None and not 0 <= value <= MAX_GUIDANCE:  # NaN fails both comparisons
+        raise InvalidRequest(
+            f"{name} {value:g} is not allowed; give a finite value from 0 to {MAX_GUIDANCE:.3g}", param=name
+        )
 
 
 def batch_key(request: ResolvedRequest) -> tuple | None:

@@ -4,6 +4,8 @@ limits (sizes, frames) are checked afterwards by the engine, which knows them.""
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -116,6 +118,18 @@ ImageEditBody = create_model(
     __base__=EditForm,
     **{k: v for k, v in declared("edits").items() if k not in Body.model_fields},
 )
+
+
+def takes_json(annotation) -> bool:
+    """Whether a field of this type is an object or a list, which a form's text spells as JSON."""
+    if typing.get_origin(annotation) is Literal:
+        return False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(takes_json(each) for each in typing.get_args(annotation))
+    return annotation not in (str, int, float, bool, type(None))
+
+
+JSON_FORM_FIELDS = frozenset(name for name, field in ImageEditBody.model_fields.items() if takes_json(field.annotation))
 VideoBody = create_model(
     "VideoBody",
     __base__=Body,

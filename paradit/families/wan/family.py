@@ -13,7 +13,7 @@ from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
 from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
-from paradit.pipelines.requests import resolve_common
+from paradit.pipelines.requests import check_guidance, resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
@@ -85,8 +85,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     if spec.experts and guidance_2 is None:
         # diffusers' rule: the low-noise scale is the high-noise one unless given; a preset's own default otherwise.
         guidance_2 = spec.guidance_2 if request.guidance is None and spec.guidance_2 is not None else resolved.guidance
-    if guidance_2 is not None and not 0 <= guidance_2 < float("inf"):
-        raise InvalidRequest(f"guidance_2 {guidance_2} is not allowed; give a finite value >= 0")
+    check_guidance("guidance_2", guidance_2)
     resolved.frames, resolved.guidance_2 = frames, guidance_2
     resolved.fps = spec.fps if request.fps is None else request.fps
     if not isinstance(resolved.fps, int) or not 1 <= resolved.fps <= MAX_FPS:
