@@ -89,7 +89,29 @@ def check_components(folder: Path, index: dict, allow_pickle: bool) -> None:
     for name in listed_components(index):
         component = component_dir(folder, name)
         if any(path.suffix in (".safetensors", *PICKLE_SUFFIXES) for path in component.iterdir()):
-            weights_file(component, allow_pickle)
+            for file in safetensors_files(component, allow_pickle):
+                if file.suffix == ".safetensors":
+                    check_safetensors(file)
+
+
+def check_safetensors(file: Path) -> None:
+    """``file``'s header is whole and its tensors' bytes are all in the file, read from the header alone: a truncated
+    download is refused before anything loads, not when its component is reached (after the denoise, for a VAE)."""
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if 8 + length > size:
+                raise ValueError("its header is cut short")
+            header = json.loads(handle.read(length))
+        end = 8 + length + max((e["data_offsets"][1] for n, e in header.items() if n != "__metadata__"), default=0)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); download it again") from None
+    if end > size:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file (cut short: its header declares {end:,} bytes, the file has "
+            f"{size:,}); download it again"
+        )
 
 
 def component_dir(folder: Path, name: str) -> Path:

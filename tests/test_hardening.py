@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import paradit.loader
 from paradit.cli import main, serial_comparison
+from paradit.errors import CheckpointError
 from paradit.families import PRESETS
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.settings import default_plan_for, resolve_model
@@ -208,6 +209,17 @@ def test_damaged_checkpoints_are_one_line_naming_the_file(klein_folder, tmp_path
         return
     line = assert_one_line_error(code, err, *fragments)
     assert str(folder) in line
+
+
+def test_a_truncated_component_is_refused_when_the_folder_is_read_before_anything_loads(klein_folder, tmp_path):
+    """The VAE, read last (after the denoise), is checked with the others when the folder is resolved."""
+    folder = _damaged_copy(klein_folder, tmp_path)
+    vae = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    vae.write_bytes(vae.read_bytes()[:-100])
+    with pytest.raises(
+        CheckpointError, match=r"vae/diffusion_pytorch_model.safetensors is not a readable safetensors file \(cut short"
+    ):
+        resolve_model(str(folder))
 
 
 def test_pickle_weights_are_refused_unless_allowed(klein_folder, tmp_path, capsys):
