@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 
 from paradit.errors import InvalidRequest
-from paradit.flags import GENERATE, flags_given, from_args
-from paradit.request import StepCacheConfig
+from paradit.flags import GENERATE, flagged_fields, flags_given, from_args
+from paradit.request import CACHE_PARAMETERS, StepCacheConfig
 
 
 def curve_path(model: str) -> Path:
@@ -29,6 +29,11 @@ def cache_config(args: argparse.Namespace) -> StepCacheConfig | None:
         return None
     if args.calibrate and args.method != "mag":
         raise InvalidRequest("--cache-calibrate measures MagCache's curve; give it with --cache mag")
+    fields = {flag.name: each.name for each, flag in flagged_fields(StepCacheConfig, GENERATE)}
+    reads = [name for name, field in fields.items() if field in CACHE_PARAMETERS[args.method]]
+    for name in flags_given(args, GENERATE, StepCacheConfig):
+        if name != "--cache" and name not in reads:
+            raise InvalidRequest(f"{name} is not a parameter of --cache {args.method}, which reads {', '.join(reads)}")
     config = from_args(StepCacheConfig, args, GENERATE)
     if config.method == "mag" and not config.calibrate and config.mag_ratios is None:
         config = dataclasses.replace(config, mag_ratios=stored_curve(args.model))

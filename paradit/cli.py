@@ -113,7 +113,7 @@ def format_table(result) -> str:
             (
                 "step cache",
                 f"{cache.skipped_steps} of {len(cache.skipped)} steps skipped, "
-                f"{cache.blocks_skipped} block evaluations",
+                f"{cache.blocks_skipped} block evaluations skipped",
             )
         )
     width = max(len(name) for name, _ in rows)
@@ -202,7 +202,7 @@ def run_generate(args: argparse.Namespace) -> int:
         **({"image": args.image} if args.image else {}),
         **({"mask": args.mask} if args.mask else {}),
         **({"strength": resolved.strength} if resolved.strength is not None else {}),
-        **({"cache": dataclasses.asdict(resolved.cache)} if resolved.cache is not None else {}),
+        **({"cache": resolved.cache.record()} if resolved.cache is not None else {}),
         **({"frames": resolved.frames, "fps": resolved.fps} if result.is_video else {}),
     }
     metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}

@@ -23,6 +23,12 @@ MAX_PROMPT_CHARS = 10_000
 SERVED_MAX_STEPS = 500
 CACHE_METHODS = ("first-block", "mag", "taylorseer")
 CACHE_THRESHOLDS = {"first-block": 0.05, "mag": 0.06}  # diffusers' defaults
+# The parameters each method reads (its diffusers config's); another method's is refused, never silently ignored.
+CACHE_PARAMETERS = {
+    "first-block": ("threshold",),
+    "mag": ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios", "calibrate"),
+    "taylorseer": ("cache_interval", "disable_cache_before_step", "disable_cache_after_step", "max_order"),
+}
 
 
 CACHING = "step caching (skip the blocks of steps that barely change)"
@@ -139,6 +145,10 @@ class StepCacheConfig:
         help="with --cache mag: skip nothing, print the model's magnitude ratios and keep them for the next --cache "
         "mag run",
     )
+
+    def record(self) -> dict[str, Any]:
+        """The method and the parameters it reads, for ``--json`` and the PNG metadata."""
+        return {"method": self.method, **{name: getattr(self, name) for name in CACHE_PARAMETERS[self.method]}}
 
 
 @dataclass

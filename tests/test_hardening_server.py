@@ -246,20 +246,23 @@ def test_abort_kills_a_group_inside_a_step_at_once_and_leaves_no_process():
 def test_client_faults_in_an_edit_form_or_a_body_are_400s_naming_the_field_and_kept_curves_serve_mag(
     tmp_path, monkeypatch
 ):
-    """An image sent as text, a value past what any dtype holds, MagCache without a curve where none was kept: each
-    the client's 400 naming its field. The form takes the JSON body's objects (``cache``, ``lora``) as JSON text, and
-    MagCache without a curve takes the one ``--cache-calibrate`` kept for the served model."""
+    """An image sent as text, a value past what any dtype holds, MagCache without a curve where none was kept, another
+    method's cache parameter: each the client's 400 naming its field. The form takes the JSON body's objects
+    (``cache``, ``lora``) as JSON text, and MagCache without a curve takes the one ``--cache-calibrate`` kept for the
+    served model."""
     from paradit.cache_options import keep_curve
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     form = {"prompt": "a fox", "size": "32x32", "steps": "2"}
     image = {"image": ("a.png", png_of(64))}
+    stray = {"method": "first-block", "cache_interval": 3}  # taylorseer's
     with scheduler() as (scheduling, _, _), http_server(scheduling) as url, httpx.Client(base_url=url) as client:
         refusals = [
             (client.post("/v1/images/edits", data={**form, "image": "a.png"}), "image", "file part"),
             (client.post("/v1/images/edits", data={**form, "cache": "{method"}, files=image), "cache", "JSON text"),
             (client.post("/v1/images/generations", json={**BODY, "guidance": 1e300}), "guidance", "3.4e+38"),
             (client.post("/v1/images/generations", json={**BODY, "cache": {"method": "mag"}}), "cache", "calibrated"),
+            (client.post("/v1/images/generations", json={**BODY, "cache": stray}), "cache", "not a parameter of"),
         ]
         for answer, param, words in refusals:
             error = answer.json()["error"]

@@ -247,7 +247,7 @@ PLAN_CASES = {
         "qwen_image",
         "unfused",
         ("--gpus", "2", "--pipefusion", "2"),
-        "pipefusion 2 (1 patches after 1 warm-up steps)",
+        "pipefusion 2 (1 patch after 1 warm-up step)",
     ),
     "cfg-ulysses": ("sd3", "fused", ("--gpus", "4", "--cfg-parallel", "--ulysses", "2"), "cfg 2 x ulysses 2"),
     "ring": ("zimage", "unfused", ("--gpus", "3", "--ring", "3"), "ring 3"),

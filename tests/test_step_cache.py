@@ -348,11 +348,11 @@ def test_command_line_caches_reports_and_keeps_the_calibrated_curve(tmp_path, mo
     expected = engine_result().timings.features["step_cache"]
     assert (
         table_row(out, "step cache")
-        == f"{expected.skipped_steps} of {STEPS} steps skipped, {expected.blocks_skipped} block evaluations"
+        == f"{expected.skipped_steps} of {STEPS} steps skipped, {expected.blocks_skipped} block evaluations skipped"
     )
     written = json.loads((tmp_path / "fbc.json").read_text())["timings"]["features"]["step_cache"]
     assert [tuple(call) for call in written["skipped"]] == expected.skipped
-    assert json.loads(Image.open(tmp_path / "fbc.png").info["cache"])["threshold"] == 1.212
+    assert json.loads(Image.open(tmp_path / "fbc.png").info["cache"]) == {"method": "first-block", "threshold": 1.212}
 
     out = generate(
         ["generate", *args, "--out", str(tmp_path / "calibrate.png"), "--cache", "mag", "--cache-calibrate"], capfd
@@ -370,6 +370,7 @@ def test_command_line_caches_reports_and_keeps_the_calibrated_curve(tmp_path, mo
         (["--cache", "first-block", "--cache-calibrate"], "give it with --cache mag"),
         (["--cache", "mag", "--cache-mag-ratios", "1,x"], "is not a comma-separated list"),
         (["--cache", "mag"], "measure them once with --cache mag --cache-calibrate"),
+        (["--cache", "first-block", "--cache-interval", "3"], "--cache-interval is not a parameter of --cache first"),
     ],
 )
 def test_command_line_refuses_cache_flags_it_cannot_use(extra, fragment, tmp_path, monkeypatch, capfd):

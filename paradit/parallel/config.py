@@ -88,7 +88,9 @@ class ParallelConfig:
         parts = [f"{name} {degree}" for name, degree in self.degrees() if degree > 1]
         plan = " x ".join(parts) if parts else "1 GPU"
         if self.pipefusion > 1:
-            plan += f" ({self.patches} patches after {self.warmup_steps} warm-up steps)"
+            patches = "1 patch" if self.patches == 1 else f"{self.patches} patches"
+            warmup = "1 warm-up step" if self.warmup_steps == 1 else f"{self.warmup_steps} warm-up steps"
+            plan += f" ({patches} after {warmup})"
         plan += " (fp8 transport)" if self.comm_dtype == "fp8" else ""
         if self.shard_weights:
             plan += f", weights sharded over {self.shard_weights} ({self.shard_dims()})"

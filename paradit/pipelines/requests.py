@@ -139,7 +139,7 @@ def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
     for name, (value, low, high) in bounds.items():
         if value is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
             allowed = f"{low} to {high}" if high is not None else f"{low} or more"
-            raise InvalidRequest(f"cache {name} {value} is not allowed; give {allowed}", param="cache")
+            raise InvalidRequest(f"cache: {name} {value} is not allowed; give {allowed}", param="cache")
     if config.method == "mag" and not config.calibrate:
         ratios = config.mag_ratios
         if not ratios or not all(isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in ratios):

@@ -10,9 +10,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from paradit.errors import InvalidRequest
 from paradit.flags import GENERATE, flagged_fields
 from paradit.outputs import API_FORMATS
-from paradit.request import CACHE_METHODS, MAX_PROMPT_CHARS, SERVED_MAX_STEPS, GenerationRequest, StepCacheConfig
+from paradit.request import (
+    CACHE_METHODS,
+    CACHE_PARAMETERS,
+    MAX_PROMPT_CHARS,
+    SERVED_MAX_STEPS,
+    GenerationRequest,
+    StepCacheConfig,
+)
 
 # Bounds a server sets on what one request may ask for, beside those its request fields declare (``request``): as
 # many images per request as OpenAI's Images API allows, and input images a decoder can take.
@@ -48,6 +56,13 @@ class CacheChoice(BaseModel):
     mag_ratios: list[float] | None = Field(None, min_length=1, max_length=SERVED_MAX_STEPS)
 
     def config(self) -> StepCacheConfig:
+        stray = sorted(self.model_fields_set - {"method", *CACHE_PARAMETERS[self.method]})
+        if stray:
+            raise InvalidRequest(
+                f"cache: {stray[0]} is not a parameter of {self.method}, which reads "
+                f"{', '.join(CACHE_PARAMETERS[self.method])}",
+                param="cache",
+            )
         fields = self.model_dump()
         return StepCacheConfig(**{**fields, "mag_ratios": None if self.mag_ratios is None else tuple(self.mag_ratios)})
 
