@@ -39,7 +39,11 @@ WORKING_MARGIN = 1.2
 # measured at up to 0.58 GiB (SD3.5's three encoders).
 RUNTIME_BYTES = 3 * 2**28
 _PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {
+    "b": 1,
+    **{prefix + "b": 1000 ** (power + 1) for power, prefix in enumerate("kmgt")},
+    **{prefix + "ib": 1024 ** (power + 1) for power, prefix in enumerate("kmgt")},
+}
 
 
 def gib(size: int) -> str:
@@ -55,7 +59,10 @@ def parse_size(text: str | int) -> int:
     if match and not match.group(2):
         raise InvalidRequest(f"memory size {text!r} has no unit; write it with one, e.g. {match.group(1)}GiB")
     if not match or match.group(2).lower() not in _UNITS:
-        raise InvalidRequest(f"memory size {text!r} is not understood; write e.g. 32GiB, 30GB or 512MiB")
+        raise InvalidRequest(
+            f"memory size {text!r} is not understood; write a number and a unit: B, KB, MB, GB, TB (powers of 1000) "
+            "or KiB, MiB, GiB, TiB (powers of 1024), e.g. 32GiB"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 

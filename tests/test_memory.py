@@ -22,14 +22,17 @@ CAP_32 = 32 * 2**30
 
 
 @pytest.mark.parametrize(
-    "text,expected", [("32GiB", 32 * 2**30), ("30GB", 30 * 10**9), ("512 MiB", 512 * 2**20), ("1.5gib", 3 * 2**29)]
+    "text,expected",
+    [("32GiB", 32 * 2**30), ("30GB", 30 * 10**9), ("512 MiB", 512 * 2**20), ("1.5gib", 3 * 2**29), ("1TiB", 2**40)],
 )
 def test_sizes_parse(text, expected):
     assert parse_size(text) == expected
 
 
 def test_bad_size_names_the_accepted_forms():
-    with pytest.raises(InvalidRequest, match="'32 parsecs' is not understood; write e.g. 32GiB"):
+    with pytest.raises(
+        InvalidRequest, match="'32 parsecs' is not understood; write a number and a unit: B, KB, .* TiB"
+    ):
         parse_size("32 parsecs")
 
 
