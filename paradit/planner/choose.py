@@ -12,6 +12,7 @@ import torch
 from paradit.errors import InvalidRequest
 from paradit.families import find_facts
 from paradit.parallel.config import ParallelConfig
+from paradit.planner.cost import ms
 from paradit.planner.plan import plan, request_for
 from paradit.planner.profile import HardwareProfile, detect_profile
 from paradit.planner.tuned import tuned_entry
@@ -54,7 +55,7 @@ def settings_for(
     best = plan(spec, gpus, profile, request).best
     origin = (
         f"planned for this request on {gpus} x {profile.name}: {best.describe()}, text encoders {best.placement}, "
-        f"{'CUDA graphs' if best.cuda_graphs else 'no CUDA graphs'} (predicted {best.mean_ms:.1f} ms/step)"
+        f"{'CUDA graphs' if best.cuda_graphs else 'no CUDA graphs'} (predicted {ms(best.mean_ms)} ms/step)"
     )
     return PlannedSettings(
         best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs, origin, best.swap_experts

@@ -27,6 +27,11 @@ from paradit.planner.profile import HardwareProfile
 BF16_BYTES = 2
 
 
+def ms(value: float) -> str:
+    """Milliseconds to one decimal, or to three significant digits below 1 ms (a tiny model's steps)."""
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
+
+
 @dataclass(frozen=True)
 class Transfer:
     """What one kind of collective sends from this rank per step, and the time it takes on the profile's link."""

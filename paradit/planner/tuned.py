@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from paradit.parallel.config import ParallelConfig
+from paradit.planner.cost import ms
 from paradit.planner.plan import Request
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -54,7 +55,7 @@ class TunedEntry:
             s = self.source
             figure = f'measured {s["ms_per_step"]:.1f} ms/step: docs/benchmarks.md "{s["section"]}", {s["date"]}'
         else:
-            figure = f"predicted {self.ms_per_step:.1f} ms/step by the planner"
+            figure = f"predicted {ms(self.ms_per_step)} ms/step by the planner"
         return f"{', '.join(settings)} ({figure})"
 
     def to_json(self) -> dict:
