@@ -205,7 +205,10 @@ def run_generate(args: argparse.Namespace) -> int:
         **({"cache": resolved.cache.record()} if resolved.cache is not None else {}),
         **({"frames": resolved.frames, "fps": resolved.fps} if result.is_video else {}),
     }
-    metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
+    made = file_records(resolved, result.seed)
+    metadata = [
+        {k: v if isinstance(v, str) else json.dumps(v) for k, v in {**settings, **each}.items()} for each in made
+    ]
     if result.is_video:
         paths = save_videos(result.frames, paths, resolved.fps, metadata)
     else:
@@ -228,10 +231,32 @@ def run_generate(args: argparse.Namespace) -> int:
         print(comparison)
     if args.json is not None:
         timings = {**dataclasses.asdict(result.timings), "median_step_ms": result.timings.median_step_ms}
-        record = {**settings, "timings": timings, "files": [str(p) for p in paths], "verify_serial": comparison}
+        record = {
+            **settings,
+            "timings": timings,
+            "files": [str(p) for p in paths],
+            "outputs": [{"file": str(path), **each} for path, each in zip(paths, made)],
+            "verify_serial": comparison,
+        }
         with replaced(Path(args.json)) as temporary:
             temporary.write_text(json.dumps(record, indent=2) + "\n")
     return code
+
+
+def file_records(resolved, seed: int) -> list[dict]:
+    """What made each image (or video) of the batch, in order: its own prompt and negative prompt, and the batch's
+    seed with its index in the batch (one generator draws the whole batch's noise, as diffusers draws it)."""
+    per, negatives = resolved.images_per_prompt, resolved.negative_prompts
+    return [
+        {
+            "prompt": resolved.prompts[index // per],
+            "negative_prompt": None if negatives is None else negatives[index // per],
+            "seed": seed,
+            "batch_index": index,
+            "batch_size": resolved.batch,
+        }
+        for index in range(resolved.batch)
+    ]
 
 
 def lora_record(lora) -> dict:

@@ -69,30 +69,32 @@ def replaced(path: Path, errors: tuple[type[Exception], ...] = (OSError,)) -> It
         raise ParaditError(f"cannot write {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-def save_images(images: list, paths: list[Path], metadata: dict[str, str]) -> None:
-    """Each image in the format its extension names; PNGs carry ``metadata`` as text chunks."""
+def save_images(images: list, paths: list[Path], metadata: list[dict[str, str]]) -> None:
+    """Each image in the format its extension names; PNGs carry their ``metadata`` (one dict an image) as text
+    chunks."""
     from PIL.PngImagePlugin import PngInfo
 
-    info = PngInfo()
-    for key, value in metadata.items():
-        info.add_itxt(key, value)
-    for path, image in zip(paths, images):
+    for path, image, text in zip(paths, images, metadata):
+        info = PngInfo()
+        for key, value in text.items():
+            info.add_itxt(key, value)
         with replaced(path) as temporary:  # PIL takes the options of its format and ignores the others'
             image.save(temporary, format=IMAGE_FORMATS[path.suffix.lower()], pnginfo=info, quality=DEFAULT_QUALITY)
 
 
-def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: dict[str, str]) -> list[Path]:
-    """Each video as an MP4 or its frames in a folder (``x.png`` or ``x/`` -> ``x/0000.png``); returns the paths."""
+def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: list[dict[str, str]]) -> list[Path]:
+    """Each video as an MP4 or its frames in a folder (``x.png`` or ``x/`` -> ``x/0000.png``), with its own
+    ``metadata``; returns the paths."""
     written = []
-    for path, frames in zip(paths, videos):
+    for path, frames, text in zip(paths, videos, metadata):
         if path.suffix.lower() == VIDEO_SUFFIX:
-            video = encode_mp4(frames, fps, metadata)  # before the file: an encoder's failure is not the disk's
+            video = encode_mp4(frames, fps, text)  # before the file: an encoder's failure is not the disk's
             with replaced(path) as temporary:
                 temporary.write_bytes(video)
         else:
             suffix = path.suffix if path.suffix.lower() in IMAGE_FORMATS else ".png"
             path = path.with_suffix("") if path.suffix.lower() in IMAGE_FORMATS else path  # the frames' folder
-            save_images(frames, [path / f"{i:04d}{suffix}" for i in range(len(frames))], metadata)
+            save_images(frames, [path / f"{i:04d}{suffix}" for i in range(len(frames))], [text] * len(frames))
         written.append(path)
     return written
 
