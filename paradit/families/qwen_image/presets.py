@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from paradit.families.qwen_image.edit import EDIT, EDIT_PLUS
 from paradit.spec import ModelSpec, read_configs
 
@@ -28,75 +30,46 @@ QWEN_IMAGE_TINY_TEXT_ENCODER = {
 }
 QWEN_IMAGE_TINY_VAE = {**QWEN_IMAGE_VAE, "base_dim": 8, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
 
+preset = functools.partial(
+    ModelSpec, family="qwen_image", scheduler=QWEN_IMAGE_SCHEDULER, guidance_mode="cfg", guidance=4.0
+)
+full_size = functools.partial(preset, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, steps=50, height=1024, width=1024)
 PRESETS: list[ModelSpec] = [
-    ModelSpec(
+    full_size(
         name="qwen-image",
-        family="qwen_image",
         description="Qwen-Image, 20B MMDiT (60 dual-stream blocks), true CFG; Qwen2.5-VL-7B text encoder",
         transformer=_QWEN_IMAGE,
-        text_encoder=QWEN25_VL_7B,
-        vae=QWEN_IMAGE_VAE,
-        scheduler=QWEN_IMAGE_SCHEDULER,
-        guidance_mode="cfg",
-        steps=50,
-        guidance=4.0,
-        height=1024,
-        width=1024,
         hub_id="Qwen/Qwen-Image",
     ),
-    *(
-        ModelSpec(
-            name=name,
-            family="qwen_image",
-            description=description,
-            transformer=transformer,
-            text_encoder=QWEN25_VL_7B,
-            vae=QWEN_IMAGE_VAE,
-            scheduler=QWEN_IMAGE_SCHEDULER,
-            guidance_mode="cfg",
-            steps=50,
-            guidance=4.0,
-            height=1024,
-            width=1024,
-            hub_id=hub_id,
-            details=inputs,
-        )
-        for name, hub_id, transformer, inputs, description in (
-            (
-                "qwen-image-edit-2511",
-                "Qwen/Qwen-Image-Edit-2511",
-                {**_QWEN_IMAGE, "zero_cond_t": True},
-                EDIT_PLUS,
-                "Qwen-Image-Edit-2511, the 20B MMDiT editing from one or more images (their tokens modulated as at "
-                "timestep 0); Qwen2.5-VL-7B reads them with the prompt",
-            ),
-            (
-                "qwen-image-edit-2509",
-                "Qwen/Qwen-Image-Edit-2509",
-                _QWEN_IMAGE,
-                EDIT_PLUS,
-                "Qwen-Image-Edit-2509, the 20B MMDiT editing from one or more images; Qwen2.5-VL-7B reads them",
-            ),
-            (
-                "qwen-image-edit",
-                "Qwen/Qwen-Image-Edit",
-                _QWEN_IMAGE,
-                EDIT,
-                "Qwen-Image-Edit, the 20B MMDiT editing one image; Qwen2.5-VL-7B reads it with the prompt",
-            ),
-        )
+    full_size(
+        name="qwen-image-edit-2511",
+        description="Qwen-Image-Edit-2511, the 20B MMDiT editing from one or more images (their tokens modulated as "
+        "at timestep 0); Qwen2.5-VL-7B reads them with the prompt",
+        transformer={**_QWEN_IMAGE, "zero_cond_t": True},
+        hub_id="Qwen/Qwen-Image-Edit-2511",
+        details=EDIT_PLUS,
     ),
-    ModelSpec(
+    full_size(
+        name="qwen-image-edit-2509",
+        description="Qwen-Image-Edit-2509, the 20B MMDiT editing from one or more images; Qwen2.5-VL-7B reads them",
+        transformer=_QWEN_IMAGE,
+        hub_id="Qwen/Qwen-Image-Edit-2509",
+        details=EDIT_PLUS,
+    ),
+    full_size(
+        name="qwen-image-edit",
+        description="Qwen-Image-Edit, the 20B MMDiT editing one image; Qwen2.5-VL-7B reads it with the prompt",
+        transformer=_QWEN_IMAGE,
+        hub_id="Qwen/Qwen-Image-Edit",
+        details=EDIT,
+    ),
+    preset(
         name="qwen-image-tiny",
-        family="qwen_image",
         description="a few-million-parameter Qwen-Image, random weights, for demos and tests",
         transformer=QWEN_IMAGE_TINY_TRANSFORMER,
         text_encoder=QWEN_IMAGE_TINY_TEXT_ENCODER,
         vae=QWEN_IMAGE_TINY_VAE,
-        scheduler=QWEN_IMAGE_SCHEDULER,
-        guidance_mode="cfg",
         steps=8,
-        guidance=4.0,
         height=128,
         width=128,
     ),

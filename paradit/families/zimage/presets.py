@@ -32,22 +32,19 @@ def text_encoder_spec(config: dict[str, Any], class_name: str | None = None) -> 
 
 QWEN3_4B_CAPTIONS = text_encoder_spec(QWEN3_4B)
 preset = functools.partial(ModelSpec, family="zimage", vae=FLUX1_VAE, guidance_mode="cfg", height=1024, width=1024)
+full_size = functools.partial(preset, transformer=_ZIMAGE_TRANSFORMER, text_encoder=QWEN3_4B_CAPTIONS)
 PRESETS: list[ModelSpec] = [
-    preset(
+    full_size(
         name="z-image-turbo",
         description="Z-Image-Turbo, 6.2B, step-distilled (8 steps, guidance 0: off); Qwen3-4B text encoder",
-        transformer=_ZIMAGE_TRANSFORMER,
-        text_encoder=QWEN3_4B_CAPTIONS,
         scheduler=TURBO_SCHEDULER,
         steps=8,
         guidance=0.0,
         hub_id="Tongyi-MAI/Z-Image-Turbo",
     ),
-    preset(
+    full_size(
         name="z-image",
         description="Z-Image, 6.2B, the non-distilled base model (true CFG, negative prompts); Qwen3-4B text encoder",
-        transformer=_ZIMAGE_TRANSFORMER,
-        text_encoder=QWEN3_4B_CAPTIONS,
         scheduler=BASE_SCHEDULER,
         steps=50,
         guidance=5.0,
