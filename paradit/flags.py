@@ -21,14 +21,15 @@ REQUIRED = object()  # ``option``'s default for a field that has none
 
 @dataclass(frozen=True)
 class Flag:
-    """How the command line spells an option. ``commands``: those that take it; ``group``: the heading it is listed
-        under in their help; ``convert``: the flag's value to the field's (argparse's ``type`` reads text, this runs
-        after, where a refusal is paradit's own one line); ``remote``: with ``generate --server``, the request body's
-        field it is sent as, or None where the server chose it when it started (then it is refused); ``http``: the JSON
-    type and bounds of that field where the server's bodies take it, ``routes``: which of them."""
+    """How the command line spells an option: ``name`` (None: ``--`` and its field's name, dashes for underscores).
+    ``commands``: those that take it; ``group``: the heading it is listed under in their help; ``convert``: the flag's
+    value to the field's (argparse's ``type`` reads text, this runs after, where a refusal is paradit's own one line);
+    ``remote``: with ``generate --server``, the request body's field it is sent as, or None where the server chose it
+    when it started (then it is refused); ``http``: the JSON type and bounds of that field where the server's bodies
+    take it, ``routes``: which of them."""
 
-    name: str
     help: str
+    name: str | None = None
     commands: tuple[str, ...] = RUN
     group: str | None = None
     type: Callable[[str], Any] | None = None
@@ -64,9 +65,17 @@ def option(default: Any = None, *, factory: Callable[[], Any] | None = None, **f
     return field(default=default, metadata=metadata)
 
 
+def flag_of(each: dataclasses.Field) -> Flag | None:
+    """The flag a field declares, named."""
+    flag = each.metadata.get(OPTION)
+    if flag is None or flag.name is not None:
+        return flag
+    return dataclasses.replace(flag, name="--" + each.name.replace("_", "-"))
+
+
 def flagged_fields(record: type, command: str) -> list[tuple[dataclasses.Field, Flag]]:
     """The fields of ``record`` that ``command`` takes as flags, with their flags, in declaration order."""
-    found = [(each, each.metadata.get(OPTION)) for each in dataclasses.fields(record)]
+    found = [(each, flag_of(each)) for each in dataclasses.fields(record)]
     return [(each, flag) for each, flag in found if flag is not None and command in flag.commands]
 
 
@@ -105,7 +114,7 @@ def check_choices(record: Any) -> None:
     """Refuse a value of ``record`` (set through the Python API, where argparse checked nothing) that its field's
     flag does not allow."""
     for each in dataclasses.fields(record):
-        flag, value = each.metadata.get(OPTION), getattr(record, each.name)
+        flag, value = flag_of(each), getattr(record, each.name)
         if flag is not None and flag.choices and isinstance(value, str) and value not in flag.choices:
             raise InvalidRequest(f"{flag.name} {value!r} is not allowed; choose one of {', '.join(flag.choices)}")
 

@@ -9,6 +9,7 @@ command line builds its parser from here before torch loads."""
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ from paradit.errors import InvalidRequest
 from paradit.families.default import DEFAULT_MODEL
 from paradit.flags import GENERATE, PLAN, SERVE, nonnegative, option, positive
 from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_lora, parse_named
-from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig
+from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig, parallel_option
 from paradit.request import GenerationRequest, StepCacheConfig
 
 if TYPE_CHECKING:
@@ -42,6 +43,11 @@ EXECUTION = "how the run executes"
 MEMORY = "memory"
 LORA = "LoRA adapters (applied to the transformer)"
 SERVED_LORA = "LoRA adapters each request may choose (its lora field)"
+execution_option = functools.partial(option, group=EXECUTION)
+generate_option = functools.partial(option, commands=(GENERATE,))
+serve_option = functools.partial(option, commands=(SERVE,))
+lora_option = functools.partial(option, commands=(GENERATE,), group=LORA)
+served_lora_option = functools.partial(option, commands=(SERVE,), group=SERVED_LORA)
 
 
 @dataclass(frozen=True)
@@ -50,45 +56,32 @@ class ExecutionOptions:
     configuration or the planner (then none, off, off) and ``compile`` to the device (on GPUs); ``lora``: the
     adapters applied as the transformers load (their flags: ``LoraFlags``)."""
 
-    quantize: str | None = option(
-        name="--quantize",
-        choices=QUANTIZATIONS,
-        group=EXECUTION,
-        help="fp8: e4m3 linears (sm89+, MI300, RDNA 4); default none, or the planner's",
+    quantize: str | None = execution_option(
+        choices=QUANTIZATIONS, help="fp8: e4m3 linears (sm89+, MI300, RDNA 4); default none, or the planner's"
     )
-    compile: bool | None = option(
-        name="--compile",
+    compile: bool | None = execution_option(
         action=argparse.BooleanOptionalAction,
-        group=EXECUTION,
         help="regional torch.compile of the repeated blocks (default: on GPUs only)",
     )
-    cuda_graphs: bool | None = option(
-        name="--cuda-graphs",
-        action="store_true",
-        group=EXECUTION,
-        help="replay each step from a CUDA graph (short steps)",
+    cuda_graphs: bool | None = execution_option(
+        action="store_true", help="replay each step from a CUDA graph (short steps)"
     )
     swap_experts: bool | None = option(
-        name="--swap-experts",
         action="store_true",
         group=MEMORY,
         help="models with two experts: one expert on the GPU, the other in pinned host memory, swapped at the "
         "boundary (chosen by itself when the GPU's memory leaves no room for both)",
     )
     lora: LoraSet = option(factory=LoraSet)
-    attention: str | None = option(
-        name="--attention",
+    attention: str | None = execution_option(
         choices=ATTENTIONS,
-        group=EXECUTION,
         help="fp8: self-attention in 8 bits through paradit's Triton kernel (sm89+, MI300, RDNA 4; long sequences, "
         "such as video); default sdpa",
     )
-    attention_bf16_steps: int = option(
+    attention_bf16_steps: int = execution_option(
         0,
-        name="--attention-bf16-steps",
         type=nonnegative,
         metavar="N",
-        group=EXECUTION,
         help="with --attention fp8: the first and last N steps attend exactly, in the run's dtype",
     )
 
@@ -103,69 +96,39 @@ class Asked:
     whichever plan runs."""
 
     model: str | ModelSpec = option(
-        DEFAULT_MODEL, name="--model", help="preset name, checkpoint folder or hub id", absent=DEFAULT_MODEL
+        DEFAULT_MODEL, help="preset name, checkpoint folder or hub id", absent=DEFAULT_MODEL
     )
-    device: str | None = option(
-        name="--device", choices=DEVICES, group=EXECUTION, help="default: cuda when a GPU is visible"
+    device: str | None = execution_option(choices=DEVICES, help="default: cuda when a GPU is visible")
+    dtype: str | torch.dtype | None = execution_option(choices=DTYPES, help="the run's dtype")
+    load_format: str = execution_option("auto", choices=LOAD_FORMATS, help="dummy: random weights")
+    allow_pickle: bool = execution_option(
+        False, action="store_true", help="load a checkpoint's pickle (.bin) weights: they can run code"
     )
-    dtype: str | torch.dtype | None = option(name="--dtype", choices=DTYPES, group=EXECUTION, help="the run's dtype")
-    load_format: str = option(
-        "auto", name="--load-format", choices=LOAD_FORMATS, group=EXECUTION, help="dummy: random weights"
-    )
-    allow_pickle: bool = option(
-        False,
-        name="--allow-pickle",
-        action="store_true",
-        group=EXECUTION,
-        help="load a checkpoint's pickle (.bin) weights: they can run code",
-    )
-    gpus: int | None = option(
-        name="--gpus",
-        type=positive,
-        commands=(GENERATE, PLAN),
-        group=PARALLEL,
-        help="processes in the group; default: the product of the degrees",
+    gpus: int | None = parallel_option(
+        type=positive, help="processes in the group; default: the product of the degrees"
     )
     parallel: ParallelConfig | None = None
-    comm_dtype: str | None = option(
-        name="--comm-dtype",
-        choices=COMM_DTYPES,
-        commands=(GENERATE, PLAN),
-        group=PARALLEL,
-        help="fp8: Ulysses/Ring traffic in FP8 with scales (default auto)",
+    comm_dtype: str | None = parallel_option(
+        choices=COMM_DTYPES, help="fp8: Ulysses/Ring traffic in FP8 with scales (default auto)"
     )
-    patches: int | None = option(
-        name="--patches",
-        type=positive,
-        commands=(GENERATE, PLAN),
-        group=PARALLEL,
-        help="pipefusion: image patches in flight per step (default 1)",
+    patches: int | None = parallel_option(
+        type=positive, help="pipefusion: image patches in flight per step (default 1)"
     )
-    warmup_steps: int | None = option(
-        name="--warmup-steps",
-        type=positive,
-        commands=(GENERATE, PLAN),
-        group=PARALLEL,
-        help="pipefusion: exact steps before patching (default 1)",
+    warmup_steps: int | None = parallel_option(
+        type=positive, help="pipefusion: exact steps before patching (default 1)"
     )
-    shard_weights: int | None = option(
-        name="--shard-weights",
+    shard_weights: int | None = parallel_option(
         type=positive,
         metavar="N",
-        commands=(GENERATE, PLAN),
-        group=PARALLEL,
         help="each of N neighbouring GPUs keeps 1/N of the weights, gathering each block just before it runs (FSDP; "
         "with ulysses, ring, cfg; N divides the GPUs)",
     )
     options: ExecutionOptions = option(factory=ExecutionOptions)
     max_gpu_memory: str | int | None = option(
-        name="--max-gpu-memory",
-        group=MEMORY,
-        help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused",
+        group=MEMORY, help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused"
     )
     text_encoder_placement: str = option(
         "auto",
-        name="--text-encoder-placement",
         choices=("auto", *PLACEMENTS),
         group=MEMORY,
         help="prompt encoders on rank 0's GPU, there with FP8 linears (with --quantize fp8), or in CPU memory streamed "
@@ -178,68 +141,36 @@ class LoraFlags:
     """The adapters' flags, which ``lora_set`` turns into the run's ``LoraSet``: ``generate``'s by path and scale,
     ``serve``'s by name (each request chooses among them)."""
 
-    lora: list[str] | None = option(
-        name="--lora",
+    lora: list[str] | None = lora_option(
         action="append",
         metavar="PATH[:SCALE]",
-        commands=(GENERATE,),
-        group=LORA,
         help="a .safetensors file, a folder or a hub id; repeatable; scale default 1 (of a model with two experts: "
         "the high-noise one; with --server: NAME[:SCALE] of the server's adapters)",
     )
-    lora_2: list[str] | None = option(
-        name="--lora-2",
-        action="append",
-        metavar="PATH[:SCALE]",
-        commands=(GENERATE,),
-        group=LORA,
-        help="a second expert's (the low-noise one)",
+    lora_2: list[str] | None = lora_option(
+        action="append", metavar="PATH[:SCALE]", help="a second expert's (the low-noise one)"
     )
-    lora_weight_name: str | None = option(
-        name="--lora-weight-name",
-        commands=(GENERATE,),
-        group=LORA,
-        help="the adapter file inside a folder or hub repository",
-    )
-    lora_mode: str = option(
+    lora_weight_name: str | None = lora_option(help="the adapter file inside a folder or hub repository")
+    lora_mode: str = lora_option(
         "fused",
-        name="--lora-mode",
         choices=MODES,
         absent="fused",
-        commands=(GENERATE,),
-        group=LORA,
         help="fused into the weights at load (no cost per step), or low-rank side paths beside the linears",
     )
-    named: list[str] | None = option(
-        name="--lora",
-        action="append",
-        metavar="NAME=PATH",
-        commands=(SERVE,),
-        group=SERVED_LORA,
-        help="an adapter and its name; repeatable",
+    named: list[str] | None = served_lora_option(
+        name="--lora", action="append", metavar="NAME=PATH", help="an adapter and its name; repeatable"
     )
-    named_2: list[str] | None = option(
-        name="--lora-2",
-        action="append",
-        metavar="NAME=PATH",
-        commands=(SERVE,),
-        group=SERVED_LORA,
-        help="a second expert's (the low-noise one)",
+    named_2: list[str] | None = served_lora_option(
+        name="--lora-2", action="append", metavar="NAME=PATH", help="a second expert's (the low-noise one)"
     )
-    lora_dir: str | None = option(
-        name="--lora-dir",
-        commands=(SERVE,),
-        group=SERVED_LORA,
-        help="every .safetensors adapter in this folder, named by its file's stem",
+    lora_dir: str | None = served_lora_option(
+        help="every .safetensors adapter in this folder, named by its file's stem"
     )
-    lora_cache: int = option(
+    lora_cache: int = served_lora_option(
         0,
-        name="--lora-cache",
         type=nonnegative,
         metavar="N",
         absent=0,
-        commands=(SERVE,),
-        group=SERVED_LORA,
         help="choices of adapters and scales kept fused into weights of their own, the N most recently used: no cost "
         "per step, one merge a miss, the weights they change held N+1 times (0: side paths beside the weights)",
     )
@@ -276,74 +207,41 @@ class ServeSettings:
     with ``device="cpu"``), where it listens, and the queue's limits."""
 
     asked: Asked = option(factory=Asked)
-    gpus: int = option(
-        1,
-        name="--gpus",
-        type=positive,
-        absent=1,
-        commands=(SERVE,),
-        help="GPUs to serve with (CPU processes with --device cpu)",
-    )
-    group_size: int | str | None = option(
-        name="--group-size",
+    gpus: int = serve_option(1, type=positive, absent=1, help="GPUs to serve with (CPU processes with --device cpu)")
+    group_size: int | str | None = serve_option(
         type=group_size,
-        commands=(SERVE,),
         help="GPUs per group, each running the plan generate chooses for that many: --gpus (the default) splits each "
         "request over all of them (lowest latency), 1 serves independent requests on each (most throughput); auto "
         "chooses per batch from the queue (each GPU then holds the model twice)",
     )
-    host: str = option(
+    host: str = serve_option(
         "127.0.0.1",
-        name="--host",
         absent="127.0.0.1",
-        commands=(SERVE,),
         help="the address to listen on (0.0.0.0: every interface) and url answers link to (under 0.0.0.0: the one a "
         "request reached; never its Host)",
     )
-    port: int = option(
-        8000,
-        name="--port",
-        type=int,
-        absent=8000,
-        commands=(SERVE,),
-        help="0: any free one; one in use is refused before loading",
+    port: int = serve_option(8000, type=int, absent=8000, help="0: any free one; one in use is refused before loading")
+    api_key: str | None = serve_option(
+        help="require `Authorization: Bearer KEY` on every route but /health (default: $PARADIT_API_KEY)"
     )
-    api_key: str | None = option(
-        name="--api-key",
-        commands=(SERVE,),
-        help="require `Authorization: Bearer KEY` on every route but /health (default: $PARADIT_API_KEY)",
-    )
-    max_batch: int = option(
+    max_batch: int = serve_option(
         1,
-        name="--max-batch",
         type=positive,
         absent=1,
-        commands=(SERVE,),
         help="images per forward pass: queued requests of the same size, steps and guidance run together (more "
         "throughput; a batched image can differ from the unbatched one in its last bits)",
     )
-    max_queue: int = option(
-        64,
-        name="--max-queue",
-        type=positive,
-        absent=64,
-        commands=(SERVE,),
-        help="requests waiting; more get 429 (Retry-After)",
-    )
-    timeout_s: float = option(
+    max_queue: int = serve_option(64, type=positive, absent=64, help="requests waiting; more get 429 (Retry-After)")
+    timeout_s: float = serve_option(
         600.0,
         name="--timeout",
         type=positive,
         absent=600,
-        commands=(SERVE,),
         help="seconds a request may take, its wait included: one its measured pace puts at 3x that is refused, a "
         "run past it stopped within a step",
     )
-    max_pixels: int | None = option(
-        name="--max-pixels",
-        type=positive,
-        commands=(SERVE,),
-        help="width x height a request may ask for (default 4x the model's default size)",
+    max_pixels: int | None = serve_option(
+        type=positive, help="width x height a request may ask for (default 4x the model's default size)"
     )
 
 
@@ -351,39 +249,23 @@ class ServeSettings:
 class GenerateFlags:
     """``paradit generate``'s own flags: where its files go, a server to send the request to, what it shows."""
 
-    out: str | None = option(
-        name="--out",
-        commands=(GENERATE,),
+    out: str | None = generate_option(
         help="image path, its format from the extension (.png, .jpg, .jpeg, .webp); a video's: .mp4 (H.264), or a "
         "folder (or an image extension: x.png -> x/) for one image per frame; with several images or videos, _N is "
-        "appended to the name (default: out/paradit.png, out/paradit.mp4 for video models)",
+        "appended to the name (default: out/paradit.png, out/paradit.mp4 for video models)"
     )
-    json: str | None = option(
-        name="--json",
-        commands=(GENERATE,),
-        help="also write the closing table, the seed and the plan to this JSON file",
+    json: str | None = generate_option(help="also write the closing table, the seed and the plan to this JSON file")
+    server: str | None = generate_option(
+        help="send the request to a running `paradit serve` at this URL (http://host:port) instead"
     )
-    server: str | None = option(
-        name="--server",
-        commands=(GENERATE,),
-        help="send the request to a running `paradit serve` at this URL (http://host:port) instead",
+    api_key: str | None = generate_option(help="with --server: the server's API key (default: $PARADIT_API_KEY)")
+    devices: str | None = generate_option(
+        help="which GPUs, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES for this run)"
     )
-    api_key: str | None = option(
-        name="--api-key", commands=(GENERATE,), help="with --server: the server's API key (default: $PARADIT_API_KEY)"
-    )
-    devices: str | None = option(
-        name="--devices",
-        commands=(GENERATE,),
-        help="which GPUs, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES for this run)",
-    )
-    no_progress: bool = option(
-        False, name="--no-progress", action="store_true", commands=(GENERATE,), help="hide the progress bar"
-    )
-    verify_serial: bool = option(
+    no_progress: bool = generate_option(False, action="store_true", help="hide the progress bar")
+    verify_serial: bool = generate_option(
         False,
-        name="--verify-serial",
         action="store_true",
-        commands=(GENERATE,),
         group=PARALLEL,
         help="also run the request in one process and compare: exit 3 when an exact plan differs by more than one "
         f"8-bit level, or a lossy one (FP8 transport, PipeFusion patches) falls under {LOSSY_PSNR_DB:.0f} dB PSNR",
@@ -395,12 +277,10 @@ class PlanFlags:
     """``paradit plan``'s own flags: the hardware to plan for, when not this machine."""
 
     profile: str | None = option(
-        name="--profile",
         commands=(PLAN,),
         help="plan for this hardware profile's GPUs instead of this machine (see paradit/planner/profiles/)",
     )
     link: str | None = option(
-        name="--link",
         choices=LINKS,
         commands=(PLAN,),
         help="the profile's GPU with these links; measure: probe this machine's matmul, attention and collectives",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ CACHE_PARAMETERS = {
 
 
 CACHING = "step caching (skip the blocks of steps that barely change)"
+cache_option = functools.partial(option, commands=(GENERATE,), group=CACHING)
 
 
 def read_ratios(text: str) -> tuple[float, ...]:
@@ -67,81 +69,43 @@ class StepCacheConfig:
     calibrated curve, any length) or ``calibrate``; taylorseer ``cache_interval``, ``disable_cache_before_step``,
     ``disable_cache_after_step`` and ``max_order``."""
 
-    method: str = option(
+    method: str = cache_option(
         name="--cache",
         choices=CACHE_METHODS,
-        commands=(GENERATE,),
-        group=CACHING,
         help="as diffusers' FirstBlockCache, MagCache and TaylorSeer (lite) hooks do",
     )
-    threshold: float | None = option(
-        name="--cache-threshold",
-        type=float,
-        commands=(GENERATE,),
-        group=CACHING,
-        help="first-block, mag: the threshold (default 0.05; mag 0.06)",
+    threshold: float | None = cache_option(
+        name="--cache-threshold", type=float, help="first-block, mag: the threshold (default 0.05; mag 0.06)"
     )
-    cache_interval: int = option(
-        5,
-        name="--cache-interval",
-        type=int,
-        commands=(GENERATE,),
-        group=CACHING,
-        help="taylorseer: steps between computed ones (default 5)",
+    cache_interval: int = cache_option(5, type=int, help="taylorseer: steps between computed ones (default 5)")
+    disable_cache_before_step: int = cache_option(
+        3, name="--cache-disable-before-step", type=int, help="taylorseer: steps computed first (default 3)"
     )
-    disable_cache_before_step: int = option(
-        3,
-        name="--cache-disable-before-step",
-        type=int,
-        commands=(GENERATE,),
-        group=CACHING,
-        help="taylorseer: steps computed first (default 3)",
+    disable_cache_after_step: int | None = cache_option(
+        name="--cache-disable-after-step", type=int, help="taylorseer: computed from this step on"
     )
-    disable_cache_after_step: int | None = option(
-        name="--cache-disable-after-step",
-        type=int,
-        commands=(GENERATE,),
-        group=CACHING,
-        help="taylorseer: computed from this step on",
+    max_order: int = cache_option(
+        1, name="--cache-max-order", type=int, help="taylorseer: the expansion's highest order (default 1)"
     )
-    max_order: int = option(
-        1,
-        name="--cache-max-order",
-        type=int,
-        commands=(GENERATE,),
-        group=CACHING,
-        help="taylorseer: the expansion's highest order (default 1)",
+    max_skip_steps: int = cache_option(
+        3, name="--cache-max-skip-steps", type=int, help="mag: most steps skipped in a row (default 3)"
     )
-    max_skip_steps: int = option(
-        3,
-        name="--cache-max-skip-steps",
-        type=int,
-        commands=(GENERATE,),
-        group=CACHING,
-        help="mag: most steps skipped in a row (default 3)",
-    )
-    retention_ratio: float = option(
+    retention_ratio: float = cache_option(
         0.2,
         name="--cache-retention-ratio",
         type=float,
-        commands=(GENERATE,),
-        group=CACHING,
         help="mag: the share of first steps never skipped (default 0.2)",
     )
-    mag_ratios: tuple[float, ...] | None = option(
+    mag_ratios: tuple[float, ...] | None = cache_option(
         name="--cache-mag-ratios",
         convert=read_ratios,
-        commands=(GENERATE,),
-        group=CACHING,
         help="mag: the model's magnitude ratios, comma-separated (default: the curve --cache-calibrate measured for "
         "this model)",
     )
-    calibrate: bool = option(
+    calibrate: bool = cache_option(
         False,
         name="--cache-calibrate",
         action="store_true",
-        commands=(GENERATE,),
-        group=CACHING,
         help="with --cache mag: skip nothing, print the model's magnitude ratios and keep them for the next --cache "
         "mag run",
     )
@@ -157,7 +121,6 @@ class GenerationRequest:
 
     prompt: str | list[str] = option(
         REQUIRED,
-        name="--prompt",
         action="append",
         required=True,
         convert=one_or_many,
@@ -165,21 +128,15 @@ class GenerationRequest:
         help="repeat for several prompts in one batch",
     )
     negative_prompt: str | list[str] | None = option(
-        name="--negative-prompt",
         commands=(GENERATE,),
         remote="negative_prompt",
         http=(str | None, dict(max_length=MAX_PROMPT_CHARS)),
         help="for models with true classifier-free guidance",
     )
     # Sizes and steps are checked against the model, which knows its bounds.
-    height: int | None = option(
-        name="--height", type=int, commands=(GENERATE, PLAN), help="pixels (default: the model's)"
-    )
-    width: int | None = option(
-        name="--width", type=int, commands=(GENERATE, PLAN), help="pixels (default: the model's)"
-    )
+    height: int | None = option(type=int, commands=(GENERATE, PLAN), help="pixels (default: the model's)")
+    width: int | None = option(type=int, commands=(GENERATE, PLAN), help="pixels (default: the model's)")
     steps: int | None = option(
-        name="--steps",
         type=int,
         commands=(GENERATE, PLAN),
         remote="steps",
@@ -187,7 +144,6 @@ class GenerationRequest:
         help="denoise steps (default: the model's)",
     )
     guidance: float | None = option(
-        name="--guidance",
         type=finite,
         commands=(GENERATE,),
         remote="guidance",
@@ -195,7 +151,6 @@ class GenerationRequest:
         help="guidance scale (default: the model's)",
     )
     seed: int | None = option(
-        name="--seed",
         type=seed,
         absent=0,
         convert=lambda value: None if value == "random" else value,
@@ -213,7 +168,6 @@ class GenerationRequest:
         help="images of each prompt",
     )
     frames: int | None = option(
-        name="--frames",
         type=int,
         commands=(GENERATE, PLAN),
         remote="frames",
@@ -222,7 +176,6 @@ class GenerationRequest:
         help="video models: frames per video, 4k+1 (default: the model's)",
     )
     guidance_2: float | None = option(
-        name="--guidance-2",
         type=finite,
         commands=(GENERATE,),
         remote="guidance_2",
@@ -232,7 +185,6 @@ class GenerationRequest:
     )
     # image-conditioned models: Wan's first frame to animate, FLUX.2's reference images (a list: several)
     image: Image.Image | list[Image.Image] | None = option(
-        name="--image",
         action="append",
         convert=read_images,
         commands=(GENERATE,),
@@ -240,7 +192,6 @@ class GenerationRequest:
         "edit from, image-to-image's start",
     )
     strength: float | None = option(
-        name="--strength",
         type=finite,
         commands=(GENERATE,),
         remote="strength",
@@ -250,14 +201,12 @@ class GenerationRequest:
         "0.6; inpainting: the model pipeline's)",
     )
     mask: Image.Image | None = option(
-        name="--mask",
         convert=lambda path: read_image(path, "--mask"),
         commands=(GENERATE,),
         help="inpainting (with --image): a picture of the image's size, white where it is repainted, black where it "
         "is kept",
     )
     fps: int | None = option(
-        name="--fps",
         type=positive,
         commands=(GENERATE,),
         remote="fps",

@@ -3,6 +3,7 @@ a family's ``read_checkpoint`` builds: ``checkpoint_spec``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -10,6 +11,13 @@ from typing import Any, Literal
 from paradit.checkpoint import component_config, safetensors_files
 
 GuidanceMode = Literal["embedded", "cfg", "none"]
+
+
+def read_configs(module_file: str, name: str = "configs.json") -> dict[str, Any]:
+    """The model configs a preset module names, by key, from the JSON file ``name`` shipped beside it (``module_file``:
+    its ``__file__``). A key ending in ``_changes`` holds only the keys a config changes of the one it is derived from,
+    which the module names."""
+    return json.loads(Path(module_file).with_name(name).read_text())
 
 
 @dataclass(frozen=True)

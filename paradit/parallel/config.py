@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from paradit.errors import InvalidRequest
@@ -9,7 +10,8 @@ from paradit.flags import GENERATE, PLAN, option, positive
 
 COMM_DTYPES = ("auto", "fp8")
 PARALLEL = "parallelism (one request across several GPUs or CPU processes)"
-DEGREE_COMMANDS = (GENERATE, PLAN)  # a server's groups run the plan generate chooses for their size
+# A flag of how one request is spread over the group; a server's groups run the plan generate chooses for their size.
+parallel_option = functools.partial(option, commands=(GENERATE, PLAN), group=PARALLEL)
 
 
 @dataclass(frozen=True)
@@ -29,42 +31,19 @@ class ParallelConfig:
     degrees: ``shard_dims``), each block gathered whole just before it runs (FSDP); it multiplies no degree.
     """
 
-    ulysses: int = option(
-        1,
-        name="--ulysses",
-        type=positive,
-        commands=DEGREE_COMMANDS,
-        group=PARALLEL,
-        help="Ulysses (all-to-all over heads) degree",
-    )
-    ring: int = option(
-        1, name="--ring", type=positive, commands=DEGREE_COMMANDS, group=PARALLEL, help="Ring attention degree"
-    )
-    cfg: int = option(
+    ulysses: int = parallel_option(1, type=positive, help="Ulysses (all-to-all over heads) degree")
+    ring: int = parallel_option(1, type=positive, help="Ring attention degree")
+    cfg: int = parallel_option(
         1,
         name="--cfg-parallel",
         action="store_true",
         convert=lambda asked: 2 if asked else None,
-        commands=DEGREE_COMMANDS,
-        group=PARALLEL,
         help="guidance branches on the two halves of the group",
     )
-    tensor: int = option(
-        1,
-        name="--tensor",
-        type=positive,
-        commands=DEGREE_COMMANDS,
-        group=PARALLEL,
-        help="tensor parallel degree (weights and heads sharded; fast links)",
+    tensor: int = parallel_option(
+        1, type=positive, help="tensor parallel degree (weights and heads sharded; fast links)"
     )
-    pipefusion: int = option(
-        1,
-        name="--pipefusion",
-        type=positive,
-        commands=DEGREE_COMMANDS,
-        group=PARALLEL,
-        help="pipeline stages over the blocks (least traffic)",
-    )
+    pipefusion: int = parallel_option(1, type=positive, help="pipeline stages over the blocks (least traffic)")
     patches: int = 1
     warmup_steps: int = 1
     comm_dtype: str = "auto"
