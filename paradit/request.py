@@ -63,11 +63,9 @@ def read_images(paths: list[str]) -> list[Image.Image]:
 
 @dataclass(frozen=True)
 class StepCacheConfig:
-    """Step caching (``--cache``): a method of ``CACHE_METHODS`` with the parameters of diffusers' config of it, by
-    their names and with their defaults (``threshold``: the method's in ``CACHE_THRESHOLDS`` when unset).
-    first-block reads ``threshold``; mag ``threshold``, ``max_skip_steps``, ``retention_ratio`` and ``mag_ratios`` (a
-    calibrated curve, any length) or ``calibrate``; taylorseer ``cache_interval``, ``disable_cache_before_step``,
-    ``disable_cache_after_step`` and ``max_order``."""
+    """Step caching (``--cache``): a method of ``CACHE_METHODS`` with the parameters of diffusers' config of it that
+    ``CACHE_PARAMETERS`` lists, by their names and with their defaults (``threshold``: the method's in
+    ``CACHE_THRESHOLDS`` when unset; ``mag_ratios``: a calibrated curve, any length)."""
 
     method: str = cache_option(
         name="--cache",
