@@ -48,19 +48,26 @@ def resolve_checkpoint(model: str, allow_pickle: bool = False) -> Path:
         return path
     if model.count("/") != 1 or path.exists() or model.startswith((".", "/", "~")):
         raise CheckpointError(f"checkpoint folder {model!r} does not exist")
-    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    from paradit.hub import hub_offline, offline_reason, quiet_retries
+
+    cache_only = hub_offline()
     try:  # the files `paradit download` fetches, so that a downloaded checkpoint is complete offline too
-        index = read_json(Path(hf_hub_download(model, MODEL_INDEX)))
-        folder = Path(snapshot_download(model, **pipeline_patterns(index)))
-        unsafe = allow_pickle and [n for n in listed_components(index) if not any((folder / n).glob("*.safetensors"))]
-        if unsafe:  # not "*.*.bin": a weight variant (name.fp16.bin)
-            wanted = [f"{name}/*{suffix}" for name in unsafe for suffix in (".bin", ".bin.index.json")]
-            folder = Path(snapshot_download(model, allow_patterns=wanted, ignore_patterns=["*/*/*", "*.*.bin"]))
+        with quiet_retries():
+            index = read_json(Path(hf_hub_download(model, MODEL_INDEX, local_files_only=cache_only)))
+            folder = Path(snapshot_download(model, **pipeline_patterns(index), local_files_only=cache_only))
+            unsafe = allow_pickle and [
+                name for name in listed_components(index) if not any((folder / name).glob("*.safetensors"))
+            ]
+            if unsafe:  # not "*.*.bin": a weight variant (name.fp16.bin)
+                wanted = [f"{name}/*{suffix}" for name in unsafe for suffix in (".bin", ".bin.index.json")]
+                patterns = dict(allow_patterns=wanted, ignore_patterns=["*/*/*", "*.*.bin"])
+                folder = Path(snapshot_download(model, **patterns, local_files_only=cache_only))
         return folder
     except LocalEntryNotFoundError as exc:
-        reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        reason = offline_reason() if cache_only else "the hub could not be reached"
         raise CheckpointError(f"{model!r} is not a local folder and is not in the hub cache, and {reason}") from exc
     except HFValidationError as exc:  # a name the hub cannot have, said in the hub's words
         raise CheckpointError(f"{model!r} is not a hub id (org/name): {exc}") from None

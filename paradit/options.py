@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from paradit.errors import InvalidRequest
 from paradit.families.default import DEFAULT_MODEL
 from paradit.flags import GENERATE, PLAN, SERVE, nonnegative, option, positive
-from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_lora, parse_named
+from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_adapter
 from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig, parallel_option
 from paradit.request import GenerationRequest, StepCacheConfig
 
@@ -178,15 +178,15 @@ class LoraFlags:
     def lora_set(self) -> LoraSet | None:
         """The adapters these flags name (None: none): a run's, each at its scale, or a server's, named and loaded
         unchosen."""
-        served = tuple(parse_named(text) for text in self.named or ())
+        served = tuple(parse_adapter(text, "--lora", named=True) for text in self.named or ())
         served += adapters_in(self.lora_dir) if self.lora_dir else ()
-        served_2 = tuple(parse_named(text) for text in self.named_2 or ())
+        served_2 = tuple(parse_adapter(text, "--lora-2", named=True) for text in self.named_2 or ())
         if served or served_2:
             return LoraSet(served, served_2, "unfused", switchable=True, cache=self.lora_cache)
         if self.lora_cache:
             raise InvalidRequest("--lora-cache keeps choices of named adapters: give --lora NAME=PATH or --lora-dir")
-        first = tuple(parse_lora(text, self.lora_weight_name) for text in self.lora or ())
-        second = tuple(parse_lora(text, self.lora_weight_name) for text in self.lora_2 or ())
+        first = tuple(parse_adapter(text, "--lora", self.lora_weight_name) for text in self.lora or ())
+        second = tuple(parse_adapter(text, "--lora-2", self.lora_weight_name) for text in self.lora_2 or ())
         return LoraSet(first, second, self.lora_mode) if first or second else None
 
 

@@ -40,11 +40,13 @@ from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, TensorS
 class Runtime:
     """A transformer as this rank runs it: ``parallel`` what parallelism made of the plain model (its guidance
     branches, denoise loop and VAE), ``forward`` what to call in the model's place, ``hooks`` the request hooks its
-    steps made (FP8 attention's exact steps, a server's adapter choice)."""
+    steps made (FP8 attention's exact steps, a server's adapter choice), ``adapters`` those every request runs with,
+    in words (a server's are chosen per request), for the error a NaN prediction becomes."""
 
     parallel: Parallelized
     forward: nn.Module
     hooks: tuple[RequestHook, ...] = ()
+    adapters: tuple[str, ...] = ()
 
     @property
     def model(self) -> nn.Module:
@@ -89,7 +91,8 @@ def load_transformer(
         compile_blocks(model)
     if options.cuda_graphs:
         forward = GraphedModule(forward)
-    return Runtime(parallel, forward, tuple(hooks))
+    applied = () if lora.switchable else tuple(f"{ref.source} at scale {ref.scale:g}" for ref in refs)
+    return Runtime(parallel, forward, tuple(hooks), applied)
 
 
 def load_weights(

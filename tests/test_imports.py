@@ -161,6 +161,7 @@ IMPORT_RULES: dict[str, tuple[str, ...]] = {
     "paradit.family": (DISTRIBUTED,),
     "paradit.flags": (TORCH, DISTRIBUTED),  # the command line builds its parser before torch loads
     "paradit.fp8_checkpoint": (DISTRIBUTED,),
+    "paradit.hub": (TORCH, DISTRIBUTED),  # a refusal of an unreachable hub answers at once
     "paradit.layers": (DISTRIBUTED,),  # plain single-device math, as every module of the package
     "paradit.layers.attention": (DISTRIBUTED,),
     "paradit.layers.embeddings": (DISTRIBUTED,),

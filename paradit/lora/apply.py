@@ -35,6 +35,7 @@ def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -
             with torch.device("meta"):
                 model = family.build_transformer(dataclasses.replace(spec, transformer=config))
             keyed = read_updates(family.lora_loader, refs, model, component)
+            check_reach(refs, keyed, dtype)
             if lora.fused:
                 continue
             updates = [(name, update) for name, pairs in keyed.items() for _, update in pairs]
@@ -53,6 +54,22 @@ def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -
                 )
                 held += (1 + lora.cache) * per_copy
     return held
+
+
+def check_reach(refs: tuple[LoraRef, ...], keyed: dict[str, list], dtype: torch.dtype) -> None:
+    """Refuses an update whose numbers (``reach``) pass the square root of ``dtype``'s largest: a layer multiplies its
+    weights by inputs of like size, so past it the next layer overflows and the first denoise step predicts NaN."""
+    limit = math.sqrt(torch.finfo(dtype).max)
+    by_key = {adapter_key(ref, index): ref for index, ref in enumerate(refs)}
+    for name, pairs in keyed.items():
+        for key, update in pairs:
+            if (reach := update.reach()) > limit:
+                ref = by_key[key]
+                raise InvalidRequest(
+                    f"--lora {ref.source} at scale {ref.scale:g}: its update of {name} reaches {reach:.3g}, past "
+                    f"what {str(dtype).removeprefix('torch.')} carries through a layer ({limit:.3g}, the square root "
+                    "of its largest number); give a smaller scale"
+                )
 
 
 def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:

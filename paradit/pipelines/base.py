@@ -345,9 +345,12 @@ class DiffusionPipeline(ABC):
         if bad < len(finite):
             scale = self.expert_at(resolved, timesteps[bad])[1]
             guidance = "" if scale is None else f"a guidance scale too large ({scale:g} at this step) or "
+            adapters = [adapter for runtime in (self.runtime, *self.experts.values()) for adapter in runtime.adapters]
+            adapters += [f"{name} at scale {weight:g}" for name, weight in resolved.lora or ()]
+            lora = f"a LoRA scale too large ({', '.join(adapters)}) or " if adapters else ""
             raise NonFinitePrediction(
                 f"denoise step {bad + 1} of {steps} predicted NaN or inf (the image "
-                f"would be black); likely {guidance}NaN or inf in the weights"
+                f"would be black); likely {guidance}{lora}NaN or inf in the weights"
             )
         stats.phase = "decode"
         self.stage = "while decoding"

@@ -19,7 +19,7 @@ from pathlib import Path
 from paradit.cache_options import cache_config
 from paradit.errors import InvalidRequest, ParaditError
 from paradit.flags import GENERATE, flagged_fields, flags_given
-from paradit.lora import parse_lora
+from paradit.lora import parse_adapter
 from paradit.options import Asked, ExecutionOptions, LoraFlags
 from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths
 from paradit.parallel.config import ParallelConfig
@@ -102,7 +102,7 @@ def request_body(args: argparse.Namespace) -> dict:
             )
         body["cache"] = {k: v for k, v in dataclasses.asdict(cache).items() if k != "calibrate" and v is not None}
     if args.lora:  # the server's named adapters, NAME[:SCALE]
-        body["lora"] = [{"name": ref.source, "scale": ref.scale} for ref in map(parse_lora, args.lora)]
+        body["lora"] = [{"name": ref.source, "scale": ref.scale} for ref in map(parse_adapter, args.lora)]
     return {key: value for key, value in body.items() if value is not None}
 
 
