@@ -202,6 +202,8 @@ def run_generate(args: argparse.Namespace) -> int:
         **({"image": args.image} if args.image else {}),
         **({"mask": args.mask} if args.mask else {}),
         **({"strength": resolved.strength} if resolved.strength is not None else {}),
+        **({"scheduler": resolved.scheduler} if resolved.scheduler is not None else {}),
+        **({"shift": resolved.shift} if resolved.shift is not None else {}),
         **({"cache": resolved.cache.record()} if resolved.cache is not None else {}),
         **({"frames": resolved.frames, "fps": resolved.fps} if result.is_video else {}),
     }

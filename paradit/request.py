@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from PIL import Image
 
@@ -30,6 +30,9 @@ CACHE_PARAMETERS = {
     "mag": ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios", "calibrate"),
     "taylorseer": ("cache_interval", "disable_cache_before_step", "disable_cache_after_step", "max_order"),
 }
+# ``--scheduler``: diffusers' FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler and DPMSolverMultistepScheduler
+# (DPM-Solver++, second order), the multistep two predicting flow on shifted flow sigmas
+SCHEDULERS = ("flow-euler", "unipc", "dpmpp-2m")
 
 
 CACHING = "step caching (skip the blocks of steps that barely change)"
@@ -215,6 +218,22 @@ class GenerationRequest:
     # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
     lora: tuple[tuple[str, float], ...] | None = None
     cache: StepCacheConfig | None = None  # step caching (None: every step runs every block; its flags: StepCacheConfig)
+    scheduler: str | None = option(
+        name="--scheduler",
+        choices=SCHEDULERS,
+        commands=(GENERATE,),
+        remote="scheduler",
+        http=(Literal[*SCHEDULERS] | None, dict(description="the sampler (default: the model's)")),
+        help="the sampler, as diffusers' pipeline with that scheduler swapped in (default: the model's own)",
+    )
+    shift: float | None = option(
+        name="--shift",
+        type=finite,
+        commands=(GENERATE,),
+        remote="shift",
+        http=(float | None, dict(gt=0, allow_inf_nan=False, description="the static timestep shift")),
+        help="the static timestep shift, above 0; replaces a dynamic one (default: the model's)",
+    )
 
     @property
     def prompts(self) -> list[str]:
@@ -242,6 +261,8 @@ class ResolvedRequest:
     fps: int | None = None  # video families: frames per second of the written file
     lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
     cache: StepCacheConfig | None = None  # step caching, its threshold set
+    scheduler: str | None = None  # one of SCHEDULERS (None: the checkpoint's own scheduler)
+    shift: float | None = None  # the static timestep shift (None: the checkpoint's shift, static or dynamic)
 
     @property
     def batch(self) -> int:

@@ -6,6 +6,7 @@ hands a pipeline what it needs (``runtime.Runtime``). The per-request features a
 
 from __future__ import annotations
 
+import inspect
 import math
 import resource
 import time
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from torch import nn
 
 from paradit.checkpoint import component_dir
@@ -34,6 +36,15 @@ from paradit.spec import ModelSpec
 if TYPE_CHECKING:
     from paradit.family import Family
     from paradit.runtime import Runtime
+
+# ``--scheduler``'s choices: diffusers' class and the config it takes over the checkpoint's, as one swaps it into
+# diffusers' pipeline (``pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, ...)``).
+FLOW_SOLVER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True}
+SCHEDULER_CHOICES = {
+    "flow-euler": (FlowMatchEulerDiscreteScheduler, {}),
+    "unipc": (UniPCMultistepScheduler, FLOW_SOLVER),
+    "dpmpp-2m": (DPMSolverMultistepScheduler, {**FLOW_SOLVER, "algorithm_type": "dpmsolver++", "solver_order": 2}),
+}
 
 # call(transformer, model_input, timestep, latents) -> the model's prediction in the latents' layout
 ModelCall = Callable[[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -117,6 +128,9 @@ class DiffusionPipeline(ABC):
     and names in ``CONDITIONING`` the tensors its encoding makes."""
 
     CONDITIONING: ClassVar[tuple[str, ...]] = ("embeds",)
+    # Whether the family's diffusers pipeline drops the sigmas it passes for a scheduler of flow sigmas (as
+    # ``--scheduler unipc`` and ``dpmpp-2m`` make them), which then spaces its own (diffusers' Flux pipelines do).
+    FLOW_SIGMAS_SPACE_THEMSELVES: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -149,6 +163,8 @@ class DiffusionPipeline(ABC):
             StepCaching([runtime.model for runtime in runtimes], reduce, transformer.parallel.branches),
         ]
         self.stage = "before its first request"  # where ``generate`` is, in words (an out-of-memory error names it)
+        # the request ``make_scheduler`` schedules, set by ``generate``: ``scheduled`` applies its scheduler and shift
+        self.scheduling: ResolvedRequest | None = None
 
     def request_hooks(self) -> list[RequestHook]:
         """The family's own request hooks (none by default)."""
@@ -187,8 +203,23 @@ class DiffusionPipeline(ABC):
         """The diffusers scheduler, its timesteps set (``scheduled``)."""
 
     def scheduled(self, scheduler_class, **timesteps) -> tuple[Any, torch.Tensor]:
-        """A ``scheduler_class`` from the spec's config, set to ``timesteps`` and stepping from the first; and those."""
-        scheduler = scheduler_class.from_config(self.spec.scheduler)
+        """A ``scheduler_class`` from the spec's config, set to ``timesteps`` and stepping from the first; and those.
+        The request being scheduled may choose another scheduler and a static shift: then the scheduler is made and set
+        as diffusers' pipeline with that one swapped in makes and sets it (resolution refused what it cannot take)."""
+        config, request = dict(self.spec.scheduler), self.scheduling
+        if request is not None and request.scheduler is not None:
+            scheduler_class, overrides = SCHEDULER_CHOICES[request.scheduler]
+            # the checkpoint's static shift carried over, under the name the chosen class reads it by
+            config.update(
+                overrides, **{shift_name(scheduler_class): config.get("shift", config.get("flow_shift", 1.0))}
+            )
+        if request is not None and request.shift is not None:
+            config.update({shift_name(scheduler_class): request.shift, "use_dynamic_shifting": False})
+        # Only the keys the class takes: diffusers would drop another scheduler's with a warning, each request.
+        accepted = inspect.signature(scheduler_class.__init__).parameters
+        scheduler = scheduler_class.from_config({key: value for key, value in config.items() if key in accepted})
+        if self.FLOW_SIGMAS_SPACE_THEMSELVES and scheduler.config.get("use_flow_sigmas"):
+            timesteps["num_inference_steps"] = len(timesteps.pop("sigmas"))
         scheduler.set_timesteps(device=self.device, **timesteps)
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
@@ -312,6 +343,7 @@ class DiffusionPipeline(ABC):
         self.stage = "while preparing the latents"
         noise = [self.initial_latents(part) for part in requests]
         latents, layout = torch.cat([latents for latents, _ in noise]), noise[0][1]
+        self.scheduling = resolved
         scheduler, timesteps = self.make_scheduler(resolved, latents)
         denoise = Denoise(
             requests, resolved, self.uses_cfg(resolved), latents, layout, scheduler, timesteps, timings.features
@@ -374,6 +406,12 @@ class DiffusionPipeline(ABC):
             GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part)
             for part, images in zip(requests, pixels.split([part.batch for part in requests]))
         ]
+
+
+def shift_name(scheduler_class: type) -> str:
+    """The config key a scheduler class reads its static timestep shift by: flow matching's ``shift``, the
+    multistep solvers' ``flow_shift``."""
+    return "shift" if issubclass(scheduler_class, FlowMatchEulerDiscreteScheduler) else "flow_shift"
 
 
 def token_band_mask(latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:

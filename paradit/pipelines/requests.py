@@ -12,6 +12,7 @@ from paradit.errors import InvalidRequest
 from paradit.request import (
     CACHE_METHODS,
     CACHE_THRESHOLDS,
+    SCHEDULERS,
     SEED_LIMIT,
     GenerationRequest,
     ResolvedRequest,
@@ -51,11 +52,13 @@ def resolve_common(
     image_limit: int = 0,
     image_to_image: bool = False,
     inpainting_strength: float | None = None,
+    schedulers: tuple[str, ...] = SCHEDULERS,
 ) -> ResolvedRequest:
     """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest`` (height, width),
     steps, guidance, negative prompts, images per prompt, seed, at most ``image_limit`` input images, a strength
     where the family runs ``image_to_image``, a mask where it inpaints, its default strength then
-    ``inpainting_strength``), raising InvalidRequest with the allowed values."""
+    ``inpainting_strength``, a scheduler of ``schedulers`` and a shift), raising InvalidRequest with the allowed
+    values."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
@@ -100,6 +103,7 @@ def resolve_common(
     mask = resolve_mask(spec, request.mask, images, inpainting_strength is not None)
     default_strength = DEFAULT_STRENGTH if mask is None else inpainting_strength
     strength = resolve_strength(spec, request.strength, images, image_to_image, default_strength)
+    scheduler, shift = resolve_scheduler(spec, request.scheduler, request.shift, schedulers, strength is not None)
     return ResolvedRequest(
         prompts,
         negatives,
@@ -114,7 +118,38 @@ def resolve_common(
         strength=strength,
         mask=mask,
         cache=resolve_cache(request.cache),
+        scheduler=scheduler,
+        shift=shift,
     )
+
+
+def resolve_scheduler(
+    spec: ModelSpec, scheduler: str | None, shift, allowed: tuple[str, ...], from_image: bool
+) -> tuple[str | None, float | None]:
+    """A scheduler of ``allowed`` (those of ``SCHEDULERS`` the family's diffusers pipeline takes) and a static shift
+    above 0, or InvalidRequest naming what is allowed. Starting ``from_image`` (image-to-image, inpainting) takes
+    flow-euler: the image is noised by its ``scale_noise``, which the multistep solvers lack. dpmpp-2m takes the
+    shift ``mu`` a dynamically shifting checkpoint's pipeline passes only as its dynamic shift, not a static one."""
+    if scheduler is not None:
+        if scheduler not in allowed:
+            raise InvalidRequest(
+                f"scheduler {scheduler!r} is not allowed; {spec.name} takes {', '.join(allowed)}", param="scheduler"
+            )
+        if from_image and scheduler != "flow-euler":
+            raise InvalidRequest(
+                f"scheduler {scheduler!r} does no image-to-image or inpainting; give flow-euler", param="scheduler"
+            )
+    if shift is None:
+        return scheduler, None
+    if isinstance(shift, bool) or not isinstance(shift, int | float) or not 0 < shift < math.inf:
+        raise InvalidRequest(f"shift {shift} is not allowed; give a finite number above 0", param="shift")
+    if scheduler == "dpmpp-2m" and spec.scheduler.get("use_dynamic_shifting"):
+        raise InvalidRequest(
+            f"scheduler 'dpmpp-2m' takes no static shift on {spec.name}, which shifts dynamically; drop the shift or "
+            "give flow-euler or unipc",
+            param="shift",
+        )
+    return scheduler, float(shift)
 
 
 def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
@@ -240,6 +275,8 @@ def batch_key(request: ResolvedRequest) -> tuple | None:
         request.negative_prompts is None,
         request.lora,
         request.cache,
+        request.scheduler,
+        request.shift,
     )
 
 
@@ -249,8 +286,8 @@ def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
         return parts[0]
     if len({batch_key(part) for part in parts}) > 1 or batch_key(parts[0]) is None:
         raise InvalidRequest(
-            "requests batched together must share size, steps, guidance, frames, adapters and the use of a negative "
-            "prompt, and give no image"
+            "requests batched together must share size, steps, guidance, frames, adapters, scheduler, shift and the "
+            "use of a negative prompt, and give no image"
         )
     negatives = parts[0].negative_prompts is not None
     return dataclasses.replace(

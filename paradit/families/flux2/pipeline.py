@@ -121,6 +121,8 @@ def reference_size(image, granularity: int) -> tuple[int, int]:
 
 
 class Flux2Pipeline(DiffusionPipeline):
+    FLOW_SIGMAS_SPACE_THEMSELVES = True  # its diffusers pipelines pass no sigmas to a scheduler of flow sigmas
+
     def request_hooks(self) -> list[RequestHook]:
         return [CachedReferences(self.runtime.model, self.dtype)] if caches_references(self.spec) else []
 

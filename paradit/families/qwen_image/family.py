@@ -47,13 +47,25 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     )
 
 
+# diffusers' pipelines hand the scheduler their own sigmas, which DPMSolverMultistepScheduler takes none of
+SCHEDULERS = ("flow-euler", "unipc")
+
+
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
     """``guidance`` is diffusers' ``true_cfg_scale``; as there, it takes effect only with a negative prompt (any
     string, even " ", which is what Qwen-Image's authors pass when they have nothing to exclude). A text-to-image
     checkpoint runs image-to-image or inpainting given an image; an edit checkpoint needs its input image(s)."""
     granularity = pixel_granularity(spec.vae)
     if spec.details is None:
-        return resolve_common(spec, request, granularity, image_limit=1, image_to_image=True, inpainting_strength=0.6)
+        return resolve_common(
+            spec,
+            request,
+            granularity,
+            image_limit=1,
+            image_to_image=True,
+            inpainting_strength=0.6,
+            schedulers=SCHEDULERS,
+        )
     edit: EditInputs = spec.details
     limit = EDIT_PLUS_IMAGE_LIMIT if edit.plus else 1
     # Edit inpaints (QwenImageEditInpaintPipeline: its one image, noised where the mask is white); Edit-Plus does not.
@@ -65,6 +77,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
         image_limit=limit,
         image_to_image=inpainting,
         inpainting_strength=None if edit.plus else 0.6,
+        schedulers=SCHEDULERS,
     )
     if not resolved.images:
         raise InvalidRequest(f"{spec.name} edits: give the image{'(s)' * (limit > 1)} to edit (--image)", param="image")

@@ -55,12 +55,19 @@ def is_omni(spec: ModelSpec) -> bool:
     return isinstance(spec.text_encoder, OmniEncoders)
 
 
+# diffusers' pipelines hand the scheduler their own sigmas as a list, which DPMSolverMultistepScheduler takes none of
+# and UniPCMultistepScheduler fails on (it shifts them as an array)
+SCHEDULERS = ("flow-euler",)
+
+
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
     g = pixel_granularity(spec.vae)
     # Rotary positions are looked up in tables of axes_lens rows; a latent grid past them has no position.
     _, max_rows, max_cols = spec.transformer["axes_lens"]
     if is_omni(spec):  # condition images; no image-to-image, no inpainting (diffusers has no Omni one)
-        resolved = resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=IMAGE_LIMIT)
+        resolved = resolve_common(
+            spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=IMAGE_LIMIT, schedulers=SCHEDULERS
+        )
         resolve_images(resolved, request.height, request.width, (max_rows, max_cols), g)
         return resolved
     resolved = resolve_common(
@@ -71,6 +78,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
         image_limit=1,
         image_to_image=True,
         inpainting_strength=1.0,
+        schedulers=SCHEDULERS,
     )
     if resolved.images and (request.height is None or request.width is None):
         # Image-to-image makes the image's size, floored to whole tokens, unless asked otherwise.
