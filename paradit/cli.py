@@ -24,7 +24,7 @@ from paradit import __version__
 from paradit.cache_options import cache_config, keep_curve
 from paradit.errors import ParaditError, report_warnings
 from paradit.families import PRESETS
-from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flags_given, from_args
+from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flagged_fields, flags_given, from_args
 from paradit.lora.refs import LoraSet
 from paradit.options import COMMANDS, LOSSY_PSNR_DB, Asked, ExecutionOptions, LoraFlags, ServeSettings
 from paradit.outputs import output_paths, save_images, save_videos
@@ -192,20 +192,14 @@ def run_generate(args: argparse.Namespace) -> int:
     settings = {
         "prompt": resolved.prompts,
         "negative_prompt": resolved.negative_prompts,
-        "seed": result.seed,
         "model": run.spec.name,
-        "steps": resolved.steps,
-        "guidance": resolved.guidance,
+        **request_record(resolved),
         "plan": result.timings.plan,
         "software": f"paradit {__version__}",
         **({"lora": lora_record(run.options.lora)} if run.options.lora else {}),
         **({"image": args.image} if args.image else {}),
         **({"mask": args.mask} if args.mask else {}),
-        **({"strength": resolved.strength} if resolved.strength is not None else {}),
-        **({"scheduler": resolved.scheduler} if resolved.scheduler is not None else {}),
-        **({"shift": resolved.shift} if resolved.shift is not None else {}),
         **({"cache": resolved.cache.record()} if resolved.cache is not None else {}),
-        **({"frames": resolved.frames, "fps": resolved.fps} if result.is_video else {}),
     }
     made = file_records(resolved, result.seed)
     metadata = [
@@ -243,6 +237,16 @@ def run_generate(args: argparse.Namespace) -> int:
         with replaced(Path(args.json)) as temporary:
             temporary.write_text(json.dumps(record, indent=2) + "\n")
     return code
+
+
+def request_record(resolved) -> dict:
+    """The request's fields a client sends (their declarations name a ``remote``) as they ran, unset ones left out:
+    what the PNG metadata and ``--json`` record of it, so a new request option is recorded where it is declared."""
+    return {
+        each.name: getattr(resolved, each.name)
+        for each, flag in flagged_fields(GenerationRequest, GENERATE)
+        if flag.remote is not None and getattr(resolved, each.name, None) is not None
+    }
 
 
 def file_records(resolved, seed: int) -> list[dict]:
