@@ -20,9 +20,10 @@ from huggingface_hub import constants
 from safetensors.torch import save_file
 from torch import nn
 
+from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, PRESETS
-from paradit.lora import LoraRef
-from paradit.lora.apply import read_updates
+from paradit.lora import LoraRef, LoraSet
+from paradit.lora.apply import check_choice, read_updates
 from tests.test_cli import assert_one_line_error, run_cli, tiny_args
 
 TIME_BOUND_S = 5.0
@@ -196,3 +197,13 @@ def test_what_diffusers_files_leave_out_reads_as_the_same_factors_and_scale(fold
         updates(folder / "alpha_metadata.safetensors"),
     )
     assert {update[2] for update in by_tensor.values()} == {update[2] for update in by_metadata.values()} == {2.0}
+
+
+def test_a_served_adapters_scale_past_what_float32_carries_through_a_layer_is_the_clients_400():
+    served = LoraSet(transformer=(LoraRef("a.safetensors", name="style"),), mode="unfused", switchable=True)
+    assert check_choice(served, (("style", -1e19),)) == (("style", -1e19),)
+    for scale in (1e30, -1e30, float("nan")):
+        with pytest.raises(
+            InvalidRequest, match=r"LoRA adapter 'style': scale .* is not allowed; give a finite number"
+        ):
+            check_choice(served, (("style", scale),))

@@ -83,8 +83,13 @@ def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
     for name, scale in chosen or ():
         if name not in known:
             raise InvalidRequest(f"unknown LoRA adapter {name!r}; this server has {', '.join(known)}", param="lora")
-        if not math.isfinite(scale):
-            raise InvalidRequest(f"LoRA adapter {name!r}: the scale must be a finite number", param="lora")
+        # Past the square root of float32's largest number, a scale alone overflows the layer after the update.
+        if not abs(scale) <= math.sqrt(torch.finfo(torch.float32).max):
+            raise InvalidRequest(
+                f"LoRA adapter {name!r}: scale {scale:g} is not allowed; give a finite number within "
+                f"±{math.sqrt(torch.finfo(torch.float32).max):.3g}",
+                param="lora",
+            )
     return tuple(chosen or ())
 
 
