@@ -1,5 +1,4 @@
-"""Checkpoint folders in the diffusers layout: finding one (a local folder, or a hub id fetched with only the files
-the loader reads), reading its JSON, checking its components, listing their weight files."""
+"""Checkpoint folders in the diffusers layout: a hub id is fetched with only the files the loader reads."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The Engine: runs a loaded pipeline (in this process or a group of workers) and serves requests.
-
-Its settings are settled once (``settings.settle``) before anything loads; each request is resolved once, here, and
-the ranks run the resolved request: one that fails raises ``InvalidRequest`` before any worker sees it and leaves
-the engine ready for the next one.
-"""
+"""The Engine: runs a loaded pipeline (in this process or a group of workers) and serves requests. A request that
+fails to resolve raises ``InvalidRequest`` before any worker sees it, leaving the engine ready for the next one."""
 
 from __future__ import annotations
 
@@ -38,8 +34,8 @@ class Engine:
     linears; FP8 runs only), ``offload`` (kept in CPU memory and streamed to the GPU while encoding) or ``auto``: under
     a cap, the first of those that fits (the choice is ``memory_plan.text_encoder_placement``); without one, resident.
     ``request``, when given, is settled with the run (resolved once, checked and sized for before anything loads;
-    ``generate()`` without one runs it). ``allow_pickle`` lets a
-    checkpoint folder's pickle weights load (they can run code).
+    ``generate()`` without one runs it). ``allow_pickle`` lets a checkpoint folder's pickle weights load (they can run
+    code).
 
     With a ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host
     (``cpu`` spawns CPU processes joined by gloo), using the GPUs from ``device``'s index on; ``isolate`` spawns one

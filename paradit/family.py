@@ -74,10 +74,6 @@ class SettledRun(Protocol):
 
 @dataclass(frozen=True)
 class Family:
-    """A model family: its pipeline (prompt encoding, latents, model call, guidance formula, decoding), how it reads
-    a checkpoint and a request, how it builds its transformer and loads its prompt encoder and VAE, its runtime
-    facts (tensor plan, the linears FP8 keeps in high precision) and what was measured of its presets."""
-
     name: str
     # its ``pipelines.base.DiffusionPipeline`` class, or one choosing by the spec: (family, spec, ...) -> the pipeline
     # (untyped here: the skeleton holds its family's record, so the record sits below it)

@@ -1,5 +1,5 @@
 """Per-GPU memory: what a plan holds on rank 0, and the check that it fits under a cap (or, uncapped, the GPU's free
-memory) before anything loads; the device's side (the allocator, the cap held) is ``device_memory.py``'s.
+memory) before anything loads.
 
 The weights are counted from the model itself: the transformer and the prompt encoders and VAE are built on the meta
 device (no memory, milliseconds) and their parameters counted as the run holds them; working memory is each

@@ -1,10 +1,6 @@
-"""What a run, a server and the command's own flags are asked for, each option declared once on its record's field
-(``flags.option``): ``Asked`` (the model, where and how it runs, its memory), ``ExecutionOptions`` (how the
-transformer executes), ``ServeSettings``, ``LoraFlags`` and the commands' own flags. A request's fields declare
-theirs on ``request.GenerationRequest`` and ``request.StepCacheConfig``, a plan's degrees on
-``parallel.config.ParallelConfig``; ``COMMANDS`` lists which records each command takes. ``CONFLICTS`` is the one
-table of options that do not combine, which ``settle`` and the planner both consult. Imports nothing heavy: the
-command line builds its parser from here before torch loads."""
+"""What a run, a server and the commands' own flags are asked for, each option declared once on its record's field
+(``flags.option``); ``COMMANDS`` lists which records each command takes. Imports nothing heavy: the command line
+builds its parser from here before torch loads."""
 
 from __future__ import annotations
 

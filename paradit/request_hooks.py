@@ -1,9 +1,6 @@
-"""Per-request features as hooks of the denoise loop, so that ``DiffusionPipeline.generate`` stays the skeleton: a
-server's choice of adapters, the image-to-image start, a KV checkpoint's reference keys and values, step caching and
-FP8 attention's exact steps each act through the same three calls, in the order the pipeline lists its hooks.
-
-Here, below every module that has a feature, so that any of them can implement the protocol (the attention layers
-too)."""
+"""Per-request features as hooks of the denoise loop, so that ``DiffusionPipeline.generate`` stays the skeleton; each
+acts through the same three calls, in the order the pipeline lists its hooks. Here, below every module that has a
+feature, so that any of them can implement the protocol (the attention layers too)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """``settle``: the one front door. It turns what a user asked (``Asked``: ``paradit generate``'s and ``plan``'s flags,
 a server's settings, the Python ``Engine``'s arguments) and the request, when there is one, into the settings a run
 executes with (``choices``, then every check, the family's included, and the memory plan) and the request resolved
-once, before anything loads.
-
-"""
+once, before anything loads."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""The registry of model families: the only place outside the family folders that names them.
-
-A family is one folder: ``model.py`` (single-device math), ``pipeline.py`` (a ``DiffusionPipeline``: prompt encoding,
-latents, the model call, the guidance formula, decoding), ``presets.py`` (published and tiny models, as data:
-``PRESETS``) and ``family.py`` (its one ``Family`` record: ``FAMILY``). Adding a family is one folder and one line
-below. A checkpoint folder finds its family by the pipeline class ``model_index.json`` names, a preset by ``family``.
+"""The registry of model families: the only place outside the family folders that names them. A checkpoint folder
+finds its family by the pipeline class ``model_index.json`` names, a preset by ``family``.
 
 The presets are light (no torch); the family records are imported on first use of ``FAMILIES``, so that listing
-models and refusing bad flags answer at once. What was measured of a model (``Measured``: its working memory, the
-planner's counts of its transformer) lies in its family's folder, under its preset's name: ``measured_preset`` finds
-the preset a checkpoint folder's figures come from."""
+models and refusing bad flags answer at once."""
 
 from __future__ import annotations
 

@@ -17,9 +17,8 @@ than one row at a time is swapped (no ``torch.nn`` class is touched):
 - the rest is local to a band: activations, nearest upsampling, Wan's RMS norm (over one position's channels), the
   temporal caches, Wan 2.2's patchify, the final clamp.
 
-``parallel_decode`` and ``parallel_encode`` replace ``vae.decode(...).sample`` and ``vae.encode(...).latent_dist``;
-``banded`` serves callers that keep bands. Inference only; exact up to floating-point reassociation (relative L2 <= 1e-5
-in fp32; tests/test_parallel_vae.py checks every layout at world sizes 2-4). Tiling (a different computation) is off."""
+Inference only; exact up to floating-point reassociation (relative L2 <= 1e-5 in fp32; tests/test_parallel_vae.py
+checks every layout at world sizes 2-4). Tiling (a different computation) is off."""
 
 from __future__ import annotations
 
@@ -402,8 +401,7 @@ def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.Proces
 
 @torch.no_grad()
 def parallel_decode(vae: nn.Module, latents: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``vae.decode(latents).sample``, every rank of ``group`` (None: the default group) decoding one band of the
-    latent's rows; every rank returns the whole image (video). ``latents`` is the whole latent on every rank."""
+    """``vae.decode(latents).sample`` on every rank of ``group`` (None: the default group), each decoding one band."""
     return _run_banded(vae, latents, 1, group, lambda band: vae.decode(band).sample)
 
 

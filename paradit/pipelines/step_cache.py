@@ -50,10 +50,9 @@ class CacheRecord:
 
 
 class StepCaching(RequestHook):
-    """Every transformer's step cache set for each batch that asks for one: each request's guidance branches are
-    groups of their own (global order [conditional requests; unconditional requests]), of which this rank holds the
-    rows that the guidance ``branches`` give it. Experts keep caches of their own, each counting its own steps; what
-    they skip goes to one record."""
+    """Each request's guidance branches are groups of their own, of which this rank holds the rows the guidance
+    ``branches`` give it. Experts keep caches of their own, each counting its own steps; what they skip goes to one
+    record."""
 
     def __init__(
         self,

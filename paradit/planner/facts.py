@@ -2,10 +2,7 @@
 
 A linear layer's FLOPs are linear in the tokens it sees, so three meta-device traces (``benchmarks/model_trace.py``) at
 workloads differing in image and in text tokens give each count exactly as ``per image token x I + per text token x T +
-fixed``; attention calls keep their shapes as the same kind of function of (I, T). The counts are kept per preset in
-each family's folder (``model_facts.json``, by ``benchmarks/model_facts.py``, which knows how to call each family's
-transformer) and read through its ``Family`` record; a checkpoint folder uses the facts of the preset whose
-architecture it shares (``families.find_facts``)."""
+fixed``; attention calls keep their shapes as the same kind of function of (I, T)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""FLUX.2 transformer (dev, klein) as plain single-device math.
-
-Names follow diffusers' ``Flux2Transformer2DModel`` (checkpoints load without key surgery); attention goes through
-``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
-
-- ``embed``: latents, text, timestep, position ids -> ``Flux2Tokens`` (two streams, rotary tables, modulation vectors);
-- ``run_blocks``: the double-stream blocks, then the single-stream blocks over [text, image];
-- ``head``: image tokens -> prediction.
+"""FLUX.2 transformer (dev, klein): diffusers' ``Flux2Transformer2DModel``; ``run_blocks`` runs the double-stream
+blocks, then the single-stream blocks over [text, image].
 
 klein's KV checkpoints (diffusers' ``Flux2KleinKVPipeline``) run their reference images through the blocks once per
 request (``cache_references``): the references attend only to themselves, so their keys and values at every block are

@@ -1,12 +1,4 @@
-"""Qwen-Image transformer (MMDiT with 60 dual-stream blocks) as plain single-device math.
-
-Names follow diffusers' ``QwenImageTransformer2DModel`` (checkpoints load without key surgery); attention goes through
-``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
-
-- ``embed``: packed latents, masked text, timestep, grid -> ``QwenImageTokens`` (streams, rotary tables, mask, temb);
-- ``run_blocks``: the dual-stream blocks, text and image meeting in joint attention over [text, image];
-- ``head``: image tokens -> prediction.
-"""
+"""Qwen-Image transformer (MMDiT with 60 dual-stream blocks): diffusers' ``QwenImageTransformer2DModel``."""
 
 from __future__ import annotations
 

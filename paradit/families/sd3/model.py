@@ -1,12 +1,5 @@
-"""Stable Diffusion 3 / 3.5 transformer (MMDiT, MMDiT-X) as plain single-device math.
-
-Parameter and buffer names follow diffusers' ``SD3Transformer2DModel`` (checkpoints load without key surgery); attention
-goes through ``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
-
-- ``embed``: latents -> patch tokens + cropped sin-cos positions, text -> context, timestep + pooled -> ``SD3Tokens``;
-- ``run_blocks``: the joint blocks (SD3.5-medium's first add image-only attention; the last leaves the text as it is);
-- ``head``: image tokens -> one row of patch values per token (``unpatchify`` makes it latent-shaped).
-"""
+"""Stable Diffusion 3 / 3.5 transformer (MMDiT, MMDiT-X): diffusers' ``SD3Transformer2DModel``. Positions are cropped
+sin-cos tables; SD3.5-medium's first joint blocks add image-only attention, and the last leaves the text as it is."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Wan 2.1 / 2.2 video transformer (T2V-A14B, I2V-A14B, TI2V-5B) as plain single-device math.
+"""Wan 2.1 / 2.2 video transformer (T2V-A14B, I2V-A14B, TI2V-5B): diffusers' ``WanTransformer3DModel``.
 
-Names follow diffusers' ``WanTransformer3DModel`` (``transformer/``, ``transformer_2/`` load without key surgery);
-attention calls ``AttentionDispatch.attend``; nothing here knows other devices. Stages the runtime acts between:
-
-- ``embed``: latents (B, C, F, H, W), timestep, text -> ``WanTokens``: the video tokens (Conv3d (1, 2, 2) patches in
-  frame-row-column order), rotary tables, projected text, timestep modulation per sample or (TI2V-5B) per token;
-- ``run_blocks``: modulated self-attention, text cross-attention (and Wan 2.1 I2V's CLIP features), modulated GELU MLP;
-- ``head``: video tokens -> one row of patch values per token; ``unpatchify`` makes it a video.
+``embed`` makes the video tokens (Conv3d (1, 2, 2) patches in frame-row-column order) and the timestep modulation, per
+sample or (TI2V-5B) per token; each block is modulated self-attention, text cross-attention (and Wan 2.1 I2V's CLIP
+features) and a modulated GELU MLP.
 
 The video is the one stream the runtime splits: every rank holds the whole text, so cross-attention runs locally (its
 ``sequence_streams == ()``). Numerics follow the reference: layer norms and modulation in float32, rounded where it

@@ -1,11 +1,7 @@
-"""Z-Image transformer (Turbo and the non-distilled base) as plain single-device math.
+"""Z-Image transformer (Turbo and the non-distilled base): diffusers' ``ZImageTransformer2DModel``.
 
-Names follow diffusers' ``ZImageTransformer2DModel`` (checkpoints load without key surgery); attention goes through
-``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
-
-- ``embed``: latents, caption features, timestep -> ``ZImageTokens`` (padded streams, rotary tables, key mask, temb);
-- ``run_blocks``: noise refiner over the image, context refiner over the text, joint blocks over [image, text];
-- ``head``: image tokens -> prediction, one row per token (pad tokens included; ``unpatchify`` drops them).
+``run_blocks``: noise refiner over the image, context refiner over the text, joint blocks over [image, text]; ``head``
+gives one row per token, pad tokens included (``unpatchify`` drops them).
 
 The Omni checkpoints (``siglip_feat_dim`` set) also take condition images (``OmniInputs``): their latents' tokens
 follow the target's in the image stream, their SigLIP features form a third stream with its own refiner, and every
