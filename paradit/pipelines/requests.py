@@ -257,7 +257,7 @@ def resolve_images(spec: ModelSpec, image, limit: int) -> tuple[Image.Image, ...
 def check_guidance(name: str, value: float | None) -> None:
     if value is not None and not 0 <= value <= MAX_GUIDANCE:  # NaN fails both comparisons
         raise InvalidRequest(
-            f"{name} {value:g} is not allowed; give a finite value from 0 to {MAX_GUIDANCE:.3g}", param=name
+            f"{name} {value} is not allowed; give a finite value >= 0 (at most {MAX_GUIDANCE:.3g})", param=name
         )
 
 
