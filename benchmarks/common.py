@@ -136,9 +136,13 @@ def compare_pair(pair: ModelPair, matmul_tflops: float, warmup: int, iters: int)
             ms = time_cuda_ms(run, warmup=warmup, iters=iters)
             outputs[impl] = run().float()
         row = {
-            "model": name, "impl": impl, "tokens": tokens, "ms_per_step": ms, "tflop_per_step": tflop,
+            "model": name,
+            "impl": impl,
+            "tokens": tokens,
+            "ms_per_step": ms,
+            "tflop_per_step": tflop,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        }  # fmt: skip
+        }
         if tflop:
             row["tflops"] = tflop / (ms * 1e-3)
             row["mfu_measured"] = row["tflops"] / matmul_tflops
@@ -186,9 +190,14 @@ def step_benchmark_main(description: str, model_pair, models: list[str], text_le
     print_table(
         rows,
         [
-            ("model", "model", "s"), ("impl", "impl", "s"), ("ms_per_step", "ms/step", ".1f"),
-            ("tflops", "TFLOP/s", ".0f"), ("mfu_measured", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
-            ("speedup_vs_diffusers", "vs diffusers", ".2f"), ("rel_l2_vs_diffusers", "rel L2", ".1e"),
+            ("model", "model", "s"),
+            ("impl", "impl", "s"),
+            ("ms_per_step", "ms/step", ".1f"),
+            ("tflops", "TFLOP/s", ".0f"),
+            ("mfu_measured", "MFU", ".1%"),
+            ("peak_gib", "peak GiB", ".1f"),
+            ("speedup_vs_diffusers", "vs diffusers", ".2f"),
+            ("rel_l2_vs_diffusers", "rel L2", ".1e"),
         ],
-    )  # fmt: skip
+    )
     write_json(args.out_dir, json_name, {"env": env, "matmul_tflops": matmul, "args": vars(args), "rows": rows})

@@ -28,16 +28,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, print_table, write_json  # noqa: E402
 from paradit.engine import Engine  # noqa: E402
 from paradit.families import PRESETS  # noqa: E402
-from paradit.optimize import ExecutionOptions  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.request import GenerationRequest  # noqa: E402
 
 COLUMNS = [
-    ("model", "model", "s"), ("precision", "precision", "s"), ("references", "refs", "d"),
-    ("tokens", "image tokens", "d"), ("step_ms", "step ms", ".1f"), ("reference_share", "refs' share", ".1%"),
-    ("text_encode_s", "prompt encode s", ".3f"), ("encode_s", "refs encode s", ".3f"), ("total_s", "total s", ".2f"),
+    ("model", "model", "s"),
+    ("precision", "precision", "s"),
+    ("references", "refs", "d"),
+    ("tokens", "image tokens", "d"),
+    ("step_ms", "step ms", ".1f"),
+    ("reference_share", "refs' share", ".1%"),
+    ("text_encode_s", "prompt encode s", ".3f"),
+    ("encode_s", "refs encode s", ".3f"),
+    ("total_s", "total s", ".2f"),
     ("steps", "steps", "d"),
-    ("projected_s", "latency at default steps (projected) s", ".2f"), ("peak_gib", "peak GiB", ".1f"),
-]  # fmt: skip
+    ("projected_s", "latency at default steps (projected) s", ".2f"),
+    ("peak_gib", "peak GiB", ".1f"),
+]
 
 
 def reference(seed: int, side: int) -> Image.Image:
@@ -69,18 +76,35 @@ def bench_engine(name: str, counts: list[int], args, earlier: list[dict]) -> lis
     with Engine(name, device="cuda", dtype="bf16", load_format="dummy", options=options) as engine:
         for count in counts:
             images = [reference(seed, args.size) for seed in range(count)] or None
-            base = dict(prompt="the subject of the first image in the room of the second", height=args.size,
-                        width=args.size, image=images, seed=0, negative_prompt=negative)  # fmt: skip
+            base = dict(
+                prompt="the subject of the first image in the room of the second",
+                height=args.size,
+                width=args.size,
+                image=images,
+                seed=0,
+                negative_prompt=negative,
+            )
             engine.generate(GenerationRequest(**base, steps=2))  # compiles this sequence length's blocks
             torch.cuda.reset_peak_memory_stats()
             result = engine.generate(GenerationRequest(**base, steps=args.steps))
             timings = result.timings
             step_ms = timings.median_step_ms
             outside = timings.total_s - timings.text_encode_s - sum(timings.step_ms) / 1000 - timings.vae_decode_s
-            rows.append(dict(model=name, precision=precision, references=count,
-                             tokens=(1 + count) * (args.size // 16) ** 2, step_ms=step_ms, encode_s=outside,
-                             total_s=timings.total_s, steps=args.steps, peak_gib=timings.peak_memory_bytes / 2**30,
-                             text_encode_s=timings.text_encode_s, vae_decode_s=timings.vae_decode_s))  # fmt: skip
+            rows.append(
+                dict(
+                    model=name,
+                    precision=precision,
+                    references=count,
+                    tokens=(1 + count) * (args.size // 16) ** 2,
+                    step_ms=step_ms,
+                    encode_s=outside,
+                    total_s=timings.total_s,
+                    steps=args.steps,
+                    peak_gib=timings.peak_memory_bytes / 2**30,
+                    text_encode_s=timings.text_encode_s,
+                    vae_decode_s=timings.vae_decode_s,
+                )
+            )
             plain_ms = step_ms if count == 0 else plain_ms
             rows[-1]["reference_share"] = 1 - plain_ms / step_ms if plain_ms and count else None
             fixed = timings.text_encode_s + outside + timings.vae_decode_s

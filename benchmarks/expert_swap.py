@@ -65,22 +65,35 @@ def switch_costs(repeats: int) -> dict:
         "round_trip_bit_identical": bool(torch.equal(before, after)),
     }
     result["host_to_device_gb_s"] = size / result["switch_s"]["in"] / 1e9
-    print(f"switch: expert {result['expert_gib']:.1f} GiB, in {result['switch_s']['in']:.2f} s, back "
-          f"{result['switch_s']['back']:.2f} s ({result['host_to_device_gb_s']:.1f} GB/s), device memory with one "
-          f"expert resident {resident_gib:.1f} GiB, round trip identical: {result['round_trip_bit_identical']}",
-          flush=True)  # fmt: skip
+    print(
+        f"switch: expert {result['expert_gib']:.1f} GiB, in {result['switch_s']['in']:.2f} s, back "
+        f"{result['switch_s']['back']:.2f} s ({result['host_to_device_gb_s']:.1f} GB/s), device memory with one "
+        f"expert resident {resident_gib:.1f} GiB, round trip identical: {result['round_trip_bit_identical']}",
+        flush=True,
+    )
     return result
 
 
 def whole_video(args) -> dict:
     from paradit import Engine, GenerationRequest
-    from paradit.optimize import ExecutionOptions
+    from paradit.options import ExecutionOptions
 
-    request = GenerationRequest(prompt="a heron lands on a misty lake", height=args.height, width=args.width,
-                                frames=args.frames, steps=args.steps, seed=0)  # fmt: skip
+    request = GenerationRequest(
+        prompt="a heron lands on a misty lake",
+        height=args.height,
+        width=args.width,
+        frames=args.frames,
+        steps=args.steps,
+        seed=0,
+    )
     start = time.perf_counter()
-    engine = Engine("wan2.2-t2v-a14b", load_format="dummy", max_gpu_memory=args.max_gpu_memory, request=request,
-                    options=ExecutionOptions(quantize="fp8", swap_experts=True))  # fmt: skip
+    engine = Engine(
+        "wan2.2-t2v-a14b",
+        load_format="dummy",
+        max_gpu_memory=args.max_gpu_memory,
+        request=request,
+        options=ExecutionOptions(quantize="fp8", swap_experts=True),
+    )
     load_s = time.perf_counter() - start
     print(f"loaded in {load_s:.0f} s; plan: {engine.memory_plan.describe()}", flush=True)
     swap = engine.pipeline.expert_swap
@@ -94,11 +107,17 @@ def whole_video(args) -> dict:
     low = [ms for ms, t in zip(timings.step_ms, scheduler_steps) if t < boundary]
     record = {
         "request": {"height": args.height, "width": args.width, "frames": args.frames, "steps": args.steps},
-        "max_gpu_memory": args.max_gpu_memory, "memory_plan": engine.memory_plan.describe(), "load_s": load_s,
-        "text_encode_s": timings.text_encode_s, "high_noise_steps_ms": high, "low_noise_steps_ms": low,
-        "switches_s": swap.switch_seconds, "vae_decode_s": timings.vae_decode_s, "total_s": timings.total_s,
+        "max_gpu_memory": args.max_gpu_memory,
+        "memory_plan": engine.memory_plan.describe(),
+        "load_s": load_s,
+        "text_encode_s": timings.text_encode_s,
+        "high_noise_steps_ms": high,
+        "low_noise_steps_ms": low,
+        "switches_s": swap.switch_seconds,
+        "vae_decode_s": timings.vae_decode_s,
+        "total_s": timings.total_s,
         "peak_gib": timings.peak_memory_bytes / 2**30,
-    }  # fmt: skip
+    }
     print(
         f"whole video {args.width}x{args.height}x{args.frames}, {args.steps} steps: text {timings.text_encode_s:.1f}"
         f" s; high-noise steps {[round(ms) for ms in high]} ms; low-noise {[round(ms) for ms in low]} ms (their "

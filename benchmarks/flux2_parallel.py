@@ -128,11 +128,14 @@ def main() -> None:
         print_table(
             rows,
             [
-                ("impl", "impl", "s"), ("plan", "plan", "s"), ("ms_per_step", "ms/step", ".1f"),
-                ("speedup_vs_1gpu", "vs 1 GPU", ".2f"), ("mib_sent_per_step", "MiB sent/step", ".0f"),
+                ("impl", "impl", "s"),
+                ("plan", "plan", "s"),
+                ("ms_per_step", "ms/step", ".1f"),
+                ("speedup_vs_1gpu", "vs 1 GPU", ".2f"),
+                ("mib_sent_per_step", "MiB sent/step", ".0f"),
                 ("rel_l2_vs_1gpu", "rel L2 vs 1 GPU", ".1e"),
             ],
-        )  # fmt: skip
+        )
         write_json(args.out_dir, f"flux2_parallel_{args.tag}.json", {"env": env, "args": vars(args), "rows": rows})
     dist.barrier()
     dist.destroy_process_group()

@@ -22,7 +22,7 @@ from benchmarks.common import environment, print_table, time_cuda_ms, write_json
 from benchmarks.wan_step import WORKLOADS, build_paradit  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES  # noqa: E402
-from paradit.layers.attention import use_fp8_attention  # noqa: E402
+from paradit.layers.attention import apply_fp8_attention  # noqa: E402
 from paradit.layers.fp8 import Fp8Linear, fp8_dtype, quantize_rowwise  # noqa: E402
 from paradit.quantize import quantize_fp8  # noqa: E402
 
@@ -80,13 +80,23 @@ def profile_forward(model, inputs, fp8_attention, attention: str, forwards: int)
         entry = by_kind.setdefault(kind_of(name), [0.0, 0])
         entry[0] += ms
         entry[1] += count
-    rows = [{"attention": attention, "what": kind, "kind": kind, "ms": ms, "calls": calls, "share": ms / total}
-            for kind, (ms, calls) in sorted(by_kind.items(), key=lambda item: -item[1][0])]  # fmt: skip
+    rows = [
+        {"attention": attention, "what": kind, "kind": kind, "ms": ms, "calls": calls, "share": ms / total}
+        for kind, (ms, calls) in sorted(by_kind.items(), key=lambda item: -item[1][0])
+    ]
     rows.append({"attention": attention, "what": "all kernels", "kind": "total", "ms": total, "share": 1.0})
     rows.append({"attention": attention, "what": "forward, timed", "kind": "wall", "ms": forward_ms})
     for name, ms, count in sorted(kernels, key=lambda k: -k[1])[:TOP_KERNELS]:
-        rows.append({"attention": attention, "what": name[:90], "kind": kind_of(name), "ms": ms, "calls": count,
-                     "share": ms / total})  # fmt: skip
+        rows.append(
+            {
+                "attention": attention,
+                "what": name[:90],
+                "kind": kind_of(name),
+                "ms": ms,
+                "calls": count,
+                "share": ms / total,
+            }
+        )
     return rows, forward_ms
 
 
@@ -104,8 +114,15 @@ def gemm_rates(model, tokens: int, device: torch.device) -> list[dict]:
         with torch.inference_mode():
             whole = time_cuda_ms(lambda module=module, x=x: module(x), warmup=3, iters=10)
             gemm = time_cuda_ms(lambda module=module, x_q=x_q, s=x_scale: module.multiply(x_q, s), warmup=3, iters=10)
-        rows.append({"linear": name, "shape": f"{tokens}x{module.in_features}->{module.out_features}",
-                     "ms": whole, "gemm_ms": gemm, "tflops": flop / gemm / 1e9})  # fmt: skip
+        rows.append(
+            {
+                "linear": name,
+                "shape": f"{tokens}x{module.in_features}->{module.out_features}",
+                "ms": whole,
+                "gemm_ms": gemm,
+                "tflops": flop / gemm / 1e9,
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -122,19 +139,39 @@ def main() -> None:
     print(env, flush=True)
     model, inputs, tokens = fp8_expert(args.workload, device)
     compile_blocks(model)
-    fp8_attention = use_fp8_attention(model, 0)
+    fp8_attention = apply_fp8_attention(model, 0)
     rows = []
     for attention in args.attention:
         found, forward_ms = profile_forward(model, inputs, fp8_attention, attention, args.forwards)
         rows += found
         print(f"{attention}: forward {forward_ms:.0f} ms", flush=True)
     gemms = gemm_rates(model, tokens, device)
-    write_json(args.out_dir, "forward_profile.json",
-               {"environment": env, "workload": args.workload, "rows": rows, "gemms": gemms})  # fmt: skip
-    print_table(gemms, [("linear", "linear", "s"), ("shape", "shape", "s"), ("ms", "quantize + GEMM ms", ".2f"),
-                        ("gemm_ms", "GEMM ms", ".2f"), ("tflops", "GEMM TFLOP/s", ".0f")])  # fmt: skip
-    print_table(rows, [("attention", "attention", "s"), ("what", "kernels", "s"), ("kind", "kind", "s"),
-                       ("ms", "ms / forward", ".1f"), ("calls", "calls", "d"), ("share", "share", ".3f")])  # fmt: skip
+    write_json(
+        args.out_dir,
+        "forward_profile.json",
+        {"environment": env, "workload": args.workload, "rows": rows, "gemms": gemms},
+    )
+    print_table(
+        gemms,
+        [
+            ("linear", "linear", "s"),
+            ("shape", "shape", "s"),
+            ("ms", "quantize + GEMM ms", ".2f"),
+            ("gemm_ms", "GEMM ms", ".2f"),
+            ("tflops", "GEMM TFLOP/s", ".0f"),
+        ],
+    )
+    print_table(
+        rows,
+        [
+            ("attention", "attention", "s"),
+            ("what", "kernels", "s"),
+            ("kind", "kind", "s"),
+            ("ms", "ms / forward", ".1f"),
+            ("calls", "calls", "d"),
+            ("share", "share", ".3f"),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -30,26 +30,39 @@ from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES  # noqa: E402
 from paradit.families.wan.model import unpatchify  # noqa: E402
 from paradit.layers import fp8_attention as kernel  # noqa: E402
-from paradit.layers.attention import sdpa_attention, use_fp8_attention  # noqa: E402
+from paradit.layers.attention import apply_fp8_attention, sdpa_attention  # noqa: E402
 from paradit.quantize import quantize_fp8  # noqa: E402
 
 # name -> (tokens, heads, head_dim): Wan 2.2 A14B at 1280×720×81 and 832×480×81, TI2V-5B at 1280×704×121, FLUX.2-dev
 # at 1024² (4096 image tokens and 512 of text), Qwen-Image at 1024² (4096 image tokens and a 256-token prompt).
 SHAPES = {
-    "wan-720p": (75600, 40, 128), "wan-480p": (32760, 40, 128), "ti2v-5b-704p": (27280, 24, 128),
-    "flux2-dev-1024": (4608, 48, 128), "qwen-image-1024": (4352, 24, 128),
-    "keys-2048": (2048, 24, 128), "keys-8192": (8192, 24, 128), "keys-16384": (16384, 24, 128),
-}  # fmt: skip
+    "wan-720p": (75600, 40, 128),
+    "wan-480p": (32760, 40, 128),
+    "ti2v-5b-704p": (27280, 24, 128),
+    "flux2-dev-1024": (4608, 48, 128),
+    "qwen-image-1024": (4352, 24, 128),
+    "keys-2048": (2048, 24, 128),
+    "keys-8192": (8192, 24, 128),
+    "keys-16384": (16384, 24, 128),
+}
 FORWARD_COLUMNS = [
-    ("run", "run", "s"), ("attention", "attention", "s"), ("ms", "ms", ".0f"), ("first_s", "first call s", ".0f"),
+    ("run", "run", "s"),
+    ("attention", "attention", "s"),
+    ("ms", "ms", ".0f"),
+    ("first_s", "first call s", ".0f"),
     ("rel_l2", "rel L2 vs SDPA", ".4f"),
-]  # fmt: skip
+]
 DENOISE_STEPS = 20
 COLUMNS = [
-    ("shape", "shape", "s"), ("tokens", "tokens", "d"), ("method", "method", "s"), ("ms", "ms", ".2f"),
-    ("tflops", "TFLOP/s", ".0f"), ("speedup", "speedup", ".2f"), ("rel_l2", "rel L2 vs fp32", ".4f"),
+    ("shape", "shape", "s"),
+    ("tokens", "tokens", "d"),
+    ("method", "method", "s"),
+    ("ms", "ms", ".2f"),
+    ("tflops", "TFLOP/s", ".0f"),
+    ("speedup", "speedup", ".2f"),
+    ("rel_l2", "rel L2 vs fp32", ".4f"),
     ("config", "config", "s"),
-]  # fmt: skip
+]
 SAMPLE_QUERIES = 512
 QK = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -81,8 +94,17 @@ def bench_shape(name: str, args) -> list[dict]:
     flop = 4 * tokens * tokens * heads * dim
     iters = max(3, min(50, int(2e15 / flop)))
     sdpa_ms = time_cuda_ms(lambda: sdpa_attention(q, k, v), warmup=3, iters=iters)
-    result = [{"shape": name, "tokens": tokens, "method": "sdpa bf16", "ms": sdpa_ms, "tflops": flop / sdpa_ms / 1e9,
-               "speedup": 1.0, "rel_l2": relative_l2(sdpa_attention(q, k, v), exact, rows)}]  # fmt: skip
+    result = [
+        {
+            "shape": name,
+            "tokens": tokens,
+            "method": "sdpa bf16",
+            "ms": sdpa_ms,
+            "tflops": flop / sdpa_ms / 1e9,
+            "speedup": 1.0,
+            "rel_l2": relative_l2(sdpa_attention(q, k, v), exact, rows),
+        }
+    ]
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] or [None]
     tune = kernel._configs
     for qk, config in ((qk, config) for qk in args.qk for config in configs):
@@ -92,11 +114,21 @@ def bench_shape(name: str, args) -> list[dict]:
         out = kernel.fp8_attention(q, k, v)
         ms = time_cuda_ms(lambda: kernel.fp8_attention(q, k, v), warmup=3, iters=iters)
         chosen = next(iter(kernel._CHOSEN.values()))
-        result.append({"shape": name, "tokens": tokens, "method": f"fp8 (QK {qk})", "ms": ms, "tflops": flop / ms / 1e9,
-                       "speedup": sdpa_ms / ms, "rel_l2": relative_l2(out, exact, rows),
-                       "config": ",".join(map(str, chosen))})  # fmt: skip
-    prepass = time_cuda_ms(lambda: kernel.quantize_keys_values(k, v, kernel.QK_FORMAT, torch.float8_e4m3fn),
-                           warmup=3, iters=iters)  # fmt: skip
+        result.append(
+            {
+                "shape": name,
+                "tokens": tokens,
+                "method": f"fp8 (QK {qk})",
+                "ms": ms,
+                "tflops": flop / ms / 1e9,
+                "speedup": sdpa_ms / ms,
+                "rel_l2": relative_l2(out, exact, rows),
+                "config": ",".join(map(str, chosen)),
+            }
+        )
+    prepass = time_cuda_ms(
+        lambda: kernel.quantize_keys_values(k, v, kernel.QK_FORMAT, torch.float8_e4m3fn), warmup=3, iters=iters
+    )
     result[-1]["prepass_ms"] = prepass
     print(f"{name}: pre-pass {prepass:.2f} ms", flush=True)
     return result
@@ -109,7 +141,7 @@ def expert_forward_and_denoise() -> list[dict]:
     spec, model, (latents, timestep, text), grid, _ = build_paradit("a14b-720p", device)
     quantize_fp8(model, device, FAMILIES[spec.family].keep_high_precision)
     compile_blocks(model)
-    fp8 = use_fp8_attention(model, 0)
+    fp8 = apply_fp8_attention(model, 0)
     rows, outputs = [], {}
     for attention in ("sdpa", "fp8"):
         fp8.fp8_now = attention == "fp8"
@@ -119,8 +151,15 @@ def expert_forward_and_denoise() -> list[dict]:
             torch.cuda.synchronize()
             first = time.perf_counter() - start
             ms = time_cuda_ms(lambda: model(latents, timestep, text), warmup=0, iters=3)
-        rows.append({"run": "A14B expert 1280×720×81 forward", "attention": attention, "ms": ms, "first_s": first,
-                     "rel_l2": relative_l2_of(outputs[attention], outputs["sdpa"])})  # fmt: skip
+        rows.append(
+            {
+                "run": "A14B expert 1280×720×81 forward",
+                "attention": attention,
+                "ms": ms,
+                "first_s": first,
+                "rel_l2": relative_l2_of(outputs[attention], outputs["sdpa"]),
+            }
+        )
         print(rows[-1], flush=True)
     del outputs
     (noise, _, text), grid, tokens = forward_inputs("a14b-480p", model.config, device)
@@ -132,7 +171,7 @@ def expert_forward_and_denoise() -> list[dict]:
         with torch.inference_mode():
             for step in range(DENOISE_STEPS):
                 fp8.exact_steps = exact_steps or 0
-                fp8.begin_step(step, DENOISE_STEPS)
+                fp8.at_step(step, DENOISE_STEPS)
                 fp8.fp8_now = fp8.fp8_now and exact_steps is not None
                 t = torch.full((1,), 1000 * sigmas[step], device=device)
                 velocity = unpatchify(model(x.bfloat16(), t, text), grid, model.config.patch_size).float()
@@ -140,8 +179,14 @@ def expert_forward_and_denoise() -> list[dict]:
         torch.cuda.synchronize()
         finals[name] = x
         ms = (time.perf_counter() - start) * 1e3
-        rows.append({"run": f"denoise 832×480×81, {DENOISE_STEPS} steps", "attention": name, "ms": ms,
-                     "rel_l2": relative_l2_of(x, finals["sdpa"])})  # fmt: skip
+        rows.append(
+            {
+                "run": f"denoise 832×480×81, {DENOISE_STEPS} steps",
+                "attention": name,
+                "ms": ms,
+                "rel_l2": relative_l2_of(x, finals["sdpa"]),
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 

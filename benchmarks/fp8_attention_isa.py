@@ -53,16 +53,35 @@ def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim:
 
     block_m, block_n, warps, stages = config
     fp8 = TRITON_TYPES[target.fp8]
-    pointers = {"Q": "*bf16", "K8": "*i8", "K_SCALE": "*fp32", "V8": f"*{fp8}", "V_SCALE": "*fp32",
-                "K_MEAN": "*fp32", "KEY_MASK": "*u8", "OUT": "*bf16", "LSE": "*fp32"}  # fmt: skip
+    pointers = {
+        "Q": "*bf16",
+        "K8": "*i8",
+        "K_SCALE": "*fp32",
+        "V8": f"*{fp8}",
+        "V_SCALE": "*fp32",
+        "K_MEAN": "*fp32",
+        "KEY_MASK": "*u8",
+        "OUT": "*bf16",
+        "LSE": "*fp32",
+    }
     if target.descriptors:
-        pointers |= {"K_DESC": f"tensordesc<i8[{block_n}, {head_dim}]>",
-                     "V_DESC": f"tensordesc<{fp8}[{head_dim}, {block_n}]>"}  # fmt: skip
+        pointers |= {
+            "K_DESC": f"tensordesc<i8[{block_n}, {head_dim}]>",
+            "V_DESC": f"tensordesc<{fp8}[{head_dim}, {block_n}]>",
+        }
     else:
         pointers |= {"K_DESC": "*fp32", "V_DESC": "*fp32"}  # never read there
-    constants = {"QMAX": kernel.INT8_MAX, "P_EXPONENT": kernel.p_exponent(target.fp8),
-                 "QK_INT8": True, "HAS_MASK": masked, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                 "DESCRIPTORS": target.descriptors, **kernel.rounding(target.fp8)}  # fmt: skip
+    constants = {
+        "QMAX": kernel.INT8_MAX,
+        "P_EXPONENT": kernel.p_exponent(target.fp8),
+        "QK_INT8": True,
+        "HAS_MASK": masked,
+        "HEAD_DIM": head_dim,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "DESCRIPTORS": target.descriptors,
+        **kernel.rounding(target.fp8),
+    }
     names = list(inspect.signature(kernel._fp8_attention_forward.fn).parameters)
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "fp32" if name == "sm_scale" else "i32")
@@ -81,9 +100,15 @@ def describe(name: str, target: Target, config: tuple[int, int, int, int], maske
     started = time.perf_counter()
     compiled = compile_forward(target, config, masked=masked)
     assembly = compiled.asm["ptx" if target.backend == "cuda" else "amdgcn"]
-    row = {"target": name, "arch": str(target.arch), "config": ",".join(map(str, config)), "masked": masked,
-           "compile_s": time.perf_counter() - started, "shared_bytes": compiled.metadata.shared,
-           "matrix": " ".join(sorted(set(MATRIX.findall(assembly))))}  # fmt: skip
+    row = {
+        "target": name,
+        "arch": str(target.arch),
+        "config": ",".join(map(str, config)),
+        "masked": masked,
+        "compile_s": time.perf_counter() - started,
+        "shared_bytes": compiled.metadata.shared,
+        "matrix": " ".join(sorted(set(MATRIX.findall(assembly)))),
+    }
     if target.backend == "cuda":
         row["tma_loads"] = assembly.count("cp.async.bulk.tensor")
     else:  # the AMD assembler's own counts
@@ -108,10 +133,20 @@ def main() -> None:
     import triton
 
     rows = [describe(name, TARGETS[name], config, args.masked) for name in args.targets for config in configs]
-    print_table(rows, [("target", "target", "s"), ("arch", "arch", "s"), ("config", "config", "s"),
-                       ("masked", "mask", ""), ("compile_s", "compile s", ".1f"), ("shared_bytes", "shared B", "d"),
-                       ("vgprs", "VGPRs", "d"), ("scratch_bytes", "spill B", "d"),
-                       ("matrix", "matrix instructions", "s")])  # fmt: skip
+    print_table(
+        rows,
+        [
+            ("target", "target", "s"),
+            ("arch", "arch", "s"),
+            ("config", "config", "s"),
+            ("masked", "mask", ""),
+            ("compile_s", "compile s", ".1f"),
+            ("shared_bytes", "shared B", "d"),
+            ("vgprs", "VGPRs", "d"),
+            ("scratch_bytes", "spill B", "d"),
+            ("matrix", "matrix instructions", "s"),
+        ],
+    )
     write_json(args.out_dir, "fp8_attention_isa.json", {"triton": triton.__version__, "rows": rows})
 
 

@@ -23,7 +23,7 @@ from benchmarks.common import environment, print_table, time_cuda_ms, write_json
 from benchmarks.forward_profile import fp8_expert, kernel_times, kind_of  # noqa: E402
 from benchmarks.wan_step import WORKLOADS  # noqa: E402
 from paradit.compile import RECOMPILE_LIMIT, model_blocks  # noqa: E402
-from paradit.layers.attention import use_fp8_attention  # noqa: E402
+from paradit.layers.attention import apply_fp8_attention  # noqa: E402
 
 VARIANTS = {
     "default": {"triton.multi_kernel": 0},
@@ -47,11 +47,14 @@ def measure(model, inputs, options: dict, blocks: int) -> tuple[dict, list[dict]
         forward_ms = time_cuda_ms(lambda: model(*inputs), warmup=1, iters=3)
         kernels = kernel_times(model, inputs, forwards=1)
     inductor = sorted((k for k in kernels if kind_of(k[0]) == "Inductor fused"), key=lambda k: -k[1])
-    summary = {"forward_ms": forward_ms, "first_call_s": first_s, "per_block_ms": forward_ms / blocks,
-               "inductor_ms_per_block": sum(ms for _, ms, _ in inductor) / blocks,
-               "attention_ms_per_block": sum(ms for n, ms, _ in kernels if kind_of(n).startswith("self-attention"))
-               / blocks,
-               "gemm_ms_per_block": sum(ms for n, ms, _ in kernels if kind_of(n) == "FP8 GEMM") / blocks}  # fmt: skip
+    summary = {
+        "forward_ms": forward_ms,
+        "first_call_s": first_s,
+        "per_block_ms": forward_ms / blocks,
+        "inductor_ms_per_block": sum(ms for _, ms, _ in inductor) / blocks,
+        "attention_ms_per_block": sum(ms for n, ms, _ in kernels if kind_of(n).startswith("self-attention")) / blocks,
+        "gemm_ms_per_block": sum(ms for n, ms, _ in kernels if kind_of(n) == "FP8 GEMM") / blocks,
+    }
     top = [{"kernel": name[:100], "ms_per_block": ms / blocks} for name, ms, _ in inductor[:TOP_KERNELS]]
     return summary, top
 
@@ -67,7 +70,7 @@ def main() -> None:
     env = environment()
     print(env, flush=True)
     model, inputs, _ = fp8_expert(args.workload, device, args.blocks)
-    use_fp8_attention(model, 0).fp8_now = True
+    apply_fp8_attention(model, 0).fp8_now = True
     rows, kernels = [], []
     for name in args.variants:
         summary, top = measure(model, inputs, VARIANTS[name], args.blocks)
@@ -76,15 +79,26 @@ def main() -> None:
         print(rows[-1], flush=True)
         for k in top:
             print(f"    {k['ms_per_block']:7.3f} ms  {k['kernel']}", flush=True)
-    write_json(args.out_dir, "inductor_options.json",
-               {"environment": env, "workload": args.workload, "blocks": args.blocks, "rows": rows,
-                "kernels": kernels})  # fmt: skip
-    print_table(kernels, [("variant", "variant", "s"), ("kernel", "Inductor kernel", "s"),
-                          ("ms_per_block", "ms / block", ".3f")])  # fmt: skip
-    print_table(rows, [("variant", "variant", "s"), ("first_call_s", "first call s", ".1f"),
-                       ("per_block_ms", "ms / block", ".1f"), ("inductor_ms_per_block", "Inductor ms / block", ".2f"),
-                       ("attention_ms_per_block", "attention ms / block", ".1f"),
-                       ("gemm_ms_per_block", "GEMM ms / block", ".1f")])  # fmt: skip
+    write_json(
+        args.out_dir,
+        "inductor_options.json",
+        {"environment": env, "workload": args.workload, "blocks": args.blocks, "rows": rows, "kernels": kernels},
+    )
+    print_table(
+        kernels,
+        [("variant", "variant", "s"), ("kernel", "Inductor kernel", "s"), ("ms_per_block", "ms / block", ".3f")],
+    )
+    print_table(
+        rows,
+        [
+            ("variant", "variant", "s"),
+            ("first_call_s", "first call s", ".1f"),
+            ("per_block_ms", "ms / block", ".1f"),
+            ("inductor_ms_per_block", "Inductor ms / block", ".2f"),
+            ("attention_ms_per_block", "attention ms / block", ".1f"),
+            ("gemm_ms_per_block", "GEMM ms / block", ".1f"),
+        ],
+    )
 
 
 if __name__ == "__main__":

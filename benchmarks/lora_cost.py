@@ -31,9 +31,10 @@ from benchmarks.common import environment, print_table, time_cuda_ms, write_json
 from benchmarks.parallel_step import BENCHES, with_batch  # noqa: E402
 from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
-from paradit.loader import load_transformer  # noqa: E402
 from paradit.lora import LoraRef, LoraSet  # noqa: E402
-from paradit.optimize import ExecutionOptions, apply_execution_options  # noqa: E402
+from paradit.lora.variants import AdapterChoice  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
+from paradit.runtime import load_transformer  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402
 
 WAN_INPUTS = (480, 832, 81, 512)  # height, width, frames, text tokens
@@ -52,8 +53,9 @@ def write_adapter(model: nn.Module, rank: int, path: Path) -> int:
                 key = f"transformer.{names[id(block)]}.{leaf}"
                 down = torch.randn(rank, linear.in_features, generator=generator) * linear.in_features**-0.5
                 state[f"{key}.lora_A.weight"] = down.bfloat16()
-                state[f"{key}.lora_B.weight"] = (torch.randn(linear.out_features, rank, generator=generator) * 0.01
-                                                 ).bfloat16()  # fmt: skip
+                state[f"{key}.lora_B.weight"] = (
+                    torch.randn(linear.out_features, rank, generator=generator) * 0.01
+                ).bfloat16()
     save_file(state, str(path))
     return sum(t.numel() for t in state.values())
 
@@ -76,13 +78,14 @@ def measure(spec, lora: LoraSet | None, mode: str, quantize: str, device: torch.
     family = FAMILIES[spec.family]
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    loaded = load_transformer(family, spec, device, torch.bfloat16, None, quantize, lora=lora)
+    options = ExecutionOptions(quantize=quantize, compile=mode == "compiled", lora=lora or LoraSet())
+    loaded = load_transformer(family, spec, device, torch.bfloat16, None, options)
     torch.cuda.synchronize(device)
     load_s = time.perf_counter() - start
     row = {"load_s": load_s, "resident_gib": torch.cuda.memory_allocated(device) / 2**30}
     if mode == "load":
         return row
-    forward = apply_execution_options(loaded, ExecutionOptions(quantize=quantize, compile=mode == "compiled"), device)
+    forward = loaded.forward
     inputs = forward_inputs(spec, loaded.model, device)
 
     def run():
@@ -102,8 +105,9 @@ def measured(spec, lora, mode, quantize, device, iters) -> dict:
     return row
 
 
-def switch_rows(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int,
-                quantize: str) -> list[dict]:  # fmt: skip
+def switch_rows(
+    name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int, quantize: str
+) -> list[dict]:
     rows = switches(name, spec, adapters, device, iters, cache, quantize)
     gc.collect()
     torch.cuda.empty_cache()
@@ -111,16 +115,18 @@ def switch_rows(name: str, spec, adapters: dict[int, Path], device: torch.device
     return rows
 
 
-def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int,
-             quantize: str) -> list[dict]:  # fmt: skip
+def switches(
+    name: str, spec, adapters: dict[int, Path], device: torch.device, iters: int, cache: int, quantize: str
+) -> list[dict]:
     """A server's switch between named adapters (compiled): the time the choice takes (side paths, ``cache`` 0:
     concatenating the factors; a cache of fused choices: a merge on a miss, a copy on a hit or back to none), and
     the first forward after it against the steady one (side paths: a new total rank recompiles the blocks, until
     they run shape-generic; fused choices keep every shape)."""
     refs = tuple(LoraRef(str(path), name=f"r{rank}") for rank, path in adapters.items())
     lora = LoraSet(refs, (), "unfused", switchable=True, cache=cache)
-    loaded = load_transformer(FAMILIES[spec.family], spec, device, torch.bfloat16, None, quantize, lora=lora)
-    forward = apply_execution_options(loaded, ExecutionOptions(quantize=quantize, compile=True), device)
+    options = ExecutionOptions(quantize=quantize, compile=True, lora=lora)
+    loaded = load_transformer(FAMILIES[spec.family], spec, device, torch.bfloat16, None, options)
+    forward = loaded.forward
     inputs = forward_inputs(spec, loaded.model, device)
     resident_gib = torch.cuda.memory_allocated(device) / 2**30
 
@@ -133,7 +139,8 @@ def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, i
         rounds = [[{}, first, {}, first, last, first, {}]]
     else:  # the second round: every total rank compiled once already
         rounds = [[{}, first, last, {ref.name: 1.0 for ref in refs}, {refs[0].name: 0.7}]] * 2
-    merged = getattr(loaded.choose_adapters, "__self__", None)
+    choose = next(hook for hook in loaded.hooks if isinstance(hook, AdapterChoice)).choose
+    merged = getattr(choose, "__self__", None)
     rows = []
     for number, choices in enumerate(rounds, 1):
         for choice in choices:
@@ -141,7 +148,7 @@ def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, i
             event = "side paths" if merged is None else "base" if not key else "hit" if key in merged.merged else "miss"
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-            loaded.choose_adapters(choice)
+            choose(choice)
             torch.cuda.synchronize(device)
             switch_ms = (time.perf_counter() - start) * 1000
             start = time.perf_counter()
@@ -150,9 +157,21 @@ def switches(name: str, spec, adapters: dict[int, Path], device: torch.device, i
             first_ms = (time.perf_counter() - start) * 1000
             chosen = "+".join(f"{key}x{scale:g}" for key, scale in choice.items()) or "none"
             steady = time_cuda_ms(run, warmup=1, iters=iters)
-            rows.append(dict(model=name, kind="switch", precision=quantize.replace("none", "bf16"), cache=cache,
-                             adapter=chosen, event=event, round=number, switch_ms=switch_ms, first_ms=first_ms,
-                             ms=steady, resident_gib=resident_gib))  # fmt: skip
+            rows.append(
+                dict(
+                    model=name,
+                    kind="switch",
+                    precision=quantize.replace("none", "bf16"),
+                    cache=cache,
+                    adapter=chosen,
+                    event=event,
+                    round=number,
+                    switch_ms=switch_ms,
+                    first_ms=first_ms,
+                    ms=steady,
+                    resident_gib=resident_gib,
+                )
+            )
             print_table(rows[-1:], SWITCH_COLUMNS)
     return rows
 
@@ -190,17 +209,34 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
     outputs = {}
     for mode, quantize in (("eager", "none"), ("compiled", "none"), ("compiled", "fp8")):
         precision = quantize.replace("none", "bf16")
-        base = record(kind="forward", mode=mode, precision=precision, adapter="none",
-                      **measured(spec, None, mode, quantize, device, args.iters))  # fmt: skip
+        base = record(
+            kind="forward",
+            mode=mode,
+            precision=precision,
+            adapter="none",
+            **measured(spec, None, mode, quantize, device, args.iters),
+        )
         outputs[(mode, precision, "none")] = base["output"]
         for rank in args.ranks:
-            unfused = measured(spec, LoraSet((LoraRef(str(adapters[rank])),), (), "unfused"), mode, quantize, device,
-                               args.iters)  # fmt: skip
-            record(kind="forward", mode=mode, precision=precision, adapter=f"unfused r{rank}",
-                   overhead=unfused["ms"] / base["ms"] - 1, **unfused)  # fmt: skip
+            unfused = measured(
+                spec, LoraSet((LoraRef(str(adapters[rank])),), (), "unfused"), mode, quantize, device, args.iters
+            )
+            record(
+                kind="forward",
+                mode=mode,
+                precision=precision,
+                adapter=f"unfused r{rank}",
+                overhead=unfused["ms"] / base["ms"] - 1,
+                **unfused,
+            )
         if mode == "compiled":
-            row = record(kind="forward", mode=mode, precision=precision, adapter=f"fused r{top}",
-                         **measured(spec, fused, mode, quantize, device, args.iters))  # fmt: skip
+            row = record(
+                kind="forward",
+                mode=mode,
+                precision=precision,
+                adapter=f"fused r{top}",
+                **measured(spec, fused, mode, quantize, device, args.iters),
+            )
             outputs[(mode, precision, "fused")] = row["output"]
     rows += switch_rows(name, spec, adapters, device, args.iters, 0, "none")
     rows += switch_rows(name, spec, adapters, device, args.iters, args.lora_cache, "fp8")
@@ -211,17 +247,32 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
 
 
 COLUMNS = [
-    ("model", "model", ""), ("kind", "kind", ""), ("mode", "mode", ""), ("precision", "precision", ""),
-    ("adapter", "adapter", ""), ("load_s", "load s", ".2f"), ("fuse_s", "fuse s", ".2f"), ("ms", "ms/forward", ".1f"),
-    ("overhead", "overhead", "+.1%"), ("resident_gib", "resident GiB", ".2f"), ("fp8_rel_l2", "FP8 rel L2", ".2e"),
-]  # fmt: skip
+    ("model", "model", ""),
+    ("kind", "kind", ""),
+    ("mode", "mode", ""),
+    ("precision", "precision", ""),
+    ("adapter", "adapter", ""),
+    ("load_s", "load s", ".2f"),
+    ("fuse_s", "fuse s", ".2f"),
+    ("ms", "ms/forward", ".1f"),
+    ("overhead", "overhead", "+.1%"),
+    ("resident_gib", "resident GiB", ".2f"),
+    ("fp8_rel_l2", "FP8 rel L2", ".2e"),
+]
 
 
 SWITCH_COLUMNS = [
-    ("model", "model", ""), ("precision", "precision", ""), ("cache", "cache", "d"), ("adapter", "chosen", ""),
-    ("event", "event", ""), ("round", "round", "d"), ("switch_ms", "switch ms", ".1f"),
-    ("first_ms", "first forward ms", ".1f"), ("ms", "ms/forward", ".1f"), ("resident_gib", "resident GiB", ".2f"),
-]  # fmt: skip
+    ("model", "model", ""),
+    ("precision", "precision", ""),
+    ("cache", "cache", "d"),
+    ("adapter", "chosen", ""),
+    ("event", "event", ""),
+    ("round", "round", "d"),
+    ("switch_ms", "switch ms", ".1f"),
+    ("first_ms", "first forward ms", ".1f"),
+    ("ms", "ms/forward", ".1f"),
+    ("resident_gib", "resident GiB", ".2f"),
+]
 
 
 def main() -> None:
@@ -230,8 +281,13 @@ def main() -> None:
     parser.add_argument("--ranks", nargs="+", type=int, default=[32, 64])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--wan-forwards", action="store_true", help="time Wan's forwards too (load and fuse only)")
-    parser.add_argument("--lora-cache", type=int, default=1, help="fused choices kept in the FP8 switch rows (N of "
-                        "them hold the weights the adapters change N+1 times: FLUX.2-dev FP8 fits one)")  # fmt: skip
+    parser.add_argument(
+        "--lora-cache",
+        type=int,
+        default=1,
+        help="fused choices kept in the FP8 switch rows (N of "
+        "them hold the weights the adapters change N+1 times: FLUX.2-dev FP8 fits one)",
+    )
     parser.add_argument("--switch-only", action="store_true", help="the server's switches alone")
     parser.add_argument("--out-dir")
     args = parser.parse_args()

@@ -28,7 +28,7 @@ from benchmarks.common import environment, print_table, write_json  # noqa: E402
 from paradit import Engine, GenerationRequest  # noqa: E402
 from paradit.errors import ParaditError  # noqa: E402
 from paradit.memory import estimate  # noqa: E402
-from paradit.optimize import ExecutionOptions  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 
 IMAGES = ["flux2-dev", "flux2-klein-4b", "flux2-klein-9b", "qwen-image", "sd3.5-large", "sd3.5-medium", "z-image"]
@@ -78,13 +78,21 @@ class Delegating:
         return getattr(self._inner, name)
 
 
-def run_case(name: str, quantize: str, swap: bool, placement: str, sizes: list, cap: str | None,
-             compiled: bool) -> list[dict]:  # fmt: skip
+def run_case(
+    name: str, quantize: str, swap: bool, placement: str, sizes: list, cap: str | None, compiled: bool
+) -> list[dict]:
     options = ExecutionOptions(quantize=quantize, compile=compiled, swap_experts=swap)
     rows = []
     try:
-        engine = Engine(name, "cuda", "bf16", "dummy", options=options, max_gpu_memory=cap,
-                        text_encoder_placement=placement if cap is None else "auto")  # fmt: skip
+        engine = Engine(
+            name,
+            "cuda",
+            "bf16",
+            "dummy",
+            options=options,
+            max_gpu_memory=cap,
+            text_encoder_placement=placement if cap is None else "auto",
+        )
     except ParaditError as refused:
         return [{"model": name, "quantize": quantize, "refused": str(refused)}]
     pipeline, device = engine.pipeline, engine.device
@@ -97,20 +105,37 @@ def run_case(name: str, quantize: str, swap: bool, placement: str, sizes: list, 
     for width, height, frames in sizes:
         request = GenerationRequest(prompt="a fox in the snow", width=width, height=height, frames=frames, steps=2)
         sized = dataclasses.replace(engine.spec, width=width, height=height, frames=frames or engine.spec.frames)
-        plan = estimate(sized, ParallelConfig(), engine.dtype, quantize == "fp8", engine.text_encoder_placement,
-                        engine.options.swap_experts, compiled)  # fmt: skip
+        plan = estimate(
+            sized,
+            ParallelConfig(),
+            engine.dtype,
+            quantize == "fp8",
+            engine.text_encoder_placement,
+            engine.options.swap_experts,
+            compiled,
+        )
         peaks.peaks, peaks.run_peak = {}, 0
         torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         result = engine.generate(request)
         peaks.run_peak = max(peaks.run_peak, torch.cuda.max_memory_allocated(device))
-        rows.append({
-            "model": name, "quantize": quantize, "swap_experts": engine.options.swap_experts,
-            "placement": engine.text_encoder_placement, "size": f"{width}x{height}" + (f"x{frames}" if frames else ""),
-            "estimate_gib": plan.total / 2**30, "estimate": dataclasses.asdict(plan),
-            "measured_peak_gib": peaks.run_peak / 2**30, "phase_peaks": peaks.peaks, "step_ms": result.timings.step_ms,
-            "seconds": time.perf_counter() - start, "cap": cap, "compiled": compiled,
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": name,
+                "quantize": quantize,
+                "swap_experts": engine.options.swap_experts,
+                "placement": engine.text_encoder_placement,
+                "size": f"{width}x{height}" + (f"x{frames}" if frames else ""),
+                "estimate_gib": plan.total / 2**30,
+                "estimate": dataclasses.asdict(plan),
+                "measured_peak_gib": peaks.run_peak / 2**30,
+                "phase_peaks": peaks.peaks,
+                "step_ms": result.timings.step_ms,
+                "seconds": time.perf_counter() - start,
+                "cap": cap,
+                "compiled": compiled,
+            }
+        )
         rows[-1]["over"] = rows[-1]["estimate_gib"] / rows[-1]["measured_peak_gib"] - 1
         print(rows[-1], flush=True)
     engine.close()
@@ -133,10 +158,16 @@ def main() -> None:
         if not args.cases or name in args.cases:
             rows += run_case(name, args.quantize or quantize, swap, placement, sizes, args.cap, args.compile)
             write_json(args.out_dir, "memory_estimates.json", {"environment": environment(), "rows": rows})
-    columns = [("model", "model", ""), ("quantize", "quantize", ""), ("size", "size", ""),
-               ("compiled", "compiled", ""), ("estimate_gib", "estimate GiB", ".1f"),
-               ("measured_peak_gib", "peak GiB", ".1f"), ("over", "over", ".1%"),
-               ("refused", "refused", "")]  # fmt: skip
+    columns = [
+        ("model", "model", ""),
+        ("quantize", "quantize", ""),
+        ("size", "size", ""),
+        ("compiled", "compiled", ""),
+        ("estimate_gib", "estimate GiB", ".1f"),
+        ("measured_peak_gib", "peak GiB", ".1f"),
+        ("over", "over", ".1%"),
+        ("refused", "refused", ""),
+    ]
     print_table(rows, columns)
 
 

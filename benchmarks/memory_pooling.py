@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, print_table, write_json  # noqa: E402
 from paradit import Engine, GenerationRequest  # noqa: E402
 from paradit.errors import ParaditError  # noqa: E402
-from paradit.optimize import ExecutionOptions  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 
 DEFAULT_PLANS = ["pipefusion=2,patches=2", "tensor=2", "ulysses=2"]
@@ -101,8 +101,11 @@ def measure_one(model: str, parallel: ParallelConfig | None, quantize: str, cap:
         total_s=t.total_s,
     )
     peaks = " ".join(f"{p:.1f}" for p in row["peak_gib"])
-    print(f"{model} {plan_name} {quantize} cap {cap} {regime}: {t.median_step_ms:.1f} ms/step, peak GiB {peaks}, "
-          f"text encoders {t.text_encoders}", flush=True)  # fmt: skip
+    print(
+        f"{model} {plan_name} {quantize} cap {cap} {regime}: {t.median_step_ms:.1f} ms/step, peak GiB {peaks}, "
+        f"text encoders {t.text_encoders}",
+        flush=True,
+    )
     return row
 
 
@@ -141,13 +144,20 @@ def main() -> None:
     print_table(
         rows,
         [
-            ("model", "model", "s"), ("plan", "plan", "s"), ("quantize", "weights", "s"), ("cap", "cap", "s"),
-            ("regime", "link", "s"), ("ms_per_step", "ms/step", ".1f"),
-            ("speedup_vs_1gpu_uncapped", "vs 1 GPU", ".2f"), ("mib_sent", "MiB/step", ".0f"),
-            ("peaks", "peak GiB per rank", "s"), ("text_encoders", "text enc.", "s"),
-            ("text_encode_s", "encode s", ".1f"), ("refused_head", "refused", "s"),
+            ("model", "model", "s"),
+            ("plan", "plan", "s"),
+            ("quantize", "weights", "s"),
+            ("cap", "cap", "s"),
+            ("regime", "link", "s"),
+            ("ms_per_step", "ms/step", ".1f"),
+            ("speedup_vs_1gpu_uncapped", "vs 1 GPU", ".2f"),
+            ("mib_sent", "MiB/step", ".0f"),
+            ("peaks", "peak GiB per rank", "s"),
+            ("text_encoders", "text enc.", "s"),
+            ("text_encode_s", "encode s", ".1f"),
+            ("refused_head", "refused", "s"),
         ],
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

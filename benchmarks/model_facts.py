@@ -1,4 +1,5 @@
-"""Count every preset's transformer on the meta device and write the planner's model facts (planner/models.json).
+"""Count every preset's transformer on the meta device and write the planner's model facts (``model_facts.json`` in
+each family's folder).
 
 For each preset: three forwards of one sample (the preset's size and text length, a smaller image or fewer frames, a
 longer text), each counted by ``benchmarks/model_trace.py``, fitted into per-token counts by
@@ -26,7 +27,8 @@ from benchmarks.parallel_step import BENCHES  # noqa: E402
 from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.families.wan.pipeline import vae_factors  # noqa: E402
-from paradit.planner.facts import FACTS_FILE, AttentionGroup, LinearGroup, ModelFacts, TokenLinear, Workload  # noqa: E402
+from paradit.family import FACTS_FILE  # noqa: E402
+from paradit.planner.facts import AttentionGroup, LinearGroup, ModelFacts, TokenLinear, Workload  # noqa: E402
 from paradit.spec import ModelSpec  # noqa: E402
 
 META = torch.device("meta")
@@ -80,9 +82,16 @@ def workloads(spec: ModelSpec, text_tokens: int):
 
 
 def fit_facts(
-    traces: dict[Workload, StepTrace], *, preset: str, blocks: int, width: int, token_side: int,
-    frame_stride: int | None, text_tokens: int, experts: int,
-) -> ModelFacts:  # fmt: skip
+    traces: dict[Workload, StepTrace],
+    *,
+    preset: str,
+    blocks: int,
+    width: int,
+    token_side: int,
+    frame_stride: int | None,
+    text_tokens: int,
+    experts: int,
+) -> ModelFacts:
     """Facts from three traces of one sample each: a reference workload, one with other image tokens, one with
     other text tokens."""
     (base, base_trace), (image, image_trace), (text, text_trace) = _three(traces)
@@ -110,12 +119,20 @@ def fit_facts(
         for (query, key), layers in by_tokens.items():
             attention.append(AttentionGroup(exchanged, heads, head_dim, layers, query, key))
     return ModelFacts(
-        preset=preset, blocks=blocks, width=width, token_side=token_side, frame_stride=frame_stride,
-        text_tokens=text_tokens, experts=experts, linear=linear, other_flops=line(lambda t: t.other_flops),
+        preset=preset,
+        blocks=blocks,
+        width=width,
+        token_side=token_side,
+        frame_stride=frame_stride,
+        text_tokens=text_tokens,
+        experts=experts,
+        linear=linear,
+        other_flops=line(lambda t: t.other_flops),
         prediction_elements=line(lambda t: t.prediction_elements),
-        all_reduce_elements=line(lambda t: t.all_reduce_elements), all_reduce_calls=base_trace.all_reduce_calls,
+        all_reduce_elements=line(lambda t: t.all_reduce_elements),
+        all_reduce_calls=base_trace.all_reduce_calls,
         attention=tuple(attention),
-    )  # fmt: skip
+    )
 
 
 def _three(traces: dict[Workload, StepTrace]):
@@ -158,19 +175,22 @@ def preset_facts(spec: ModelSpec) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
-    parser.add_argument("--out", default=str(FACTS_FILE))
     args = parser.parse_args()
-    models = {}
+    counted = defaultdict(dict)  # family -> preset -> facts
     for name in args.presets:
-        models[name] = preset_facts(PRESETS[name])
-        total = sum(g["flops"]["per_image"] for g in models[name]["linear"])
-        print(f"{name}: {models[name]['blocks']} blocks, {total / 1e9:.2f} GFLOP of linears per image token")
+        facts = counted[PRESETS[name].family][name] = preset_facts(PRESETS[name])
+        total = sum(g["flops"]["per_image"] for g in facts["linear"])
+        print(f"{name}: {facts['blocks']} blocks, {total / 1e9:.2f} GFLOP of linears per image token")
     about = (
         "Per-sample FLOP counts and attention shapes of each preset's transformer, as linear functions of its "
         "image and text tokens, counted on the meta device. Written by benchmarks/model_facts.py; do not edit."
     )
-    Path(args.out).write_text(json.dumps({"about": about, "models": models}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    for family, models in counted.items():  # the presets counted replace theirs; the family's others stay
+        path = FAMILIES[family].measured.folder / FACTS_FILE
+        stored = json.loads(path.read_text())["models"] if path.is_file() else {}
+        merged = {name: models.get(name, stored.get(name)) for name in PRESETS if name in models or name in stored}
+        path.write_text(json.dumps({"about": about, "models": merged}, indent=1) + "\n")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

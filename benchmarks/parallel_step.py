@@ -139,8 +139,17 @@ def bench_model(name: str, args, device: torch.device, world: int) -> list[dict]
         # A graph replay skips the host code that counts bytes: graphed rows leave it to their compiled twin.
         counted = context is not None and mode in ("eager", "compiled")
         sent = sum(context.stats.bytes_sent.values()) / 2**20 if counted else None
-        rows.append({"model": name, "plan": plan, "mode": mode, "ms_per_step": ms, "mib_sent": sent,
-                     "compute_share": compute, "rel_l2_vs_1gpu": error})  # fmt: skip
+        rows.append(
+            {
+                "model": name,
+                "plan": plan,
+                "mode": mode,
+                "ms_per_step": ms,
+                "mib_sent": sent,
+                "compute_share": compute,
+                "rel_l2_vs_1gpu": error,
+            }
+        )
         if dist.get_rank() == 0:
             print(f"{name} {plan} {mode}: {ms:.1f} ms/step, rel L2 {error:.1e}", flush=True)
         return out
@@ -187,8 +196,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["flux2-dev", "qwen-image", "z-image-turbo", "sd3.5-large"])
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--modes", nargs="+", default=list(MODES[1:]), choices=MODES)
-    parser.add_argument("--comm-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8"],
-                        help="sequence plans' transport: each listed one is measured")  # fmt: skip
+    parser.add_argument(
+        "--comm-dtypes",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "fp8"],
+        help="sequence plans' transport: each listed one is measured",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -218,12 +232,16 @@ def main() -> None:
         print_table(
             rows,
             [
-                ("model", "model", "s"), ("plan", "plan", "s"), ("mode", "mode", "s"),
-                ("ms_per_step", "ms/step", ".1f"), ("speedup_vs_1gpu", "vs 1 GPU", ".2f"),
+                ("model", "model", "s"),
+                ("plan", "plan", "s"),
+                ("mode", "mode", "s"),
+                ("ms_per_step", "ms/step", ".1f"),
+                ("speedup_vs_1gpu", "vs 1 GPU", ".2f"),
                 ("compute_share", "GPU computing", ".1%"),
-                ("mib_sent", "MiB sent/step", ".0f"), ("rel_l2_vs_1gpu", "rel L2 vs 1 GPU", ".1e"),
+                ("mib_sent", "MiB sent/step", ".0f"),
+                ("rel_l2_vs_1gpu", "rel L2 vs 1 GPU", ".1e"),
             ],
-        )  # fmt: skip
+        )
         write_json(args.out_dir, f"parallel_step_{args.tag}.json", {"env": env, "args": vars(args), "rows": rows})
     dist.barrier()
     dist.destroy_process_group()

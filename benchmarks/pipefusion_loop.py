@@ -136,29 +136,42 @@ def main() -> None:
             context.stats.reset()
             latents, ms = measure(pipelined, by_patches)
             results[by_patches] = latents
-            rows.append({
-                "plan": plan.describe(), "loop": "patch by patch" if by_patches else "plain", "ms_per_step": ms,
-                "speedup": serial_ms / ms, "mib_sent": sum(context.stats.bytes_sent.values()) / 2**20 / args.steps / 2,
-                "rel_l2_vs_1": ((latents - serial).norm() / serial.norm()).item(),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "plan": plan.describe(),
+                    "loop": "patch by patch" if by_patches else "plain",
+                    "ms_per_step": ms,
+                    "speedup": serial_ms / ms,
+                    "mib_sent": sum(context.stats.bytes_sent.values()) / 2**20 / args.steps / 2,
+                    "rel_l2_vs_1": ((latents - serial).norm() / serial.norm()).item(),
+                }
+            )
             if rank == 0:  # as measured: a run cut short by a time limit still reports what it got
-                print(f"{rows[-1]['plan']}, {rows[-1]['loop']} loop: {ms:.1f} ms/step (1 process {serial_ms:.1f})",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{rows[-1]['plan']}, {rows[-1]['loop']} loop: {ms:.1f} ms/step (1 process {serial_ms:.1f})",
+                    flush=True,
+                )
         rows[-1]["rel_l2_between_loops"] = ((results[True] - results[False]).norm() / results[False].norm()).item()
         del pipelined
         release_memory(device)
     if rank == 0:
         env = environment() if device.type == "cuda" else {"gpu": "cpu", "torch": torch.__version__}
-        print(f"{env['gpu']} x{world}; {args.model}, {args.size}x{args.size}, {args.steps} steps (1 warm-up); "
-              f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', 'unset')}")  # fmt: skip
+        print(
+            f"{env['gpu']} x{world}; {args.model}, {args.size}x{args.size}, {args.steps} steps (1 warm-up); "
+            f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', 'unset')}"
+        )
         print_table(
             rows,
             [
-                ("plan", "plan", "s"), ("loop", "loop", "s"), ("ms_per_step", "ms/step", ".1f"),
-                ("speedup", "vs 1 process", ".2f"), ("mib_sent", "MiB sent/step", ".1f"),
-                ("rel_l2_vs_1", "rel L2 vs 1 process", ".1e"), ("rel_l2_between_loops", "rel L2 between loops", ".1e"),
+                ("plan", "plan", "s"),
+                ("loop", "loop", "s"),
+                ("ms_per_step", "ms/step", ".1f"),
+                ("speedup", "vs 1 process", ".2f"),
+                ("mib_sent", "MiB sent/step", ".1f"),
+                ("rel_l2_vs_1", "rel L2 vs 1 process", ".1e"),
+                ("rel_l2_between_loops", "rel L2 between loops", ".1e"),
             ],
-        )  # fmt: skip
+        )
         write_json(args.out_dir, f"{args.tag}.json", {"env": env, "args": vars(args), "rows": rows})
     dist.barrier()
     dist.destroy_process_group()

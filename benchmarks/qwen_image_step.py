@@ -68,13 +68,15 @@ def model_pair(name: str, args, device: torch.device) -> ModelPair:
 
     at_reference_size = (args.height, args.width, args.text_len) == (1024, 1024, REFERENCE_TEXT_LEN)
     return ModelPair(
-        name, ours, reference,
+        name,
+        ours,
+        reference,
         run_reference=lambda: reference(**inputs, img_shapes=[[(1, rows, cols)]], return_dict=False)[0],
         step_ours=step_ours,
         latents=inputs["hidden_states"],
         tokens=rows * cols + args.text_len,
         tflop=TFLOP_PER_STEP_1024.get(name) if at_reference_size else None,
-    )  # fmt: skip
+    )
 
 
 def main() -> None:

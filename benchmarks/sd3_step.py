@@ -69,13 +69,15 @@ def model_pair(name: str, args, device: torch.device) -> ModelPair:
 
     workload = (args.height, args.width, args.text_len)
     return ModelPair(
-        name, ours, reference,
+        name,
+        ours,
+        reference,
         run_reference=lambda: reference(**inputs, return_dict=False)[0],
         step_ours=step_ours,
         latents=inputs["hidden_states"],
         tokens=args.height * args.width // (VAE_STRIDE * config.patch_size) ** 2 + args.text_len,
         tflop=TFLOP_PER_STEP_1024.get(name) if workload == (1024, 1024, 333) else None,
-    )  # fmt: skip
+    )
 
 
 def main() -> None:

@@ -70,11 +70,29 @@ class Server:
 
     def __init__(self, args: argparse.Namespace, config: Config) -> None:
         command = [
-            sys.executable, "-m", "paradit", "serve", "--model", args.model, "--gpus", str(args.gpus),
-            "--group-size", str(config.group_size), "--max-batch", str(config.max_batch), "--port", "0",
-            "--max-queue", str(10 * args.requests), "--timeout", "3600", "--load-format", args.load_format,
-            *(["--device", args.device] if args.device else []), *args.server_args.split(),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "paradit",
+            "serve",
+            "--model",
+            args.model,
+            "--gpus",
+            str(args.gpus),
+            "--group-size",
+            str(config.group_size),
+            "--max-batch",
+            str(config.max_batch),
+            "--port",
+            "0",
+            "--max-queue",
+            str(10 * args.requests),
+            "--timeout",
+            "3600",
+            "--load-format",
+            args.load_format,
+            *(["--device", args.device] if args.device else []),
+            *args.server_args.split(),
+        ]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
         deadline, self.url = time.monotonic() + START_S, None
@@ -105,16 +123,24 @@ class Server:
 
 
 def body(args: argparse.Namespace, index: int) -> dict:
-    return {"prompt": PROMPTS[index % len(PROMPTS)], "size": f"{args.size}x{args.size}", "seed": index,
-            **({"steps": args.steps} if args.steps else {})}  # fmt: skip
+    return {
+        "prompt": PROMPTS[index % len(PROMPTS)],
+        "size": f"{args.size}x{args.size}",
+        "seed": index,
+        **({"steps": args.steps} if args.steps else {}),
+    }
 
 
 async def timed_request(client: httpx.AsyncClient, payload: dict, delay: float, start: float) -> dict:
     await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
     sent = time.perf_counter()
     answer = await client.post("/v1/images/generations", json=payload)
-    return {"status": answer.status_code, "sent": sent - start, "latency": time.perf_counter() - sent,
-            "images": len(answer.json().get("data", [])) if answer.status_code == 200 else 0}  # fmt: skip
+    return {
+        "status": answer.status_code,
+        "sent": sent - start,
+        "latency": time.perf_counter() - sent,
+        "images": len(answer.json().get("data", [])) if answer.status_code == 200 else 0,
+    }
 
 
 async def run_schedule(url: str, payloads: list[dict], delays: list[float]) -> list[dict]:
@@ -142,20 +168,28 @@ def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, fl
     before any server starts so that the two never share a GPU; and of encoding its image as the server does."""
     from paradit import Engine, GenerationRequest
     from paradit.cli import build_parser
-    from paradit.optimize import ExecutionOptions
+    from paradit.options import ExecutionOptions
     from paradit.serving.media import encode_image
     from paradit.settings import default_plan_for, resolve_model
 
     spec = resolve_model(args.model, args.load_format)
     served = build_parser().parse_args(["serve", *args.server_args.split()])  # the server's execution options
     options = ExecutionOptions(quantize=served.quantize, compile=served.compile, cuda_graphs=served.cuda_graphs)
-    with Engine(spec, device=args.device, dtype=served.dtype, parallel=default_plan_for(spec, group_size),
-                options=options, max_gpu_memory=served.max_gpu_memory, isolate=True) as engine:  # fmt: skip
+    with Engine(
+        spec,
+        device=args.device,
+        dtype=served.dtype,
+        parallel=default_plan_for(spec, group_size),
+        options=options,
+        max_gpu_memory=served.max_gpu_memory,
+        isolate=True,
+    ) as engine:
         latencies, encodings = [], []
         for index in range(UNLOADED_REQUESTS + 1):
             payload = body(args, 10_000 + index)
-            request = GenerationRequest(prompt=payload["prompt"], height=args.size, width=args.size,
-                                        steps=args.steps, seed=index)  # fmt: skip
+            request = GenerationRequest(
+                prompt=payload["prompt"], height=args.size, width=args.size, steps=args.steps, seed=index
+            )
             sent = time.perf_counter()
             result = engine.generate(request)
             latencies.append(time.perf_counter() - sent)
@@ -177,13 +211,20 @@ def summarise(config: Config, rate: float, results: list[dict], batches: tuple[f
     latencies = [r["latency"] for r in ok]
     forwards, images = batches
     return {
-        "config": config.name, "group_size": config.group_size, "max_batch": config.max_batch, "rate": rate,
-        "sent": len(results), "ok": len(ok), "refused": sum(r["status"] == 429 for r in results),
+        "config": config.name,
+        "group_size": config.group_size,
+        "max_batch": config.max_batch,
+        "rate": rate,
+        "sent": len(results),
+        "ok": len(ok),
+        "refused": sum(r["status"] == 429 for r in results),
         "failed": sum(r["status"] not in (200, 429) for r in results),
         "images_per_min": 60 * sum(r["images"] for r in ok) / span if span > 0 else None,
-        "p50_s": percentile(latencies, 0.50), "p95_s": percentile(latencies, 0.95),
-        "p99_s": percentile(latencies, 0.99), "mean_batch": images / forwards if forwards else None,
-    }  # fmt: skip
+        "p50_s": percentile(latencies, 0.50),
+        "p95_s": percentile(latencies, 0.95),
+        "p99_s": percentile(latencies, 0.99),
+        "mean_batch": images / forwards if forwards else None,
+    }
 
 
 def environment(args: argparse.Namespace) -> dict:
@@ -196,17 +237,31 @@ def environment(args: argparse.Namespace) -> dict:
 def print_rows(unloaded: list[dict], rows: list[dict]) -> None:
     print_table(
         unloaded,
-        [("config", "config", "s"), ("engine_s", "generate s", ".3f"), ("png_s", "PNG encode s", ".3f"),
-         ("http_s", "HTTP s", ".3f"), ("overhead", "HTTP overhead", ".1%")],
-    )  # fmt: skip
+        [
+            ("config", "config", "s"),
+            ("engine_s", "generate s", ".3f"),
+            ("png_s", "PNG encode s", ".3f"),
+            ("http_s", "HTTP s", ".3f"),
+            ("overhead", "HTTP overhead", ".1%"),
+        ],
+    )
     print()
     print_table(
         rows,
-        [("config", "config", "s"), ("rate", "req/s", ".3f"), ("sent", "sent", "d"), ("ok", "ok", "d"),
-         ("refused", "429", "d"), ("failed", "failed", "d"), ("images_per_min", "images/min", ".1f"),
-         ("p50_s", "p50 s", ".3f"), ("p95_s", "p95 s", ".3f"), ("p99_s", "p99 s", ".3f"),
-         ("mean_batch", "mean batch", ".2f")],
-    )  # fmt: skip
+        [
+            ("config", "config", "s"),
+            ("rate", "req/s", ".3f"),
+            ("sent", "sent", "d"),
+            ("ok", "ok", "d"),
+            ("refused", "429", "d"),
+            ("failed", "failed", "d"),
+            ("images_per_min", "images/min", ".1f"),
+            ("p50_s", "p50 s", ".3f"),
+            ("p95_s", "p95 s", ".3f"),
+            ("p99_s", "p99 s", ".3f"),
+            ("mean_batch", "mean batch", ".2f"),
+        ],
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -251,8 +306,15 @@ def main() -> int:
         try:
             http_s = unloaded_latency(server.url, args)
             engine, png = engine_s.get(config.group_size, (None, None))
-            unloaded.append({"config": config.name, "engine_s": engine, "png_s": png, "http_s": http_s,
-                             "overhead": http_s / engine - 1 if engine else None})  # fmt: skip
+            unloaded.append(
+                {
+                    "config": config.name,
+                    "engine_s": engine,
+                    "png_s": png,
+                    "http_s": http_s,
+                    "overhead": http_s / engine - 1 if engine else None,
+                }
+            )
             if rates is None:  # auto's first request runs on the group of every GPU
                 capacity = (1 if config.group_size == "auto" else args.gpus // config.group_size) / http_s
                 rates = [round(fraction * capacity, 4) for fraction in LOAD_FRACTIONS]

@@ -1,5 +1,5 @@
 """What the sharded-weights path costs on one GPU (``--shard-weights 1``): each block gathered by FSDP2 over a group
-of one before it runs, against the same transformer unsharded. Both load through ``loader.load_transformer`` with
+of one before it runs, against the same transformer unsharded. Both load through ``runtime.load_transformer`` with
 random weights; one transformer forward at the preset's size (a batch of 2 for models with CFG), in eager and
 compiled execution, bf16 and FP8. Prints ms per forward (median of ``--iters`` after 3 warm-up calls), the cost of
 the gather path, the memory resident before a forward and the peak during one; the JSON holds the rows and the
@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
 from benchmarks.parallel_step import BENCHES, with_batch  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
-from paradit.loader import load_transformer  # noqa: E402
-from paradit.optimize import ExecutionOptions, apply_execution_options  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
+from paradit.runtime import load_transformer  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402
 
 
@@ -46,11 +46,13 @@ def measure(name: str, mode: str, quantize: str, sharded: bool, context: Paralle
     device = context.device
     spec = dataclasses.replace(PRESETS[name], weights=RandomWeights())
     family = FAMILIES[spec.family]
-    loaded = load_transformer(family, spec, device, torch.bfloat16, context if sharded else None, quantize)
-    forward = apply_execution_options(loaded, ExecutionOptions(quantize=quantize, compile=mode == "compiled"), device)
+    options = ExecutionOptions(quantize=quantize, compile=mode == "compiled")
+    loaded = load_transformer(family, spec, device, torch.bfloat16, context if sharded else None, options)
+    forward = loaded.forward
     bench_module, text_len = BENCHES[spec.family]
-    inputs = importlib.import_module(bench_module).step_inputs(loaded.model.config, spec.height, spec.width,
-                                                               text_len, device)  # fmt: skip
+    inputs = importlib.import_module(bench_module).step_inputs(
+        loaded.model.config, spec.height, spec.width, text_len, device
+    )
     inputs = with_batch(inputs, 2 if spec.guidance_mode == "cfg" else 1)
 
     def run():
@@ -60,9 +62,15 @@ def measure(name: str, mode: str, quantize: str, sharded: bool, context: Paralle
     resident = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     ms = time_cuda_ms(run, warmup=3, iters=iters)
-    row = dict(model=name, mode=mode, precision=quantize.replace("none", "bf16"), weights="shard 1" if sharded else
-               "whole", ms=ms, resident_gib=resident / 2**30,
-               peak_gib=torch.cuda.max_memory_allocated(device) / 2**30)  # fmt: skip
+    row = dict(
+        model=name,
+        mode=mode,
+        precision=quantize.replace("none", "bf16"),
+        weights="shard 1" if sharded else "whole",
+        ms=ms,
+        resident_gib=resident / 2**30,
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+    )
     return row
 
 
@@ -94,10 +102,15 @@ def main() -> None:
 
 
 COLUMNS = [
-    ("model", "model", ""), ("mode", "mode", ""), ("precision", "precision", ""), ("weights", "weights", ""),
-    ("ms", "ms/forward", ".1f"), ("cost", "gather cost", "+.1%"), ("resident_gib", "resident GiB", ".2f"),
+    ("model", "model", ""),
+    ("mode", "mode", ""),
+    ("precision", "precision", ""),
+    ("weights", "weights", ""),
+    ("ms", "ms/forward", ".1f"),
+    ("cost", "gather cost", "+.1%"),
+    ("resident_gib", "resident GiB", ".2f"),
     ("peak_gib", "peak GiB", ".2f"),
-]  # fmt: skip
+]
 
 if __name__ == "__main__":
     main()

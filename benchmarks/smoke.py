@@ -63,9 +63,19 @@ class Case:
 def generate(name: str, *extra: str, model: str = KLEIN, dummy: bool = True) -> tuple[str, ...]:
     load = ("--load-format", "dummy") if dummy else ()
     return (
-        "generate", "--model", model, *load, "--prompt", PROMPT, "--steps", "2", "--no-progress",
-        "--out", f"{WORK}/{name}.png", *extra,
-    )  # fmt: skip
+        "generate",
+        "--model",
+        model,
+        *load,
+        "--prompt",
+        PROMPT,
+        "--steps",
+        "2",
+        "--no-progress",
+        "--out",
+        f"{WORK}/{name}.png",
+        *extra,
+    )
 
 
 def case(name: str, *extra: str, model: str = KLEIN, **fields) -> Case:

@@ -56,8 +56,12 @@ def attention_kernels(name: str, tokens: int, args) -> dict[str, float]:
     head_dim = spec.transformer.get("attention_head_dim") or spec.transformer["dim"] // heads
     q, k, v = (torch.randn(1, heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    kernels = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-               "efficient": SDPBackend.EFFICIENT_ATTENTION}  # fmt: skip
+    kernels = {
+        "default": None,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
     timings = {}
     for label, backend in kernels.items():
         try:
@@ -122,10 +126,15 @@ def bench_model(name: str, args, matmul_tflops: float) -> list[dict]:
             out = run().float()
         baseline = out if baseline is None else baseline
         row = {
-            "model": name, "impl": impl, "ms_per_step": ms, "first_call_s": first_s, "gpu_share": busy / ms,
-            "weights_gib": weight_gib(weights), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "model": name,
+            "impl": impl,
+            "ms_per_step": ms,
+            "first_call_s": first_s,
+            "gpu_share": busy / ms,
+            "weights_gib": weight_gib(weights),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "rel_l2_vs_bf16_eager": rel_l2(out, baseline),
-        }  # fmt: skip
+        }
         if pair.tflop:
             row["mfu_measured"] = pair.tflop / (ms * 1e-3) / matmul_tflops
         rows.append(row)
@@ -178,13 +187,18 @@ def main() -> None:
     print_table(
         rows,
         [
-            ("model", "model", "s"), ("impl", "impl", "s"), ("ms_per_step", "ms/step", ".1f"),
-            ("mfu_measured", "MFU", ".1%"), ("gpu_share", "GPU busy", ".1%"), ("first_call_s", "1st call s", ".0f"),
-            ("weights_gib", "weights GiB", ".1f"), ("peak_gib", "peak GiB", ".1f"),
+            ("model", "model", "s"),
+            ("impl", "impl", "s"),
+            ("ms_per_step", "ms/step", ".1f"),
+            ("mfu_measured", "MFU", ".1%"),
+            ("gpu_share", "GPU busy", ".1%"),
+            ("first_call_s", "1st call s", ".0f"),
+            ("weights_gib", "weights GiB", ".1f"),
+            ("peak_gib", "peak GiB", ".1f"),
             ("rel_l2_vs_bf16_eager", "rel L2 vs bf16", ".1e"),
             ("final_latents_rel_l2_vs_bf16", "final rel L2", ".1e"),
         ],
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

@@ -30,14 +30,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, print_table, write_json  # noqa: E402
 from paradit.engine import Engine  # noqa: E402
 from paradit.families import PRESETS  # noqa: E402
-from paradit.optimize import ExecutionOptions  # noqa: E402
+from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.request import GenerationRequest, StepCacheConfig  # noqa: E402
 
 COLUMNS = [
-    ("model", "model", "s"), ("cache", "cache", "s"), ("steps", "steps", "d"), ("skipped", "skipped", "d"),
-    ("denoise_s", "denoise s", ".2f"), ("speedup", "speedup", ".2f"), ("step_ms", "median step ms", ".1f"),
-    ("decision_ms", "decision ms/step", ".2f"), ("peak_gib", "peak GiB", ".1f"),
-]  # fmt: skip
+    ("model", "model", "s"),
+    ("cache", "cache", "s"),
+    ("steps", "steps", "d"),
+    ("skipped", "skipped", "d"),
+    ("denoise_s", "denoise s", ".2f"),
+    ("speedup", "speedup", ".2f"),
+    ("step_ms", "median step ms", ".1f"),
+    ("decision_ms", "decision ms/step", ".2f"),
+    ("peak_gib", "peak GiB", ".1f"),
+]
 SIZES = {"wan": {"height": 480, "width": 832, "frames": 81}}
 
 
@@ -46,7 +52,7 @@ def caches(steps: int) -> dict[str, StepCacheConfig | None]:
         "none": None,
         "mag every other": StepCacheConfig(
             "mag", threshold=1.0, max_skip_steps=1, retention_ratio=4 / steps, mag_ratios=(1.0,)
-        ),  # fmt: skip
+        ),
         "taylorseer every other": StepCacheConfig("taylorseer", cache_interval=2, disable_cache_before_step=4),
         "first-block never": StepCacheConfig("first-block", threshold=0.0),
         "first-block always": StepCacheConfig("first-block", threshold=1e9),
@@ -68,9 +74,19 @@ def bench_model(name: str, args) -> list[dict]:
                 continue
             torch.cuda.reset_peak_memory_stats()
             timings = engine.generate(GenerationRequest(**base, steps=steps, cache=cache)).timings
-            rows.append(dict(model=name, cache=label, steps=steps, skipped=timings.cache_skipped_steps,
-                             denoise_s=sum(timings.step_ms) / 1000, step_ms=timings.median_step_ms,
-                             peak_gib=timings.peak_memory_bytes / 2**30, step_ms_all=timings.step_ms))  # fmt: skip
+            record = timings.features.get("step_cache")  # none without a cache
+            rows.append(
+                dict(
+                    model=name,
+                    cache=label,
+                    steps=steps,
+                    skipped=record.skipped_steps if record else 0,
+                    denoise_s=sum(timings.step_ms) / 1000,
+                    step_ms=timings.median_step_ms,
+                    peak_gib=timings.peak_memory_bytes / 2**30,
+                    step_ms_all=timings.step_ms,
+                )
+            )
             plain = rows[0]
             rows[-1]["speedup"] = plain["denoise_s"] / rows[-1]["denoise_s"]
             rows[-1]["decision_ms"] = rows[-1]["step_ms"] - plain["step_ms"] if label == "first-block never" else None

@@ -28,9 +28,14 @@ def measured(preset: str, option: Option, batch: int, profile: HardwareProfile) 
     found = [
         m
         for m in all_measurements()
-        if m.model == preset and m.parallel == option.parallel and m.precision == precision
-        and m.execution == execution and m.batch == batch and m.superseded is None and m.on(profile)
-    ]  # fmt: skip
+        if m.model == preset
+        and m.parallel == option.parallel
+        and m.precision == precision
+        and m.execution == execution
+        and m.batch == batch
+        and m.superseded is None
+        and m.on(profile)
+    ]
     return found[-1] if found else None
 
 
@@ -45,13 +50,25 @@ def entry(spec: ModelSpec, gpus: int, profile: HardwareProfile, memory: MemoryEs
     found = measured(spec.name, best, wanted.batch, profile)
     if found is not None:
         source = {
-            "kind": "measured", "ms_per_step": found.ms, "section": found.run.section, "date": found.run.date,
-            "where": found.run.where, "command": found.run.command(found.link),
-        }  # fmt: skip
+            "kind": "measured",
+            "ms_per_step": found.ms,
+            "section": found.run.section,
+            "date": found.run.date,
+            "where": found.run.where,
+            "command": found.run.command(found.link),
+        }
     return TunedEntry(
-        spec.name, gpus, wanted, best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs,
-        best.swap_experts, round(best.mean_ms, 1), source,
-    )  # fmt: skip
+        spec.name,
+        gpus,
+        wanted,
+        best.parallel,
+        "fp8" if best.fp8 else "none",
+        best.placement,
+        best.cuda_graphs,
+        best.swap_experts,
+        round(best.mean_ms, 1),
+        source,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

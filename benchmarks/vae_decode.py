@@ -42,18 +42,36 @@ from paradit.parallel.vae import parallel_decode  # noqa: E402
 # Wan 2.2 TI2V-5B's VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json; latents_mean/std left at the defaults,
 # decode does not read them).
 WAN22 = {
-    "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
-    "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12, "out_channels": 12,
-    "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
-}  # fmt: skip
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "z_dim": 48,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True],
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+}
 # The tiny layouts of tests/test_parallel_vae.py, for smoke runs.
 TINY = {
     "flux2": {"block_out_channels": [8, 8, 8, 8], "norm_num_groups": 4, "layers_per_block": 1, "latent_channels": 4},
     "qwen": {"base_dim": 8, "z_dim": 4, "num_res_blocks": 1},
     "wan21": {"base_dim": 8, "z_dim": 4, "num_res_blocks": 1},
-    "wan22": {"base_dim": 8, "decoder_base_dim": 12, "z_dim": 8, "num_res_blocks": 1, "is_residual": True,
-              "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16},
-}  # fmt: skip
+    "wan22": {
+        "base_dim": 8,
+        "decoder_base_dim": 12,
+        "z_dim": 8,
+        "num_res_blocks": 1,
+        "is_residual": True,
+        "in_channels": 12,
+        "out_channels": 12,
+        "patch_size": 2,
+        "scale_factor_spatial": 16,
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -161,11 +179,19 @@ def bench_row(name: str, args, device: torch.device, world: int) -> list[dict]:
     rows, reference = [], None
     for impl, (ranks, run) in runs.items():
         seconds, peak, working, out = measure(run, device, args.warmup, args.iters)
-        rows.append({
-            "row": name, "impl": impl, "gpus": ranks, "latent": list(shape), "dtype": str(row.dtype).split(".")[-1],
-            "seconds": max_over_ranks(seconds, device), "peak_gib": max_over_ranks(peak, device),
-            "working_gib": max_over_ranks(working, device), "weights_gib": weights_gib,
-        })  # fmt: skip
+        rows.append(
+            {
+                "row": name,
+                "impl": impl,
+                "gpus": ranks,
+                "latent": list(shape),
+                "dtype": str(row.dtype).split(".")[-1],
+                "seconds": max_over_ranks(seconds, device),
+                "peak_gib": max_over_ranks(peak, device),
+                "working_gib": max_over_ranks(working, device),
+                "weights_gib": weights_gib,
+            }
+        )
         if impl == "diffusers":
             reference = out.cpu()  # off the GPU, so it counts in no other run's peak
         elif reference is not None:
@@ -198,8 +224,9 @@ def main() -> None:
     else:
         device = torch.device("cpu")
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)  # fmt: skip
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+        )
     if not args.tf32:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -219,11 +246,17 @@ def main() -> None:
         print_table(
             rows,
             [
-                ("row", "row", "s"), ("impl", "impl", "s"), ("gpus", "GPUs", "d"), ("dtype", "dtype", "s"),
-                ("seconds", "seconds", ".3f"), ("peak_gib", "peak GiB/GPU", ".2f"), ("working_gib", "working", ".2f"),
-                ("speedup_vs_diffusers", "vs diffusers", ".2f"), ("rel_l2_vs_diffusers", "rel L2", ".1e"),
+                ("row", "row", "s"),
+                ("impl", "impl", "s"),
+                ("gpus", "GPUs", "d"),
+                ("dtype", "dtype", "s"),
+                ("seconds", "seconds", ".3f"),
+                ("peak_gib", "peak GiB/GPU", ".2f"),
+                ("working_gib", "working", ".2f"),
+                ("speedup_vs_diffusers", "vs diffusers", ".2f"),
+                ("rel_l2_vs_diffusers", "rel L2", ".1e"),
             ],
-        )  # fmt: skip
+        )
         path = args.json or (str(Path(args.out_dir) / "vae_decode.json") if args.out_dir else None)
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)

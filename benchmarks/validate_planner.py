@@ -13,9 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from paradit.planner.cost import StepCost, linear_efficiency, step_cost
-from paradit.planner.facts import facts_for
 from paradit.planner.measurements import Measurement, all_measurements, one_gpu_reference
-from paradit.planner.plan import rank
+from paradit.planner.plan import facts_for, rank
 from paradit.planner.profile import HardwareProfile, all_profiles
 
 WITHIN_BEST = 1.05  # a pick this close to the measured best counts as the best

@@ -115,10 +115,15 @@ def bench(workload: str, args, matmul_tflops: float) -> list[dict]:
             ms = time_cuda_ms(run, warmup=args.warmup, iters=args.iters)
         baseline = out if baseline is None else baseline
         row = {
-            "workload": workload, "impl": impl, "tokens": tokens, "ms_per_forward": ms, "first_call_s": first_s,
-            "attention_share": self_attention_ms / ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "workload": workload,
+            "impl": impl,
+            "tokens": tokens,
+            "ms_per_forward": ms,
+            "first_call_s": first_s,
+            "attention_share": self_attention_ms / ms,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "rel_l2_vs_diffusers_eager": ((out - baseline).norm() / baseline.norm()).item(),
-        }  # fmt: skip
+        }
         if tflop:
             row["tflops"] = tflop / (ms * 1e-3)
             row["mfu_measured"] = row["tflops"] / matmul_tflops
@@ -136,8 +141,9 @@ def bench(workload: str, args, matmul_tflops: float) -> list[dict]:
         return unpatchify(ours(latents, timestep, text), grid, patch)
 
     measure("diffusers eager", run_reference)
-    measure("diffusers compiled", run_reference,
-            prepare=lambda: held["reference"].compile_repeated_blocks(fullgraph=True))  # fmt: skip
+    measure(
+        "diffusers compiled", run_reference, prepare=lambda: held["reference"].compile_repeated_blocks(fullgraph=True)
+    )
     held.clear()  # diffusers' model shares the bf16 weights: dropping it lets FP8 conversion free them below
     measure("paradit bf16 compiled", run_ours, prepare=lambda: compile_blocks(ours))
     keep = FAMILIES[spec.family].keep_high_precision
@@ -166,13 +172,18 @@ def main() -> None:
     print_table(
         rows,
         [
-            ("workload", "workload", "s"), ("impl", "impl", "s"), ("tokens", "tokens", "d"),
-            ("ms_per_forward", "ms/forward", ".0f"), ("tflops", "TFLOP/s", ".0f"), ("mfu_measured", "MFU", ".1%"),
-            ("attention_share", "attn share", ".0%"), ("peak_gib", "peak GiB", ".1f"),
+            ("workload", "workload", "s"),
+            ("impl", "impl", "s"),
+            ("tokens", "tokens", "d"),
+            ("ms_per_forward", "ms/forward", ".0f"),
+            ("tflops", "TFLOP/s", ".0f"),
+            ("mfu_measured", "MFU", ".1%"),
+            ("attention_share", "attn share", ".0%"),
+            ("peak_gib", "peak GiB", ".1f"),
             ("speedup_vs_diffusers_compiled", "vs diffusers compiled", ".2f"),
             ("rel_l2_vs_diffusers_eager", "rel L2", ".1e"),
         ],
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,15 @@ def main() -> None:
         for attempt in range(args.repeats):
             start_s, request_s, pixels = timed_group(args.model, args.device)
             diff = (pixels - own).abs().max().item()
-            rows.append(dict(method=method, group=attempt + 1, start_s=round(start_s, 2),
-                             request_s=round(request_s, 3), max_diff=diff))  # fmt: skip
+            rows.append(
+                dict(
+                    method=method,
+                    group=attempt + 1,
+                    start_s=round(start_s, 2),
+                    request_s=round(request_s, 3),
+                    max_diff=diff,
+                )
+            )
     tempfile.tempdir = None
 
     environment = {
@@ -70,8 +77,10 @@ def main() -> None:
     print(f"{environment}")
     print(f"{'start method':<12}  {'group':>5}  {'start s':>8}  {'request s':>9}  max diff against the engine's own")
     for row in rows:
-        print(f"{row['method']:<12}  {row['group']:>5}  {row['start_s']:>8.2f}  {row['request_s']:>9.3f}  "
-              f"{row['max_diff']:.3g}")  # fmt: skip
+        print(
+            f"{row['method']:<12}  {row['group']:>5}  {row['start_s']:>8.2f}  {row['request_s']:>9.3f}  "
+            f"{row['max_diff']:.3g}"
+        )
     if args.out_dir is not None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / "worker_start.json").write_text(json.dumps({"environment": environment, "rows": rows}))

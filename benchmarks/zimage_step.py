@@ -64,13 +64,15 @@ def model_pair(name: str, args, device: torch.device) -> ModelPair:
 
     workload = (args.height, args.width, args.text_len)
     return ModelPair(
-        name, ours, reference,
+        name,
+        ours,
+        reference,
         run_reference=run_reference,
         step_ours=step_ours,
         latents=latents,
         tokens=rows * cols + args.text_len,
         tflop=TFLOP_PER_STEP_1024.get(name) if workload == REFERENCE_WORKLOAD else None,
-    )  # fmt: skip
+    )
 
 
 def main() -> None:

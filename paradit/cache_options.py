@@ -1,38 +1,18 @@
-"""The command line's step-cache flags (``--cache`` and its parameters, by diffusers' names) and MagCache's
-calibrated curves, kept per model where the next ``--cache mag`` finds them. Must not import torch."""
+"""The command line's step cache (its flags declared on ``request.StepCacheConfig``) and MagCache's
+calibrated curves, kept per model where the next ``--cache mag`` finds them."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 from pathlib import Path
 
 from paradit.errors import InvalidRequest
-from paradit.request import CACHE_METHODS, StepCacheConfig
-
-# flag -> (StepCacheConfig field, type, help)
-PARAMETERS = {
-    "--cache-threshold": ("threshold", float, "first-block, mag: the threshold (default 0.05; mag 0.06)"),
-    "--cache-interval": ("cache_interval", int, "taylorseer: steps between computed ones (default 5)"),
-    "--cache-disable-before-step": ("disable_cache_before_step", int, "taylorseer: steps computed first (default 3)"),
-    "--cache-disable-after-step": ("disable_cache_after_step", int, "taylorseer: computed from this step on"),
-    "--cache-max-order": ("max_order", int, "taylorseer: the expansion's highest order (default 1)"),
-    "--cache-max-skip-steps": ("max_skip_steps", int, "mag: most steps skipped in a row (default 3)"),
-    "--cache-retention-ratio": ("retention_ratio", float, "mag: the share of first steps never skipped (default 0.2)"),
-}
-
-
-def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache", choices=CACHE_METHODS, help="step caching: skip the blocks of steps that barely "
-                        "change, as diffusers' FirstBlockCache, MagCache and TaylorSeer (lite) hooks do")  # fmt: skip
-    for flag, (_, kind, text) in PARAMETERS.items():
-        parser.add_argument(flag, type=kind, help=text)
-    parser.add_argument("--cache-mag-ratios", help="mag: the model's magnitude ratios, comma-separated (default: "
-                        "the curve --cache-calibrate measured for this model)")  # fmt: skip
-    parser.add_argument("--cache-calibrate", action="store_true", help="with --cache mag: skip nothing, print the "
-                        "model's magnitude ratios and keep them for the next --cache mag run")  # fmt: skip
+from paradit.flags import GENERATE, flagged_fields, flags_given, from_args
+from paradit.request import CACHE_PARAMETERS, StepCacheConfig
 
 
 def curve_path(model: str) -> Path:
@@ -43,34 +23,40 @@ def curve_path(model: str) -> Path:
 
 def cache_config(args: argparse.Namespace) -> StepCacheConfig | None:
     """The flags' step cache (None without ``--cache``); a parameter flag without ``--cache`` is refused."""
-    given = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in PARAMETERS.items()}
-    given = {field: value for field, value in given.items() if value is not None}
-    if args.cache is None:
-        if given or args.cache_mag_ratios or args.cache_calibrate:
+    if args.method is None:
+        if flags_given(args, GENERATE, StepCacheConfig):
             raise InvalidRequest("the --cache-* parameters need a method: give --cache first-block, mag or taylorseer")
         return None
-    if args.cache_calibrate and args.cache != "mag":
+    if args.calibrate and args.method != "mag":
         raise InvalidRequest("--cache-calibrate measures MagCache's curve; give it with --cache mag")
-    ratios = None
-    if args.cache == "mag" and not args.cache_calibrate:
-        ratios = read_ratios(args.cache_mag_ratios) if args.cache_mag_ratios else stored_curve(args.model)
-    return StepCacheConfig(args.cache, mag_ratios=ratios, calibrate=args.cache_calibrate, **given)
-
-
-def read_ratios(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise InvalidRequest(f"--cache-mag-ratios {text!r} is not a comma-separated list of numbers") from None
+    fields = {flag.name: each.name for each, flag in flagged_fields(StepCacheConfig, GENERATE)}
+    reads = [name for name, field in fields.items() if field in CACHE_PARAMETERS[args.method]]
+    for name in flags_given(args, GENERATE, StepCacheConfig):
+        if name != "--cache" and name not in reads:
+            raise InvalidRequest(f"{name} is not a parameter of --cache {args.method}, which reads {', '.join(reads)}")
+    config = from_args(StepCacheConfig, args, GENERATE)
+    if config.method == "mag" and not config.calibrate and config.mag_ratios is None:
+        config = dataclasses.replace(config, mag_ratios=stored_curve(args.model))
+    return config
 
 
 def stored_curve(model: str) -> tuple[float, ...]:
+    ratios = kept_curve(model)
+    if ratios is None:
+        raise InvalidRequest(
+            f"--cache mag needs {model}'s magnitude ratios: measure them once with --cache mag "
+            f"--cache-calibrate (kept in {curve_path(model)}), or give --cache-mag-ratios"
+        )
+    return ratios
+
+
+def kept_curve(model: str) -> tuple[float, ...] | None:
+    """The curve ``--cache-calibrate`` kept for ``model``, None if none was."""
     path = curve_path(model)
     if not path.is_file():
-        raise InvalidRequest(f"--cache mag needs {model}'s magnitude ratios: measure them once with --cache mag "
-                             f"--cache-calibrate (kept in {path}), or give --cache-mag-ratios")  # fmt: skip
+        return None
     try:
-        return read_ratios(",".join(str(r) for r in json.loads(path.read_text())["mag_ratios"]))
+        return tuple(float(ratio) for ratio in json.loads(path.read_text())["mag_ratios"])
     except (OSError, ValueError, KeyError, TypeError):
         raise InvalidRequest(f"{path} holds no magnitude ratios; measure them again with --cache-calibrate") from None
 

@@ -1,5 +1,4 @@
-"""Checkpoint folders in the diffusers layout: finding one (a local folder, or a hub id fetched with only the files
-the loader reads), reading its JSON, checking its components, listing their weight files. Must not import torch."""
+"""Checkpoint folders in the diffusers layout: a hub id is fetched with only the files the loader reads."""
 
 from __future__ import annotations
 
@@ -48,25 +47,34 @@ def resolve_checkpoint(model: str, allow_pickle: bool = False) -> Path:
         return path
     if model.count("/") != 1 or path.exists() or model.startswith((".", "/", "~")):
         raise CheckpointError(f"checkpoint folder {model!r} does not exist")
-    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    from paradit.hub import hub_offline, offline_reason, quiet_retries
+
+    cache_only = hub_offline()
     try:  # the files `paradit download` fetches, so that a downloaded checkpoint is complete offline too
-        index = read_json(Path(hf_hub_download(model, MODEL_INDEX)))
-        folder = Path(snapshot_download(model, **pipeline_patterns(index)))
-        unsafe = allow_pickle and [n for n in listed_components(index) if not any((folder / n).glob("*.safetensors"))]
-        if unsafe:  # not "*.*.bin": a weight variant (name.fp16.bin)
-            wanted = [f"{name}/*{suffix}" for name in unsafe for suffix in (".bin", ".bin.index.json")]
-            folder = Path(snapshot_download(model, allow_patterns=wanted, ignore_patterns=["*/*/*", "*.*.bin"]))
+        with quiet_retries():
+            index = read_json(Path(hf_hub_download(model, MODEL_INDEX, local_files_only=cache_only)))
+            folder = Path(snapshot_download(model, **pipeline_patterns(index), local_files_only=cache_only))
+            unsafe = allow_pickle and [
+                name for name in listed_components(index) if not any((folder / name).glob("*.safetensors"))
+            ]
+            if unsafe:  # not "*.*.bin": a weight variant (name.fp16.bin)
+                wanted = [f"{name}/*{suffix}" for name in unsafe for suffix in (".bin", ".bin.index.json")]
+                patterns = dict(allow_patterns=wanted, ignore_patterns=["*/*/*", "*.*.bin"])
+                folder = Path(snapshot_download(model, **patterns, local_files_only=cache_only))
         return folder
     except LocalEntryNotFoundError as exc:
-        reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        reason = offline_reason() if cache_only else "the hub could not be reached"
         raise CheckpointError(f"{model!r} is not a local folder and is not in the hub cache, and {reason}") from exc
     except HFValidationError as exc:  # a name the hub cannot have, said in the hub's words
         raise CheckpointError(f"{model!r} is not a hub id (org/name): {exc}") from None
     except RepositoryNotFoundError as exc:  # GatedRepoError included
-        raise CheckpointError(f"hub repository {model!r} does not exist or is gated; accept its licence on the hub "
-                              "and log in (`hf auth login`) or set HF_TOKEN") from exc  # fmt: skip
+        raise CheckpointError(
+            f"hub repository {model!r} does not exist or is gated; accept its licence on the hub "
+            "and log in (`hf auth login`) or set HF_TOKEN"
+        ) from exc
 
 
 def read_json(path: Path) -> dict:
@@ -87,7 +95,29 @@ def check_components(folder: Path, index: dict, allow_pickle: bool) -> None:
     for name in listed_components(index):
         component = component_dir(folder, name)
         if any(path.suffix in (".safetensors", *PICKLE_SUFFIXES) for path in component.iterdir()):
-            weights_file(component, allow_pickle)
+            for file in safetensors_files(component, allow_pickle):
+                if file.suffix == ".safetensors":
+                    check_safetensors(file)
+
+
+def check_safetensors(file: Path) -> None:
+    """``file``'s header is whole and its tensors' bytes are all in the file, read from the header alone: a truncated
+    download is refused before anything loads, not when its component is reached (after the denoise, for a VAE)."""
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if 8 + length > size:
+                raise ValueError("its header is cut short")
+            header = json.loads(handle.read(length))
+        end = 8 + length + max((e["data_offsets"][1] for n, e in header.items() if n != "__metadata__"), default=0)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); download it again") from None
+    if end > size:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file (cut short: its header declares {end:,} bytes, the file has "
+            f"{size:,}); download it again"
+        )
 
 
 def component_dir(folder: Path, name: str) -> Path:
@@ -95,6 +125,12 @@ def component_dir(folder: Path, name: str) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {folder} has no {name}/ component")
     return path
+
+
+def component_config(folder: Path, component: str) -> dict:
+    """The config a diffusers component folder holds (``scheduler_config.json`` for the scheduler)."""
+    name = "scheduler_config.json" if component == "scheduler" else "config.json"
+    return read_json(component_dir(folder, component) / name)
 
 
 def weights_file(component: Path, allow_pickle: bool = False) -> Path:
@@ -106,11 +142,15 @@ def weights_file(component: Path, allow_pickle: bool = False) -> Path:
         return held[0]
     pickles = sorted(path.name for path in component.glob("*") if path.suffix in PICKLE_SUFFIXES)
     if pickles and not allow_pickle:
-        raise CheckpointError(f"{component} holds pickle weights ({', '.join(pickles)}), which can run code when "
-                              "loaded; convert them to safetensors (load and save_pretrained them once: safetensors "
-                              "is its default), or pass --allow-pickle if you trust their source")  # fmt: skip
-    raise CheckpointError(f"{component} holds no weights its loader reads: {' or '.join(names)}, whole or with the "
-                          ".index.json of its shards")  # fmt: skip
+        raise CheckpointError(
+            f"{component} holds pickle weights ({', '.join(pickles)}), which can run code when "
+            "loaded; convert them to safetensors (load and save_pretrained them once: safetensors "
+            "is its default), or pass --allow-pickle if you trust their source"
+        )
+    raise CheckpointError(
+        f"{component} holds no weights its loader reads: {' or '.join(names)}, whole or with the "
+        ".index.json of its shards"
+    )
 
 
 def safetensors_files(component: Path, allow_pickle: bool = False) -> list[Path]:

@@ -4,14 +4,12 @@ Errors paradit can name (bad input, missing checkpoints) print one line and exit
 running out of memory: one line, exit 1); an unexpected error prints one line naming the file that holds its trace,
 and exits 1. Everything heavy (torch, the model families) is imported only by the command that needs it, so that help
 and refusals answer at once.
-Must not import torch.distributed.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -23,17 +21,16 @@ import traceback
 from pathlib import Path
 
 from paradit import __version__
-from paradit.cache_options import add_cache_arguments, cache_config, keep_curve
-from paradit.errors import InvalidRequest, ParaditError, report_warnings
-from paradit.families import DEFAULT_MODEL, PRESETS
-from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths, read_image, save_images, save_videos
+from paradit.cache_options import cache_config, keep_curve
+from paradit.errors import ParaditError, report_warnings
+from paradit.families import PRESETS
+from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flagged_fields, flags_given, from_args
+from paradit.lora.refs import LoraSet
+from paradit.options import COMMANDS, LOSSY_PSNR_DB, Asked, ExecutionOptions, LoraFlags, ServeSettings
+from paradit.outputs import output_paths, save_images, save_videos
 from paradit.parallel.config import ParallelConfig
-from paradit.request import SEED_LIMIT
+from paradit.request import GenerationRequest
 from paradit.worker import start_worker_server
-
-# --verify-serial: the least PSNR against the one-process image that a lossy plan must keep (measured CPU deviations
-# of PipeFusion and FP8 transport on the tiny models sit well above it: docs/benchmarks.md).
-LOSSY_PSNR_DB = 30.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,169 +48,21 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def whole_number(text: str, problem: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} {problem}") from None
-
-
-def positive(text: str) -> int:
-    """A whole number of 1 or more (degrees, counts, sizes)."""
-    if (value := whole_number(text, "is not a whole number")) < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 1 or more")
-    return value
-
-
-def nonnegative(text: str) -> int:
-    """A whole number of 0 or more (steps kept exact)."""
-    if (value := whole_number(text, "is not a whole number")) < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 or more")
-    return value
-
-
-def finite(text: str) -> float:
-    if not math.isfinite(value := float(text)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def seed(text: str) -> int | None:
-    """A 64-bit seed, or ``random`` (drawn, then printed)."""
-    if text == "random":
-        return None
-    if not 0 <= (value := whole_number(text, "is neither a whole number nor 'random'")) < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 to {SEED_LIMIT - 1} or 'random'")
-    return value
-
-
-def group_size(text: str) -> int | str:
-    """GPUs per serving group, or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        return positive(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; give 1 or more, or auto") from None
-
-
-def add_execution_options(parser: argparse.ArgumentParser) -> None:
-    """How a run executes, the same for ``generate`` and ``serve`` (unset: the tuned choice for ``--gpus N``)."""
-    parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when a GPU is visible")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto", help="dummy: random weights")
-    parser.add_argument(
-        "--allow-pickle", action="store_true", help="load a checkpoint's pickle (.bin) weights: they can run code"
-    )
-    parser.add_argument(
-        "--quantize", choices=["none", "fp8"], help="fp8: e4m3 linears (sm89+, MI300); default none, or the planner's"
-    )
-    parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
-        help="regional torch.compile of the repeated blocks (default: on GPUs only)",
-    )  # fmt: skip
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay each step from a CUDA graph (short steps)")
-    parser.add_argument(
-        "--attention", choices=["sdpa", "fp8"],
-        help="fp8: self-attention in 8 bits through paradit's Triton kernel (sm89+, MI300, RDNA 4; long sequences, "
-        "such as video); default sdpa",
-    )  # fmt: skip
-    parser.add_argument(
-        "--attention-bf16-steps", type=nonnegative, default=0, metavar="N",
-        help="with --attention fp8: the first and last N steps attend exactly, in the run's dtype",
-    )  # fmt: skip
-    parser.add_argument(
-        "--swap-experts", action="store_true",
-        help="models with two experts: one expert on the GPU, the other in pinned host memory, swapped at "
-        "the boundary (chosen by itself when --max-gpu-memory leaves no room for both)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-gpu-memory", help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused"
-    )
-    parser.add_argument(
-        "--text-encoder-placement", choices=["auto", "gpu", "fp8", "offload"], default="auto",
-        help="prompt encoders on rank 0's GPU, there with FP8 linears (with --quantize fp8), or in CPU memory streamed "
-        "to it while encoding; auto: the first that fits under --max-gpu-memory (on the GPU without a cap)",
-    )  # fmt: skip
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="paradit", description="Multi-GPU inference for diffusion transformers.")
     parser.add_argument("--version", action="version", version=f"paradit {__version__}")
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
 
-    gen = commands.add_parser("generate", help="generate images from a prompt", formatter_class=_Help)
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="preset name, checkpoint folder or hub id")
-    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts in one batch")
-    gen.add_argument("--negative-prompt", default=None, help="for models with true classifier-free guidance")
-    # Sizes and steps are checked against the model, which knows its bounds.
-    gen.add_argument("--height", type=int, help="pixels (default: the model's)")
-    gen.add_argument("--width", type=int, help="pixels (default: the model's)")
-    gen.add_argument("--steps", type=int, help="denoise steps (default: the model's)")
-    gen.add_argument("--guidance", type=finite, help="guidance scale (default: the model's)")
-    gen.add_argument("--seed", type=seed, default=0, help="a 64-bit seed, or 'random'")
-    gen.add_argument("--images-per-prompt", type=int, default=1)
-    gen.add_argument("--frames", type=int, help="video models: frames per video, 4k+1 (default: the model's)")
-    gen.add_argument("--fps", type=positive, help="video models: frames per second of the MP4 (default: the model's)")
-    gen.add_argument("--image", action="append", help="an input image, repeatable where the model takes several: "
-                     "image-to-video's first frame, a reference to edit from, image-to-image's start")  # fmt: skip
-    gen.add_argument("--strength", type=finite, help="image-to-image (with --image): the share of the steps run from "
-                     "the noised image, above 0 to 1 (default 0.6; inpainting: the model pipeline's)")  # fmt: skip
-    gen.add_argument("--mask", help="inpainting (with --image): a picture of the image's size, white where it is "
-                     "repainted, black where it is kept")  # fmt: skip
-    gen.add_argument("--guidance-2", type=finite, help="models with a low-noise expert: its guidance scale")
-    add_cache_arguments(gen)
-    gen.add_argument(
-        "--out",
-        help=f"image path, its format from the extension ({', '.join(IMAGE_FORMATS)}); a video's: {VIDEO_SUFFIX} "
-        "(H.264), or a folder (or an image extension: x.png -> x/) for one image per frame; with several images or "
-        "videos, _N is appended to the name (default: out/paradit.png, out/paradit.mp4 for video models)",
-    )
-    gen.add_argument("--json", help="also write the closing table, the seed and the plan to this JSON file")
-    gen.add_argument(
-        "--server", help="send the request to a running `paradit serve` at this URL (http://host:port) instead"
-    )
-    gen.add_argument("--api-key", help="with --server: the server's API key (default: $PARADIT_API_KEY)")
-    gen.add_argument(
-        "--devices", help="which GPUs, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES for this run)"
-    )
-    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    lora = gen.add_argument_group("LoRA adapters (applied to the transformer)")
-    lora.add_argument(
-        "--lora", action="append", metavar="PATH[:SCALE]", help="a .safetensors file, a folder or a hub id; "
-        "repeatable; scale default 1 (of a model with two experts: the high-noise one; with --server: NAME[:SCALE] "
-        "of the server's adapters)",
-    )  # fmt: skip
-    lora.add_argument("--lora-2", action="append", metavar="PATH[:SCALE]", help="a second expert's (the low-noise one)")
-    lora.add_argument("--lora-weight-name", help="the adapter file inside a folder or hub repository")
-    lora.add_argument(
-        "--lora-mode", choices=["fused", "unfused"], default="fused",
-        help="fused into the weights at load (no cost per step), or low-rank side paths beside the linears",
-    )  # fmt: skip
-    gen.set_defaults(run=run_generate)
-    add_execution_options(gen)
-    par = gen.add_argument_group("parallelism (one request across several GPUs or CPU processes)")
-    par.add_argument("--gpus", type=positive, help="processes in the group; default: the product of the degrees")
-    par.add_argument("--ulysses", type=positive, help="Ulysses (all-to-all over heads) degree")
-    par.add_argument("--ring", type=positive, help="Ring attention degree")
-    par.add_argument("--cfg-parallel", action="store_true", help="guidance branches on the two halves of the group")
-    par.add_argument("--tensor", type=positive, help="tensor parallel degree (weights and heads sharded; fast links)")
-    par.add_argument(
-        "--comm-dtype", choices=["auto", "fp8"], help="fp8: Ulysses/Ring traffic in FP8 with scales (default auto)"
-    )
-    par.add_argument("--pipefusion", type=positive, help="pipeline stages over the blocks (least traffic)")
-    par.add_argument(
-        "--shard-weights", type=positive, metavar="N", help="each of N neighbouring GPUs keeps 1/N of the weights, "
-        "gathering each block just before it runs (FSDP; with ulysses, ring, cfg; N divides the GPUs)",
-    )  # fmt: skip
-    par.add_argument("--patches", type=positive, help="pipefusion: image patches in flight per step (default 1)")
-    par.add_argument("--warmup-steps", type=positive, help="pipefusion: exact steps before patching (default 1)")
-    par.add_argument(
-        "--verify-serial",
-        action="store_true",
-        help="also run the request in one process and compare: exit 3 when an exact plan differs by more than one "
-        f"8-bit level, or a lossy one (FP8 transport, PipeFusion patches) falls under {LOSSY_PSNR_DB:.0f} dB PSNR",
-    )
+    helps = {
+        GENERATE: "generate images from a prompt",
+        SERVE: "serve a model over HTTP: OpenAI's Images API, video jobs, metrics",
+        PLAN: "what generate would run for a model on N GPUs (or CPU processes), and on GPUs the plans it was "
+        "chosen from, ranked by predicted time",
+    }
+    for command, run in ((GENERATE, run_generate), (SERVE, run_serve), (PLAN, run_plan)):
+        sub = commands.add_parser(command, help=helps[command], formatter_class=_Help)
+        add_flags(sub, command, *COMMANDS[command])
+        sub.set_defaults(run=run)
 
     quant = commands.add_parser(
         "quantize", help="write an FP8 checkpoint folder (e4m3 linears, one scale per output channel), on the CPU"
@@ -226,73 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the layers kept unquantized")
     quant.set_defaults(run=run_quantize)
 
-    planner = commands.add_parser(
-        "plan", help="rank every parallel plan for a model on N GPUs by predicted time, and say why the best wins",
-        formatter_class=_Help,
-    )  # fmt: skip
-    planner.add_argument("--model", default=DEFAULT_MODEL, help="preset name, or a checkpoint folder or hub id of a "
-                         "preset's architecture (the planner's FLOP counts are per preset)")  # fmt: skip
-    planner.add_argument("--gpus", type=positive, required=True)
-    planner.add_argument("--profile", help="hardware profile (default: this machine's, else h200-nvlink)")
-    planner.add_argument(
-        "--link", choices=["nvlink", "pcie", "measure"],
-        help="the profile's GPU with these links; measure: probe this machine's matmul, attention and collectives",
-    )  # fmt: skip
-    planner.add_argument("--gpu-memory", help="memory per GPU with its unit, e.g. 32GiB (default: the profile's)")
-    planner.add_argument("--size", help="WIDTHxHEIGHT (default: the model's)")
-    planner.add_argument("--frames", type=positive, help="video models: frames (default: the model's)")
-    planner.add_argument(
-        "--quantize", choices=["none", "fp8"], help="FP8 compute or not (default: bf16 unless nothing fits without FP8)"
-    )
-    planner.add_argument(
-        "--attention", choices=["sdpa", "fp8"], default="sdpa", help="fp8: predict with the FP8 attention kernel's rate"
-    )
-    planner.set_defaults(run=run_plan)
-
     models = commands.add_parser("models", help="list the model presets, or with --local the checkpoints on disk")
     models.add_argument("--local", action="store_true", help="list the pipelines in the hub cache, with their sizes")
     models.add_argument(
         "--dir", action="append", default=[], help="a checkpoint folder, or a folder of them, to list (implies --local)"
     )
     models.set_defaults(run=run_models)
-
-    serve = commands.add_parser(
-        "serve", help="serve a model over HTTP: OpenAI's Images API, video jobs, metrics", formatter_class=_Help
-    )
-    serve.add_argument("--model", default=DEFAULT_MODEL, help="preset name, checkpoint folder or hub id")
-    serve.add_argument("--gpus", type=positive, default=1, help="GPUs to serve with (CPU processes with --device cpu)")
-    serve.add_argument(
-        "--group-size", type=group_size,
-        help="GPUs per group, each running the plan generate chooses for that many: --gpus (the default) splits each "
-        "request over all of them (lowest latency), 1 serves independent requests on each (most throughput); auto "
-        "chooses per batch from the queue (each GPU then holds the model twice)",
-    )  # fmt: skip
-    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface) and "
-                       "url answers link to (under 0.0.0.0: the one a request reached; never its Host)")  # fmt: skip
-    serve.add_argument("--port", type=int, default=8000, help="0: any free one; one in use is refused before loading")
-    serve.add_argument(
-        "--api-key", help="require `Authorization: Bearer KEY` on every route but /health (default: $PARADIT_API_KEY)"
-    )
-    serve.add_argument(
-        "--max-batch", type=positive, default=1,
-        help="images per forward pass: queued requests of the same size, steps and guidance run together (more "
-        "throughput; a batched image can differ from the unbatched one in its last bits)",
-    )  # fmt: skip
-    serve.add_argument("--max-queue", type=positive, default=64, help="requests waiting; more get 429 (Retry-After)")
-    serve.add_argument("--timeout", type=positive, default=600, help="seconds a request may take, its wait "
-                       "included: one its measured pace puts at 3x that is refused, a run past it stopped within "
-                       "a step")  # fmt: skip
-    serve.add_argument("--max-pixels", type=positive, help="width x height a request may ask for (default 4x the "
-                       "model's default size)")  # fmt: skip
-    lora = serve.add_argument_group("LoRA adapters each request may choose (its lora field)")
-    lora.add_argument("--lora", action="append", metavar="NAME=PATH", help="an adapter and its name; repeatable")
-    lora.add_argument("--lora-2", action="append", metavar="NAME=PATH", help="a second expert's (the low-noise one)")
-    lora.add_argument("--lora-dir", help="every .safetensors adapter in this folder, named by its file's stem")
-    lora.add_argument("--lora-cache", type=int, default=0, metavar="N", help="choices of adapters and scales kept "
-                      "fused into weights of their own, the N most recently used: no cost per step, one merge a miss, "
-                      "the weights they change held N+1 times (default 0: side paths beside the weights)")  # fmt: skip
-    add_execution_options(serve)
-    serve.set_defaults(run=run_serve)
 
     down = commands.add_parser(
         "download", help="fetch a checkpoint from the Hugging Face hub: only the files paradit reads"
@@ -320,9 +108,14 @@ def format_table(result) -> str:
         rows.append(("peak memory per rank", " ".join(f"{b / 2**30:.2f}" for b in t.peak_memory_per_rank) + " GiB"))
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
-    if t.cache_skipped:
-        rows.append(("step cache", f"{t.cache_skipped_steps} of {len(t.cache_skipped)} steps skipped, "
-                                   f"{t.cache_blocks_skipped} block evaluations"))  # fmt: skip
+    if (cache := t.features.get("step_cache")) is not None:
+        rows.append(
+            (
+                "step cache",
+                f"{cache.skipped_steps} of {len(cache.skipped)} steps skipped, "
+                f"{cache.blocks_skipped} block evaluations skipped",
+            )
+        )
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -334,52 +127,20 @@ def peak_details(t) -> str:
     return f" ({', '.join(details)})" if details else ""
 
 
-def asked_for(args: argparse.Namespace):
-    """What the flags ask for (a ``settings.Asked``): a plan of the degrees given, or for ``--gpus N`` alone the one
-    paradit chooses."""
-    from paradit.settings import Asked
-
-    flag = functools.partial(getattr, args)  # serve takes no parallel flags: its groups' plans are chosen
-    degrees = {name: flag(name, None) for name in ("ulysses", "ring", "tensor", "pipefusion")}
-    degrees["cfg"] = 2 if flag("cfg_parallel", False) else None
-    explicit = any(degrees.values())  # a degree given is 1 or more (``positive``)
-    parallel = ParallelConfig(**{name: degree or 1 for name, degree in degrees.items()}) if explicit else None
-    return Asked(
-        args.model, args.device, args.dtype, args.load_format, args.allow_pickle, args.gpus, parallel,
-        flag("comm_dtype", None), flag("patches", None), flag("warmup_steps", None), args.quantize, args.compile,
-        args.cuda_graphs or None, args.swap_experts, args.max_gpu_memory, args.text_encoder_placement,
-        shard_weights=flag("shard_weights", None), lora=(served_lora_set if args.run is run_serve else lora_set)(args),
-        attention=args.attention, attention_bf16_steps=args.attention_bf16_steps,
-    )  # fmt: skip
+def asked_for(args: argparse.Namespace, command: str) -> Asked:
+    """What ``command``'s flags ask for: a plan of the degrees given, or for ``--gpus N`` alone the one paradit
+    chooses; the adapters the LoRA flags name."""
+    parallel = from_args(ParallelConfig, args, command) if flags_given(args, command, ParallelConfig) else None
+    lora = from_args(LoraFlags, args, command).lora_set() or LoraSet()
+    options = from_args(ExecutionOptions, args, command, lora=lora)
+    return from_args(Asked, args, command, parallel=parallel, options=options)
 
 
-def served_lora_set(args: argparse.Namespace):
-    """A server's named adapters (None: none), loaded unchosen: each request names those it wants."""
-    from paradit.lora import LoraSet
-    from paradit.lora.refs import adapters_in, parse_named
-
-    first = tuple(parse_named(text) for text in args.lora or ()) + (adapters_in(args.lora_dir) if args.lora_dir else ())
-    second = tuple(parse_named(text) for text in args.lora_2 or ())
-    if not first and not second:
-        if args.lora_cache:
-            raise InvalidRequest("--lora-cache keeps choices of named adapters: give --lora NAME=PATH or --lora-dir")
-        return None
-    return LoraSet(first, second, "unfused", switchable=True, cache=args.lora_cache)
-
-
-def lora_set(args: argparse.Namespace):
-    """The adapters the flags name (None: none)."""
-    from paradit.lora import LoraSet, parse_lora
-
-    first, second = getattr(args, "lora", None) or [], getattr(args, "lora_2", None) or []
-    if not first and not second:
-        return None
-    weight_name = args.lora_weight_name
-
-    def refs(texts: list[str]) -> tuple:
-        return tuple(parse_lora(text, weight_name) for text in texts)
-
-    return LoraSet(refs(first), refs(second), args.lora_mode)
+def request_for(args: argparse.Namespace, command: str) -> GenerationRequest:
+    """The request ``command``'s flags make (``plan``'s: the size it is planned for); input images are read here."""
+    if command == PLAN:
+        return from_args(GenerationRequest, args, command, prompt="a plan")
+    return from_args(GenerationRequest, args, command, cache=cache_config(args))
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -392,21 +153,14 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.no_progress:  # workers' transformers and diffusers read this when they are imported
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     from paradit.pipelines.requests import check_text
-    from paradit.request import GenerationRequest
 
     # What needs no model is checked first, before any heavy import or worker: a bad prompt or an unreadable image
     # is refused at once.
     check_text("prompt", args.prompt)
     check_text("negative_prompt", [args.negative_prompt or ""])
-    request = GenerationRequest(
-        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0], negative_prompt=args.negative_prompt,
-        height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, seed=args.seed,
-        num_images_per_prompt=args.images_per_prompt, frames=args.frames, guidance_2=args.guidance_2,
-        image=[read_image(path) for path in args.image] if args.image else None, fps=args.fps, strength=args.strength,
-        mask=None if args.mask is None else read_image(args.mask, "--mask"), cache=cache_config(args),
-    )  # fmt: skip
-    degrees = (args.gpus, args.ulysses, args.ring, args.tensor, args.pipefusion)
-    if args.cfg_parallel or args.shard_weights or any((degree or 1) > 1 for degree in degrees):
+    request = request_for(args, GENERATE)
+    asked = asked_for(args, GENERATE)
+    if asked.gpus not in (None, 1) or asked.shard_weights or (asked.parallel and asked.parallel.world_size > 1):
         start_worker_server(args.device)  # its imports overlap this process's, below
     from paradit.engine import Engine
     from paradit.outputs import replaced, writable_folder
@@ -419,29 +173,38 @@ def run_generate(args: argparse.Namespace) -> int:
         transformers.utils.logging.disable_progress_bar()
         diffusers.utils.logging.disable_progress_bar()
 
-    run = settle(asked_for(args), request)
+    run = settle(asked, request)
     video = run.family.video
-    paths = output_paths(args.out or ("out/paradit.mp4" if video else "out/paradit.png"),
-                         len(args.prompt) * args.images_per_prompt, video)  # fmt: skip
+    paths = output_paths(
+        args.out or ("out/paradit.mp4" if video else "out/paradit.png"),
+        len(args.prompt) * request.num_images_per_prompt,
+        video,
+    )
     if args.json is not None:  # checked as --out is, before anything runs
         writable_folder("--json", args.json)
     if run.origin is not None:
         print(f"paradit: {run.origin}; parallel flags replace it")
     with Engine(settings=run) as engine:
-        result = engine.generate(request, progress=not args.no_progress)
+        result = engine.generate(run.request, progress=not args.no_progress)
     if result is None:  # a non-zero rank under torchrun: rank 0 writes the images
         return 0
     resolved = result.request
     settings = {
-        "prompt": resolved.prompts, "negative_prompt": resolved.negative_prompts, "seed": result.seed,
-        "model": run.spec.name, "steps": resolved.steps, "guidance": resolved.guidance, "plan": result.timings.plan,
-        "software": f"paradit {__version__}", **({"lora": lora_record(run.options.lora)} if run.options.lora else {}),
-        **({"image": args.image} if args.image else {}), **({"mask": args.mask} if args.mask else {}),
-        **({"strength": resolved.strength} if resolved.strength is not None else {}),
-        **({"cache": dataclasses.asdict(resolved.cache)} if resolved.cache is not None else {}),
-        **({"frames": resolved.frames, "fps": resolved.fps} if result.is_video else {}),
-    }  # fmt: skip
-    metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
+        "prompt": resolved.prompts,
+        "negative_prompt": resolved.negative_prompts,
+        "model": run.spec.name,
+        **request_record(resolved),
+        "plan": result.timings.plan,
+        "software": f"paradit {__version__}",
+        **({"lora": lora_record(run.options.lora)} if run.options.lora else {}),
+        **({"image": args.image} if args.image else {}),
+        **({"mask": args.mask} if args.mask else {}),
+        **({"cache": resolved.cache.record()} if resolved.cache is not None else {}),
+    }
+    made = file_records(resolved, result.seed)
+    metadata = [
+        {k: v if isinstance(v, str) else json.dumps(v) for k, v in {**settings, **each}.items()} for each in made
+    ]
     if result.is_video:
         paths = save_videos(result.frames, paths, resolved.fps, metadata)
     else:
@@ -449,24 +212,57 @@ def run_generate(args: argparse.Namespace) -> int:
     print(format_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))
     if resolved.cache is not None and resolved.cache.calibrate:
-        curve = result.timings.mag_ratios
+        curve = result.timings.features["step_cache"].mag_ratios
         print(f"MagCache ratios ({len(curve)} steps): {', '.join(f'{r:.5f}' for r in curve)}")
         print(f"kept in {keep_curve(args.model, curve)} for the next --cache mag run of {args.model}")
     code, comparison = 0, None
     if args.verify_serial and run.parallel.world_size > 1:
         # The same model and options in one process, uncapped with its encoders resident, as a plain Engine runs.
-        alone = dataclasses.replace(run, parallel=ParallelConfig(), memory_cap=None, memory_plan=None,
-                                    text_encoder_placement="gpu", origin=None)  # fmt: skip
+        alone = dataclasses.replace(
+            run, parallel=ParallelConfig(), memory_cap=None, memory_plan=None, text_encoder_placement="gpu", origin=None
+        )
         with Engine(settings=alone) as serial_engine:
-            serial = serial_engine.generate(dataclasses.replace(request, seed=result.seed), progress=False)
+            serial = serial_engine.generate(result.request, progress=False)
         code, comparison = serial_comparison(result, serial, exact=run.parallel.exact)
         print(comparison)
     if args.json is not None:
         timings = {**dataclasses.asdict(result.timings), "median_step_ms": result.timings.median_step_ms}
-        record = {**settings, "timings": timings, "files": [str(p) for p in paths], "verify_serial": comparison}
+        record = {
+            **settings,
+            "timings": timings,
+            "files": [str(p) for p in paths],
+            "outputs": [{"file": str(path), **each} for path, each in zip(paths, made)],
+            "verify_serial": comparison,
+        }
         with replaced(Path(args.json)) as temporary:
             temporary.write_text(json.dumps(record, indent=2) + "\n")
     return code
+
+
+def request_record(resolved) -> dict:
+    """The request's fields a client sends (their declarations name a ``remote``) as they ran, unset ones left out:
+    what the PNG metadata and ``--json`` record of it, so a new request option is recorded where it is declared."""
+    return {
+        each.name: getattr(resolved, each.name)
+        for each, flag in flagged_fields(GenerationRequest, GENERATE)
+        if flag.remote is not None and getattr(resolved, each.name, None) is not None
+    }
+
+
+def file_records(resolved, seed: int) -> list[dict]:
+    """What made each image (or video) of the batch, in order: its own prompt and negative prompt, and the batch's
+    seed with its index in the batch (one generator draws the whole batch's noise, as diffusers draws it)."""
+    per, negatives = resolved.images_per_prompt, resolved.negative_prompts
+    return [
+        {
+            "prompt": resolved.prompts[index // per],
+            "negative_prompt": None if negatives is None else negatives[index // per],
+            "seed": seed,
+            "batch_index": index,
+            "batch_size": resolved.batch,
+        }
+        for index in range(resolved.batch)
+    ]
 
 
 def lora_record(lora) -> dict:
@@ -516,21 +312,20 @@ def run_download(args: argparse.Namespace) -> None:
 
 def run_serve(args: argparse.Namespace) -> None:
     start_worker_server(args.device)  # every group runs in workers; the forkserver's imports overlap this process's
-    from paradit.serving.launch import ServeSettings, serve
+    from paradit.serving.launch import serve
 
-    settings = ServeSettings(
-        asked_for(args), gpus=args.gpus, group_size=args.group_size, max_batch=args.max_batch,
-        max_queue=args.max_queue, timeout_s=args.timeout, api_key=args.api_key or os.environ.get("PARADIT_API_KEY"),
-        max_pixels=args.max_pixels,
-    )  # fmt: skip
-    serve(settings, host=args.host, port=args.port)
+    api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
+    serve(from_args(ServeSettings, args, SERVE, asked=asked_for(args, SERVE), api_key=api_key))
 
 
 def run_plan(args: argparse.Namespace) -> None:
     from paradit.planner.command import plan_text
 
-    print(plan_text(args.model, args.gpus, args.profile, args.link, args.gpu_memory, args.size, args.frames,
-                    args.quantize, args.attention))  # fmt: skip
+    asked = asked_for(args, PLAN)
+    if "--load-format" not in flags_given(args, PLAN, Asked):  # a plan reads the architecture, not the weights
+        asked = dataclasses.replace(asked, load_format="dummy")
+    sized = any(getattr(args, name) is not None for name in ("height", "width", "frames", "steps"))
+    print(plan_text(asked, request_for(args, PLAN) if sized else None, args.profile, args.link))
 
 
 def run_quantize(args: argparse.Namespace) -> None:

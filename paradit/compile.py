@@ -2,7 +2,7 @@
 
 All blocks of one kind share a single compiled graph (their weights are graph inputs), so compile time is that of
 one or two blocks instead of the whole stack, and the stages between blocks (where the parallel runtime splits,
-gathers and communicates) stay eager. Must not import torch.distributed."""
+gathers and communicates) stay eager."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The device's side of memory: the allocator set up for a run (expandable segments, the cap), the free memory an
-uncapped run is planned for, the cache given back when an engine closes, and a device out-of-memory error told in one
-line. The estimate itself is ``memory.py``'s. Must not import torch.distributed."""
+"""The device's side of memory (docs/architecture.md lists its parts); the estimate itself is ``memory.py``'s."""
 
 from __future__ import annotations
 

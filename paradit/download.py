@@ -5,12 +5,11 @@ safetensors and tokenizer files, not the root single-file checkpoints, pickle, O
 bytes than the pipeline). huggingface_hub transfers (token from ``HF_TOKEN`` or ``hf auth login``; files on disk are
 kept; cut connections resume); this module picks the files, checks disk space first and turns hub errors into one line.
 
-Light on imports (no torch): the CLI answers at once. Must not import torch.distributed."""
+Light on imports (no torch): the CLI answers at once."""
 
 from __future__ import annotations
 
 import functools
-import logging
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from tqdm import tqdm
 from paradit.checkpoint import MODEL_INDEX, pipeline_patterns, read_json
 from paradit.errors import ParaditError
 from paradit.families import PRESETS
+from paradit.hub import hub_offline, quiet_retries
 
 
 class DownloadError(ParaditError):
@@ -93,21 +93,21 @@ def hub_errors(repo_id: str) -> Iterator[None]:
     from huggingface_hub import errors as hub
 
     page = f"{constants.ENDPOINT}/{repo_id}"
-    hub_log = logging.getLogger("huggingface_hub")
-    level = hub_log.level
-    hub_log.setLevel(logging.ERROR)  # its retries warn, each twice (its handler and ours); the error below says it once
     try:
-        yield
+        with quiet_retries():
+            yield
     except hub.GatedRepoError:
         if get_token() is None:
-            raise DownloadError(f"{repo_id} is gated: accept its licence at {page}, then log in (`hf auth login`) or "
-                                "set HF_TOKEN") from None  # fmt: skip
+            raise DownloadError(
+                f"{repo_id} is gated: accept its licence at {page}, then log in (`hf auth login`) or set HF_TOKEN"
+            ) from None
         raise DownloadError(f"{repo_id} is gated and this token has no access yet: request it at {page}") from None
     except hub.HFValidationError as exc:  # a name the hub cannot have, said in the hub's words
         raise DownloadError(f"{repo_id!r} is not a hub id (org/name): {exc}") from None
     except hub.RepositoryNotFoundError:
-        raise DownloadError(f"no model {repo_id} on the hub ({page}); if it is private, log in (`hf auth login`) or "
-                            "set HF_TOKEN") from None  # fmt: skip
+        raise DownloadError(
+            f"no model {repo_id} on the hub ({page}); if it is private, log in (`hf auth login`) or set HF_TOKEN"
+        ) from None
     except hub.RemoteEntryNotFoundError:
         raise DownloadError(f"{repo_id} has no {MODEL_INDEX}: it is not a diffusers pipeline paradit loads") from None
     except hub.HfHubHTTPError as exc:
@@ -117,19 +117,20 @@ def hub_errors(repo_id: str) -> Iterator[None]:
         raise DownloadError(f"could not reach the hub at {constants.ENDPOINT} ({type(exc).__name__})") from None
     except OSError as exc:  # the target folder: not writable, or the disk filled up during the download
         raise DownloadError(f"cannot write {exc.filename or 'the download'}: {exc.strerror or exc}") from None
-    finally:
-        hub_log.setLevel(level)
 
 
 def plan_download(repo_id: str, local_dir: Path | None = None) -> DownloadPlan:
     """Reads ``model_index.json`` and lists the repo: which files the pipeline reads, and which are not on disk yet."""
     from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.hf_api import RepoFile
-    from huggingface_hub.utils import filter_repo_objects
+    from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
     if constants.is_offline_mode():
         raise DownloadError("HF_HUB_OFFLINE is set: unset it to download from the hub")
     with hub_errors(repo_id):
+        validate_repo_id(repo_id)  # a name the hub cannot have is said as such, not as an unreachable hub
+        if hub_offline():
+            raise DownloadError(f"could not reach the hub at {constants.ENDPOINT}")
         patterns = pipeline_patterns(read_json(Path(hf_hub_download(repo_id, MODEL_INDEX, local_dir=local_dir))))
         tree = HfApi().list_repo_tree(repo_id, recursive=True)
         sizes = {entry.path: entry.size for entry in tree if isinstance(entry, RepoFile)}

@@ -1,13 +1,8 @@
-"""The Engine: runs a loaded pipeline (in this process or a group of workers) and serves requests.
-
-Its settings are settled once (``settings.settle``) before anything loads; each request is resolved once, here, and
-the ranks run the resolved request: one that fails raises ``InvalidRequest`` before any worker sees it and leaves
-the engine ready for the next one.
-"""
+"""The Engine: runs a loaded pipeline (in this process or a group of workers) and serves requests. A request that
+fails to resolve raises ``InvalidRequest`` before any worker sees it, leaving the engine ready for the next one."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Literal
@@ -15,12 +10,13 @@ from typing import Literal
 import torch
 
 from paradit.device_memory import release_cached
-from paradit.families import DEFAULT_MODEL
+from paradit.errors import InvalidRequest
+from paradit.families.default import DEFAULT_MODEL
 from paradit.loader import WorkerPlan, build_pipeline, run_requests
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
-from paradit.pipelines.requests import ResolvedRequest, one_batch
-from paradit.request import GenerationRequest, GenerationResult
+from paradit.pipelines.requests import one_batch
+from paradit.request import GenerationRequest, GenerationResult, ResolvedRequest
 from paradit.settings import Asked, RunSettings, launched_by_torchrun, settle
 from paradit.spec import ModelSpec
 from paradit.worker import StepSignals, WorkerFailure, WorkerGroup
@@ -37,8 +33,9 @@ class Engine:
     ``text_encoder_placement`` is ``gpu`` (prompt encoders resident on rank 0's GPU), ``fp8`` (resident with FP8
     linears; FP8 runs only), ``offload`` (kept in CPU memory and streamed to the GPU while encoding) or ``auto``: under
     a cap, the first of those that fits (the choice is ``memory_plan.text_encoder_placement``); without one, resident.
-    ``request``, when given, is checked too before anything loads (the CLI's one request). ``allow_pickle`` lets a
-    checkpoint folder's pickle weights load (they can run code).
+    ``request``, when given, is settled with the run (resolved once, checked and sized for before anything loads;
+    ``generate()`` without one runs it). ``allow_pickle`` lets a checkpoint folder's pickle weights load (they can run
+    code).
 
     With a ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host
     (``cpu`` spawns CPU processes joined by gloo), using the GPUs from ``device``'s index on; ``isolate`` spawns one
@@ -66,10 +63,16 @@ class Engine:
     ) -> None:
         if settings is None:
             asked = Asked(
-                model, device, dtype, load_format, allow_pickle, parallel=parallel or ParallelConfig(),
-                max_gpu_memory=max_gpu_memory, text_encoder_placement=text_encoder_placement,
-                **_fields(options or ExecutionOptions()),  # quantize, compile, cuda_graphs, swap_experts, lora
-            )  # fmt: skip
+                model,
+                device,
+                dtype,
+                load_format,
+                allow_pickle,
+                parallel=parallel or ParallelConfig(),
+                options=options or ExecutionOptions(),
+                max_gpu_memory=max_gpu_memory,
+                text_encoder_placement=text_encoder_placement,
+            )
             settings = settle(asked, request)
         self.settings = settings
         self.spec, self.device, self.dtype = settings.spec, settings.device, settings.dtype
@@ -77,10 +80,16 @@ class Engine:
         self.memory_cap, self.memory_plan = settings.memory_cap, settings.memory_plan
         self.text_encoder_placement = settings.text_encoder_placement
         plan = WorkerPlan(
-            self.spec, self.device.type, self.dtype, self.parallel, self.options, self.memory_cap,
+            self.spec,
+            self.device.type,
+            self.dtype,
+            self.parallel,
+            self.options,
+            self.memory_cap,
             text_encoder_placement=self.text_encoder_placement,
-            vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled, budget=settings.memory_budget,
-        )  # fmt: skip
+            vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled,
+            budget=settings.memory_budget,
+        )
         self._plan = plan
         # pipeline: the one this process runs (None when the work happens in spawned worker processes)
         self.pipeline = self._group = self._signals = None
@@ -100,13 +109,17 @@ class Engine:
         return self.settings.resolve(request)
 
     def generate(
-        self, request: Request | list[Request], progress: bool = False
+        self, request: Request | list[Request] | None = None, progress: bool = False
     ) -> GenerationResult | list[GenerationResult] | None:
         """The request's result; for a list of requests that differ only in prompts, seeds and image counts, one
         batch and a list of results, each what its request gives alone (``DiffusionPipeline.generate``). A request
-        ``check`` resolved already (the server's) runs as it is. Raises RequestCancelled when ``cancel`` stopped it."""
+        resolved already (``check``, the server's; the one the settings were settled for, which ``generate()`` runs)
+        runs as it is. Raises RequestCancelled when ``cancel`` stopped it."""
         # Resolved here once, each seed drawn here: the ranks run what they are sent, and a seed each rank drew for
         # itself would give each rank other noise, and the result a seed that is not its image's.
+        request = self.settings.request if request is None else request
+        if request is None:
+            raise InvalidRequest("generate() needs a request: this engine was settled for none")
         resolved = [
             each if isinstance(each, ResolvedRequest) else self.check(each)
             for each in (request if isinstance(request, list) else [request])
@@ -175,8 +188,3 @@ class Engine:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _fields(options: ExecutionOptions) -> dict:
-    """The options' fields, their values as they are (``dataclasses.asdict`` would turn the adapters into dicts)."""
-    return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}

@@ -1,4 +1,4 @@
-"""Errors paradit reports: one line that names the problem and the allowed values. Must not import torch.distributed."""
+"""Errors paradit reports: one line that names the problem and the allowed values."""
 
 
 class ParaditError(Exception):

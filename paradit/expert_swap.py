@@ -6,7 +6,7 @@ forward (the price paid on each of the ~40 steps), while an expert is needed for
 copy per switch, from pinned memory at the host link's full rate, costs a fraction of one step.
 
 The tensors are swapped in place (``Parameter.data``, buffer slots), so compiled blocks, FP8 linears and parallel
-wrappers keep their modules. CUDA graphs (fixed addresses) do not mix with it. Must not import torch.distributed."""
+wrappers keep their modules. CUDA graphs (fixed addresses) do not mix with it."""
 
 from __future__ import annotations
 

@@ -1,28 +1,30 @@
 """``Family``: one record that says everything the runtime needs of a model family, as torchtitan's ``TrainSpec``
-describes a model: each family folder exports one (``families/<family>/family.py``), and the registry lists them.
-Must not import torch.distributed."""
+describes a model: each family folder exports one (``families/<family>/family.py``), and the registry lists them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from paradit.planner.facts import ModelFacts, read_facts
 from paradit.spec import ModelSpec
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from paradit.options import ExecutionOptions
+    from paradit.parallel.config import ParallelConfig
     from paradit.parallel.tensor import TensorPlan
-    from paradit.pipelines.base import DiffusionPipeline
-    from paradit.pipelines.requests import ResolvedRequest
-    from paradit.request import GenerationRequest
-    from paradit.settings import RunSettings
+    from paradit.request import GenerationRequest, ResolvedRequest
     from paradit.text_encoder import PromptEncoder
 
 
 PIXELS_PER_IMAGE_TOKEN = 16 * 16  # every image family's latent patch: 1/16 of the pixels per side
+MEMORY_FILE = "memory.json"  # in a family's folder: its working memory measured on the GPU
+FACTS_FILE = "model_facts.json"  # in a family's folder: its transformers' FLOPs and shapes, counted on the meta device
 
 
 def image_tokens(spec: ModelSpec) -> int:
@@ -31,13 +33,51 @@ def image_tokens(spec: ModelSpec) -> int:
 
 
 @dataclass(frozen=True)
-class Family:
-    """A model family: its pipeline (prompt encoding, latents, model call, guidance formula, decoding), how it reads
-    a checkpoint and a request, how it builds its transformer and loads its prompt encoder and VAE, and its runtime
-    facts (tensor plan, the linears FP8 keeps in high precision)."""
+class Measured:
+    """What was measured of a family's presets, by preset name, as data in its ``folder``: working memory
+    (``MEMORY_FILE``, by ``benchmarks/memory_estimates.py``: ``activations`` by execution, eager or compiled, and
+    precision, bf16 or fp8, and ``vae_decode``, in the units the file states and ``paradit.memory`` scales) and the
+    planner's counts of each transformer (``FACTS_FILE``, by ``benchmarks/model_facts.py``). Where a family or preset
+    has none, the memory estimate takes the largest figure of its family or, failing that, of any family, and the
+    planner leaves ``--gpus N`` the default plan."""
 
+    folder: Path | None = None
+    activations: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    vae_decode: dict[str, float] = field(default_factory=dict)
+    model_facts: dict[str, ModelFacts] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, folder: Path) -> Measured:
+        """What ``folder`` holds: either file may be missing (a family not yet measured on a GPU has no memory.json)."""
+        memory = json.loads((folder / MEMORY_FILE).read_text()) if (folder / MEMORY_FILE).is_file() else {}
+        return cls(
+            folder,
+            memory.get("activations", {}).get("models", {}),
+            memory.get("vae_decode", {}).get("models", {}),
+            read_facts(folder / FACTS_FILE) if (folder / FACTS_FILE).is_file() else {},
+        )
+
+
+class SettledRun(Protocol):
+    """What a family's ``check_run`` reads of a settled run: ``settings.RunSettings``, which the record cannot name
+    (the front door that settles runs sits above every family)."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def parallel(self) -> ParallelConfig: ...
+
+    @property
+    def options(self) -> ExecutionOptions: ...
+
+
+@dataclass(frozen=True)
+class Family:
     name: str
-    pipeline: Callable[..., DiffusionPipeline]  # its class, or one choosing by the spec: (family, spec, ...) -> it
+    # its ``pipelines.base.DiffusionPipeline`` class, or one choosing by the spec: (family, spec, ...) -> the pipeline
+    # (untyped here: the skeleton holds its family's record, so the record sits below it)
+    pipeline: Callable[..., Any]
     diffusers_pipelines: tuple[str, ...]  # the diffusers pipeline classes whose checkpoints it serves
     # (folder, its model_index.json) -> the ModelSpec: architecture from its configs, defaults from diffusers
     read_checkpoint: Callable[[Path, dict[str, Any]], ModelSpec]
@@ -56,4 +96,5 @@ class Family:
     after_dummy_init: Callable[[nn.Module], None] | None = None  # fills a model's fixed buffers after random init
     # (the run's settings, a resolved request) -> None, or an InvalidRequest for what the run's plan or options cannot
     # give that request and what can (None: every request its resolution passes runs under any plan)
-    check_run: Callable[[RunSettings, ResolvedRequest], None] | None = None
+    check_run: Callable[[SettledRun, ResolvedRequest], None] | None = None
+    measured: Measured = Measured()  # what was measured of its presets: ``Measured.read`` of its folder

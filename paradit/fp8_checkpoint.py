@@ -1,5 +1,5 @@
 """``paradit quantize``: write an FP8 checkpoint folder (the transformer quantized linear by linear as it loads, the
-other components linked), and read back one written for a preset. Must not import torch.distributed."""
+other components linked), and read back one written for a preset."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from paradit.download import checkpoint_bytes, human_size
 from paradit.errors import CheckpointError, InvalidRequest
 from paradit.families import FAMILIES, PRESETS
 from paradit.layers.fp8 import Fp8Linear
-from paradit.loader import load_transformer
+from paradit.options import ExecutionOptions
 from paradit.outputs import replaced, writable_folder
 from paradit.quantize import CHECKPOINT_FORMAT, FP8_METHOD, convert_fp8
+from paradit.runtime import load_transformer
 from paradit.spec import Fp8PresetFolder, ModelSpec
 from paradit.weights import save_component
 
@@ -35,16 +36,26 @@ def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list
     precision. It is written under a hidden name and moved into place whole: a failure leaves none to block a rerun."""
     folder = spec.folder
     if folder is None and spec.name not in PRESETS:
-        raise InvalidRequest(f"random weights are quantized for presets only; {spec.name} is quantized from "
-                             "its weights")  # fmt: skip
+        raise InvalidRequest(
+            f"random weights are quantized for presets only; {spec.name} is quantized from its weights"
+        )
     check_out(out, spec, dtype)
-    model = load_transformer(FAMILIES[spec.family], spec, torch.device("cpu"), dtype, quantize="fp8").model
+    options = ExecutionOptions(quantize="fp8")
+    model = load_transformer(FAMILIES[spec.family], spec, torch.device("cpu"), dtype, options=options).model
     layers = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]  # CPU: e4m3fn
-    marker = {"quant_method": FP8_METHOD, "format": str(CHECKPOINT_FORMAT).removeprefix("torch."), "modules": layers,
-              "weight_scale": "float32 (out_features, 1): weight = fp8 * scale, row by row"}  # fmt: skip
+    marker = {
+        "quant_method": FP8_METHOD,
+        "format": str(CHECKPOINT_FORMAT).removeprefix("torch."),
+        "modules": layers,
+        "weight_scale": "float32 (out_features, 1): weight = fp8 * scale, row by row",
+    }
     with replaced(out, (OSError, SafetensorError)) as staging:
-        save_component(model.state_dict(), {**spec.transformer, "quantization_config": marker}, staging / "transformer",
-                       max_shard_bytes=5 * 2**30)  # fmt: skip
+        save_component(
+            model.state_dict(),
+            {**spec.transformer, "quantization_config": marker},
+            staging / "transformer",
+            max_shard_bytes=5 * 2**30,
+        )
         if folder is None:
             (staging / PRESET_FILE).write_text(json.dumps({"preset": spec.name}, indent=2) + "\n")
         else:  # file by file, so that a failure is the file's own (copytree's gathers them all)
@@ -88,7 +99,10 @@ def spec_with_fp8_transformer(folder: Path) -> ModelSpec:
     if preset not in PRESETS:
         raise CheckpointError(f"{folder / PRESET_FILE} names preset {preset!r}; the presets: {', '.join(PRESETS)}")
     spec = PRESETS[preset]
-    return dataclasses.replace(spec, name=str(folder),
-                               description=f"{spec.description}; FP8 transformer from {folder}, the rest random",
-                               transformer=read_json(component_dir(folder, "transformer") / "config.json"),
-                               weights=Fp8PresetFolder(folder / "transformer"))  # fmt: skip
+    return dataclasses.replace(
+        spec,
+        name=str(folder),
+        description=f"{spec.description}; FP8 transformer from {folder}, the rest random",
+        transformer=read_json(component_dir(folder, "transformer") / "config.json"),
+        weights=Fp8PresetFolder(folder / "transformer"),
+    )

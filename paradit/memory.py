@@ -1,23 +1,18 @@
 """Per-GPU memory: what a plan holds on rank 0, and the check that it fits under a cap (or, uncapped, the GPU's free
-memory) before anything loads; the device's side (the allocator, the cap held) is ``device_memory.py``'s.
+memory) before anything loads.
 
 The weights are counted from the model itself: the transformer and the prompt encoders and VAE are built on the meta
 device (no memory, milliseconds) and their parameters counted as the run holds them; working memory is each
-family's, measured on the GPU (``planner/memory.json``), for the tokens and pixels each rank holds. Rank 0 carries the
-prompt encoders and the VAE, so it is the rank that must fit; the plan also places the prompt encoders
-(``check_fits``).
-
-Must not import torch.distributed.
+family's, measured on the GPU (``memory.json`` in its folder: ``family.Measured``), for the tokens and pixels each
+rank holds. Rank 0 carries the prompt encoders and the VAE, so it is the rank that must fit; the plan also places the
+prompt encoders (``check_fits``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,17 +20,16 @@ from torch import nn
 
 from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
-from paradit.families import FAMILIES, PRESETS
+from paradit.families import FAMILIES, measured_preset
+from paradit.options import PLACEMENTS
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.pipefusion import stage_range
 from paradit.pipelines.base import load_vae
-from paradit.planner.facts import find_facts
 from paradit.quantize import quantizable
 from paradit.spec import ModelSpec
-from paradit.text_encoder import PLACEMENTS, converts_to_fp8, load_prompt_encoder
+from paradit.text_encoder import converts_to_fp8, load_prompt_encoder
 
 TEXT_ENCODER_PLACEMENTS = ("auto", *PLACEMENTS)
-MEMORY_FILE = Path(__file__).parent / "planner" / "memory.json"
 VIDEO_FRAMES_MEASURED = 81
 # Over the measured working memory (max_memory_allocated): what the caching allocator holds past it (with expandable
 # segments: 0.3 to 2.5 GiB on one H100, the most for Wan 2.2 A14B at 720p) and what a measurement at other sizes varies
@@ -45,7 +39,11 @@ WORKING_MARGIN = 1.2
 # measured at up to 0.58 GiB (SD3.5's three encoders).
 RUNTIME_BYTES = 3 * 2**28
 _PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {
+    "b": 1,
+    **{prefix + "b": 1000 ** (power + 1) for power, prefix in enumerate("kmgt")},
+    **{prefix + "ib": 1024 ** (power + 1) for power, prefix in enumerate("kmgt")},
+}
 
 
 def gib(size: int) -> str:
@@ -61,7 +59,10 @@ def parse_size(text: str | int) -> int:
     if match and not match.group(2):
         raise InvalidRequest(f"memory size {text!r} has no unit; write it with one, e.g. {match.group(1)}GiB")
     if not match or match.group(2).lower() not in _UNITS:
-        raise InvalidRequest(f"memory size {text!r} is not understood; write e.g. 32GiB, 30GB or 512MiB")
+        raise InvalidRequest(
+            f"memory size {text!r} is not understood; write a number and a unit: B, KB, MB, GB, TB (powers of 1000) "
+            "or KiB, MiB, GiB, TiB (powers of 1024), e.g. 32GiB"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -126,26 +127,24 @@ class MemoryPlan:
 
 
 def working_units(spec: ModelSpec, table: str, compiled: bool, fp8: bool) -> float:
-    """The measured working-memory coefficient ``table`` (``activations`` or ``vae_decode``, ``MEMORY_FILE``) of the
-    preset whose architecture ``spec`` shares, in this mode (eager or compiled, bf16 or FP8); an unmeasured mode or
-    architecture takes the largest figure its preset or family has, which errs high."""
-    models = _measured()[table]["models"]
-    facts = find_facts(spec)
-    preset = facts.preset if facts is not None and facts.preset in models else None
-    entries = [models[preset]] if preset else [v for k, v in models.items() if PRESETS[k].family == spec.family]
+    """The measured working-memory coefficient ``table`` (``activations`` or ``vae_decode`` of ``family.Measured``) of
+    the preset whose architecture ``spec`` shares, in this mode (eager or compiled, bf16 or FP8). Each figure that is
+    missing takes the largest there is, which errs high: of an unmeasured mode, the largest its preset has; of an
+    unmeasured architecture, its family's; of a family measured nowhere, any family's."""
+    tables = {name: getattr(family.measured, table) for name, family in FAMILIES.items()}
+    measured = tables[spec.family]
+    preset = measured_preset(spec, measured)
+    entries = [measured[preset]] if preset else list(measured.values())
+    entries = entries or [entry for other in tables.values() for entry in other.values()]
     if table == "vae_decode":
         return max(entries)
     mode, precision = "compiled" if compiled else "eager", "fp8" if fp8 else "bf16"
     return max(e.get(mode, {}).get(precision) or max(x for m in e.values() for x in m.values()) for e in entries)
 
 
-@cache
-def _measured() -> dict:
-    return json.loads(MEMORY_FILE.read_text())
-
-
-def _transformer_bytes(model: nn.Module, kept: list[nn.Module], dtype: torch.dtype, fp8: bool, keep: tuple[str, ...],
-                       tensor: int) -> tuple[int, list[int]]:  # fmt: skip
+def _transformer_bytes(
+    model: nn.Module, kept: list[nn.Module], dtype: torch.dtype, fp8: bool, keep: tuple[str, ...], tensor: int
+) -> tuple[int, list[int]]:
     """Rank 0's share of a transformer: the bytes of every parameter outside the blocks, and of each ``kept`` block
     (PipeFusion's first stage) divided by tensor parallelism; FP8 linears as the conversion makes them (a byte a
     weight and a float32 scale a row), the ``keep`` ones left in ``dtype``."""
@@ -175,6 +174,11 @@ def _resident_bytes(shares: list[tuple[int, list[int]]], swap_experts: bool, sha
     return sum(-(-total // shard) for total in totals) + gathered
 
 
+# Architectures whose meta-device models are kept (every preset's together: about 100 MiB of module objects).
+BUILT_KEPT = 32
+_BUILT: dict[str, MetaModels] = {}
+
+
 @dataclass(frozen=True)
 class MetaModels:
     """A model's transformers (the further ones: a low-noise expert), prompt encoder and VAE on the meta device: what
@@ -186,6 +190,18 @@ class MetaModels:
 
     @classmethod
     def build(cls, spec: ModelSpec, dtype: torch.dtype) -> MetaModels:
+        """``spec``'s models on the meta device, built once per architecture and dtype (a second or more for the
+        largest models' prompt encoders; ``settle`` and the planner estimate the same model many times)."""
+        # What the models are built from: their configs and the family's own details, not the sizes or weights.
+        key = repr((spec.family, spec.transformer, spec.experts, spec.text_encoder, spec.vae, spec.details, dtype))
+        if key not in _BUILT:
+            if len(_BUILT) >= BUILT_KEPT:
+                del _BUILT[next(iter(_BUILT))]
+            _BUILT[key] = cls._build(spec, dtype)
+        return _BUILT[key]
+
+    @classmethod
+    def _build(cls, spec: ModelSpec, dtype: torch.dtype) -> MetaModels:
         family = FAMILIES[spec.family]
         with torch.device("meta"):
             configs = [spec.transformer, *spec.experts.values()]
@@ -194,10 +210,19 @@ class MetaModels:
         return cls(models, encoder, load_vae(family, spec, torch.device("meta"), dtype, dummy=True))
 
 
-def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, swap_experts: bool = False,
-              vae_tiled: bool = False, compiled: bool = False, built: MetaModels | None = None,
-              adapter_bytes: int = 0, extra_tokens: int = 0,
-              fp8_attention: bool = False) -> dict[str, MemoryPlan]:  # fmt: skip
+def estimates(
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    fp8: bool,
+    swap_experts: bool = False,
+    vae_tiled: bool = False,
+    compiled: bool = False,
+    built: MetaModels | None = None,
+    adapter_bytes: int = 0,
+    extra_tokens: int = 0,
+    fp8_attention: bool = False,
+) -> dict[str, MemoryPlan]:
     """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
     (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time;
     ``compiled``: regional compilation, whose fused blocks hold less working memory; ``built``: ``spec``'s models
@@ -214,8 +239,10 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
         blocks = model_blocks(model)
         return [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
 
-    shares = [_transformer_bytes(model, rank0_blocks(model), dtype, fp8, family.keep_high_precision,
-                                 parallel.tensor) for model in models]  # fmt: skip
+    shares = [
+        _transformer_bytes(model, rank0_blocks(model), dtype, fp8, family.keep_high_precision, parallel.tensor)
+        for model in models
+    ]
     transformer_bytes = _resident_bytes(shares, swap_experts, parallel.shard_weights) + adapter_bytes
     # The token width, from the attention projections (every family's blocks attend at the model width); a family
     # without a tensor plan states it in its config.
@@ -252,17 +279,31 @@ def estimates(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8
 
 
 def estimate(
-    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, placement: str = "gpu",
-    swap_experts: bool = False, compiled: bool = False,
-) -> MemoryPlan:  # fmt: skip
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    fp8: bool,
+    placement: str = "gpu",
+    swap_experts: bool = False,
+    compiled: bool = False,
+) -> MemoryPlan:
     return estimates(spec, parallel, dtype, fp8, swap_experts, compiled=compiled)[placement]
 
 
 def check_fits(
-    spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype, fp8: bool, cap: int, placement: str = "auto",
-    swap_experts: bool = False, compiled: bool = False, adapter_bytes: int = 0, extra_tokens: int = 0,
-    limit: str | None = None, fp8_attention: bool = False,
-) -> MemoryPlan:  # fmt: skip
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    fp8: bool,
+    cap: int,
+    placement: str = "auto",
+    swap_experts: bool = False,
+    compiled: bool = False,
+    adapter_bytes: int = 0,
+    extra_tokens: int = 0,
+    limit: str | None = None,
+    fp8_attention: bool = False,
+) -> MemoryPlan:
     """The first plan that fits rank 0 under ``cap``, with the prompt encoders placed as asked or, for ``auto``,
     resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; and only when none of those fits, the
     same with the VAE decoding tile by tile; an InvalidRequest with the numbers when none fits. ``limit``: what
@@ -271,8 +312,18 @@ def check_fits(
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []
     for vae_tiled in (False, True):
-        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled, compiled, adapter_bytes=adapter_bytes,
-                          extra_tokens=extra_tokens, fp8_attention=fp8_attention)  # fmt: skip
+        plans = estimates(
+            spec,
+            parallel,
+            dtype,
+            fp8,
+            swap_experts,
+            vae_tiled,
+            compiled,
+            adapter_bytes=adapter_bytes,
+            extra_tokens=extra_tokens,
+            fp8_attention=fp8_attention,
+        )
         for plan in [plans[p] for p in candidates]:
             if plan.total <= cap:
                 return plan
@@ -280,16 +331,19 @@ def check_fits(
     smallest = min(tried, key=lambda plan: plan.total)
     advice = lowering_options(spec, parallel, fp8, smallest.text_encoder_placement, swap_experts)
     advice.append("or raise the cap" if limit is None else "or free memory on it")
-    raise InvalidRequest(f"{spec.name} with {parallel.describe()} does not fit under {limit or cap_words(cap)}: "
-                         f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}")  # fmt: skip
+    raise InvalidRequest(
+        f"{spec.name} with {parallel.describe()} does not fit under {limit or cap_words(cap)}: "
+        f"its smallest plan needs {smallest.describe()}; {', '.join(advice)}"
+    )
 
 
 def cap_words(cap: int) -> str:
     return f"--max-gpu-memory {gib(cap)} GiB"
 
 
-def lowering_options(spec: ModelSpec, parallel: ParallelConfig, fp8: bool, placement: str,
-                     swap_experts: bool) -> list[str]:  # fmt: skip
+def lowering_options(
+    spec: ModelSpec, parallel: ParallelConfig, fp8: bool, placement: str, swap_experts: bool
+) -> list[str]:
     """The options that would make a run of ``spec`` with this plan, precision, prompt-encoder placement and expert
     swapping hold less on rank 0, in the order worth trying."""
     advice = ["give more GPUs to the plan (--shard-weights or --tensor shards the weights)"]

@@ -3,7 +3,7 @@
 Byte-level BPE with no merges: every UTF-8 byte is one token, plus the chat-format special tokens, and a chat
 template that accepts plain-string and list-of-parts message contents (the two forms the FLUX.2 pipelines send).
 Real checkpoints bring their own tokenizer; this exists only so that a model with random weights can still take a
-text prompt end to end, offline. Must not import torch.distributed."""
+text prompt end to end, offline."""
 
 from __future__ import annotations
 
@@ -37,8 +37,13 @@ def build_offline_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerF
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([*SPECIAL_TOKENS, *VISION_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                        model_max_length=model_max_length)  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=model_max_length,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

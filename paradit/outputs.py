@@ -1,5 +1,5 @@
 """Output files: image formats, ``--out``'s paths, files written, MP4s (H.264: PyAV's libx264). The CLI writes these;
-the server (``serving.media``) encodes the same formats, by API name, and ``encode_mp4``. Must not import torch."""
+the server (``serving.media``) encodes the same formats, by API name, and ``encode_mp4``."""
 
 from __future__ import annotations
 
@@ -69,30 +69,32 @@ def replaced(path: Path, errors: tuple[type[Exception], ...] = (OSError,)) -> It
         raise ParaditError(f"cannot write {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-def save_images(images: list, paths: list[Path], metadata: dict[str, str]) -> None:
-    """Each image in the format its extension names; PNGs carry ``metadata`` as text chunks."""
+def save_images(images: list, paths: list[Path], metadata: list[dict[str, str]]) -> None:
+    """Each image in the format its extension names; PNGs carry their ``metadata`` (one dict an image) as text
+    chunks."""
     from PIL.PngImagePlugin import PngInfo
 
-    info = PngInfo()
-    for key, value in metadata.items():
-        info.add_itxt(key, value)
-    for path, image in zip(paths, images):
+    for path, image, text in zip(paths, images, metadata):
+        info = PngInfo()
+        for key, value in text.items():
+            info.add_itxt(key, value)
         with replaced(path) as temporary:  # PIL takes the options of its format and ignores the others'
             image.save(temporary, format=IMAGE_FORMATS[path.suffix.lower()], pnginfo=info, quality=DEFAULT_QUALITY)
 
 
-def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: dict[str, str]) -> list[Path]:
-    """Each video as an MP4 or its frames in a folder (``x.png`` or ``x/`` -> ``x/0000.png``); returns the paths."""
+def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: list[dict[str, str]]) -> list[Path]:
+    """Each video as an MP4 or its frames in a folder (``x.png`` or ``x/`` -> ``x/0000.png``), with its own
+    ``metadata``; returns the paths."""
     written = []
-    for path, frames in zip(paths, videos):
+    for path, frames, text in zip(paths, videos, metadata):
         if path.suffix.lower() == VIDEO_SUFFIX:
-            video = encode_mp4(frames, fps, metadata)  # before the file: an encoder's failure is not the disk's
+            video = encode_mp4(frames, fps, text)  # before the file: an encoder's failure is not the disk's
             with replaced(path) as temporary:
                 temporary.write_bytes(video)
         else:
             suffix = path.suffix if path.suffix.lower() in IMAGE_FORMATS else ".png"
             path = path.with_suffix("") if path.suffix.lower() in IMAGE_FORMATS else path  # the frames' folder
-            save_images(frames, [path / f"{i:04d}{suffix}" for i in range(len(frames))], metadata)
+            save_images(frames, [path / f"{i:04d}{suffix}" for i in range(len(frames))], [text] * len(frames))
         written.append(path)
     return written
 
@@ -105,10 +107,29 @@ def read_image(path: str, flag: str = "--image"):
 
     try:
         with warnings.catch_warnings(action="ignore", category=Image.DecompressionBombWarning):  # PIL's raw one
-            with Image.open(path) as image:  # past PIL's limit (diffusers' too) it raises, naming size and limit
+            with Image.open(path) as image:  # past PIL's limit (diffusers' too) it raises from the header
                 return rgb_image(image, f"{flag} {path}")
-    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError:
+        width, height = header_size(path)
+        raise InvalidRequest(
+            f"{flag} {path} is {width}x{height} ({width * height:,} pixels), past the {2 * Image.MAX_IMAGE_PIXELS:,} "
+            "paradit decodes (PIL's limit, as diffusers' load_image has it); give a smaller image"
+        ) from None
+    except (OSError, UnidentifiedImageError) as exc:
         raise InvalidRequest(f"{flag} {path} cannot be read as an image ({exc.__class__.__name__}: {exc})") from None
+
+
+def header_size(path: str) -> tuple[int, int]:
+    """An image's size as its header gives it, however large: PIL's pixel limit lifted for a read that decodes
+    nothing (the command line reads its images on one thread)."""
+    from PIL import Image
+
+    limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+    try:
+        with Image.open(path) as image:
+            return image.size
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
 
 
 def rgb_image(image, name: str = "image"):

@@ -7,8 +7,7 @@ diffusers refuses the unknown method rather than reading FP8 bytes as weights.
 Converting and saving run anywhere (the CPU included); only executing FP8 needs a GPU (``check_fp8_supported``).
 Which layers stay in bf16 is a measured choice, not a guess: the embedders, the timestep/guidance MLPs, the
 modulation projections and the output projection are a small share of the FLOPs but feed every block (modulation)
-or the final prediction directly, so their error is not averaged away; the benchmark reports the resulting error.
-Must not import torch.distributed."""
+or the final prediction directly, so their error is not averaged away; the benchmark reports the resulting error."""
 
 from __future__ import annotations
 
@@ -64,8 +63,9 @@ def fp8_checkpoint_layers(config: dict) -> list[str] | None:
     return list(quantization["modules"])
 
 
-def fp8_load(model: nn.Module, names: ModelNames, config: dict, quantize: str, dtype: torch.dtype,
-             keep: tuple[str, ...]) -> Fp8Load | None:  # fmt: skip
+def fp8_load(
+    model: nn.Module, names: ModelNames, config: dict, quantize: str, dtype: torch.dtype, keep: tuple[str, ...]
+) -> Fp8Load | None:
     """The linears of the (parallelized, still meta) ``model`` to load as ``dtype`` FP8, by ``names`` (of the plain
     model): those of an FP8 checkpoint (``config`` declares them), else with ``quantize="fp8"`` the quantizable ones
     (``keep``: the family's high-precision fragments) at their sharded sizes. None when nothing loads as FP8."""

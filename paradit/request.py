@@ -1,69 +1,272 @@
-"""What a caller asks for and what it gets back.
-Must not import torch (the command line reads its limits before anything heavy loads)."""
+"""What a caller asks for, what a request becomes once resolved, and what it gets back."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from PIL import Image
+
+from paradit.errors import InvalidRequest
+from paradit.flags import GENERATE, PLAN, REQUIRED, finite, option, positive, whole_number
+from paradit.outputs import read_image
 
 if TYPE_CHECKING:
     import torch
 
-    from paradit.pipelines.requests import ResolvedRequest
-
 SEED_LIMIT = 2**64  # seeds are torch generators' 64-bit seeds: 0 to 2**64 - 1
+# Bounds a server sets on what one request may ask for, tighter than the engine's own (``pipelines.requests``): a
+# prompt far past what any text encoder reads, and steps past any published schedule, so that no one request holds a
+# shared group for long.
+MAX_PROMPT_CHARS = 10_000
+SERVED_MAX_STEPS = 500
 CACHE_METHODS = ("first-block", "mag", "taylorseer")
 CACHE_THRESHOLDS = {"first-block": 0.05, "mag": 0.06}  # diffusers' defaults
+# The parameters each method reads (its diffusers config's); another method's is refused, never silently ignored.
+CACHE_PARAMETERS = {
+    "first-block": ("threshold",),
+    "mag": ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios", "calibrate"),
+    "taylorseer": ("cache_interval", "disable_cache_before_step", "disable_cache_after_step", "max_order"),
+}
+# ``--scheduler``: diffusers' FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler and DPMSolverMultistepScheduler
+# (DPM-Solver++, second order), the multistep two predicting flow on shifted flow sigmas
+SCHEDULERS = ("flow-euler", "unipc", "dpmpp-2m")
+
+
+CACHING = "step caching (skip the blocks of steps that barely change)"
+cache_option = functools.partial(option, commands=(GENERATE,), group=CACHING)
+
+
+def read_ratios(text: str) -> tuple[float, ...]:
+    """``--cache-mag-ratios``: comma-separated numbers."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidRequest(f"--cache-mag-ratios {text!r} is not a comma-separated list of numbers") from None
+
+
+def seed(text: str) -> int | str:
+    """A 64-bit seed, or ``random`` (drawn once the request is resolved, then printed)."""
+    if text == "random":
+        return text
+    if not 0 <= (value := whole_number(text, "is neither a whole number nor 'random'")) < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 to {SEED_LIMIT - 1} or 'random'")
+    return value
+
+
+def one_or_many(prompts: list[str]) -> str | list[str]:
+    return prompts[0] if len(prompts) == 1 else prompts
+
+
+def read_images(paths: list[str]) -> list[Image.Image]:
+    return [read_image(path) for path in paths]
 
 
 @dataclass(frozen=True)
 class StepCacheConfig:
-    """Step caching (``--cache``): a method of ``CACHE_METHODS`` with the parameters of diffusers' config of it, by
-    their names and with their defaults (``threshold``: the method's in ``CACHE_THRESHOLDS`` when unset).
-    first-block reads ``threshold``; mag ``threshold``, ``max_skip_steps``, ``retention_ratio`` and ``mag_ratios`` (a
-    calibrated curve, any length) or ``calibrate``; taylorseer ``cache_interval``, ``disable_cache_before_step``,
-    ``disable_cache_after_step`` and ``max_order``."""
+    """Step caching (``--cache``): a method of ``CACHE_METHODS`` with the parameters of diffusers' config of it that
+    ``CACHE_PARAMETERS`` lists, by their names and with their defaults (``threshold``: the method's in
+    ``CACHE_THRESHOLDS`` when unset; ``mag_ratios``: a calibrated curve, any length)."""
 
-    method: str
-    threshold: float | None = None
-    cache_interval: int = 5
-    disable_cache_before_step: int = 3
-    disable_cache_after_step: int | None = None
-    max_order: int = 1
-    max_skip_steps: int = 3
-    retention_ratio: float = 0.2
-    mag_ratios: tuple[float, ...] | None = None
-    calibrate: bool = False
+    method: str = cache_option(
+        name="--cache",
+        choices=CACHE_METHODS,
+        help="as diffusers' FirstBlockCache, MagCache and TaylorSeer (lite) hooks do",
+    )
+    threshold: float | None = cache_option(
+        name="--cache-threshold", type=float, help="first-block, mag: the threshold (default 0.05; mag 0.06)"
+    )
+    cache_interval: int = cache_option(5, type=int, help="taylorseer: steps between computed ones (default 5)")
+    disable_cache_before_step: int = cache_option(
+        3, name="--cache-disable-before-step", type=int, help="taylorseer: steps computed first (default 3)"
+    )
+    disable_cache_after_step: int | None = cache_option(
+        name="--cache-disable-after-step", type=int, help="taylorseer: computed from this step on"
+    )
+    max_order: int = cache_option(
+        1, name="--cache-max-order", type=int, help="taylorseer: the expansion's highest order (default 1)"
+    )
+    max_skip_steps: int = cache_option(
+        3, name="--cache-max-skip-steps", type=int, help="mag: most steps skipped in a row (default 3)"
+    )
+    retention_ratio: float = cache_option(
+        0.2,
+        name="--cache-retention-ratio",
+        type=float,
+        help="mag: the share of first steps never skipped (default 0.2)",
+    )
+    mag_ratios: tuple[float, ...] | None = cache_option(
+        name="--cache-mag-ratios",
+        convert=read_ratios,
+        help="mag: the model's magnitude ratios, comma-separated (default: the curve --cache-calibrate measured for "
+        "this model)",
+    )
+    calibrate: bool = cache_option(
+        False,
+        name="--cache-calibrate",
+        action="store_true",
+        help="with --cache mag: skip nothing, print the model's magnitude ratios and keep them for the next --cache "
+        "mag run",
+    )
+
+    def record(self) -> dict[str, Any]:
+        """The method and the parameters it reads, for ``--json`` and the PNG metadata."""
+        return {"method": self.method, **{name: getattr(self, name) for name in CACHE_PARAMETERS[self.method]}}
 
 
 @dataclass
 class GenerationRequest:
     """One call: ``prompt`` may be a list (one batch); unset fields take the model's defaults."""
 
-    prompt: str | list[str]
-    negative_prompt: str | list[str] | None = None
-    height: int | None = None
-    width: int | None = None
-    steps: int | None = None
-    guidance: float | None = None
-    seed: int | None = None
-    num_images_per_prompt: int = 1
-    frames: int | None = None  # video models: frames per video (the model's default when unset)
-    guidance_2: float | None = None  # models with a low-noise expert: its guidance (diffusers' guidance_scale_2)
+    prompt: str | list[str] = option(
+        REQUIRED,
+        action="append",
+        required=True,
+        convert=one_or_many,
+        commands=(GENERATE,),
+        help="repeat for several prompts in one batch",
+    )
+    negative_prompt: str | list[str] | None = option(
+        commands=(GENERATE,),
+        remote="negative_prompt",
+        http=(str | None, dict(max_length=MAX_PROMPT_CHARS)),
+        help="for models with true classifier-free guidance",
+    )
+    # Sizes and steps are checked against the model, which knows its bounds.
+    height: int | None = option(type=int, commands=(GENERATE, PLAN), help="pixels (default: the model's)")
+    width: int | None = option(type=int, commands=(GENERATE, PLAN), help="pixels (default: the model's)")
+    steps: int | None = option(
+        type=int,
+        commands=(GENERATE, PLAN),
+        remote="steps",
+        http=(int | None, dict(ge=1, le=SERVED_MAX_STEPS)),
+        help="denoise steps (default: the model's)",
+    )
+    guidance: float | None = option(
+        type=finite,
+        commands=(GENERATE,),
+        remote="guidance",
+        http=(float | None, dict(ge=0, allow_inf_nan=False)),
+        help="guidance scale (default: the model's)",
+    )
+    seed: int | None = option(
+        type=seed,
+        absent=0,
+        convert=lambda value: None if value == "random" else value,
+        commands=(GENERATE,),
+        remote="seed",
+        http=(int | None, dict(ge=0, lt=SEED_LIMIT, description="drawn at random when absent; answered back")),
+        help="a 64-bit seed, or 'random'",
+    )
+    num_images_per_prompt: int = option(
+        1,
+        name="--images-per-prompt",
+        type=positive,
+        absent=1,
+        commands=(GENERATE,),
+        help="images of each prompt",
+    )
+    frames: int | None = option(
+        type=int,
+        commands=(GENERATE, PLAN),
+        remote="frames",
+        http=(int | None, dict(ge=1)),
+        routes=("videos",),
+        help="video models: frames per video, 4k+1 (default: the model's)",
+    )
+    guidance_2: float | None = option(
+        type=finite,
+        commands=(GENERATE,),
+        remote="guidance_2",
+        http=(float | None, dict(ge=0, allow_inf_nan=False)),
+        routes=("videos",),
+        help="models with a low-noise expert: its guidance scale (diffusers' guidance_scale_2)",
+    )
     # image-conditioned models: Wan's first frame to animate, FLUX.2's reference images (a list: several)
-    image: Image.Image | list[Image.Image] | None = None
-    strength: float | None = None  # image-to-image: the share of the schedule run from the noised image (0-1]
-    mask: Image.Image | None = None  # inpainting: white where the image is repainted, the image's size
-    fps: int | None = None  # video models: frames per second of the written file (the model's default when unset)
+    image: Image.Image | list[Image.Image] | None = option(
+        action="append",
+        convert=read_images,
+        commands=(GENERATE,),
+        help="an input image, repeatable where the model takes several: image-to-video's first frame, a reference to "
+        "edit from, image-to-image's start",
+    )
+    strength: float | None = option(
+        type=finite,
+        commands=(GENERATE,),
+        remote="strength",
+        http=(float | None, dict(gt=0, le=1, description="image-to-image: the share of the steps run")),
+        routes=("edits",),
+        help="image-to-image (with --image): the share of the steps run from the noised image, above 0 to 1 (default "
+        "0.6; inpainting: the model pipeline's)",
+    )
+    mask: Image.Image | None = option(
+        convert=lambda path: read_image(path, "--mask"),
+        commands=(GENERATE,),
+        help="inpainting (with --image): a picture of the image's size, white where it is repainted, black where it "
+        "is kept",
+    )
+    fps: int | None = option(
+        type=positive,
+        commands=(GENERATE,),
+        remote="fps",
+        http=(int | None, dict(ge=1)),
+        routes=("videos",),
+        help="video models: frames per second of the MP4 (default: the model's)",
+    )
     # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
     lora: tuple[tuple[str, float], ...] | None = None
-    cache: StepCacheConfig | None = None  # step caching (None: every step runs every block)
+    cache: StepCacheConfig | None = None  # step caching (None: every step runs every block; its flags: StepCacheConfig)
+    scheduler: str | None = option(
+        name="--scheduler",
+        choices=SCHEDULERS,
+        commands=(GENERATE,),
+        remote="scheduler",
+        http=(Literal[*SCHEDULERS] | None, dict(description="the sampler (default: the model's)")),
+        help="the sampler, as diffusers' pipeline with that scheduler swapped in (default: the model's own)",
+    )
+    shift: float | None = option(
+        name="--shift",
+        type=finite,
+        commands=(GENERATE,),
+        remote="shift",
+        http=(float | None, dict(gt=0, allow_inf_nan=False, description="the static timestep shift")),
+        help="the static timestep shift, above 0; replaces a dynamic one (default: the model's)",
+    )
 
     @property
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+@dataclass
+class ResolvedRequest:
+    """A request with every default filled in and every value checked."""
+
+    prompts: list[str]
+    negative_prompts: list[str] | None
+    height: int
+    width: int
+    steps: int
+    guidance: float | None
+    seed: int
+    images_per_prompt: int
+    frames: int | None = None  # video families: frames per video
+    guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
+    images: tuple[Image.Image, ...] = ()  # the input images, RGB: Wan's first frame, FLUX.2's references
+    reference_tokens: int = 0  # tokens the input images add to the transformer's sequence (FLUX.2's references)
+    strength: float | None = None  # image-to-image: the share of the schedule run, from the image noised to its start
+    mask: Image.Image | None = None  # inpainting: grayscale, the image's size; white is repainted, black kept
+    fps: int | None = None  # video families: frames per second of the written file
+    lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
+    cache: StepCacheConfig | None = None  # step caching, its threshold set
+    scheduler: str | None = None  # one of SCHEDULERS (None: the checkpoint's own scheduler)
+    shift: float | None = None  # the static timestep shift (None: the checkpoint's shift, static or dynamic)
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts) * self.images_per_prompt
 
 
 @dataclass
@@ -80,15 +283,8 @@ class Timings:
     comm_bytes_per_step: int = 0  # sent by the rank that reports, per denoise step
     plan: str = "1 GPU"
     text_encoders: str = "gpu"  # their placement on rank 0 (text_encoder.PLACEMENTS)
-    # step caching, per model call: whether each guidance branch of each request had its blocks skipped
-    cache_skipped: list[tuple[bool, ...]] = field(default_factory=list)
-    cache_blocks_skipped: int = 0  # block evaluations not run (a batched call counts once)
-    mag_ratios: list[float] = field(default_factory=list)  # --cache mag --cache-calibrate: the curve measured
-
-    @property
-    def cache_skipped_steps(self) -> int:
-        """Model calls whose blocks every branch skipped."""
-        return sum(all(call) for call in self.cache_skipped)
+    # what the request's features reported, by name: "step_cache", what step caching skipped (a CacheRecord)
+    features: dict[str, Any] = field(default_factory=dict)
 
     @property
     def median_step_ms(self) -> float:

@@ -1,9 +1,7 @@
-"""``settle``: the one place that turns what a user asked (``paradit generate``'s flags, a server's settings, the
-Python ``Engine``'s arguments) into the settings a run executes with (``choices``, then the checks and the memory
-plan), every one checked before anything loads.
-
-Must not import torch.distributed.
-"""
+"""``settle``: the one front door. It turns what a user asked (``Asked``: ``paradit generate``'s and ``plan``'s flags,
+a server's settings, the Python ``Engine``'s arguments) and the request, when there is one, into the settings a run
+executes with (``choices``, then every check, the family's included, and the memory plan) and the request resolved
+once, before anything loads."""
 
 from __future__ import annotations
 
@@ -16,24 +14,25 @@ from pathlib import Path
 import torch
 
 from paradit.checkpoint import resolve_checkpoint
-from paradit.device_memory import MemoryBudget, free_memory
+from paradit.device_memory import MemoryBudget
 from paradit.errors import InvalidRequest
-from paradit.families import DEFAULT_MODEL, FAMILIES, PRESETS, spec_from_folder
+from paradit.families import FAMILIES, PRESETS, spec_from_folder
+from paradit.flags import check_choices
 from paradit.fp8_checkpoint import PRESET_FILE, spec_with_fp8_transformer
-from paradit.lora import LoraSet
 from paradit.lora.apply import check_adapters, check_choice
+from paradit.lora.refs import MODES
+from paradit.machine import Machine
 from paradit.memory import MemoryPlan, cap_words, check_fits, check_placement, gib, lowering_options, parse_size
-from paradit.optimize import ExecutionOptions
+from paradit.options import LOAD_FORMATS, Asked, ExecutionOptions, check_conflicts
 from paradit.parallel.config import ParallelConfig, plans_for
 from paradit.parallel.validate import check_plan
-from paradit.pipelines.requests import ResolvedRequest
 from paradit.planner.choose import settings_for
 from paradit.quantize import fp8_checkpoint_layers
-from paradit.request import GenerationRequest
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, RandomWeights
 
+# The dtypes ``options.DTYPES`` names.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LOAD_FORMATS = ("auto", "dummy")
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -46,13 +45,13 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
     return DTYPES[dtype]
 
 
-def parse_device(device: str | torch.device | None) -> torch.device:
+def parse_device(device: str | torch.device | None, machine: Machine) -> torch.device:
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if machine.gpus else "cpu")
     device = torch.device(device)
     if device.type not in ("cuda", "cpu"):
         raise InvalidRequest(f"unknown device {str(device)!r}; choose cuda (CUDA or ROCm builds) or cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not machine.gpus:
         raise InvalidRequest("device cuda was asked for but this PyTorch build sees no GPU; use --device cpu")
     return device
 
@@ -87,32 +86,6 @@ def launched_by_torchrun() -> bool:
 
 
 @dataclass(frozen=True)
-class Asked:
-    """What a user asked for; None (and ``auto``) leave the choice to paradit."""
-
-    model: str | ModelSpec = DEFAULT_MODEL
-    device: str | torch.device | None = None
-    dtype: str | torch.dtype | None = None
-    load_format: str = "auto"
-    allow_pickle: bool = False
-    gpus: int | None = None  # the group's size; without degrees, the plan is paradit's to choose
-    parallel: ParallelConfig | None = None  # explicit degrees
-    comm_dtype: str | None = None  # these three, and shard_weights, apply on top of whichever plan runs
-    patches: int | None = None
-    warmup_steps: int | None = None
-    quantize: str | None = None
-    compile: bool | None = None
-    cuda_graphs: bool | None = None
-    swap_experts: bool = False
-    max_gpu_memory: str | int | None = None
-    text_encoder_placement: str = "auto"
-    shard_weights: int | None = None
-    lora: LoraSet | None = None
-    attention: str | None = None
-    attention_bf16_steps: int = 0
-
-
-@dataclass(frozen=True)
 class RunSettings:
     """What a run executes with, settled and checked: the model, where and in which dtype, the plan, the execution
     options, the memory cap (None: none) and plan (None where none was made: the CPU without a cap), where the prompt
@@ -129,6 +102,7 @@ class RunSettings:
     text_encoder_placement: str = "gpu"
     origin: str | None = None
     memory_limit: str | None = None
+    request: ResolvedRequest | None = None  # the one request it was settled for, resolved (the command line's)
 
     @property
     def family(self):
@@ -140,43 +114,44 @@ class RunSettings:
         if self.memory_plan is None:
             return MemoryBudget()
         options = self.options
-        advice = lowering_options(self.spec, self.parallel, options.quantize == "fp8", self.text_encoder_placement,
-                                  options.swap_experts)  # fmt: skip
+        advice = lowering_options(
+            self.spec, self.parallel, options.quantize == "fp8", self.text_encoder_placement, options.swap_experts
+        )
         advice.append("or a smaller size")
         return MemoryBudget(self.memory_plan.total, self.memory_limit or "", ", ".join(advice))
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        """``request`` with the model's defaults filled in and its choice of adapters checked against the run's, or
-        InvalidRequest naming what is wrong (the one resolution of a request, wherever it arrives)."""
-        resolved = self.family.resolve_request(self.spec, request)
+        """``request`` with the model's defaults filled in and checked against this run, or InvalidRequest naming
+        what is wrong: the one resolution of a request, wherever it arrives."""
+        return self.checked(self.family.resolve_request(self.spec, request))
+
+    def checked(self, resolved: ResolvedRequest) -> ResolvedRequest:
+        """A resolved request checked against what this run's plan and options can give it (the family's rules,
+        ``CONFLICTS``), its choice of adapters against the run's."""
         if self.family.check_run is not None:
             self.family.check_run(self, resolved)
-        if resolved.cache is not None:
-            # A decision made at the head block must reach every block of the step before they run: PipeFusion's
-            # stages run a step's blocks patch by patch ahead of it, and a CUDA graph replays one fixed set of blocks.
-            if self.parallel.pipefusion > 1:
-                raise InvalidRequest("step caching does not combine with PipeFusion; drop the cache or --pipefusion",
-                                     param="cache")  # fmt: skip
-            if self.options.cuda_graphs:
-                raise InvalidRequest("step caching does not combine with CUDA graphs; drop the cache or "
-                                     "--cuda-graphs", param="cache")  # fmt: skip
+        check_conflicts(self.parallel, self.options, self.device.type, resolved)
         return dataclasses.replace(resolved, lora=check_choice(self.options.lora, resolved.lora))
 
 
-def default_plan_for(spec: ModelSpec, gpus: int, request: GenerationRequest | None = None,
-                     device: str | torch.device | None = None) -> ParallelConfig:  # fmt: skip
+def default_plan_for(
+    spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None
+) -> ParallelConfig:
     """The plan ``--gpus N`` alone gets: on GPUs of a known hardware profile, the planner's (the tuned entry for the
     request, else a plan made for it: ``planner.choose``). Elsewhere (CPU processes, an unknown GPU): CFG parallel
     only when the request (or, without one, the model's defaults) runs both guidance branches, so that no half of the
     group idles; the rest Ulysses, then Ring."""
-    return choices(Asked(spec, device, gpus=gpus), spec, request)[0]
+    resolved = None if request is None else FAMILIES[spec.family].resolve_request(spec, request)
+    return choices(Asked(spec, device, gpus=gpus), spec, resolved, Machine.detect())[0]
 
 
-def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = None,
-            ) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:  # fmt: skip
-    """What ``asked`` leaves open, chosen: the plan (the degrees asked for, else the tuned or planned one, else the
-    default), the execution options and prompt-encoder placement (asked for, else the tuned choice's), and a line
-    saying where a tuned or planned choice came from (None otherwise). Nothing is checked yet."""
+def choices(
+    asked: Asked, spec: ModelSpec, resolved: ResolvedRequest | None, machine: Machine
+) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:
+    """What ``asked`` leaves open, chosen for ``resolved`` (None: the model's defaults) on ``machine``: the plan (the
+    degrees asked for, else the tuned or planned one, else the default), the execution options and prompt-encoder
+    placement (asked for, else the tuned choice's), and a line saying where a tuned or planned choice came from (None
+    otherwise). Nothing is checked yet."""
     planned = None
     if asked.parallel is not None:
         parallel = asked.parallel
@@ -184,28 +159,55 @@ def choices(asked: Asked, spec: ModelSpec, request: GenerationRequest | None = N
             parallel.validate(asked.gpus, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
     elif (gpus := asked.gpus or 1) == 1:
         parallel = ParallelConfig()
-    elif (planned := settings_for(spec, gpus, request, asked.device)) is not None:
+    elif (planned := settings_for(spec, gpus, resolved, asked.device, machine.profile_for(gpus))) is not None:
         parallel = planned.parallel
     else:
         family = FAMILIES[spec.family]
-        resolved = family.resolve_request(spec, request or GenerationRequest(prompt="a"))
+        resolved = resolved or family.resolve_request(spec, GenerationRequest(prompt="a"))
         guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
         parallel = plans_for(gpus, guides, spec.attention_heads)[0]
     parallel = dataclasses.replace(
-        parallel, comm_dtype=asked.comm_dtype or parallel.comm_dtype, patches=asked.patches or parallel.patches,
+        parallel,
+        comm_dtype=asked.comm_dtype or parallel.comm_dtype,
+        patches=asked.patches or parallel.patches,
         warmup_steps=asked.warmup_steps or parallel.warmup_steps,
         shard_weights=parallel.shard_weights if asked.shard_weights is None else asked.shard_weights,
-    )  # fmt: skip
+    )
     placement = asked.text_encoder_placement
     if planned is not None and placement == "auto" and asked.max_gpu_memory is None:
         placement = planned.text_encoder_placement  # under a cap, the memory plan places them for that cap
-    options = ExecutionOptions(
-        quantize=asked.quantize or (planned.quantize if planned else "none"), compile=asked.compile,
-        cuda_graphs=bool(asked.cuda_graphs or (planned and planned.cuda_graphs)),
-        swap_experts=asked.swap_experts or bool(planned and planned.swap_experts), lora=asked.lora or LoraSet(),
-        attention=asked.attention or "sdpa", attention_bf16_steps=asked.attention_bf16_steps,
-    )  # fmt: skip
+    wanted = asked.options
+    options = dataclasses.replace(
+        wanted,
+        quantize=wanted.quantize or (planned.quantize if planned else "none"),
+        cuda_graphs=bool(wanted.cuda_graphs or (planned and planned.cuda_graphs)),
+        swap_experts=bool(wanted.swap_experts or (planned and planned.swap_experts)),
+        attention=wanted.attention or "sdpa",
+    )
     return parallel, options, placement, planned.origin if planned else None
+
+
+def check_execution(spec: ModelSpec, options: ExecutionOptions, device: torch.device, machine: Machine) -> None:
+    """Refuse what ``device`` cannot execute: FP8 linears or attention without the kernels, an FP8 checkpoint run
+    otherwise than in FP8, a negative count of fused adapter choices."""
+    if fp8_checkpoint_layers(spec.transformer) is not None:  # it runs in FP8 or not at all
+        if options.quantize != "fp8":
+            raise InvalidRequest(f"{spec.name} holds an FP8 transformer; run it with --quantize fp8")
+        try:
+            machine.check_fp8(device)
+        except InvalidRequest:  # its own advice (drop --quantize fp8) would lead to the refusal above
+            raise InvalidRequest(
+                f"{spec.name} holds an FP8 transformer, which needs a GPU with FP8 kernels (compute capability "
+                "8.9+, MI300 or RDNA 4); on this device run the checkpoint it was quantized from"
+            ) from None
+    if options.quantize == "fp8":
+        machine.check_fp8(device)
+    if options.attention == "fp8":
+        machine.check_fp8_attention(device)
+    if options.lora.mode not in MODES:
+        raise InvalidRequest(f"unknown LoRA mode {options.lora.mode!r}; choose one of {', '.join(MODES)}")
+    if options.lora.cache < 0:
+        raise InvalidRequest(f"--lora-cache {options.lora.cache}: give 0 (side paths) or more fused choices")
 
 
 def available_memory() -> int | None:
@@ -221,94 +223,111 @@ def check_cpu_group(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtyp
     the transformer's weights alone pass the memory available (a bound that errs low: the rest is not counted)."""
     processes, cores = parallel.world_size, os.cpu_count() or 1
     if processes > PROCESSES_PER_CORE * cores:
-        raise InvalidRequest(f"{processes} CPU processes asked for on {cores} cores; give at most "
-                             f"{PROCESSES_PER_CORE * cores} ({PROCESSES_PER_CORE} a core)")  # fmt: skip
+        raise InvalidRequest(
+            f"{processes} CPU processes asked for on {cores} cores; give at most "
+            f"{PROCESSES_PER_CORE * cores} ({PROCESSES_PER_CORE} a core)"
+        )
     with torch.device("meta"):
         parameters = sum(p.numel() for p in FAMILIES[spec.family].build_transformer(spec).parameters())
     shares = parallel.tensor * parallel.pipefusion * (parallel.shard_weights or 1)
     held = processes * parameters * dtype.itemsize // shares
     if held > (available := available_memory() or held):
-        raise InvalidRequest(f"{processes} CPU process(es) would hold {gib(held)} GiB of {spec.name}'s transformer "
-                             f"weights in {str(dtype).removeprefix('torch.')}, past the {gib(available)} GiB of memory "
-                             "available; give --dtype bf16 (half), --shard-weights, --tensor or --pipefusion (a share "
-                             "each), or fewer processes")  # fmt: skip
+        raise InvalidRequest(
+            f"{processes} CPU process(es) would hold {gib(held)} GiB of {spec.name}'s transformer "
+            f"weights in {str(dtype).removeprefix('torch.')}, past the {gib(available)} GiB of memory "
+            "available; give --dtype bf16 (half), --shard-weights, --tensor or --pipefusion (a share "
+            "each), or fewer processes"
+        )
 
 
-def settle(asked: Asked, request: GenerationRequest | None = None) -> RunSettings:
-    """The settings for ``asked`` (and its one request, when known: it is checked too, and plans and memory are sized
-    for it), or InvalidRequest naming what cannot run and what can."""
-    device = parse_device(asked.device)
+def settle(asked: Asked, request: GenerationRequest | None = None, machine: Machine | None = None) -> RunSettings:
+    """The settings for ``asked`` on ``machine`` (default: this one), and for its one request when known: that
+    request is resolved here, once, checked against the run, and plans and memory are sized for it
+    (``RunSettings.request``). Every refusal happens here, before anything loads: InvalidRequest naming what cannot
+    run and what can."""
+    machine = machine or Machine.detect()
+    check_choices(asked)
+    check_choices(asked.options)
+    device = parse_device(asked.device, machine)
     dtype = parse_dtype(asked.dtype, device)
-    spec = asked.model if isinstance(asked.model, ModelSpec) else resolve_model(asked.model, asked.load_format,
-                                                                               asked.allow_pickle)  # fmt: skip
+    spec = (
+        asked.model
+        if isinstance(asked.model, ModelSpec)
+        else resolve_model(asked.model, asked.load_format, asked.allow_pickle)
+    )
     family = FAMILIES[spec.family]
     resolved = None if request is None else family.resolve_request(spec, request)
-    parallel, options, placement, origin = choices(asked, spec, request)
-    if options.cuda_graphs and parallel.pipefusion > 1:
-        # PipeFusion counts steps on the host to choose warm-up or patched steps; a graph replay would skip that.
-        raise InvalidRequest("CUDA graphs do not combine with pipefusion yet; drop --cuda-graphs or --pipefusion")
-    if parallel.shard_weights and (options.cuda_graphs or options.swap_experts):
-        # A graph replays the addresses it captured, which each gather allocates anew; a swap moves whole tensors,
-        # where sharding keeps 1/N of each expert resident already.
-        raise InvalidRequest("--shard-weights does not combine with --cuda-graphs or --swap-experts; drop one")
-    if parallel.shard_weights and options.lora.cache:  # a merge copies into whole weights, which sharding splits
-        raise InvalidRequest("--lora-cache does not combine with --shard-weights; drop one (--lora-cache 0: side "
-                             "paths)")  # fmt: skip
-    if fp8_checkpoint_layers(spec.transformer) is not None:  # it runs in FP8 or not at all
-        if options.quantize != "fp8":
-            raise InvalidRequest(f"{spec.name} holds an FP8 transformer; run it with --quantize fp8")
-        try:
-            options.validate(device)
-        except InvalidRequest:  # its own advice (drop --quantize fp8) would lead to the refusal above
-            raise InvalidRequest(
-                f"{spec.name} holds an FP8 transformer, which needs a GPU with FP8 kernels (compute capability "
-                "8.9+, MI300 or RDNA 4); on this device run the checkpoint it was quantized from"
-            ) from None
-    options.validate(device)
+    parallel, options, placement, origin = choices(asked, spec, resolved, machine)
+    check_conflicts(parallel, options, device.type)
+    check_execution(spec, options, device, machine)
     check_plan(family, spec, parallel)
     gpus, fp8 = parallel.world_size, options.quantize == "fp8"
     adapter_bytes = check_adapters(family, spec, options.lora, dtype, fp8)
-    if device.type == "cuda" and not launched_by_torchrun() and (device.index or 0) + gpus > torch.cuda.device_count():
+    if device.type == "cuda" and not launched_by_torchrun() and (device.index or 0) + gpus > machine.gpus:
         start = "" if device.index is None else f" from {device}"
-        raise InvalidRequest(f"{gpus} GPUs{start} asked for, but this machine has {torch.cuda.device_count()}")
+        raise InvalidRequest(f"{gpus} GPUs{start} asked for, but this machine has {machine.gpus}")
     check_placement(placement, fp8)
     cap = None if asked.max_gpu_memory is None else parse_size(asked.max_gpu_memory)
     # Uncapped on GPUs, the plan is made for the memory they have free, so that it places, swaps and tiles as a
     # capped run would; a cap asked for on the CPU is for the GPU plan it would run.
-    limit, limit_words = (cap, cap_words(cap)) if cap is not None else free_limit(device, gpus)
+    limit, limit_words = (cap, cap_words(cap)) if cap is not None else free_limit(device, gpus, machine)
     memory_plan = None
     if limit is not None:  # estimated at the request's size when there is one, else the model's
         sized, extra_tokens = spec, 0 if resolved is None else resolved.reference_tokens
         if resolved is not None:
-            sized = dataclasses.replace(spec, height=resolved.height, width=resolved.width,
-                                        frames=resolved.frames or spec.frames)  # fmt: skip
-        compiled = options.compiles(device)
-        words = None if cap is not None else limit_words
-        fp8_attention = options.attention == "fp8"
+            sized = dataclasses.replace(
+                spec, height=resolved.height, width=resolved.width, frames=resolved.frames or spec.frames
+            )
+
+        def fits(swap_experts: bool) -> MemoryPlan:
+            return check_fits(
+                sized,
+                parallel,
+                dtype,
+                fp8,
+                limit,
+                placement,
+                swap_experts,
+                compiled=options.compiles(device),
+                adapter_bytes=adapter_bytes,
+                extra_tokens=extra_tokens,
+                limit=None if cap is not None else limit_words,
+                fp8_attention=options.attention == "fp8",
+            )
+
         try:
-            memory_plan = check_fits(sized, parallel, dtype, fp8, limit, placement, options.swap_experts, compiled,
-                                     adapter_bytes, extra_tokens, words, fp8_attention)  # fmt: skip
+            memory_plan = fits(options.swap_experts)
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
-            memory_plan = check_fits(sized, parallel, dtype, fp8, limit, placement, True, compiled, adapter_bytes,
-                                     extra_tokens, words, fp8_attention)  # fmt: skip
+            memory_plan = fits(True)
             options = dataclasses.replace(options, swap_experts=True)
-            options.validate(device)
+            check_conflicts(parallel, options, device.type)
         placement = memory_plan.text_encoder_placement
     if device.type == "cpu":  # after the cap's check: a cap asked for on the CPU is for the GPU plan it would run
         check_cpu_group(spec, parallel, dtype)
-    return RunSettings(spec, device, dtype, parallel, options, cap, memory_plan,
-                       "gpu" if placement == "auto" else placement, origin, limit_words)  # fmt: skip
+    settings = RunSettings(
+        spec,
+        device,
+        dtype,
+        parallel,
+        options,
+        cap,
+        memory_plan,
+        "gpu" if placement == "auto" else placement,
+        origin,
+        limit_words,
+    )
+    return settings if resolved is None else dataclasses.replace(settings, request=settings.checked(resolved))
 
 
-def free_limit(device: torch.device, gpus: int) -> tuple[int | None, str | None]:
+def free_limit(device: torch.device, gpus: int, machine: Machine) -> tuple[int | None, str | None]:
     """The free memory of the group's least free GPU (``device_memory.free_memory``) and its words; none on the CPU.
     Under torchrun each process checks its own GPU."""
     if device.type != "cuda":
         return None, None
     first = int(os.environ["LOCAL_RANK"]) if launched_by_torchrun() else device.index or 0
     indices = [first] if launched_by_torchrun() else range(first, first + gpus)
-    free, index = min((free_memory(index), index) for index in indices)
-    return free, f"the {gib(free)} GiB free on GPU {index}"
+    free, index = min((machine.free_memory(index), index) for index in indices)
+    return free, machine.memory_words(free, index)

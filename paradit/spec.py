@@ -1,15 +1,23 @@
-"""``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder.
-Must not import torch.distributed."""
+"""``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder (the one
+a family's ``read_checkpoint`` builds: ``checkpoint_spec``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from paradit.checkpoint import safetensors_files
+from paradit.checkpoint import component_config, safetensors_files
 
 GuidanceMode = Literal["embedded", "cfg", "none"]
+
+
+def read_configs(module_file: str, name: str = "configs.json") -> dict[str, Any]:
+    """The model configs a preset module names, by key, from the JSON file ``name`` shipped beside it (``module_file``:
+    its ``__file__``). A key ending in ``_changes`` holds only the keys a config changes of the one it is derived from,
+    which the module names."""
+    return json.loads(Path(module_file).with_name(name).read_text())
 
 
 @dataclass(frozen=True)
@@ -84,3 +92,13 @@ class ModelSpec:
     @property
     def attention_heads(self) -> int:
         return int(self.transformer.get("num_attention_heads") or self.transformer["n_heads"])
+
+
+def checkpoint_spec(folder: Path, index: dict, family: str, detail: str | None = None, **fields) -> ModelSpec:
+    """A checkpoint folder's ModelSpec: ``fields`` as the family reads them, the transformer, VAE and scheduler
+    configs as the folder holds them where ``fields`` give none, described by its pipeline class and ``detail``."""
+    for component in ("transformer", "vae", "scheduler"):
+        if component not in fields:
+            fields[component] = component_config(folder, component)
+    description = f"{index['_class_name']} checkpoint" + (f" ({detail})" if detail else "")
+    return ModelSpec(str(folder), family, description, weights=CheckpointFolder(folder), **fields)

@@ -5,8 +5,7 @@ time); the final norm becomes an identity, so the last kept layer gives the raw 
 
 Prompt encoders are placed one of three ways (``PLACEMENTS``), as the memory plan chooses: ``gpu``, resident in the run
 dtype; ``fp8``, resident with FP8 linears (``quantize_to``) where the run already executes in FP8; ``offload``, weights
-in host memory streamed to the device (``stream_weights``), when the encoder does not fit beside the transformer.
-Must not import torch.distributed."""
+in host memory streamed to the device (``stream_weights``), when the encoder does not fit beside the transformer."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from paradit.spec import CheckpointFolder, TextEncoderSpec
 from paradit.weights import DummyTensors
 
 logger = logging.getLogger(__name__)
-PLACEMENTS = ("gpu", "fp8", "offload")
 # Host copies are packed into buffers of at least this size: fewer, larger page-locked allocations.
 _MIN_HOST_BUFFER = 2**28
 
@@ -37,9 +35,12 @@ def warn_if_truncated(tokenizer, texts: list[str], limit: int, reader: str = "th
     longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"])
     if longest > limit:
         logger.warning(
-            "a prompt is %d tokens long and %s reads %d: its last %d tokens are dropped", longest, reader, limit,
+            "a prompt is %d tokens long and %s reads %d: its last %d tokens are dropped",
+            longest,
+            reader,
+            limit,
             longest - limit,
-        )  # fmt: skip
+        )
 
 
 def weights_device(placement: str, device: torch.device) -> torch.device:
@@ -53,10 +54,11 @@ def random_encoder(build, placement: str, device: torch.device, dtype: torch.dty
     at ~40M values a second a thread when the encoder is bound for host memory (offload, fp8): minutes for FLUX.2-dev's
     17B-parameter encoder; here each parameter is drawn on ``device`` (milliseconds on a GPU) and moved one at a time,
     so a memory cap still holds. Buffers (rotary tables) are computed as transformers does; tied weights stay tied."""
+    if device.type == "meta":  # the memory plan counts tensors: built on meta, transformers initialises nothing
+        with init_empty_weights(), torch.device("meta"):
+            return build().eval().requires_grad_(False)
     with init_empty_weights():  # parameters on the meta device, buffers real
         model = build()
-    if device.type == "meta":  # the memory plan counts parameters; it needs no values
-        return model.to(device).eval().requires_grad_(False)
     target = weights_device(placement, device)
     source = DummyTensors(device, dtype, buffers=set(), seed=seed)
     drawn: dict[int, nn.Parameter] = {}
@@ -152,8 +154,9 @@ class PromptEncoder(Protocol):
     def modules(self) -> list[nn.Module]: ...
 
 
-def load_prompt_encoder(family, spec, device: torch.device, dtype: torch.dtype, dummy: bool,
-                        placement: str = "gpu") -> PromptEncoder:  # fmt: skip
+def load_prompt_encoder(
+    family, spec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
+) -> PromptEncoder:
     """``family``'s prompt encoder for ``spec``, placed as ``placement`` says: read from its checkpoint folder
     (``spec.weights``), or random (``dummy``; on the meta device for memory estimates)."""
     encoder = family.prompt_encoder(spec)
@@ -175,8 +178,14 @@ class DecoderPromptEncoder:
         return [self.decoder]
 
     @classmethod
-    def from_folder(cls, weights: CheckpointFolder, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype,
-                    placement: str = "gpu") -> DecoderPromptEncoder:  # fmt: skip
+    def from_folder(
+        cls,
+        weights: CheckpointFolder,
+        spec: TextEncoderSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        placement: str = "gpu",
+    ) -> DecoderPromptEncoder:
         config = transformers.AutoConfig.from_pretrained(weights.path / "text_encoder")
         _truncate_config(config, max(spec.layers))
         model_cls = getattr(transformers, spec.class_name)
@@ -184,17 +193,22 @@ class DecoderPromptEncoder:
         # The dropped layers' weights are reported as unexpected keys; that is the point, so keep the log quiet.
         transformers.logging.set_verbosity_error()
         try:
-            model = model_cls.from_pretrained(weights.path / "text_encoder", config=config, dtype=dtype,
-                                              device_map=weights_device(placement, device),
-                                              use_safetensors=weights.use_safetensors("text_encoder"))  # fmt: skip
+            model = model_cls.from_pretrained(
+                weights.path / "text_encoder",
+                config=config,
+                dtype=dtype,
+                device_map=weights_device(placement, device),
+                use_safetensors=weights.use_safetensors("text_encoder"),
+            )
         finally:
             transformers.logging.set_verbosity(verbosity)
         tokenizer = transformers.AutoProcessor.from_pretrained(weights.path / "tokenizer")
         return cls(place(_decoder_without_final_norm(model), placement, device), tokenizer, spec, device)
 
     @classmethod
-    def dummy(cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str = "gpu",
-              seed: int = 0) -> DecoderPromptEncoder:  # fmt: skip
+    def dummy(
+        cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
+    ) -> DecoderPromptEncoder:
         config = transformers.AutoConfig.for_model(**spec.config)
         _truncate_config(config, max(spec.layers))
 

@@ -5,7 +5,7 @@ tensors this rank kept materialised (``materialize``): read from the memory-mapp
 slice a tensor-parallel rank keeps) or drawn at random (``dummy``), one tensor at a time, straight into their final
 device and dtype. Linears converted to FP8 while loading become FP8 as they are read. So a rank's memory while
 loading is its own share plus at most one full tensor. Keys must match the model exactly: a missing or unexpected
-key is an error that names it. Must not import torch.distributed."""
+key is an error that names it."""
 
 from __future__ import annotations
 
@@ -158,8 +158,13 @@ class Fp8Load:
 
 
 @torch.no_grad()
-def materialize(root: nn.Module, names: ModelNames, source: TensorSource, slices: dict[str, TensorSlice] | None = None,
-                fp8: Fp8Load | None = None) -> None:  # fmt: skip
+def materialize(
+    root: nn.Module,
+    names: ModelNames,
+    source: TensorSource,
+    slices: dict[str, TensorSlice] | None = None,
+    fp8: Fp8Load | None = None,
+) -> None:
     """Fill every meta tensor still reachable from ``root`` from ``source``: only what this rank kept is read, and of
     a sharded tensor only its slice. ``names`` (of the plain model) gives each tensor's checkpoint name and full
     shape; ``slices`` the cut of each sharded one. The linears in ``fp8`` become ``Fp8Linear`` as they
@@ -194,8 +199,9 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(leaf, t) for leaf, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
 
 
-def _fp8_linear(linear: nn.Linear, name: str, names: ModelNames, source: TensorSource, slices: dict[str, TensorSlice],
-                fp8: Fp8Load) -> Fp8Linear:  # fmt: skip
+def _fp8_linear(
+    linear: nn.Linear, name: str, names: ModelNames, source: TensorSource, slices: dict[str, TensorSlice], fp8: Fp8Load
+) -> Fp8Linear:
     """One linear as FP8: an FP8 checkpoint's weight and scale as stored, else its high-precision weight converted."""
 
     def read(key: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:

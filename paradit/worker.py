@@ -1,5 +1,4 @@
-"""Worker processes: one per GPU (or CPU process), each loading its share of the model and serving the requests the
-engine broadcasts to the group. ``WorkerGroup`` is the engine's side of them.
+"""Worker processes, one per GPU (or CPU process); ``WorkerGroup`` is the engine's side of them.
 
 A request that fails on every worker (a cancellation, an error every rank meets alike) raises its error, the group
 serving on. If a worker dies, or fails alone and leaves its peers waiting, the group is stopped and the engine raises
@@ -7,9 +6,9 @@ the worker's reason instead of waiting on a collective that will never finish. T
 ``close()``, an interrupt, garbage collection and interpreter exit all stop the workers and remove the rendezvous
 folder; if the engine's process is killed outright, the workers see their lifeline close (``exit_with_lifeline``).
 
-Workers are forked from a forkserver that imported torch and the model code once (on POSIX; spawned elsewhere), so a
-group starts in a fraction of a second, not after each worker's seconds of CPU on imports. No heavy imports at the
-top: a spawned worker imports this module first, and sets up its signals and lifeline before importing torch."""
+Forked from a forkserver that imported torch and the model code once, a group starts in a fraction of a second, not
+after each worker's seconds of CPU on imports. No heavy imports at the top: a spawned worker imports this module
+first, and sets up its signals and lifeline before importing torch."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
     from paradit.loader import WorkerPlan
-    from paradit.pipelines.requests import ResolvedRequest
-    from paradit.request import GenerationResult
+    from paradit.request import GenerationResult, ResolvedRequest
 
 POLL_S = 0.5
 # After one worker fails a request, how long its peers get to report that request's end before the group is taken for
@@ -179,13 +177,21 @@ def start_worker_server(device: str | None) -> None:
     worker_context(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type)
 
 
-def worker_main(rank: int, pickled_plan: bytes, requests: list[Queue], results: Queue, rendezvous: str,
-                signals: StepSignals, lifeline: Connection, environment: dict[str, str], streams: list[int] | None,
-                first_device: int = 0, threads: int | None = None) -> None:  # fmt: skip
-    """A worker: build this rank's pipeline from the pickled ``WorkerPlan`` on device ``first_device + rank`` and serve
-    requests until told to stop (None), reporting readiness, each request's end and any fatal failure on ``results``; it
-    ends when ``lifeline`` closes. ``environment``, ``streams`` (``EngineStreams``' descriptors; None: keep those
-    inherited): the engine's as the group starts. ``threads``: torch's CPU threads (default: cores / world size)."""
+def worker_main(
+    rank: int,
+    pickled_plan: bytes,
+    requests: list[Queue],
+    results: Queue,
+    rendezvous: str,
+    signals: StepSignals,
+    lifeline: Connection,
+    environment: dict[str, str],
+    streams: list[int] | None,
+    first_device: int = 0,
+    threads: int | None = None,
+) -> None:
+    """Build this rank's pipeline on device ``first_device + rank`` and serve requests until told to stop (None); it
+    ends when ``lifeline`` closes. ``streams``: ``EngineStreams``' descriptors (None: keep those inherited)."""
     # A terminal's Ctrl-C reaches the whole process group; the engine stops the workers, which must not answer it
     # themselves with a traceback each. WorkerGroup starts them (and the forkserver) with SIGINT ignored already
     # where it can (a POSIX engine on its main thread), which also covers interpreter start-up.
@@ -295,8 +301,7 @@ def stop_processes(processes: list[BaseProcess], rendezvous: tempfile.TemporaryD
 
 
 class WorkerGroup:
-    """Spawns ``plan.parallel.world_size`` workers on this host, on devices ``first_device`` onwards, and talks to them
-    through queues; ``threads``: torch's CPU threads per worker (default: the cores shared among the group)."""
+    """``threads``: torch's CPU threads per worker (default: the cores shared among the group)."""
 
     def __init__(self, plan: WorkerPlan, first_device: int = 0, threads: int | None = None) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
@@ -323,8 +328,18 @@ class WorkerGroup:
         self._in_flight = False  # a request is being served: close() does not wait for it
         try:
             streams = EngineStreams() if context.get_start_method() == "forkserver" else None
-            shared = (plan, self.requests, self.results, self._rendezvous.name, self.signals, lifeline,
-                      dict(os.environ), streams, first_device, threads)  # fmt: skip
+            shared = (
+                plan,
+                self.requests,
+                self.results,
+                self._rendezvous.name,
+                self.signals,
+                lifeline,
+                dict(os.environ),
+                streams,
+                first_device,
+                threads,
+            )
             for rank in range(self.world_size):
                 process = context.Process(target=worker_main, args=(rank, *shared), daemon=True)
                 with sigint_ignored_by_children():
@@ -393,8 +408,10 @@ class WorkerGroup:
                 silent = sorted(set(range(self.world_size)) - ends.keys())
                 failed = sorted(rank for rank, (kind, _) in ends.items() if kind == "failed")
                 self.stop()
-                raise WorkerFailure(f"workers {silent} did not end a request that workers {failed} failed "
-                                    f"({ends[failed[0]][1]}); the worker group was stopped")  # fmt: skip
+                raise WorkerFailure(
+                    f"workers {silent} did not end a request that workers {failed} failed "
+                    f"({ends[failed[0]][1]}); the worker group was stopped"
+                )
             kind, rank, payload = message
             ends[rank] = (kind, payload)
             if kind == "failed" and deadline is None:
@@ -406,7 +423,6 @@ class WorkerGroup:
         return ends[0][1]
 
     def stop(self) -> None:
-        """Terminate the workers now and remove the rendezvous folder."""
         self._stop()
         atexit.unregister(self._stop)
         self.processes = []

@@ -28,10 +28,17 @@ def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def tiny_transformer_config(guidance_embeds: bool, heads: int = 3) -> dict:
     return {
-        "patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
-        "num_attention_heads": heads, "joint_attention_dim": 3 * TEXT_HIDDEN, "timestep_guidance_channels": 32,
-        "axes_dims_rope": [4, 4, 4, 4], "guidance_embeds": guidance_embeds,
-    }  # fmt: skip
+        "patch_size": 1,
+        "in_channels": 16,
+        "num_layers": 2,
+        "num_single_layers": 2,
+        "attention_head_dim": 16,
+        "num_attention_heads": heads,
+        "joint_attention_dim": 3 * TEXT_HIDDEN,
+        "timestep_guidance_channels": 32,
+        "axes_dims_rope": [4, 4, 4, 4],
+        "guidance_embeds": guidance_embeds,
+    }
 
 
 def randomize(module: torch.nn.Module, std: float = 0.2) -> None:
@@ -54,25 +61,43 @@ def tiny_vae() -> AutoencoderKLFlux2:
 
 def qwen3_encoder() -> Qwen3ForCausalLM:
     config = Qwen3Config(
-        vocab_size=320, hidden_size=TEXT_HIDDEN, intermediate_size=32, num_hidden_layers=28, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-    )  # fmt: skip
+        vocab_size=320,
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=32,
+        num_hidden_layers=28,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=1024,
+    )
     return Qwen3ForCausalLM(config).eval()
 
 
 def mistral3_encoder() -> Mistral3ForConditionalGeneration:
     config = Mistral3Config(
         text_config={
-            "model_type": "mistral", "vocab_size": 320, "hidden_size": TEXT_HIDDEN, "intermediate_size": 32,
-            "num_hidden_layers": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+            "model_type": "mistral",
+            "vocab_size": 320,
+            "hidden_size": TEXT_HIDDEN,
+            "intermediate_size": 32,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
             "max_position_embeddings": 1024,
         },
         vision_config={
-            "model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "head_dim": 8, "image_size": 28, "patch_size": 14,
+            "model_type": "pixtral",
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 8,
+            "image_size": 28,
+            "patch_size": 14,
         },
         image_token_index=5,
-    )  # fmt: skip
+    )
     return Mistral3ForConditionalGeneration(config).eval()
 
 

@@ -32,6 +32,7 @@ SLOWEST_FILES = [
     "test_editing.py",  # 74
     "test_step_cache.py",  # 73
     "test_execution_options.py",  # 51
+    "test_adding_a_family.py",  # 16
     "test_checkpoint_options.py",  # 44
     "test_fp8_attention.py",  # 44
     "test_memory.py",  # 37

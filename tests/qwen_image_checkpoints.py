@@ -33,10 +33,16 @@ TEXT_HIDDEN = 24
 def tiny_transformer_config(heads: int = 3, zero_cond_t: bool = False) -> dict:
     """Head dim 16 split 4/6/6 over (frame, row, column); 2 blocks."""
     return {
-        "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 2, "attention_head_dim": 16,
-        "num_attention_heads": heads, "joint_attention_dim": TEXT_HIDDEN, "axes_dims_rope": [4, 6, 6],
+        "patch_size": 2,
+        "in_channels": 64,
+        "out_channels": 16,
+        "num_layers": 2,
+        "attention_head_dim": 16,
+        "num_attention_heads": heads,
+        "joint_attention_dim": TEXT_HIDDEN,
+        "axes_dims_rope": [4, 6, 6],
         "zero_cond_t": zero_cond_t,
-    }  # fmt: skip
+    }
 
 
 def tiny_transformer(seed: int = 0, heads: int = 3, zero_cond_t: bool = False) -> ReferenceTransformer:
@@ -61,18 +67,32 @@ def tiny_text_encoder() -> Qwen2_5_VLForConditionalGeneration:
     """Qwen2.5-VL with a 2-layer, 24-wide language model and a one-block vision tower (which only edits use)."""
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": 320, "hidden_size": TEXT_HIDDEN, "intermediate_size": 48, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 2]}, "bos_token_id": 1, "eos_token_id": 2,
+            "vocab_size": 320,
+            "hidden_size": TEXT_HIDDEN,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 2]},
+            "bos_token_id": 1,
+            "eos_token_id": 2,
             "pad_token_id": 0,
         },
         vision_config={
-            "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": TEXT_HIDDEN,
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": TEXT_HIDDEN,
             "fullatt_block_indexes": [0],
         },
         # The offline tokenizer's image markers.
-        image_token_id=263, video_token_id=264, vision_start_token_id=261, vision_end_token_id=262,
-    )  # fmt: skip
+        image_token_id=263,
+        video_token_id=264,
+        vision_start_token_id=261,
+        vision_end_token_id=262,
+    )
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
@@ -101,8 +121,11 @@ class ImagesOnlyProcessor(Qwen2VLProcessor):
 def edit_processor(folder: Path) -> ImagesOnlyProcessor:
     """The edit checkpoint's processor, for diffusers' pipeline."""
     processor = folder / "processor"
-    return ImagesOnlyProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(processor),
-                               tokenizer=AutoTokenizer.from_pretrained(processor), video_processor=None)  # fmt: skip
+    return ImagesOnlyProcessor(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(processor),
+        tokenizer=AutoTokenizer.from_pretrained(processor),
+        video_processor=None,
+    )
 
 
 def build_qwen_image_edit_checkpoint(folder: Path, plus: bool) -> Path:
@@ -111,10 +134,13 @@ def build_qwen_image_edit_checkpoint(folder: Path, plus: bool) -> Path:
     pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
     torch.manual_seed(1)
     pipe = pipeline_class(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=tiny_vae(),
-        text_encoder=tiny_text_encoder(), tokenizer=build_offline_tokenizer(), processor=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+        vae=tiny_vae(),
+        text_encoder=tiny_text_encoder(),
+        tokenizer=build_offline_tokenizer(),
+        processor=None,
         transformer=tiny_transformer(0, heads=4, zero_cond_t=plus),
-    )  # fmt: skip
+    )
     pipe.save_pretrained(folder, max_shard_size="100KB")
     build_offline_tokenizer().save_pretrained(folder / "processor")
     Qwen2VLImageProcessorPil().save_pretrained(folder / "processor")

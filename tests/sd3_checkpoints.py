@@ -24,38 +24,69 @@ T5_WIDTH = 48
 def tiny_transformer_config(heads: int = 3, head_dim: int = 8, dual_attention_layers=(0,), qk_norm="rms_norm") -> dict:
     """Three joint blocks: a dual-attention one (when listed), a plain one, and the context-pre-only last one."""
     return {
-        "sample_size": 8, "patch_size": 2, "in_channels": 16, "num_layers": 3, "attention_head_dim": head_dim,
-        "num_attention_heads": heads, "joint_attention_dim": T5_WIDTH, "caption_projection_dim": heads * head_dim,
-        "pooled_projection_dim": CLIP_L_PROJECTION + CLIP_G_PROJECTION, "out_channels": 16, "pos_embed_max_size": 12,
-        "dual_attention_layers": list(dual_attention_layers), "qk_norm": qk_norm,
-    }  # fmt: skip
+        "sample_size": 8,
+        "patch_size": 2,
+        "in_channels": 16,
+        "num_layers": 3,
+        "attention_head_dim": head_dim,
+        "num_attention_heads": heads,
+        "joint_attention_dim": T5_WIDTH,
+        "caption_projection_dim": heads * head_dim,
+        "pooled_projection_dim": CLIP_L_PROJECTION + CLIP_G_PROJECTION,
+        "out_channels": 16,
+        "pos_embed_max_size": 12,
+        "dual_attention_layers": list(dual_attention_layers),
+        "qk_norm": qk_norm,
+    }
 
 
 def clip_encoder(hidden: int, projection: int, act: str) -> CLIPTextModelWithProjection:
     tokenizer = offline_clip_tokenizer("!")
     config = CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
-        num_attention_heads=2, projection_dim=projection, hidden_act=act, max_position_embeddings=77,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=1,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        projection_dim=projection,
+        hidden_act=act,
+        max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=1,
+    )
     return CLIPTextModelWithProjection(config).eval()
 
 
 def t5_encoder() -> T5EncoderModel:
     config = T5Config(
-        vocab_size=len(offline_t5_tokenizer()), d_model=T5_WIDTH, d_ff=64, d_kv=12, num_heads=4, num_layers=2,
-        feed_forward_proj="gated-gelu", relative_attention_num_buckets=8, relative_attention_max_distance=32,
-    )  # fmt: skip
+        vocab_size=len(offline_t5_tokenizer()),
+        d_model=T5_WIDTH,
+        d_ff=64,
+        d_kv=12,
+        num_heads=4,
+        num_layers=2,
+        feed_forward_proj="gated-gelu",
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+    )
     return T5EncoderModel(config).eval()
 
 
 def tiny_vae() -> AutoencoderKL:
     """The published layout (stride 8, 16 latent channels, no quant convs, scaling and shift) at a tiny width."""
     return AutoencoderKL(
-        block_out_channels=[8, 8, 8, 8], down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=1, norm_num_groups=4, latent_channels=16,
-        scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
-    )  # fmt: skip
+        block_out_channels=[8, 8, 8, 8],
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        layers_per_block=1,
+        norm_num_groups=4,
+        latent_channels=16,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
 
 
 def tiny_transformer(seed: int, **config) -> SD3Transformer2DModel:

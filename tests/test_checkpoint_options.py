@@ -70,9 +70,19 @@ def checkpoints() -> dict[str, Path]:
 
 def generate_args(folder: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "generate", "--model", str(folder), "--device", "cpu", "--prompt", PROMPT, *SIZE_AND_STEPS, "--no-progress",
-        "--out", str(out), *extra,
-    ]  # fmt: skip
+        "generate",
+        "--model",
+        str(folder),
+        "--device",
+        "cpu",
+        "--prompt",
+        PROMPT,
+        *SIZE_AND_STEPS,
+        "--no-progress",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def run_cli(argv: list[str], capfd) -> tuple[int, str, str]:
@@ -188,10 +198,20 @@ EXACT_PLANS = {
 # Z-Image's band 0 is one image row beside its padded text (docs/benchmarks.md). For scale: seed 4 instead of 3
 # moves the one-process image by a mean of 24, 2.7, 11 and 43 levels.
 LOSSY_FLAGS = (
-    "--gpus", "4", "--pipefusion", "2", "--patches", "2", "--warmup-steps", "1",
-    "--ulysses", "2", "--comm-dtype", "fp8",
-)  # fmt: skip
-LOSSY_PLAN = "pipefusion 2 x ulysses 2 (2 patches after 1 warm-up steps) (fp8 transport)"
+    "--gpus",
+    "4",
+    "--pipefusion",
+    "2",
+    "--patches",
+    "2",
+    "--warmup-steps",
+    "1",
+    "--ulysses",
+    "2",
+    "--comm-dtype",
+    "fp8",
+)
+LOSSY_PLAN = "pipefusion 2 x ulysses 2 (2 patches after 1 warm-up step) (fp8 transport)"
 LOSSY_BOUNDS = {"flux2": (42, 5.8), "qwen_image": (5, 0.45), "sd3": (21, 2.0), "zimage": (68, 12.0)}
 
 # The verdict's wording ("equals" for an exact match) is all the exact plans are held to here.
@@ -280,9 +300,14 @@ def test_zimage_turbo_folder_takes_guidance_as_diffusers_does(guidance, tmp_path
     folder = cached(build_zimage_checkpoint, 0, True)  # turbo
     reference = ZImagePipeline.from_pretrained(folder, dtype=torch.float32)
     expected = reference(
-        prompt=PROMPT, height=32, width=48, num_inference_steps=2, guidance_scale=guidance,
-        generator=torch.Generator("cpu").manual_seed(3), output_type="pil",
-    ).images[0]  # fmt: skip
+        prompt=PROMPT,
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        guidance_scale=guidance,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="pil",
+    ).images[0]
     out = tmp_path / "guided.png"
     generate(generate_args(folder, out, "--guidance", str(guidance)), capfd)
     assert np.abs(pixels(out) - np.asarray(expected, dtype=np.int16)).max() <= 1

@@ -32,9 +32,24 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
 
 def tiny_args(out: Path, *extra: str, prompt: str = "a lighthouse on a cliff") -> list[str]:
     return [
-        "generate", "--model", "flux2-tiny", "--device", "cpu", "--prompt", prompt, "--steps", "1",
-        "--height", "32", "--width", "32", "--no-progress", "--out", str(out), *extra,
-    ]  # fmt: skip
+        "generate",
+        "--model",
+        "flux2-tiny",
+        "--device",
+        "cpu",
+        "--prompt",
+        prompt,
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--no-progress",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def assert_one_line_error(code: int, err: str, *fragments: str) -> str:
@@ -70,9 +85,22 @@ def test_models_lists_every_preset(capsys):
 def test_generate_writes_png_of_requested_size_and_prints_timings(tmp_path, capsys):
     out = tmp_path / "x.png"
     argv = [
-        "generate", "--model", "flux2-tiny", "--device", "cpu", "--prompt", "a red fox in snow", "--steps", "2",
-        "--height", "32", "--width", "48", "--out", str(out),
-    ]  # fmt: skip
+        "generate",
+        "--model",
+        "flux2-tiny",
+        "--device",
+        "cpu",
+        "--prompt",
+        "a red fox in snow",
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--out",
+        str(out),
+    ]
     code, stdout, err = run_cli(argv, capsys)
     assert code == 0, err
     assert "paradit: error" not in err
@@ -198,9 +226,25 @@ def test_invalid_dtype_choice_is_one_line_error(tmp_path, capsys):
 
 def test_module_entry_point_exits_2_with_one_line_and_no_traceback(tmp_path):
     argv = [
-        sys.executable, "-m", "paradit", "generate", "--model", "flux2-tiny", "--device", "cpu", "--prompt", "a cat",
-        "--steps", "1", "--height", "30", "--width", "32", "--out", str(tmp_path / "x.png"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "paradit",
+        "generate",
+        "--model",
+        "flux2-tiny",
+        "--device",
+        "cpu",
+        "--prompt",
+        "a cat",
+        "--steps",
+        "1",
+        "--height",
+        "30",
+        "--width",
+        "32",
+        "--out",
+        str(tmp_path / "x.png"),
+    ]
     proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

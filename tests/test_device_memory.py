@@ -21,6 +21,7 @@ import torch
 from paradit import Engine, GenerationRequest
 from paradit.device_memory import EXPANDABLE_SEGMENTS, configure_allocator
 from paradit.errors import InvalidRequest
+from paradit.machine import Machine
 from paradit.memory import estimates
 from paradit.parallel import ParallelConfig
 from paradit.settings import Asked, settle
@@ -61,9 +62,8 @@ def test_expandable_segments_unless_the_user_configured_the_allocator(monkeypatc
 def two_gpus(monkeypatch):
     """settle's view of a machine with two GPUs, whose free memory the test sets (``free[index]``)."""
     free: dict[int, int] = {}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr("paradit.settings.free_memory", free.__getitem__)
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls: Machine(2)))
+    monkeypatch.setattr("paradit.machine.free_memory", free.__getitem__)
     return free
 
 
@@ -99,8 +99,8 @@ def test_closing_an_engine_releases_every_tensor_it_held():
     engine = Engine("flux2-tiny", device="cpu")
     engine.generate(GenerationRequest(prompt="a fox", steps=1, height=32, width=32))
     pipeline = engine.pipeline
-    held = [pipeline, pipeline.vae, *pipeline.prompt_encoder.modules(), *pipeline.parallelized.model.modules()]
-    held += list(pipeline.parallelized.model.parameters())
+    held = [pipeline, pipeline.vae, *pipeline.prompt_encoder.modules(), *pipeline.runtime.model.modules()]
+    held += list(pipeline.runtime.model.parameters())
     refs = [weakref.ref(each) for each in held]
     del pipeline, held
     engine.close()

@@ -80,9 +80,24 @@ SKIPS = {
 
 def pipeline_repo(seed: int = 0) -> dict[str, bytes]:
     draw = random.Random(seed)
-    files = {path: draw.randbytes(size) for path, size in {**READS, **SKIPS}.items() if size is not None}
+    files = {path: file_bytes(path, size, draw) for path, size in {**READS, **SKIPS}.items() if size is not None}
     files["model_index.json"] = json.dumps(MODEL_INDEX).encode()
     return files
+
+
+def file_bytes(path: str, size: int, draw: random.Random) -> bytes:
+    """``size`` random bytes; a weights file's as one byte tensor behind its header, and a weights index naming its
+    folder's shards, which the loader checks."""
+    if path.endswith(".safetensors.index.json"):
+        folder = path.rsplit("/", 1)[0]
+        shards = sorted(s.rsplit("/", 1)[1] for s in READS if s.startswith(folder + "/") and "-of-" in s)
+        return json.dumps({"weight_map": {f"tensor{i}": shard for i, shard in enumerate(shards)}}).ljust(size).encode()
+    if not path.endswith(".safetensors"):
+        return draw.randbytes(size)
+    header_bytes = 128
+    data = size - 8 - header_bytes
+    header = json.dumps({"bytes": {"dtype": "U8", "shape": [data], "data_offsets": [0, data]}}).ljust(header_bytes)
+    return header_bytes.to_bytes(8, "little") + header.encode() + draw.randbytes(data)
 
 
 @dataclass

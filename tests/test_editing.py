@@ -76,15 +76,22 @@ def references(case: str) -> list[Image.Image]:
 
 def diffusers_pixels(variant: str, case: str) -> np.ndarray:
     pipeline = PIPELINES[variant].from_pretrained(FOLDERS[variant](), dtype=torch.float32)
-    output = pipeline(image=references(case), prompt=PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
-                      generator=torch.Generator("cpu").manual_seed(SEED), output_type="np",
-                      **REFERENCES[case][1])  # fmt: skip
+    output = pipeline(
+        image=references(case),
+        prompt=PROMPT,
+        num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE,
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        output_type="np",
+        **REFERENCES[case][1],
+    )
     return output.images[0] * 255
 
 
 def request(case: str) -> GenerationRequest:
-    return GenerationRequest(prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE, image=references(case),
-                             **REFERENCES[case][1])  # fmt: skip
+    return GenerationRequest(
+        prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE, image=references(case), **REFERENCES[case][1]
+    )
 
 
 @pytest.mark.parametrize("variant,case", [("klein", "one"), ("klein", "three"), ("dev", "three")])
@@ -92,8 +99,16 @@ def test_reference_images_give_diffusers_image(variant, case):
     expected = diffusers_pixels(variant, case)
     with Engine(str(FOLDERS[variant]()), device="cpu", dtype="fp32") as engine:
         result = engine.generate(request(case))
-        without = engine.generate(GenerationRequest(prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE,
-                                                    height=expected.shape[0], width=expected.shape[1]))  # fmt: skip
+        without = engine.generate(
+            GenerationRequest(
+                prompt=PROMPT,
+                steps=STEPS,
+                seed=SEED,
+                guidance=GUIDANCE,
+                height=expected.shape[0],
+                width=expected.shape[1],
+            )
+        )
     ours = result.pixels[0].permute(1, 2, 0).numpy() * 255
     assert ours.shape == expected.shape == ((112, 80, 3) if case == "one" else (48, 64, 3))
     assert np.abs(ours.round() - expected.round()).max() <= 1
@@ -102,9 +117,13 @@ def test_reference_images_give_diffusers_image(variant, case):
 
 
 PLANS = [
-    ParallelConfig(ulysses=2), ParallelConfig(ring=3), ParallelConfig(cfg=2, ulysses=2), ParallelConfig(tensor=2),
-    ParallelConfig(ring=2, tensor=2), ParallelConfig(pipefusion=2, warmup_steps=STEPS),
-]  # fmt: skip
+    ParallelConfig(ulysses=2),
+    ParallelConfig(ring=3),
+    ParallelConfig(cfg=2, ulysses=2),
+    ParallelConfig(tensor=2),
+    ParallelConfig(ring=2, tensor=2),
+    ParallelConfig(pipefusion=2, warmup_steps=STEPS),
+]
 
 
 def _pixels(plan: ParallelConfig | None) -> torch.Tensor:
@@ -130,19 +149,32 @@ def test_every_plan_with_references_equals_one_process(plan):
 
 
 IMAGE_TO_IMAGE = {
-    "sd3": StableDiffusion3Img2ImgPipeline, "zimage": ZImageImg2ImgPipeline, "qwen_image": QwenImageImg2ImgPipeline,
-}  # fmt: skip
+    "sd3": StableDiffusion3Img2ImgPipeline,
+    "zimage": ZImageImg2ImgPipeline,
+    "qwen_image": QwenImageImg2ImgPipeline,
+}
 # SD3.5 and Qwen-Image resize the image to the size asked for (48x32 here); Z-Image makes the image's size floored
 # to whole tokens.
-IMAGE_SIZE = {"sd3": ((60, 40), {"height": 32, "width": 48}), "zimage": ((50, 37), {}),
-              "qwen_image": ((60, 40), {"height": 32, "width": 48})}  # fmt: skip
+IMAGE_SIZE = {
+    "sd3": ((60, 40), {"height": 32, "width": 48}),
+    "zimage": ((50, 37), {}),
+    "qwen_image": ((60, 40), {"height": 32, "width": 48}),
+}
 
 
 def image_request(family: str, strength: float) -> GenerationRequest:
     size, asked = IMAGE_SIZE[family]
     negative = {"negative_prompt": " "} if family == "qwen_image" else {}  # Qwen-Image guides only with one
-    return GenerationRequest(prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE, image=picture(*size, 4),
-                             strength=strength, **asked, **negative)  # fmt: skip
+    return GenerationRequest(
+        prompt=PROMPT,
+        steps=STEPS,
+        seed=SEED,
+        guidance=GUIDANCE,
+        image=picture(*size, 4),
+        strength=strength,
+        **asked,
+        **negative,
+    )
 
 
 def _image_to_image_pixels(family: str, strength: float, plan: ParallelConfig | None) -> torch.Tensor:
@@ -166,11 +198,22 @@ def test_image_to_image_gives_diffusers_image(family, strength):
     size for Z-Image); each as diffusers' image-to-image pipeline makes it, and the Ulysses split equals it."""
     size, asked = IMAGE_SIZE[family]
     pipeline = IMAGE_TO_IMAGE[family].from_pretrained(cached(build_checkpoint, family), dtype=torch.float32)
-    guidance = {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {
-        "guidance_scale": GUIDANCE}  # fmt: skip
-    expected = pipeline(image=picture(*size, 4), prompt=PROMPT, num_inference_steps=STEPS, strength=strength,
-                        generator=torch.Generator("cpu").manual_seed(SEED), output_type="np", **asked,
-                        **guidance).images[0] * 255  # fmt: skip
+    guidance = (
+        {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {"guidance_scale": GUIDANCE}
+    )
+    expected = (
+        pipeline(
+            image=picture(*size, 4),
+            prompt=PROMPT,
+            num_inference_steps=STEPS,
+            strength=strength,
+            generator=torch.Generator("cpu").manual_seed(SEED),
+            output_type="np",
+            **asked,
+            **guidance,
+        ).images[0]
+        * 255
+    )
     ours = image_to_image_on_one_process(family, strength)[0].permute(1, 2, 0).numpy() * 255
     assert ours.shape == expected.shape == (32, 48, 3)
     assert np.abs(ours.round() - expected.round()).max() <= 1
@@ -180,9 +223,11 @@ def test_image_to_image_gives_diffusers_image(family, strength):
 
 
 INPAINTING = {
-    "sd3": StableDiffusion3InpaintPipeline, "zimage": ZImageInpaintPipeline, "qwen_image": QwenImageInpaintPipeline,
+    "sd3": StableDiffusion3InpaintPipeline,
+    "zimage": ZImageInpaintPipeline,
+    "qwen_image": QwenImageInpaintPipeline,
     "flux2": Flux2KleinInpaintPipeline,
-}  # fmt: skip
+}
 # klein inpaints the image's own size (floored to whole tokens), here with a reference besides it.
 INPAINTING_SIZE = {**IMAGE_SIZE, "flux2": ((50, 37), {})}
 INPAINTING_REFERENCE = {"flux2": picture(72, 100, 1)}
@@ -204,16 +249,29 @@ def _inpainting_pixels(family: str, plan: ParallelConfig | None) -> torch.Tensor
     size, asked = INPAINTING_SIZE[family]
     image = [picture(*size, 4), *([INPAINTING_REFERENCE[family]] if family in INPAINTING_REFERENCE else [])]
     negative = {"negative_prompt": " "} if family == "qwen_image" else {}  # Qwen-Image guides only with one
-    asked = GenerationRequest(prompt=PROMPT, steps=STEPS, seed=SEED, guidance=GUIDANCE, image=image, strength=0.6,
-                              mask=mask_picture(*size), **asked, **negative)  # fmt: skip
+    asked = GenerationRequest(
+        prompt=PROMPT,
+        steps=STEPS,
+        seed=SEED,
+        guidance=GUIDANCE,
+        image=image,
+        strength=0.6,
+        mask=mask_picture(*size),
+        **asked,
+        **negative,
+    )
     results = pipeline.generate([FAMILIES[family].resolve_request(spec, asked)])
     return None if results is None else results[0].pixels
 
 
 # Each split with its own blend: a sequence split (each rank steps the whole latents), and PipeFusion's band-by-band
 # update, where each band's copy of the scheduler counts its own steps.
-INPAINTING_PLANS = {"sd3": ParallelConfig(ulysses=2), "zimage": ParallelConfig(pipefusion=2, warmup_steps=STEPS),
-                    "qwen_image": ParallelConfig(cfg=2), "flux2": ParallelConfig(ring=2)}  # fmt: skip
+INPAINTING_PLANS = {
+    "sd3": ParallelConfig(ulysses=2),
+    "zimage": ParallelConfig(pipefusion=2, warmup_steps=STEPS),
+    "qwen_image": ParallelConfig(cfg=2),
+    "flux2": ParallelConfig(ring=2),
+}
 
 
 @pytest.mark.parametrize("family", INPAINTING)
@@ -221,16 +279,25 @@ def test_inpainting_gives_diffusers_image_and_keeps_the_image_outside_the_mask(f
     """Strength 0.6 with a mask as each family's diffusers inpainting pipeline makes it, on one process and split."""
     size, asked = INPAINTING_SIZE[family]
     pipeline = INPAINTING[family].from_pretrained(cached(build_checkpoint, family), dtype=torch.float32)
-    guidance = {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {
-        "guidance_scale": GUIDANCE}  # fmt: skip
+    guidance = (
+        {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {"guidance_scale": GUIDANCE}
+    )
     if family in INPAINTING_REFERENCE:
         guidance["image_reference"] = INPAINTING_REFERENCE[family]
     # diffusers' SD3 inpainting decodes latents / scaling_factor, leaving out the VAE's shift_factor that its other
     # SD3 pipelines (and the VAE's encode) apply: its latents are compared, decoded as its text-to-image decodes them.
     latent = family == "sd3"
-    expected = pipeline(image=picture(*size, 4), mask_image=mask_picture(*size), prompt=PROMPT, strength=0.6,
-                        num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(SEED),
-                        output_type="latent" if latent else "np", **asked, **guidance).images  # fmt: skip
+    expected = pipeline(
+        image=picture(*size, 4),
+        mask_image=mask_picture(*size),
+        prompt=PROMPT,
+        strength=0.6,
+        num_inference_steps=STEPS,
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        output_type="latent" if latent else "np",
+        **asked,
+        **guidance,
+    ).images
     if latent:
         with torch.no_grad():
             vae = pipeline.vae
@@ -290,8 +357,10 @@ def test_references_count_in_the_memory_estimate():
     resolved = FAMILIES["flux2"].resolve_request(spec, GenerationRequest(prompt="a", image=images))
     assert resolved.images[-1].size == (1289, 813)
     assert resolved.reference_tokens == 4 * 6 + 6 * 4 + 4 * 7 + 50 * 80
-    plain, joined = (estimates(spec, ParallelConfig(), torch.float32, False, extra_tokens=extra)["gpu"]
-                     for extra in (0, resolved.reference_tokens))  # fmt: skip
+    plain, joined = (
+        estimates(spec, ParallelConfig(), torch.float32, False, extra_tokens=extra)["gpu"]
+        for extra in (0, resolved.reference_tokens)
+    )
     assert joined.activations > plain.activations * 2
 
 
@@ -308,8 +377,24 @@ def test_references_diffusers_refuses_or_flux2_does_not_take_are_one_line(tmp_pa
     good, bad, out = tmp_path / "good.png", tmp_path / "bad.png", tmp_path / "out.png"
     picture(64, 64, 0).save(good)
     bad.write_bytes(b"not an image")
-    argv = ["generate", "--model", str(FOLDERS["klein"]()), "--device", "cpu", "--prompt", "a", "--steps", "1",
-            "--no-progress", "--out", str(out), "--image", str(good), "--image", str(bad)]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        str(FOLDERS["klein"]()),
+        "--device",
+        "cpu",
+        "--prompt",
+        "a",
+        "--steps",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--image",
+        str(good),
+        "--image",
+        str(bad),
+    ]
     assert_one_line_error(*run_cli(argv, capfd)[::2], f"--image {bad} cannot be read as an image")
     assert not out.exists()
 
@@ -325,12 +410,36 @@ def test_the_official_client_edits_as_the_command_line_and_bad_forms_get_a_4xx(t
         image.save(path)
     mask = tmp_path / "mask.png"
     mask_picture(*references("three")[0].size).save(mask)
-    fields = ["--steps", str(STEPS), "--seed", str(SEED), "--guidance", str(GUIDANCE), "--height", "48", "--width",
-              "64", "--no-progress"]  # fmt: skip
+    fields = [
+        "--steps",
+        str(STEPS),
+        "--seed",
+        str(SEED),
+        "--guidance",
+        str(GUIDANCE),
+        "--height",
+        "48",
+        "--width",
+        "64",
+        "--no-progress",
+    ]
     inputs = ["--image", str(paths[0]), "--image", str(paths[1]), "--mask", str(mask)]
     local = tmp_path / "local.png"
-    argv = ["generate", "--model", str(folder), "--device", "cpu", "--dtype", "fp32", "--prompt", PROMPT,
-            "--out", str(local), *fields, *inputs]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        str(folder),
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--prompt",
+        PROMPT,
+        "--out",
+        str(local),
+        *fields,
+        *inputs,
+    ]
     code, _, err = run_cli(argv, capfd)
     assert code == 0, err
     expected = np.asarray(Image.open(local), dtype=np.float64)
@@ -340,9 +449,13 @@ def test_the_official_client_edits_as_the_command_line_and_bad_forms_get_a_4xx(t
     try:
         with app_in_thread(create_app(scheduler, config, Metrics())) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            answer = client.images.edit(image=[path.open("rb") for path in paths], mask=mask.open("rb"),
-                                        prompt=PROMPT, size="64x48",
-                                        extra_body={"steps": STEPS, "seed": SEED, "guidance": GUIDANCE})  # fmt: skip
+            answer = client.images.edit(
+                image=[path.open("rb") for path in paths],
+                mask=mask.open("rb"),
+                prompt=PROMPT,
+                size="64x48",
+                extra_body={"steps": STEPS, "seed": SEED, "guidance": GUIDANCE},
+            )
             with Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))) as image:
                 assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1
             remote = tmp_path / "remote.png"
@@ -356,13 +469,16 @@ def test_the_official_client_edits_as_the_command_line_and_bad_forms_get_a_4xx(t
             refused = {
                 "no image": ({}, "image", "give the image(s) to edit"),
                 "not an image": ({"image": ("x.png", b"GIF89a but no more")}, "image", "image 1 cannot be read"),
-                "mask of another size": ({"image": ("a.png", png), "mask": ("m.png", paths[1].read_bytes())}, "mask",
-                                         "give a mask of the image's size"),
+                "mask of another size": (
+                    {"image": ("a.png", png), "mask": ("m.png", paths[1].read_bytes())},
+                    "mask",
+                    "give a mask of the image's size",
+                ),
                 "mask as text": ({"image": ("a.png", png)}, "mask", "send the mask as a file part"),
                 "11 images": ([("image[]", ("a.png", png))] * 11, "image", "11 images sent; this server takes at most"),
                 "30 MB": ({"image": ("big.png", png + bytes(30 << 20))}, "body", "larger than this server's limit"),
                 "steps": ({"image": ("a.png", png)}, "steps", "steps: Input should be a valid integer"),
-            }  # fmt: skip
+            }
             for case, (files, param, message) in refused.items():
                 data = {**form, "steps": "many"} if case == "steps" else form
                 data = {**data, "mask": "white"} if case == "mask as text" else data
@@ -370,9 +486,13 @@ def test_the_official_client_edits_as_the_command_line_and_bad_forms_get_a_4xx(t
                 assert 400 <= response.status_code < 500, (case, response.status_code)
                 error = response.json()["error"]
                 assert error["param"] == param and message in error["message"], (case, error)
-            again = client.images.edit(image=[path.open("rb") for path in paths], mask=mask.open("rb"),
-                                       prompt=PROMPT, size="64x48",
-                                       extra_body={"steps": STEPS, "seed": SEED, "guidance": GUIDANCE})  # fmt: skip
+            again = client.images.edit(
+                image=[path.open("rb") for path in paths],
+                mask=mask.open("rb"),
+                prompt=PROMPT,
+                size="64x48",
+                extra_body={"steps": STEPS, "seed": SEED, "guidance": GUIDANCE},
+            )
             with Image.open(io.BytesIO(base64.b64decode(again.data[0].b64_json))) as image:
                 assert np.abs(np.asarray(image, dtype=np.float64) - expected).max() <= 1
     finally:

@@ -10,7 +10,7 @@ from paradit.compile import compile_blocks
 from paradit.families import FAMILIES
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.layers.fp8 import Fp8Linear, check_fp8_supported, quantize_rowwise, quantize_weight
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions
 from paradit.quantize import quantizable
 from tests.checkpoints import randomize, relative_l2, tiny_transformer_config
 
@@ -48,11 +48,18 @@ def test_layer_selection_keeps_embedders_modulation_and_output_in_high_precision
     linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     kept = linears - chosen
     assert kept == {
-        "time_guidance_embed.timestep_embedder.linear_1", "time_guidance_embed.timestep_embedder.linear_2",
-        "time_guidance_embed.guidance_embedder.linear_1", "time_guidance_embed.guidance_embedder.linear_2",
-        "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "single_stream_modulation.linear",
-        "x_embedder", "context_embedder", "norm_out.linear", "proj_out",
-    }  # fmt: skip
+        "time_guidance_embed.timestep_embedder.linear_1",
+        "time_guidance_embed.timestep_embedder.linear_2",
+        "time_guidance_embed.guidance_embedder.linear_1",
+        "time_guidance_embed.guidance_embedder.linear_2",
+        "double_stream_modulation_img.linear",
+        "double_stream_modulation_txt.linear",
+        "single_stream_modulation.linear",
+        "x_embedder",
+        "context_embedder",
+        "norm_out.linear",
+        "proj_out",
+    }
     assert "transformer_blocks.0.attn.to_q" in chosen and "single_transformer_blocks.1.attn.to_qkv_mlp_proj" in chosen
 
 
@@ -61,8 +68,8 @@ def test_fp8_is_refused_where_no_kernel_exists():
         check_fp8_supported(torch.device("cpu"))
     with pytest.raises(InvalidRequest, match="run without --quantize fp8"):
         Engine("flux2-tiny", device="cpu", options=ExecutionOptions(quantize="fp8"))
-    with pytest.raises(InvalidRequest, match="unknown quantization 'int4'; choose one of none, fp8"):
-        ExecutionOptions(quantize="int4").validate(torch.device("cpu"))
+    with pytest.raises(InvalidRequest, match="--quantize 'int4' is not allowed; choose one of none, fp8"):
+        Engine("flux2-tiny", device="cpu", options=ExecutionOptions(quantize="int4"))
 
 
 def test_regional_compile_equals_eager():

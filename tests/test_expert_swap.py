@@ -12,7 +12,7 @@ import torch
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.families import PRESETS
 from paradit.memory import estimate, gib
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions, check_conflicts
 from paradit.parallel import ParallelConfig
 
 REQUEST = GenerationRequest(prompt="a heron", height=32, width=48, frames=5, steps=4, seed=2)
@@ -58,10 +58,16 @@ def test_the_memory_plan_counts_one_expert_and_a_tight_cap_chooses_the_swap():
     # Under a cap that not even one expert fits, the refusal gives the swapped plan's numbers.
     swapped_bf16 = estimate(spec, ParallelConfig(), torch.bfloat16, False, "offload", swap_experts=True)
     with pytest.raises(InvalidRequest, match=rf"needs {gib(swapped_bf16.total)} GiB on rank 0"):
-        Engine(spec, device="cpu", dtype="bf16", max_gpu_memory="32GiB", load_format="dummy",
-               request=GenerationRequest(prompt="x"))  # fmt: skip
+        Engine(
+            spec,
+            device="cpu",
+            dtype="bf16",
+            max_gpu_memory="32GiB",
+            load_format="dummy",
+            request=GenerationRequest(prompt="x"),
+        )
 
 
 def test_cuda_graphs_do_not_combine_with_swapped_experts():
     with pytest.raises(InvalidRequest, match="CUDA graphs do not combine with swapped experts"):
-        ExecutionOptions(cuda_graphs=True, swap_experts=True).validate(torch.device("cuda"))
+        check_conflicts(ParallelConfig(), ExecutionOptions(cuda_graphs=True, swap_experts=True), "cuda")

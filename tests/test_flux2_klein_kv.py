@@ -38,9 +38,12 @@ def build_kv_checkpoint(folder: Path, seed: int = 0) -> Path:
     transformer = Flux2Transformer2DModel(**tiny_transformer_config(guidance_embeds=False, heads=4))
     randomize(transformer)
     pipe = Flux2KleinKVPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=tiny_vae(), text_encoder=qwen3_encoder(),
-        tokenizer=build_offline_tokenizer(), transformer=transformer,
-    )  # fmt: skip
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+        vae=tiny_vae(),
+        text_encoder=qwen3_encoder(),
+        tokenizer=build_offline_tokenizer(),
+        transformer=transformer,
+    )
     pipe.save_pretrained(folder, max_shard_size="100KB")
     return folder
 
@@ -67,8 +70,13 @@ CASES = {
 def diffusers_images(case: str) -> np.ndarray:
     asked = dict(CASES[case])
     pipeline = Flux2KleinKVPipeline.from_pretrained(folder(), dtype=torch.float32)
-    output = pipeline(prompt=PROMPT, num_inference_steps=asked.pop("steps"), output_type="np",
-                      generator=torch.Generator("cpu").manual_seed(SEED), **asked)  # fmt: skip
+    output = pipeline(
+        prompt=PROMPT,
+        num_inference_steps=asked.pop("steps"),
+        output_type="np",
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        **asked,
+    )
     return output.images * 255
 
 
@@ -114,11 +122,15 @@ def test_tensor_parallel_equals_one_process():
     assert relative_l2(run_on_processes(2, _pixels, ParallelConfig(tensor=2)), _pixels(None)) <= 1e-5
 
 
-@pytest.mark.parametrize("plan,flag", [
-    (ParallelConfig(ulysses=2), "--ulysses"), (ParallelConfig(ring=2), "--ring"),
-    (ParallelConfig(pipefusion=2), "--pipefusion"), (ParallelConfig(ulysses=2, shard_weights=2), "--ulysses and "
-                                                     "--shard-weights"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "plan,flag",
+    [
+        (ParallelConfig(ulysses=2), "--ulysses"),
+        (ParallelConfig(ring=2), "--ring"),
+        (ParallelConfig(pipefusion=2), "--pipefusion"),
+        (ParallelConfig(ulysses=2, shard_weights=2), "--ulysses and --shard-weights"),
+    ],
+)
 def test_plans_that_split_the_references_refuse_them_in_one_line(plan, flag):
     settings = settle(Asked(str(folder()), device="cpu", dtype="fp32", parallel=plan))
     with pytest.raises(InvalidRequest) as refused:

@@ -77,9 +77,14 @@ def test_dev_images_match_diffusers(dev_checkpoint):
     """Mistral3 prompt format with its system message, embedded guidance, truncated encoder (layer 30 of 32)."""
     reference = Flux2Pipeline.from_pretrained(dev_checkpoint, dtype=torch.float32)
     expected = reference(
-        prompt="a bowl of ramen", height=64, width=32, num_inference_steps=3, guidance_scale=2.5,
-        generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    )  # fmt: skip
+        prompt="a bowl of ramen",
+        height=64,
+        width=32,
+        num_inference_steps=3,
+        guidance_scale=2.5,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    )
     engine = Engine(str(dev_checkpoint), device="cpu", dtype="fp32")
     result = engine.generate(
         GenerationRequest(prompt="a bowl of ramen", height=64, width=32, steps=3, guidance=2.5, seed=3)
@@ -96,9 +101,13 @@ def test_distilled_klein_matches_diffusers_without_cfg(tmp_path):
     folder = cached(build_klein_checkpoint, 1, True)  # distilled
     reference = Flux2KleinPipeline.from_pretrained(folder, dtype=torch.float32)
     expected = reference(
-        prompt="a cat", height=32, width=32, num_inference_steps=2, generator=torch.Generator("cpu").manual_seed(0),
+        prompt="a cat",
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(0),
         output_type="np",
-    )  # fmt: skip
+    )
     engine = Engine(str(folder), device="cpu", dtype="fp32")
     assert engine.spec.guidance_mode == "none" and engine.spec.steps == 4
     got = engine.generate(GenerationRequest(prompt="a cat", height=32, width=32, steps=2, seed=0)).pixels

@@ -29,7 +29,7 @@ from paradit.errors import InvalidRequest
 from paradit.layers import fp8_attention
 from paradit.layers.attention import _masked_attention_with_lse
 from paradit.layers.fp8_attention import KEY_TILE, fp8_attention_with_lse
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.sequence import merge_partials
 from paradit.request import GenerationRequest
@@ -222,8 +222,11 @@ def image(result) -> np.ndarray:
 @pytest.fixture(scope="module")
 def one_process_images():
     runs = {}
-    choices = {"sdpa": ExecutionOptions(), "fp8": ExecutionOptions(attention="fp8"),
-               "fp8 exact ends": ExecutionOptions(attention="fp8", attention_bf16_steps=2)}  # fmt: skip
+    choices = {
+        "sdpa": ExecutionOptions(),
+        "fp8": ExecutionOptions(attention="fp8"),
+        "fp8 exact ends": ExecutionOptions(attention="fp8", attention_bf16_steps=2),
+    }
     for name, options in choices.items():
         with Engine(MODEL, device="cpu", options=options) as engine:
             runs[name] = image(engine.generate(REQUEST))
@@ -242,9 +245,10 @@ def test_exact_steps_at_both_ends_cover_a_short_request_whole(one_process_images
 
 
 @pytest.mark.parametrize(
-    "plan", [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(pipefusion=2)],
+    "plan",
+    [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(pipefusion=2)],
     ids=["ulysses2", "ring2", "pipefusion2"],
-)  # fmt: skip
+)
 def test_plans_attend_in_fp8_like_one_process(plan, one_process_images):
     """Ulysses gives each rank whole heads over the whole sequence, the kernel's very tiles: one process's image.
     Ring's blocks are quantized each on its own (its smoothing, its scales) and PipeFusion's warm-up step attends
@@ -259,16 +263,30 @@ def test_plans_attend_in_fp8_like_one_process(plan, one_process_images):
 
 
 def test_bad_attention_options_are_one_line_naming_the_choices():
-    with pytest.raises(InvalidRequest, match="unknown attention 'fp4'; choose one of sdpa, fp8"):
+    with pytest.raises(InvalidRequest, match="--attention 'fp4' is not allowed; choose one of sdpa, fp8"):
         Engine(MODEL, device="cpu", options=ExecutionOptions(attention="fp4"))
-    with pytest.raises(InvalidRequest, match="--attention-bf16-steps 2: give 0 or more steps, with --attention fp8"):
+    with pytest.raises(InvalidRequest, match="--attention-bf16-steps keeps the first and last steps exact under FP8"):
         Engine(MODEL, device="cpu", options=ExecutionOptions(attention_bf16_steps=2))
 
 
 def test_the_cpu_without_the_interpreter_and_a_machine_without_triton_are_refused():
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", "paradit", "generate", "--model", MODEL, "--device", "cpu", "--prompt", "a",
-               "--attention", "fp8", "--out", "never.png"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "paradit",
+        "generate",
+        "--model",
+        MODEL,
+        "--device",
+        "cpu",
+        "--prompt",
+        "a",
+        "--attention",
+        "fp8",
+        "--out",
+        "never.png",
+    ]
     run = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=120)
     assert run.returncode == 2 and not os.path.exists("never.png")
     assert (
@@ -279,8 +297,10 @@ def test_the_cpu_without_the_interpreter_and_a_machine_without_triton_are_refuse
             "--attention sdpa"
         )
     )
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "from paradit.layers.fp8_attention import check_fp8_attention\nimport torch\n"
-            "check_fp8_attention(torch.device('cpu'))")  # fmt: skip
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from paradit.layers.fp8_attention import check_fp8_attention\nimport torch\n"
+        "check_fp8_attention(torch.device('cpu'))"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "FP8 attention needs Triton 3.4 or newer (pip install triton" in run.stderr

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import paradit.loader
 from paradit.cli import main, serial_comparison
+from paradit.errors import CheckpointError
 from paradit.families import PRESETS
 from paradit.request import GenerationRequest, GenerationResult, Timings
 from paradit.settings import default_plan_for, resolve_model
@@ -146,7 +147,7 @@ def test_seed_metadata_json_formats_and_the_cpu_table(tmp_path, capsys):
     assert data["timings"]["text_encoders"] == "resident"  # not "gpu", on the CPU
     assert data["timings"]["step_ms"] and data["files"] == [str(out)]
     text = Image.open(out).text
-    assert (json.loads(text["prompt"]), int(text["seed"]), text["model"]) == (["a lighthouse"], seed, "flux2-tiny")
+    assert (text["prompt"], int(text["seed"]), text["model"]) == ("a lighthouse", seed, "flux2-tiny")
     assert (text["steps"], text["plan"]) == ("1", "1 process")
     # The seed printed reproduces the image; JPEG and WebP are written in their own formats.
     again = tmp_path / "again.png"
@@ -156,6 +157,19 @@ def test_seed_metadata_json_formats_and_the_cpu_table(tmp_path, capsys):
     for name, kind in (("x.jpg", "JPEG"), ("x.webp", "WEBP")):
         assert run_cli(["generate", "--prompt", "a lighthouse", *TINY, "--out", str(tmp_path / name)], capsys)[0] == 0
         assert Image.open(tmp_path / name).format == kind
+
+
+def test_each_file_of_a_batch_records_its_own_prompt_seed_and_place_in_the_batch(tmp_path, capsys):
+    out, record = tmp_path / "img.png", tmp_path / "run.json"
+    prompts = ["--prompt", "a lighthouse", "--prompt", "a fox", "--images-per-prompt", "2", "--seed", "7"]
+    argv = ["generate", *prompts, *TINY, "--out", str(out), "--json", str(record)]
+    assert run_cli(argv, capsys)[0] == 0
+    outputs = json.loads(record.read_text())["outputs"]
+    expected = [("a lighthouse", 0), ("a lighthouse", 1), ("a fox", 2), ("a fox", 3)]
+    assert [(each["prompt"], each["batch_index"]) for each in outputs] == expected
+    for each, (prompt, index) in zip(outputs, expected):
+        text = Image.open(each["file"]).text
+        assert (text["prompt"], text["seed"], text["batch_index"], text["batch_size"]) == (prompt, "7", str(index), "4")
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +209,7 @@ def _shard(folder: Path) -> Path:
         "no text_encoder",
         "no tokenizer",
         "pickle beside safetensors",
-    ],  # fmt: skip
+    ],
 )
 def test_damaged_checkpoints_are_one_line_naming_the_file(klein_folder, tmp_path, capsys, damage, fragments):
     folder = _damaged_copy(klein_folder, tmp_path)
@@ -208,6 +222,17 @@ def test_damaged_checkpoints_are_one_line_naming_the_file(klein_folder, tmp_path
         return
     line = assert_one_line_error(code, err, *fragments)
     assert str(folder) in line
+
+
+def test_a_truncated_component_is_refused_when_the_folder_is_read_before_anything_loads(klein_folder, tmp_path):
+    """The VAE, read last (after the denoise), is checked with the others when the folder is resolved."""
+    folder = _damaged_copy(klein_folder, tmp_path)
+    vae = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    vae.write_bytes(vae.read_bytes()[:-100])
+    with pytest.raises(
+        CheckpointError, match=r"vae/diffusion_pytorch_model.safetensors is not a readable safetensors file \(cut short"
+    ):
+        resolve_model(str(folder))
 
 
 def test_pickle_weights_are_refused_unless_allowed(klein_folder, tmp_path, capsys):

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from paradit.cli import main
 from paradit.errors import CheckpointError
 from paradit.families import FAMILIES
-from paradit.loader import load_transformer
 from paradit.pipelines.base import load_vae
+from paradit.runtime import load_transformer
 from paradit.settings import resolve_model
 from paradit.spec import CheckpointFolder
 from paradit.text_encoder import load_prompt_encoder
@@ -93,8 +93,9 @@ def test_pickle_beside_a_safetensors_file_that_is_not_the_weights_is_refused(kle
 
 
 @pytest.mark.parametrize("allow_pickle", [False, True])
-def test_a_component_whose_safetensors_are_not_its_weights_is_refused_before_anything_loads(klein, tmp_path,
-                                                                                           allow_pickle):  # fmt: skip
+def test_a_component_whose_safetensors_are_not_its_weights_is_refused_before_anything_loads(
+    klein, tmp_path, allow_pickle
+):
     folder = copy_of(klein, tmp_path / "copy")
     vae = folder / "vae"
     (vae / "diffusion_pytorch_model.safetensors").rename(vae / "diffusion_pytorch_model.fp16.safetensors")

@@ -36,11 +36,14 @@ from tests.test_serving import live_server
 
 
 def test_a_guidance_scale_past_the_numbers_fails_naming_the_step_and_writes_nothing(tmp_path, capsys):
-    """It wrote an all-black image and exited 0; under CFG parallelism in two worker processes both ranks stop."""
+    """It wrote an all-black image and exited 0; under CFG parallelism in two worker processes both ranks stop. (Past
+    float32's range, guidance is refused before anything loads.)"""
+    code, _, err = run_cli(tiny_args(tmp_path / "x.png", "--guidance", "1e300"), capsys)
+    assert_one_line_error(code, err, "guidance 1e+300 is not allowed; give a finite value >= 0 (at most 3.4e+38)")
     for plan in ([], ["--gpus", "2"]):
         out = tmp_path / f"x{len(plan)}.png"
-        code, _, err = run_cli(tiny_args(out, "--steps", "2", "--guidance", "1e300", *plan), capsys)
-        assert_one_line_error(code, err, "denoise step 1 of 2 predicted NaN or inf", "guidance scale too large (1e+300")
+        code, _, err = run_cli(tiny_args(out, "--steps", "2", "--guidance", "3e38", *plan), capsys)
+        assert_one_line_error(code, err, "predicted NaN or inf", "guidance scale too large (3e+38")
         assert not out.exists()
 
 
@@ -53,8 +56,24 @@ def test_a_checkpoint_with_nan_weights_fails_naming_the_weights(tmp_path, capsys
     tensors["proj_out.weight"][0, 0] = float("nan")
     save_file(tensors, shard, metadata={"format": "pt"})
     out = tmp_path / "x.png"
-    argv = ["generate", "--model", str(folder), "--device", "cpu", "--prompt", "a cat", "--steps", "2",
-            "--height", "32", "--width", "32", "--no-progress", "--out", str(out)]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        str(folder),
+        "--device",
+        "cpu",
+        "--prompt",
+        "a cat",
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     code, _, err = run_cli(argv, capsys)
     assert_one_line_error(code, err, "denoise step 1 of 2 predicted NaN or inf", "NaN or inf in the weights")
     assert not out.exists()
@@ -93,10 +112,14 @@ def _failure_with_a_nan_in_the_last_token_at(plan: ParallelConfig, step: int) ->
 
 @pytest.mark.parametrize(
     "plan",
-    [ParallelConfig(), ParallelConfig(pipefusion=2, patches=2, warmup_steps=1), ParallelConfig(cfg=2),
-     ParallelConfig(tensor=2)],
+    [
+        ParallelConfig(),
+        ParallelConfig(pipefusion=2, patches=2, warmup_steps=1),
+        ParallelConfig(cfg=2),
+        ParallelConfig(tensor=2),
+    ],
     ids=lambda plan: plan.describe(),
-)  # fmt: skip
+)
 def test_every_rank_of_a_group_fails_at_the_step_that_went_bad(plan):
     """Every rank raises (one raising alone would leave the others in the decode's collectives: a hang), naming the
     step the bad prediction belongs to, as one process does."""
@@ -112,9 +135,9 @@ def test_the_server_answers_a_non_finite_run_with_an_error_and_serves_on():
     with live_server(model="flux2-tiny", gpus=2, group_size=2) as (url, _):
         body = {"prompt": "a fox", "size": "32x32", "steps": 2}
         with httpx.Client(base_url=url, timeout=300) as client:
-            failed = client.post("/v1/images/generations", json={**body, "guidance": 1e300})
+            failed = client.post("/v1/images/generations", json={**body, "guidance": 3e38})
             assert failed.status_code == 500, failed.text
-            assert "denoise step 1 of 2 predicted NaN or inf" in failed.json()["error"]["message"]
+            assert "predicted NaN or inf" in failed.json()["error"]["message"]
             assert client.post("/v1/images/generations", json=body).status_code == 200
 
 
@@ -201,7 +224,7 @@ def test_a_decompression_bomb_is_refused_with_its_size_and_a_large_image_reads_w
     """20000 x 20000 raised PIL's DecompressionBombError (an internal error); 12000 x 12000 printed its warning."""
     bomb = bare_png(tmp_path / "bomb.png", 20000, 20000, rows=1)
     code, _, err = run_cli(tiny_args(tmp_path / "x.png", "--image", str(bomb)), capsys)
-    assert_one_line_error(code, err, "bomb.png cannot be read", "(400000000 pixels) exceeds limit of 178956970 pixels")
+    assert_one_line_error(code, err, "bomb.png is 20000x20000 (400,000,000 pixels), past the 178,956,970 paradit")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         large = read_image(str(bare_png(tmp_path / "large.png", 12000, 12000, rows=12000)))

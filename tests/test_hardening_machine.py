@@ -26,8 +26,13 @@ def test_a_cpu_group_whose_weights_pass_the_memory_available_is_refused_before_o
     argv = ["generate", "--device", "cpu", "--model", "flux2-dev", "--load-format", "dummy", "--prompt", "a"]
     assert main([*argv, "--gpus", "2", "--out", "/tmp/x.png"]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("paradit: error: 2 CPU process(es) would hold 240.1 GiB of flux2-dev's transformer weights "
-                            "in float32, past the 100.0 GiB") and "--dtype bf16" in error, error  # fmt: skip
+    assert (
+        error.startswith(
+            "paradit: error: 2 CPU process(es) would hold 240.1 GiB of flux2-dev's transformer weights "
+            "in float32, past the 100.0 GiB"
+        )
+        and "--dtype bf16" in error
+    ), error
     assert started == []
     fitting = Asked("flux2-dev", "cpu", "bf16", "dummy", parallel=ParallelConfig(tensor=2))  # 60 GiB of shares
     assert settle(fitting).parallel.tensor == 2

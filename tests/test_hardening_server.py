@@ -75,9 +75,10 @@ def test_file_urls_name_the_address_the_request_reached_never_the_host_header(ho
     """Bound to every interface, the link names the interface the client reached (here 127.0.0.1)."""
     with app_on(host) as port:
         answer = httpx.post(
-            f"http://127.0.0.1:{port}/v1/images/generations", json={**BODY, "response_format": "url"},
+            f"http://127.0.0.1:{port}/v1/images/generations",
+            json={**BODY, "response_format": "url"},
             headers={"Host": "evil.example.com"},
-        )  # fmt: skip
+        )
         assert answer.status_code == 200, answer.text
         url = answer.json()["data"][0]["url"]
         assert url.startswith(f"http://127.0.0.1:{port}/v1/files/"), url
@@ -112,8 +113,11 @@ def test_a_size_the_model_refuses_is_a_400_naming_size_and_the_allowed_values():
             assert "size" in message and "multiples of 16 from 16 to 8192" in message and '"auto"' in message
             assert "128x128" in message, message  # what auto gives for this model
         assert client.images.generate(prompt="a fox", size="32x32", extra_body={"steps": 1}).data
-        bad_steps = httpx.post(url + "/v1/images/generations", json={**BODY, "size": "40x32", "steps": 0},
-                               headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+        bad_steps = httpx.post(
+            url + "/v1/images/generations",
+            json={**BODY, "size": "40x32", "steps": 0},
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
         assert bad_steps.status_code == 400 and bad_steps.json()["error"]["param"] == "steps"
     with scheduler() as (scheduling, _, _), http_server(scheduling, video=True) as url:
         refused = httpx.post(url + "/v1/videos", json={**BODY, "size": "40x32"})
@@ -237,3 +241,36 @@ def test_abort_kills_a_group_inside_a_step_at_once_and_leaves_no_process():
     assert not still_alive(workers)
     with pytest.raises(WorkerFailure, match="create a new Engine"):
         engine.generate(GenerationRequest(prompt="a fox", steps=1))
+
+
+def test_client_faults_in_an_edit_form_or_a_body_are_400s_naming_the_field_and_kept_curves_serve_mag(
+    tmp_path, monkeypatch
+):
+    """An image sent as text, a value past what any dtype holds, MagCache without a curve where none was kept, another
+    method's cache parameter: each the client's 400 naming its field. The form takes the JSON body's objects
+    (``cache``, ``lora``) as JSON text, and MagCache without a curve takes the one ``--cache-calibrate`` kept for the
+    served model."""
+    from paradit.cache_options import keep_curve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    form = {"prompt": "a fox", "size": "32x32", "steps": "2"}
+    image = {"image": ("a.png", png_of(64))}
+    stray = {"method": "first-block", "cache_interval": 3}  # taylorseer's
+    with scheduler() as (scheduling, _, _), http_server(scheduling) as url, httpx.Client(base_url=url) as client:
+        refusals = [
+            (client.post("/v1/images/edits", data={**form, "image": "a.png"}), "image", "file part"),
+            (client.post("/v1/images/edits", data={**form, "cache": "{method"}, files=image), "cache", "JSON text"),
+            (client.post("/v1/images/generations", json={**BODY, "guidance": 1e300}), "guidance", "3.4e+38"),
+            (client.post("/v1/images/generations", json={**BODY, "cache": {"method": "mag"}}), "cache", "calibrated"),
+            (client.post("/v1/images/generations", json={**BODY, "cache": stray}), "cache", "not a parameter of"),
+        ]
+        for answer, param, words in refusals:
+            error = answer.json()["error"]
+            assert answer.status_code == 400 and error["param"] == param and words in error["message"], error
+        cached = {**form, "cache": '{"method": "first-block", "threshold": 0.1}'}
+        assert client.post("/v1/images/edits", data=cached, files=image).is_success
+        keep_curve("flux2-tiny", [1.0, 1.0])
+        assert client.post("/v1/images/generations", json={**BODY, "cache": {"method": "mag"}}).is_success
+        metrics = client.get("/metrics").text
+    assert 'endpoint="/v1/images/edits",outcome="invalid"} 2.0' in metrics
+    assert 'outcome="failed"' not in metrics

@@ -18,11 +18,12 @@ from paradit.cli import main
 from paradit.errors import CheckpointError
 from paradit.families import FAMILIES, PRESETS
 from paradit.layers.fp8 import Fp8Linear
-from paradit.loader import load_transformer
+from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.parallel.comm import CommStats
 from paradit.parallel.tensor import RowParallelLinear, parallelize_tensor, tensor_slices
 from paradit.quantize import convert_fp8, fp8_checkpoint_layers
+from paradit.runtime import load_transformer
 from paradit.settings import resolve_model
 from paradit.spec import CheckpointFolder, RandomWeights
 from paradit.weights import CheckpointTensors, save_component
@@ -57,7 +58,7 @@ FLUX2 = FAMILIES["flux2"]
 def load(spec, context=None, quantize="none", dummy=False, dtype=torch.bfloat16) -> nn.Module:
     """The loader under test: the transformer built, sharded and pruned on meta, then only what is kept read."""
     spec = dataclasses.replace(spec, weights=RandomWeights()) if dummy else spec
-    return load_transformer(FLUX2, spec, CPU, dtype, parallel=context, quantize=quantize).model
+    return load_transformer(FLUX2, spec, CPU, dtype, context, ExecutionOptions(quantize=quantize)).model
 
 
 def load_then_shard(spec, context, quantize="none", dummy=False) -> nn.Module:

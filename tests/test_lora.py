@@ -31,7 +31,7 @@ from paradit.engine import Engine
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, spec_from_folder
 from paradit.lora import LoraRef, LoraSet
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions, check_conflicts
 from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
 from paradit.serving.launch import ServeSettings, build_scheduler
@@ -50,9 +50,12 @@ from tests.test_serving_scheduler import app_in_thread
 from tests.test_wan import wan_checkpoint
 
 PIPELINES = {
-    "flux2": Flux2KleinPipeline, "qwen_image": QwenImagePipeline, "sd3": StableDiffusion3Pipeline,
-    "zimage": ZImagePipeline, "wan": WanPipeline,
-}  # fmt: skip
+    "flux2": Flux2KleinPipeline,
+    "qwen_image": QwenImagePipeline,
+    "sd3": StableDiffusion3Pipeline,
+    "zimage": ZImagePipeline,
+    "wan": WanPipeline,
+}
 REQUEST = dict(prompt="a lighthouse on a cliff", height=32, width=48, steps=3, seed=3, guidance=4.0)
 RANK = 4
 
@@ -76,8 +79,9 @@ def write_diffusers_lora(pipeline_class: type, factors: dict, path: Path, alpha:
     """The file diffusers' own ``save_lora_weights`` writes (``alpha`` in its LoraConfig metadata, or none)."""
     targets = sorted({key.rsplit(".lora_", 1)[0] for key in factors})
     metadata = None if alpha is None else {"r": RANK, "lora_alpha": alpha, "target_modules": targets}
-    pipeline_class.save_lora_weights(path.parent, transformer_lora_layers=factors, weight_name=path.name,
-                                     transformer_lora_adapter_metadata=metadata)  # fmt: skip
+    pipeline_class.save_lora_weights(
+        path.parent, transformer_lora_layers=factors, weight_name=path.name, transformer_lora_adapter_metadata=metadata
+    )
     return path
 
 
@@ -92,9 +96,14 @@ def reference_images(family: str, adapters: list[tuple[Path, float, str]]) -> np
         scales.append(scale)
     if names:
         pipeline.set_adapters(names, scales)
-    kwargs = dict(prompt=REQUEST["prompt"], height=REQUEST["height"], width=REQUEST["width"],
-                  num_inference_steps=REQUEST["steps"], generator=torch.Generator("cpu").manual_seed(REQUEST["seed"]),
-                  output_type="np")  # fmt: skip
+    kwargs = dict(
+        prompt=REQUEST["prompt"],
+        height=REQUEST["height"],
+        width=REQUEST["width"],
+        num_inference_steps=REQUEST["steps"],
+        generator=torch.Generator("cpu").manual_seed(REQUEST["seed"]),
+        output_type="np",
+    )
     if family == "qwen_image":
         kwargs.update(true_cfg_scale=REQUEST["guidance"], negative_prompt=" ")
     elif family == "wan":
@@ -130,11 +139,11 @@ def adapters(tmp_path_factory) -> dict[str, list[Path]]:
         reference = pipeline_class.from_pretrained(folder_of(family), dtype=torch.float32)
         second = reference.transformer_2 if family == "wan" else reference.transformer
         files[family] = [
-            write_diffusers_lora(pipeline_class, diffusers_layout(reference.transformer, 1),
-                                 folder / f"{family}_a.safetensors", 8.0),
-            write_diffusers_lora(pipeline_class, diffusers_layout(second, 2),
-                                 folder / f"{family}_b.safetensors", None),
-        ]  # fmt: skip
+            write_diffusers_lora(
+                pipeline_class, diffusers_layout(reference.transformer, 1), folder / f"{family}_a.safetensors", 8.0
+            ),
+            write_diffusers_lora(pipeline_class, diffusers_layout(second, 2), folder / f"{family}_b.safetensors", None),
+        ]
     return files
 
 
@@ -175,8 +184,9 @@ def musubi_layout(transformer: nn.Module, seed: int, alpha: float) -> dict:
     projections = {"to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o"}
     converted = {}
     for index, block in enumerate(transformer.blocks):
-        linears = {f"{originals[a]}_{p}": getattr(block, a).get_submodule(d) for a in originals
-                   for d, p in projections.items()}  # fmt: skip
+        linears = {
+            f"{originals[a]}_{p}": getattr(block, a).get_submodule(d) for a in originals for d, p in projections.items()
+        }
         linears.update(ffn_0=block.ffn.net[0].proj, ffn_2=block.ffn.net[2])
         for name, linear in linears.items():
             key = f"lora_unet_blocks_{index}_{name}"
@@ -194,9 +204,11 @@ def kohya_flux2_layout(transformer: nn.Module, seed: int, alpha: float) -> dict:
     for index, block in enumerate(transformer.transformer_blocks):
         attention = block.attn
         qkv_out = sum(getattr(attention, name).out_features for name in ("to_q", "to_k", "to_v"))
-        shapes = {"img_attn_qkv": (qkv_out, attention.to_q.in_features),
-                  "img_attn_proj": tuple(attention.to_out[0].weight.shape),
-                  "img_mlp_0": tuple(block.ff.linear_in.weight.shape)}  # fmt: skip
+        shapes = {
+            "img_attn_qkv": (qkv_out, attention.to_q.in_features),
+            "img_attn_proj": tuple(attention.to_out[0].weight.shape),
+            "img_mlp_0": tuple(block.ff.linear_in.weight.shape),
+        }
         for name, (out_features, in_features) in shapes.items():
             key = f"lora_unet_double_blocks_{index}_{name}"
             converted[f"{key}.lora_down.weight"] = torch.randn(RANK, in_features, generator=generator)
@@ -231,13 +243,21 @@ def test_a_non_diffusers_layout_equals_diffusers(family, tmp_path):
 # the CLI against the same run in one process; unfused where the plan cuts or prunes the linears the side paths sit by.
 PLAN_CASES = {
     "tensor": ("flux2", "unfused", ("--gpus", "2", "--tensor", "2"), "tensor 2"),
-    "pipefusion": ("qwen_image", "unfused", ("--gpus", "2", "--pipefusion", "2"), "pipefusion 2 (1 patches after 1 "
-                   "warm-up steps)"),
+    "pipefusion": (
+        "qwen_image",
+        "unfused",
+        ("--gpus", "2", "--pipefusion", "2"),
+        "pipefusion 2 (1 patch after 1 warm-up step)",
+    ),
     "cfg-ulysses": ("sd3", "fused", ("--gpus", "4", "--cfg-parallel", "--ulysses", "2"), "cfg 2 x ulysses 2"),
     "ring": ("zimage", "unfused", ("--gpus", "3", "--ring", "3"), "ring 3"),
-    "sharded": ("wan", "unfused", ("--gpus", "2", "--ulysses", "2", "--shard-weights", "2"),
-                "ulysses 2, weights sharded over 2 (ulysses)"),
-}  # fmt: skip
+    "sharded": (
+        "wan",
+        "unfused",
+        ("--gpus", "2", "--ulysses", "2", "--shard-weights", "2"),
+        "ulysses 2, weights sharded over 2 (ulysses)",
+    ),
+}
 
 
 def lora_flags(family: str, files: list[Path], mode: str) -> list[str]:
@@ -266,8 +286,11 @@ def test_the_adapters_are_recorded_and_a_distilled_one_runs_the_steps_and_guidan
     assert code == 0, err
     written = json.loads(record.read_text())
     assert (written["steps"], written["guidance"], len(written["timings"]["step_ms"])) == (4, 1.0, 4)
-    expected = {"transformer": [{"source": str(adapters["flux2"][1]), "scale": 1.0, "weight_name": None}],
-                "transformer_2": [], "mode": "fused"}  # fmt: skip
+    expected = {
+        "transformer": [{"source": str(adapters["flux2"][1]), "scale": 1.0, "weight_name": None}],
+        "transformer_2": [],
+        "mode": "fused",
+    }
     assert written["lora"] == expected
     with Image.open(out) as image:
         assert json.loads(image.text["lora"]) == expected
@@ -288,10 +311,13 @@ def bad_adapters(folder: Path, good: Path, wan: Path) -> dict[str, tuple[Path, s
     rank = folder / "rank.safetensors"
     save_file({**state, first: state[first][:2]}, str(rank))
     return {
-        "another model's": (wan, "modules the transformer does not have"), "truncated": (truncated, "not a readable"),
-        "pickle": (pickle, "only .safetensors"), "NaN": (nan, "NaN"), "text encoder": (encoder, "text-encoder LoRA"),
+        "another model's": (wan, "modules the transformer does not have"),
+        "truncated": (truncated, "not a readable"),
+        "pickle": (pickle, "only .safetensors"),
+        "NaN": (nan, "NaN"),
+        "text encoder": (encoder, "text-encoder LoRA"),
         "rank mismatch": (rank, "ranks that do not match"),
-    }  # fmt: skip
+    }
 
 
 def test_bad_adapters_are_refused_in_one_line_and_nothing_is_written(adapters, tmp_path, capfd):
@@ -312,14 +338,19 @@ def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_on
     folder = folder_of("flux2")
     served = LoraSet((LoraRef(str(first), name="style"), LoraRef(str(second), name="detail")), (), "unfused", True)
     scheduler, config = build_scheduler(
-        ServeSettings(Asked(model=str(folder), device="cpu", dtype="fp32", lora=served), max_batch=2), Metrics()
+        ServeSettings(
+            Asked(model=str(folder), device="cpu", dtype="fp32", options=ExecutionOptions(lora=served)), max_batch=2
+        ),
+        Metrics(),
     )
     choices = {
-        "both": ([{"name": "style", "scale": 0.5}, {"name": "detail", "scale": 1.2}],
-                 LoraSet((LoraRef(str(first), 0.5), LoraRef(str(second), 1.2)))),
+        "both": (
+            [{"name": "style", "scale": 0.5}, {"name": "detail", "scale": 1.2}],
+            LoraSet((LoraRef(str(first), 0.5), LoraRef(str(second), 1.2))),
+        ),
         "style": ([{"name": "style"}], LoraSet((LoraRef(str(first)),))),
         "none": (None, None),
-    }  # fmt: skip
+    }
     expected = {name: paradit_images("flux2", lora)[0] for name, (_, lora) in choices.items()}
     scheduler.start()
     try:
@@ -330,8 +361,9 @@ def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_on
             def generate(name: str) -> np.ndarray:
                 lora = choices[name][0]
                 body = {"steps": REQUEST["steps"], "seed": REQUEST["seed"], "guidance": REQUEST["guidance"]}
-                answer = client.images.generate(prompt=REQUEST["prompt"], size="48x32",
-                                                extra_body={**body, **({"lora": lora} if lora else {})})  # fmt: skip
+                answer = client.images.generate(
+                    prompt=REQUEST["prompt"], size="48x32", extra_body={**body, **({"lora": lora} if lora else {})}
+                )
                 with Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))) as image:
                     return np.asarray(image.convert("RGB"), dtype=np.float64)
 
@@ -344,9 +376,29 @@ def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_on
                 client.images.generate(prompt="a fox", extra_body={"lora": [{"name": "nope"}]})
             # generate --server names the server's adapters as NAME:SCALE
             out = tmp_path / "remote.png"
-            remote = ["generate", "--server", url, "--prompt", REQUEST["prompt"], "--height", "32", "--width", "48",
-                      "--steps", str(REQUEST["steps"]), "--seed", str(REQUEST["seed"]), "--guidance", "4.0",
-                      "--out", str(out), "--lora", "style:0.5", "--lora", "detail:1.2"]  # fmt: skip
+            remote = [
+                "generate",
+                "--server",
+                url,
+                "--prompt",
+                REQUEST["prompt"],
+                "--height",
+                "32",
+                "--width",
+                "48",
+                "--steps",
+                str(REQUEST["steps"]),
+                "--seed",
+                str(REQUEST["seed"]),
+                "--guidance",
+                "4.0",
+                "--out",
+                str(out),
+                "--lora",
+                "style:0.5",
+                "--lora",
+                "detail:1.2",
+            ]
             assert run_cli(remote, capfd)[0] == 0
             with Image.open(out) as image:
                 assert levels(np.asarray(image.convert("RGB"), dtype=np.float64), expected["both"]) <= 1
@@ -355,8 +407,14 @@ def test_a_server_applies_the_adapters_each_request_names_and_refuses_unknown_on
         scheduler.close()
 
 
-CHOICES = [(("style", 0.5), ("detail", 1.2)), (("style", 1.0),), (("style", 0.5), ("detail", 1.2)), (),
-           (("detail", 1.2), ("style", 0.5)), (("style", 1.0),)]  # fmt: skip
+CHOICES = [
+    (("style", 0.5), ("detail", 1.2)),
+    (("style", 1.0),),
+    (("style", 0.5), ("detail", 1.2)),
+    (),
+    (("detail", 1.2), ("style", 0.5)),
+    (("style", 1.0),),
+]
 
 
 def choice_images(adapters, cache: int, parallel: ParallelConfig | None) -> list[np.ndarray]:
@@ -365,10 +423,10 @@ def choice_images(adapters, cache: int, parallel: ParallelConfig | None) -> list
     first, second = adapters["flux2"]
     refs = (LoraRef(str(first), name="style"), LoraRef(str(second), name="detail"))
     lora = LoraSet(refs, (), "unfused", switchable=True, cache=cache)
-    with Engine(str(folder_of("flux2")), device="cpu", dtype="fp32", parallel=parallel,
-                options=ExecutionOptions(lora=lora)) as engine:  # fmt: skip
-        return [engine.generate(GenerationRequest(**REQUEST, lora=choice)).pixels.numpy() * 255
-                for choice in CHOICES]  # fmt: skip
+    with Engine(
+        str(folder_of("flux2")), device="cpu", dtype="fp32", parallel=parallel, options=ExecutionOptions(lora=lora)
+    ) as engine:
+        return [engine.generate(GenerationRequest(**REQUEST, lora=choice)).pixels.numpy() * 255 for choice in CHOICES]
 
 
 @pytest.fixture(scope="module")
@@ -397,12 +455,18 @@ def test_choices_that_graphs_or_sharding_could_not_replay_are_refused(adapters):
     cached = dataclasses.replace(served, cache=2)
     cuda = torch.device("cuda")  # validate only reads the device's type: no GPU needed to be refused
     with pytest.raises(InvalidRequest, match="give --lora-cache 1 or more"):
-        ExecutionOptions(cuda_graphs=True, lora=served).validate(cuda)
-    ExecutionOptions(cuda_graphs=True, lora=cached).validate(cuda)
+        check_conflicts(ParallelConfig(), ExecutionOptions(cuda_graphs=True, lora=served), cuda.type)
+    check_conflicts(ParallelConfig(), ExecutionOptions(cuda_graphs=True, lora=cached), cuda.type)
     with pytest.raises(InvalidRequest, match="--lora-cache does not combine with swapped experts"):
-        ExecutionOptions(swap_experts=True, lora=cached).validate(cuda)
-    asked = Asked(model=str(folder_of("flux2")), device="cpu", dtype="fp32", gpus=2, lora=cached,
-                  parallel=ParallelConfig(ulysses=2, shard_weights=2))  # fmt: skip
+        check_conflicts(ParallelConfig(), ExecutionOptions(swap_experts=True, lora=cached), cuda.type)
+    asked = Asked(
+        model=str(folder_of("flux2")),
+        device="cpu",
+        dtype="fp32",
+        gpus=2,
+        options=ExecutionOptions(lora=cached),
+        parallel=ParallelConfig(ulysses=2, shard_weights=2),
+    )
     with pytest.raises(InvalidRequest, match="--lora-cache does not combine with --shard-weights"):
         settle(asked)
 
@@ -414,7 +478,13 @@ def test_the_memory_plan_counts_side_paths_and_not_fused_adapters(adapters):
     factors = sum(t.numel() for path in (first, second) for t in load_file(path).values()) * 4  # fp32 run
 
     def transformer_bytes(lora: LoraSet | None) -> int:
-        asked = Asked(model=str(folder_of("flux2")), device="cpu", dtype="fp32", max_gpu_memory="64GiB", lora=lora)
+        asked = Asked(
+            model=str(folder_of("flux2")),
+            device="cpu",
+            dtype="fp32",
+            max_gpu_memory="64GiB",
+            options=ExecutionOptions(lora=lora or LoraSet()),
+        )
         return settle(asked).memory_plan.transformer
 
     refs = (LoraRef(str(first)), LoraRef(str(second)))
@@ -422,8 +492,9 @@ def test_the_memory_plan_counts_side_paths_and_not_fused_adapters(adapters):
     assert transformer_bytes(LoraSet(refs)) == plain
     assert transformer_bytes(LoraSet(refs, (), "unfused")) - plain == factors > 0
     # a cache of 2 fused choices: the base copy and two more of every weight the adapters change, beside the factors
-    targets = {key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for path in (first, second)
-               for key in load_file(path)}  # fmt: skip
+    targets = {
+        key.removeprefix("transformer.").rsplit(".lora_", 1)[0] for path in (first, second) for key in load_file(path)
+    }
     with torch.device("meta"):
         model = FAMILIES["flux2"].build_transformer(spec_from_folder(folder_of("flux2")))
     weights = sum(model.get_submodule(name).weight.numel() for name in targets) * 4
@@ -456,15 +527,15 @@ def test_a_lokr_adapter_fuses_as_diffusers_applies_it_and_is_refused_as_side_pat
 def test_an_fp8_checkpoint_takes_a_fused_adapter_dequantized_merged_and_quantized_again(adapters, tmp_path):
     from paradit.fp8_checkpoint import write_fp8_checkpoint
     from paradit.layers.fp8 import Fp8Linear
-    from paradit.loader import load_transformer
+    from paradit.runtime import load_transformer
 
     source = spec_from_folder(folder_of("flux2"))
     write_fp8_checkpoint(source, tmp_path / "fp8", torch.float32)
     fp8 = spec_from_folder(tmp_path / "fp8")
     family, cpu = FAMILIES["flux2"], torch.device("cpu")
     lora = LoraSet((LoraRef(str(adapters["flux2"][0]), 1.5),))
-    plain = load_transformer(family, fp8, cpu, torch.float32, None, "fp8").model
-    fused = load_transformer(family, fp8, cpu, torch.float32, None, "fp8", lora=lora).model
+    plain = load_transformer(family, fp8, cpu, torch.float32, None, ExecutionOptions(quantize="fp8")).model
+    fused = load_transformer(family, fp8, cpu, torch.float32, None, ExecutionOptions(quantize="fp8", lora=lora)).model
     update = load_file(adapters["flux2"][0])
     name = "transformer_blocks.0.attn.to_q"
     delta = 1.5 * 2.0 * update[f"transformer.{name}.lora_B.weight"] @ update[f"transformer.{name}.lora_A.weight"]

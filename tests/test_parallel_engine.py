@@ -17,7 +17,7 @@ from PIL import Image
 
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.cli import main
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.worker import WorkerFailure, worker_context
 
@@ -79,8 +79,20 @@ def test_a_request_without_a_seed_gives_the_one_process_image_of_the_seed_it_rep
 
 
 def test_cli_seed_random_across_processes_writes_the_image_of_the_seed_it_prints(tmp_path, capsys):
-    args = ["generate", "--device", "cpu", "--prompt", "a castle", "--steps", "2", "--height", "48", "--width", "64",
-            "--no-progress"]  # fmt: skip
+    args = [
+        "generate",
+        "--device",
+        "cpu",
+        "--prompt",
+        "a castle",
+        "--steps",
+        "2",
+        "--height",
+        "48",
+        "--width",
+        "64",
+        "--no-progress",
+    ]
     assert main([*args, "--gpus", "2", "--ulysses", "2", "--seed", "random", "--out", str(tmp_path / "two.png")]) == 0
     printed = int(re.search(r"^seed\s+(\d+)$", capsys.readouterr().out, re.MULTILINE).group(1))
     assert main([*args, "--seed", str(printed), "--out", str(tmp_path / "one.png")]) == 0

@@ -44,22 +44,35 @@ def _build(layout: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if layout == "kl":  # SD3.5 / FLUX.1 (Z-Image) layout: no quant convs
         vae = AutoencoderKL(
-            block_out_channels=[8, 8, 8, 8], down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, latent_channels=4, norm_num_groups=4,
-            use_quant_conv=False, use_post_quant_conv=False,
-        )  # fmt: skip
+            block_out_channels=[8, 8, 8, 8],
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
     elif layout == "flux2":
-        vae = AutoencoderKLFlux2(block_out_channels=[8, 8, 8, 8], norm_num_groups=4, layers_per_block=1,
-                                 latent_channels=4)  # fmt: skip
+        vae = AutoencoderKLFlux2(
+            block_out_channels=[8, 8, 8, 8], norm_num_groups=4, layers_per_block=1, latent_channels=4
+        )
     elif layout == "qwen":
         vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, num_res_blocks=1)
     elif layout == "wan21":
         vae = AutoencoderKLWan(base_dim=8, z_dim=4, num_res_blocks=1)
     elif layout == "wan22":
         vae = AutoencoderKLWan(
-            base_dim=8, decoder_base_dim=12, z_dim=8, num_res_blocks=1, is_residual=True, in_channels=12,
-            out_channels=12, patch_size=2, scale_factor_spatial=16,
-        )  # fmt: skip
+            base_dim=8,
+            decoder_base_dim=12,
+            z_dim=8,
+            num_res_blocks=1,
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+        )
     else:
         raise ValueError(layout)
     _randomize(vae, seed=len(layout))
@@ -81,8 +94,9 @@ def _cases(latent_height: int = LATENT_HEIGHT) -> list[tuple[str, str, tuple[int
         for f in frames:
             t = () if f is None else ((f - 1) // 4 + 1,)
             cases.append((layout, "decode", (1, z, *t, latent_height, width)))
-            cases.append((layout, "encode", (1, 3, *(() if f is None else (f,)), latent_height * factor,
-                                             width * factor)))  # fmt: skip
+            cases.append(
+                (layout, "encode", (1, 3, *(() if f is None else (f,)), latent_height * factor, width * factor))
+            )
     # Group-norm statistics are per sample: a batch of two must not mix them.
     cases.append(("flux2", "decode", (2, 4, latent_height, 3)))
     return cases

@@ -15,7 +15,7 @@ from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
 from paradit.families.sd3.model import SD3Config, SD3Transformer
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
-from paradit.optimize import ExecutionOptions
+from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import parallelize
@@ -165,8 +165,10 @@ def _family_case(name: str, heads: int = 3):
         noise = inputs.pop("hidden_states")
         image = torch.randn(noise.shape, generator=gen)
         return model, lambda sigma: {
-            **inputs, "hidden_states": (1 - sigma) * image + sigma * noise, "timestep": torch.full((batch,), sigma)
-        }  # fmt: skip
+            **inputs,
+            "hidden_states": (1 - sigma) * image + sigma * noise,
+            "timestep": torch.full((batch,), sigma),
+        }
     if name == "qwen-image":
         model = QwenImageTransformer(QwenImageConfig.from_dict(qwen_config(heads)))
         latent_shape = (batch, F_ROWS * F_COLS, model.config.in_channels)
@@ -174,8 +176,10 @@ def _family_case(name: str, heads: int = 3):
         mask[1, 4:] = False  # two prompts of different lengths: the second padded from token 4
         fixed = dict(
             encoder_hidden_states=torch.randn(batch, F_TEXT, model.config.joint_attention_dim, generator=gen),
-            rows=F_ROWS, cols=F_COLS, encoder_hidden_states_mask=mask,
-        )  # fmt: skip
+            rows=F_ROWS,
+            cols=F_COLS,
+            encoder_hidden_states_mask=mask,
+        )
         time = lambda sigma: torch.full((batch,), sigma)  # noqa: E731
         latent_name = "hidden_states"
     elif name.startswith("sd3"):
@@ -202,8 +206,10 @@ def _family_case(name: str, heads: int = 3):
     randomize(model)
     image, noise = torch.randn(latent_shape, generator=gen), torch.randn(latent_shape, generator=gen)
     return model.eval(), lambda sigma: {
-        **fixed, latent_name: (1 - sigma) * image + sigma * noise, "timestep": time(sigma)
-    }  # fmt: skip
+        **fixed,
+        latent_name: (1 - sigma) * image + sigma * noise,
+        "timestep": time(sigma),
+    }
 
 
 # Each case's family in the registry, whose tensor plan shards it.

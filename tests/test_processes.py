@@ -27,8 +27,21 @@ GONE_S = 10  # what a stopped or orphaned worker gets to be gone, and its folder
 # Steps enough that a run is still denoising when it is signalled (each step is tens of ms on the tiny model).
 # 10,000 steps of about 18 ms: three minutes of denoising left whenever a test signals it, so a stop within
 # ``STOP_S`` is the engine stopping its workers, never the request ending, however slow the machine's exits.
-GENERATE = ["generate", "--device", "cpu", "--gpus", "2", "--prompt", "a fox", "--steps", "10000", "--height", "32",
-            "--width", "32"]  # fmt: skip
+GENERATE = [
+    "generate",
+    "--device",
+    "cpu",
+    "--gpus",
+    "2",
+    "--prompt",
+    "a fox",
+    "--steps",
+    "10000",
+    "--height",
+    "32",
+    "--width",
+    "32",
+]
 STOP_S = 20
 PROGRESS_BAR = re.compile(r"denoise:[^\]\r\n]*\]?")  # one drawing of rank 0's tqdm bar
 

@@ -112,18 +112,33 @@ IMAGE_CASES = {
     "cfg-masked-batch": dict(
         prompt=["a red fox in snow", "a lighthouse at dusk, oil on canvas"],
         negative_prompt=["blurry", "low quality, watermark, text"],
-        height=48, width=80, steps=3, guidance=4.0, seed=7,
+        height=48,
+        width=80,
+        steps=3,
+        guidance=4.0,
+        seed=7,
     ),
     # One prompt, three images, the blank negative prompt Qwen-Image's authors use.
     "cfg-images-per-prompt": dict(
-        prompt="a bowl of ramen", negative_prompt=" ", height=32, width=32, steps=2, guidance=2.5, seed=3,
+        prompt="a bowl of ramen",
+        negative_prompt=" ",
+        height=32,
+        width=32,
+        steps=2,
+        guidance=2.5,
+        seed=3,
         num_images_per_prompt=3,
     ),
     # No negative prompt: diffusers runs no CFG whatever the guidance, and neither does paradit.
     "no-negative-no-cfg": dict(
-        prompt=["a cat", "a dog"], height=64, width=32, steps=2, seed=1, num_images_per_prompt=2,
+        prompt=["a cat", "a dog"],
+        height=64,
+        width=32,
+        steps=2,
+        seed=1,
+        num_images_per_prompt=2,
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", IMAGE_CASES)
@@ -154,9 +169,15 @@ def test_each_image_keeps_its_own_prompts_mask(reference, engine):
     its own embeddings, correctly repeated, with the same seeded noise."""
     prompts, negatives = ["a fox", "a lighthouse at dusk"], ["ugly, blurry", "dark"]
     request = GenerationRequest(
-        prompt=prompts, negative_prompt=negatives, height=32, width=48, steps=2, guidance=3.0, seed=5,
+        prompt=prompts,
+        negative_prompt=negatives,
+        height=32,
+        width=48,
+        steps=2,
+        guidance=3.0,
+        seed=5,
         num_images_per_prompt=2,
-    )  # fmt: skip
+    )
     embeds, mask = reference.encode_prompt(prompts, device=CPU)
     negative, negative_mask = reference.encode_prompt(negatives, device=CPU)
     expected = reference(
@@ -164,9 +185,13 @@ def test_each_image_keeps_its_own_prompts_mask(reference, engine):
         prompt_embeds_mask=mask.repeat_interleave(2, dim=0),
         negative_prompt_embeds=negative.repeat_interleave(2, dim=0),
         negative_prompt_embeds_mask=negative_mask.repeat_interleave(2, dim=0),
-        true_cfg_scale=3.0, height=32, width=48, num_inference_steps=2,
-        generator=torch.Generator("cpu").manual_seed(5), output_type="np",
-    ).images  # fmt: skip
+        true_cfg_scale=3.0,
+        height=32,
+        width=48,
+        num_inference_steps=2,
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="np",
+    ).images
     got = to_hwc(engine.generate(request))
     assert got.shape == expected.shape == (4, 32, 48, 3)
     assert np.abs(got - expected).max() <= 1e-4
@@ -229,9 +254,14 @@ def test_full_size_preset_matches_published_sizes():
 
 # Prompts and negative prompts of different lengths, so every branch carries padding; 3 x 5 tokens per image.
 ENGINE_REQUEST = GenerationRequest(
-    prompt=["a red fox", "a lighthouse on a cliff at dusk"], negative_prompt=["blurry", "text, watermark, frame"],
-    height=48, width=80, steps=2, guidance=4.0, seed=11,
-)  # fmt: skip
+    prompt=["a red fox", "a lighthouse on a cliff at dusk"],
+    negative_prompt=["blurry", "text, watermark, frame"],
+    height=48,
+    width=80,
+    steps=2,
+    guidance=4.0,
+    seed=11,
+)
 
 
 @pytest.fixture(scope="module")

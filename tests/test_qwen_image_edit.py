@@ -48,13 +48,21 @@ def small_spec(variant: str):
     """The checkpoint's spec with the input images' areas shrunk as the diffusers side is patched to."""
     spec = spec_from_folder(cached(build_qwen_image_edit_checkpoint, variant == "plus"))
     condition = CONDITION_AREA if variant == "plus" else None
-    return dataclasses.replace(spec, details=dataclasses.replace(spec.details, input_area=INPUT_AREA,
-                                                                 condition_area=condition))  # fmt: skip
+    return dataclasses.replace(
+        spec, details=dataclasses.replace(spec.details, input_area=INPUT_AREA, condition_area=condition)
+    )
 
 
 def request(variant: str, **fields) -> GenerationRequest:
-    return GenerationRequest(prompt=PROMPT, negative_prompt=" ", guidance=GUIDANCE, steps=STEPS, seed=SEED,
-                             image=images(variant), **{**SIZE, **fields})  # fmt: skip
+    return GenerationRequest(
+        prompt=PROMPT,
+        negative_prompt=" ",
+        guidance=GUIDANCE,
+        steps=STEPS,
+        seed=SEED,
+        image=images(variant),
+        **{**SIZE, **fields},
+    )
 
 
 def _pixels(variant: str, plan: ParallelConfig | None) -> torch.Tensor | None:
@@ -83,9 +91,19 @@ def test_edits_give_diffusers_image(variant, monkeypatch):
     pipeline_class = QwenImageEditPlusPipeline if variant == "plus" else QwenImageEditPipeline
     pipeline = pipeline_class.from_pretrained(folder, processor=edit_processor(folder), dtype=torch.float32)
     inputs = images(variant)
-    expected = pipeline(image=inputs if variant == "plus" else inputs[0], prompt=PROMPT, negative_prompt=" ",
-                        true_cfg_scale=GUIDANCE, num_inference_steps=STEPS, output_type="np",
-                        generator=torch.Generator("cpu").manual_seed(SEED), **SIZE).images[0] * 255  # fmt: skip
+    expected = (
+        pipeline(
+            image=inputs if variant == "plus" else inputs[0],
+            prompt=PROMPT,
+            negative_prompt=" ",
+            true_cfg_scale=GUIDANCE,
+            num_inference_steps=STEPS,
+            output_type="np",
+            generator=torch.Generator("cpu").manual_seed(SEED),
+            **SIZE,
+        ).images[0]
+        * 255
+    )
     ours = one_process(variant)[0].permute(1, 2, 0).numpy() * 255
     assert ours.shape == expected.shape == (32, 48, 3)
     assert np.abs(ours.round() - expected.round()).max() <= 1
@@ -95,15 +113,28 @@ def test_edit_inpainting_gives_diffusers_image(monkeypatch):
     """Qwen-Image-Edit with a mask: its image, sampled from the VAE, is both where the denoise starts (strength 0.6)
     and the transformer's input; outside the mask the image is kept. The output takes the image's edit size."""
     sized = pipeline_qwenimage_edit_inpaint.calculate_dimensions
-    monkeypatch.setattr(pipeline_qwenimage_edit_inpaint, "calculate_dimensions",
-                        lambda _, ratio: sized(INPUT_AREA, ratio))  # fmt: skip
+    monkeypatch.setattr(
+        pipeline_qwenimage_edit_inpaint, "calculate_dimensions", lambda _, ratio: sized(INPUT_AREA, ratio)
+    )
     folder = cached(build_qwen_image_edit_checkpoint, False)
-    pipeline = QwenImageEditInpaintPipeline.from_pretrained(folder, processor=edit_processor(folder),
-                                                            dtype=torch.float32)  # fmt: skip
+    pipeline = QwenImageEditInpaintPipeline.from_pretrained(
+        folder, processor=edit_processor(folder), dtype=torch.float32
+    )
     [image], mask = images("edit"), mask_picture(*IMAGES["edit"][0])
-    expected = pipeline(image=image, mask_image=mask, prompt=PROMPT, negative_prompt=" ", true_cfg_scale=GUIDANCE,
-                        num_inference_steps=STEPS, strength=0.6, output_type="np",
-                        generator=torch.Generator("cpu").manual_seed(SEED)).images[0] * 255  # fmt: skip
+    expected = (
+        pipeline(
+            image=image,
+            mask_image=mask,
+            prompt=PROMPT,
+            negative_prompt=" ",
+            true_cfg_scale=GUIDANCE,
+            num_inference_steps=STEPS,
+            strength=0.6,
+            output_type="np",
+            generator=torch.Generator("cpu").manual_seed(SEED),
+        ).images[0]
+        * 255
+    )
     spec = small_spec("edit")
     resolved = FAMILIES["qwen_image"].resolve_request(spec, request("edit", mask=mask, height=None, width=None))
     assert resolved.strength == 0.6  # the pipeline's default
@@ -114,9 +145,13 @@ def test_edit_inpainting_gives_diffusers_image(monkeypatch):
 
 
 PLANS = [
-    ParallelConfig(ulysses=2), ParallelConfig(ring=3), ParallelConfig(cfg=2, ulysses=2), ParallelConfig(tensor=2),
-    ParallelConfig(ring=2, tensor=2), ParallelConfig(pipefusion=2, warmup_steps=STEPS),
-]  # fmt: skip
+    ParallelConfig(ulysses=2),
+    ParallelConfig(ring=3),
+    ParallelConfig(cfg=2, ulysses=2),
+    ParallelConfig(tensor=2),
+    ParallelConfig(ring=2, tensor=2),
+    ParallelConfig(pipefusion=2, warmup_steps=STEPS),
+]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda plan: plan.describe())

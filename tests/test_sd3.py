@@ -77,10 +77,15 @@ def generate_both(folder, prompt, negative_prompt=None, **settings):
         kwargs["guidance_scale"] = settings["guidance"]
     reference = StableDiffusion3Pipeline.from_pretrained(folder, dtype=torch.float32)
     expected = reference(
-        prompt=prompt, height=settings["height"], width=settings["width"], num_inference_steps=settings["steps"],
+        prompt=prompt,
+        height=settings["height"],
+        width=settings["width"],
+        num_inference_steps=settings["steps"],
         num_images_per_prompt=settings.get("num_images_per_prompt", 1),
-        generator=torch.Generator("cpu").manual_seed(settings["seed"]), output_type="np", **kwargs,
-    ).images  # fmt: skip
+        generator=torch.Generator("cpu").manual_seed(settings["seed"]),
+        output_type="np",
+        **kwargs,
+    ).images
     engine = Engine(str(folder), device="cpu", dtype="fp32")
     got = engine.generate(GenerationRequest(prompt=prompt, negative_prompt=negative_prompt, **settings)).pixels
     return got.permute(0, 2, 3, 1).numpy(), expected
@@ -90,9 +95,16 @@ def test_images_match_diffusers_with_negative_prompts(sd3_checkpoint):
     """CFG with a negative prompt, two prompts x two images, a non-square size."""
     prompts = ["a red fox in snow", "a lighthouse at dusk"]
     got, expected = generate_both(
-        sd3_checkpoint, prompts, negative_prompt="blurry", height=48, width=80, steps=3, guidance=4.0, seed=7,
+        sd3_checkpoint,
+        prompts,
+        negative_prompt="blurry",
+        height=48,
+        width=80,
+        steps=3,
+        guidance=4.0,
+        seed=7,
         num_images_per_prompt=2,
-    )  # fmt: skip
+    )
     assert got.shape == expected.shape == (4, 48, 80, 3)
     assert np.abs(got - expected).max() <= 1e-4
     # The four images differ from each other: seeds and prompts reached the right samples.

@@ -42,12 +42,16 @@ PROMPTS = ["a red fox in snow", "a lighthouse at dusk", "a bowl of ramen", "ein 
 # halves a request's work, and on, which CFG parallelism splits).
 CASES = [
     {
-        "prompt": PROMPTS[i % 4], "seed": 1000 + i, "size": f"{SIZE}x{SIZE}", "steps": STEPS,
-        **({"n": 2} if i % 5 == 0 else {}), **({"guidance": 1.0} if i % 4 else {}),
+        "prompt": PROMPTS[i % 4],
+        "seed": 1000 + i,
+        "size": f"{SIZE}x{SIZE}",
+        "steps": STEPS,
+        **({"n": 2} if i % 5 == 0 else {}),
+        **({"guidance": 1.0} if i % 4 else {}),
         **({"negative_prompt": "blurry"} if i % 8 == 0 else {}),
     }
     for i in range(16)
-]  # fmt: skip
+]
 GOOD = {"prompt": "a fox", "size": f"{SIZE}x{SIZE}", "steps": STEPS}
 # (body, what the 400's message must name); a str body is sent as it is.
 MALFORMED = [
@@ -104,10 +108,15 @@ class References:
         if key not in self.cache:
             width, height = map(int, body["size"].split("x"))
             request = GenerationRequest(
-                prompt=body["prompt"], negative_prompt=body.get("negative_prompt"), height=height, width=width,
-                steps=body["steps"], guidance=body.get("guidance"), seed=body["seed"],
+                prompt=body["prompt"],
+                negative_prompt=body.get("negative_prompt"),
+                height=height,
+                width=width,
+                steps=body["steps"],
+                guidance=body.get("guidance"),
+                seed=body["seed"],
                 num_images_per_prompt=body.get("n", 1),
-            )  # fmt: skip
+            )
             threads = torch.get_num_threads()
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
             try:
@@ -191,8 +200,9 @@ def test_the_openai_client_generates_against_the_server(two_groups_of_one):
     answer = client.images.generate(
         prompt=PROMPTS[0], size=f"{SIZE}x{SIZE}", response_format="b64_json", extra_body={"steps": STEPS, "seed": 5}
     )
-    expected = References(Engine(MODEL, device="cpu"))({"prompt": PROMPTS[0], "size": f"{SIZE}x{SIZE}",
-                                                        "steps": STEPS, "seed": 5})  # fmt: skip
+    expected = References(Engine(MODEL, device="cpu"))(
+        {"prompt": PROMPTS[0], "size": f"{SIZE}x{SIZE}", "steps": STEPS, "seed": 5}
+    )
     assert np.array_equal(decoded(base64.b64decode(answer.data[0].b64_json)), expected[0])
     with pytest.raises(openai.BadRequestError, match="width 40 is not allowed"):
         client.images.generate(prompt="a fox", size="40x32")
@@ -249,8 +259,14 @@ def long_request(url: str, results: list, timeout: float = 300) -> threading.Thr
 
     def send() -> None:
         try:
-            results.append(httpx.post(url + "/v1/images/generations", json={**GOOD, "steps": 400, "seed": 1},
-                                      headers={"Authorization": f"Bearer {KEY}"}, timeout=timeout))  # fmt: skip
+            results.append(
+                httpx.post(
+                    url + "/v1/images/generations",
+                    json={**GOOD, "steps": 400, "seed": 1},
+                    headers={"Authorization": f"Bearer {KEY}"},
+                    timeout=timeout,
+                )
+            )
         except httpx.HTTPError as exc:
             results.append(exc)
 
@@ -301,8 +317,9 @@ def test_a_killed_worker_fails_its_request_then_the_group_is_rebuilt(one_group_o
     assert health["restarts"] == 1 and not set(health["workers"]) & set(workers)
     body = {**GOOD, "seed": 77}
     answer = httpx.post(url + "/v1/images/generations", json=body, headers={"Authorization": f"Bearer {KEY}"})
-    assert np.array_equal(decoded(base64.b64decode(answer.json()["data"][0]["b64_json"])),
-                          cfg_parallel_references(body)[0])  # fmt: skip
+    assert np.array_equal(
+        decoded(base64.b64decode(answer.json()["data"][0]["b64_json"])), cfg_parallel_references(body)[0]
+    )
 
 
 def test_delete_stops_a_running_video_job_within_one_step_and_the_next_job_completes():

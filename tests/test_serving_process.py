@@ -34,10 +34,25 @@ GOOD = {"prompt": "a fox in the snow", "size": f"{SIZE}x{SIZE}", "steps": STEPS}
 def server(tmp_path_factory):
     environment = oom_environment(tmp_path_factory.mktemp("serve"))
     process = subprocess.Popen(
-        [sys.executable, "-m", "paradit", "serve", "--model", MODEL, "--device", "cpu", "--port", "0",
-         "--max-batch", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "paradit",
+            "serve",
+            "--model",
+            MODEL,
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--max-batch",
+            "4",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment,
+    )
     lines: list[str] = []
     deadline = time.monotonic() + START_S
     url = None
@@ -85,8 +100,11 @@ async def post_first_then_rest(url: str, bodies: list[dict], pause_s: float) -> 
 def batch_counts(url: str) -> np.ndarray:
     """(batches of one image, batches, images) run so far, from /metrics."""
     metrics = httpx.get(url + "/metrics").text
-    patterns = (r'paradit_batch_images_bucket\{le="1.0"\} (\S+)', r"paradit_batch_images_count (\S+)",
-                r"paradit_batch_images_sum (\S+)")  # fmt: skip
+    patterns = (
+        r'paradit_batch_images_bucket\{le="1.0"\} (\S+)',
+        r"paradit_batch_images_count (\S+)",
+        r"paradit_batch_images_sum (\S+)",
+    )
     return np.array([float(re.search(pattern, metrics)[1]) for pattern in patterns])
 
 
@@ -109,8 +127,23 @@ def test_queued_requests_share_a_batch_each_image_from_its_own_seed(server, engi
 def test_generate_with_server_writes_the_image_generate_writes(server, engine, tmp_path, capsys):
     _, url, _ = server
     out = tmp_path / "fox.png"
-    argv = ["generate", "--server", url, "--prompt", GOOD["prompt"], "--height", str(SIZE), "--width", str(SIZE),
-            "--steps", str(STEPS), "--seed", "3", "--out", str(out)]  # fmt: skip
+    argv = [
+        "generate",
+        "--server",
+        url,
+        "--prompt",
+        GOOD["prompt"],
+        "--height",
+        str(SIZE),
+        "--width",
+        str(SIZE),
+        "--steps",
+        str(STEPS),
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     assert capsys.readouterr().out.splitlines() == ["seed 3", f"wrote {out}"]
     assert np.array_equal(np.asarray(Image.open(out)), reference(engine, 3))
@@ -129,8 +162,10 @@ def test_a_request_that_runs_out_of_device_memory_is_a_503_and_the_server_serves
     assert answer.status_code == 503 and error["type"] == "out_of_memory", answer.text
     assert error["message"].startswith("out of memory on cpu at denoise step 1 of 2: 2.00 GiB more was asked for")
     assert httpx.get(url + "/health").status_code == 200
-    assert np.array_equal(image_of(httpx.post(url + "/v1/images/generations", json={**GOOD, "seed": 5}, timeout=120)),
-                          reference(engine, 5))  # fmt: skip
+    assert np.array_equal(
+        image_of(httpx.post(url + "/v1/images/generations", json={**GOOD, "seed": 5}, timeout=120)),
+        reference(engine, 5),
+    )
 
 
 def test_sigterm_finishes_accepted_requests_refuses_new_ones_and_exits(server):

@@ -18,8 +18,8 @@ from paradit.cli import main
 from paradit.compile import model_blocks
 from paradit.families import FAMILIES, PRESETS, spec_from_folder
 from paradit.layers.fp8 import Fp8Linear
-from paradit.loader import load_transformer
 from paradit.memory import estimate
+from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
 from paradit.planner.choose import settings_for
@@ -28,6 +28,7 @@ from paradit.planner.profile import load_profile
 from paradit.planner.report import command
 from paradit.planner.tuned import tuned_entry
 from paradit.request import GenerationRequest
+from paradit.runtime import load_transformer
 from paradit.settings import Asked, settle
 from tests.checkpoint_cache import cached
 from tests.checkpoints import build_klein_checkpoint, relative_l2
@@ -75,8 +76,10 @@ def load_and_run(name: str, case: tuple, context: ParallelContext | None) -> tup
     spec, component, quantize, inputs = case
     config = spec.transformer if component == "transformer" else spec.experts[component]
     spec = dataclasses.replace(spec, transformer=config)
-    loaded = load_transformer(FAMILIES[spec.family], spec, torch.device("cpu"), torch.float32, context, quantize,
-                              component)  # fmt: skip
+    options = ExecutionOptions(quantize=quantize)
+    loaded = load_transformer(
+        FAMILIES[spec.family], spec, torch.device("cpu"), torch.float32, context, options, component
+    )
     with torch.inference_mode():
         out = loaded.forward(**inputs) if isinstance(inputs, dict) else loaded.forward(*inputs)
     return loaded.model, out
@@ -103,10 +106,12 @@ def sharded_results(plan: ParallelConfig) -> dict:
         context.stats.reset()
         model, out = load_and_run(name, case, context)
         results[name] = {
-            "out": out, "held": held_bytes(model), "sent": sum(context.stats.bytes_sent.values()),
+            "out": out,
+            "held": held_bytes(model),
+            "sent": sum(context.stats.bytes_sent.values()),
             "fp8 linears": sum(isinstance(m, Fp8Linear) for m in model.modules()),
             "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
-        }  # fmt: skip
+        }
         if "FP8" in name and plan.ring > 1:
             unsharded = dataclasses.replace(context, config=dataclasses.replace(plan, shard_weights=0))
             results[name]["unsharded"] = load_and_run(name, case, unsharded)[1]
@@ -142,10 +147,27 @@ def test_sharded_weights_equal_one_process_and_each_rank_keeps_its_share(world, 
 
 
 def test_a_request_with_sharded_weights_gives_the_one_process_video(tmp_path, capsys):
-    args = ["generate", "--model", "wan-tiny", "--device", "cpu", "--dtype", "fp32", "--prompt", "a fox", "--steps",
-            "3", "--seed", "4", "--no-progress", "--out", str(tmp_path / "v.mp4")]  # fmt: skip
-    assert main([*args, "--gpus", "4", "--cfg-parallel", "--ulysses", "2", "--shard-weights", "4",
-                 "--verify-serial"]) == 0  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        "wan-tiny",
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--prompt",
+        "a fox",
+        "--steps",
+        "3",
+        "--seed",
+        "4",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "v.mp4"),
+    ]
+    assert (
+        main([*args, "--gpus", "4", "--cfg-parallel", "--ulysses", "2", "--shard-weights", "4", "--verify-serial"]) == 0
+    )
     out = capsys.readouterr().out
     assert "cfg 2 x ulysses 2, weights sharded over 4 (cfg x ulysses) video equals the 1-process video" in out
     assert float(re.search(r"max diff (\S+) on \[0, 1\]", out).group(1)) <= 1e-4
@@ -154,14 +176,26 @@ def test_a_request_with_sharded_weights_gives_the_one_process_video(tmp_path, ca
 @pytest.mark.parametrize(
     "asked,message",
     [
-        (Asked("flux2-tiny", "cpu", parallel=ParallelConfig(ulysses=2, shard_weights=3)),
-         "shard weights 3 does not divide the plan's 2 GPUs"),
-        (Asked("flux2-tiny", "cpu", parallel=ParallelConfig(tensor=2, shard_weights=2)),
-         "shard weights combines with ulysses, ring and cfg, not with tensor or pipefusion"),
-        (Asked("wan-tiny", "cpu", parallel=ParallelConfig(ulysses=2), shard_weights=2, swap_experts=True),
-         "--shard-weights does not combine with --cuda-graphs or --swap-experts"),
+        (
+            Asked("flux2-tiny", "cpu", parallel=ParallelConfig(ulysses=2, shard_weights=3)),
+            "shard weights 3 does not divide the plan's 2 GPUs",
+        ),
+        (
+            Asked("flux2-tiny", "cpu", parallel=ParallelConfig(tensor=2, shard_weights=2)),
+            "shard weights combines with ulysses, ring and cfg, not with tensor or pipefusion",
+        ),
+        (
+            Asked(
+                "wan-tiny",
+                "cpu",
+                parallel=ParallelConfig(ulysses=2),
+                shard_weights=2,
+                options=ExecutionOptions(swap_experts=True),
+            ),
+            "--shard-weights does not combine with --cuda-graphs or --swap-experts",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_sharding_cannot_run_is_refused(asked, message):
     with pytest.raises(InvalidRequest, match=re.escape(message)):
         settle(asked)
@@ -199,9 +233,11 @@ def test_the_planner_shards_wan_a14b_over_four_32gb_cards_and_the_tuned_entry_ru
 # Forward peaks of one transformer forward at the preset's size, sharded over a group of one, on an H200
 # (docs/benchmarks.md, "Sharded weights (issue 24, session 9)"): (preset, FP8, compiled, GiB).
 SHARD_ONE_PEAKS = [
-    ("flux2-dev", False, False, 64.27), ("flux2-dev", True, False, 34.67),
-    ("flux2-dev", False, True, 63.95), ("flux2-dev", True, True, 33.74),
-]  # fmt: skip
+    ("flux2-dev", False, False, 64.27),
+    ("flux2-dev", True, False, 34.67),
+    ("flux2-dev", False, True, 63.95),
+    ("flux2-dev", True, True, 33.74),
+]
 
 
 @pytest.mark.parametrize("model,fp8,compiled,peak", SHARD_ONE_PEAKS)

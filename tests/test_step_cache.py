@@ -83,11 +83,17 @@ def diffusers_config(family: str, method: str):
     if method == "mag":
         return MagCacheConfig(threshold=0.2, num_inference_steps=STEPS, mag_ratios=list(RATIOS))
     # Z-Image's final layer and blocks go by other names than the lite mode's patterns.
-    names = ({"cache_identifiers": [r"all_final_layer\.2-1"],
-              "skip_predict_identifiers": [r"(noise_refiner|context_refiner|layers)\.\d+"]}
-             if family == "zimage" else {"use_lite_mode": True})  # fmt: skip
-    return TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32,
-                                 **names)  # fmt: skip
+    names = (
+        {
+            "cache_identifiers": [r"all_final_layer\.2-1"],
+            "skip_predict_identifiers": [r"(noise_refiner|context_refiner|layers)\.\d+"],
+        }
+        if family == "zimage"
+        else {"use_lite_mode": True}
+    )
+    return TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32, **names
+    )
 
 
 def diffusers_run(family: str, method: str, monkeypatch) -> tuple[np.ndarray, list[tuple[bool, ...]]]:
@@ -123,8 +129,11 @@ def diffusers_run(family: str, method: str, monkeypatch) -> tuple[np.ndarray, li
         first_block(first_block_cache.FBCHeadBlockHook._should_compute_remaining_blocks),
     )
     monkeypatch.setattr(mag_cache.MagCacheHeadHook, "new_forward", mag(mag_cache.MagCacheHeadHook.new_forward))
-    monkeypatch.setattr(taylorseer_cache.TaylorSeerCacheHook, "_measure_should_compute",
-                        taylor(taylorseer_cache.TaylorSeerCacheHook._measure_should_compute))  # fmt: skip
+    monkeypatch.setattr(
+        taylorseer_cache.TaylorSeerCacheHook,
+        "_measure_should_compute",
+        taylor(taylorseer_cache.TaylorSeerCacheHook._measure_should_compute),
+    )
     pipeline = DiffusionPipeline.from_pretrained(folder(family), dtype=torch.float32)
     apply = {"first-block": apply_first_block_cache, "mag": apply_mag_cache, "taylorseer": apply_taylorseer_cache}
     for name in ("transformer", "transformer_2"):  # Wan's experts: a cache each
@@ -132,12 +141,20 @@ def diffusers_run(family: str, method: str, monkeypatch) -> tuple[np.ndarray, li
             apply[method](getattr(pipeline, name), diffusers_config(family, method))
             if family not in OWN_CONTEXTS:
                 _set_cache_context(getattr(pipeline, name), CacheContext("cond"))
-    guidance = {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {
-        "guidance_scale": GUIDANCE}  # fmt: skip
+    guidance = (
+        {"true_cfg_scale": GUIDANCE, "negative_prompt": " "} if family == "qwen_image" else {"guidance_scale": GUIDANCE}
+    )
     if family == "wan":
         guidance.update(guidance_scale_2=2.5, num_frames=5)
-    output = pipeline(prompt="a cat", num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(SEED),
-                      height=32, width=48, output_type="np", **guidance)  # fmt: skip
+    output = pipeline(
+        prompt="a cat",
+        num_inference_steps=STEPS,
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        height=32,
+        width=48,
+        output_type="np",
+        **guidance,
+    )
     pixels = (output.frames[0] if family == "wan" else output.images[0]) * 255
     branches = [decisions[name] for name in ("cond", "uncond") if name in decisions]
     if family not in OWN_CONTEXTS:  # one decision for the batched branches
@@ -145,17 +162,27 @@ def diffusers_run(family: str, method: str, monkeypatch) -> tuple[np.ndarray, li
     return pixels, list(zip(*branches))
 
 
-@pytest.mark.parametrize("family,method", [
-    ("qwen_image", "first-block"), ("qwen_image", "mag"), ("qwen_image", "taylorseer"), ("flux2", "mag"),
-    ("flux2", "taylorseer"), ("sd3", "mag"), ("zimage", "taylorseer"), ("wan", "first-block"), ("wan", "mag"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family,method",
+    [
+        ("qwen_image", "first-block"),
+        ("qwen_image", "mag"),
+        ("qwen_image", "taylorseer"),
+        ("flux2", "mag"),
+        ("flux2", "taylorseer"),
+        ("sd3", "mag"),
+        ("zimage", "taylorseer"),
+        ("wan", "first-block"),
+        ("wan", "mag"),
+    ],
+)
 def test_skip_pattern_and_image_equal_diffusers_hooks(family, method, monkeypatch):
     expected, pattern = diffusers_run(family, method, monkeypatch)
     with Engine(str(folder(family)), device="cpu", dtype="fp32") as engine:
         result = engine.generate(request(family, CONFIGS[method]))
-    timings = result.timings
-    assert timings.cache_skipped == pattern
-    assert 0 < timings.cache_skipped_steps < STEPS and timings.cache_blocks_skipped > 0
+    record = result.timings.features["step_cache"]
+    assert record.skipped == pattern
+    assert 0 < record.skipped_steps < STEPS and record.blocks_skipped > 0
     ours = result.pixels[0].permute(*((0, 2, 3, 1) if family == "wan" else (1, 2, 0))).numpy() * 255
     assert np.abs(ours.round() - expected.round()).max() <= 1
     if (family, method) == ("qwen_image", "first-block"):  # the branches part: one skips while the other runs
@@ -163,9 +190,18 @@ def test_skip_pattern_and_image_equal_diffusers_hooks(family, method, monkeypatc
 
 
 PLANS = [
-    ParallelConfig(ulysses=2), ParallelConfig(ring=3), ParallelConfig(cfg=2), ParallelConfig(tensor=2),
-    ParallelConfig(cfg=2, ulysses=2), ParallelConfig(ring=2, tensor=2),
-]  # fmt: skip
+    ParallelConfig(ulysses=2),
+    ParallelConfig(ring=3),
+    ParallelConfig(cfg=2),
+    ParallelConfig(tensor=2),
+    ParallelConfig(cfg=2, ulysses=2),
+    ParallelConfig(ring=2, tensor=2),
+]
+
+
+def skipped(result) -> list[tuple[bool, ...]]:
+    """Per model call of ``result``'s request, whether each guidance branch of each request skipped its blocks."""
+    return result.timings.features["step_cache"].skipped
 
 
 def _run(family: str, method: str, plan: ParallelConfig | None):
@@ -174,7 +210,7 @@ def _run(family: str, method: str, plan: ParallelConfig | None):
     context = None if plan is None else ParallelContext.build(plan, device)
     pipeline = load_pipeline(spec, device, torch.float32, context)
     results = pipeline.generate([FAMILIES[family].resolve_request(spec, request(family, CONFIGS[method]))])
-    return None if results is None else (results[0].pixels, results[0].timings.cache_skipped)
+    return None if results is None else (results[0].pixels, skipped(results[0]))
 
 
 @functools.cache
@@ -225,13 +261,13 @@ def test_a_request_decides_alone_after_another_and_in_a_batch():
         alone = [engine.generate(request("qwen_image", cache, seed=seed)) for seed in (SEED, 3)]
         again = engine.generate(request("qwen_image", cache, seed=SEED))
         batched = engine.generate([request("qwen_image", cache, seed=seed) for seed in (SEED, 3)])
-    assert again.timings.cache_skipped == alone[0].timings.cache_skipped
+    assert skipped(again) == skipped(alone[0])
     assert torch.equal(again.pixels, alone[0].pixels)
-    assert alone[0].timings.cache_skipped != alone[1].timings.cache_skipped  # the two decide differently
+    assert skipped(alone[0]) != skipped(alone[1])  # the two decide differently
     # Batched, the groups are [request 1, request 2] per branch: each request's pair of branches is its own.
-    both = batched[0].timings.cache_skipped
-    assert [(call[0], call[2]) for call in both] == alone[0].timings.cache_skipped
-    assert [(call[1], call[3]) for call in both] == alone[1].timings.cache_skipped
+    both = skipped(batched[0])
+    assert [(call[0], call[2]) for call in both] == skipped(alone[0])
+    assert [(call[1], call[3]) for call in both] == skipped(alone[1])
     for each, single in zip(batched, alone):
         assert relative_l2(each.pixels, single.pixels) <= 1e-5
 
@@ -240,17 +276,21 @@ def test_mag_calibration_records_the_curve_without_skipping():
     with Engine(str(folder("qwen_image")), device="cpu", dtype="fp32") as engine:
         result = engine.generate(request("qwen_image", StepCacheConfig("mag", calibrate=True)))
         plain = engine.generate(request("qwen_image", None))
-    assert result.timings.cache_skipped_steps == 0 and len(result.timings.mag_ratios) == STEPS
-    assert result.timings.mag_ratios[0] == 1.0 and all(r > 0 for r in result.timings.mag_ratios)
+    record = result.timings.features["step_cache"]
+    assert record.skipped_steps == 0 and len(record.mag_ratios) == STEPS
+    assert record.mag_ratios[0] == 1.0 and all(r > 0 for r in record.mag_ratios)
     assert torch.equal(result.pixels, plain.pixels)
 
 
-@pytest.mark.parametrize("cache,fragment", [
-    (StepCacheConfig("teacache"), "choose one of first-block, mag, taylorseer"),
-    (StepCacheConfig("first-block", threshold=-1), "threshold -1 is not allowed"),
-    (StepCacheConfig("taylorseer", cache_interval=0), "cache_interval 0 is not allowed; give 1 or more"),
-    (StepCacheConfig("mag"), "needs its model's magnitude ratios"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cache,fragment",
+    [
+        (StepCacheConfig("teacache"), "choose one of first-block, mag, taylorseer"),
+        (StepCacheConfig("first-block", threshold=-1), "threshold -1 is not allowed"),
+        (StepCacheConfig("taylorseer", cache_interval=0), "cache_interval 0 is not allowed; give 1 or more"),
+        (StepCacheConfig("mag"), "needs its model's magnitude ratios"),
+    ],
+)
 def test_bad_cache_parameters_are_refused(cache, fragment):
     spec = spec_from_folder(folder("sd3"))
     with pytest.raises(InvalidRequest, match=fragment):
@@ -290,45 +330,85 @@ def test_command_line_caches_reports_and_keeps_the_calibrated_curve(tmp_path, mo
         "--device",
         "cpu",
     ]
-    out = generate(["generate", *args, "--out", str(tmp_path / "fbc.png"), "--json", str(tmp_path / "fbc.json"),
-                    "--cache", "first-block", "--cache-threshold", "1.212"], capfd)  # fmt: skip
-    expected = engine_result().timings
-    skipped = expected.cache_skipped_steps
-    assert table_row(out, "step cache") == f"{skipped} of {STEPS} steps skipped, {expected.cache_blocks_skipped} " \
-                                           "block evaluations"  # fmt: skip
-    written = json.loads((tmp_path / "fbc.json").read_text())["timings"]
-    assert [tuple(call) for call in written["cache_skipped"]] == expected.cache_skipped
-    assert json.loads(Image.open(tmp_path / "fbc.png").info["cache"])["threshold"] == 1.212
+    out = generate(
+        [
+            "generate",
+            *args,
+            "--out",
+            str(tmp_path / "fbc.png"),
+            "--json",
+            str(tmp_path / "fbc.json"),
+            "--cache",
+            "first-block",
+            "--cache-threshold",
+            "1.212",
+        ],
+        capfd,
+    )
+    expected = engine_result().timings.features["step_cache"]
+    assert (
+        table_row(out, "step cache")
+        == f"{expected.skipped_steps} of {STEPS} steps skipped, {expected.blocks_skipped} block evaluations skipped"
+    )
+    written = json.loads((tmp_path / "fbc.json").read_text())["timings"]["features"]["step_cache"]
+    assert [tuple(call) for call in written["skipped"]] == expected.skipped
+    assert json.loads(Image.open(tmp_path / "fbc.png").info["cache"]) == {"method": "first-block", "threshold": 1.212}
 
-    out = generate(["generate", *args, "--out", str(tmp_path / "calibrate.png"), "--cache", "mag",
-                    "--cache-calibrate"], capfd)  # fmt: skip
+    out = generate(
+        ["generate", *args, "--out", str(tmp_path / "calibrate.png"), "--cache", "mag", "--cache-calibrate"], capfd
+    )
     kept = curve_path(model)
     assert str(kept) in out and len(json.loads(kept.read_text())["mag_ratios"]) == STEPS
     out = generate(["generate", *args, "--out", str(tmp_path / "mag.png"), "--cache", "mag"], capfd)
     assert int(table_row(out, "step cache").split()[0]) > 0
 
 
-@pytest.mark.parametrize("extra,fragment", [
-    (["--cache-threshold", "0.1"], "need a method"),
-    (["--cache", "first-block", "--cache-calibrate"], "give it with --cache mag"),
-    (["--cache", "mag", "--cache-mag-ratios", "1,x"], "is not a comma-separated list"),
-    (["--cache", "mag"], "measure them once with --cache mag --cache-calibrate"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra,fragment",
+    [
+        (["--cache-threshold", "0.1"], "need a method"),
+        (["--cache", "first-block", "--cache-calibrate"], "give it with --cache mag"),
+        (["--cache", "mag", "--cache-mag-ratios", "1,x"], "is not a comma-separated list"),
+        (["--cache", "mag"], "measure them once with --cache mag --cache-calibrate"),
+        (["--cache", "first-block", "--cache-interval", "3"], "--cache-interval is not a parameter of --cache first"),
+    ],
+)
 def test_command_line_refuses_cache_flags_it_cannot_use(extra, fragment, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    code, _, err = run_cli(["generate", "--model", "sd3.5-tiny", "--prompt", "a cat", "--device", "cpu",
-                            "--out", str(tmp_path / "x.png"), *extra], capfd)  # fmt: skip
+    code, _, err = run_cli(
+        [
+            "generate",
+            "--model",
+            "sd3.5-tiny",
+            "--prompt",
+            "a cat",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "x.png"),
+            *extra,
+        ],
+        capfd,
+    )
     assert_one_line_error(code, err, fragment)
     assert not (tmp_path / "x.png").exists()
 
 
 def test_server_takes_a_cache_per_request_and_counts_what_it_skipped():
     metrics = Metrics()
-    scheduler, config = build_scheduler(ServeSettings(Asked(model=str(folder("qwen_image")), device="cpu",
-                                                            dtype="fp32")), metrics)  # fmt: skip
+    scheduler, config = build_scheduler(
+        ServeSettings(Asked(model=str(folder("qwen_image")), device="cpu", dtype="fp32")), metrics
+    )
     expected = engine_result()
-    body = {"prompt": "a cat", "negative_prompt": " ", "size": "48x32", "steps": STEPS, "seed": SEED,
-            "guidance": GUIDANCE, "cache": {"method": "first-block", "threshold": 1.212}}  # fmt: skip
+    body = {
+        "prompt": "a cat",
+        "negative_prompt": " ",
+        "size": "48x32",
+        "steps": STEPS,
+        "seed": SEED,
+        "guidance": GUIDANCE,
+        "cache": {"method": "first-block", "threshold": 1.212},
+    }
     scheduler.start()
     try:
         with app_in_thread(create_app(scheduler, config, metrics)) as url:
@@ -341,4 +421,5 @@ def test_server_takes_a_cache_per_request_and_counts_what_it_skipped():
     image = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
     assert np.array_equal(np.asarray(image), np.asarray(expected.images[0]))
     assert bad.status_code == 400 and "cache" in bad.text
-    assert f'paradit_cached_steps_total{{group="0"}} {float(expected.timings.cache_skipped_steps)}' in exposition
+    skipped_steps = expected.timings.features["step_cache"].skipped_steps
+    assert f'paradit_cached_steps_total{{group="0"}} {float(skipped_steps)}' in exposition

@@ -81,9 +81,25 @@ def test_engine_with_offloaded_encoder_from_a_checkpoint_makes_the_same_image(de
 
 def test_cli_reports_the_placement(tmp_path, capsys):
     argv = [
-        "generate", "--model", "flux2-tiny", "--device", "cpu", "--prompt", "a boat", "--steps", "1", "--height", "32",
-        "--width", "32", "--no-progress", "--out", str(tmp_path / "x.png"), "--text-encoder-placement", "offload",
-    ]  # fmt: skip
+        "generate",
+        "--model",
+        "flux2-tiny",
+        "--device",
+        "cpu",
+        "--prompt",
+        "a boat",
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "x.png"),
+        "--text-encoder-placement",
+        "offload",
+    ]
     assert main(argv) == 0
     rows = capsys.readouterr().out.splitlines()
     assert any(row.split() == ["text", "encoder", "placement", "offload"] for row in rows), rows

@@ -35,9 +35,16 @@ def tiny_umt5():
 
     torch.manual_seed(7)
     config = UMT5Config(
-        vocab_size=len(offline_t5_tokenizer()), d_model=TEXT_WIDTH, d_ff=48, d_kv=8, num_heads=4, num_layers=2,
-        feed_forward_proj="gated-gelu", relative_attention_num_buckets=8, relative_attention_max_distance=16,
-    )  # fmt: skip
+        vocab_size=len(offline_t5_tokenizer()),
+        d_model=TEXT_WIDTH,
+        d_ff=48,
+        d_kv=8,
+        num_heads=4,
+        num_layers=2,
+        feed_forward_proj="gated-gelu",
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+    )
     return UMT5EncoderModel(config).eval()
 
 
@@ -49,10 +56,18 @@ def tiny_wan_vae(layout: str):
         vae = AutoencoderKLWan(base_dim=8, z_dim=16, num_res_blocks=1)
     else:
         vae = AutoencoderKLWan(
-            base_dim=8, decoder_base_dim=12, z_dim=48, num_res_blocks=1, is_residual=True, in_channels=12,
-            out_channels=12, patch_size=2, scale_factor_spatial=16,
-            latents_mean=[0.1 * (i % 5) for i in range(48)], latents_std=[1 + 0.1 * (i % 3) for i in range(48)],
-        )  # fmt: skip
+            base_dim=8,
+            decoder_base_dim=12,
+            z_dim=48,
+            num_res_blocks=1,
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+            latents_mean=[0.1 * (i % 5) for i in range(48)],
+            latents_std=[1 + 0.1 * (i % 3) for i in range(48)],
+        )
     randomize(vae, std=0.15)
     return vae.eval()
 
@@ -72,13 +87,20 @@ def write_wan_checkpoint(folder: Path, layout: str) -> None:
 
     scheduler = UniPCMultistepScheduler.from_config({**UNIPC_FLOW, "flow_shift": 3.0})
     if layout == "t2v":
-        experts = {"transformer": tiny_wan_transformer(1, 16), "transformer_2": tiny_wan_transformer(2, 16),
-                   "boundary_ratio": 0.875}  # fmt: skip
+        experts = {
+            "transformer": tiny_wan_transformer(1, 16),
+            "transformer_2": tiny_wan_transformer(2, 16),
+            "boundary_ratio": 0.875,
+        }
     else:
         experts = {"transformer": tiny_wan_transformer(3, 48), "expand_timesteps": True}
-    pipe = DiffusersWan(tokenizer=offline_t5_tokenizer(), text_encoder=tiny_umt5(),
-                        vae=tiny_wan_vae("wan21" if layout == "t2v" else "wan22"), scheduler=scheduler,
-                        **experts)  # fmt: skip
+    pipe = DiffusersWan(
+        tokenizer=offline_t5_tokenizer(),
+        text_encoder=tiny_umt5(),
+        vae=tiny_wan_vae("wan21" if layout == "t2v" else "wan22"),
+        scheduler=scheduler,
+        **experts,
+    )
     pipe.save_pretrained(folder)
 
 
@@ -97,17 +119,37 @@ def test_frames_equal_diffusers(layout, size, frames):
     prompts, steps, seed = ["a red fox &amp; a  crow", "snow"], 6, 3
     guidance = {"guidance_scale": 4.0, "guidance_scale_2": 2.5} if layout == "t2v" else {"guidance_scale": 5.0}
     expected = reference(
-        prompt=prompts, height=height, width=width, num_frames=frames, num_inference_steps=steps,
-        generator=torch.Generator().manual_seed(seed), output_type="np", max_sequence_length=512, **guidance,
-    ).frames  # fmt: skip
+        prompt=prompts,
+        height=height,
+        width=width,
+        num_frames=frames,
+        num_inference_steps=steps,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="np",
+        max_sequence_length=512,
+        **guidance,
+    ).frames
 
     spec = spec_from_folder(folder)
     assert spec.experts.keys() == ({"transformer_2"} if layout == "t2v" else set())
     pipeline = load_pipeline(spec, torch.device("cpu"), torch.float32)
-    (result,) = pipeline.generate([resolve_request(spec, GenerationRequest(
-        prompt=prompts, height=height, width=width, frames=frames, steps=steps, seed=seed,
-        guidance=guidance["guidance_scale"], guidance_2=guidance.get("guidance_scale_2"),
-    ))])  # fmt: skip
+    (result,) = pipeline.generate(
+        [
+            resolve_request(
+                spec,
+                GenerationRequest(
+                    prompt=prompts,
+                    height=height,
+                    width=width,
+                    frames=frames,
+                    steps=steps,
+                    seed=seed,
+                    guidance=guidance["guidance_scale"],
+                    guidance_2=guidance.get("guidance_scale_2"),
+                ),
+            )
+        ]
+    )
     assert result.pixels.shape == (2, frames, 3, height, width) and len(result.frames[0]) == frames
     ours = (result.pixels.permute(0, 1, 3, 4, 2).numpy() * 255).round()
     assert expected.std() > 0.05  # the frames are not flat: a wrong step or expert would show
@@ -143,8 +185,24 @@ def test_cli_writes_each_videos_frames_and_refuses_what_wan_cannot_run(tmp_path,
     from paradit.request import GenerationRequest
     from tests.test_cli import assert_one_line_error, run_cli
 
-    args = ["generate", "--model", "wan-tiny", "--device", "cpu", "--prompt", "a boat", "--steps", "2", "--height",
-            "32", "--width", "32", "--frames", "5", "--no-progress"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        "wan-tiny",
+        "--device",
+        "cpu",
+        "--prompt",
+        "a boat",
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--no-progress",
+    ]
     assert main([*args, "--out", str(tmp_path / "v.png")]) == 0
     frames = sorted((tmp_path / "v").iterdir())
     assert [f.name for f in frames] == [f"{i:04d}.png" for i in range(5)]

@@ -45,10 +45,14 @@ def write_i2v_checkpoint(folder: Path) -> None:
     from paradit.offline_tokenizer import offline_t5_tokenizer
 
     pipe = WanImageToVideoPipeline(
-        tokenizer=offline_t5_tokenizer(), text_encoder=tiny_umt5(), vae=tiny_wan_vae("wan21"),
+        tokenizer=offline_t5_tokenizer(),
+        text_encoder=tiny_umt5(),
+        vae=tiny_wan_vae("wan21"),
         scheduler=UniPCMultistepScheduler.from_config({**UNIPC_FLOW, "flow_shift": 5.0}),
-        transformer=tiny_i2v_expert(1), transformer_2=tiny_i2v_expert(2), boundary_ratio=0.9,
-    )  # fmt: skip
+        transformer=tiny_i2v_expert(1),
+        transformer_2=tiny_i2v_expert(2),
+        boundary_ratio=0.9,
+    )
     pipe.save_pretrained(folder)
 
 
@@ -67,9 +71,16 @@ CASES = {  # layout -> (height, width), frames, guidance
 def request_for(layout: str, **overrides) -> GenerationRequest:
     (height, width), frames, guidance = CASES[layout]
     fields = dict(
-        prompt=["a red fox &amp; a  crow", "snow"], height=height, width=width, frames=frames, steps=5, seed=3,
-        guidance=guidance["guidance_scale"], guidance_2=guidance.get("guidance_scale_2"), image=first_frame(),
-    )  # fmt: skip
+        prompt=["a red fox &amp; a  crow", "snow"],
+        height=height,
+        width=width,
+        frames=frames,
+        steps=5,
+        seed=3,
+        guidance=guidance["guidance_scale"],
+        guidance_2=guidance.get("guidance_scale_2"),
+        image=first_frame(),
+    )
     return GenerationRequest(**{**fields, **overrides})
 
 
@@ -86,10 +97,17 @@ def test_frames_equal_diffusers(layout):
     request = request_for(layout)
     (height, width), frames, guidance = CASES[layout]
     expected = reference(
-        image=request.image, prompt=request.prompt, height=height, width=width, num_frames=frames,
-        num_inference_steps=request.steps, generator=torch.Generator().manual_seed(request.seed), output_type="np",
-        max_sequence_length=512, **guidance,
-    ).frames  # fmt: skip
+        image=request.image,
+        prompt=request.prompt,
+        height=height,
+        width=width,
+        num_frames=frames,
+        num_inference_steps=request.steps,
+        generator=torch.Generator().manual_seed(request.seed),
+        output_type="np",
+        max_sequence_length=512,
+        **guidance,
+    ).frames
     spec = spec_from_folder(folder)
     pipeline = load_pipeline(spec, torch.device("cpu"), torch.float32)
     (result,) = pipeline.generate([resolve_request(spec, request)])
@@ -114,11 +132,21 @@ def _generate_in_group(folder: str, layout: str, plans: list[ParallelConfig]) ->
     return videos
 
 
-@pytest.mark.parametrize("layout,plans", [
-    ("i2v", [ParallelConfig(), ParallelConfig(ulysses=2), ParallelConfig(tensor=2)]),
-    ("ti2v", [ParallelConfig(), ParallelConfig(ring=3), ParallelConfig(pipefusion=2),
-              ParallelConfig(pipefusion=2, patches=2, warmup_steps=1)]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout,plans",
+    [
+        ("i2v", [ParallelConfig(), ParallelConfig(ulysses=2), ParallelConfig(tensor=2)]),
+        (
+            "ti2v",
+            [
+                ParallelConfig(),
+                ParallelConfig(ring=3),
+                ParallelConfig(pipefusion=2),
+                ParallelConfig(pipefusion=2, patches=2, warmup_steps=1),
+            ],
+        ),
+    ],
+)
 def test_parallel_plans_equal_one_process(layout, plans):
     """The group encodes the image together (a band of rows each) and runs the sequence split (or the tensor shards,
     or the pipeline stages) over the conditioned latents: the frames equal one process's (relative L2 <= 1e-5).
@@ -156,8 +184,11 @@ def test_image_requests_are_checked(tmp_path):
     # A Wan 2.1 image-to-video checkpoint (a CLIP image encoder) is named as such, not loaded half-way.
     folder = copy_of(checkpoint("i2v"), tmp_path / "wan21")
     index = folder / "model_index.json"
-    index.write_text(index.read_text().replace('"image_encoder": [\n    null,\n    null\n  ]',
-                                               '"image_encoder": ["transformers", "CLIPVisionModel"]'))  # fmt: skip
+    index.write_text(
+        index.read_text().replace(
+            '"image_encoder": [\n    null,\n    null\n  ]', '"image_encoder": ["transformers", "CLIPVisionModel"]'
+        )
+    )
     (folder / "image_encoder").mkdir()
     from paradit.errors import CheckpointError
 
@@ -176,16 +207,34 @@ def test_cli_writes_an_mp4_from_an_image(tmp_path, capsys):
 
     folder = wan_checkpoint("ti2v")
     first_frame().save(tmp_path / "first.png")
-    args = ["generate", "--model", str(folder), "--device", "cpu", "--prompt", "a boat", "--steps", "2",
-            "--height", "64", "--width", "32", "--frames", "5", "--no-progress",
-            "--image", str(tmp_path / "first.png")]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(folder),
+        "--device",
+        "cpu",
+        "--prompt",
+        "a boat",
+        "--steps",
+        "2",
+        "--height",
+        "64",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--no-progress",
+        "--image",
+        str(tmp_path / "first.png"),
+    ]
     assert main([*args, "--fps", "12", "--out", str(tmp_path / "v.mp4")]) == 0
     with av.open(str(tmp_path / "v.mp4")) as container:
         stream = container.streams.video[0]
         assert (stream.codec_context.name, stream.average_rate) == ("h264", 12)
         written = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]).astype(np.float32)
-    request = GenerationRequest(prompt="a boat", steps=2, height=64, width=32, frames=5, seed=0,
-                                image=Image.open(tmp_path / "first.png"))  # fmt: skip
+    request = GenerationRequest(
+        prompt="a boat", steps=2, height=64, width=32, frames=5, seed=0, image=Image.open(tmp_path / "first.png")
+    )
     with Engine(str(folder), device="cpu") as engine:
         video = (engine.generate(request).pixels[0].permute(0, 2, 3, 1).numpy() * 255).round()
     assert written.shape == video.shape
@@ -195,6 +244,7 @@ def test_cli_writes_an_mp4_from_an_image(tmp_path, capsys):
     capsys.readouterr()
     code, _, err = run_cli([*args[:-1], str(tmp_path / "missing.png"), "--out", str(tmp_path / "w.mp4")], capsys)
     assert_one_line_error(code, err, "missing.png cannot be read as an image")
-    code, _, err = run_cli(["generate", "--model", "flux2-tiny", "--prompt", "x", "--out", str(tmp_path / "i.mp4")],
-                           capsys)  # fmt: skip
+    code, _, err = run_cli(
+        ["generate", "--model", "flux2-tiny", "--prompt", "x", "--out", str(tmp_path / "i.mp4")], capsys
+    )
     assert_one_line_error(code, err, "names a video; this model makes images")

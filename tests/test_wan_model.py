@@ -26,10 +26,20 @@ REFERENCE_TEXT_TOKENS = 512
 
 def tiny_config(in_channels: int, out_channels: int, heads: int, head_dim: int, **extra) -> dict:
     return {
-        "patch_size": (1, 2, 2), "num_attention_heads": heads, "attention_head_dim": head_dim,
-        "in_channels": in_channels, "out_channels": out_channels, "text_dim": TEXT_DIM, "freq_dim": 32,
-        "ffn_dim": 40, "num_layers": 2, "cross_attn_norm": True, "eps": 1e-6, "rope_max_seq_len": 64, **extra,
-    }  # fmt: skip
+        "patch_size": (1, 2, 2),
+        "num_attention_heads": heads,
+        "attention_head_dim": head_dim,
+        "in_channels": in_channels,
+        "out_channels": out_channels,
+        "text_dim": TEXT_DIM,
+        "freq_dim": 32,
+        "ffn_dim": 40,
+        "num_layers": 2,
+        "cross_attn_norm": True,
+        "eps": 1e-6,
+        "rope_max_seq_len": 64,
+        **extra,
+    }
 
 
 LAYOUTS = {

@@ -89,17 +89,26 @@ def test_images_match_diffusers_with_cfg(base_checkpoint):
     reference = ZImagePipeline.from_pretrained(base_checkpoint, dtype=torch.float32)
     # The reference rewrites the prompt lists it is given, hence the copies.
     expected = reference(
-        prompt=list(prompts), negative_prompt=list(negatives), generator=torch.Generator("cpu").manual_seed(7),
-        output_type="np", **kwargs,
-    ).images  # fmt: skip
+        prompt=list(prompts),
+        negative_prompt=list(negatives),
+        generator=torch.Generator("cpu").manual_seed(7),
+        output_type="np",
+        **kwargs,
+    ).images
     engine = Engine(str(base_checkpoint), device="cpu", dtype="fp32")
     assert (engine.spec.guidance_mode, engine.spec.steps, engine.spec.guidance) == ("cfg", 50, 5.0)
     result = engine.generate(
         GenerationRequest(
-            prompt=prompts, negative_prompt=negatives, height=48, width=80, steps=3, guidance=4.0, seed=7,
+            prompt=prompts,
+            negative_prompt=negatives,
+            height=48,
+            width=80,
+            steps=3,
+            guidance=4.0,
+            seed=7,
             num_images_per_prompt=2,
         )
-    )  # fmt: skip
+    )
     got = result.pixels.permute(0, 2, 3, 1).numpy()
     assert got.shape == expected.shape == (4, 48, 80, 3)
     assert np.abs(got - expected).max() <= 1e-4
@@ -110,18 +119,29 @@ def test_images_match_diffusers_with_cfg(base_checkpoint):
 def test_turbo_images_match_diffusers_without_cfg(turbo_checkpoint):
     reference = ZImagePipeline.from_pretrained(turbo_checkpoint, dtype=torch.float32)
     expected = reference(
-        prompt="a bowl of ramen", height=64, width=32, num_inference_steps=2, guidance_scale=0.0,
-        generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    ).images  # fmt: skip
+        prompt="a bowl of ramen",
+        height=64,
+        width=32,
+        num_inference_steps=2,
+        guidance_scale=0.0,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    ).images
     engine = Engine(str(turbo_checkpoint), device="cpu", dtype="fp32")
     assert (engine.spec.guidance_mode, engine.spec.steps, engine.spec.guidance) == ("cfg", 8, 0.0)
     got = engine.generate(GenerationRequest(prompt="a bowl of ramen", height=64, width=32, steps=2, seed=3)).pixels
     assert np.abs(got.permute(0, 2, 3, 1).numpy() - expected).max() <= 1e-4
     # diffusers' pipeline guides a Turbo checkpoint too when asked (its default of 0 is only a default): so does ours.
     guided = reference(
-        prompt="a bowl of ramen", negative_prompt="soup", height=64, width=32, num_inference_steps=2,
-        guidance_scale=3.0, generator=torch.Generator("cpu").manual_seed(3), output_type="np",
-    ).images  # fmt: skip
+        prompt="a bowl of ramen",
+        negative_prompt="soup",
+        height=64,
+        width=32,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+    ).images
     request = GenerationRequest(
         prompt="a bowl of ramen", negative_prompt="soup", height=64, width=32, steps=2, seed=3, guidance=3.0
     )
@@ -142,8 +162,13 @@ def test_requests_are_checked_against_the_model():
 # Two prompts of different lengths and a negative prompt: the text stream is padded and masked in both CFG halves.
 REQUEST = GenerationRequest(
     prompt=["a red fox", "a blue bird over a lake at dawn, mist rising from the reeds and a boat far away"],
-    negative_prompt="blurry", height=48, width=80, steps=2, seed=11, guidance=3.0,
-)  # fmt: skip
+    negative_prompt="blurry",
+    height=48,
+    width=80,
+    steps=2,
+    seed=11,
+    guidance=3.0,
+)
 
 
 @pytest.fixture(scope="module")

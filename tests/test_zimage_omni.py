@@ -60,11 +60,16 @@ def test_transformer_matches_diffusers_with_condition_images():
     captions = [[torch.randn(n, 16, generator=gen) for n in row] for row in segments]
     with torch.no_grad():
         expected = reference(
-            x=[[c[0][:, None] for c in conditions] + [x[:, None]] for x in target], t=timestep, cap_feats=captions,
-            siglip_feats=[[s[0] for s in siglip] + [None]] * 2, image_noise_mask=[[0, 0, 1]] * 2, return_dict=False,
-        )[0]  # fmt: skip
-        omni = OmniInputs.build(segments, tuple(conditions), tuple(s.expand(2, -1, -1, -1) for s in siglip),
-                                torch.device("cpu"))  # fmt: skip
+            x=[[c[0][:, None] for c in conditions] + [x[:, None]] for x in target],
+            t=timestep,
+            cap_feats=captions,
+            siglip_feats=[[s[0] for s in siglip] + [None]] * 2,
+            image_noise_mask=[[0, 0, 1]] * 2,
+            return_dict=False,
+        )[0]
+        omni = OmniInputs.build(
+            segments, tuple(conditions), tuple(s.expand(2, -1, -1, -1) for s in siglip), torch.device("cpu")
+        )
         padded = torch.nn.utils.rnn.pad_sequence([torch.cat(row) for row in captions], batch_first=True)
         got = unpatchify(ours(target, timestep, padded, None, omni), 4, 5, patch=2)
     assert relative_l2(got, torch.stack(expected)[:, :, 0]) <= 1e-5
@@ -92,9 +97,18 @@ def test_omni_gives_diffusers_image(count):
     encode = pipeline.vae.encode
     pipeline.vae.encode = lambda pixels, *args, **kwargs: encode(pixels.to(pipeline.vae.dtype), *args, **kwargs)
     size = {} if count else TEXT_TO_IMAGE_SIZE
-    expected = pipeline(image=images(count) or None, prompt=PROMPT, guidance_scale=GUIDANCE, num_inference_steps=STEPS,
-                        output_type="np", generator=torch.Generator("cpu").manual_seed(SEED),
-                        **size).images[0] * 255  # fmt: skip
+    expected = (
+        pipeline(
+            image=images(count) or None,
+            prompt=PROMPT,
+            guidance_scale=GUIDANCE,
+            num_inference_steps=STEPS,
+            output_type="np",
+            generator=torch.Generator("cpu").manual_seed(SEED),
+            **size,
+        ).images[0]
+        * 255
+    )
     ours = one_process(count)[0].permute(1, 2, 0).numpy() * 255
     assert ours.shape == expected.shape == [(48, 64, 3), (64, 80, 3), (96, 64, 3)][count]
     assert np.abs(ours.round() - expected.round()).max() <= 1

@@ -96,9 +96,13 @@ def wan(heads: int):
 
 # Each case's family in the registry (whose tensor plan shards it).
 REGISTERED = {
-    "FLUX.2": "flux2", "FLUX.2 guidance": "flux2", "Qwen-Image": "qwen_image", "SD3.5": "sd3", "Z-Image": "zimage",
+    "FLUX.2": "flux2",
+    "FLUX.2 guidance": "flux2",
+    "Qwen-Image": "qwen_image",
+    "SD3.5": "sd3",
+    "Z-Image": "zimage",
     "Wan": "wan",
-}  # fmt: skip
+}
 
 SEQUENCE = {
     # 5 heads over Ulysses 2, 3 and 4: shares (3, 2), (2, 2, 1), (2, 1, 1, 1).

@@ -35,25 +35,46 @@ QWEN3_STYLE_TEMPLATE = (
 
 def tiny_transformer_config(heads: int = 3, head_dim: int = 16, axes_dims=(4, 6, 6)) -> dict:
     return {
-        "all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": heads * head_dim, "n_layers": 2,
-        "n_refiner_layers": 2, "n_heads": heads, "n_kv_heads": heads, "cap_feat_dim": TEXT_HIDDEN,
-        "axes_dims": list(axes_dims), "axes_lens": [1536, 512, 512],
-    }  # fmt: skip
+        "all_patch_size": [2],
+        "all_f_patch_size": [1],
+        "in_channels": 16,
+        "dim": heads * head_dim,
+        "n_layers": 2,
+        "n_refiner_layers": 2,
+        "n_heads": heads,
+        "n_kv_heads": heads,
+        "cap_feat_dim": TEXT_HIDDEN,
+        "axes_dims": list(axes_dims),
+        "axes_lens": [1536, 512, 512],
+    }
 
 
 def tiny_vae() -> AutoencoderKL:
     return AutoencoderKL(
-        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=[8, 8, 8, 8], layers_per_block=1, norm_num_groups=4, latent_channels=16,
-        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
-    )  # fmt: skip
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[8, 8, 8, 8],
+        layers_per_block=1,
+        norm_num_groups=4,
+        latent_channels=16,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
 
 
 def qwen3_encoder() -> Qwen3Model:
     config = Qwen3Config(
-        vocab_size=320, hidden_size=TEXT_HIDDEN, intermediate_size=32, num_hidden_layers=TEXT_LAYERS,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-    )  # fmt: skip
+        vocab_size=320,
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=32,
+        num_hidden_layers=TEXT_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=1024,
+    )
     return Qwen3Model(config).eval()
 
 
@@ -81,8 +102,14 @@ SIGLIP_HIDDEN = 24
 def tiny_siglip() -> Siglip2VisionModel:
     """Siglip2 with one 24-wide layer over 8-pixel patches, a 4x4 table of learnt positions (resized to each image's
     patch grid)."""
-    config = Siglip2VisionConfig(hidden_size=SIGLIP_HIDDEN, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, patch_size=8, num_patches=16)  # fmt: skip
+    config = Siglip2VisionConfig(
+        hidden_size=SIGLIP_HIDDEN,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        patch_size=8,
+        num_patches=16,
+    )
     return Siglip2VisionModel(config).eval()
 
 
@@ -95,9 +122,13 @@ def build_zimage_omni_checkpoint(folder: Path) -> Path:
     siglip = tiny_siglip()
     randomize(siglip)
     pipe = ZImageOmniPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**BASE_SCHEDULER), vae=tiny_vae(), text_encoder=qwen3_encoder(),
-        tokenizer=build_offline_tokenizer(), transformer=transformer, siglip=siglip,
+        scheduler=FlowMatchEulerDiscreteScheduler(**BASE_SCHEDULER),
+        vae=tiny_vae(),
+        text_encoder=qwen3_encoder(),
+        tokenizer=build_offline_tokenizer(),
+        transformer=transformer,
+        siglip=siglip,
         siglip_processor=Siglip2ImageProcessorPil(patch_size=8, max_num_patches=24),
-    )  # fmt: skip
+    )
     pipe.save_pretrained(folder, max_shard_size="100KB")
     return folder

@@ -1,9 +1,5 @@
-"""The registry of model families: the only place outside the family folders that names them.
-
-A family is one folder: ``model.py`` (single-device math), ``pipeline.py`` (a ``DiffusionPipeline``: prompt encoding,
-latents, the model call, the guidance formula, decoding), ``presets.py`` (published and tiny models, as data:
-``PRESETS``) and ``family.py`` (its one ``Family`` record: ``FAMILY``). Adding a family is one folder and one line
-below. A checkpoint folder finds its family by the pipeline class ``model_index.json`` names, a preset by ``family``.
+"""The registry of model families: the only place outside the family folders that names them. A checkpoint folder
+finds its family by the pipeline class ``model_index.json`` names, a preset by ``family``.
 
 The presets are light (no torch); the family records are imported on first use of ``FAMILIES``, so that listing
 models and refusing bad flags answer at once."""
@@ -12,23 +8,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from paradit.checkpoint import check_components, component_dir, read_json
+from paradit.checkpoint import check_components, read_json
 from paradit.errors import CheckpointError
 from paradit.spec import CheckpointFolder, ModelSpec
 
 if TYPE_CHECKING:
     from paradit.family import Family
+    from paradit.planner.facts import ModelFacts
 
-PACKAGES = ("paradit.families.flux2", "paradit.families.qwen_image", "paradit.families.sd3", "paradit.families.wan",
-            "paradit.families.zimage")  # fmt: skip
+PACKAGES = (
+    "paradit.families.flux2",
+    "paradit.families.qwen_image",
+    "paradit.families.sd3",
+    "paradit.families.wan",
+    "paradit.families.zimage",
+)
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec for package in PACKAGES for spec in import_module(f"{package}.presets").PRESETS
 }
-DEFAULT_MODEL = "flux2-tiny"  # the demo's: a tiny random model that runs anywhere
 
 
 @functools.cache
@@ -57,17 +59,22 @@ def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
     raise CheckpointError(f"{folder} holds a {pipeline_class}; paradit serves {served}")
 
 
-def component_config(folder: Path, component: str) -> dict:
-    """The config a diffusers component folder holds (``scheduler_config.json`` for the scheduler)."""
-    name = "scheduler_config.json" if component == "scheduler" else "config.json"
-    return read_json(component_dir(folder, component) / name)
+def measured_preset(spec: ModelSpec, measured: Collection[str]) -> str | None:
+    """Of the presets ``measured`` names, ``spec``'s own, else the first of its family whose transformer a checkpoint
+    folder shares (its config holds every setting the preset's does, with the same values); None when none is."""
+    if spec.name in measured:
+        return spec.name
+    for name in measured:
+        preset = PRESETS.get(name)
+        if preset is not None and preset.family == spec.family:
+            if all(spec.transformer.get(key) == value for key, value in preset.transformer.items()):
+                return name
+    return None
 
 
-def checkpoint_spec(folder: Path, index: dict, family: str, detail: str | None = None, **fields) -> ModelSpec:
-    """A checkpoint folder's ModelSpec: ``fields`` as the family reads them, the transformer, VAE and scheduler
-    configs as the folder holds them where ``fields`` give none, described by its pipeline class and ``detail``."""
-    for component in ("transformer", "vae", "scheduler"):
-        if component not in fields:
-            fields[component] = component_config(folder, component)
-    description = f"{index['_class_name']} checkpoint" + (f" ({detail})" if detail else "")
-    return ModelSpec(str(folder), family, description, weights=CheckpointFolder(folder), **fields)
+def find_facts(spec: ModelSpec) -> ModelFacts | None:
+    """The planner's counts of ``spec``'s transformer: its preset's, or those of the preset whose architecture a
+    checkpoint folder shares (``measured_preset``); None for an architecture its family has not counted."""
+    counted = _registry()[spec.family].measured.model_facts
+    preset = measured_preset(spec, counted)
+    return None if preset is None else counted[preset]

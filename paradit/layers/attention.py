@@ -2,7 +2,7 @@
 
 Models' attention modules call ``self.attend(q, k, v)``; the parallel runtime swaps ``attend`` for a distributed
 implementation (Ulysses, Ring, ...) from outside. Tensors are (batch, sequence, heads, head_dim), as the projections
-produce them, so no transpose is spent before the dispatch decides what it needs. Must not import torch.distributed."""
+produce them, so no transpose is spent before the dispatch decides what it needs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paradit.layers.rotary import rotate_qk
+from paradit.request_hooks import RequestHook
 
 
 class AttentionFn(Protocol):
@@ -69,18 +70,17 @@ class AttentionDispatch(torch.nn.Module):
         self.kernel = self.attention_fn = kernel
 
 
-ATTENTIONS = ("sdpa", "fp8")
 # Keys below which FP8 attention does not pay, so such calls stay exact. On the H200 (docs/benchmarks.md, issue 28)
 # the kernel runs at 0.61-0.82x cuDNN's bf16 speed at FLUX.2's and Qwen-Image's 1024² (4,352-4,608 keys), 0.70x at
 # 8,192, 1.11x at 16,384 and 1.32x at TI2V-5B's 27,280: images up to 1024² stay on SDPA, 2048² and video go FP8.
 FP8_MIN_KEYS = 16384
 
 
-class FP8Attention:
+class FP8Attention(RequestHook):
     """``--attention fp8``: the self-attention of every step through the FP8 kernel, except the first and last
     ``exact_steps`` of a request and calls over fewer than ``FP8_MIN_KEYS`` keys, which SDPA attends exactly. One per
-    transformer, shared by its modules; the pipeline calls ``begin_step`` before each step (compiled blocks keep a graph
-    for each value of ``fp8_now``, a plain attribute they guard on)."""
+    transformer, shared by its modules; a request hook, told of each step (compiled blocks keep a graph for each value
+    of ``fp8_now``, a plain attribute they guard on)."""
 
     def __init__(self, exact_steps: int = 0) -> None:
         from paradit.layers.fp8_attention import fp8_attention_with_lse  # imports Triton: only runs that use it
@@ -88,8 +88,8 @@ class FP8Attention:
         self.fp8_kernel = fp8_attention_with_lse
         self.exact_steps, self.fp8_now = exact_steps, True
 
-    def begin_step(self, step: int, steps: int) -> None:
-        self.fp8_now = self.exact_steps <= step < steps - self.exact_steps
+    def at_step(self, done: int, steps: int) -> None:
+        self.fp8_now = self.exact_steps <= done < steps - self.exact_steps
 
     def uses_fp8(self, key: torch.Tensor) -> bool:
         # The crossover is a GPU's; Triton's interpreter on the CPU (the tests) runs every call through the kernel.
@@ -111,7 +111,7 @@ class FP8Attention:
         return attention_with_lse(query, key, value, key_mask)
 
 
-def use_fp8_attention(model: nn.Module, exact_steps: int) -> FP8Attention:
+def apply_fp8_attention(model: nn.Module, exact_steps: int) -> FP8Attention:
     """Every self-attention of the plain ``model`` (modules whose keys are its token streams) through one
     FP8Attention; cross-attention to the text (``sequence_streams`` empty: a few hundred keys) stays on SDPA."""
     kernel = FP8Attention(exact_steps)
@@ -176,8 +176,15 @@ class QKVAttention(AttentionDispatch):
     ``norm_q``/``norm_k`` (``qk_norm(width)``; ``nn.Identity``: none) on Q and K, per head or over all heads
     (``across_heads``, Wan). Called: self-attention, rotated by ``rope`` (cos, sin) if given."""
 
-    def __init__(self, dim: int, head_dim: int, qk_norm: Callable[[int], nn.Module], bias: bool = True,
-                 across_heads: bool = False, sequence_streams: tuple[str, ...] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        head_dim: int,
+        qk_norm: Callable[[int], nn.Module],
+        bias: bool = True,
+        across_heads: bool = False,
+        sequence_streams: tuple[str, ...] | None = None,
+    ) -> None:
         super().__init__(sequence_streams)
         self.head_dim, self.across_heads = head_dim, across_heads
         self.to_q = nn.Linear(dim, dim, bias=bias)
@@ -213,8 +220,15 @@ class JointAttention(QKVAttention):
     text through ``add_q_proj``/... and ``norm_added_q``/..., concatenated text or image first. ``context_pre_only``
     (SD3's last block) drops ``to_add_out``: nothing reads the text output."""
 
-    def __init__(self, dim: int, head_dim: int, qk_norm: Callable[[int], nn.Module], bias: bool = True,
-                 text_first: bool = True, context_pre_only: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        head_dim: int,
+        qk_norm: Callable[[int], nn.Module],
+        bias: bool = True,
+        text_first: bool = True,
+        context_pre_only: bool = False,
+    ) -> None:
         streams = ("txt", "img") if text_first else ("img", "txt")
         super().__init__(dim, head_dim, qk_norm, bias, sequence_streams=streams)
         # The tensor plans of FLUX.2 and Qwen-Image divide ``heads`` by the degree (their local_attributes).
@@ -226,8 +240,13 @@ class JointAttention(QKVAttention):
         self.norm_added_k = qk_norm(head_dim)
         self.to_add_out = None if context_pre_only else nn.Linear(dim, dim, bias=bias)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(image out, text out or None); ``rope`` (cos, sin) and ``key_mask`` (batch, keys) follow the joint order."""
         q_img, k_img, v_img = self.qkv(img)
         q_txt = self.project(txt, self.add_q_proj, self.norm_added_q)

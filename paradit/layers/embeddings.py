@@ -1,5 +1,4 @@
-"""Timestep and condition embeddings: sinusoidal features, MLPs lifting them to model width, the conditioning vector.
-Must not import torch.distributed."""
+"""Timestep and condition embeddings: sinusoidal features, MLPs lifting them to model width, the conditioning vector."""
 
 from __future__ import annotations
 
@@ -36,8 +35,13 @@ def sinusoidal_embedding(
 class EmbeddingMLP(nn.Module):
     """linear_1 -> activation (default SiLU) -> linear_2, diffusers' ``TimestepEmbedding`` names: checkpoints load."""
 
-    def __init__(self, in_channels: int, dim: int, bias: bool = True,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.silu) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int,
+        dim: int,
+        bias: bool = True,
+        activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.silu,
+    ) -> None:
         super().__init__()
         self.linear_1 = nn.Linear(in_channels, dim, bias=bias)
         self.linear_2 = nn.Linear(dim, dim, bias=bias)
@@ -51,16 +55,23 @@ class TimestepEmbed(nn.Module):
     """The joint models' conditioning vector: ``timestep_embedder`` of the timestep's sinusoid (angles times ``scale``)
     plus ``guidance_embedder`` of the guidance's or ``text_embedder`` of the pooled text, where built."""
 
-    def __init__(self, dim: int, channels: int = 256, bias: bool = True, guidance: bool = False,
-                 pooled_dim: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, dim: int, channels: int = 256, bias: bool = True, guidance: bool = False, pooled_dim: int | None = None
+    ) -> None:
         super().__init__()
         self.channels = channels
         self.timestep_embedder = EmbeddingMLP(channels, dim, bias=bias)
         self.guidance_embedder = EmbeddingMLP(channels, dim, bias=bias) if guidance else None
         self.text_embedder = None if pooled_dim is None else EmbeddingMLP(pooled_dim, dim, bias=bias)
 
-    def forward(self, timestep: torch.Tensor, dtype: torch.dtype, guidance: torch.Tensor | None = None,
-                pooled: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        timestep: torch.Tensor,
+        dtype: torch.dtype,
+        guidance: torch.Tensor | None = None,
+        pooled: torch.Tensor | None = None,
+        scale: float = 1.0,
+    ) -> torch.Tensor:
         emb = self.timestep_embedder(sinusoidal_embedding(timestep, self.channels, scale=scale).to(dtype))
         if guidance is not None and self.guidance_embedder is not None:
             emb = emb + self.guidance_embedder(sinusoidal_embedding(guidance, self.channels).to(dtype))

@@ -1,4 +1,4 @@
-"""The GELU MLP of diffusers' ``FeedForward``, laid out as checkpoints name it. Must not import torch.distributed."""
+"""The GELU MLP of diffusers' ``FeedForward``, laid out as checkpoints name it."""
 
 from __future__ import annotations
 

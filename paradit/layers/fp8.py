@@ -2,7 +2,7 @@
 
 Row-wise scales keep FP8's error near 1e-2 relative on DiT activations, whose magnitudes vary from token to token; a
 tensor-wide scale would let the loudest token set everyone's resolution. ``torch._scaled_mm`` is PyTorch's one FP8 GEMM
-on both CUDA (sm89+) and ROCm (MI300, RDNA 4): nothing vendor-only is on the path. Must not import torch.distributed."""
+on both CUDA (sm89+) and ROCm (MI300, RDNA 4): nothing vendor-only is on the path."""
 
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ def quantize_weight(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
 class Fp8Linear(nn.Module):
     """Drop-in for ``nn.Linear`` at inference: ``weight`` is FP8 (out, in), ``weight_scale`` float32 (out, 1)."""
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype):  # fmt: skip
+    def __init__(
+        self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
@@ -82,9 +83,13 @@ class Fp8Linear(nn.Module):
     def multiply(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """The GEMM alone: quantized rows ``x_q`` (scales ``x_scale``, (rows, 1)) times the weight, without bias."""
         return torch._scaled_mm(
-            x_q, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.t(), out_dtype=self.out_dtype,
+            x_q,
+            self.weight.t(),
+            scale_a=x_scale,
+            scale_b=self.weight_scale.t(),
+            out_dtype=self.out_dtype,
             use_fast_accum=True,
-        )  # fmt: skip
+        )
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight FP8 stands for, in float32: what the GEMM effectively multiplies by (for error accounting)."""

@@ -14,8 +14,7 @@ The method is SageAttention's, in the variant the GPU multiplies fastest:
 - **Online softmax** in fp32, base 2, as FlashAttention does.
 
 The pre-pass (K's mean and V's channel maxima by torch, one Triton pass writing both in 8 bits) reads K and V twice
-and writes them once: at Wan 720p 1.5 ms beside 190 ms of attention. tests/test_fp8_attention.py derives the error.
-Must not import torch.distributed."""
+and writes them once: at Wan 720p 1.5 ms beside 190 ms of attention. tests/test_fp8_attention.py derives the error."""
 
 from __future__ import annotations
 
@@ -94,10 +93,31 @@ if triton is not None:
         return x.to(DTYPE)
 
     @triton.jit
-    def _quantize_keys_values(K, V, K_MEAN, V_SCALE, K_OUT, K_SCALE, V_OUT, length, heads, dim,
-                              stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
-                              padded, QMAX: tl.constexpr, VMAX: tl.constexpr, BLOCK: tl.constexpr,
-                              HEAD_DIM: tl.constexpr, ROUND: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
+    def _quantize_keys_values(
+        K,
+        V,
+        K_MEAN,
+        V_SCALE,
+        K_OUT,
+        K_SCALE,
+        V_OUT,
+        length,
+        heads,
+        dim,
+        stride_kb,
+        stride_kl,
+        stride_kh,
+        stride_vb,
+        stride_vl,
+        stride_vh,
+        padded,
+        QMAX: tl.constexpr,
+        VMAX: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        ROUND: tl.constexpr,
+        TINY: tl.constexpr,
+    ):
         """One block of ``BLOCK`` tokens of one (batch, head): K smoothed and scaled to 8 bits (one scale for the
         block), V divided by its channel scales and stored transposed ((batch, head, dim, padded length)). Rows past
         ``length`` and channels past ``dim`` (``HEAD_DIM`` is a power of two, as tiles must be) are written as zeros."""
@@ -116,12 +136,15 @@ if triton is not None:
         v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vl + dims[None, :], mask=real, other=0.0)
         v = v.to(tl.float32) / tl.load(V_SCALE + bh * HEAD_DIM + dims)[None, :]
         v = tl.minimum(tl.maximum(v, -VMAX), VMAX)
-        tl.store(V_OUT + bh * HEAD_DIM * padded + dims[:, None] * padded + rows[None, :],
-                 _to_8bit(tl.trans(v), V_OUT.dtype.element_ty, ROUND, TINY))  # fmt: skip
+        tl.store(
+            V_OUT + bh * HEAD_DIM * padded + dims[:, None] * padded + rows[None, :],
+            _to_8bit(tl.trans(v), V_OUT.dtype.element_ty, ROUND, TINY),
+        )
 
     @triton.jit
-    def _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr,
-                   DESCRIPTORS: tl.constexpr):  # fmt: skip
+    def _load_tile(
+        K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr, DESCRIPTORS: tl.constexpr
+    ):
         """A key tile of K (dim, keys) and of V (dim, keys), both from buffers padded to whole tiles: through
         tensor descriptors (Hopper's TMA copies a tile without the threads computing its addresses: 7% at Wan
         720p) or through pointers (ROCm, older GPUs, the interpreter)."""
@@ -130,9 +153,25 @@ if triton is not None:
         return tl.load(k_ptrs + start * HEAD_DIM), tl.load(v_ptrs + start)
 
     @triton.jit
-    def _attend_tile(acc, m_i, l_i, q, k, v, scale, keys, key_mask_ptrs, start, valid_length,
-                     QK_INT8: tl.constexpr, P_EXPONENT: tl.constexpr, CHECK: tl.constexpr, HAS_MASK: tl.constexpr,
-                     ROUND: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
+    def _attend_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k,
+        v,
+        scale,
+        keys,
+        key_mask_ptrs,
+        start,
+        valid_length,
+        QK_INT8: tl.constexpr,
+        P_EXPONENT: tl.constexpr,
+        CHECK: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        ROUND: tl.constexpr,
+        TINY: tl.constexpr,
+    ):
         """One key tile folded into the running (acc, max, sum), scores in base 2. The softmax's work per score
         bounds this kernel (Hopper multiplies 8 bits faster than it converts, exponentiates and adds), so each score
         costs one fused multiply-add on its way into exp2: ``scale`` (positive) takes the tile's products to scores
@@ -158,12 +197,41 @@ if triton is not None:
         return acc, m_new, l_i
 
     @triton.jit
-    def _fp8_attention_forward(Q, K8, K_SCALE, V8, V_SCALE, K_MEAN, KEY_MASK, OUT, LSE, K_DESC, V_DESC, q_length,
-                               k_length, heads, dim, padded, stride_qb, stride_ql, stride_qh, stride_ob, stride_ol,
-                               stride_oh, sm_scale, QMAX: tl.constexpr, P_EXPONENT: tl.constexpr,
-                               QK_INT8: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESCRIPTORS: tl.constexpr,
-                               ROUND: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
+    def _fp8_attention_forward(
+        Q,
+        K8,
+        K_SCALE,
+        V8,
+        V_SCALE,
+        K_MEAN,
+        KEY_MASK,
+        OUT,
+        LSE,
+        K_DESC,
+        V_DESC,
+        q_length,
+        k_length,
+        heads,
+        dim,
+        padded,
+        stride_qb,
+        stride_ql,
+        stride_qh,
+        stride_ob,
+        stride_ol,
+        stride_oh,
+        sm_scale,
+        QMAX: tl.constexpr,
+        P_EXPONENT: tl.constexpr,
+        QK_INT8: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DESCRIPTORS: tl.constexpr,
+        ROUND: tl.constexpr,
+        TINY: tl.constexpr,
+    ):
         """One block of ``BLOCK_M`` queries of one (batch, head) against every key; K's scales are per key tile."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
@@ -191,13 +259,47 @@ if triton is not None:
             k, v = _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
             # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
             scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, scale, keys, key_mask_ptrs, start, k_length,
-                                         QK_INT8, P_EXPONENT, False, HAS_MASK, ROUND, TINY)  # fmt: skip
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k,
+                v,
+                scale,
+                keys,
+                key_mask_ptrs,
+                start,
+                k_length,
+                QK_INT8,
+                P_EXPONENT,
+                False,
+                HAS_MASK,
+                ROUND,
+                TINY,
+            )
         if whole < k_length:
             k, v = _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
             scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + whole // BLOCK_N), 1e-30)
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, scale, keys, key_mask_ptrs, whole, k_length,
-                                         QK_INT8, P_EXPONENT, True, HAS_MASK, ROUND, TINY)  # fmt: skip
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k,
+                v,
+                scale,
+                keys,
+                key_mask_ptrs,
+                whole,
+                k_length,
+                QK_INT8,
+                P_EXPONENT,
+                True,
+                HAS_MASK,
+                ROUND,
+                TINY,
+            )
         v_scale = tl.load(V_SCALE + bh * HEAD_DIM + dims)
         empty = l_i == 0.0  # every key masked: output 0, log-sum-exp -inf (nothing when merged)
         out = acc * v_scale[None, :] / tl.where(empty, 1.0, l_i)[:, None]
@@ -256,10 +358,30 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
     v8 = torch.empty(batch, heads, width, padded, dtype=pv_dtype, device=key.device)
     qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
     grid = (padded // KEY_TILE, batch * heads)
-    _quantize_keys_values[grid](key, value, k_mean, v_scale, k8, k_scale, v8, length, heads, dim, key.stride(0),
-                                key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-                                padded, QMAX=qmax, VMAX=vmax, BLOCK=KEY_TILE, HEAD_DIM=width,
-                                **rounding(pv_dtype))  # fmt: skip
+    _quantize_keys_values[grid](
+        key,
+        value,
+        k_mean,
+        v_scale,
+        k8,
+        k_scale,
+        v8,
+        length,
+        heads,
+        dim,
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        padded,
+        QMAX=qmax,
+        VMAX=vmax,
+        BLOCK=KEY_TILE,
+        HEAD_DIM=width,
+        **rounding(pv_dtype),
+    )
     return k8, k_scale, k_mean, v8, v_scale
 
 
@@ -294,20 +416,55 @@ def fp8_attention_with_lse(
         v_desc = TensorDescriptor.from_tensor(v8.view(-1, padded), [width, KEY_TILE])
     else:
         k_desc = v_desc = k_scale  # never read: the kernel loads through pointers
-    args = (query, k8, k_scale, v8, v_scale, k_mean, mask, out, lse, k_desc, v_desc, q_length, k_length, heads, dim,
-            padded, query.stride(0), query.stride(1), query.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            dim**-0.5)  # fmt: skip
-    constants = {"QMAX": qmax, "P_EXPONENT": p_exponent(pv_dtype),
-                 "QK_INT8": qk_dtype == torch.int8, "HAS_MASK": key_mask is not None, **rounding(pv_dtype),
-                 "HEAD_DIM": width, "DESCRIPTORS": descriptors}  # fmt: skip
+    args = (
+        query,
+        k8,
+        k_scale,
+        v8,
+        v_scale,
+        k_mean,
+        mask,
+        out,
+        lse,
+        k_desc,
+        v_desc,
+        q_length,
+        k_length,
+        heads,
+        dim,
+        padded,
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        dim**-0.5,
+    )
+    constants = {
+        "QMAX": qmax,
+        "P_EXPONENT": p_exponent(pv_dtype),
+        "QK_INT8": qk_dtype == torch.int8,
+        "HAS_MASK": key_mask is not None,
+        **rounding(pv_dtype),
+        "HEAD_DIM": width,
+        "DESCRIPTORS": descriptors,
+    }
 
     def launch(config: tuple[int, int, int, int]) -> None:
         # Fusion asked for, not assumed: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns
         # fusion off by default.
         block_m, block_n, warps, stages = config
         grid = (triton.cdiv(q_length, block_m), batch * heads)
-        _fp8_attention_forward[grid](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                                     num_stages=stages, enable_fp_fusion=True)  # fmt: skip
+        _fp8_attention_forward[grid](
+            *args,
+            **constants,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
+            num_stages=stages,
+            enable_fp_fusion=True,
+        )
 
     chosen = _CHOSEN.get(tuning_key := (query.device, dim, qk_dtype, pv_dtype))
     if chosen is None:

@@ -1,5 +1,4 @@
-"""Timestep conditioning (AdaLN): modulation triples, the fp16 residual guard, the adaptive LayerNorm at the output.
-Must not import torch.distributed."""
+"""Timestep conditioning (AdaLN): modulation triples, the fp16 residual guard, the adaptive LayerNorm at the output."""
 
 from __future__ import annotations
 

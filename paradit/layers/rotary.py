@@ -1,13 +1,14 @@
-"""Rotary position embeddings over several position axes (FLUX-style: interleaved pairs, one frequency band per axis).
-Must not import torch.distributed."""
+"""Rotary position embeddings over several position axes (FLUX-style: interleaved pairs, one frequency band per
+axis)."""
 
 from __future__ import annotations
 
 import torch
 
 
-def multi_axis_rope(ids: torch.Tensor, axes_dim: list[int] | tuple[int, ...], theta: float,
-                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def multi_axis_rope(
+    ids: torch.Tensor, axes_dim: list[int] | tuple[int, ...], theta: float, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (seq, sum(axes_dim)) for integer positions ``ids`` (seq, n_axes). Each axis contributes
     ``axes_dim[i]`` channels, every frequency repeated for the (real, imaginary) pair it rotates. Angles are formed in
     ``dtype``, by default float64 (exact for large positions) where the device has it: MPS has not."""

@@ -1,9 +1,10 @@
 """What every family's transformer is built on: its config (``transformer/config.json``), the three stages the parallel
-runtime acts between, the joint models' token state, the inverse patch embedding. Must not import torch.distributed."""
+runtime acts between, the joint models' token state, the inverse patch embedding."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar, Self
 
 import torch
@@ -42,16 +43,26 @@ class StagedTransformer(nn.Module):
     ``BLOCK_LISTS`` stacks hold, in order: PipeFusion leaves each stage only its own) and ``head`` (token state ->
     prediction), which the runtime calls one by one; ``forward`` runs them in a row. The token state is a dataclass
     whose ``SEQUENCE_FIELDS`` map each field the runtime may split along the sequence to (its token stream, its sequence
-    dimension), the other fields staying whole on every rank; the prediction comes from its ``OUTPUT_STREAM``."""
+    dimension), the other fields staying whole on every rank; the prediction comes from its ``OUTPUT_STREAM``.
+
+    ``run_stack`` (the blocks, then the head) is the one seam a request's feature takes inside the forward:
+    ``stack_runner``, when set from outside (as an attention module's kernel is), runs them in its place on the token
+    state this rank holds (a step cache, which skips blocks and calls ``run_blocks`` and ``head`` itself)."""
 
     BLOCK_LISTS: ClassVar[tuple[str, ...]]
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
+        self.stack_runner: Callable[[Any], torch.Tensor] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.head(self.run_blocks(self.embed(*args, **kwargs)))
+        return self.run_stack(self.embed(*args, **kwargs))
+
+    def run_stack(self, tokens: Any) -> torch.Tensor:
+        if self.stack_runner is not None:
+            return self.stack_runner(tokens)
+        return self.head(self.run_blocks(tokens))
 
     def head(self, tokens: Any) -> torch.Tensor:
         """The AdaLN-modulated output projection of the image tokens, where the model has no head of its own."""
@@ -64,8 +75,11 @@ class JointTokens:
     (batch, tokens, dim) and their rotary (cos, sin) tables, split along with them, a row per token."""
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
-        "img": ("img", 1), "txt": ("txt", 1), "img_rope": ("img", 0), "txt_rope": ("txt", 0),
-    }  # fmt: skip
+        "img": ("img", 1),
+        "txt": ("txt", 1),
+        "img_rope": ("img", 0),
+        "txt_rope": ("txt", 0),
+    }
     OUTPUT_STREAM: ClassVar[str] = "img"
 
     img: torch.Tensor

@@ -1,6 +1,6 @@
 """LoRA adapters as published: read from a file, a folder or the hub, converted to diffusers' keys by diffusers' own
 loader for the family (kohya, ComfyUI, musubi, ai-toolkit layouts), checked against the model, and reduced to each
-linear's low-rank factors with the scale the file states. Must not import torch.distributed."""
+linear's low-rank factors with the scale the file states."""
 
 from __future__ import annotations
 
@@ -14,13 +14,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from paradit.errors import InvalidRequest
-from paradit.lora.refs import LoraRef
+from paradit.hub import hub_offline, offline_reason, quiet_retries
+from paradit.lora.refs import LoraRef, locate
 
 # The metadata diffusers' ``save_lora_weights`` writes into the safetensors header: the LoraConfig, keys prefixed by
 # the component (``transformer.r``, ``transformer.lora_alpha``, ...).
 METADATA_KEY = "lora_adapter_metadata"
-# A converted state dict's keys after the module's name: LoRA's (PEFT's) and LoKr's (whole or factored).
-FACTOR_KEYS = r"lora_A\.weight|lora_B\.weight|lora_B\.bias|lokr_w[12](?:_[ab])?"
+# What diffusers' ``save_lora_weights`` puts before the transformer's keys; PEFT's own state dict has none.
+COMPONENT_PREFIX = "transformer."
+# A converted state dict's keys after the module's name: LoRA's (PEFT's, with kohya's per-module alpha, which
+# diffusers' FLUX.1 loader reads beside them) and LoKr's (whole or factored).
+FACTOR_KEYS = r"lora_A\.weight|lora_B\.weight|lora_B\.bias|alpha|lokr_w[12](?:_[ab])?"
 
 
 @dataclass(frozen=True)
@@ -37,22 +41,29 @@ class LowRank:
         """The weight's update in float32, computed on ``device``."""
         return (self.up.to(device, torch.float32) @ self.down.to(device, torch.float32)) * self.scale
 
+    def reach(self) -> float:
+        """A bound, cheap to compute, on the largest number the update puts in a weight or a side path holds (the
+        factors, ``up`` times the scale): ``|up @ down|`` is at most the sum over the rank of each factor's largest
+        entry, one times the other."""
+        up, down = self.up.abs().double(), self.down.abs().double()
+        update = (up.amax(0) * down.amax(1)).sum().item()
+        bias = 0.0 if self.up_bias is None else self.up_bias.abs().max().item()
+        return max(abs(self.scale) * max(update, up.max().item(), bias), down.max().item())
+
 
 def adapter_file(ref: LoraRef) -> Path:
-    """The adapter's safetensors file; a pickle is refused (loading one can run code)."""
-    path = Path(ref.source).expanduser()
-    if path.is_dir():
+    """The adapter's safetensors file (where it is: ``refs.locate``); a pickle is refused (loading one can run code)."""
+    location = locate(ref.source)
+    path = location.path
+    if location.repo is not None:
+        filename = location.filename or ref.weight_name or "pytorch_lora_weights.safetensors"
+        path = _from_hub(location.repo, filename)
+    elif path.is_dir():
         candidates = [path / ref.weight_name] if ref.weight_name else sorted(path.glob("*.safetensors"))
         if len(candidates) != 1:
             found = ", ".join(p.name for p in candidates) or "no .safetensors file"
             raise InvalidRequest(f"--lora {ref.source}: name the adapter file with --lora-weight-name (found {found})")
         path = candidates[0]
-    elif not path.exists():  # a hub id, ``owner/name``, or ``owner/name/path/in/it.safetensors``
-        parts = ref.source.split("/")
-        if path.is_absolute() or len(parts) < 2 or (len(parts) > 2 and path.suffix != ".safetensors"):
-            raise InvalidRequest(f"--lora {ref.source}: no such file, folder or hub repository")
-        repo, inside = "/".join(parts[:2]), "/".join(parts[2:])
-        path = _from_hub(repo, inside or ref.weight_name or "pytorch_lora_weights.safetensors")
     if path.suffix != ".safetensors":
         raise InvalidRequest(f"--lora {path}: only .safetensors adapters load (a pickle {path.suffix} can run code)")
     if not path.is_file():
@@ -62,12 +73,21 @@ def adapter_file(ref: LoraRef) -> Path:
 
 def _from_hub(repo: str, filename: str) -> Path:
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
+    cache_only = hub_offline()
     try:
-        return Path(hf_hub_download(repo, filename))
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
-        raise InvalidRequest(f"--lora {repo}/{filename}: not found on the hub ({str(exc).splitlines()[0]})") from None
+        with quiet_retries():
+            return Path(hf_hub_download(repo, filename, local_files_only=cache_only))
+    except HFValidationError as exc:  # a name the hub cannot have, said in the hub's words
+        raise InvalidRequest(f"--lora {repo}: neither a local path nor a hub id (OWNER/NAME): {exc}") from None
+    except LocalEntryNotFoundError:
+        reason = offline_reason() if cache_only else "the hub could not be reached"
+        raise InvalidRequest(
+            f"--lora {repo}: not on disk, {filename} of it is not in the hub cache, and {reason}"
+        ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise InvalidRequest(f"--lora {repo}: {filename} not found on the hub ({str(exc).splitlines()[0]})") from None
 
 
 def read_adapter(ref: LoraRef, loader: type, linears: dict[str, tuple[int, int]], component: str) -> dict[str, LowRank]:
@@ -83,24 +103,62 @@ def read_adapter(ref: LoraRef, loader: type, linears: dict[str, tuple[int, int]]
         raise InvalidRequest(f"--lora {path} is not a readable safetensors file ({str(exc).splitlines()[0]})") from None
     if not state:
         raise InvalidRequest(f"--lora {path} holds no tensors")
+    config = _config(path, header.get(METADATA_KEY))
     try:
         converted = loader.lora_state_dict(state)
     except (KeyError, ValueError, RuntimeError, IndexError) as exc:
         raise InvalidRequest(f"--lora {path}: its keys are not a LoRA of this model ({exc})") from None
-    config = _config(header.get(METADATA_KEY))
     return _factors(path, ref.scale, converted, config, linears, component)
 
 
-def _config(raw: str | None) -> dict:
-    """The transformer's LoraConfig from the header, unprefixed (empty: alpha equals rank, diffusers' default)."""
+def _config(path: Path, raw: str | None) -> dict:
+    """The transformer's LoraConfig from the header, unprefixed (empty: alpha equals rank, diffusers' default), its
+    numbers checked: each refusal names the key and its value. Keys under ``transformer.`` are read, as diffusers
+    reads them; a config without any is read as PEFT's own (unprefixed), as for a state dict without the prefix."""
     if not raw:
         return {}
-    prefix = "transformer."
-    return {key.removeprefix(prefix): value for key, value in json.loads(raw).items() if key.startswith(prefix)}
+    try:
+        metadata = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"--lora {path}: its {METADATA_KEY} metadata is not JSON ({exc})") from None
+    if not isinstance(metadata, dict):
+        raise InvalidRequest(
+            f"--lora {path}: its {METADATA_KEY} metadata is a JSON {type(metadata).__name__}, not an object of "
+            "LoraConfig fields"
+        )
+    prefix = COMPONENT_PREFIX if any(key.startswith(COMPONENT_PREFIX) for key in metadata) else ""
+    config = {key.removeprefix(prefix): value for key, value in metadata.items() if key.startswith(prefix)}
+
+    def refuse(key: str, value, allowed: str) -> InvalidRequest:
+        return InvalidRequest(f"--lora {path}: its metadata's {prefix}{key} is {json.dumps(value)}; give {allowed}")
+
+    for key, value in _config_numbers(config, refuse):
+        if key == "r" or key.startswith("rank_pattern"):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise refuse(key, value, "a positive integer (the rank)")
+        elif not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            raise refuse(key, value, "a finite number (alpha: the update is scaled by alpha / rank)")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise refuse("use_rslora", config["use_rslora"], "true or false")
+    if config.get("use_dora"):
+        raise refuse("use_dora", config["use_dora"], "an adapter without DoRA (paradit does not apply DoRA)")
+    return config
 
 
-def _factors(path: Path, user_scale: float, state: dict, config: dict, linears: dict[str, tuple[int, int]],
-             component: str) -> dict[str, LowRank | Kronecker]:  # fmt: skip
+def _config_numbers(config: dict, refuse) -> list[tuple[str, object]]:
+    """The config's ranks and alphas as (key, value), patterns' by ``pattern[module]``."""
+    numbers = [(key, config[key]) for key in ("r", "lora_alpha", "alpha") if key in config]
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise refuse(key, patterns, "an object of module patterns and numbers")
+        numbers += [(f"{key}[{pattern}]", value) for pattern, value in patterns.items()]
+    return numbers
+
+
+def _factors(
+    path: Path, user_scale: float, state: dict, config: dict, linears: dict[str, tuple[int, int]], component: str
+) -> dict[str, LowRank | Kronecker]:
     def refuse(why: str, keys: list[str]) -> InvalidRequest:
         shown = ", ".join(sorted(keys)[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
         return InvalidRequest(f"--lora {path}: {why}: {shown}")
@@ -109,21 +167,30 @@ def _factors(path: Path, user_scale: float, state: dict, config: dict, linears: 
         raise refuse("DoRA adapters are not applied by paradit", dora)
     if encoder := [key for key in state if key.startswith(("text_encoder", "te_", "lora_te"))]:
         raise refuse("text-encoder LoRA keys are not applied by paradit (only the transformer's)", encoder)
+    # Keys all under ``transformer.`` (diffusers' files) or none (PEFT's state dict saved as it is).
+    prefix = re.escape(COMPONENT_PREFIX) if any(key.startswith(COMPONENT_PREFIX) for key in state) else ""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     stray = []
     for key, tensor in state.items():
-        match = re.fullmatch(rf"transformer\.(.+)\.({FACTOR_KEYS})", key)
+        match = re.fullmatch(rf"{prefix}(.+)\.({FACTOR_KEYS})", key)
         if match is None:
             stray.append(key)
             continue
         modules.setdefault(match[1], {})[match[2]] = tensor
     if stray:
-        raise refuse("keys that are not LoRA factors of the transformer", stray)
+        raise refuse(
+            f"keys that are not LoRA factors of the {component} (MODULE.lora_A.weight, MODULE.lora_B.weight and "
+            f"optionally MODULE.alpha, all under {COMPONENT_PREFIX} or none)",
+            stray,
+        )
     if unknown := [name for name in modules if name not in linears]:
         raise refuse(f"keys for modules the {component} does not have (an adapter for another model?)", unknown)
     factors = {}
     for name, parts in modules.items():
+        alpha = parts.pop("alpha", None)
         if any(part.startswith("lokr_") for part in parts):
+            if alpha is not None:  # diffusers' LoKr converters bake alpha into the factors; none is left to read
+                raise refuse("a per-module alpha beside LoKr factors already converted", [f"{name}.alpha"])
             factors[name] = _kronecker(name, parts, user_scale, config, linears[name], refuse)
             continue
         if "lora_A.weight" not in parts or "lora_B.weight" not in parts:
@@ -133,13 +200,28 @@ def _factors(path: Path, user_scale: float, state: dict, config: dict, linears: 
         if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1]:
             raise refuse(f"ranks that do not match (lora_A {tuple(down.shape)}, lora_B {tuple(up.shape)})", [name])
         if down.shape[1] != in_features or up.shape[0] != out_features:
-            raise refuse(f"factors of {tuple(up.shape)} x {tuple(down.shape)} for a {out_features} x {in_features} "
-                         "linear", [name])  # fmt: skip
-        tensors = [t for t in (down, up, bias) if t is not None]
-        if not all(t.is_floating_point() and torch.isfinite(t).all() for t in tensors):
-            raise refuse("factors with NaN or infinite values", [name])
-        factors[name] = LowRank(down, up, user_scale * _alpha_over_rank(name, down.shape[0], config), bias)
+            raise refuse(
+                f"factors of {tuple(up.shape)} x {tuple(down.shape)} for a {out_features} x {in_features} linear",
+                [name],
+            )
+        _check_values(name, [t for t in (down, up, bias) if t is not None], refuse)
+        rank = down.shape[0]
+        if config and (stated := _by_pattern(name, config.get("rank_pattern") or {}, config.get("r", rank))) != rank:
+            raise refuse(f"a rank of {rank} where the metadata's r says {stated}", [name])
+        if alpha is not None and (alpha.numel() != 1 or not torch.isfinite(alpha).all()):
+            shown = alpha.item() if alpha.numel() == 1 else f"a tensor of shape {tuple(alpha.shape)}"
+            raise refuse(f"an alpha of {shown}; give one finite number", [f"{name}.alpha"])
+        scale = _alpha_over_rank(name, rank, config, None if alpha is None else alpha.item())
+        factors[name] = LowRank(down, up, user_scale * scale, bias)
     return factors
+
+
+def _check_values(name: str, tensors: list[torch.Tensor], refuse) -> None:
+    """Factors are floating point and finite: integer ones are no LoRA's (and say so, not "NaN")."""
+    if integral := [t for t in tensors if not t.is_floating_point()]:
+        raise refuse(f"factors stored as {str(integral[0].dtype).removeprefix('torch.')}, not floating point", [name])
+    if not all(torch.isfinite(t).all() for t in tensors):
+        raise refuse("factors with NaN or infinite values", [name])
 
 
 @dataclass(frozen=True)
@@ -153,6 +235,10 @@ class Kronecker:
 
     def delta(self, device: torch.device) -> torch.Tensor:
         return torch.kron(self.left.to(device, torch.float32), self.right.to(device, torch.float32)) * self.scale
+
+    def reach(self) -> float:
+        """The largest number the update puts in a weight: a Kronecker product's is its factors' largest, multiplied."""
+        return abs(self.scale) * self.left.abs().double().max().item() * self.right.abs().double().max().item()
 
 
 def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: tuple[int, int], refuse) -> Kronecker:
@@ -170,10 +256,11 @@ def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: t
 
     left, right = factor("w1"), factor("w2")
     if (left.shape[0] * right.shape[0], left.shape[1] * right.shape[1]) != tuple(shape):
-        raise refuse(f"Kronecker factors {tuple(left.shape)} and {tuple(right.shape)} for a {shape[0]} x {shape[1]} "
-                     "linear", [name])  # fmt: skip
-    if not all(t.is_floating_point() and torch.isfinite(t).all() for t in (left, right)):
-        raise refuse("factors with NaN or infinite values", [name])
+        raise refuse(
+            f"Kronecker factors {tuple(left.shape)} and {tuple(right.shape)} for a {shape[0]} x {shape[1]} linear",
+            [name],
+        )
+    _check_values(name, [left, right], refuse)
     scale = 1.0
     if config:
         rank = _by_pattern(name, config.get("rank_pattern") or {}, config.get("r", 1))
@@ -181,13 +268,14 @@ def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: t
     return Kronecker(left, right, user_scale * scale)
 
 
-def _alpha_over_rank(module: str, rank: int, config: dict) -> float:
+def _alpha_over_rank(module: str, rank: int, config: dict, alpha: float | None) -> float:
     """PEFT's scaling: ``lora_alpha / r`` (over ``sqrt(r)`` with rsLoRA), a pattern's value where one matches the
-    module's name; without a config the rank itself is alpha (scale 1), as diffusers loads such files."""
-    if not config:
+    module's name, the module's own ``alpha`` tensor before either; without a config or alpha the rank itself is
+    alpha (scale 1), as diffusers loads such files."""
+    if alpha is None and not config:
         return 1.0
-    rank = _by_pattern(module, config.get("rank_pattern") or {}, config.get("r", rank))
-    alpha = _by_pattern(module, config.get("alpha_pattern") or {}, config.get("lora_alpha", rank))
+    if alpha is None:
+        alpha = _by_pattern(module, config.get("alpha_pattern") or {}, config.get("lora_alpha", rank))
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 

@@ -3,7 +3,7 @@ its updates added in float32, and only then cut to the rank's tensor-parallel sl
 plan and precision gets the same merged weight at no cost per step. Unfused: each targeted linear gets a low-rank
 side path beside it (bf16 beside an FP8 GEMM), its factors cut the way the base weight is cut (``up`` for a column-
 parallel linear, ``down`` for a row-parallel one, whose partial output the existing all-reduce sums), so no extra
-communication. Must not import torch.distributed."""
+communication."""
 
 from __future__ import annotations
 
@@ -35,20 +35,41 @@ def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -
             with torch.device("meta"):
                 model = family.build_transformer(dataclasses.replace(spec, transformer=config))
             keyed = read_updates(family.lora_loader, refs, model, component)
+            check_reach(refs, keyed, dtype)
             if lora.fused:
                 continue
             updates = [(name, update) for name, pairs in keyed.items() for _, update in pairs]
             if kronecker := [name for name, update in updates if isinstance(update, Kronecker)]:
-                raise InvalidRequest(f"LoKr adapters fuse into the weights only (for {kronecker[0]} and others); "
-                                     "run with --lora-mode fused, not as side paths")  # fmt: skip
-            held += dtype.itemsize * sum(u.down.numel() + u.up.numel() + (0 if u.up_bias is None else u.up_bias.numel())
-                                         for _, u in updates)  # fmt: skip
+                raise InvalidRequest(
+                    f"LoKr adapters fuse into the weights only (for {kronecker[0]} and others); "
+                    "run with --lora-mode fused, not as side paths"
+                )
+            held += dtype.itemsize * sum(
+                u.down.numel() + u.up.numel() + (0 if u.up_bias is None else u.up_bias.numel()) for _, u in updates
+            )
             if lora.cache:
                 weights = [model.get_submodule(name).weight.shape for name in keyed]
-                per_copy = sum(rows * (columns + 4) if fp8 else rows * columns * dtype.itemsize
-                               for rows, columns in weights)  # fmt: skip
+                per_copy = sum(
+                    rows * (columns + 4) if fp8 else rows * columns * dtype.itemsize for rows, columns in weights
+                )
                 held += (1 + lora.cache) * per_copy
     return held
+
+
+def check_reach(refs: tuple[LoraRef, ...], keyed: dict[str, list], dtype: torch.dtype) -> None:
+    """Refuses an update whose numbers (``reach``) pass the square root of ``dtype``'s largest: a layer multiplies its
+    weights by inputs of like size, so past it the next layer overflows and the first denoise step predicts NaN."""
+    limit = math.sqrt(torch.finfo(dtype).max)
+    by_key = {adapter_key(ref, index): ref for index, ref in enumerate(refs)}
+    for name, pairs in keyed.items():
+        for key, update in pairs:
+            if (reach := update.reach()) > limit:
+                ref = by_key[key]
+                raise InvalidRequest(
+                    f"--lora {ref.source} at scale {ref.scale:g}: its update of {name} reaches {reach:.3g}, past "
+                    f"what {str(dtype).removeprefix('torch.')} carries through a layer ({limit:.3g}, the square root "
+                    "of its largest number); give a smaller scale"
+                )
 
 
 def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
@@ -62,8 +83,13 @@ def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
     for name, scale in chosen or ():
         if name not in known:
             raise InvalidRequest(f"unknown LoRA adapter {name!r}; this server has {', '.join(known)}", param="lora")
-        if not math.isfinite(scale):
-            raise InvalidRequest(f"LoRA adapter {name!r}: the scale must be a finite number", param="lora")
+        # Past the square root of float32's largest number, a scale alone overflows the layer after the update.
+        if not abs(scale) <= math.sqrt(torch.finfo(torch.float32).max):
+            raise InvalidRequest(
+                f"LoRA adapter {name!r}: scale {scale:g} is not allowed; give a finite number within "
+                f"±{math.sqrt(torch.finfo(torch.float32).max):.3g}",
+                param="lora",
+            )
     return tuple(chosen or ())
 
 
@@ -143,8 +169,11 @@ class LoraSidePath(nn.Module):
         if not parts:
             return None
         biases = [bias * scale for _, _, bias, scale in parts if bias is not None]
-        return (torch.cat([down for down, _, _, _ in parts]), torch.cat([up * scale for _, up, _, scale in parts], 1),
-                sum(biases) if biases else None)  # fmt: skip
+        return (
+            torch.cat([down for down, _, _, _ in parts]),
+            torch.cat([up * scale for _, up, _, scale in parts], 1),
+            sum(biases) if biases else None,
+        )
 
     def select(self, scales: dict[str, float]) -> None:
         chosen = tuple((key, scale) for key, scale in scales.items() if key in self.factors)
@@ -162,9 +191,16 @@ class LoraSidePath(nn.Module):
         return out if self.up_bias is None else out + self.up_bias
 
 
-def add_side_paths(model: nn.Module, names: ModelNames, updates: dict[str, list[tuple[str, LowRank]]],
-                   slices: dict[str, TensorSlice], device: torch.device, dtype: torch.dtype,
-                   scales: dict[str, float], switchable: bool) -> None:  # fmt: skip
+def add_side_paths(
+    model: nn.Module,
+    names: ModelNames,
+    updates: dict[str, list[tuple[str, LowRank]]],
+    slices: dict[str, TensorSlice],
+    device: torch.device,
+    dtype: torch.dtype,
+    scales: dict[str, float],
+    switchable: bool,
+) -> None:
     """Wraps every linear this rank kept that an adapter updates (before the loader fills it, so FP8 can still swap
     the linear inside the wrapper), choosing the adapters ``scales`` names (``switchable``: others later). A
     column-parallel linear keeps some outputs (its ``up`` and bias rows), a row-parallel one some inputs (its

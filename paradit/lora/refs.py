@@ -60,12 +60,80 @@ def adapter_key(ref: LoraRef, index: int) -> str:
     return ref.name or f"#{index}"
 
 
-def parse_named(text: str) -> LoraRef:
-    """A server's ``NAME=PATH``."""
-    name, _, source = text.partition("=")
-    if not name or not source or not re.fullmatch(r"[\w.-]+", name):
-        raise InvalidRequest(f"--lora {text}: give NAME=PATH, NAME of letters, digits, '.', '-' or '_'")
-    return LoraRef(source, name=name)
+# A hub repository id, owner/name: letters, digits, '-', '_' and '.' (huggingface_hub checks the finer rules); an
+# adapter file in one: owner/name/path/in/it.safetensors.
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+HUB_FILE = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)/(?P<file>(?:[\w.-]+/)*[\w.-]+\.safetensors)")
+NAME = re.compile(r"[\w.-]+")
+
+
+def parse_adapter(text: str, flag: str = "--lora", weight_name: str | None = None, named: bool = False) -> LoraRef:
+    """The one reading of an adapter as a command line gives it: a run's ``SOURCE[:SCALE]`` (a client's
+    ``NAME[:SCALE]`` too), or with ``named`` a server's ``NAME=SOURCE``, whose requests give the scales. A scale is a
+    finite number or refused naming the reference and the value; what ``SOURCE`` is, is ``locate``'s."""
+    if named:
+        name, _, source = text.partition("=")
+        if not name or not source or not NAME.fullmatch(name):
+            raise InvalidRequest(f"{flag} {text}: give NAME=PATH, NAME of letters, digits, '.', '-' or '_'")
+        if _scale_part(source) is not None:
+            raise InvalidRequest(f"{flag} {text}: a server's adapters take no scale here; each request gives its own")
+        return LoraRef(source, name=name)
+    scale = _scale_part(text)
+    source = text if scale is None else text[: -len(scale) - 1]
+    if not source:
+        raise InvalidRequest(f"{flag} {text!r}: give an adapter's file, folder or hub id (OWNER/NAME), then :SCALE")
+    if scale is None:
+        return LoraRef(source, 1.0, weight_name)
+    if _scale_part(source) is not None:
+        raise InvalidRequest(f"{flag} {text}: more than one ':SCALE'; give PATH[:SCALE] with one scale")
+    try:
+        value = float(scale)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise InvalidRequest(
+            f"{flag} {text}: the scale {scale!r} is not a finite number; give PATH[:SCALE], SCALE a number such as "
+            "0.8 (1 without it)"
+        )
+    return LoraRef(source, value, weight_name)
+
+
+def _scale_part(text: str) -> str | None:
+    """What follows the last ':' of ``text``, unless ``text`` is a file or folder whose name holds one, or the part
+    is a path's (it holds a '/'): None where there is no scale to read."""
+    _, colon, tail = text.rpartition(":")
+    if not colon or "/" in tail or Path(text).expanduser().exists():
+        return None
+    return tail
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where an adapter is: ``path`` on disk (a file or a folder), or ``repo`` on the hub with ``filename`` the file
+    in it (None: the one ``weight_name`` names, else diffusers' default)."""
+
+    path: Path | None = None
+    repo: str | None = None
+    filename: str | None = None
+
+
+def locate(source: str) -> Location:
+    """The one decision of what an adapter's source names, as a user expects it. What is on disk is local; so is a
+    path that starts with '.', '/' or '~', a ``folder/file.safetensors`` and anything not of a hub shape: missing,
+    it is refused without asking the hub. The hub's are ``owner/name`` (a repository) and
+    ``owner/name/path/in/it.safetensors`` (a file of one: Wan 2.2's experts' adapters come two to a repository)."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return Location(path=path)
+    if not source.startswith((".", "/", "~")):
+        if HUB_ID.fullmatch(source) and not source.endswith(".safetensors"):
+            return Location(repo=source)
+        if match := HUB_FILE.fullmatch(source):
+            return Location(repo=match["repo"], filename=match["file"])
+    raise InvalidRequest(
+        f"--lora {source}: no such file or folder (a local path, not looked up on the hub, whose adapters are "
+        "OWNER/NAME or OWNER/NAME/FILE.safetensors)"
+    )
 
 
 def adapters_in(folder: str) -> tuple[LoraRef, ...]:
@@ -74,17 +142,3 @@ def adapters_in(folder: str) -> tuple[LoraRef, ...]:
     if not files:
         raise InvalidRequest(f"--lora-dir {folder}: no .safetensors adapters there")
     return tuple(LoraRef(str(path), name=path.stem) for path in files)
-
-
-def parse_lora(text: str, weight_name: str | None = None) -> LoraRef:
-    """``PATH[:SCALE]``; a last part that is not a number belongs to the path."""
-    source, _, last = text.rpartition(":")
-    try:
-        scale = float(last) if source else None
-    except ValueError:
-        scale = None
-    if scale is None:
-        return LoraRef(text, 1.0, weight_name)
-    if not math.isfinite(scale):
-        raise InvalidRequest(f"--lora {text}: the scale must be a finite number")
-    return LoraRef(source, scale, weight_name)

@@ -1,29 +1,43 @@
-"""A server's choices of adapters fused into the weights, a few at a time: the weights of a choice (its adapters and
-scales) merged once and kept in a least-recently-used cache, so a request whose choice is cached runs at the base
-model's speed after a copy of the weights it changes, and a miss costs one merge. Every choice is copied into the
-tensors the model already runs, never new ones, so compiled blocks and CUDA graphs stay valid across switches. Each
-side path's factors are this rank's cut of them, so a merged update matches the weight slice the rank holds.
-Must not import torch.distributed."""
+"""A server's choice of adapters for each batch (``AdapterChoice``, a request hook): its side paths, or choices fused
+into the weights, a few at a time: the weights of a choice (its adapters and scales) merged once and kept in a
+least-recently-used cache, so a request whose choice is cached runs at the base model's speed after a copy of the
+weights it changes, and a miss costs one merge. Every choice is copied into the tensors the model already runs, never
+new ones, so compiled blocks and CUDA graphs stay valid across switches. Each side path's factors are this rank's cut
+of them, so a merged update matches the weight slice the rank holds."""
 
 from __future__ import annotations
 
 import functools
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from paradit.layers.fp8 import Fp8Linear, quantize_weight
 from paradit.lora.apply import LoraSidePath, select_adapters
+from paradit.request_hooks import RequestHook
+
+if TYPE_CHECKING:
+    from paradit.request import ResolvedRequest
 
 Merged = dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor | None]]  # path index -> its tensors, its bias
 
 
-def adapter_chooser(model: nn.Module, cache: int) -> Callable[[dict[str, float]], None]:
-    """What runs a batch's choice of adapters (name -> scale) on ``model``: side paths (``cache`` 0), else choices
-    fused into the weights, ``cache`` of them kept."""
-    return functools.partial(select_adapters, model) if cache == 0 else FusedVariants(model, cache).choose
+class AdapterChoice(RequestHook):
+    """The request hook of a server's named adapters: each batch's choice (name -> scale) run on ``model`` (loaded,
+    its side paths added) by ``choose``: side paths (``cache`` 0), else choices fused into the weights, ``cache`` of
+    them kept. A batch that names none (None) keeps the engine's."""
+
+    def __init__(self, model: nn.Module, cache: int) -> None:
+        self.choose: Callable[[dict[str, float]], None] = (
+            functools.partial(select_adapters, model) if cache == 0 else FusedVariants(model, cache).choose
+        )
+
+    def begin_request(self, request: ResolvedRequest) -> None:
+        if request.lora is not None:
+            self.choose(dict(request.lora))
 
 
 def _live(path: LoraSidePath) -> tuple[torch.Tensor, ...]:

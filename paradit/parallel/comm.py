@@ -37,8 +37,9 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def start_all_to_all_uneven(send: torch.Tensor, send_numels: list[int], recv_numels: list[int],
-                            group: dist.ProcessGroup, stats: CommStats) -> tuple[torch.Tensor, dist.Work]:  # fmt: skip
+def start_all_to_all_uneven(
+    send: torch.Tensor, send_numels: list[int], recv_numels: list[int], group: dist.ProcessGroup, stats: CommStats
+) -> tuple[torch.Tensor, dist.Work]:
     """Post an all-to-all of uneven parts, returning (receive buffer, work) so the caller computes while it travels;
     read the buffer after ``work.wait()``. Flat ``send`` holds ``send_numels[j]`` elements for group rank j, the flat
     receive buffer ``recv_numels[j]`` from rank j; callers' layouts cost at most one copy each way."""
@@ -49,8 +50,9 @@ def start_all_to_all_uneven(send: torch.Tensor, send_numels: list[int], recv_num
     return recv, work
 
 
-def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup | None,
-                      stats: CommStats | None = None) -> torch.Tensor:  # fmt: skip
+def all_gather_uneven(
+    x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup | None, stats: CommStats | None = None
+) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, where rank j holds ``sizes[j]`` rows (padded in transit, since
     all_gather wants equal shapes). Without ``stats`` the bytes are not counted."""
     longest = max(sizes)

@@ -1,15 +1,17 @@
-"""``ParallelConfig``: how one request is spread over a group of GPUs, and the check that it can be.
-
-Must not import torch.distributed (it is imported by the CLI before any process group exists).
-"""
+"""``ParallelConfig``: how one request is spread over a group of GPUs, and the check that it can be."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from paradit.errors import InvalidRequest
+from paradit.flags import GENERATE, PLAN, option, positive
 
 COMM_DTYPES = ("auto", "fp8")
+PARALLEL = "parallelism (one request across several GPUs or CPU processes)"
+# A flag of how one request is spread over the group; a server's groups run the plan generate chooses for their size.
+parallel_option = functools.partial(option, commands=(GENERATE, PLAN), group=PARALLEL)
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,19 @@ class ParallelConfig:
     degrees: ``shard_dims``), each block gathered whole just before it runs (FSDP); it multiplies no degree.
     """
 
-    ulysses: int = 1
-    ring: int = 1
-    cfg: int = 1
-    tensor: int = 1
-    pipefusion: int = 1
+    ulysses: int = parallel_option(1, type=positive, help="Ulysses (all-to-all over heads) degree")
+    ring: int = parallel_option(1, type=positive, help="Ring attention degree")
+    cfg: int = parallel_option(
+        1,
+        name="--cfg-parallel",
+        action="store_true",
+        convert=lambda asked: 2 if asked else None,
+        help="guidance branches on the two halves of the group",
+    )
+    tensor: int = parallel_option(
+        1, type=positive, help="tensor parallel degree (weights and heads sharded; fast links)"
+    )
+    pipefusion: int = parallel_option(1, type=positive, help="pipeline stages over the blocks (least traffic)")
     patches: int = 1
     warmup_steps: int = 1
     comm_dtype: str = "auto"
@@ -57,7 +67,9 @@ class ParallelConfig:
         parts = [f"{name} {degree}" for name, degree in self.degrees() if degree > 1]
         plan = " x ".join(parts) if parts else "1 GPU"
         if self.pipefusion > 1:
-            plan += f" ({self.patches} patches after {self.warmup_steps} warm-up steps)"
+            patches = "1 patch" if self.patches == 1 else f"{self.patches} patches"
+            warmup = "1 warm-up step" if self.warmup_steps == 1 else f"{self.warmup_steps} warm-up steps"
+            plan += f" ({patches} after {warmup})"
         plan += " (fp8 transport)" if self.comm_dtype == "fp8" else ""
         if self.shard_weights:
             plan += f", weights sharded over {self.shard_weights} ({self.shard_dims()})"
@@ -77,9 +89,12 @@ class ParallelConfig:
     def degrees(self) -> tuple[tuple[str, int], ...]:
         """(name, degree) in mesh order, outermost first."""
         return (
-            ("cfg", self.cfg), ("pipefusion", self.pipefusion), ("ring", self.ring), ("ulysses", self.ulysses),
+            ("cfg", self.cfg),
+            ("pipefusion", self.pipefusion),
+            ("ring", self.ring),
+            ("ulysses", self.ulysses),
             ("tensor", self.tensor),
-        )  # fmt: skip
+        )
 
     def validate(self, gpus: int, has_cfg: bool, heads: int) -> None:
         """Raises InvalidRequest naming the problem and the plans that do work for ``gpus``."""

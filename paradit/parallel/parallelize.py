@@ -1,17 +1,8 @@
-"""``parallelize``: the one place that applies parallelism to a plain model, every strategy in a fixed order.
-
-Like torchtitan's ``parallelize_*``, each strategy acts on the plain model in place on the meta device, before loading:
-
-1. **tensor**: shards every block's projections (the slices each rank keeps go to the loader);
-2. **sequence** (Ulysses, Ring, USP): swaps every attention module's implementation for one that attends across the
-   sequence group, and splits the token streams between ``embed`` and the blocks;
-3. **PipeFusion**: keeps this rank's stage of the blocks, and turns each attention into its stale-K/V form (inside
-   the sequence group's, when both are on);
-4. **CFG**: the guidance branches this rank computes;
-5. **VAE**: the group decodes together, each rank a band of the latents (``parallel.vae``).
-
-What comes back (``Parallelized``) is what loading and the denoise loop need; pipelines use it and never name a
-strategy. FP8 and compilation act on the parallelized plain model afterwards, so every strategy gets them unchanged."""
+"""``parallelize``: the one place that applies parallelism to a plain model, every strategy in a fixed order (tensor,
+sequence, PipeFusion, CFG, the VAE's bands), each in place on the meta device before loading, as torchtitan's
+``parallelize_*`` do. What comes back (``Parallelized``) is what loading and the denoise loop need; pipelines use it
+and never name a strategy. Tensor parallelism goes first so that the slices each rank keeps reach the loader, and
+PipeFusion's stale-K/V attention wraps the sequence group's when both are on."""
 
 from __future__ import annotations
 
@@ -24,7 +15,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from paradit.layers.attention import FP8Attention
 from paradit.parallel.cfg import BatchedBranches, SplitBranches, guidance_branches
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.patch_loop import BandMask, denoise_by_patches
@@ -42,11 +32,21 @@ class DenoiseLoop:
     """The scheduler run over the timesteps, one whole prediction per step."""
 
     def begin_request(self) -> None:
-        """Called before each request's loop."""
+        """What a request starts from (``run`` calls it first)."""
 
-    def run(self, predict: NoisePredictor, transformer, scheduler, latents: torch.Tensor, timesteps: torch.Tensor,
-            band_mask: BandMask, mark_step: Callable[[], None], progress: bool) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        predict: NoisePredictor,
+        transformer,
+        scheduler,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        band_mask: BandMask,
+        mark_step: Callable[[], None],
+        progress: bool,
+    ) -> torch.Tensor:
         """``mark_step`` is called once at the start and once after each step."""
+        self.begin_request()
         mark_step()
         for t in tqdm(timesteps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False):
             latents = scheduler.step(predict(latents, t, transformer), t, latents, return_dict=False)[0]
@@ -67,6 +67,7 @@ class PipeFusionLoop(DenoiseLoop):
     def run(self, predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress):
         if self.pipefusion.patches == 1:
             return super().run(predict, transformer, scheduler, latents, timesteps, band_mask, mark_step, progress)
+        self.begin_request()
         # A step ends while later patches are in flight between the stages: stopping there would leave their transfers
         # unmatched. What ``mark_step`` raises (a cancellation) is raised once the loop has drained.
         raised = []
@@ -77,8 +78,9 @@ class PipeFusionLoop(DenoiseLoop):
             except Exception as exc:  # noqa: BLE001 - re-raised below, whatever it is
                 raised.append(exc)
 
-        latents = denoise_by_patches(predict, scheduler, latents, timesteps, self.pipefusion, band_mask,
-                                     mark_step_deferring, progress)  # fmt: skip
+        latents = denoise_by_patches(
+            predict, scheduler, latents, timesteps, self.pipefusion, band_mask, mark_step_deferring, progress
+        )
         if raised:
             raise raised[0]
         return latents
@@ -92,14 +94,12 @@ def plain_vae_encode(vae: nn.Module, images: torch.Tensor):
     return vae.encode(images).latent_dist
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parallelized:
     """A model with its parallelism applied: ``model`` is the plain model, parallelized in place (what FP8 and
     compilation act on); ``forward`` what to call in its place; ``slices`` the part of each sharded tensor this rank
     loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop;
-    ``vae_decode``/``vae_encode`` the VAE's (by the group if any, a band each; encode gives the latent distribution);
-    ``choose_adapters`` runs a batch's choice of a server's adapters (name -> scale; None: it has none to choose);
-    ``attention`` the FP8 attention its modules share, told each step (None: SDPA)."""
+    ``vae_decode``/``vae_encode`` the VAE's (by the group if any, a band each; encode gives the latent distribution)."""
 
     model: nn.Module
     forward: nn.Module
@@ -108,8 +108,6 @@ class Parallelized:
     loop: DenoiseLoop = field(default_factory=DenoiseLoop)
     vae_decode: Callable[[nn.Module, torch.Tensor], torch.Tensor] = plain_vae_decode
     vae_encode: Callable[[nn.Module, torch.Tensor], Any] = plain_vae_encode
-    choose_adapters: Callable[[dict[str, float]], None] | None = None
-    attention: FP8Attention | None = None
 
 
 def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: ParallelContext | None) -> Parallelized:

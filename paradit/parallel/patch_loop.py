@@ -25,9 +25,16 @@ from paradit.parallel.pipefusion import PatchItem, PipeFusion
 BandMask = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
-def denoise_by_patches(predict: Callable[[torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor],
-                       scheduler, latents: torch.Tensor, timesteps: torch.Tensor, pipefusion: PipeFusion,
-                       band_mask: BandMask, mark_step: Callable[[], None], progress: bool) -> torch.Tensor:  # fmt: skip
+def denoise_by_patches(
+    predict: Callable[[torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor],
+    scheduler,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    pipefusion: PipeFusion,
+    band_mask: BandMask,
+    mark_step: Callable[[], None],
+    progress: bool,
+) -> torch.Tensor:
     """Run ``scheduler`` over ``timesteps`` with ``predict(latents, t, transformer)`` as the plain loop does, the
     transformer being ``pipefusion``; ``mark_step`` is called at the start and as each step's last patch lands."""
     steps = len(timesteps)

@@ -54,8 +54,12 @@ def sequence_layout(sizes: dict[str, list[int]]) -> contextlib.AbstractContextMa
     return scoped(_LAYOUT, sizes)
 
 
-def merge_partials(out_acc: torch.Tensor | None, lse_acc: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def merge_partials(
+    out_acc: torch.Tensor | None,
+    lse_acc: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention over two key blocks from each one's: ``out`` (B, L, H, D) and ``lse`` (B, H, L) of the new block
     merged into the running fp32 (``out_acc``, ``lse_acc`` (B, L, H, 1); None for the first block)."""
     lse = lse.transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1), aligned with out
@@ -143,8 +147,9 @@ class SequenceParallelAttention:
 
         return finish
 
-    def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                          local: AttentionFn) -> torch.Tensor:  # fmt: skip
+    def ulysses_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
+    ) -> torch.Tensor:
         """(B, L_me, H, D) -> the same: the group's tokens for a share of the heads, attended (``_attend``), sent back.
         Plain SDPA without Ring runs in overlapped head chunks: exact, heads being independent."""
         heads, dtype = q.shape[2], q.dtype
@@ -166,8 +171,9 @@ class SequenceParallelAttention:
             finish()
         return self._from_wire(into, dtype)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                local: AttentionFn) -> torch.Tensor:  # fmt: skip
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
+    ) -> torch.Tensor:
         """``local`` on this rank's heads over the call's whole sequence: with Ring, a ``blockwise`` kernel runs block
         by block as the K/V blocks travel; any other local attention (PipeFusion's K/V buffer) needs every key at once,
         so the ring members' K/V are all-gathered for it instead (the same bytes, without the overlap)."""
@@ -177,8 +183,14 @@ class SequenceParallelAttention:
             return self.ring_attention(q, k, v, key_mask, getattr(local, "with_lse", attention_with_lse))
         return local(q, *self.ring_gather(k, v, key_mask))
 
-    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                       with_lse=attention_with_lse) -> torch.Tensor:  # fmt: skip
+    def ring_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        with_lse=attention_with_lse,
+    ) -> torch.Tensor:
         """Attention of local queries over all ring ranks' K/V block-wise, each block through ``with_lse`` (exact:
         ``attention_with_lse``), merged by log-sum-exp; ``key_mask`` is Ulysses-gathered."""
         lengths = self._ring_lengths()
@@ -233,9 +245,15 @@ class SequenceParallelAttention:
 
     # Compiled blocks break their graph here: the collectives run eagerly between the compiled halves of a block.
     @torch.compiler.disable
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 key_mask: torch.Tensor | None = None, streams: tuple[str, ...] | None = None,
-                 local: AttentionFn = sdpa_attention) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+        streams: tuple[str, ...] | None = None,
+        local: AttentionFn = sdpa_attention,
+    ) -> torch.Tensor:
         """``local`` attends this rank's heads over the gathered sequence (see ``_attend``)."""
         layout = _LAYOUT.get()
         sizes = [layout[name] for name in (streams or layout)]
@@ -305,5 +323,5 @@ class SequenceParallel(nn.Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         tokens, sizes = self.split(self.model.embed(*args, **kwargs))
         with sequence_layout(sizes):
-            out = self.model.head(self.model.run_blocks(tokens))
+            out = self.model.run_stack(tokens)
         return self.gather(out, sizes[type(tokens).OUTPUT_STREAM])

@@ -14,8 +14,7 @@ projection) is small, needed whole, and replicated, except a norm over all heads
 
 The models infer head counts from shapes (``unflatten(-1, (-1, head_dim))``) and the counts attention modules store are
 divided here, so attention sees heads / T heads unchanged. Exact; composes with sequence parallelism (which splits
-tokens) and CFG parallelism. The plan gives, per parameter name, the slice a rank keeps (``tensor_slices``), so the
-loader reads only that; ``parallelize_tensor`` applies the same slices to a model (on the meta device: only shapes)."""
+tokens) and CFG parallelism."""
 
 from __future__ import annotations
 

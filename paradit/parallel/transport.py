@@ -4,7 +4,7 @@ A row (one token's one head: ``head_dim`` values) travels as its e4m3 bytes foll
 scale, so one message carries both and a collective needs no second call for the scales: on a PCIe-like link every
 extra collective per attention costs more latency than its few bytes. On GPUs both directions are compiled into
 single kernels: done step by step in eager mode (an fp32 copy, a divide, a clamp, a cast) the conversion reads and
-writes ~27 bytes per value, which costs more time than the halved wire saves. Must not import torch.distributed."""
+writes ~27 bytes per value, which costs more time than the halved wire saves."""
 
 from __future__ import annotations
 

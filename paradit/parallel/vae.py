@@ -17,9 +17,8 @@ than one row at a time is swapped (no ``torch.nn`` class is touched):
 - the rest is local to a band: activations, nearest upsampling, Wan's RMS norm (over one position's channels), the
   temporal caches, Wan 2.2's patchify, the final clamp.
 
-``parallel_decode`` and ``parallel_encode`` replace ``vae.decode(...).sample`` and ``vae.encode(...).latent_dist``;
-``banded`` serves callers that keep bands. Inference only; exact up to floating-point reassociation (relative L2 <= 1e-5
-in fp32; tests/test_parallel_vae.py checks every layout at world sizes 2-4). Tiling (a different computation) is off."""
+Inference only; exact up to floating-point reassociation (relative L2 <= 1e-5 in fp32; tests/test_parallel_vae.py
+checks every layout at world sizes 2-4). Tiling (a different computation) is off."""
 
 from __future__ import annotations
 
@@ -158,8 +157,9 @@ def _conv_plan(rows: tuple[int, ...], kernel: int, stride: int, pad_top: int, pa
     return _ConvPlan(height, bands, need, tuple(send_up), tuple(recv_up), tuple(send_down), tuple(recv_down))
 
 
-def _conv_forward(module: nn.Module, bands: _Bands, pad_h: tuple[int, int], pad_w: tuple[int, int],
-                  temporal_pad: int) -> Callable:  # fmt: skip
+def _conv_forward(
+    module: nn.Module, bands: _Bands, pad_h: tuple[int, int], pad_w: tuple[int, int], temporal_pad: int
+) -> Callable:
     weight = module.weight
     three_d = weight.ndim == 5
     conv = F.conv3d if three_d else F.conv2d
@@ -227,8 +227,9 @@ def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
             var, mean = torch.var_mean(x, dim=dims, correction=0)
         else:
             step = max(1, _STATS_CHUNK // max(1, batch * count))
-            pieces = [torch.var_mean(x[:, c : c + step].float(), dim=dims, correction=0)
-                      for c in range(0, channels, step)]  # fmt: skip
+            pieces = [
+                torch.var_mean(x[:, c : c + step].float(), dim=dims, correction=0) for c in range(0, channels, step)
+            ]
             var, mean = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1)
         mean = mean.double()
         moments = torch.stack([torch.full_like(mean, count), mean, var.double() * count])
@@ -400,8 +401,7 @@ def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.Proces
 
 @torch.no_grad()
 def parallel_decode(vae: nn.Module, latents: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``vae.decode(latents).sample``, every rank of ``group`` (None: the default group) decoding one band of the
-    latent's rows; every rank returns the whole image (video). ``latents`` is the whole latent on every rank."""
+    """``vae.decode(latents).sample`` on every rank of ``group`` (None: the default group), each decoding one band."""
     return _run_banded(vae, latents, 1, group, lambda band: vae.decode(band).sample)
 
 

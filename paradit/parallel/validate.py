@@ -1,6 +1,6 @@
 """The checks of a plan that need the model: its tensor plan against the model's widths, PipeFusion's stages against
 its blocks, and the strategies a model with several experts cannot run yet. (``ParallelConfig.validate`` checks the
-degrees alone.) Must not import torch.distributed."""
+degrees alone.)"""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def check_plan(family: Family, spec: ModelSpec, parallel: ParallelConfig) -> Non
         check_tensor_plan(family.tensor_plan, model, parallel.tensor)
     blocks = len(model_blocks(model))
     if parallel.pipefusion > blocks:
-        raise InvalidRequest(f"pipefusion {parallel.pipefusion} exceeds the model's {blocks} blocks; give at most "
-                             f"{blocks} stages")  # fmt: skip
+        raise InvalidRequest(
+            f"pipefusion {parallel.pipefusion} exceeds the model's {blocks} blocks; give at most {blocks} stages"
+        )
     if parallel.pipefusion > 1 and spec.experts:
         # The patch loop drives one pipeline of stages; a second transformer would need its own.
         raise InvalidRequest(f"pipefusion does not run {spec.name}'s second transformer yet; drop --pipefusion")

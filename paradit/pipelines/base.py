@@ -1,10 +1,12 @@
 """What every family's pipeline shares: the skeleton (``DiffusionPipeline``, whose hooks each family implements, and
 which owns the guided step), seeded noise, the timestep shift, the VAE's loading and latent statistics, and the clocks
-that time the denoise loop without stalling the device. Names no family and no parallel strategy: the parallel runtime
-hands a pipeline what it needs (``Parallelized``)."""
+that time the denoise loop without stalling the device. Names no family and no parallel strategy: the runtime build
+hands a pipeline what it needs (``runtime.Runtime``). The per-request features act through request hooks
+(``request_hooks``), so ``generate`` is the skeleton."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import resource
 import time
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from torch import nn
 
 from paradit.checkpoint import component_dir
@@ -22,15 +25,26 @@ from paradit.expert_swap import ExpertSwap
 from paradit.parallel.cfg import BatchedBranches
 from paradit.parallel.comm import CommStats
 from paradit.parallel.mesh import ParallelContext
-from paradit.parallel.parallelize import NoisePredictor, Parallelized
-from paradit.pipelines.inpainting import KeepUnmasked, latent_mask
-from paradit.pipelines.requests import ResolvedRequest, first_step, one_batch
-from paradit.pipelines.step_cache import CacheRecord, StepCache
-from paradit.request import GenerationResult, Timings
+from paradit.parallel.parallelize import NoisePredictor
+from paradit.pipelines.inpainting import ImageToImage, latent_mask
+from paradit.pipelines.requests import one_batch
+from paradit.pipelines.step_cache import StepCaching
+from paradit.request import GenerationResult, ResolvedRequest, Timings
+from paradit.request_hooks import Denoise, RequestHook
 from paradit.spec import ModelSpec
 
 if TYPE_CHECKING:
     from paradit.family import Family
+    from paradit.runtime import Runtime
+
+# ``--scheduler``'s choices: diffusers' class and the config it takes over the checkpoint's, as one swaps it into
+# diffusers' pipeline (``pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, ...)``).
+FLOW_SOLVER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True}
+SCHEDULER_CHOICES = {
+    "flow-euler": (FlowMatchEulerDiscreteScheduler, {}),
+    "unipc": (UniPCMultistepScheduler, FLOW_SOLVER),
+    "dpmpp-2m": (DPMSolverMultistepScheduler, {**FLOW_SOLVER, "algorithm_type": "dpmsolver++", "solver_order": 2}),
+}
 
 # call(transformer, model_input, timestep, latents) -> the model's prediction in the latents' layout
 ModelCall = Callable[[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -114,21 +128,47 @@ class DiffusionPipeline(ABC):
     and names in ``CONDITIONING`` the tensors its encoding makes."""
 
     CONDITIONING: ClassVar[tuple[str, ...]] = ("embeds",)
+    # Whether the family's diffusers pipeline drops the sigmas it passes for a scheduler of flow sigmas (as
+    # ``--scheduler unipc`` and ``dpmpp-2m`` make them), which then spaces its own (diffusers' Flux pipelines do).
+    FLOW_SIGMAS_SPACE_THEMSELVES: ClassVar[bool] = False
 
-    def __init__(self, family: Family, spec: ModelSpec, transformer: Parallelized, prompt_encoder, vae,
-                 device: torch.device, dtype: torch.dtype, parallel: ParallelContext | None = None,
-                 experts: dict[str, Parallelized] | None = None,
-                 expert_swap: ExpertSwap | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        family: Family,
+        spec: ModelSpec,
+        transformer: Runtime,
+        prompt_encoder,
+        vae,
+        device: torch.device,
+        dtype: torch.dtype,
+        parallel: ParallelContext | None = None,
+        experts: dict[str, Runtime] | None = None,
+        expert_swap: ExpertSwap | None = None,
+    ) -> None:
         """In a group, only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so that the
         group decodes together. ``experts``: the further transformers of ``spec.experts``, by component;
         ``expert_swap``, when they take turns on the device (``transformer`` first), what swaps them."""
         self.family, self.spec, self.parallel = family, spec, parallel
-        self.parallelized, self.transformer = transformer, transformer.forward
+        self.runtime, self.transformer = transformer, transformer.forward
         self.experts, self.expert_swap = experts or {}, expert_swap
         self.prompt_encoder, self.vae, self.device, self.dtype = prompt_encoder, vae, device, dtype
+        runtimes = (transformer, *self.experts.values())
         reduce = parallel.sum_across if parallel is not None else (lambda sums: sums)
-        self.step_caches = [StepCache(each.model, reduce) for each in (transformer, *self.experts.values())]
+        # In the order they act: the transformers' own (FP8 attention's exact steps, a server's adapter choice), the
+        # image-to-image start (which cuts the steps), the family's, step caching (which counts the steps left).
+        self.hooks: list[RequestHook] = [
+            *(hook for runtime in runtimes for hook in runtime.hooks),
+            ImageToImage(self),
+            *self.request_hooks(),
+            StepCaching([runtime.model for runtime in runtimes], reduce, transformer.parallel.branches),
+        ]
         self.stage = "before its first request"  # where ``generate`` is, in words (an out-of-memory error names it)
+        # the request ``make_scheduler`` schedules, set by ``generate``: ``scheduled`` applies its scheduler and shift
+        self.scheduling: ResolvedRequest | None = None
+
+    def request_hooks(self) -> list[RequestHook]:
+        """The family's own request hooks (none by default)."""
+        return []
 
     def uses_cfg(self, request: ResolvedRequest) -> bool:
         return self.family.uses_cfg(self.spec, request)
@@ -163,14 +203,30 @@ class DiffusionPipeline(ABC):
         """The diffusers scheduler, its timesteps set (``scheduled``)."""
 
     def scheduled(self, scheduler_class, **timesteps) -> tuple[Any, torch.Tensor]:
-        """A ``scheduler_class`` from the spec's config, set to ``timesteps`` and stepping from the first; and those."""
-        scheduler = scheduler_class.from_config(self.spec.scheduler)
+        """A ``scheduler_class`` from the spec's config, set to ``timesteps`` and stepping from the first; and those.
+        The request being scheduled may choose another scheduler and a static shift: then the scheduler is made and set
+        as diffusers' pipeline with that one swapped in makes and sets it (resolution refused what it cannot take)."""
+        config, request = dict(self.spec.scheduler), self.scheduling
+        if request is not None and request.scheduler is not None:
+            scheduler_class, overrides = SCHEDULER_CHOICES[request.scheduler]
+            # the checkpoint's static shift carried over, under the name the chosen class reads it by
+            config.update(
+                overrides, **{shift_name(scheduler_class): config.get("shift", config.get("flow_shift", 1.0))}
+            )
+        if request is not None and request.shift is not None:
+            config.update({shift_name(scheduler_class): request.shift, "use_dynamic_shifting": False})
+        # Only the keys the class takes: diffusers would drop another scheduler's with a warning, each request.
+        accepted = inspect.signature(scheduler_class.__init__).parameters
+        scheduler = scheduler_class.from_config({key: value for key, value in config.items() if key in accepted})
+        if self.FLOW_SIGMAS_SPACE_THEMSELVES and scheduler.config.get("use_flow_sigmas"):
+            timesteps["num_inference_steps"] = len(timesteps.pop("sigmas"))
         scheduler.set_timesteps(device=self.device, **timesteps)
         scheduler.set_begin_index(0)
         return scheduler, scheduler.timesteps
 
-    def model_inputs(self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor,
-                     layout) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def model_inputs(
+        self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor, layout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One branch's model input and timestep(s) at scheduler time ``t``: by default as the reference casts t to the
         latent dtype before dividing by 1000 (which keeps bf16 runs bit-faithful), and the latents in the model's."""
         return latents.to(self.dtype), t.expand(latents.shape[0]).to(latents.dtype) / 1000
@@ -199,16 +255,19 @@ class DiffusionPipeline(ABC):
             return patch_grid_band_mask(latents, self.transformer.config.patch_size, start, stop)
         return token_band_mask(latents, start, stop)
 
-    def predictor(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout,
-                  finite: list[torch.Tensor]) -> NoisePredictor:  # fmt: skip
+    def predictor(
+        self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout, finite: list[torch.Tensor]
+    ) -> NoisePredictor:
         """``predict(latents, t, transformer)``: the guided prediction. Under CFG the model sees [conditional;
         unconditional] rows, of which the parallel runtime's branches say which this rank computes (all on one GPU,
         half under CFG parallelism); ``guide`` runs on the combined rows. ``finite[-1] &=`` whether it is finite."""
         cfg = self.uses_cfg(request)
-        branches = self.parallelized.branches if cfg else BatchedBranches()
+        branches = self.runtime.parallel.branches if cfg else BatchedBranches()
         # A mask with no padding is dropped, so attention runs unmasked (every rank holds it whole: all decide alike).
-        local = {name: None if value.dtype == torch.bool and bool(value.all()) else branches.local(value)
-                 for name, value in conditioning.items()}  # fmt: skip
+        local = {
+            name: None if value.dtype == torch.bool and bool(value.all()) else branches.local(value)
+            for name, value in conditioning.items()
+        }
         call = self.model_call(request, local, layout)
 
         def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
@@ -229,21 +288,6 @@ class DiffusionPipeline(ABC):
 
         return predict
 
-    def begin_caching(self, requests: list[ResolvedRequest], resolved: ResolvedRequest, steps: int) -> CacheRecord:
-        """Every transformer's step cache set for the batch: each request's guidance branches are groups of their
-        own (global order [conditional requests; unconditional requests]), of which this rank holds the rows that the
-        guidance branches give it. Experts keep caches of their own, each counting its own steps."""
-        parts = torch.tensor([part.batch for part in requests])
-        rows = torch.repeat_interleave(torch.arange(len(requests)), parts).to(self.device)
-        groups = len(requests)
-        if self.uses_cfg(resolved):
-            rows = self.parallelized.branches.local(torch.cat([rows, rows + groups]))
-            groups *= 2
-        record = CacheRecord()
-        for cache in self.step_caches:
-            cache.begin_request(resolved.cache, steps, rows, groups, record)
-        return record
-
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
         """Image-to-image families: the input image's latents in the layout noise is drawn in (batch 1), drawn from
         the VAE's distribution with ``generator`` as diffusers' pipelines draw them."""
@@ -253,27 +297,6 @@ class DiffusionPipeline(ABC):
         """Latents in the layout noise is drawn in, in the layout the denoise loop steps (by default the same)."""
         return latents
 
-    def start_from_image(self, request: ResolvedRequest, noise: torch.Tensor, scheduler,
-                         timesteps: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:  # fmt: skip
-        """Image-to-image as diffusers starts it: the steps from ``first_step`` on, and the image's latents noised to
-        the first of them. One generator, seeded as the request, draws the latents from the VAE's distribution and
-        then the noise (which is therefore not ``noise``, text-to-image's first draw; only its shape is used).
-        Inpainting (a mask) steps with a scheduler that keeps the image outside the mask (``KeepUnmasked``)."""
-        start = first_step(request)
-        timesteps = timesteps[start:]
-        scheduler.set_begin_index(start)
-        generator = torch.Generator("cpu").manual_seed(request.seed)
-        image = self.image_latents(request, generator)
-        shape = (noise.shape[0], *image.shape[1:])
-        fresh = torch.randn(shape, generator=generator, dtype=image.dtype).to(self.device)
-        image = image.expand(shape)
-        latents = self.pack_drawn(scheduler.scale_noise(image, timesteps[:1].expand(shape[0]), fresh), request)
-        if request.mask is not None:
-            image, fresh, mask = (self.pack_drawn(x, request).to(noise.dtype)
-                                  for x in (image, fresh, self.latent_mask(request, image)))  # fmt: skip
-            scheduler = KeepUnmasked(scheduler, image, fresh, mask)
-        return latents.to(noise.dtype), scheduler, timesteps
-
     def latent_mask(self, request: ResolvedRequest, image: torch.Tensor) -> torch.Tensor:
         """Inpainting: the request's mask over ``image`` (its latents in the drawn layout), as the family's
         diffusers inpainting pipeline makes it (by default resized to the latents' grid by nearest neighbours)."""
@@ -281,11 +304,11 @@ class DiffusionPipeline(ABC):
 
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         """``self.vae.decode(latents)``'s sample as pixels in [0, 1], computed by the whole group when there is one."""
-        return (self.parallelized.vae_decode(self.vae, latents) / 2 + 0.5).clamp(0, 1)
+        return (self.runtime.parallel.vae_decode(self.vae, latents) / 2 + 0.5).clamp(0, 1)
 
     def vae_encode(self, images: torch.Tensor):
         """``self.vae.encode(images).latent_dist``, computed by the whole group when there is one."""
-        return self.parallelized.vae_encode(self.vae, images)
+        return self.runtime.parallel.vae_encode(self.vae, images)
 
     def conditioning(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
         """The family's prompt encoding on rank 0, shared with the group tensor by tensor."""
@@ -305,10 +328,8 @@ class DiffusionPipeline(ABC):
         timings = Timings()
         stats = self.parallel.stats if self.parallel else CommStats()  # one process's: sends nothing
         stats.reset()
-        for transformer in (self.parallelized, *self.experts.values()):
-            transformer.loop.begin_request()
-            if resolved.lora is not None and transformer.choose_adapters is not None:
-                transformer.choose_adapters(dict(resolved.lora))
+        for hook in self.hooks:
+            hook.begin_request(resolved)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
@@ -322,42 +343,51 @@ class DiffusionPipeline(ABC):
         self.stage = "while preparing the latents"
         noise = [self.initial_latents(part) for part in requests]
         latents, layout = torch.cat([latents for latents, _ in noise]), noise[0][1]
+        self.scheduling = resolved
         scheduler, timesteps = self.make_scheduler(resolved, latents)
-        if resolved.strength is not None:
-            latents, scheduler, timesteps = self.start_from_image(resolved, latents, scheduler, timesteps)
-        record = self.begin_caching(requests, resolved, len(timesteps))
+        denoise = Denoise(
+            requests, resolved, self.uses_cfg(resolved), latents, layout, scheduler, timesteps, timings.features
+        )
+        for hook in self.hooks:
+            hook.begin_denoise(denoise)
+        latents, layout, scheduler, timesteps = denoise.latents, denoise.layout, denoise.scheduler, denoise.timesteps
+        steps = len(timesteps)
         clock = StepClock(self.device)
-        fp8_attention = [each.attention for each in (self.parallelized, *self.experts.values()) if each.attention]
         finite: list[torch.Tensor] = []  # per step begun: whether all its predictions were finite
 
         def mark_step() -> None:
             clock.mark()
-            self.stage = f"at denoise step {min(len(clock.marks), len(timesteps))} of {len(timesteps)}"
-            for kernel in fp8_attention:
-                kernel.begin_step(len(clock.marks) - 1, len(timesteps))
+            done = len(clock.marks) - 1
+            self.stage = f"at denoise step {min(done + 1, steps)} of {steps}"
+            for hook in self.hooks:
+                hook.at_step(done, steps)
             finite.append(torch.ones((), dtype=torch.bool, device=self.device))
             if on_step is not None:
-                on_step(len(clock.marks) - 1)
+                on_step(done)
 
         predict = self.predictor(resolved, conditioning, layout, finite)
         stats.phase = "denoise"
-        latents = self.parallelized.loop.run(predict, self.transformer, scheduler, latents, timesteps, self.band_mask,
-                                             mark_step, progress)  # fmt: skip
+        latents = self.runtime.parallel.loop.run(
+            predict, self.transformer, scheduler, latents, timesteps, self.band_mask, mark_step, progress
+        )
         timings.step_ms = clock.durations_ms()
-        timings.cache_skipped, timings.cache_blocks_skipped = record.skipped, record.blocks_skipped
-        timings.mag_ratios = record.mag_ratios
         bad = [*torch.stack(finite).tolist(), False].index(False)  # read once: per step, it would stall the device
         if self.parallel is not None:  # all stop at the first any rank saw, or some would wait in a collective
             bad = min(self.parallel.gather_int(bad))
         if bad < len(finite):
             scale = self.expert_at(resolved, timesteps[bad])[1]
             guidance = "" if scale is None else f"a guidance scale too large ({scale:g} at this step) or "
-            raise NonFinitePrediction(f"denoise step {bad + 1} of {len(timesteps)} predicted NaN or inf (the image "
-                                      f"would be black); likely {guidance}NaN or inf in the weights")  # fmt: skip
+            adapters = [adapter for runtime in (self.runtime, *self.experts.values()) for adapter in runtime.adapters]
+            adapters += [f"{name} at scale {weight:g}" for name, weight in resolved.lora or ()]
+            lora = f"a LoRA scale too large ({', '.join(adapters)}) or " if adapters else ""
+            raise NonFinitePrediction(
+                f"denoise step {bad + 1} of {steps} predicted NaN or inf (the image "
+                f"would be black); likely {guidance}{lora}NaN or inf in the weights"
+            )
         stats.phase = "decode"
         self.stage = "while decoding"
         unmap_free(self.device)
-        timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // len(timesteps)
+        timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // steps
         decode_start = time.perf_counter()
         pixels = self.decode(latents, layout).float().cpu()
         timings.vae_decode_s = time.perf_counter() - decode_start
@@ -372,8 +402,16 @@ class DiffusionPipeline(ABC):
         timings.peak_memory_kind = "device" if self.device.type == "cuda" else "process RSS"
         if timings.peak_memory_per_rank:  # rank 0 decodes after the others reported: its own peak is final only now
             timings.peak_memory_per_rank[0] = timings.peak_memory_bytes
-        return [GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part)
-                for part, images in zip(requests, pixels.split([part.batch for part in requests]))]  # fmt: skip
+        return [
+            GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part)
+            for part, images in zip(requests, pixels.split([part.batch for part in requests]))
+        ]
+
+
+def shift_name(scheduler_class: type) -> str:
+    """The config key a scheduler class reads its static timestep shift by: flow matching's ``shift``, the
+    multistep solvers' ``flow_shift``."""
+    return "shift" if issubclass(scheduler_class, FlowMatchEulerDiscreteScheduler) else "flow_shift"
 
 
 def token_band_mask(latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -1,12 +1,16 @@
-"""Inpainting as diffusers' flow-matching inpainting pipelines run it: after every step, the latents outside the mask
-are put back to the input image's, noised to the level of the step that follows (the last step's to the image itself).
-Must not import torch.distributed."""
+"""Image-to-image and inpainting as diffusers' flow-matching pipelines run them: the request's image noised to the
+step the schedule starts at (``ImageToImage``, a request hook), and for inpainting, after every step, the latents
+outside the mask put back to the input image's, noised to the level of the step that follows (the last step's to the
+image itself)."""
 
 from __future__ import annotations
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
 from torch.nn import functional as F
+
+from paradit.pipelines.requests import first_step
+from paradit.request_hooks import Denoise, RequestHook
 
 
 def latent_mask(request, like: torch.Tensor, mode: str = "nearest") -> torch.Tensor:
@@ -35,3 +39,35 @@ class KeepUnmasked:
             # scale_noise reads the level at the scheduler's step index; the timestep passed only sets the batch.
             kept = self.scheduler.scale_noise(self.image, self.scheduler.timesteps[upcoming:][:1], self.noise)
         return ((1 - self.mask) * kept + self.mask * stepped,)
+
+
+class ImageToImage(RequestHook):
+    """Image-to-image as diffusers starts it, for a request with a strength: the steps from ``first_step`` on, and the
+    image's latents (the pipeline's ``image_latents``) noised to the first of them. One generator, seeded as the
+    request, draws the latents from the VAE's distribution and then the noise (which is therefore not the noise
+    text-to-image drew first; only its shape is used). Inpainting (a mask) steps with a scheduler that keeps the image
+    outside the mask (``KeepUnmasked``)."""
+
+    def __init__(self, pipeline) -> None:  # the DiffusionPipeline, which imports this module
+        self.pipeline = pipeline
+
+    def begin_denoise(self, denoise: Denoise) -> None:
+        request, pipeline, scheduler, noise = denoise.request, self.pipeline, denoise.scheduler, denoise.latents
+        if request.strength is None:
+            return
+        start = first_step(request)
+        timesteps = denoise.timesteps[start:]
+        scheduler.set_begin_index(start)
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        image = pipeline.image_latents(request, generator)
+        shape = (noise.shape[0], *image.shape[1:])
+        fresh = torch.randn(shape, generator=generator, dtype=image.dtype).to(pipeline.device)
+        image = image.expand(shape)
+        latents = pipeline.pack_drawn(scheduler.scale_noise(image, timesteps[:1].expand(shape[0]), fresh), request)
+        if request.mask is not None:
+            image, fresh, mask = (
+                pipeline.pack_drawn(x, request).to(noise.dtype)
+                for x in (image, fresh, pipeline.latent_mask(request, image))
+            )
+            scheduler = KeepUnmasked(scheduler, image, fresh, mask)
+        denoise.latents, denoise.scheduler, denoise.timesteps = latents.to(noise.dtype), scheduler, timesteps

@@ -1,5 +1,5 @@
-"""What a request becomes once resolved: every default filled in and every value checked (``ResolvedRequest``), the
-checks every family shares, and what requests must share to run as one batch. Must not import torch.distributed."""
+"""Resolving a request (``ResolvedRequest``: every default filled in and every value checked): the checks every family
+shares, and what requests must share to run as one batch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import random
 from typing import TYPE_CHECKING
 
 from paradit.errors import InvalidRequest
-from paradit.request import CACHE_METHODS, CACHE_THRESHOLDS, SEED_LIMIT, GenerationRequest, StepCacheConfig
+from paradit.request import (
+    CACHE_METHODS,
+    CACHE_THRESHOLDS,
+    SCHEDULERS,
+    SEED_LIMIT,
+    GenerationRequest,
+    ResolvedRequest,
+    StepCacheConfig,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -17,38 +25,13 @@ if TYPE_CHECKING:
     from paradit.spec import ModelSpec
 
 
-@dataclasses.dataclass
-class ResolvedRequest:
-    """A request with every default filled in and every value checked."""
-
-    prompts: list[str]
-    negative_prompts: list[str] | None
-    height: int
-    width: int
-    steps: int
-    guidance: float | None
-    seed: int
-    images_per_prompt: int
-    frames: int | None = None  # video families: frames per video
-    guidance_2: float | None = None  # families with a low-noise expert: its guidance scale
-    images: tuple[Image.Image, ...] = ()  # the input images, RGB: Wan's first frame, FLUX.2's references
-    reference_tokens: int = 0  # tokens the input images add to the transformer's sequence (FLUX.2's references)
-    strength: float | None = None  # image-to-image: the share of the schedule run, from the image noised to its start
-    mask: Image.Image | None = None  # inpainting: grayscale, the image's size; white is repainted, black kept
-    fps: int | None = None  # video families: frames per second of the written file
-    lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
-    cache: StepCacheConfig | None = None  # step caching, its threshold set
-
-    @property
-    def batch(self) -> int:
-        return len(self.prompts) * self.images_per_prompt
-
-
 # Bounds of what a request may ask for, where the model sets none tighter: a side far past any published model's
 # training size, more steps than any schedule uses, a batch that still fits a server's queue, torch's 64-bit seeds.
 MAX_SIDE = 8192
 MAX_STEPS = 10_000
 MAX_BATCH = 64
+# float32's largest value: a guidance scale past it makes the guided step infinite in every dtype a run computes in.
+MAX_GUIDANCE = 3.4028234663852886e38
 
 
 def check_text(name: str, texts: list[str]) -> None:
@@ -69,11 +52,13 @@ def resolve_common(
     image_limit: int = 0,
     image_to_image: bool = False,
     inpainting_strength: float | None = None,
+    schedulers: tuple[str, ...] = SCHEDULERS,
 ) -> ResolvedRequest:
     """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest`` (height, width),
     steps, guidance, negative prompts, images per prompt, seed, at most ``image_limit`` input images, a strength
     where the family runs ``image_to_image``, a mask where it inpaints, its default strength then
-    ``inpainting_strength``), raising InvalidRequest with the allowed values."""
+    ``inpainting_strength``, a scheduler of ``schedulers`` and a shift), raising InvalidRequest with the allowed
+    values."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
@@ -85,14 +70,14 @@ def resolve_common(
         if value < granularity or value % granularity or value > limit:
             raise InvalidRequest(
                 f"{name} {value} is not allowed; this model takes multiples of {granularity} from {granularity} to "
-                f"{limit}", param="size",
-            )  # fmt: skip
+                f"{limit}",
+                param="size",
+            )
     steps = spec.steps if request.steps is None else request.steps
     if not 1 <= steps <= MAX_STEPS:
         raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more (at most {MAX_STEPS})", param="steps")
     guidance = spec.guidance if request.guidance is None else float(request.guidance)
-    if guidance is not None and not 0 <= guidance < math.inf:  # NaN fails both comparisons
-        raise InvalidRequest(f"guidance {guidance} is not allowed; give a finite value >= 0")
+    check_guidance("guidance", guidance)
     negative = request.negative_prompt if request.negative_prompt is not None else default_negative
     negatives = None
     if negative is not None:
@@ -118,9 +103,53 @@ def resolve_common(
     mask = resolve_mask(spec, request.mask, images, inpainting_strength is not None)
     default_strength = DEFAULT_STRENGTH if mask is None else inpainting_strength
     strength = resolve_strength(spec, request.strength, images, image_to_image, default_strength)
-    return ResolvedRequest(prompts, negatives, height, width, steps, guidance, seed, request.num_images_per_prompt,
-                           images=images, lora=request.lora, strength=strength, mask=mask,
-                           cache=resolve_cache(request.cache))  # fmt: skip
+    scheduler, shift = resolve_scheduler(spec, request.scheduler, request.shift, schedulers, strength is not None)
+    return ResolvedRequest(
+        prompts,
+        negatives,
+        height,
+        width,
+        steps,
+        guidance,
+        seed,
+        request.num_images_per_prompt,
+        images=images,
+        lora=request.lora,
+        strength=strength,
+        mask=mask,
+        cache=resolve_cache(request.cache),
+        scheduler=scheduler,
+        shift=shift,
+    )
+
+
+def resolve_scheduler(
+    spec: ModelSpec, scheduler: str | None, shift, allowed: tuple[str, ...], from_image: bool
+) -> tuple[str | None, float | None]:
+    """A scheduler of ``allowed`` (those of ``SCHEDULERS`` the family's diffusers pipeline takes) and a static shift
+    above 0, or InvalidRequest naming what is allowed. Starting ``from_image`` (image-to-image, inpainting) takes
+    flow-euler: the image is noised by its ``scale_noise``, which the multistep solvers lack. dpmpp-2m takes the
+    shift ``mu`` a dynamically shifting checkpoint's pipeline passes only as its dynamic shift, not a static one."""
+    if scheduler is not None:
+        if scheduler not in allowed:
+            raise InvalidRequest(
+                f"scheduler {scheduler!r} is not allowed; {spec.name} takes {', '.join(allowed)}", param="scheduler"
+            )
+        if from_image and scheduler != "flow-euler":
+            raise InvalidRequest(
+                f"scheduler {scheduler!r} does no image-to-image or inpainting; give flow-euler", param="scheduler"
+            )
+    if shift is None:
+        return scheduler, None
+    if isinstance(shift, bool) or not isinstance(shift, int | float) or not 0 < shift < math.inf:
+        raise InvalidRequest(f"shift {shift} is not allowed; give a finite number above 0", param="shift")
+    if scheduler == "dpmpp-2m" and spec.scheduler.get("use_dynamic_shifting"):
+        raise InvalidRequest(
+            f"scheduler 'dpmpp-2m' takes no static shift on {spec.name}, which shifts dynamically; drop the shift or "
+            "give flow-euler or unipc",
+            param="shift",
+        )
+    return scheduler, float(shift)
 
 
 def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
@@ -129,23 +158,31 @@ def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
         return None
     if not isinstance(config, StepCacheConfig) or config.method not in CACHE_METHODS:
         method = getattr(config, "method", config)
-        raise InvalidRequest(f"unknown cache method {method!r}; choose one of {', '.join(CACHE_METHODS)}",
-                             param="cache")  # fmt: skip
+        raise InvalidRequest(
+            f"unknown cache method {method!r}; choose one of {', '.join(CACHE_METHODS)}", param="cache"
+        )
     threshold = CACHE_THRESHOLDS.get(config.method) if config.threshold is None else config.threshold
-    bounds = {"threshold": (threshold, 0, None), "cache_interval": (config.cache_interval, 1, None),
-              "disable_cache_before_step": (config.disable_cache_before_step, 0, None),
-              "disable_cache_after_step": (config.disable_cache_after_step, 0, None),
-              "max_order": (config.max_order, 0, None), "max_skip_steps": (config.max_skip_steps, 0, None),
-              "retention_ratio": (config.retention_ratio, 0, 1)}  # fmt: skip
+    bounds = {
+        "threshold": (threshold, 0, None),
+        "cache_interval": (config.cache_interval, 1, None),
+        "disable_cache_before_step": (config.disable_cache_before_step, 0, None),
+        "disable_cache_after_step": (config.disable_cache_after_step, 0, None),
+        "max_order": (config.max_order, 0, None),
+        "max_skip_steps": (config.max_skip_steps, 0, None),
+        "retention_ratio": (config.retention_ratio, 0, 1),
+    }
     for name, (value, low, high) in bounds.items():
         if value is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
             allowed = f"{low} to {high}" if high is not None else f"{low} or more"
-            raise InvalidRequest(f"cache {name} {value} is not allowed; give {allowed}", param="cache")
+            raise InvalidRequest(f"cache: {name} {value} is not allowed; give {allowed}", param="cache")
     if config.method == "mag" and not config.calibrate:
         ratios = config.mag_ratios
         if not ratios or not all(isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in ratios):
-            raise InvalidRequest("cache mag needs its model's magnitude ratios (mag_ratios: positive numbers, one a "
-                                 "step); measure them with --cache mag --cache-calibrate", param="cache")  # fmt: skip
+            raise InvalidRequest(
+                "cache mag needs its model's magnitude ratios (mag_ratios: positive numbers, one a "
+                "step); measure them with --cache mag --cache-calibrate",
+                param="cache",
+            )
     return dataclasses.replace(config, threshold=threshold)
 
 
@@ -166,8 +203,11 @@ def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
         raise InvalidRequest(f"the mask must be a PIL image, not {type(mask).__name__}", param="mask")
     mask = rgb_image(mask, "the mask").convert("L")
     if mask.size != images[0].size:
-        raise InvalidRequest(f"the mask is {mask.width}x{mask.height} and the image {images[0].width}x"
-                             f"{images[0].height}; give a mask of the image's size", param="mask")  # fmt: skip
+        raise InvalidRequest(
+            f"the mask is {mask.width}x{mask.height} and the image {images[0].width}x"
+            f"{images[0].height}; give a mask of the image's size",
+            param="mask",
+        )
     return mask
 
 
@@ -181,8 +221,11 @@ def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: b
         return None
     strength = default if strength is None else strength
     if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
-        raise InvalidRequest(f"strength {strength} is not allowed; give a number above 0 and at most 1 (the share "
-                             "of the steps run from the noised image)", param="strength")  # fmt: skip
+        raise InvalidRequest(
+            f"strength {strength} is not allowed; give a number above 0 and at most 1 (the share "
+            "of the steps run from the noised image)",
+            param="strength",
+        )
     return float(strength)
 
 
@@ -211,12 +254,30 @@ def resolve_images(spec: ModelSpec, image, limit: int) -> tuple[Image.Image, ...
     return tuple(rgb_image(item, f"image {index + 1}") for index, item in enumerate(images))
 
 
+def check_guidance(name: str, value: float | None) -> None:
+    if value is not None and not 0 <= value <= MAX_GUIDANCE:  # NaN fails both comparisons
+        raise InvalidRequest(
+            f"{name} {value} is not allowed; give a finite value >= 0 (at most {MAX_GUIDANCE:.3g})", param=name
+        )
+
+
 def batch_key(request: ResolvedRequest) -> tuple | None:
     """What one batch's requests share: all but prompts, seeds and image counts (None: one with images, run alone)."""
     if request.images:
         return None
-    return (request.height, request.width, request.steps, request.guidance, request.guidance_2, request.frames,
-            request.negative_prompts is None, request.lora, request.cache)  # fmt: skip
+    return (
+        request.height,
+        request.width,
+        request.steps,
+        request.guidance,
+        request.guidance_2,
+        request.frames,
+        request.negative_prompts is None,
+        request.lora,
+        request.cache,
+        request.scheduler,
+        request.shift,
+    )
 
 
 def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
@@ -225,14 +286,15 @@ def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
         return parts[0]
     if len({batch_key(part) for part in parts}) > 1 or batch_key(parts[0]) is None:
         raise InvalidRequest(
-            "requests batched together must share size, steps, guidance, frames, adapters and the use of a negative "
-            "prompt, and give no image"
+            "requests batched together must share size, steps, guidance, frames, adapters, scheduler, shift and the "
+            "use of a negative prompt, and give no image"
         )
     negatives = parts[0].negative_prompts is not None
     return dataclasses.replace(
         parts[0],
         prompts=[text for p in parts for text in p.prompts for _ in range(p.images_per_prompt)],
         negative_prompts=[text for p in parts for text in p.negative_prompts for _ in range(p.images_per_prompt)]
-        if negatives else None,
+        if negatives
+        else None,
         images_per_prompt=1,
-    )  # fmt: skip
+    )

@@ -1,10 +1,11 @@
 """Step caching: skip the blocks of a denoise step whose result barely changes, deciding it as diffusers'
 ``FirstBlockCacheConfig``, ``MagCacheConfig`` and ``TaylorSeerCacheConfig(use_lite_mode=True)`` hooks decide it.
 
-``StepCache`` is installed on a plain model from outside (``parallelize``) in place of its ``run_blocks`` and ``head``;
-it runs the blocks in ranges (the blocks before the cached stack, its head block, the rest) by handing the model's own
-``run_blocks`` a slice of each block list, so each family's joins between its lists stay its own. It acts on the token
-state each rank holds, a shard of the sequence under Ulysses or Ring, and keeps every rank's decision the same:
+``StepCaching`` is the request hook. For a request that asks for a cache, each transformer's ``StepCache`` takes the
+model's stack seam (``StagedTransformer.stack_runner``: inside the forward, since it acts on the token state each rank
+holds, a shard of the sequence under Ulysses or Ring) and runs the blocks in ranges (the blocks before the cached
+stack, its head block, the rest) by handing the model's own ``run_blocks`` a slice of each block list, so each family's
+joins between its lists stay its own. Every rank's decision is the same:
 
 - **first-block**: the head block's residual against its last computed one, summed per guidance branch (and per request
   of a batch) over this rank's tokens, then over the group (``reduce``), so every rank compares the same ratio;
@@ -18,29 +19,69 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from paradit.request import StepCacheConfig
+from paradit.request_hooks import Denoise, RequestHook
+
+if TYPE_CHECKING:
+    from paradit.parallel.cfg import BatchedBranches, SplitBranches
 
 Streams = dict[str, torch.Tensor]
 
 
 @dataclasses.dataclass
 class CacheRecord:
-    """What a request's caching did, per model call in order: whether each guidance branch of each request (global
-    order: [conditional parts; unconditional parts]) had its blocks skipped; the block evaluations not run; MagCache's
-    calibration curve, one ratio a call."""
+    """What a request's caching did (its ``Timings.features["step_cache"]``), per model call in order: whether each
+    guidance branch of each request (global order: [conditional parts; unconditional parts]) had its blocks skipped;
+    the block evaluations not run (a batched call counts once); MagCache's calibration curve, one ratio a call."""
 
     skipped: list[tuple[bool, ...]] = dataclasses.field(default_factory=list)
     blocks_skipped: int = 0
     mag_ratios: list[float] = dataclasses.field(default_factory=list)
 
+    @property
+    def skipped_steps(self) -> int:
+        """Model calls whose blocks every branch skipped."""
+        return sum(all(call) for call in self.skipped)
+
+
+class StepCaching(RequestHook):
+    """Each request's guidance branches are groups of their own, of which this rank holds the rows the guidance
+    ``branches`` give it. Experts keep caches of their own, each counting its own steps; what they skip goes to one
+    record."""
+
+    def __init__(
+        self,
+        models: list[nn.Module],
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+        branches: BatchedBranches | SplitBranches,
+    ) -> None:
+        self.caches = [StepCache(model, reduce) for model in models]
+        self.branches = branches
+
+    def begin_denoise(self, denoise: Denoise) -> None:
+        config = denoise.request.cache
+        if config is None:
+            for cache in self.caches:
+                cache.end()
+            return
+        parts = torch.tensor([part.batch for part in denoise.requests])
+        rows = torch.repeat_interleave(torch.arange(len(denoise.requests)), parts).to(denoise.latents.device)
+        groups = len(denoise.requests)
+        if denoise.guided:
+            rows = self.branches.local(torch.cat([rows, rows + groups]))
+            groups *= 2
+        record = denoise.features["step_cache"] = CacheRecord()
+        for cache in self.caches:
+            cache.begin(config, len(denoise.timesteps), rows, groups, record)
+
 
 class StepCache:
-    """A model's blocks and head run through the request's cache method (none: as they are)."""
+    """A model's blocks and head run through a request's cache method, in the model's stack seam."""
 
     def __init__(self, model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.model, self.reduce = model, reduce
@@ -51,25 +92,22 @@ class StepCache:
         self.first = sum(sizes[: model.BLOCK_LISTS.index(getattr(model, "CACHED_FROM", model.BLOCK_LISTS[0]))])
         self.count = sum(sizes)
         self.slices: dict[tuple[int, int], dict[str, nn.ModuleList]] = {}
-        self.method: FirstBlock | MagCache | TaylorSeer | None = None
-        model.run_blocks, model.head = self.run_blocks, self.head
 
-    def begin_request(self, config: StepCacheConfig | None, steps: int, row_groups: torch.Tensor, groups: int,
-                      record: CacheRecord) -> None:  # fmt: skip
+    def begin(
+        self, config: StepCacheConfig, steps: int, row_groups: torch.Tensor, groups: int, record: CacheRecord
+    ) -> None:
         """A fresh state for a request of ``steps`` steps whose model rows here belong to ``row_groups`` (one global
         branch-and-request index a row, of ``groups``); its decisions go to ``record``."""
         self.record = record
-        self.method = None if config is None else METHODS[config.method](config, self, steps, row_groups, groups)
+        self.method = METHODS[config.method](config, self, steps, row_groups, groups)
+        self.model.stack_runner = self.run_stack
 
-    def run_blocks(self, tokens):
-        if self.method is None:
-            return self.run_all(tokens)
-        return self.method.run_blocks(tokens)
+    def end(self) -> None:
+        """The model runs its stack as it is again."""
+        self.model.stack_runner = None
 
-    def head(self, tokens) -> torch.Tensor:
-        if self.method is None:
-            return self.head_all(tokens)
-        return self.method.head(tokens)
+    def run_stack(self, tokens) -> torch.Tensor:
+        return self.method.head(self.method.run_blocks(tokens))
 
     def run_range(self, tokens, start: int, stop: int):
         """``tokens`` through blocks ``start:stop`` of the stack (the block lists in order)."""
@@ -91,8 +129,11 @@ class StepCache:
     def streams(self, tokens) -> Streams:
         """The token state's streams (its fields that are their own stream), those present."""
         fields = type(tokens).SEQUENCE_FIELDS
-        return {name: getattr(tokens, name) for name, (stream, _) in fields.items()
-                if name == stream and getattr(tokens, name) is not None}  # fmt: skip
+        return {
+            name: getattr(tokens, name)
+            for name, (stream, _) in fields.items()
+            if name == stream and getattr(tokens, name) is not None
+        }
 
     def statistic_streams(self, tokens) -> Streams:
         """The streams diffusers' hook reads as the head block's hidden states: the output stream, or the model's
@@ -106,8 +147,9 @@ class FirstBlock:
     ``threshold`` (mean absolute change over mean absolute value) since the last step that ran it; otherwise each
     stream is the head block's output plus the rest's residual of that step."""
 
-    def __init__(self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor,
-                 groups: int) -> None:  # fmt: skip
+    def __init__(
+        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
+    ) -> None:
         self.threshold, self.cache, self.row_groups, self.groups = config.threshold, cache, row_groups, groups
         self.head_residual: Streams | None = None
         self.tail_residual: Streams = {}
@@ -163,8 +205,9 @@ class MagCache:
     stack adds the residual (stack output minus input) of the last step that ran it. ``calibrate`` runs every step and
     records each step's ratio of residual norms."""
 
-    def __init__(self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor,
-                 groups: int) -> None:  # fmt: skip
+    def __init__(
+        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
+    ) -> None:
         self.config, self.cache, self.groups = config, cache, groups
         self.ratios = None if config.calibrate else nearest_interpolation(config.mag_ratios, steps)
         self.retention_step = int(config.retention_ratio * steps + 0.5)
@@ -202,8 +245,10 @@ class MagCache:
 
     def norm_ratio(self, residual: Streams) -> float:
         """The mean over tokens of each token's residual norm over its norm the step before, over the group."""
-        ratios = [(torch.linalg.norm(value.float(), dim=-1) / (torch.linalg.norm(self.residual[name].float(), dim=-1)
-                   + 1e-8)) for name, value in residual.items()]  # fmt: skip
+        ratios = [
+            (torch.linalg.norm(value.float(), dim=-1) / (torch.linalg.norm(self.residual[name].float(), dim=-1) + 1e-8))
+            for name, value in residual.items()
+        ]
         count = torch.tensor(float(sum(r.numel() for r in ratios)), device=ratios[0].device)
         sums = self.cache.reduce(torch.stack([sum(r.sum() for r in ratios), count]))
         return float(sums[0] / sums[1])
@@ -218,8 +263,9 @@ class TaylorSeer:
     on; the steps between skip every block and predict it by a Taylor expansion of order up to ``max_order`` from
     the divided differences of the computed steps."""
 
-    def __init__(self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor,
-                 groups: int) -> None:  # fmt: skip
+    def __init__(
+        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
+    ) -> None:
         self.config, self.cache, self.groups = config, cache, groups
         self.step, self.last_update = -1, None
         self.factors: list[torch.Tensor] = []
@@ -229,9 +275,11 @@ class TaylorSeer:
         config, cache = self.config, self.cache
         self.step += 1
         after = config.disable_cache_after_step
-        self.computes = (self.step < config.disable_cache_before_step
-                         or (self.step - config.disable_cache_before_step - 1) % config.cache_interval == 0
-                         or (after is not None and self.step >= after))  # fmt: skip
+        self.computes = (
+            self.step < config.disable_cache_before_step
+            or (self.step - config.disable_cache_before_step - 1) % config.cache_interval == 0
+            or (after is not None and self.step >= after)
+        )
         cache.record.skipped.append((not self.computes,) * self.groups)
         if not self.computes:
             cache.record.blocks_skipped += cache.count

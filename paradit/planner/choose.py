@@ -1,7 +1,7 @@
 """What ``--gpus N`` alone runs on a GPU the planner knows: the tuned entry of the detected hardware profile when the
 request is the one the entry was planned for, else the planner's choice for this request. None where no profile
 applies (CPU processes, an unknown GPU) or the model's architecture is none the planner has counted, which leaves the
-engine's own default. Must not import torch.distributed."""
+engine's own default."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from paradit.errors import InvalidRequest
+from paradit.families import find_facts
 from paradit.parallel.config import ParallelConfig
-from paradit.planner.facts import find_facts
+from paradit.planner.cost import ms
 from paradit.planner.plan import plan, request_for
 from paradit.planner.profile import HardwareProfile, detect_profile
 from paradit.planner.tuned import tuned_entry
@@ -30,9 +31,12 @@ class PlannedSettings:
 
 
 def settings_for(
-    spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None,
+    spec: ModelSpec,
+    gpus: int,
+    request: GenerationRequest | None = None,
+    device: str | torch.device | None = None,
     profile: HardwareProfile | None = None,
-) -> PlannedSettings | None:  # fmt: skip
+) -> PlannedSettings | None:
     """The planned settings for ``gpus`` GPUs of ``profile`` (default: this machine's, when ``device`` is a GPU)."""
     if device is not None and torch.device(device).type == "cpu":
         return None
@@ -45,12 +49,14 @@ def settings_for(
         if entry.refused:
             raise InvalidRequest(entry.refused)
         origin = f"tuned configuration for {spec.name} on {gpus} x {profile.name}: {entry.describe()}"
-        return PlannedSettings(entry.parallel, entry.quantize, entry.text_encoder_placement, entry.cuda_graphs, origin,
-                               entry.swap_experts)  # fmt: skip
+        return PlannedSettings(
+            entry.parallel, entry.quantize, entry.text_encoder_placement, entry.cuda_graphs, origin, entry.swap_experts
+        )
     best = plan(spec, gpus, profile, request).best
     origin = (
         f"planned for this request on {gpus} x {profile.name}: {best.describe()}, text encoders {best.placement}, "
-        f"{'CUDA graphs' if best.cuda_graphs else 'no CUDA graphs'} (predicted {best.mean_ms:.1f} ms/step)"
+        f"{'CUDA graphs' if best.cuda_graphs else 'no CUDA graphs'} (predicted {ms(best.mean_ms)} ms/step)"
     )
-    return PlannedSettings(best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs, origin,
-                           best.swap_experts)  # fmt: skip
+    return PlannedSettings(
+        best.parallel, "fp8" if best.fp8 else "none", best.placement, best.cuda_graphs, origin, best.swap_experts
+    )

@@ -1,28 +1,22 @@
-"""``paradit plan``: pick the hardware profile (named, this machine's, or measured by a probe), adjust its link and
-memory as asked, plan, and render the answer. Must not import torch.distributed."""
+"""``paradit plan``: what ``generate`` with the same flags would run, through the same ``settle``, on this machine or
+on GPUs of a hardware profile (named, this machine's, or measured by a probe, its link as asked), with the planner's
+ranking where the planner chose."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from paradit.errors import InvalidRequest
-from paradit.memory import parse_size
+from paradit.machine import Machine
+from paradit.memory import gib, parse_size
+from paradit.options import Asked
 from paradit.planner.plan import plan
 from paradit.planner.profile import HardwareProfile, detect_profile, load_profile, with_link
-from paradit.planner.report import render
+from paradit.planner.report import generate_command, render
 from paradit.request import GenerationRequest
-from paradit.settings import resolve_model
+from paradit.settings import RunSettings, settle
 
 DEFAULT_PROFILE = "h200-nvlink"
-
-
-def parse_image_size(text: str) -> tuple[int, int]:
-    """'1360x768' -> (width, height)."""
-    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not match:
-        raise InvalidRequest(f"size {text!r} is not WIDTHxHEIGHT, e.g. 1024x768")
-    return int(match.group(1)), int(match.group(2))
 
 
 def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[HardwareProfile, str | None]:
@@ -48,14 +42,66 @@ def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[Hardw
 
 
 def plan_text(
-    model: str, gpus: int, profile_name: str | None = None, link: str | None = None, gpu_memory: str | None = None,
-    size: str | None = None, frames: int | None = None, quantize: str | None = None, attention: str = "sdpa",
-) -> str:  # fmt: skip
-    spec = resolve_model(model, "dummy")
-    profile, note = choose_profile(profile_name, gpus, link)
-    if gpu_memory is not None:
-        profile = dataclasses.replace(profile, memory_gib=parse_size(gpu_memory) / 2**30)
-    width, height = parse_image_size(size) if size else (None, None)
-    request = GenerationRequest(prompt="a", height=height, width=width, frames=frames)
-    text = render(plan(spec, gpus, profile, request if size or frames else None, quantize, attention=attention))
-    return text if note is None else f"{note}\n{text}"
+    asked: Asked, request: GenerationRequest | None = None, profile_name: str | None = None, link: str | None = None
+) -> str:
+    """What ``paradit generate`` with the same flags runs, settled by the same ``settle``: on this machine, or with
+    ``profile_name`` or ``link`` on GPUs of that profile; where the planner chose the plan (GPUs of a known profile,
+    ``--gpus N`` without degrees), the plans it ranked and why; and the command that runs it."""
+    gpus = asked.gpus or (asked.parallel.world_size if asked.parallel else 1)
+    machine, note = Machine.detect(), None
+    if profile_name is not None or link is not None:
+        profile, note = choose_profile(profile_name, gpus, link)
+        machine = Machine.of_profile(profile, gpus)
+    run = settle(asked, request, machine)
+    options, parallel = run.options, run.parallel
+    where = f"{parallel.world_size} CPU process(es)" if run.device.type == "cpu" else f"{gpus} GPU(s)"
+    lines = [*([note] if note else []), f"generate runs {run.spec.name} on {where}: {settled_words(run)}"]
+    profile = machine.profile_for(gpus) if run.device.type == "cuda" else None
+    if run.device.type == "cpu":
+        lines.append(f"(on this machine's CPU; --profile {DEFAULT_PROFILE} or another predicts for GPUs)")
+    if profile is not None and run.origin is None and asked.parallel is None and gpus > 1:
+        lines.append(f"(the planner has no FLOP counts for {run.spec.name}'s architecture: the default plan runs)")
+    if run.origin is not None and profile is not None:
+        if asked.max_gpu_memory is not None:  # the ranking is made for the cap's GPUs
+            profile = dataclasses.replace(profile, memory_gib=parse_size(asked.max_gpu_memory) / 2**30)
+        quantize = asked.options.quantize
+        lines += ["", render(plan(run.spec, gpus, profile, run.request, quantize, attention=options.attention))]
+    return "\n".join([*lines, "", f"Run it: {run_command(asked, run)}"])
+
+
+def run_command(asked: Asked, run: RunSettings) -> str:
+    """The ``paradit generate`` command that runs ``run`` (settled for ``asked``) as it was settled."""
+    options, parallel = run.options, run.parallel
+    extra = [f"--device {run.device.type}"] if asked.device is not None else []
+    extra += [f"--dtype {asked.dtype}"] if isinstance(asked.dtype, str) else []
+    extra += [f"--max-gpu-memory {asked.max_gpu_memory}"] if asked.max_gpu_memory is not None else []
+    if (request := run.request) is not None:  # the request the plan was sized for
+        extra += [f"--height {request.height} --width {request.width} --steps {request.steps}"]
+        extra += [f"--frames {request.frames}"] if request.frames else []
+    return generate_command(
+        run.spec.name,
+        parallel.world_size,
+        parallel,
+        options.quantize == "fp8",
+        options.attention == "fp8",
+        bool(options.cuda_graphs),
+        bool(options.swap_experts),
+        run.text_encoder_placement,
+        tuple(extra),
+    )
+
+
+def settled_words(run: RunSettings) -> str:
+    """The settled plan and options in words, and where they came from."""
+    options = run.options
+    parts = [
+        run.parallel.describe().replace("1 GPU", "one process" if run.device.type == "cpu" else "1 GPU"),
+        "FP8 linears" if options.quantize == "fp8" else str(run.dtype).removeprefix("torch."),
+        *(["FP8 attention"] if options.attention == "fp8" else []),
+        *(["CUDA graphs"] if options.cuda_graphs else []),
+        *(["experts swapped"] if options.swap_experts else []),
+        f"text encoders {run.text_encoder_placement}",
+    ]
+    if run.memory_plan is not None:
+        parts.append(f"{gib(run.memory_plan.total)} GiB on rank 0 of {run.memory_limit}")
+    return ", ".join(parts) + f" ({run.origin or 'the flags, or the default for this device'})"

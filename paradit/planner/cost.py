@@ -13,7 +13,6 @@
   blocks (``host_ms_per_block`` each), which bounds models of many short blocks.
 
 Efficiency: from the model's one-GPU step (``calibration``) or the profile; plan changes are counted, not fitted.
-Must not import torch.distributed.
 """
 
 from __future__ import annotations
@@ -26,6 +25,11 @@ from paradit.planner.facts import ModelFacts, Workload
 from paradit.planner.profile import HardwareProfile
 
 BF16_BYTES = 2
+
+
+def ms(value: float) -> str:
+    """Milliseconds to one decimal, or to three significant digits below 1 ms (a tiny model's steps)."""
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,14 @@ class StepCost:
         return (warmup * self.warmup_ms + (steps - warmup) * self.steady_ms) / steps
 
 
-def attention_ms(facts: ModelFacts, workload: Workload, batch: float, profile: HardwareProfile,
-                 fp8_attention: bool = False, ring: int = 1) -> float:  # fmt: skip
+def attention_ms(
+    facts: ModelFacts,
+    workload: Workload,
+    batch: float,
+    profile: HardwareProfile,
+    fp8_attention: bool = False,
+    ring: int = 1,
+) -> float:
     """With ``fp8_attention``, the calls the runtime gives the FP8 kernel (at least ``FP8_MIN_KEYS`` keys in each of
     Ring's ``ring`` blocks) at its rate, the rest at SDPA's."""
     total = 0.0
@@ -70,8 +80,9 @@ def attention_ms(facts: ModelFacts, workload: Workload, batch: float, profile: H
     return total
 
 
-def linear_efficiency(facts: ModelFacts, workload: Workload, batch: int, fp8: bool, profile: HardwareProfile,
-                      measured_ms: float) -> float:  # fmt: skip
+def linear_efficiency(
+    facts: ModelFacts, workload: Workload, batch: int, fp8: bool, profile: HardwareProfile, measured_ms: float
+) -> float:
     """The share of the matmul rates a model's linear layers reach, from its measured one-GPU step: the time left
     after attention and the rest, against the linears' time at full rate."""
     image, text = workload.image_tokens, workload.text_tokens
@@ -137,8 +148,14 @@ def transport_factor(parallel: ParallelConfig, head_dim: int) -> float:
     return (head_dim + 4) / (BF16_BYTES * head_dim) if parallel.comm_dtype == "fp8" else 1.0
 
 
-def _transfers(facts: ModelFacts, workload: Workload, batch: float, parallel: ParallelConfig, profile: HardwareProfile,
-               weight_bytes: float) -> list[Transfer]:  # fmt: skip
+def _transfers(
+    facts: ModelFacts,
+    workload: Workload,
+    batch: float,
+    parallel: ParallelConfig,
+    profile: HardwareProfile,
+    weight_bytes: float,
+) -> list[Transfer]:
     image, text = workload.image_tokens, workload.text_tokens
     ulysses, ring, tensor, stages = parallel.ulysses, parallel.ring, parallel.tensor, parallel.pipefusion
     sequence = ulysses * ring

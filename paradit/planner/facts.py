@@ -2,21 +2,13 @@
 
 A linear layer's FLOPs are linear in the tokens it sees, so three meta-device traces (``benchmarks/model_trace.py``) at
 workloads differing in image and in text tokens give each count exactly as ``per image token x I + per text token x T +
-fixed``; attention calls keep their shapes as the same kind of function of (I, T). The counts are kept per preset in
-``models.json`` beside this file (by ``benchmarks/model_facts.py``, which knows how to call each family's transformer);
-a checkpoint folder uses the facts of the preset whose architecture it shares. Must not import torch.distributed."""
+fixed``; attention calls keep their shapes as the same kind of function of (I, T)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from functools import cache
 from pathlib import Path
-
-from paradit.errors import InvalidRequest
-from paradit.spec import ModelSpec
-
-FACTS_FILE = Path(__file__).with_name("models.json")
 
 
 @dataclass(frozen=True)
@@ -102,7 +94,7 @@ class ModelFacts:
         return (flops + sum(group.flops(workload) for group in self.attention)) * batch
 
     def to_json(self) -> dict:
-        """Everything but the preset's name, which keys the facts in ``models.json``."""
+        """Everything but the preset's name, which keys the facts in a family's ``model_facts.json``."""
         data = asdict(self)
         del data["preset"]
         return data
@@ -112,43 +104,21 @@ class ModelFacts:
         plain = ("blocks", "width", "token_side", "frame_stride", "text_tokens", "experts", "all_reduce_calls")
         counts = ("other_flops", "prediction_elements", "all_reduce_elements")
         return cls(
-            preset=preset, **{k: data[k] for k in plain}, **{k: TokenLinear(**data[k]) for k in counts},
+            preset=preset,
+            **{k: data[k] for k in plain},
+            **{k: TokenLinear(**data[k]) for k in counts},
             linear=tuple(LinearGroup(LinearKind(**g["kind"]), TokenLinear(**g["flops"])) for g in data["linear"]),
             attention=tuple(
-                AttentionGroup(**{k: g[k] for k in ("exchanged", "heads", "head_dim", "layers")},
-                               query_tokens=TokenLinear(**g["query_tokens"]), key_tokens=TokenLinear(**g["key_tokens"]))
+                AttentionGroup(
+                    **{k: g[k] for k in ("exchanged", "heads", "head_dim", "layers")},
+                    query_tokens=TokenLinear(**g["query_tokens"]),
+                    key_tokens=TokenLinear(**g["key_tokens"]),
+                )
                 for g in data["attention"]
             ),
-        )  # fmt: skip
-
-
-@cache
-def _facts_by_preset() -> dict[str, ModelFacts]:
-    data = json.loads(FACTS_FILE.read_text())
-    return {name: ModelFacts.from_json(name, facts) for name, facts in data["models"].items()}
-
-
-def find_facts(spec: ModelSpec) -> ModelFacts | None:
-    """The facts of a preset, or of the preset whose transformer a checkpoint folder shares (its config holds every
-    setting the preset's does, with the same values); None for an architecture no preset has."""
-    from paradit.families import PRESETS
-
-    known = _facts_by_preset()
-    if spec.name in known:
-        return known[spec.name]
-    for name, facts in known.items():
-        preset = PRESETS.get(name)
-        if preset is not None and preset.family == spec.family:
-            if all(spec.transformer.get(key) == value for key, value in preset.transformer.items()):
-                return facts
-    return None
-
-
-def facts_for(spec: ModelSpec) -> ModelFacts:
-    facts = find_facts(spec)
-    if facts is None:
-        raise InvalidRequest(
-            f"the planner has no FLOP counts for {spec.name}'s transformer (it knows {', '.join(_facts_by_preset())}); "
-            "pass the parallel flags yourself, or add its preset and rerun benchmarks/model_facts.py"
         )
-    return facts
+
+
+def read_facts(path: Path) -> dict[str, ModelFacts]:
+    """The facts a family's ``model_facts.json`` holds, by preset."""
+    return {name: ModelFacts.from_json(name, facts) for name, facts in json.loads(path.read_text())["models"].items()}

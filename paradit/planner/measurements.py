@@ -1,6 +1,6 @@
 """Measured step times (``measurements.json``, copied from docs/benchmarks.md): the one-GPU rows calibrate the cost
 model's compute, the rows of several GPUs are what its predictions are checked against, and both mark tuned
-configurations as measured. Must not import torch.distributed."""
+configurations as measured."""
 
 from __future__ import annotations
 
@@ -64,23 +64,43 @@ def all_measurements() -> tuple[Measurement, ...]:
     for run_data in json.loads(MEASUREMENTS_FILE.read_text())["runs"]:
         run = Run(**{key: run_data[key] for key in ("id", "section", "date", "where", "commands")})
         rows += [
-            Measurement(run, row["model"], parse_plan(row["plan"]), row["precision"], row["execution"], row["link"],
-                        row["ms"], row.get("batch", 1), row.get("superseded"), row.get("calibrates"))
+            Measurement(
+                run,
+                row["model"],
+                parse_plan(row["plan"]),
+                row["precision"],
+                row["execution"],
+                row["link"],
+                row["ms"],
+                row.get("batch", 1),
+                row.get("superseded"),
+                row.get("calibrates"),
+            )
             for row in run_data["rows"]
-        ]  # fmt: skip
+        ]
     return tuple(rows)
 
 
 def one_gpu_reference(
-    model: str, precision: str, execution: str, profile: HardwareProfile, run: Run | None = None,
+    model: str,
+    precision: str,
+    execution: str,
+    profile: HardwareProfile,
+    run: Run | None = None,
     batch: int | None = None,
-) -> Measurement | None:  # fmt: skip
+) -> Measurement | None:
     """The latest current one-GPU measurement of ``model`` in that precision and execution on the profile's device
     (within ``run`` and at ``batch`` when given: one machine's figures of one workload compared with each other)."""
     found = [
-        m for m in all_measurements()
-        if m.model == model and m.parallel.world_size == 1 and m.precision == precision and m.execution == execution
-        and m.superseded is None and m.on(profile) and (run is None or m.run == run)
+        m
+        for m in all_measurements()
+        if m.model == model
+        and m.parallel.world_size == 1
+        and m.precision == precision
+        and m.execution == execution
+        and m.superseded is None
+        and m.on(profile)
+        and (run is None or m.run == run)
         and (batch is None or m.batch == batch)
-    ]  # fmt: skip
+    ]
     return found[-1] if found else None

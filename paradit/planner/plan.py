@@ -12,8 +12,6 @@ Ranking prefers exact plans: an approximate one (FP8 transport, PipeFusion's sta
 ``EXACT_PREMIUM`` faster to rank above an exact one. Plans within ``SAME_SPEED`` of each other count as equally fast
 (the model cannot tell them apart), and among them the least approximate goes first (exact, then FP8 transport, then
 fewer patches).
-
-Must not import torch.distributed.
 """
 
 from __future__ import annotations
@@ -27,15 +25,16 @@ from typing import TypeVar
 import torch
 
 from paradit.errors import InvalidRequest
-from paradit.families import FAMILIES, PRESETS
+from paradit.families import FAMILIES, PRESETS, find_facts
 from paradit.memory import MemoryPlan, MetaModels, estimates, gib
+from paradit.options import ExecutionOptions, conflicts
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.validate import check_plan
 from paradit.planner.cost import StepCost, linear_efficiency, step_cost
-from paradit.planner.facts import ModelFacts, facts_for
+from paradit.planner.facts import ModelFacts
 from paradit.planner.measurements import Measurement, one_gpu_reference
 from paradit.planner.profile import HardwareProfile
-from paradit.request import GenerationRequest
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec
 
 SAME_SPEED = 0.02
@@ -61,23 +60,41 @@ class Request:
         return self.batch == 2
 
 
-def request_for(spec: ModelSpec, request: GenerationRequest | None = None) -> Request:
-    """The request (default: the model's defaults) with the defaults filled in and checked; a model that animates
-    an image, given none, is planned for a blank first frame of the request's size."""
+def request_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | None = None) -> Request:
+    """The request as the planner sizes it: one resolved already (``settle``'s) as it is, else resolved here (default:
+    the model's defaults); a model that animates an image, given none, is planned for a blank first frame of the
+    request's size."""
     family = FAMILIES[spec.family]
-    request = request or GenerationRequest(prompt="a")
-    try:
-        resolved = family.resolve_request(spec, request)
-    except InvalidRequest:
-        if request.image is not None:
-            raise
-        from PIL import Image
+    if isinstance(request, ResolvedRequest):
+        resolved = request
+    else:
+        request = request or GenerationRequest(prompt="a")
+        try:
+            resolved = family.resolve_request(spec, request)
+        except InvalidRequest:
+            if request.image is not None:
+                raise
+            from PIL import Image
 
-        blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
-        resolved = family.resolve_request(spec, dataclasses.replace(request, image=blank))
+            blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
+            resolved = family.resolve_request(spec, dataclasses.replace(request, image=blank))
     guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
-    return Request(resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1,
-                   resolved.reference_tokens)  # fmt: skip
+    return Request(
+        resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1, resolved.reference_tokens
+    )
+
+
+def facts_for(spec: ModelSpec) -> ModelFacts:
+    """The planner's counts of ``spec``'s transformer (``families.find_facts``), or an InvalidRequest saying how to
+    run without them."""
+    facts = find_facts(spec)
+    if facts is None:
+        counted = ", ".join(name for family in FAMILIES.values() for name in family.measured.model_facts)
+        raise InvalidRequest(
+            f"the planner has no FLOP counts for {spec.name}'s transformer (it knows {counted}); "
+            "pass the parallel flags yourself, or add its preset and rerun benchmarks/model_facts.py"
+        )
+    return facts
 
 
 @dataclass(frozen=True)
@@ -138,8 +155,8 @@ class Option:
         return self.placement is not None
 
     @property
-    def cuda_graphs(self) -> bool:  # a graph replays the addresses it captured, which a swap moves
-        return graphs_for(self.parallel) and not self.swap_experts and not self.fp8_attention
+    def cuda_graphs(self) -> bool:
+        return graphs_for(self.parallel, self.swap_experts, self.fp8_attention)
 
     def describe(self) -> str:
         return self.parallel.describe() + " + FP8" * self.fp8 + " + experts swapped" * self.swap_experts
@@ -224,18 +241,40 @@ class MemoryEstimates:
         self._built = MetaModels.build(spec, torch.bfloat16)
 
     def __call__(self, parallel: ParallelConfig, fp8: bool, swap: bool = False) -> dict[str, MemoryPlan]:
-        key = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.world_size,
-               parallel.shard_weights, fp8, swap)  # fmt: skip
+        key = (
+            parallel.tensor,
+            parallel.pipefusion,
+            parallel.sequence_degree,
+            parallel.cfg,
+            parallel.world_size,
+            parallel.shard_weights,
+            fp8,
+            swap,
+        )
         if key not in self._known:  # compiled: the GPUs' default
-            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, compiled=True,
-                                         built=self._built, extra_tokens=self.extra_tokens,
-                                         fp8_attention=self.fp8_attention)  # fmt: skip
+            self._known[key] = estimates(
+                self.spec,
+                parallel,
+                torch.bfloat16,
+                fp8,
+                swap,
+                compiled=True,
+                built=self._built,
+                extra_tokens=self.extra_tokens,
+                fp8_attention=self.fp8_attention,
+            )
         return self._known[key]
 
 
-def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: GenerationRequest | None = None,
-         quantize: str | None = None, memory: MemoryEstimates | None = None,
-         attention: str = "sdpa") -> PlanChoice:  # fmt: skip
+def plan(
+    spec: ModelSpec,
+    gpus: int,
+    profile: HardwareProfile,
+    request: GenerationRequest | None = None,
+    quantize: str | None = None,
+    memory: MemoryEstimates | None = None,
+    attention: str = "sdpa",
+) -> PlanChoice:
     """Rank every plan of ``gpus`` GPUs for ``spec`` on ``profile``. ``quantize``: "fp8" or "none" to decide FP8
     compute; None tries without FP8 first and falls back to it only when nothing fits. ``attention``: "fp8" predicts
     with the FP8 attention kernel's measured rate."""
@@ -257,15 +296,18 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
     attempts = [quantize == "fp8"] if quantize is not None else [False] + ([True] if fp8_supported else [])
     fp8_attention = attention == "fp8"
     if fp8_attention and not profile.fp8_attention_tflops:
-        raise InvalidRequest(f"{profile.name} has no measured FP8 attention rate: run benchmarks/fp8_attention.py "
-                             "there, or plan with --attention sdpa")  # fmt: skip
+        raise InvalidRequest(
+            f"{profile.name} has no measured FP8 attention rate: run benchmarks/fp8_attention.py "
+            "there, or plan with --attention sdpa"
+        )
 
     def option(parallel: ParallelConfig, fp8: bool, swap: bool) -> Option:
-        graphs = graphs_for(parallel) and not swap and not fp8_attention
+        graphs = graphs_for(parallel, swap, fp8_attention)
         calibrated = calibration(facts, profile, fp8, graphs)
         weights = memory(ParallelConfig(), fp8, swap=True)["gpu"].transformer if parallel.shard_weights else 0.0
-        cost = step_cost(facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs, weights,
-                         fp8_attention)  # fmt: skip
+        cost = step_cost(
+            facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs, weights, fp8_attention
+        )
         tried = [memory(parallel, fp8, swap)[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
         fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)
         chosen = fitting or min(tried, key=lambda m: m.total)
@@ -294,8 +336,9 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
         notes += [f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"] * (
             best.swap_experts
         )
-        return PlanChoice(spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes),
-                          attention)  # fmt: skip
+        return PlanChoice(
+            spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes), attention
+        )
     if not refused:
         raise InvalidRequest(f"{spec.name} has no plan for {gpus} GPUs")
     smallest = min(refused, key=lambda o: o.memory.total)
@@ -306,8 +349,9 @@ def plan(spec: ModelSpec, gpus: int, profile: HardwareProfile, request: Generati
     )
 
 
-def graphs_for(parallel: ParallelConfig) -> bool:
-    """CUDA graphs for the plans they have been measured with (one GPU, CFG, Ulysses, Ring): PipeFusion counts steps
-    on the host, which a replay would skip, tensor parallelism has run compiled only, and sharded weights' gathers
-    allocate anew each step."""
-    return parallel.pipefusion == 1 and parallel.tensor == 1 and not parallel.shard_weights
+def graphs_for(parallel: ParallelConfig, swap_experts: bool, fp8_attention: bool) -> bool:
+    """CUDA graphs where ``CONFLICTS`` allows them with these options and they have been measured with the plan (one
+    GPU, CFG, Ulysses, Ring: tensor parallelism has run compiled only)."""
+    attention = "fp8" if fp8_attention else "sdpa"
+    options = ExecutionOptions(cuda_graphs=True, swap_experts=swap_experts, attention=attention)
+    return parallel.tensor == 1 and not conflicts(parallel, options, "cuda")

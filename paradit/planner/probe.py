@@ -73,10 +73,12 @@ def _collectives_worker(rank: int, world: int, init_file: str, backend: str, nby
                 work.wait()
 
         # Bytes one rank sends, as the runtime's counters count them.
-        probes = {"all_to_all": (lambda: dist.all_to_all_single(received, send), nbytes * (world - 1) / world),
-                  "send_recv": (ring, nbytes),
-                  "all_reduce": (lambda: dist.all_reduce(send), 2 * nbytes * (world - 1) / world),
-                  "all_gather": (lambda: dist.all_gather(gathered, send), nbytes * (world - 1))}  # fmt: skip
+        probes = {
+            "all_to_all": (lambda: dist.all_to_all_single(received, send), nbytes * (world - 1) / world),
+            "send_recv": (ring, nbytes),
+            "all_reduce": (lambda: dist.all_reduce(send), 2 * nbytes * (world - 1) / world),
+            "all_gather": (lambda: dist.all_gather(gathered, send), nbytes * (world - 1)),
+        }
         rates = {}
         for name, (run, sent) in probes.items():
             dist.barrier()
@@ -95,9 +97,12 @@ def collective_gbps(world: int, device_type: str = "cuda", nbytes: int = MESSAGE
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, f"probe-{socket.gethostname()}-{os.getpid()}")
         mp.start_processes(
-            _collectives_worker, args=(world, init_file, backend, nbytes, results), nprocs=world, join=True,
+            _collectives_worker,
+            args=(world, init_file, backend, nbytes, results),
+            nprocs=world,
+            join=True,
             start_method="spawn",
-        )  # fmt: skip
+        )
     return results.get()
 
 
@@ -109,7 +114,11 @@ def measured_profile(base: HardwareProfile, gpus: int) -> HardwareProfile:
     attention = {dim: attention_tflops(device, dim) for dim in (64, 128)}
     links = collective_gbps(gpus) if gpus > 1 else base.link_gbps
     return dataclasses.replace(
-        base, name=f"{base.name} (measured here)", predicted=False, matmul_tflops=matmul, attention_tflops=attention,
+        base,
+        name=f"{base.name} (measured here)",
+        predicted=False,
+        matmul_tflops=matmul,
+        attention_tflops=attention,
         link_gbps=links,
         description=f"{torch.cuda.get_device_name(0)}, rates measured by a probe of this machine",
-    )  # fmt: skip
+    )

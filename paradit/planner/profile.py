@@ -2,8 +2,7 @@
 
 A profile gives the rates (bf16 and FP8 matmul, attention by head size, each collective's bandwidth), the share of the
 matmul rate compiled linear layers reach absent a model measurement, the GPU memory, and how to recognise the machine
-(device name, peer access). Adding a profile is adding a file; its ``sources`` say where each figure comes from.
-Must not import torch.distributed."""
+(device name, peer access). Adding a profile is adding a file; its ``sources`` say where each figure comes from."""
 
 from __future__ import annotations
 

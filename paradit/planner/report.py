@@ -1,17 +1,20 @@
-"""A ``PlanChoice`` as text: plan and runners-up (ms/step, sent/step, GPU memory), why the winner won, its command.
-
-Must not import torch.distributed.
-"""
+"""A ``PlanChoice`` as text: plan and runners-up (ms/step, sent/step, GPU memory), why the winner won, its command."""
 
 from __future__ import annotations
 
 from paradit.memory import gib
+from paradit.parallel.config import ParallelConfig
+from paradit.planner.cost import ms
 from paradit.planner.plan import EXACT_PREMIUM, Option, PlanChoice
 
 RUNNERS_UP = 5
 RIVALS = 2
-COLLECTIVE_NAMES = {"all_to_all": "all-to-all", "send_recv": "point-to-point", "all_reduce": "all-reduce",
-                    "all_gather": "all-gather"}  # fmt: skip
+COLLECTIVE_NAMES = {
+    "all_to_all": "all-to-all",
+    "send_recv": "point-to-point",
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+}
 
 
 def size(nbytes: float) -> str:
@@ -34,7 +37,7 @@ def traffic(option: Option, profile_gbps: dict[str, float]) -> str:
     if main.strategy == "shard":
         hidden = ", each block's weights gathered while the block before it computes"
     return (
-        f"sends {size(cost.bytes_sent)} per step: {main.ms:.1f} ms at {profile_gbps[main.collective]:g} GB/s "
+        f"sends {size(cost.bytes_sent)} per step: {ms(main.ms)} ms at {profile_gbps[main.collective]:g} GB/s "
         f"({COLLECTIVE_NAMES[main.collective]}){hidden}"
     )
 
@@ -49,7 +52,7 @@ def _row(option: Option, marker: str) -> str:
     placement = option.placement or f"none fits ({option.memory.text_encoder_placement} smallest)"
     exact = "exact" if option.parallel.exact else "approximate"
     return (
-        f"{marker} {option.describe():<60} {option.mean_ms:>9.1f} {option.cost.compute_ms:>9.1f} "
+        f"{marker} {option.describe():<60} {ms(option.mean_ms):>9} {ms(option.cost.compute_ms):>9} "
         f"{size(option.cost.bytes_sent):>10} {gib(option.memory.total) + ' GiB':>10}  {placement:<8} {exact}"
     )
 
@@ -63,7 +66,7 @@ def why(choice: PlanChoice) -> str:
         if option.parallel.degrees() != best.parallel.degrees():
             rivals.setdefault(tuple(name for name, degree in option.parallel.degrees() if degree > 1), option)
     lines = [
-        f"{option.describe()} computes {option.cost.compute_ms:.1f} ms and {traffic(option, link)}."
+        f"{option.describe()} computes {ms(option.cost.compute_ms)} ms and {traffic(option, link)}."
         for option in [best, *list(rivals.values())[:RIVALS]]
     ]
     exact = [o for o in choice.ranked if o.parallel.exact]
@@ -71,50 +74,75 @@ def why(choice: PlanChoice) -> str:
     if not best.parallel.exact and exact:
         lines.append(
             f"It is approximate ({approximation_note(best)}) and ranks first because it is predicted more than "
-            f"{EXACT_PREMIUM:.0%} faster than the best exact plan, {exact[0].describe()} ({exact[0].mean_ms:.1f} ms)."
+            f"{EXACT_PREMIUM:.0%} faster than the best exact plan, {exact[0].describe()} ({ms(exact[0].mean_ms)} ms)."
         )
     elif best.parallel.exact and quicker:
         lines.append(
-            f"{quicker[0].describe()} is predicted faster ({quicker[0].mean_ms:.1f} ms) but approximate "
+            f"{quicker[0].describe()} is predicted faster ({ms(quicker[0].mean_ms)} ms) but approximate "
             f"({approximation_note(quicker[0])}); an approximate plan must be {EXACT_PREMIUM:.0%} faster to rank first."
         )
     quickest = min((o for o in choice.refused if o.mean_ms < best.mean_ms), key=lambda o: o.mean_ms, default=None)
     if quickest is not None:
         lines.append(
-            f"{quickest.describe()} would take {quickest.mean_ms:.1f} ms but does not fit: it needs "
+            f"{quickest.describe()} would take {ms(quickest.mean_ms)} ms but does not fit: it needs "
             f"{quickest.memory.describe()} against {gib(choice.profile.memory_bytes)} GiB."
         )
     if best.parallel.pipefusion > 1:
         lines.append(
-            f"PipeFusion's {best.cost.warmup_steps} warm-up step(s) run whole ({best.cost.warmup_ms:.1f} ms), "
-            f"the rest {best.cost.steady_ms:.1f} ms with {best.parallel.patches} patches in flight."
+            f"PipeFusion's {best.cost.warmup_steps} warm-up step(s) run whole ({ms(best.cost.warmup_ms)} ms), "
+            f"the rest {ms(best.cost.steady_ms)} ms with {best.parallel.patches} patches in flight."
         )
     if choice.single_gpu is not None and choice.single_gpu.fits and choice.single_gpu.mean_ms <= best.mean_ms:
         lines.append(
-            f"One GPU would be as fast or faster ({choice.single_gpu.mean_ms:.1f} ms/step): at this size the "
+            f"One GPU would be as fast or faster ({ms(choice.single_gpu.mean_ms)} ms/step): at this size the "
             "exchanges cost more than the split saves."
         )
     return "\n".join(lines)
 
 
 def command(choice: PlanChoice) -> str:
-    best, parallel = choice.best, choice.best.parallel
-    flags = [f"--model {choice.spec.name}", f"--gpus {choice.gpus}"]
+    """``paradit generate``'s flags for the planner's choice."""
+    best = choice.best
+    return generate_command(
+        choice.spec.name,
+        choice.gpus,
+        best.parallel,
+        best.fp8,
+        choice.attention == "fp8",
+        best.cuda_graphs,
+        best.swap_experts,
+        best.placement,
+    )
+
+
+def generate_command(
+    model: str,
+    gpus: int,
+    parallel: ParallelConfig,
+    fp8: bool,
+    fp8_attention: bool,
+    cuda_graphs: bool,
+    swap_experts: bool,
+    placement: str | None,
+    extra: tuple[str, ...] = (),
+) -> str:
+    """The ``paradit generate`` command that runs this plan with these options (``extra``: further flags)."""
+    flags = [f"--model {model}", f"--gpus {gpus}"]
     for name, degree in parallel.degrees():
         if degree > 1:
             flags.append("--cfg-parallel" if name == "cfg" else f"--{name} {degree}")
     optional = [
         (parallel.pipefusion > 1, f"--patches {parallel.patches} --warmup-steps {parallel.warmup_steps}"),
         (parallel.comm_dtype == "fp8", "--comm-dtype fp8"),
-        (best.fp8, "--quantize fp8"),
-        (choice.attention == "fp8", "--attention fp8"),
-        (best.cuda_graphs, "--cuda-graphs"),
-        (best.swap_experts, "--swap-experts"),
+        (fp8, "--quantize fp8"),
+        (fp8_attention, "--attention fp8"),
+        (cuda_graphs, "--cuda-graphs"),
+        (swap_experts, "--swap-experts"),
         (parallel.shard_weights, f"--shard-weights {parallel.shard_weights}"),
-        (best.placement != "gpu", f"--text-encoder-placement {best.placement}"),
+        (placement not in (None, "gpu"), f"--text-encoder-placement {placement}"),
     ]
     flags += [flag for wanted, flag in optional if wanted]
-    return "paradit generate " + " ".join(flags) + ' --prompt "..."'
+    return "paradit generate " + " ".join([*flags, *extra]) + ' --prompt "..."'
 
 
 def render(choice: PlanChoice) -> str:
@@ -136,7 +164,5 @@ def render(choice: PlanChoice) -> str:
         "(* chosen; x does not fit in memory; 1 one GPU for comparison; ms/step averages the request's steps)",
         "",
         "Why: " + why(choice),
-        "",
-        "Run it: " + command(choice),
     ]
     return "\n".join(lines)

@@ -3,7 +3,7 @@ shipped as data in ``paradit/configs/<profile>.json`` (written by ``python -m be
 
 An entry's figure is a measurement (where, when, which command) or the planner's prediction. ``paradit generate
 --gpus N`` with no parallel flag runs the entry of the detected profile when the request matches it (the preset's
-defaults, which it was planned for); any parallel flag replaces it. Must not import torch.distributed."""
+defaults, which it was planned for); any parallel flag replaces it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from paradit.parallel.config import ParallelConfig
+from paradit.planner.cost import ms
 from paradit.planner.plan import Request
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -54,7 +55,7 @@ class TunedEntry:
             s = self.source
             figure = f'measured {s["ms_per_step"]:.1f} ms/step: docs/benchmarks.md "{s["section"]}", {s["date"]}'
         else:
-            figure = f"predicted {self.ms_per_step:.1f} ms/step by the planner"
+            figure = f"predicted {ms(self.ms_per_step)} ms/step by the planner"
         return f"{', '.join(settings)} ({figure})"
 
     def to_json(self) -> dict:

@@ -1,6 +1,6 @@
 """``paradit generate --server URL``: the request sent to a running ``paradit serve`` instead of a model loaded here,
 the files written where ``--out`` says. An ``--out`` ending in .mp4 makes a video job and waits for it. Standard
-library only, so that the command answers at once. Must not import torch."""
+library only, so that the command answers at once."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from pathlib import Path
 
 from paradit.cache_options import cache_config
 from paradit.errors import InvalidRequest, ParaditError
-from paradit.lora import parse_lora
+from paradit.flags import GENERATE, flagged_fields, flags_given
+from paradit.lora import parse_adapter
+from paradit.options import Asked, ExecutionOptions, LoraFlags
 from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths
+from paradit.parallel.config import ParallelConfig
+from paradit.request import GenerationRequest
 
 POLL_S = 0.5
-# Options that shape what the server runs rather than the request: the server chose them when it started.
-LOCAL_ONLY = ("gpus", "ulysses", "ring", "tensor", "pipefusion", "quantize", "dtype", "device", "max_gpu_memory",
-              "lora_2", "lora_weight_name")  # fmt: skip
 
 
 class ServerError(ParaditError):
@@ -41,15 +42,23 @@ def multipart(fields: dict, files: list[tuple[str, Path]]) -> tuple[bytes, str]:
         parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{text}\r\n'.encode())
     for name, path in files:
         filename = path.name.replace('"', "_")
-        head = (f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
-                "Content-Type: application/octet-stream\r\n\r\n")  # fmt: skip
+        head = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        )
         parts.append(head.encode() + path.read_bytes() + b"\r\n")
     parts.append(f"--{boundary}--\r\n".encode())
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
-def call(server: str, method: str, path: str, api_key: str | None, body: dict | None = None,
-         files: list[tuple[str, Path]] | None = None) -> bytes:  # fmt: skip
+def call(
+    server: str,
+    method: str,
+    path: str,
+    api_key: str | None,
+    body: dict | None = None,
+    files: list[tuple[str, Path]] | None = None,
+) -> bytes:
     """The answer's body (``files``, (part name, path): sent as a multipart form with ``body``); an error answer
     raises ServerError with the server's message."""
     content_type, data = "application/json", None if body is None else json.dumps(body).encode()
@@ -70,33 +79,30 @@ def call(server: str, method: str, path: str, api_key: str | None, body: dict | 
         raise ServerError(f"cannot reach {server}: {exc.reason}") from None
 
 
-def request_body(args: argparse.Namespace, video: bool) -> dict:
+def request_body(args: argparse.Namespace) -> dict:
     """The request's fields, from ``generate``'s flags; flags a server cannot take are refused."""
-    given = [name for name in LOCAL_ONLY if getattr(args, name, None) not in (None, False, "none")]
-    given += ["lora_mode"] if getattr(args, "lora_mode", "fused") != "fused" else []
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise InvalidRequest(f"{flags}: the server chose these when it started; drop them with --server")
+    # The server chose how it runs when it started: the run's flags have no place in a request.
+    chosen = flags_given(args, GENERATE, Asked, ExecutionOptions, ParallelConfig, LoraFlags)
+    chosen = [name for name in chosen if name not in ("--model", "--lora")]  # --lora: the server's adapters by name
+    if chosen:
+        raise InvalidRequest(f"{', '.join(chosen)}: the server chose these when it started; drop them with --server")
     if len(args.prompt) > 1:
         raise InvalidRequest("--server takes one --prompt a call (each is its own request)")
     if (args.height is None) != (args.width is None):
         raise InvalidRequest("--server needs --height and --width together (or neither, for the model's size)")
-    body = {
-        "prompt": args.prompt[0], "negative_prompt": args.negative_prompt, "steps": args.steps,
-        "guidance": args.guidance, "seed": args.seed,
-        "size": "auto" if args.height is None else f"{args.width}x{args.height}",
-        **({"frames": args.frames, "fps": args.fps, "guidance_2": args.guidance_2} if video else {}),
-    }  # fmt: skip
-    if getattr(args, "strength", None) is not None:  # image-to-image, sent as an edit
-        body["strength"] = args.strength
+    body = {"prompt": args.prompt[0], "size": "auto" if args.height is None else f"{args.width}x{args.height}"}
+    for each, flag in flagged_fields(GenerationRequest, GENERATE):
+        if flag.remote is not None and (value := getattr(args, each.name)) is not None:
+            body[flag.remote] = flag.convert(value) if flag.convert else value
     cache = cache_config(args)
     if cache is not None:
         if cache.calibrate or getattr(args, "image", None):
-            raise InvalidRequest("--server caches text-to-image requests; calibrate (--cache-calibrate) and edit with "
-                                 "a cache locally")  # fmt: skip
+            raise InvalidRequest(
+                "--server caches text-to-image requests; calibrate (--cache-calibrate) and edit with a cache locally"
+            )
         body["cache"] = {k: v for k, v in dataclasses.asdict(cache).items() if k != "calibrate" and v is not None}
     if args.lora:  # the server's named adapters, NAME[:SCALE]
-        body["lora"] = [{"name": ref.source, "scale": ref.scale} for ref in map(parse_lora, args.lora)]
+        body["lora"] = [{"name": ref.source, "scale": ref.scale} for ref in map(parse_adapter, args.lora)]
     return {key: value for key, value in body.items() if value is not None}
 
 
@@ -110,7 +116,7 @@ def generate_remote(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
     out = args.out or "out/paradit.png"
     video = Path(out).suffix.lower() == VIDEO_SUFFIX
-    body = request_body(args, video)
+    body = request_body(args)
     parts = [("image", Path(path)) for path in args.image or ()]  # the form's file parts
     if getattr(args, "mask", None) is not None:
         if not parts:
@@ -132,8 +138,8 @@ def generate_remote(args: argparse.Namespace) -> int:
             raise ServerError(f"the video job {answer['status']}: {(answer.get('error') or {}).get('message', '')}")
         files = {path: call(args.server, "GET", f"/v1/videos/{answer['id']}/content", api_key)}
     else:
-        paths = output_paths(out, args.images_per_prompt)
-        body.update(n=args.images_per_prompt, output_format=IMAGE_FORMATS[paths[0].suffix.lower()].lower())
+        paths = output_paths(out, args.num_images_per_prompt)
+        body.update(n=args.num_images_per_prompt, output_format=IMAGE_FORMATS[paths[0].suffix.lower()].lower())
         route = "/v1/images/edits" if images else "/v1/images/generations"
         answer = json.loads(call(args.server, "POST", route, api_key, body, parts))
         files = {path: base64.b64decode(item["b64_json"]) for path, item in zip(paths, answer["data"])}

@@ -1,4 +1,4 @@
-"""A server request's life: the ``Job`` the scheduler queues, runs and ends, and its errors. Must not import torch."""
+"""A server request's life: the ``Job`` the scheduler queues, runs and ends, and its errors."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 from paradit.errors import ParaditError
 
 if TYPE_CHECKING:
-    from paradit.pipelines.requests import ResolvedRequest
-    from paradit.request import GenerationResult
+    from paradit.request import GenerationResult, ResolvedRequest
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 FINAL = (COMPLETED, FAILED, CANCELLED)

@@ -1,6 +1,6 @@
 """``paradit serve``: its socket, the groups' engines, the scheduler, the app, and uvicorn, which on SIGTERM (or Ctrl-C,
 or SIGHUP: the command line takes a closed terminal for SIGTERM) first drains (new requests get 503, the accepted
-ones finish) and then exits; a second signal exits at once. Must not import torch.distributed."""
+ones finish) and then exits; a second signal exits at once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass, field
 
 import torch
 import uvicorn
@@ -17,31 +16,15 @@ import uvicorn
 from paradit.engine import Engine
 from paradit.errors import InvalidRequest
 from paradit.family import PIXELS_PER_IMAGE_TOKEN
-from paradit.pipelines.requests import ResolvedRequest
-from paradit.request import GenerationRequest
+from paradit.options import ServeSettings
+from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.serving.metrics import Metrics
 from paradit.serving.pace import Pace
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.server import ServerConfig, create_app
-from paradit.settings import Asked, settle
+from paradit.settings import settle
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """What ``paradit serve`` was asked for: the model and how it executes (``asked``, as ``generate`` takes it:
-    unset options follow the tuned choice for a group's size), ``gpus`` in groups of ``group_size`` (CPU processes
-    with ``device="cpu"``), and the queue's limits."""
-
-    asked: Asked = field(default_factory=Asked)
-    gpus: int = 1
-    group_size: int | str | None = None  # default: all of them in one group; "auto": see Scheduler
-    max_batch: int = 1
-    max_queue: int = 64
-    timeout_s: float = 600.0
-    api_key: str | None = None
-    max_pixels: int | None = None  # width x height one request may ask for; default MAX_PIXELS_FACTOR x the model's
 
 
 # What one request may ask for by default, against the model's default size: a larger request costs the square of
@@ -90,21 +73,34 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
     def check(request: GenerationRequest) -> ResolvedRequest:
         resolved = grouped.resolve(request)
         if resolved.width * resolved.height > max_pixels:
-            raise InvalidRequest(f"{resolved.width}x{resolved.height} is past this server's {max_pixels} pixels a "
-                                 "request (--max-pixels)", param="size")  # fmt: skip
+            raise InvalidRequest(
+                f"{resolved.width}x{resolved.height} is past this server's {max_pixels} pixels a "
+                "request (--max-pixels)",
+                param="size",
+            )
         # Input images' tokens (references, an edit's inputs) count as the pixels that many target tokens cover:
         # each lengthens every block's sequence as much.
         inputs = resolved.reference_tokens * PIXELS_PER_IMAGE_TOKEN
         if resolved.width * resolved.height + inputs > max_pixels:
-            raise InvalidRequest(f"{resolved.width}x{resolved.height} with input images of {inputs} pixels (as the "
-                                 f"transformer sees them) is past this server's {max_pixels} pixels a request "
-                                 "(--max-pixels); send fewer or smaller images", param="image")  # fmt: skip
+            raise InvalidRequest(
+                f"{resolved.width}x{resolved.height} with input images of {inputs} pixels (as the "
+                f"transformer sees them) is past this server's {max_pixels} pixels a request "
+                "(--max-pixels); send fewer or smaller images",
+                param="image",
+            )
         return resolved
 
     scheduler = Scheduler(
-        build, settings.gpus + 1 if auto else settings.gpus // group_size, check, metrics,
-        max_batch=settings.max_batch, max_queue=settings.max_queue, timeout_s=settings.timeout_s, auto=auto, pace=pace,
-    )  # fmt: skip
+        build,
+        settings.gpus + 1 if auto else settings.gpus // group_size,
+        check,
+        metrics,
+        max_batch=settings.max_batch,
+        max_queue=settings.max_queue,
+        timeout_s=settings.timeout_s,
+        auto=auto,
+        pace=pace,
+    )
     names = tuple(grouped.options.lora.names())
     return scheduler, ServerConfig(spec.name, video=family.video, api_key=settings.api_key, lora=names)
 
@@ -144,7 +140,8 @@ def listen(host: str, port: int) -> socket.socket:
         raise InvalidRequest(f"port {port} on {host}: {reason}; give a free --port or another --host") from None
 
 
-def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def serve(settings: ServeSettings, log_level: str = "info") -> None:
+    host, port = settings.host, settings.port
     with listen(host, port) as listening:
         metrics = Metrics()
         scheduler, config = build_scheduler(settings, metrics)

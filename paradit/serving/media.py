@@ -1,5 +1,5 @@
 """Image files made from what the workers return, in the formats of ``paradit.outputs``. Called from the front end's
-thread pool, never from a group's thread, so that encoding overlaps the next batch. Must not import torch."""
+thread pool, never from a group's thread, so that encoding overlaps the next batch."""
 
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ def decode_input(data: bytes, name: str, max_pixels: int, param: str = "image") 
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.width * image.height > max_pixels:
-                raise InvalidRequest(f"{name} is {image.width}x{image.height}, past this server's {max_pixels} "
-                                     "pixels an input image", param=param)  # fmt: skip
+                raise InvalidRequest(
+                    f"{name} is {image.width}x{image.height}, past this server's {max_pixels} pixels an input image",
+                    param=param,
+                )
             return rgb_image(image, name)
     except (OSError, Image.DecompressionBombError) as exc:
         raise InvalidRequest(f"{name} cannot be read as an image ({exc.__class__.__name__})", param=param) from None

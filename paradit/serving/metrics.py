@@ -1,5 +1,5 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of their own so that several servers in one
-process (tests) do not collide. Must not import torch."""
+process (tests) do not collide."""
 
 from __future__ import annotations
 
@@ -16,28 +16,34 @@ class Metrics:
         self.registry = CollectorRegistry()
         gauge, counter, histogram = (partial(kind, registry=self.registry) for kind in (Gauge, Counter, Histogram))
         self.queue_depth = gauge("paradit_queue_depth", "Requests waiting for a group.")
-        self.requests = counter("paradit_requests", "Requests answered, by endpoint and outcome.",
-                                ["endpoint", "outcome"])  # fmt: skip
+        self.requests = counter(
+            "paradit_requests", "Requests answered, by endpoint and outcome.", ["endpoint", "outcome"]
+        )
         self.latency = histogram(
             "paradit_latency_seconds",
             "Seconds per phase: queue (waiting for a group), text_encode, denoise and decode (the group's run), "
             "encode (the image or video file), total (the HTTP request).",
-            ["phase"], buckets=SECONDS_BUCKETS,
-        )  # fmt: skip
-        self.batch_images = histogram("paradit_batch_images", "Images per forward pass.",
-                                      buckets=(1, 2, 4, 8, 16, 32, 64))  # fmt: skip
+            ["phase"],
+            buckets=SECONDS_BUCKETS,
+        )
+        self.batch_images = histogram(
+            "paradit_batch_images", "Images per forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64)
+        )
         self.steps = counter("paradit_denoise_steps", "Denoise steps run.", ["group"])
-        self.steps_per_second = gauge("paradit_steps_per_second", "Denoise steps per second in each group's last run.",
-                                      ["group"])  # fmt: skip
+        self.steps_per_second = gauge(
+            "paradit_steps_per_second", "Denoise steps per second in each group's last run.", ["group"]
+        )
         self.peak_memory = gauge(
             "paradit_peak_memory_bytes",
             "Peak memory in each group's last run, per worker (device memory on GPUs, process RSS on the CPU).",
             ["group", "rank"],
         )
-        self.cached_steps = counter("paradit_cached_steps", "Denoise steps whose blocks the step cache skipped.",
-                                    ["group"])  # fmt: skip
-        self.cached_blocks = counter("paradit_cached_block_evaluations",
-                                     "Transformer block evaluations the step cache skipped.", ["group"])  # fmt: skip
+        self.cached_steps = counter(
+            "paradit_cached_steps", "Denoise steps whose blocks the step cache skipped.", ["group"]
+        )
+        self.cached_blocks = counter(
+            "paradit_cached_block_evaluations", "Transformer block evaluations the step cache skipped.", ["group"]
+        )
         self.restarts = counter("paradit_group_restarts", "Worker groups rebuilt after a worker died.", ["group"])
         self.mode_switches = counter(
             "paradit_group_mode_switches",
@@ -52,8 +58,9 @@ class Metrics:
         self.latency.labels("decode").observe(timings.vae_decode_s)
         self.batch_images.observe(images)
         self.steps.labels(str(group)).inc(len(timings.step_ms))
-        self.cached_steps.labels(str(group)).inc(timings.cache_skipped_steps)
-        self.cached_blocks.labels(str(group)).inc(timings.cache_blocks_skipped)
+        cache = timings.features.get("step_cache")  # a CacheRecord, where the batch asked for a step cache
+        self.cached_steps.labels(str(group)).inc(cache.skipped_steps if cache else 0)
+        self.cached_blocks.labels(str(group)).inc(cache.blocks_skipped if cache else 0)
         if denoise_s > 0:
             self.steps_per_second.labels(str(group)).set(len(timings.step_ms) / denoise_s)
         for rank, peak in enumerate(timings.peak_memory_per_rank or [timings.peak_memory_bytes]):

@@ -5,19 +5,18 @@ inside its deadline, and gives a run a step's time to stop before stopping it by
 Measured here rather than predicted from a hardware profile, so it holds on any device (the CPU, a GPU no profile
 knows) and for this server's own plan and options. The fastest pace seen counts: a small step uses the device less
 well than a large one, so scaling from it errs high (2.3x for flux2-tiny on the CPU from 128x128 to 1024x1024,
-docs/benchmarks.md), and a request is refused only when even a third of its estimate is past the deadline.
-Must not import torch.distributed."""
+docs/benchmarks.md), and a request is refused only when even a third of its estimate is past the deadline."""
 
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING
 
-from paradit.planner.facts import find_facts
+from paradit.families import find_facts
 
 if TYPE_CHECKING:
     from paradit.family import Family
-    from paradit.pipelines.requests import ResolvedRequest
+    from paradit.request import ResolvedRequest
     from paradit.spec import ModelSpec
 
 

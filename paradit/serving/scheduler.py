@@ -18,8 +18,7 @@ front end never waits on a group: it awaits the job's future, and encodes the im
 - ``auto``: group 0 spans every GPU and the other groups hold one GPU each, on the same devices (each with its own
   copy of the model). Per batch, from the queue: while it holds at most one batch, group 0 runs it split across every
   GPU (lowest latency); past that, the one-GPU groups run independent batches (most throughput), never both at once.
-
-Must not import torch.distributed."""
+"""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ from paradit.worker import RequestCancelled, RequestFailed, WorkerFailure
 
 if TYPE_CHECKING:
     from paradit.engine import Engine
-    from paradit.pipelines.requests import ResolvedRequest
-    from paradit.request import GenerationRequest, GenerationResult
+    from paradit.request import GenerationRequest, GenerationResult, ResolvedRequest
     from paradit.serving.metrics import Metrics
     from paradit.serving.pace import Pace
 
@@ -135,10 +133,17 @@ class Scheduler:
     against the model (raising InvalidRequest) without running anything."""
 
     def __init__(
-        self, build: Callable[[int], Engine], groups: int, check: Callable[[GenerationRequest], ResolvedRequest],
-        metrics: Metrics, max_batch: int = 1, max_queue: int = 64, timeout_s: float = 600.0, auto: bool = False,
+        self,
+        build: Callable[[int], Engine],
+        groups: int,
+        check: Callable[[GenerationRequest], ResolvedRequest],
+        metrics: Metrics,
+        max_batch: int = 1,
+        max_queue: int = 64,
+        timeout_s: float = 600.0,
+        auto: bool = False,
         pace: Pace | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.metrics, self.pace = metrics, pace
         self.max_batch, self.max_queue, self.timeout_s, self.auto = max_batch, max_queue, timeout_s, auto
         self._split: bool | None = None  # under auto: whether the last batch ran split across every GPU
@@ -192,8 +197,9 @@ class Scheduler:
             raise InvalidRequest(
                 f"{resolved.width}x{resolved.height} with {resolved.steps} steps would take about "
                 f"{step_s * resolved.steps:.0f} s here (this server's measured pace), past its {self.timeout_s:g} s "
-                f"timeout; ask for {'a smaller size' if param == 'size' else 'fewer steps'}", param=param,
-            )  # fmt: skip
+                f"timeout; ask for {'a smaller size' if param == 'size' else 'fewer steps'}",
+                param=param,
+            )
 
     def cancel(self, job: Job, reason: ParaditError) -> None:
         """End a queued job with ``reason`` now; abandon a running one, stopping its batch at the next step boundary
@@ -334,8 +340,10 @@ class Scheduler:
                     self._abandon(job, JobTimeout(f"the request did not finish within {self.timeout_s:g} s"))
                 for group in self.groups:
                     if group.batch and group.stop_by is not None and group.stop_by <= now:
-                        logger.warning("group %d: a cancelled run did not reach a step boundary in time; killing "
-                                       "its workers", group.index)  # fmt: skip
+                        logger.warning(
+                            "group %d: a cancelled run did not reach a step boundary in time; killing its workers",
+                            group.index,
+                        )
                         group.stop_by = None
                         group.engine.abort()
                 self._changed.wait(WATCH_S)

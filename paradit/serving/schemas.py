@@ -1,24 +1,32 @@
 """The HTTP API's bodies and answers (pydantic): what FastAPI validates each request against and what the OpenAPI
 schema shows. Requests refuse fields they do not know and values of the wrong JSON type ("2" for 2); the model's own
-limits (sizes, frames) are checked afterwards by the engine, which knows them. Must not import torch."""
+limits (sizes, frames) are checked afterwards by the engine, which knows them."""
 
 from __future__ import annotations
 
-from typing import Literal
+import types
+import typing
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from paradit.errors import InvalidRequest
+from paradit.flags import GENERATE, flagged_fields
 from paradit.outputs import API_FORMATS
-from paradit.request import CACHE_METHODS, SEED_LIMIT, GenerationRequest, StepCacheConfig
+from paradit.request import (
+    CACHE_METHODS,
+    CACHE_PARAMETERS,
+    MAX_PROMPT_CHARS,
+    SERVED_MAX_STEPS,
+    GenerationRequest,
+    StepCacheConfig,
+)
 
-# Bounds a server sets on what one request may ask for, tighter than the engine's own (``pipelines.base``): a prompt
-# far past what any text encoder reads, as many images per request as OpenAI's Images API allows, and steps past any
-# published schedule, so that no one request holds a shared group for long.
-MAX_PROMPT_CHARS = 10_000
+# Bounds a server sets on what one request may ask for, beside those its request fields declare (``request``): as
+# many images per request as OpenAI's Images API allows, and input images a decoder can take.
 MAX_IMAGES = 10
 MAX_INPUT_IMAGES = 10  # input images one edit may send (as FLUX.2 takes them)
 MAX_INPUT_PIXELS = 40_000_000  # pixels of one input image: past a 7680x4320 photo, decoding it costs more than it gives
-SERVED_MAX_STEPS = 500
 SIZE_PATTERN = r"^(auto|\d{1,5}x\d{1,5})$"
 
 
@@ -48,34 +56,59 @@ class CacheChoice(BaseModel):
     mag_ratios: list[float] | None = Field(None, min_length=1, max_length=SERVED_MAX_STEPS)
 
     def config(self) -> StepCacheConfig:
+        stray = sorted(self.model_fields_set - {"method", *CACHE_PARAMETERS[self.method]})
+        if stray:
+            raise InvalidRequest(
+                f"cache: {stray[0]} is not a parameter of {self.method}, which reads "
+                f"{', '.join(CACHE_PARAMETERS[self.method])}",
+                param="cache",
+            )
         fields = self.model_dump()
         return StepCacheConfig(**{**fields, "mag_ratios": None if self.mag_ratios is None else tuple(self.mag_ratios)})
 
 
-class Body(BaseModel):
-    """The fields both APIs take."""
+def declared(route: str) -> dict[str, tuple[Any, Any]]:
+    """The request's fields ``route``'s body takes as they are declared (``request.GenerationRequest``'s flags:
+    ``remote``, ``http``, ``routes``), for ``create_model``."""
+    return {
+        flag.remote: (flag.http[0], Field(None, **flag.http[1]))
+        for _, flag in flagged_fields(GenerationRequest, GENERATE)
+        if flag.http is not None and route in flag.routes
+    }
+
+
+class Request(BaseModel):
+    """What every body takes beside its declared request fields."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = Field(None, description="the served model's name; other models are refused")
     size: str = Field("auto", pattern=SIZE_PATTERN, description='"WIDTHxHEIGHT" in pixels, or "auto"')
-    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
-    steps: int | None = Field(None, ge=1, le=SERVED_MAX_STEPS)
-    guidance: float | None = Field(None, ge=0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="drawn at random when absent; answered back")
     lora: list[LoraChoice] | None = Field(None, max_length=16, description="the server's adapters to apply")
     cache: CacheChoice | None = Field(None, description="step caching for this request")
 
     def request(self, **fields) -> GenerationRequest:
-        """The engine's request: these fields, ``size`` as height and width (``auto``: the model's), and ``fields``."""
+        """The engine's request: these fields (the declared ones by their request field's name), ``size`` as height
+        and width (``auto``: the model's), and ``fields``."""
         width, height = (None, None) if self.size == "auto" else map(int, self.size.split("x"))
+        declared = {
+            each.name: getattr(self, flag.remote)
+            for each, flag in flagged_fields(GenerationRequest, GENERATE)
+            if flag.remote in type(self).model_fields
+        }
         return GenerationRequest(
-            prompt=self.prompt, negative_prompt=self.negative_prompt, height=height, width=width, steps=self.steps,
-            guidance=self.guidance, seed=self.seed,
+            prompt=self.prompt,
+            height=height,
+            width=width,
             lora=None if self.lora is None else tuple((choice.name, choice.scale) for choice in self.lora),
-            cache=None if self.cache is None else self.cache.config(), **fields,
-        )  # fmt: skip
+            cache=None if self.cache is None else self.cache.config(),
+            **declared,
+            **fields,
+        )
+
+
+Body = create_model("Body", __base__=Request, __doc__="The fields every API takes.", **declared("images"))
 
 
 class ImageGenerationBody(Body):
@@ -88,21 +121,36 @@ class ImageGenerationBody(Body):
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg and webp: quality, 100 the best")
 
 
-class ImageEditBody(ImageGenerationBody):
+class EditForm(ImageGenerationBody):
     """OpenAI's image edits (``images.edit``), sent as multipart form fields, whose values are all text: numbers are
     read from it ("3" for 3), as OpenAI's API reads them. The images travel as files beside these fields."""
 
     model_config = ConfigDict(extra="forbid", strict=False)
 
-    strength: float | None = Field(None, gt=0, le=1, description="image-to-image: the share of the steps run")
+
+ImageEditBody = create_model(
+    "ImageEditBody",
+    __base__=EditForm,
+    **{k: v for k, v in declared("edits").items() if k not in Body.model_fields},
+)
 
 
-class VideoBody(Body):
-    """A text-to-video job. ``frames`` and ``fps`` default to the model's."""
+def takes_json(annotation) -> bool:
+    """Whether a field of this type is an object or a list, which a form's text spells as JSON."""
+    if typing.get_origin(annotation) is Literal:
+        return False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(takes_json(each) for each in typing.get_args(annotation))
+    return annotation not in (str, int, float, bool, type(None))
 
-    frames: int | None = Field(None, ge=1)
-    fps: int | None = Field(None, ge=1)
-    guidance_2: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+JSON_FORM_FIELDS = frozenset(name for name, field in ImageEditBody.model_fields.items() if takes_json(field.annotation))
+VideoBody = create_model(
+    "VideoBody",
+    __base__=Body,
+    __doc__="A text-to-video job. ``frames`` and ``fps`` default to the model's.",
+    **{k: v for k, v in declared("videos").items() if k not in Body.model_fields},
+)
 
 
 class ImageData(BaseModel):

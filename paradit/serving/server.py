@@ -4,8 +4,7 @@ Handlers never wait on a group: they queue a job and await its future, polling f
 synchronous request whose client went away is cancelled), and encode images in the thread pool. Every error is an
 OpenAI-style ``{"error": {"message", "type", "param"}}`` answer: bad input 400 naming the field and what is allowed,
 a missing or wrong API key 401 (every route but /health), a body past the limit 413, a full queue 429 with
-``Retry-After``, shutting down or out of device memory 503, a timeout 504, a worker failure 500. Must not import
-torch.distributed."""
+``Retry-After``, shutting down or out of device memory 503, a timeout 504, a worker failure 500."""
 
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from paradit import __version__
+from paradit.cache_options import kept_curve
 from paradit.errors import InvalidRequest, OutOfMemory, ParaditError
 from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
@@ -139,8 +139,6 @@ class Gate:
         keyed = scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), self.api_key or b"")
         try:
             if self.api_key is not None and scope["path"] != "/health" and not keyed:
-                # Counted under the route it asked for, which the router, never reached, would have named.
-                scope["route"] = next((r for r in scope["app"].routes if r.matches(scope)[0] is Match.FULL), None)
                 answer = error_response(401, NO_KEY, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
                 return await answer(scope, receive, recording_send)
             if int(headers.get(b"content-length", 0)) > max_bytes:
@@ -151,7 +149,11 @@ class Gate:
                 message = f"the body is larger than this server's limit of {max_bytes} bytes"
                 await error_response(413, message, "invalid_request_error", "body")(scope, receive, recording_send)
         finally:
-            route = scope.get("route")  # set by the router once it matched
+            # Set by the router once it matched; a request refused before it (no key, too large) counts under the
+            # route it asked for too.
+            route = scope.get("route") or next(
+                (r for r in scope["app"].routes if r.matches(scope)[0] is Match.FULL), None
+            )
             path = route.path if route is not None else "unmatched"
             self.metrics.requests.labels(path, outcome(status or 500)).inc()
             if path in self.TIMED and scope["method"] == "POST":
@@ -159,20 +161,48 @@ class Gate:
 
 
 def outcome(status: int) -> str:
-    named = {401: "unauthorized", 413: "too_large", 429: "rejected", CLIENT_GONE: "cancelled", 503: "unavailable",
-             504: "timeout"}  # fmt: skip
+    named = {
+        401: "unauthorized",
+        413: "too_large",
+        429: "rejected",
+        CLIENT_GONE: "cancelled",
+        503: "unavailable",
+        504: "timeout",
+    }
     return "ok" if status < 400 else named.get(status, "invalid" if status < 500 else "failed")
+
+
+def with_kept_curve(request, model: str):
+    """A MagCache request without its curve takes the one ``--cache mag --cache-calibrate`` kept for the served model
+    on this machine, as ``generate`` does."""
+    cache = request.cache
+    if cache is None or cache.method != "mag" or cache.mag_ratios is not None:
+        return request
+    ratios = kept_curve(model)
+    if ratios is None:
+        raise InvalidRequest(
+            f"cache: mag needs mag_ratios (positive numbers, one a step); none were calibrated for {model} on this "
+            "server's machine",
+            param="cache",
+        )
+    return dataclasses.replace(request, cache=dataclasses.replace(cache, mag_ratios=ratios))
 
 
 def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(
-        title="paradit", version=__version__, description="OpenAI-compatible image and video generation.",
+        title="paradit",
+        version=__version__,
+        description="OpenAI-compatible image and video generation.",
         responses={code: {"model": schemas.ErrorResponse} for code in (400, 401, 413, 429, 500, 503, 504)},
-        exception_handlers={ParaditError: paradit_error, RequestValidationError: validation_error,
-                            HTTPException: http_error},
-    )  # fmt: skip
-    app.add_middleware(Gate, max_bytes=config.max_body_bytes, edit_bytes=config.max_edit_bytes, metrics=metrics,
-                       api_key=config.api_key)  # fmt: skip
+        exception_handlers={
+            ParaditError: paradit_error,
+            RequestValidationError: validation_error,
+            HTTPException: http_error,
+        },
+    )
+    app.add_middleware(
+        Gate, max_bytes=config.max_body_bytes, edit_bytes=config.max_edit_bytes, metrics=metrics, api_key=config.api_key
+    )
     files = FileStore(config.file_store_bytes)
     videos = VideoJobs(scheduler, files, config.model)
     app.state.videos = videos
@@ -186,7 +216,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         if video != config.video:
             made, route = ("videos", "POST /v1/videos") if config.video else ("images", "POST /v1/images/generations")
             raise InvalidRequest(f"{config.model} makes {made}; use {route}")
-        request = body.request(**fields)
+        request = with_kept_curve(body.request(**fields), config.model)
         try:
             return (videos.create if video else scheduler.submit)(request)
         except InvalidRequest as refused:
@@ -219,28 +249,36 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         try:
             form = await request.form(max_files=schemas.MAX_INPUT_IMAGES + 2)
         except HTTPException as refused:  # Starlette's own, for a malformed body or too many parts
-            raise InvalidRequest(f"the body is not a multipart form of this API's fields: {refused.detail}",
-                                 param="image") from None  # fmt: skip
+            raise InvalidRequest(
+                f"the body is not a multipart form of this API's fields: {refused.detail}", param="image"
+            ) from None
         uploads, mask = [*form.getlist("image"), *form.getlist("image[]")], form.get("mask")
         if not uploads:
             raise InvalidRequest("give the image(s) to edit as file parts named image", param="image")
         if len(uploads) > schemas.MAX_INPUT_IMAGES:
-            raise InvalidRequest(f"{len(uploads)} images sent; this server takes at most {schemas.MAX_INPUT_IMAGES} "
-                                 "an edit", param="image")  # fmt: skip
-        fields = {key: value for key, value in form.multi_items() if key not in ("image", "image[]", "mask")}
-        if any(not isinstance(value, str) for value in fields.values()):
-            raise InvalidRequest("only image and mask take files; send the other fields as text", param="image")
+            raise InvalidRequest(
+                f"{len(uploads)} images sent; this server takes at most {schemas.MAX_INPUT_IMAGES} an edit",
+                param="image",
+            )
+        if any(isinstance(upload, str) for upload in uploads):
+            raise InvalidRequest("image: send each image as a file part, not as text", param="image")
         if isinstance(mask, str):
-            raise InvalidRequest("mask: send the mask as a file part (an image of the first image's size)",
-                                 param="mask")  # fmt: skip
+            raise InvalidRequest(
+                "mask: send the mask as a file part (an image of the first image's size)", param="mask"
+            )
+        fields = {key: value for key, value in form.multi_items() if key not in ("image", "image[]", "mask")}
+        for key, value in fields.items():
+            if not isinstance(value, str):
+                raise InvalidRequest(f"{key}: only image and mask take files; send {key} as text", param=key)
+            if key in schemas.JSON_FORM_FIELDS:  # the JSON body's objects and lists, as JSON text
+                try:
+                    fields[key] = json.loads(value)
+                except ValueError:
+                    raise InvalidRequest(f"{key}: give it as JSON text, as the JSON body takes it", param=key) from None
         try:
-            if "lora" in fields:  # a list of {name, scale}, as JSON text
-                fields["lora"] = json.loads(fields["lora"])
             body = schemas.ImageEditBody.model_validate(fields)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
-        except ValueError:  # lora's text is not JSON
-            raise InvalidRequest("lora: give a JSON list of {name, scale} objects", param="lora") from None
         contents = [await upload.read() for upload in uploads]
         mask_bytes = None if mask is None else await mask.read()
 
@@ -250,7 +288,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             return images, None if mask_bytes is None else decode_input(mask_bytes, "the mask", pixels, "mask")
 
         images, mask = await run_in_threadpool(decoded)
-        return await images_answer(body, request, image=images, mask=mask, strength=body.strength)
+        return await images_answer(body, request, image=images, mask=mask)
 
     async def images_answer(body: schemas.ImageGenerationBody, request: Request, **fields):
         if body.output_compression is not None and body.output_format == "png":
@@ -273,9 +311,13 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             data = [schemas.ImageData(b64_json=base64.b64encode(item).decode()) for item in encoded]
         resolved = job.resolved
         return schemas.ImagesResponse(
-            created=int(job.created), data=data, output_format=body.output_format,
-            size=f"{resolved.width}x{resolved.height}", seed=resolved.seed, plan=job.plan,
-        )  # fmt: skip
+            created=int(job.created),
+            data=data,
+            output_format=body.output_format,
+            size=f"{resolved.width}x{resolved.height}",
+            seed=resolved.seed,
+            plan=job.plan,
+        )
 
     def stored_file(stored: tuple[bytes, str] | None, missing: str) -> Response:
         if stored is None:
@@ -288,7 +330,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
 
     @app.post("/v1/videos", response_model=schemas.VideoJob)
     async def create_video(body: schemas.VideoBody):
-        return videos.view(submitted(body, guidance_2=body.guidance_2, frames=body.frames, fps=body.fps))
+        return videos.view(submitted(body))
 
     def video_entry(video_id: str):
         entry = videos.get(video_id)

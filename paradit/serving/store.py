@@ -1,5 +1,5 @@
 """Encoded files the server hands out by address (``response_format: url`` images, finished videos), kept in memory
-up to a byte budget: the oldest go first. Must not import torch."""
+up to a byte budget: the oldest go first."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Video jobs (``/v1/videos``): each a scheduler job, its MP4 encoded in a thread pool once the workers return its
-frames, so that the group goes on to the next job at once. The last ``keep`` jobs are kept. Must not import torch."""
+frames, so that the group goes on to the next job at once. The last ``keep`` jobs are kept."""
 
 from __future__ import annotations
 
@@ -73,11 +73,19 @@ class VideoJobs:
             error = ErrorInfo(message=str(job.future.exception()), type=type(job.future.exception()).__name__)
         steps_done = self.scheduler.steps_done(job)
         return VideoJob(
-            id=job.id, model=self.model, status=status, progress=100 * steps_done // job.steps,
-            steps_done=steps_done, steps=job.steps, created_at=int(job.created),
+            id=job.id,
+            model=self.model,
+            status=status,
+            progress=100 * steps_done // job.steps,
+            steps_done=steps_done,
+            steps=job.steps,
+            created_at=int(job.created),
             completed_at=int(job.created + job.finished_at - job.queued_at) if status == COMPLETED else None,
-            size=f"{resolved.width}x{resolved.height}", frames=resolved.frames, seed=resolved.seed, error=error,
-        )  # fmt: skip
+            size=f"{resolved.width}x{resolved.height}",
+            frames=resolved.frames,
+            seed=resolved.seed,
+            error=error,
+        )
 
     def _encode(self, entry: VideoEntry, future: Future) -> None:
         if future.cancelled() or future.exception() is not None:

@@ -1,5 +1,4 @@
-"""FLUX.2 (dev, klein and klein KV) as one record: its checkpoints, requests, runtime facts. Must not import
-torch.distributed."""
+"""FLUX.2 (dev, klein and klein KV) as one record: its checkpoints, requests, runtime facts."""
 
 from __future__ import annotations
 
@@ -7,13 +6,12 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from diffusers import AutoencoderKLFlux2
 from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
+from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.flux2.pipeline import (
     Flux2Details,
@@ -23,15 +21,12 @@ from paradit.families.flux2.pipeline import (
     pixel_granularity,
     reference_size,
 )
-from paradit.family import Family
+from paradit.family import Family, Measured, SettledRun
 from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec, TextEncoderSpec
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, TextEncoderSpec, checkpoint_spec
 from paradit.text_encoder import DecoderPromptEncoder
-
-if TYPE_CHECKING:
-    from paradit.settings import RunSettings
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +51,17 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     encoder_config = component_config(folder, "text_encoder")
     encoder = TextEncoderSpec(encoder_config, layers=layers, class_name=index.get("text_encoder", [None, None])[1])
     return checkpoint_spec(
-        folder, index, "flux2", text_encoder=encoder, guidance_mode=mode, steps=steps, guidance=guidance, height=1024,
-        width=1024, details=details,
-    )  # fmt: skip
+        folder,
+        index,
+        "flux2",
+        text_encoder=encoder,
+        guidance_mode=mode,
+        steps=steps,
+        guidance=guidance,
+        height=1024,
+        width=1024,
+        details=details,
+    )
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
@@ -72,11 +75,17 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     # klein inpaints (Flux2KleinInpaintPipeline: the image to repaint, then at most one reference); dev and KV do not.
     inpaints = spec.guidance_mode != "embedded" and not caches_references(spec)
     inpainting = request.mask is not None and inpaints
-    resolved = resolve_common(spec, request, granularity, image_limit=2 if inpainting else REFERENCE_LIMIT,
-                              image_to_image=inpainting,
-                              inpainting_strength=KLEIN_INPAINTING_STRENGTH if inpaints else None)  # fmt: skip
-    resolved.images = tuple(resolve_reference(image, index, checked=not inpainting)
-                            for index, image in enumerate(resolved.images))  # fmt: skip
+    resolved = resolve_common(
+        spec,
+        request,
+        granularity,
+        image_limit=2 if inpainting else REFERENCE_LIMIT,
+        image_to_image=inpainting,
+        inpainting_strength=KLEIN_INPAINTING_STRENGTH if inpaints else None,
+    )
+    resolved.images = tuple(
+        resolve_reference(image, index, checked=not inpainting) for index, image in enumerate(resolved.images)
+    )
     if resolved.images:  # diffusers makes the first image's size when none is asked for
         first = reference_size(resolved.images[0], granularity)
         resolved.height = resolved.height if request.height is not None else first[0]
@@ -101,22 +110,31 @@ def resolve_reference(image, index: int, checked: bool = True):
     return image
 
 
-def check_run(settings: RunSettings, request: ResolvedRequest) -> None:
+def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
     """A KV checkpoint's cached references are every block's keys and values, whole on each rank, computed outside the
     forward: the plans that split the sequence or the blocks (or gather each block's weights in its forward) would
     need them split alike, and a CUDA graph captures only the tensors it is called with."""
     if not request.images or not caches_references(settings.spec):
         return
     parallel = settings.parallel
-    refused = [flag for flag, used in (("--ulysses", parallel.ulysses > 1), ("--ring", parallel.ring > 1),
-                                       ("--pipefusion", parallel.pipefusion > 1),
-                                       ("--shard-weights", bool(parallel.shard_weights)),
-                                       ("--cuda-graphs", settings.options.cuda_graphs)) if used]  # fmt: skip
+    refused = [
+        flag
+        for flag, used in (
+            ("--ulysses", parallel.ulysses > 1),
+            ("--ring", parallel.ring > 1),
+            ("--pipefusion", parallel.pipefusion > 1),
+            ("--shard-weights", bool(parallel.shard_weights)),
+            ("--cuda-graphs", settings.options.cuda_graphs),
+        )
+        if used
+    ]
     if refused:
         flags = " and ".join(refused)
-        raise InvalidRequest(f"{settings.spec.name} caches its reference images' keys and values, which {flags} "
-                             f"cannot take yet; drop {flags} (one GPU and --tensor take references) or the images",
-                             param="image")  # fmt: skip
+        raise InvalidRequest(
+            f"{settings.spec.name} caches its reference images' keys and values, which {flags} "
+            f"cannot take yet; drop {flags} (one GPU and --tensor take references) or the images",
+            param="image",
+        )
 
 
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
@@ -169,4 +187,5 @@ FAMILY = Family(
     # the output layers: a small share of the FLOPs that feeds every block or the prediction directly.
     keep_high_precision=("embed", "modulation", "norm_out", "proj_out"),
     lora_loader="Flux2LoraLoaderMixin",
+    measured=Measured.read(Path(__file__).parent),
 )

@@ -1,17 +1,10 @@
-"""FLUX.2 transformer (dev, klein) as plain single-device math.
-
-Names follow diffusers' ``Flux2Transformer2DModel`` (checkpoints load without key surgery); attention goes through
-``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
-
-- ``embed``: latents, text, timestep, position ids -> ``Flux2Tokens`` (two streams, rotary tables, modulation vectors);
-- ``run_blocks``: the double-stream blocks, then the single-stream blocks over [text, image];
-- ``head``: image tokens -> prediction.
+"""FLUX.2 transformer (dev, klein): diffusers' ``Flux2Transformer2DModel``; ``run_blocks`` runs the double-stream
+blocks, then the single-stream blocks over [text, image].
 
 klein's KV checkpoints (diffusers' ``Flux2KleinKVPipeline``) run their reference images through the blocks once per
 request (``cache_references``): the references attend only to themselves, so their keys and values at every block are
 the same at every step, and each step's text and image tokens attend to them besides their own.
-
-Must not import torch.distributed."""
+"""
 
 from __future__ import annotations
 
@@ -58,8 +51,10 @@ def join_reference(key: torch.Tensor, value: torch.Tensor, reference: KeyValue, 
     """Keys and values as [text, references, image], the order diffusers' KV attention concatenates them in (the same
     sums in the same order)."""
     key_ref, value_ref = (cached.expand(key.shape[0], -1, -1, -1) for cached in reference)
-    return (torch.cat([key[:, :text_tokens], key_ref, key[:, text_tokens:]], dim=1),
-            torch.cat([value[:, :text_tokens], value_ref, value[:, text_tokens:]], dim=1))  # fmt: skip
+    return (
+        torch.cat([key[:, :text_tokens], key_ref, key[:, text_tokens:]], dim=1),
+        torch.cat([value[:, :text_tokens], value_ref, value[:, text_tokens:]], dim=1),
+    )
 
 
 def _swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +88,13 @@ class ParallelSelfAttention(AttentionDispatch):
         self.norm_k = nn.RMSNorm(self.head_dim, eps=config.eps)
         self.to_out = nn.Linear(self.inner_dim + self.mlp_hidden_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                reference: KeyValue | None = None, text_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        reference: KeyValue | None = None,
+        text_tokens: int = 0,
+    ) -> torch.Tensor:
         """``reference``: keys and values the ``text_tokens`` text tokens at the front and the image after attend to."""
         q, k, v, mlp = self.project(x, rope)
         if reference is not None:
@@ -124,8 +124,13 @@ class Flux2Attention(JointAttention):
     """The double-stream blocks' joint attention, text first, whose keys and values may take a KV checkpoint's
     cached references' besides."""
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                reference: KeyValue | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        reference: KeyValue | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if reference is None:
             return super().forward(img, txt, rope)
         q_img, k_img, v_img = self.qkv(img)
@@ -144,8 +149,14 @@ class Flux2Attention(JointAttention):
         return self.to_out[0](self.attend(q, k, v).flatten(2).to(q.dtype)), (k, v)
 
 
-def _after_attention(x: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor, mlp: tuple[torch.Tensor, ...],
-                     norm: nn.Module, ff: nn.Module) -> torch.Tensor:  # fmt: skip
+def _after_attention(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    gate: torch.Tensor,
+    mlp: tuple[torch.Tensor, ...],
+    norm: nn.Module,
+    ff: nn.Module,
+) -> torch.Tensor:
     """A double-stream block's gated residuals of one stream: its attention output, then its MLP's (``mlp``: the
     MLP's shift, scale and gate)."""
     shift, scale, mlp_gate = mlp
@@ -167,9 +178,15 @@ class Flux2TransformerBlock(nn.Module):
         self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.ff_context = FeedForward(dim, config.mlp_ratio)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, mod_img: torch.Tensor, mod_txt: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor],
-                reference: KeyValue | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        mod_img: torch.Tensor,
+        mod_txt: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        reference: KeyValue | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         (shift_a, scale_a, gate_a), mlp = split_modulation(mod_img, 2)
         (c_shift_a, c_scale_a, c_gate_a), c_mlp = split_modulation(mod_txt, 2)
         img_in = (1 + scale_a) * self.norm1(img) + shift_a
@@ -194,8 +211,14 @@ class Flux2SingleTransformerBlock(nn.Module):
         self.norm = nn.LayerNorm(config.inner_dim, elementwise_affine=False, eps=config.eps)
         self.attn = ParallelSelfAttention(config)
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                reference: KeyValue | None = None, text_tokens: int = 0) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        mod: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        reference: KeyValue | None = None,
+        text_tokens: int = 0,
+    ) -> torch.Tensor:
         ((shift, scale, gate),) = split_modulation(mod, 1)
         x = x + gate * self.attn((1 + scale) * self.norm(x) + shift, rope, reference, text_tokens)
         return clip_fp16(x)
@@ -258,11 +281,17 @@ class Flux2Transformer(StagedTransformer):
         if guidance is not None:
             guidance = guidance.to(dtype) * 1000
         temb = self.time_guidance_embed(timestep, dtype, guidance)
-        return Flux2Tokens(img=self.x_embedder(hidden_states), txt=self.context_embedder(encoder_hidden_states),
-                           img_rope=self.rope(img_ids), txt_rope=self.rope(txt_ids), temb=temb,
-                           mod_img=self.double_stream_modulation_img(temb),
-                           mod_txt=self.double_stream_modulation_txt(temb),
-                           mod_single=self.single_stream_modulation(temb), reference_kv=reference_kv)  # fmt: skip
+        return Flux2Tokens(
+            img=self.x_embedder(hidden_states),
+            txt=self.context_embedder(encoder_hidden_states),
+            img_rope=self.rope(img_ids),
+            txt_rope=self.rope(txt_ids),
+            temb=temb,
+            mod_img=self.double_stream_modulation_img(temb),
+            mod_txt=self.double_stream_modulation_txt(temb),
+            mod_single=self.single_stream_modulation(temb),
+            reference_kv=reference_kv,
+        )
 
     def cache_references(self, latents: torch.Tensor, ids: torch.Tensor) -> ReferenceKV:
         """Reference images' packed latents (1, tokens, channels) at position ``ids`` through every block, alone and

@@ -9,7 +9,9 @@ parallelism), and the text encoder stops at the deepest layer read."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,9 +21,13 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
 from paradit.pipelines.inpainting import latent_mask
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
+from paradit.request_hooks import Denoise, RequestHook
 from paradit.spec import ModelSpec
 from paradit.text_encoder import DecoderPromptEncoder, warn_if_truncated
+
+if TYPE_CHECKING:
+    from paradit.families.flux2.model import ReferenceKV
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
@@ -55,9 +61,15 @@ class MistralPromptEncoder(DecoderPromptEncoder):
         texts = self.tokenizer.apply_chat_template(conversations, tokenize=False)
         warn_if_truncated(self.tokenizer, texts, self.spec.max_length)
         inputs = self.tokenizer.apply_chat_template(
-            conversations, add_generation_prompt=False, tokenize=True, return_dict=True, return_tensors="pt",
-            padding="max_length", truncation=True, max_length=self.spec.max_length,
-        )  # fmt: skip
+            conversations,
+            add_generation_prompt=False,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            padding="max_length",
+            truncation=True,
+            max_length=self.spec.max_length,
+        )
         return inputs["input_ids"], inputs["attention_mask"]
 
 
@@ -77,12 +89,30 @@ def caches_references(spec: ModelSpec) -> bool:
 @dataclass(frozen=True)
 class Flux2Layout:
     """The target's token grid, and the reference images' packed latents (1, tokens, channels) with their position
-    ids (tokens, 4): each reference its own time coordinate 10, 20, ... as diffusers numbers them."""
+    ids (tokens, 4): each reference its own time coordinate 10, 20, ... as diffusers numbers them; a KV checkpoint's
+    references' keys and values at every block (``CachedReferences``)."""
 
     rows: int
     cols: int
     references: torch.Tensor | None = None
     reference_ids: torch.Tensor | None = None
+    reference_kv: ReferenceKV | None = None
+
+
+class CachedReferences(RequestHook):
+    """A KV checkpoint's references, run once per request before the first step (``cache_references`` of the plain
+    model: family.py refuses the plans whose forward would split the references' tokens or blocks); every step attends
+    to their keys and values instead."""
+
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+
+    def begin_denoise(self, denoise: Denoise) -> None:
+        layout = denoise.layout
+        if layout.references is not None:
+            with torch.inference_mode():
+                cached = self.model.cache_references(layout.references.to(self.dtype), layout.reference_ids)
+            denoise.layout = dataclasses.replace(layout, reference_kv=cached)
 
 
 def reference_size(image, granularity: int) -> tuple[int, int]:
@@ -91,12 +121,18 @@ def reference_size(image, granularity: int) -> tuple[int, int]:
 
 
 class Flux2Pipeline(DiffusionPipeline):
+    FLOW_SIGMAS_SPACE_THEMSELVES = True  # its diffusers pipelines pass no sigmas to a scheduler of flow sigmas
+
+    def request_hooks(self) -> list[RequestHook]:
+        return [CachedReferences(self.runtime.model, self.dtype)] if caches_references(self.spec) else []
+
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, Flux2Layout]:
         """Seeded noise packed to (batch, tokens, channels), with the token grid and the encoded references."""
         granularity = pixel_granularity(self.spec.vae)
         rows, cols = request.height // granularity, request.width // granularity
-        noise = seeded_noise((request.batch, self.transformer.config.in_channels, rows, cols), request.seed,
-                             self.dtype, self.device)  # fmt: skip
+        noise = seeded_noise(
+            (request.batch, self.transformer.config.in_channels, rows, cols), request.seed, self.dtype, self.device
+        )
         return self.pack_drawn(noise, request), Flux2Layout(rows, cols, *self.encode_references(request))
 
     def pack_drawn(self, latents: torch.Tensor, request: ResolvedRequest) -> torch.Tensor:
@@ -155,8 +191,8 @@ class Flux2Pipeline(DiffusionPipeline):
         return self.scheduled(FlowMatchEulerDiscreteScheduler, sigmas=sigmas, mu=mu)
 
     def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: Flux2Layout):
-        """The references' tokens follow the target's in the image stream; only the target's rows are predicted. A KV
-        checkpoint's references run once, here, and every step attends to their cached keys and values instead."""
+        """The references' tokens follow the target's in the image stream; only the target's rows are predicted; a KV
+        checkpoint's cached keys and values of them are attended to instead."""
         embeds = conditioning["embeds"]
         one = torch.arange(1)
         img_ids = torch.cartesian_prod(one, torch.arange(layout.rows), torch.arange(layout.cols), one).to(self.device)
@@ -164,12 +200,8 @@ class Flux2Pipeline(DiffusionPipeline):
         guidance = None
         if self.spec.guidance_mode == "embedded":
             guidance = torch.full((embeds.shape[0],), request.guidance, device=self.device, dtype=torch.float32)
-        references, cached = layout.references, None
-        if references is not None and caches_references(self.spec):
-            # The plain model: family.py refuses the plans whose forward would split the references' tokens or blocks.
-            with torch.inference_mode():
-                cached = self.parallelized.model.cache_references(references.to(self.dtype), layout.reference_ids)
-        elif references is not None:
+        references, cached = layout.references, layout.reference_kv
+        if references is not None and cached is None:
             img_ids = torch.cat([img_ids, layout.reference_ids])
 
         def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,4 @@
-"""How Qwen-Image-Edit checkpoints take their input images: light (no torch), as the presets name it.
-Must not import torch.distributed."""
+"""How Qwen-Image-Edit checkpoints take their input images: light (no torch), as the presets name it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Qwen-Image as one record: its checkpoints, its requests, its runtime facts. Must not import torch.distributed."""
+"""Qwen-Image as one record: its checkpoints, its requests, its runtime facts."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from diffusers import AutoencoderKLQwenImage
 
+from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.qwen_image.edit import EDIT_PIPELINES, EditInputs
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
 from paradit.families.qwen_image.pipeline import (
@@ -18,11 +18,11 @@ from paradit.families.qwen_image.pipeline import (
     QwenVisionPromptEncoder,
     pixel_granularity,
 )
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, checkpoint_spec
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +33,22 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     transformer = component_config(folder, "transformer")
     QwenImageConfig.from_dict(transformer)  # refuses the variants this pipeline does not serve, before loading
     return checkpoint_spec(
-        folder, index, "qwen_image", transformer=transformer, text_encoder=component_config(folder, "text_encoder"),
-        guidance_mode="cfg", steps=50, guidance=4.0, height=1024, width=1024,
+        folder,
+        index,
+        "qwen_image",
+        transformer=transformer,
+        text_encoder=component_config(folder, "text_encoder"),
+        guidance_mode="cfg",
+        steps=50,
+        guidance=4.0,
+        height=1024,
+        width=1024,
         details=EDIT_PIPELINES.get(index["_class_name"]),
-    )  # fmt: skip
+    )
+
+
+# diffusers' pipelines hand the scheduler their own sigmas, which DPMSolverMultistepScheduler takes none of
+SCHEDULERS = ("flow-euler", "unipc")
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
@@ -45,23 +57,40 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     checkpoint runs image-to-image or inpainting given an image; an edit checkpoint needs its input image(s)."""
     granularity = pixel_granularity(spec.vae)
     if spec.details is None:
-        return resolve_common(spec, request, granularity, image_limit=1, image_to_image=True,
-                              inpainting_strength=0.6)  # fmt: skip
+        return resolve_common(
+            spec,
+            request,
+            granularity,
+            image_limit=1,
+            image_to_image=True,
+            inpainting_strength=0.6,
+            schedulers=SCHEDULERS,
+        )
     edit: EditInputs = spec.details
     limit = EDIT_PLUS_IMAGE_LIMIT if edit.plus else 1
     # Edit inpaints (QwenImageEditInpaintPipeline: its one image, noised where the mask is white); Edit-Plus does not.
     inpainting = request.mask is not None and not edit.plus
-    resolved = resolve_common(spec, request, granularity, image_limit=limit, image_to_image=inpainting,
-                              inpainting_strength=None if edit.plus else 0.6)  # fmt: skip
+    resolved = resolve_common(
+        spec,
+        request,
+        granularity,
+        image_limit=limit,
+        image_to_image=inpainting,
+        inpainting_strength=None if edit.plus else 0.6,
+        schedulers=SCHEDULERS,
+    )
     if not resolved.images:
-        raise InvalidRequest(f"{spec.name} edits: give the image{'(s)' * (limit > 1)} to edit (--image)",
-                             param="image")  # fmt: skip
+        raise InvalidRequest(f"{spec.name} edits: give the image{'(s)' * (limit > 1)} to edit (--image)", param="image")
     # Without a size, Edit makes its image's input size and Edit-Plus its last image's, floored to whole tokens.
     height, width = (side // granularity * granularity for side in edit.input_size(resolved.images[-1]))
     if inpainting and (request.height, request.width) not in ((None, None), (height, width)):
         # Its image is the target too: the two token grids must match.
-        logger.warning("inpainting with %s makes its image's %dx%d; the size asked is ignored, as diffusers "
-                       "ignores it", spec.name, width, height)  # fmt: skip
+        logger.warning(
+            "inpainting with %s makes its image's %dx%d; the size asked is ignored, as diffusers ignores it",
+            spec.name,
+            width,
+            height,
+        )
         resolved.height, resolved.width = height, width
     resolved.height = resolved.height if request.height is not None else height
     resolved.width = resolved.width if request.width is not None else width
@@ -103,4 +132,5 @@ FAMILY = Family(
     # The embedders (img_in, txt_in, the timestep MLP), the per-block modulation (img_mod, txt_mod), the output layers.
     keep_high_precision=("img_in", "txt_in", "time_text_embed", "_mod.", "norm_out", "proj_out"),
     lora_loader="QwenImageLoraLoaderMixin",
+    measured=Measured.read(Path(__file__).parent),
 )

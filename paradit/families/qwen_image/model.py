@@ -1,13 +1,4 @@
-"""Qwen-Image transformer (MMDiT with 60 dual-stream blocks) as plain single-device math.
-
-Names follow diffusers' ``QwenImageTransformer2DModel`` (checkpoints load without key surgery); attention goes through
-``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
-
-- ``embed``: packed latents, masked text, timestep, grid -> ``QwenImageTokens`` (streams, rotary tables, mask, temb);
-- ``run_blocks``: the dual-stream blocks, text and image meeting in joint attention over [text, image];
-- ``head``: image tokens -> prediction.
-
-Must not import torch.distributed."""
+"""Qwen-Image transformer (MMDiT with 60 dual-stream blocks): diffusers' ``QwenImageTransformer2DModel``."""
 
 from __future__ import annotations
 
@@ -68,8 +59,9 @@ def image_positions(grids: tuple[tuple[int, int], ...], device: torch.device | N
     return torch.cat(positions)
 
 
-def text_positions(grids: tuple[tuple[int, int], ...], text_len: int,
-                   device: torch.device | None = None) -> torch.Tensor:  # fmt: skip
+def text_positions(
+    grids: tuple[tuple[int, int], ...], text_len: int, device: torch.device | None = None
+) -> torch.Tensor:
     """(text_len, 3) positions of the text tokens: counting on from the largest half-side of any grid, on every
     axis."""
     start = max(max(rows // 2, cols // 2) for rows, cols in grids)
@@ -92,16 +84,24 @@ class QwenImageTransformerBlock(nn.Module):
         self.txt_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
         self.txt_mlp = GeluFeedForward(dim, 4 * dim, dim)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                key_mask: torch.Tensor | None, input_images: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        temb: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor | None,
+        input_images: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_images``: (timestep-0 embedding, (batch, img tokens, 1) bool of the input images' tokens), which
         take the modulation of the former (``zero_cond_t``)."""
         img_mods = split_modulation(self.img_mod(temb), 2)
         if input_images is not None:
             still, chosen = input_images
-            img_mods = [tuple(torch.where(chosen, at_zero, at_t) for at_t, at_zero in zip(mods, mods_zero))
-                        for mods, mods_zero in zip(img_mods, split_modulation(self.img_mod(still), 2))]  # fmt: skip
+            img_mods = [
+                tuple(torch.where(chosen, at_zero, at_t) for at_t, at_zero in zip(mods, mods_zero))
+                for mods, mods_zero in zip(img_mods, split_modulation(self.img_mod(still), 2))
+            ]
         (shift_a, scale_a, gate_a), (shift_m, scale_m, gate_m) = img_mods
         (c_shift_a, c_scale_a, c_gate_a), (c_shift_m, c_scale_m, c_gate_m) = split_modulation(self.txt_mod(temb), 2)
         img_in = self.img_norm1(img) * (1 + scale_a) + shift_a
@@ -116,8 +116,10 @@ class QwenImageTransformerBlock(nn.Module):
 @dataclass
 class QwenImageTokens(JointTokens):
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
-        **JointTokens.SEQUENCE_FIELDS, "txt_mask": ("txt", 1), "input_image_rows": ("img", 1),
-    }  # fmt: skip
+        **JointTokens.SEQUENCE_FIELDS,
+        "txt_mask": ("txt", 1),
+        "input_image_rows": ("img", 1),
+    }
 
     # (batch, text) bool, True for real tokens; None when nothing is padded, so attention runs unmasked (fast kernels).
     txt_mask: torch.Tensor | None
@@ -141,9 +143,16 @@ class QwenImageTransformer(StagedTransformer):
         self.norm_out = AdaLayerNormOut(dim, dim, eps=EPS)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.output_channels)
 
-    def embed(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor, rows: int,
-              cols: int, encoder_hidden_states_mask: torch.Tensor | None = None,
-              input_grids: tuple[tuple[int, int], ...] = ()) -> QwenImageTokens:  # fmt: skip
+    def embed(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        rows: int,
+        cols: int,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        input_grids: tuple[tuple[int, int], ...] = (),
+    ) -> QwenImageTokens:
         """``hidden_states``: packed latents (batch, rows * cols, in_channels), followed by the packed latents of an
         edit's input images, of token grids ``input_grids``; ``timestep``: sigma in [0, 1] per sample;
         ``encoder_hidden_states_mask``: (batch, text), nonzero for real tokens, None if nothing is padded."""

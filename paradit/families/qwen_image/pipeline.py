@@ -27,7 +27,7 @@ from paradit.checkpoint import component_dir
 from paradit.families.qwen_image.edit import EditInputs
 from paradit.offline_tokenizer import VISION_TOKENS, build_offline_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, latent_statistics, pad_rows, seeded_noise
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.spec import CheckpointFolder
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 
@@ -64,9 +64,11 @@ def pixel_granularity(vae_config: dict) -> int:
 def load_qwen25_vl(weights: CheckpointFolder, device: torch.device, dtype: torch.dtype, placement: str) -> nn.Module:
     """The checkpoint's Qwen2.5-VL (``text_encoder``), loaded where ``placement`` loads weights."""
     return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        component_dir(weights.path, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device),
+        component_dir(weights.path, "text_encoder"),
+        dtype=dtype,
+        device_map=weights_device(placement, device),
         use_safetensors=weights.use_safetensors("text_encoder"),
-    )  # fmt: skip
+    )
 
 
 class QwenPromptEncoder:
@@ -80,8 +82,9 @@ class QwenPromptEncoder:
         return [self.language_model]
 
     @classmethod
-    def from_folder(cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype,
-                    placement: str = "gpu") -> QwenPromptEncoder:  # fmt: skip
+    def from_folder(
+        cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
+    ) -> QwenPromptEncoder:
         """``config`` is the folder's own, which transformers reads again."""
         model = load_qwen25_vl(weights, device, dtype, placement)
         tokenizer = transformers.AutoTokenizer.from_pretrained(component_dir(weights.path, "tokenizer"))
@@ -140,33 +143,42 @@ class QwenVisionPromptEncoder:
         return [self.model]
 
     @classmethod
-    def from_folder(cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype,
-                    placement: str = "gpu") -> QwenVisionPromptEncoder:  # fmt: skip
+    def from_folder(
+        cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
+    ) -> QwenVisionPromptEncoder:
         model = load_qwen25_vl(weights, device, dtype, placement)
         processor = component_dir(weights.path, "processor")
         tokenizer = transformers.AutoTokenizer.from_pretrained(processor)
         image_processor = transformers.AutoImageProcessor.from_pretrained(processor)
-        return cls(place(model.model.eval().requires_grad_(False), placement, device), tokenizer, image_processor,
-                   device)  # fmt: skip
+        return cls(
+            place(model.model.eval().requires_grad_(False), placement, device), tokenizer, image_processor, device
+        )
 
     @classmethod
-    def dummy(cls, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu",
-              seed: int = 0) -> QwenVisionPromptEncoder:  # fmt: skip
+    def dummy(
+        cls, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
+    ) -> QwenVisionPromptEncoder:
         tokenizer = build_offline_tokenizer(TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS)
         # The image markers where the offline tokenizer has them (the published ids are past its vocabulary).
-        markers = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
-                           tokenizer.convert_tokens_to_ids(VISION_TOKENS)))  # fmt: skip
+        markers = dict(
+            zip(
+                ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                tokenizer.convert_tokens_to_ids(VISION_TOKENS),
+            )
+        )
         settings = {key: value for key, value in config.items() if key != "model_type"}
         vl_config = transformers.Qwen2_5_VLConfig(**{**settings, **markers})
-        model = random_encoder(lambda: transformers.AutoModel.from_config(vl_config, dtype=dtype), placement, device,
-                               dtype, seed)  # fmt: skip
+        model = random_encoder(
+            lambda: transformers.AutoModel.from_config(vl_config, dtype=dtype), placement, device, dtype, seed
+        )
         vision = config["vision_config"]
         # transformers names its PIL-backed processor apart since 5.x, where the plain name wants torchvision.
         processor_class = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
         image_processor = processor_class(
-            patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+            patch_size=vision["patch_size"],
+            temporal_patch_size=vision["temporal_patch_size"],
             merge_size=vision["spatial_merge_size"],
-        )  # fmt: skip
+        )
         return cls(place(model, placement, device), tokenizer, image_processor, device)
 
     @torch.no_grad()
@@ -174,14 +186,17 @@ class QwenVisionPromptEncoder:
         """Each text's (tokens, hidden) last hidden states; its image markers, in order, read ``images``."""
         vision = self.image_processor(images=images * len(texts), return_tensors="pt")
         counts = iter((vision["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2).tolist())
-        inputs = self.tokenizer([widen_image_markers(text, counts) for text in texts], padding=True,
-                                return_tensors="pt")  # fmt: skip
+        inputs = self.tokenizer(
+            [widen_image_markers(text, counts) for text in texts], padding=True, return_tensors="pt"
+        )
         mask = inputs["attention_mask"].to(self.device)
         output = self.model(
-            input_ids=inputs["input_ids"].to(self.device), attention_mask=mask, use_cache=False,
+            input_ids=inputs["input_ids"].to(self.device),
+            attention_mask=mask,
+            use_cache=False,
             pixel_values=vision["pixel_values"].to(self.device, self.model.dtype),
             image_grid_thw=vision["image_grid_thw"].to(self.device),
-        )  # fmt: skip
+        )
         return [h[m.bool()].to(dtype) for h, m in zip(output.last_hidden_state, mask)]
 
 
@@ -230,7 +245,7 @@ class QwenImagePipeline(DiffusionPipeline):
         layout = QwenLayout(rows, cols)
         if self.spec.details is not None and request.mask is not None:
             # Edit's inpainting conditions on the image's latents its start draws (the request's generator's first
-            # draw: ``start_from_image``), drawn here alike.
+            # draw: ``ImageToImage``), drawn here alike.
             drawn = self.image_latents(request, torch.Generator("cpu").manual_seed(request.seed))
             layout = QwenLayout(rows, cols, self.pack_drawn(drawn, request), ((rows, cols),))
         elif self.spec.details is not None:
@@ -287,8 +302,9 @@ class QwenImagePipeline(DiffusionPipeline):
             if inputs is None:
                 return transformer(x, embeds, timestep, layout.rows, layout.cols, mask)
             joined = torch.cat([x, inputs.to(x.dtype).expand(x.shape[0], -1, -1)], dim=1)
-            return transformer(joined, embeds, timestep, layout.rows, layout.cols, mask,
-                               layout.input_grids)[:, : x.shape[1]]  # fmt: skip
+            return transformer(joined, embeds, timestep, layout.rows, layout.cols, mask, layout.input_grids)[
+                :, : x.shape[1]
+            ]
 
         return call
 

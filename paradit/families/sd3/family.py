@@ -1,4 +1,4 @@
-"""Stable Diffusion 3 / 3.5 as one record: checkpoints, requests, runtime facts. Must not import torch.distributed."""
+"""Stable Diffusion 3 / 3.5 as one record: checkpoints, requests, runtime facts."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ from pathlib import Path
 
 from diffusers import AutoencoderKL
 
+from paradit.checkpoint import component_config
 from paradit.errors import CheckpointError
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.sd3.model import SD3Config, SD3Transformer
 from paradit.families.sd3.pipeline import SD3Pipeline, SD3PromptEncoder, pixel_granularity, vae_scale_factor
 from paradit.families.sd3.presets import PRESETS, SD3TextEncoders
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan, joint_attention
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' StableDiffusion3Pipeline.__call__ defaults, for checkpoints that are not a published SD3.5.
 PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE = 28, 7.0
@@ -41,9 +41,19 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     steps, guidance = published_defaults(transformer)
     size = transformer.get("sample_size", 128) * vae_scale_factor(vae)
     return checkpoint_spec(
-        folder, index, "sd3", transformer=transformer, text_encoder=encoders, vae=vae, scheduler=scheduler,
-        guidance_mode="cfg", steps=steps, guidance=guidance, height=size, width=size,
-    )  # fmt: skip
+        folder,
+        index,
+        "sd3",
+        transformer=transformer,
+        text_encoder=encoders,
+        vae=vae,
+        scheduler=scheduler,
+        guidance_mode="cfg",
+        steps=steps,
+        guidance=guidance,
+        height=size,
+        width=size,
+    )
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
@@ -51,8 +61,16 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     image runs image-to-image at the model's size (or the one asked for)."""
     granularity = pixel_granularity(spec)
     largest = spec.transformer["pos_embed_max_size"] * granularity
-    return resolve_common(spec, request, granularity, largest=(largest, largest), default_negative="", image_limit=1,
-                          image_to_image=True, inpainting_strength=0.6)  # fmt: skip
+    return resolve_common(
+        spec,
+        request,
+        granularity,
+        largest=(largest, largest),
+        default_negative="",
+        image_limit=1,
+        image_to_image=True,
+        inpainting_strength=0.6,
+    )
 
 
 FAMILY = Family(
@@ -88,4 +106,5 @@ FAMILY = Family(
     keep_high_precision=("embed", "norm", "proj_out"),
     lora_loader="SD3LoraLoaderMixin",
     after_dummy_init=lambda transformer: transformer.pos_embed.fill_position_table(),  # a fixed sin-cos buffer
+    measured=Measured.read(Path(__file__).parent),
 )

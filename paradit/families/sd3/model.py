@@ -1,13 +1,5 @@
-"""Stable Diffusion 3 / 3.5 transformer (MMDiT, MMDiT-X) as plain single-device math.
-
-Parameter and buffer names follow diffusers' ``SD3Transformer2DModel`` (checkpoints load without key surgery); attention
-goes through ``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
-
-- ``embed``: latents -> patch tokens + cropped sin-cos positions, text -> context, timestep + pooled -> ``SD3Tokens``;
-- ``run_blocks``: the joint blocks (SD3.5-medium's first add image-only attention; the last leaves the text as it is);
-- ``head``: image tokens -> one row of patch values per token (``unpatchify`` makes it latent-shaped).
-
-Must not import torch.distributed."""
+"""Stable Diffusion 3 / 3.5 transformer (MMDiT, MMDiT-X): diffusers' ``SD3Transformer2DModel``. Positions are cropped
+sin-cos tables; SD3.5-medium's first joint blocks add image-only attention, and the last leaves the text as it is."""
 
 from __future__ import annotations
 
@@ -185,8 +177,13 @@ class SD3Transformer(StagedTransformer):
         self.norm_out = AdaLayerNormOut(dim, dim, eps=EPS)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.output_channels)
 
-    def embed(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, pooled_projections: torch.Tensor,
-              timestep: torch.Tensor) -> SD3Tokens:  # fmt: skip
+    def embed(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep: torch.Tensor,
+    ) -> SD3Tokens:
         """``hidden_states``: latents (batch, channels, height, width); ``timestep``: per sample, 0-1000."""
         return SD3Tokens(
             img=self.pos_embed(hidden_states).contiguous(),

@@ -20,7 +20,7 @@ from paradit.families.sd3.model import unpatchify
 from paradit.families.sd3.presets import SD3TextEncoders
 from paradit.offline_tokenizer import offline_t5_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.spec import CheckpointFolder, ModelSpec
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 
@@ -49,8 +49,15 @@ class SD3PromptEncoder:
     """CLIP-L, OpenCLIP bigG and T5 with their tokenizers, loaded on ``weights_device(placement, device)`` and run on
     ``device``; ``encode`` gives diffusers' ``prompt_embeds`` and ``pooled_prompt_embeds``."""
 
-    def __init__(self, clip_encoders: list[nn.Module], t5: nn.Module, tokenizers: list, max_sequence_length: int,
-                 device: torch.device, placement: str = "gpu") -> None:  # fmt: skip
+    def __init__(
+        self,
+        clip_encoders: list[nn.Module],
+        t5: nn.Module,
+        tokenizers: list,
+        max_sequence_length: int,
+        device: torch.device,
+        placement: str = "gpu",
+    ) -> None:
         self.clip_encoders = [
             place(encoder.eval().requires_grad_(False), placement, device) for encoder in clip_encoders
         ]
@@ -65,14 +72,24 @@ class SD3PromptEncoder:
         return [*self.clip_encoders, self.t5]
 
     @classmethod
-    def from_folder(cls, weights: CheckpointFolder, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype,
-                    placement: str = "gpu") -> SD3PromptEncoder:  # fmt: skip
+    def from_folder(
+        cls,
+        weights: CheckpointFolder,
+        spec: SD3TextEncoders,
+        device: torch.device,
+        dtype: torch.dtype,
+        placement: str = "gpu",
+    ) -> SD3PromptEncoder:
         folder, placed = weights.path, weights_device(placement, device)
         index = read_json(folder / "model_index.json")
 
         def load(model_class, name: str) -> nn.Module:
-            return model_class.from_pretrained(component_dir(folder, name), dtype=dtype, device_map=placed,
-                                               use_safetensors=weights.use_safetensors(name))  # fmt: skip
+            return model_class.from_pretrained(
+                component_dir(folder, name),
+                dtype=dtype,
+                device_map=placed,
+                use_safetensors=weights.use_safetensors(name),
+            )
 
         clip_encoders = [load(CLIPTextModelWithProjection, name) for name in ("text_encoder", "text_encoder_2")]
         t5 = load(T5EncoderModel, "text_encoder_3")
@@ -83,21 +100,28 @@ class SD3PromptEncoder:
         return cls(clip_encoders, t5, tokenizers, spec.max_sequence_length, device, placement)
 
     @classmethod
-    def dummy(cls, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu",
-              seed: int = 0) -> SD3PromptEncoder:  # fmt: skip
+    def dummy(
+        cls, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
+    ) -> SD3PromptEncoder:
         clip_encoders = [
             random_encoder(
                 lambda config=config: CLIPTextModelWithProjection._from_config(
                     CLIPTextConfig.from_dict(config), dtype=dtype
                 ),
-                placement, device, dtype, seed + index,
+                placement,
+                device,
+                dtype,
+                seed + index,
             )
             for index, config in enumerate((spec.clip_l, spec.clip_g))
-        ]  # fmt: skip
+        ]
         t5 = random_encoder(
-            lambda: T5EncoderModel._from_config(T5Config.from_dict(spec.t5), dtype=dtype), placement, device, dtype,
+            lambda: T5EncoderModel._from_config(T5Config.from_dict(spec.t5), dtype=dtype),
+            placement,
+            device,
+            dtype,
             seed + 2,
-        )  # fmt: skip
+        )
         # The published bigG tokenizer pads with "!", CLIP-L's with its end token.
         tokenizers = [offline_clip_tokenizer("<|endoftext|>"), offline_clip_tokenizer("!"), offline_t5_tokenizer()]
         return cls(clip_encoders, t5, tokenizers, spec.max_sequence_length, device, placement)
@@ -118,8 +142,14 @@ class SD3PromptEncoder:
         """(batch, clip length + max_sequence_length, T5 width) embeddings and (batch, pooled width) vectors."""
         (hidden_l, pooled_l), (hidden_g, pooled_g) = self._clip(0, prompts), self._clip(1, prompts)
         warn_if_truncated(self.t5_tokenizer, prompts, self.max_sequence_length, "T5")
-        ids = self.t5_tokenizer(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
-                                add_special_tokens=True, return_tensors="pt").input_ids  # fmt: skip
+        ids = self.t5_tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        ).input_ids
         t5_hidden = self.t5(ids.to(self.device))[0]
         clip_hidden = torch.cat([hidden_l, hidden_g], dim=-1)
         clip_hidden = nn.functional.pad(clip_hidden, (0, t5_hidden.shape[-1] - clip_hidden.shape[-1]))
@@ -135,8 +165,10 @@ class SD3Pipeline(DiffusionPipeline):
         prompts = request.prompts + (request.negative_prompts if self.uses_cfg(request) else [])
         embeds, pooled = self.prompt_encoder.encode(prompts, self.dtype)
         repeat = request.images_per_prompt
-        return {"embeds": embeds.to(self.device).repeat_interleave(repeat, dim=0),
-                "pooled": pooled.to(self.device).repeat_interleave(repeat, dim=0)}  # fmt: skip
+        return {
+            "embeds": embeds.to(self.device).repeat_interleave(repeat, dim=0),
+            "pooled": pooled.to(self.device).repeat_interleave(repeat, dim=0),
+        }
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, None]:
         stride = vae_scale_factor(self.spec.vae)

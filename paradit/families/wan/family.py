@@ -1,5 +1,4 @@
-"""Wan 2.2 (T2V-A14B, I2V-A14B, TI2V-5B) as one record: its checkpoints, its requests, its runtime facts.
-Must not import torch.distributed."""
+"""Wan 2.2 (T2V-A14B, I2V-A14B, TI2V-5B) as one record: its checkpoints, its requests, its runtime facts."""
 
 from __future__ import annotations
 
@@ -7,16 +6,16 @@ from pathlib import Path
 
 from diffusers import AutoencoderKLWan
 
+from paradit.checkpoint import component_config
 from paradit.errors import CheckpointError, InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.wan.model import WanConfig, WanTransformer
 from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_input, vae_factors
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
+from paradit.pipelines.requests import check_guidance, resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' WanPipeline.__call__ defaults, for a checkpoint folder.
 DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FRAMES, DEFAULT_FPS = 50, 5.0, 480, 832, 81, 16
@@ -26,25 +25,39 @@ MAX_FRAMES, MAX_FPS = 1024, 240
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     """A ``WanPipeline`` or ``WanImageToVideoPipeline`` checkpoint: one or two experts, the boundary and per-token
     timesteps from ``model_index.json``."""
-    present = {name: isinstance(index.get(name), list) and index[name][0] is not None for name in
-               ("transformer", "transformer_2", "image_encoder")}  # fmt: skip
+    present = {
+        name: isinstance(index.get(name), list) and index[name][0] is not None
+        for name in ("transformer", "transformer_2", "image_encoder")
+    }
     if not present["transformer"]:
         raise CheckpointError(f"{folder} has no transformer/ (a low-noise expert alone is not served)")
     if present["image_encoder"]:
-        raise CheckpointError(f"{folder} is a Wan 2.1 image-to-video checkpoint (a CLIP image encoder), which paradit "
-                              "does not run; its Wan 2.2 checkpoints (I2V-A14B, TI2V-5B) encode the image with the "
-                              "VAE alone and do run")  # fmt: skip
+        raise CheckpointError(
+            f"{folder} is a Wan 2.1 image-to-video checkpoint (a CLIP image encoder), which paradit "
+            "does not run; its Wan 2.2 checkpoints (I2V-A14B, TI2V-5B) encode the image with the "
+            "VAE alone and do run"
+        )
     boundary = index.get("boundary_ratio")
     two_experts = present["transformer_2"] and boundary is not None
     experts = {"transformer_2": component_config(folder, "transformer_2")} if two_experts else {}
     per_token = bool(index.get("expand_timesteps"))
     layout = ("two experts" if experts else "one transformer") + (", per-token timesteps" if per_token else "")
     return checkpoint_spec(
-        folder, index, "wan", layout, text_encoder=WanTextEncoder(component_config(folder, "text_encoder")),
-        guidance_mode="cfg", steps=DEFAULT_STEPS, guidance=DEFAULT_GUIDANCE, height=DEFAULT_HEIGHT,
-        width=DEFAULT_WIDTH, frames=DEFAULT_FRAMES, fps=DEFAULT_FPS, experts=experts,
+        folder,
+        index,
+        "wan",
+        layout,
+        text_encoder=WanTextEncoder(component_config(folder, "text_encoder")),
+        guidance_mode="cfg",
+        steps=DEFAULT_STEPS,
+        guidance=DEFAULT_GUIDANCE,
+        height=DEFAULT_HEIGHT,
+        width=DEFAULT_WIDTH,
+        frames=DEFAULT_FRAMES,
+        fps=DEFAULT_FPS,
+        experts=experts,
         details=WanDetails(boundary if experts else None, per_token),
-    )  # fmt: skip
+    )
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
@@ -53,23 +66,26 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     temporal, spatial = vae_factors(spec.vae)
     mode = image_input(spec)
     if mode is None and request.image is not None:
-        raise InvalidRequest(f"{spec.name} is text-to-video and takes no image; the image-to-video models are "
-                             "wan2.2-i2v-a14b and wan2.2-ti2v-5b")  # fmt: skip
+        raise InvalidRequest(
+            f"{spec.name} is text-to-video and takes no image; the image-to-video models are "
+            "wan2.2-i2v-a14b and wan2.2-ti2v-5b"
+        )
     resolved = resolve_common(spec, request, spatial * spec.transformer["patch_size"][1], image_limit=1)
     if mode == "channels" and not resolved.images:
         raise InvalidRequest(f"{spec.name} animates an image; give the first frame (--image PATH)")
     frames = spec.frames if request.frames is None else int(request.frames)
     if frames < 1 or frames % temporal != 1 % temporal or frames > MAX_FRAMES:
-        raise InvalidRequest(f"frames {frames} is not allowed; this model takes {temporal}k+1 frames (1, "
-                             f"{temporal + 1}, {2 * temporal + 1}, ...) up to {MAX_FRAMES}")  # fmt: skip
+        raise InvalidRequest(
+            f"frames {frames} is not allowed; this model takes {temporal}k+1 frames (1, "
+            f"{temporal + 1}, {2 * temporal + 1}, ...) up to {MAX_FRAMES}"
+        )
     guidance_2 = request.guidance_2
     if guidance_2 is not None and not spec.experts:
         raise InvalidRequest("guidance_2 is for models with a low-noise expert; this one has one transformer")
     if spec.experts and guidance_2 is None:
         # diffusers' rule: the low-noise scale is the high-noise one unless given; a preset's own default otherwise.
         guidance_2 = spec.guidance_2 if request.guidance is None and spec.guidance_2 is not None else resolved.guidance
-    if guidance_2 is not None and not 0 <= guidance_2 < float("inf"):
-        raise InvalidRequest(f"guidance_2 {guidance_2} is not allowed; give a finite value >= 0")
+    check_guidance("guidance_2", guidance_2)
     resolved.frames, resolved.guidance_2 = frames, guidance_2
     resolved.fps = spec.fps if request.fps is None else request.fps
     if not isinstance(resolved.fps, int) or not 1 <= resolved.fps <= MAX_FPS:
@@ -116,4 +132,5 @@ FAMILY = Family(
     lora_loader="WanLoraLoaderMixin",
     video=True,
     sequence_tokens=sequence_tokens,
+    measured=Measured.read(Path(__file__).parent),
 )

@@ -1,16 +1,12 @@
-"""Wan 2.1 / 2.2 video transformer (T2V-A14B, I2V-A14B, TI2V-5B) as plain single-device math.
+"""Wan 2.1 / 2.2 video transformer (T2V-A14B, I2V-A14B, TI2V-5B): diffusers' ``WanTransformer3DModel``.
 
-Names follow diffusers' ``WanTransformer3DModel`` (``transformer/``, ``transformer_2/`` load without key surgery);
-attention calls ``AttentionDispatch.attend``; nothing here knows other devices. Stages the runtime acts between:
-
-- ``embed``: latents (B, C, F, H, W), timestep, text -> ``WanTokens``: the video tokens (Conv3d (1, 2, 2) patches in
-  frame-row-column order), rotary tables, projected text, timestep modulation per sample or (TI2V-5B) per token;
-- ``run_blocks``: modulated self-attention, text cross-attention (and Wan 2.1 I2V's CLIP features), modulated GELU MLP;
-- ``head``: video tokens -> one row of patch values per token; ``unpatchify`` makes it a video.
+``embed`` makes the video tokens (Conv3d (1, 2, 2) patches in frame-row-column order) and the timestep modulation, per
+sample or (TI2V-5B) per token; each block is modulated self-attention, text cross-attention (and Wan 2.1 I2V's CLIP
+features) and a modulated GELU MLP.
 
 The video is the one stream the runtime splits: every rank holds the whole text, so cross-attention runs locally (its
 ``sequence_streams == ()``). Numerics follow the reference: layer norms and modulation in float32, rounded where it
-rounds; Q/K RMS norms span all heads (one statistic over ``heads * head_dim``). Must not import torch.distributed."""
+rounds; Q/K RMS norms span all heads (one statistic over ``heads * head_dim``)."""
 
 from __future__ import annotations
 
@@ -116,8 +112,14 @@ class WanBlock(nn.Module):
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.empty(1, MODULATION_SETS, dim))
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, context_image: torch.Tensor | None,
-                modulation: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        context_image: torch.Tensor | None,
+        modulation: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         """``modulation``: (B, 1, 6, dim) for one timestep per sample, (B, tokens, 6, dim) for one per token."""
         # float32 whatever the parameters' dtype: the reference keeps the table in float32 and adds in float32.
         mod = self.scale_shift_table.float() + modulation.float()
@@ -179,8 +181,11 @@ class WanTokens:
     token (TI2V-5B), else per sample. Not frozen, like the other token states: PipeFusion sets received streams."""
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
-        "video": ("video", 1), "rope": ("video", 0), "token_temb": ("video", 1), "token_modulation": ("video", 1),
-    }  # fmt: skip
+        "video": ("video", 1),
+        "rope": ("video", 0),
+        "token_temb": ("video", 1),
+        "token_modulation": ("video", 1),
+    }
     OUTPUT_STREAM: ClassVar[str] = "video"
 
     video: torch.Tensor  # (B, frames * rows * cols, dim), raster order (frame, row, column)
@@ -215,8 +220,13 @@ class WanTransformer(StagedTransformer):
         ids = torch.cartesian_prod(*(torch.arange(n, device=device) for n in grid))
         return multi_axis_rope(ids, self.config.rope_axes, ROPE_THETA)
 
-    def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-              encoder_hidden_states_image: torch.Tensor | None = None) -> WanTokens:  # fmt: skip
+    def embed(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None = None,
+    ) -> WanTokens:
         """``hidden_states``: latents (B, in_channels, F, H, W), for I2V with mask and image latents concatenated;
         ``timestep``: (B,) in [0, 1000], or (B, video tokens) (TI2V-5B); ``encoder_hidden_states``: text features (B, T,
         text_dim), zero-padded, unmasked; ``encoder_hidden_states_image``: CLIP features (B, T_img, image_dim)."""
@@ -244,9 +254,16 @@ class WanTransformer(StagedTransformer):
             if embedder.image_embedder is None:
                 raise ValueError("image features given to a checkpoint without an image embedder (image_dim None)")
             context_image = embedder.image_embedder(encoder_hidden_states_image)
-        return WanTokens(video=video, rope=self.rope(grid, hidden_states.device),
-                         context=embedder.text_embedder(encoder_hidden_states), context_image=context_image, temb=temb,
-                         modulation=modulation, token_temb=token_temb, token_modulation=token_modulation)  # fmt: skip
+        return WanTokens(
+            video=video,
+            rope=self.rope(grid, hidden_states.device),
+            context=embedder.text_embedder(encoder_hidden_states),
+            context_image=context_image,
+            temb=temb,
+            modulation=modulation,
+            token_temb=token_temb,
+            token_modulation=token_modulation,
+        )
 
     def run_blocks(self, tokens: WanTokens) -> WanTokens:
         modulation = tokens.modulation[:, None] if tokens.token_modulation is None else tokens.token_modulation

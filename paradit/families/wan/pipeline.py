@@ -25,7 +25,7 @@ from paradit.families.wan.model import unpatchify
 from paradit.families.wan.presets import WanTextEncoder
 from paradit.offline_tokenizer import offline_t5_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, latent_statistics, seeded_noise
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.spec import CheckpointFolder, ModelSpec
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 
@@ -83,18 +83,27 @@ class UMT5PromptEncoder:
         return [self.encoder]
 
     @classmethod
-    def from_folder(cls, weights: CheckpointFolder, spec: WanTextEncoder, device: torch.device, dtype: torch.dtype,
-                    placement: str = "gpu") -> UMT5PromptEncoder:  # fmt: skip
+    def from_folder(
+        cls,
+        weights: CheckpointFolder,
+        spec: WanTextEncoder,
+        device: torch.device,
+        dtype: torch.dtype,
+        placement: str = "gpu",
+    ) -> UMT5PromptEncoder:
         encoder = UMT5EncoderModel.from_pretrained(
-            component_dir(weights.path, "text_encoder"), dtype=dtype, device_map=weights_device(placement, device),
+            component_dir(weights.path, "text_encoder"),
+            dtype=dtype,
+            device_map=weights_device(placement, device),
             use_safetensors=weights.use_safetensors("text_encoder"),
-        )  # fmt: skip
+        )
         tokenizer = AutoTokenizer.from_pretrained(component_dir(weights.path, "tokenizer"))
         return cls(encoder, tokenizer, spec.max_length, device, placement)
 
     @classmethod
-    def dummy(cls, spec: WanTextEncoder, device: torch.device, dtype: torch.dtype,
-              placement: str = "gpu") -> UMT5PromptEncoder:  # fmt: skip
+    def dummy(
+        cls, spec: WanTextEncoder, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
+    ) -> UMT5PromptEncoder:
         config = UMT5Config.from_dict({k: v for k, v in spec.config.items() if k != "model_type"})
         encoder = random_encoder(lambda: UMT5EncoderModel._from_config(config, dtype=dtype), placement, device, dtype)
         return cls(encoder, offline_t5_tokenizer(), spec.max_length, device, placement)
@@ -105,9 +114,14 @@ class UMT5PromptEncoder:
         prompts = [prompt_clean(p) for p in prompts]
         warn_if_truncated(self.tokenizer, prompts, self.max_length, "umT5")
         inputs = self.tokenizer(
-            prompts, padding="max_length", max_length=self.max_length, truncation=True, add_special_tokens=True,
-            return_attention_mask=True, return_tensors="pt",
-        )  # fmt: skip
+            prompts,
+            padding="max_length",
+            max_length=self.max_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
         mask = inputs.attention_mask.to(self.device)
         hidden = self.encoder(inputs.input_ids.to(self.device), mask).last_hidden_state.to(dtype)
         # The padding's features are not what the model was trained on: zeroed, as the reference zeroes them.
@@ -119,8 +133,13 @@ class WanPipeline(DiffusionPipeline):
         """Seeded noise (batch, VAE channels, latent frames, rows, cols), float32 as the reference draws it, and the
         request's image encoded (by the whole group, when there is one) into what it adds to them."""
         temporal, spatial = vae_factors(self.spec.vae)
-        shape = (request.batch, self.vae.config.z_dim, (request.frames - 1) // temporal + 1,
-                 request.height // spatial, request.width // spatial)  # fmt: skip
+        shape = (
+            request.batch,
+            self.vae.config.z_dim,
+            (request.frames - 1) // temporal + 1,
+            request.height // spatial,
+            request.width // spatial,
+        )
         noise = seeded_noise(shape, request.seed, torch.float32, self.device)
         return noise, self.image_condition(request, noise) if request.images else None
 
@@ -130,9 +149,11 @@ class WanPipeline(DiffusionPipeline):
         (``first_frame``) or followed by black frames (``channels``), encoded to its latent mean, normalised by the
         VAE's statistics; for ``channels``, a mask in front, 1 on the first frame's ``temporal`` slots."""
         temporal, spatial = vae_factors(self.spec.vae)
-        pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(
-            request.images[0], height=request.height, width=request.width
-        ).unsqueeze(2)  # fmt: skip
+        pixels = (
+            VideoProcessor(vae_scale_factor=spatial)
+            .preprocess(request.images[0], height=request.height, width=request.width)
+            .unsqueeze(2)
+        )
         mode = image_input(self.spec)
         if mode == "channels":
             pixels = torch.cat([pixels, pixels.new_zeros(*pixels.shape[:2], request.frames - 1, *pixels.shape[3:])], 2)
@@ -162,8 +183,9 @@ class WanPipeline(DiffusionPipeline):
                 return "transformer_2", request.guidance_2
         return "transformer", request.guidance
 
-    def model_inputs(self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor,
-                     layout: ImageCondition | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def model_inputs(
+        self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor, layout: ImageCondition | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """TI2V-5B's timestep is per token as in the reference (0 on the image's frame); an image joins the latents."""
         config = self.transformer.config
         if self.spec.details.expand_timesteps and layout is not None:  # the reference's mask, per token, times t

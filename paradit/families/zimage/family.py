@@ -1,5 +1,4 @@
-"""Z-Image (Turbo, base, Omni) as one record: its checkpoints, requests, runtime facts. Must not import
-torch.distributed."""
+"""Z-Image (Turbo, base, Omni) as one record: its checkpoints, requests, runtime facts."""
 
 from __future__ import annotations
 
@@ -7,8 +6,8 @@ from pathlib import Path
 
 from diffusers import AutoencoderKL
 
+from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families import checkpoint_spec, component_config
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
 from paradit.families.zimage.omni import (
     IMAGE_LIMIT,
@@ -19,11 +18,11 @@ from paradit.families.zimage.omni import (
 )
 from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
 from paradit.families.zimage.presets import TURBO_SCHEDULER, text_encoder_spec
-from paradit.family import Family
+from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
-from paradit.pipelines.requests import ResolvedRequest, resolve_common
-from paradit.request import GenerationRequest
-from paradit.spec import ModelSpec
+from paradit.pipelines.requests import resolve_common
+from paradit.request import GenerationRequest, ResolvedRequest
+from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' ZImagePipeline defaults; a checkpoint scheduled like the published Turbo gets Turbo's instead.
 DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_SIZE = 50, 5.0, 1024
@@ -38,15 +37,27 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     if index["_class_name"] == "ZImageOmniPipeline":
         text_encoder = OmniEncoders(text_encoder, component_config(folder, "siglip"))
     return checkpoint_spec(
-        folder, index, "zimage", "Turbo, step-distilled" if turbo else "true CFG", scheduler=scheduler,
-        text_encoder=text_encoder, guidance_mode="cfg",
-        steps=TURBO_STEPS if turbo else DEFAULT_STEPS, guidance=0.0 if turbo else DEFAULT_GUIDANCE,
-        height=DEFAULT_SIZE, width=DEFAULT_SIZE,
-    )  # fmt: skip
+        folder,
+        index,
+        "zimage",
+        "Turbo, step-distilled" if turbo else "true CFG",
+        scheduler=scheduler,
+        text_encoder=text_encoder,
+        guidance_mode="cfg",
+        steps=TURBO_STEPS if turbo else DEFAULT_STEPS,
+        guidance=0.0 if turbo else DEFAULT_GUIDANCE,
+        height=DEFAULT_SIZE,
+        width=DEFAULT_SIZE,
+    )
 
 
 def is_omni(spec: ModelSpec) -> bool:
     return isinstance(spec.text_encoder, OmniEncoders)
+
+
+# diffusers' pipelines hand the scheduler their own sigmas as a list, which DPMSolverMultistepScheduler takes none of
+# and UniPCMultistepScheduler fails on (it shifts them as an array)
+SCHEDULERS = ("flow-euler",)
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
@@ -54,19 +65,31 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     # Rotary positions are looked up in tables of axes_lens rows; a latent grid past them has no position.
     _, max_rows, max_cols = spec.transformer["axes_lens"]
     if is_omni(spec):  # condition images; no image-to-image, no inpainting (diffusers has no Omni one)
-        resolved = resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=IMAGE_LIMIT)
+        resolved = resolve_common(
+            spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=IMAGE_LIMIT, schedulers=SCHEDULERS
+        )
         resolve_images(resolved, request.height, request.width, (max_rows, max_cols), g)
         return resolved
-    resolved = resolve_common(spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=1,
-                              image_to_image=True, inpainting_strength=1.0)  # fmt: skip
+    resolved = resolve_common(
+        spec,
+        request,
+        g,
+        largest=(max_rows * g, max_cols * g),
+        image_limit=1,
+        image_to_image=True,
+        inpainting_strength=1.0,
+        schedulers=SCHEDULERS,
+    )
     if resolved.images and (request.height is None or request.width is None):
         # Image-to-image makes the image's size, floored to whole tokens, unless asked otherwise.
         image = resolved.images[0]
         height, width = request.height or image.height // g * g, request.width or image.width // g * g
         if not (g <= height <= max_rows * g and g <= width <= max_cols * g):
-            raise InvalidRequest(f"the image's {image.width}x{image.height} makes {width}x{height}, outside this "
-                                 f"model's {g} to {max_cols * g}x{max_rows * g}; give --width and --height",
-                                 param="size")  # fmt: skip
+            raise InvalidRequest(
+                f"the image's {image.width}x{image.height} makes {width}x{height}, outside this "
+                f"model's {g} to {max_cols * g}x{max_rows * g}; give --width and --height",
+                param="size",
+            )
         resolved.height, resolved.width = height, width
     return resolved
 
@@ -103,4 +126,5 @@ FAMILY = Family(
     # The embedders (all_x_embedder, cap_embedder, t_embedder), the per-block adaLN modulation, the output layer.
     keep_high_precision=("embedder", "adaLN", "final_layer"),
     lora_loader="ZImageLoraLoaderMixin",
+    measured=Measured.read(Path(__file__).parent),
 )

@@ -1,19 +1,14 @@
-"""Z-Image transformer (Turbo and the non-distilled base) as plain single-device math.
+"""Z-Image transformer (Turbo and the non-distilled base): diffusers' ``ZImageTransformer2DModel``.
 
-Names follow diffusers' ``ZImageTransformer2DModel`` (checkpoints load without key surgery); attention goes through
-``AttentionDispatch.attend``, and nothing here knows other devices. Three stages the runtime acts between:
-
-- ``embed``: latents, caption features, timestep -> ``ZImageTokens`` (padded streams, rotary tables, key mask, temb);
-- ``run_blocks``: noise refiner over the image, context refiner over the text, joint blocks over [image, text];
-- ``head``: image tokens -> prediction, one row per token (pad tokens included; ``unpatchify`` drops them).
+``run_blocks``: noise refiner over the image, context refiner over the text, joint blocks over [image, text]; ``head``
+gives one row per token, pad tokens included (``unpatchify`` drops them).
 
 The Omni checkpoints (``siglip_feat_dim`` set) also take condition images (``OmniInputs``): their latents' tokens
 follow the target's in the image stream, their SigLIP features form a third stream with its own refiner, and every
 token before the target's, in the images and in the caption's segments, is modulated as at timestep 1 (clean).
 
 As in the reference, each stream is padded to a multiple of 32 tokens with a learnt pad token, a real key every query
-attends to; only batch padding past a caption's own rounded length is masked, by a key mask built once per forward.
-Must not import torch.distributed."""
+attends to; only batch padding past a caption's own rounded length is masked, by a key mask built once per forward."""
 
 from __future__ import annotations
 
@@ -180,8 +175,14 @@ class ZImageBlock(nn.Module):
         self.ffn_norm2 = RMSNorm(dim, eps)
         self.adaLN_modulation = nn.Sequential(nn.Linear(config.adaln_dim, 4 * dim)) if modulated else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, key_mask: torch.Tensor | None,
-                temb: torch.Tensor | None = None, per_token=None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        temb: torch.Tensor | None = None,
+        per_token=None,
+    ) -> torch.Tensor:
         if self.adaLN_modulation is None:
             x = x + self.attention_norm2(self.attention(self.attention_norm1(x), rope, key_mask))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
@@ -220,9 +221,12 @@ class TimestepEmbedder(nn.Module):
 @dataclass
 class ZImageTokens:
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
-        "img": ("img", 1), "txt": ("txt", 1), "img_rope": ("img", 1), "txt_rope": ("txt", 1),
+        "img": ("img", 1),
+        "txt": ("txt", 1),
+        "img_rope": ("img", 1),
+        "txt_rope": ("txt", 1),
         "txt_mask": ("txt", 1),
-    }  # fmt: skip
+    }
     OUTPUT_STREAM: ClassVar[str] = "img"
 
     img: torch.Tensor  # (B, image tokens rounded up to 32, dim)
@@ -245,9 +249,13 @@ class ZImageOmniTokens(ZImageTokens):
     32; ``sig`` each image's SigLIP tokens, padded alike, then 32 pad tokens for the target (none without images)."""
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
-        **ZImageTokens.SEQUENCE_FIELDS, "sig": ("sig", 1), "sig_rope": ("sig", 1), "img_noisy": ("img", 1),
-        "txt_noisy": ("txt", 1), "sig_noisy": ("sig", 1),
-    }  # fmt: skip
+        **ZImageTokens.SEQUENCE_FIELDS,
+        "sig": ("sig", 1),
+        "sig_rope": ("sig", 1),
+        "img_noisy": ("img", 1),
+        "txt_noisy": ("txt", 1),
+        "sig_noisy": ("sig", 1),
+    }
 
     sig: torch.Tensor  # (B, SigLIP tokens, dim)
     sig_rope: torch.Tensor  # complex (B, SigLIP tokens, head_dim / 2)
@@ -274,8 +282,13 @@ class OmniInputs:
     image_starts: torch.Tensor  # (B, images + 1): each condition image's first rotary axis, then the target's
 
     @classmethod
-    def build(cls, segments: list[list[int]], latents: tuple[torch.Tensor, ...], siglip: tuple[torch.Tensor, ...],
-              device: torch.device) -> OmniInputs:  # fmt: skip
+    def build(
+        cls,
+        segments: list[list[int]],
+        latents: tuple[torch.Tensor, ...],
+        siglip: tuple[torch.Tensor, ...],
+        device: torch.device,
+    ) -> OmniInputs:
         """``segments``: per caption, its segments' token counts, the prompt template split before each image (the
         condition images', then the target's) and after the last. Each segment is padded to 32 with pad tokens; the
         segments before the target's are clean."""
@@ -302,8 +315,15 @@ class OmniInputs:
             return torch.tensor([value + [fill] * (longest - len(value)) for value in values], device=device)
 
         mask = padded([[True] * len(row) for row in rows], False)
-        return cls(latents, siglip, padded(rows, -1), padded(positions, 0), padded(noisy, False)[..., None],
-                   None if bool(mask.all()) else mask, torch.tensor(starts, device=device))  # fmt: skip
+        return cls(
+            latents,
+            siglip,
+            padded(rows, -1),
+            padded(positions, 0),
+            padded(noisy, False)[..., None],
+            None if bool(mask.all()) else mask,
+            torch.tensor(starts, device=device),
+        )
 
 
 class ZImageTransformer(StagedTransformer):
@@ -370,9 +390,14 @@ class ZImageTransformer(StagedTransformer):
         tokens = self.all_x_embedder[self.config.patch_key](patchify(latents, self.config.patch_size))
         return with_pad_tokens(tokens, self.x_pad_token)
 
-    def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-              encoder_attention_mask: torch.Tensor | None = None,
-              omni: OmniInputs | None = None) -> ZImageTokens:  # fmt: skip
+    def embed(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor | None = None,
+        omni: OmniInputs | None = None,
+    ) -> ZImageTokens:
         """``hidden_states``: latents (B, C, H, W); ``timestep``: (B,) 1 - sigma; ``encoder_hidden_states``: captions
         (B, T, cap_feat_dim), right-padded where ``encoder_attention_mask`` is False (None: all T long); with
         ``omni``, each caption's segments one after another (``OmniInputs.build`` says where, the mask is unused)."""
@@ -398,11 +423,23 @@ class ZImageTransformer(StagedTransformer):
         # Image positions: (caption length + 1, row, column); the stream's pad tokens sit at (0, 0, 0).
         img_positions = image_positions(caption_lens + 1, raster_grid(rows, cols, device))
         txt_mask = None if encoder_attention_mask is None else text_index < caption_lens[:, None]
-        return ZImageTokens(img=self.embed_image(hidden_states), txt=txt, img_rope=self.rope(img_positions),
-                            txt_rope=self.rope(txt_positions), txt_mask=txt_mask, temb=temb)  # fmt: skip
+        return ZImageTokens(
+            img=self.embed_image(hidden_states),
+            txt=txt,
+            img_rope=self.rope(img_positions),
+            txt_rope=self.rope(txt_positions),
+            txt_mask=txt_mask,
+            temb=temb,
+        )
 
-    def embed_omni(self, latents: torch.Tensor, timestep: torch.Tensor, temb: torch.Tensor, captions: torch.Tensor,
-                   omni: OmniInputs) -> ZImageOmniTokens:  # fmt: skip
+    def embed_omni(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        temb: torch.Tensor,
+        captions: torch.Tensor,
+        omni: OmniInputs,
+    ) -> ZImageOmniTokens:
         """Each image sits on the first rotary axis where its caption segment ends, its SigLIP features one further,
         their grid stretched over its latents' (not its tokens') rows and columns, as the reference stretches it."""
         batch, device, patch = latents.shape[0], latents.device, self.config.patch_size
@@ -412,8 +449,9 @@ class ZImageTransformer(StagedTransformer):
         txt = torch.where(rows[..., None] >= 0, txt, self.cap_pad_token.to(txt.dtype))
 
         def noisy(stream: list[torch.Tensor], flags: list[bool]) -> torch.Tensor:
-            return torch.cat([torch.full((batch, part.shape[1], 1), flag, device=device)
-                              for part, flag in zip(stream, flags)], dim=1)  # fmt: skip
+            return torch.cat(
+                [torch.full((batch, part.shape[1], 1), flag, device=device) for part, flag in zip(stream, flags)], dim=1
+            )
 
         images = (latents, *(image.expand(batch, -1, -1, -1) for image in omni.latents))
         starts = omni.image_starts.roll(1, dims=1)  # the target's first, as its tokens are
@@ -435,13 +473,19 @@ class ZImageTransformer(StagedTransformer):
         sig_positions.append(torch.zeros(batch, target_slot, 3, dtype=torch.long, device=device))
         clean = [False] * len(omni.latents)
         return ZImageOmniTokens(
-            img=torch.cat(img, dim=1), txt=txt, img_rope=self.rope(torch.cat(img_positions, dim=1)),
+            img=torch.cat(img, dim=1),
+            txt=txt,
+            img_rope=self.rope(torch.cat(img_positions, dim=1)),
             txt_rope=self.rope(nn.functional.pad(omni.caption_positions[..., None], (0, 2))),
-            txt_mask=omni.caption_mask, temb=temb, sig=torch.cat(sig, dim=1),
+            txt_mask=omni.caption_mask,
+            temb=temb,
+            sig=torch.cat(sig, dim=1),
             sig_rope=self.rope(torch.cat(sig_positions, dim=1)),
             temb_clean=self.t_embedder(torch.ones_like(timestep) * self.config.t_scale).to(latents.dtype),
-            img_noisy=noisy(img, [True, *clean]), txt_noisy=omni.caption_noisy, sig_noisy=noisy(sig, [*clean, True]),
-        )  # fmt: skip
+            img_noisy=noisy(img, [True, *clean]),
+            txt_noisy=omni.caption_noisy,
+            sig_noisy=noisy(sig, [*clean, True]),
+        )
 
     def run_blocks(self, tokens: ZImageTokens) -> ZImageTokens:
         streams = {"img": tokens.img, "txt": tokens.txt}

@@ -4,8 +4,7 @@ The prompt template is cut before each image it shows (the condition images, the
 and Qwen3 reads each piece apart; SigLIP2 reads each condition image; the VAE encodes each one, centre-cropped to whole
 tokens. Without images it is text-to-image with the Omni template and positions (not ``ZImagePipeline``'s).
 One deliberate difference: diffusers casts the condition images to bfloat16 for the VAE whatever its dtype (a float32
-VAE then fails); paradit encodes them in the VAE's dtype, which for a bfloat16 run is the same.
-Must not import torch.distributed."""
+VAE then fails); paradit encodes them in the VAE's dtype, which for a bfloat16 run is the same."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from paradit.errors import InvalidRequest
 from paradit.families.zimage.model import OmniInputs
 from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
 from paradit.pipelines.base import pad_rows
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.spec import CheckpointFolder, TextEncoderSpec
 from paradit.text_encoder import place, random_encoder, weights_device
 
@@ -42,13 +41,17 @@ def template_segments(prompt: str, images: int) -> list[str]:
     """The user turn cut before each image (condition images, then the target) and after the last."""
     if not images:
         return [f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"]
-    return ["<|im_start|>user\n<|vision_start|>", *["<|vision_end|><|vision_start|>"] * (images - 1),
-            f"<|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n<|vision_start|>",
-            "<|vision_end|><|im_end|>"]  # fmt: skip
+    return [
+        "<|im_start|>user\n<|vision_start|>",
+        *["<|vision_end|><|vision_start|>"] * (images - 1),
+        f"<|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n<|vision_start|>",
+        "<|vision_end|><|im_end|>",
+    ]
 
 
-def resolve_images(request: ResolvedRequest, height: int | None, width: int | None, largest: tuple[int, int],
-                   granularity: int) -> None:  # fmt: skip
+def resolve_images(
+    request: ResolvedRequest, height: int | None, width: int | None, largest: tuple[int, int], granularity: int
+) -> None:
     """The condition images as diffusers takes them (at least 64 pixels a side, an aspect ratio of at most 8; one
     larger than LARGEST_IMAGE shrunk to it, or to the asked size's area), and by default the last one's size floored
     to whole tokens. ``largest``: the latent rows and columns the rotary tables reach (SigLIP's positions span them)."""
@@ -64,8 +67,10 @@ def resolve_images(request: ResolvedRequest, height: int | None, width: int | No
         rows, cols = largest
         if image.height // granularity * 2 > rows or image.width // granularity * 2 > cols:
             most = f"{cols * granularity // 2}x{rows * granularity // 2}"
-            raise InvalidRequest(f"image {index + 1} makes {image.width}x{image.height} pixels; this model takes at "
-                                 f"most {most}", param="image")  # fmt: skip
+            raise InvalidRequest(
+                f"image {index + 1} makes {image.width}x{image.height} pixels; this model takes at most {most}",
+                param="image",
+            )
         images.append(image)
     request.images = tuple(images)
     if images:
@@ -86,28 +91,39 @@ class OmniPromptEncoder(CaptionEncoder):
         return [self.decoder, self.siglip]
 
     @classmethod
-    def from_folder(cls, weights: CheckpointFolder, spec: OmniEncoders, device: torch.device, dtype: torch.dtype,
-                    placement: str = "gpu") -> OmniPromptEncoder:  # fmt: skip
+    def from_folder(
+        cls,
+        weights: CheckpointFolder,
+        spec: OmniEncoders,
+        device: torch.device,
+        dtype: torch.dtype,
+        placement: str = "gpu",
+    ) -> OmniPromptEncoder:
         encoder = super().from_folder(weights, spec.captions, device, dtype, placement)
         siglip = transformers.Siglip2VisionModel.from_pretrained(
-            component_dir(weights.path, "siglip"), dtype=dtype, device_map=weights_device(placement, device),
+            component_dir(weights.path, "siglip"),
+            dtype=dtype,
+            device_map=weights_device(placement, device),
             use_safetensors=weights.use_safetensors("siglip"),
-        )  # fmt: skip
+        )
         encoder.siglip = place(siglip.eval().requires_grad_(False), placement, device)
         processor = component_dir(weights.path, "siglip_processor")
         encoder.siglip_processor = transformers.Siglip2ImageProcessor.from_pretrained(processor)
         return encoder
 
     @classmethod
-    def dummy(cls, spec: OmniEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu",
-              seed: int = 0) -> OmniPromptEncoder:  # fmt: skip
+    def dummy(
+        cls, spec: OmniEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
+    ) -> OmniPromptEncoder:
         encoder = super().dummy(spec.captions, device, dtype, placement, seed)
         config = transformers.Siglip2VisionConfig(**spec.siglip)
-        siglip = random_encoder(lambda: transformers.AutoModel.from_config(config, dtype=dtype), placement, device,
-                                dtype, seed)  # fmt: skip
+        siglip = random_encoder(
+            lambda: transformers.AutoModel.from_config(config, dtype=dtype), placement, device, dtype, seed
+        )
         encoder.siglip = place(siglip, placement, device)
-        encoder.siglip_processor = transformers.Siglip2ImageProcessor(patch_size=config.patch_size,
-                                                                      max_num_patches=config.num_patches)  # fmt: skip
+        encoder.siglip_processor = transformers.Siglip2ImageProcessor(
+            patch_size=config.patch_size, max_num_patches=config.num_patches
+        )
         return encoder
 
     @torch.no_grad()
@@ -140,8 +156,12 @@ class ZImageOmniPipeline(ZImagePipeline):
                 segments += [[len(part) for part in parts]] * request.images_per_prompt
         siglip, grids = self.prompt_encoder.read_images(request.images, self.dtype)
         grids = torch.tensor(grids, dtype=torch.long, device=self.device).view(1, -1, 2).expand(len(rows), -1, -1)
-        return {"embeds": pad_rows(rows)[0], "segments": torch.tensor(segments, device=self.device),
-                "siglip": siglip.expand(len(rows), -1, -1), "siglip_grids": grids}  # fmt: skip
+        return {
+            "embeds": pad_rows(rows)[0],
+            "segments": torch.tensor(segments, device=self.device),
+            "siglip": siglip.expand(len(rows), -1, -1),
+            "siglip_grids": grids,
+        }
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The noise, and each condition image's latents (its latent mode, shifted and scaled) as the layout."""

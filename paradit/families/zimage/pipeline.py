@@ -11,7 +11,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from paradit.families.zimage.model import unpatchify
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, seeded_noise
-from paradit.pipelines.requests import ResolvedRequest
+from paradit.request import ResolvedRequest
 from paradit.text_encoder import DecoderPromptEncoder
 
 

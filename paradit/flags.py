@@ -1,0 +1,153 @@
+"""How the command line spells an option, declared on the field of the record the option sets (``option``), and the
+argparse groups and records derived from those declarations (``add_flags``, ``from_args``). Imports nothing of
+paradit's records, so that each record's module can declare its own fields' flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from paradit.errors import InvalidRequest
+
+GENERATE, SERVE, PLAN = "generate", "serve", "plan"
+RUN = (GENERATE, SERVE, PLAN)  # what chooses how a run executes: generate runs it, serve its groups, plan predicts it
+OPTION = "paradit_option"  # the key of a field's metadata that holds its ``Flag``
+REQUIRED = object()  # ``option``'s default for a field that has none
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How the command line spells an option: ``name`` (None: ``--`` and its field's name, dashes for underscores).
+    ``commands``: those that take it; ``group``: the heading it is listed under in their help; ``convert``: the flag's
+    value to the field's (argparse's ``type`` reads text, this runs after, where a refusal is paradit's own one line);
+    ``remote``: with ``generate --server``, the request body's field it is sent as, or None where the server chose it
+    when it started (then it is refused); ``http``: the JSON type and bounds of that field where the server's bodies
+    take it, ``routes``: which of them."""
+
+    help: str
+    name: str | None = None
+    commands: tuple[str, ...] = RUN
+    group: str | None = None
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    action: str | type[argparse.Action] | None = None
+    metavar: str | None = None
+    required: bool = False
+    absent: Any = None  # what argparse answers when the flag is absent (None: the field's own default)
+    convert: Callable[[Any], Any] | None = None
+    remote: str | None = None
+    http: tuple[Any, dict[str, Any]] | None = None  # the HTTP body's field: its JSON type and pydantic constraints
+    routes: tuple[str, ...] = ("images", "edits", "videos")  # the HTTP bodies that take it
+
+    def add_to(self, parser: Any, dest: str) -> None:
+        """The flag on ``parser`` (or an argument group), its answer under ``dest``."""
+        keywords = {"type": self.type, "choices": self.choices, "metavar": self.metavar, "action": self.action}
+        keywords = {key: value for key, value in keywords.items() if value is not None}
+        if self.action is None and self.choices is None and self.metavar is None:  # named as the flag, not the field
+            keywords["metavar"] = self.name.removeprefix("--").replace("-", "_").upper()
+        if self.required:
+            keywords["required"] = True
+        parser.add_argument(self.name, dest=dest, default=self.absent, help=self.help, **keywords)
+
+
+def option(default: Any = None, *, factory: Callable[[], Any] | None = None, **flag: Any) -> Any:
+    """A record's field with its default (or ``factory``), declared as the option ``Flag(**flag)`` (none: a field
+    the Python API sets alone)."""
+    metadata = {OPTION: Flag(**flag)} if flag else {}
+    if default is REQUIRED:
+        return field(metadata=metadata)
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def flag_of(each: dataclasses.Field) -> Flag | None:
+    """The flag a field declares, named."""
+    flag = each.metadata.get(OPTION)
+    if flag is None or flag.name is not None:
+        return flag
+    return dataclasses.replace(flag, name="--" + each.name.replace("_", "-"))
+
+
+def flagged_fields(record: type, command: str) -> list[tuple[dataclasses.Field, Flag]]:
+    """The fields of ``record`` that ``command`` takes as flags, with their flags, in declaration order."""
+    found = [(each, flag_of(each)) for each in dataclasses.fields(record)]
+    return [(each, flag) for each, flag in found if flag is not None and command in flag.commands]
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str, *records: type) -> None:
+    """The flags of ``records`` that ``command`` takes, each under its group's heading."""
+    groups: dict[str | None, Any] = {None: parser}
+    for record in records:
+        for each, flag in flagged_fields(record, command):
+            if flag.group not in groups:
+                groups[flag.group] = parser.add_argument_group(flag.group)
+            flag.add_to(groups[flag.group], each.name)
+
+
+def from_args(record: type, args: argparse.Namespace, command: str, **fields: Any) -> Any:
+    """A ``record`` of the flags given (absent ones keep the field's default) and ``fields``."""
+    given = {}
+    for each, flag in flagged_fields(record, command):
+        value = getattr(args, each.name, None)
+        if value is not None and each.name not in fields:
+            given[each.name] = flag.convert(value) if flag.convert else value
+    return record(**given, **fields)
+
+
+def flags_given(args: argparse.Namespace, command: str, *records: type) -> dict[str, Any]:
+    """Every flag of ``records`` that was given (its value differs from argparse's default), by flag name."""
+    found = {}
+    for record in records:
+        for each, flag in flagged_fields(record, command):
+            value = getattr(args, each.name, None)
+            if value is not None and value != flag.absent:
+                found[flag.name] = value
+    return found
+
+
+def check_choices(record: Any) -> None:
+    """Refuse a value of ``record`` (set through the Python API, where argparse checked nothing) that its field's
+    flag does not allow."""
+    for each in dataclasses.fields(record):
+        flag, value = flag_of(each), getattr(record, each.name)
+        if flag is not None and flag.choices and isinstance(value, str) and value not in flag.choices:
+            raise InvalidRequest(f"{flag.name} {value!r} is not allowed; choose one of {', '.join(flag.choices)}")
+
+
+# Readers of the flags' text; argparse shows their refusals as one line (``cli._Parser``).
+
+
+def whole_number(text: str, problem: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}") from None
+
+
+def positive(text: str) -> int:
+    """A whole number of 1 or more (degrees, counts, sizes)."""
+    if (value := whole_number(text, "is not a whole number")) < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 1 or more")
+    return value
+
+
+def nonnegative(text: str) -> int:
+    """A whole number of 0 or more (steps kept exact)."""
+    if (value := whole_number(text, "is not a whole number")) < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 or more")
+    return value
+
+
+def finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value

@@ -1,0 +1,399 @@
+"""What a run, a server and the commands' own flags are asked for, each option declared once on its record's field
+(``flags.option``); ``COMMANDS`` lists which records each command takes. Imports nothing heavy: the command line
+builds its parser from here before torch loads."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from paradit.errors import InvalidRequest
+from paradit.families.default import DEFAULT_MODEL
+from paradit.flags import GENERATE, PLAN, SERVE, nonnegative, option, positive
+from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_adapter
+from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig, parallel_option
+from paradit.request import GenerationRequest, StepCacheConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from paradit.request import ResolvedRequest
+    from paradit.spec import ModelSpec
+
+DEVICES = ("cuda", "cpu")
+DTYPES = ("bf16", "fp16", "fp32")
+LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("none", "fp8")
+ATTENTIONS = ("sdpa", "fp8")
+PLACEMENTS = ("gpu", "fp8", "offload")  # where the prompt encoders live (``text_encoder``)
+LINKS = ("nvlink", "pcie", "measure")
+
+# --verify-serial: the least PSNR against the one-process image that a lossy plan must keep (measured CPU deviations
+# of PipeFusion and FP8 transport on the tiny models sit well above it: docs/benchmarks.md).
+LOSSY_PSNR_DB = 30.0
+
+EXECUTION = "how the run executes"
+MEMORY = "memory"
+LORA = "LoRA adapters (applied to the transformer)"
+SERVED_LORA = "LoRA adapters each request may choose (its lora field)"
+execution_option = functools.partial(option, group=EXECUTION)
+generate_option = functools.partial(option, commands=(GENERATE,))
+serve_option = functools.partial(option, commands=(SERVE,))
+lora_option = functools.partial(option, commands=(GENERATE,), group=LORA)
+served_lora_option = functools.partial(option, commands=(SERVE,), group=SERVED_LORA)
+
+
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """How the transformers execute. None leaves ``quantize``, ``cuda_graphs`` and ``swap_experts`` to the tuned
+    configuration or the planner (then none, off, off) and ``compile`` to the device (on GPUs); ``lora``: the
+    adapters applied as the transformers load (their flags: ``LoraFlags``)."""
+
+    quantize: str | None = execution_option(
+        choices=QUANTIZATIONS, help="fp8: e4m3 linears (sm89+, MI300, RDNA 4); default none, or the planner's"
+    )
+    compile: bool | None = execution_option(
+        action=argparse.BooleanOptionalAction,
+        help="regional torch.compile of the repeated blocks (default: on GPUs only)",
+    )
+    cuda_graphs: bool | None = execution_option(
+        action="store_true", help="replay each step from a CUDA graph (short steps)"
+    )
+    swap_experts: bool | None = option(
+        action="store_true",
+        group=MEMORY,
+        help="models with two experts: one expert on the GPU, the other in pinned host memory, swapped at the "
+        "boundary (chosen by itself when the GPU's memory leaves no room for both)",
+    )
+    lora: LoraSet = option(factory=LoraSet)
+    attention: str | None = execution_option(
+        choices=ATTENTIONS,
+        help="fp8: self-attention in 8 bits through paradit's Triton kernel (sm89+, MI300, RDNA 4; long sequences, "
+        "such as video); default sdpa",
+    )
+    attention_bf16_steps: int = execution_option(
+        0,
+        type=nonnegative,
+        metavar="N",
+        help="with --attention fp8: the first and last N steps attend exactly, in the run's dtype",
+    )
+
+    def compiles(self, device) -> bool:
+        return device.type == "cuda" if self.compile is None else self.compile
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a user asked for; None (and ``auto``) leave the choice to paradit. ``parallel``: explicit degrees (the
+    flags of ``ParallelConfig``); ``comm_dtype``, ``patches``, ``warmup_steps`` and ``shard_weights`` apply on top of
+    whichever plan runs."""
+
+    model: str | ModelSpec = option(
+        DEFAULT_MODEL, help="preset name, checkpoint folder or hub id", absent=DEFAULT_MODEL
+    )
+    device: str | None = execution_option(choices=DEVICES, help="default: cuda when a GPU is visible")
+    dtype: str | torch.dtype | None = execution_option(choices=DTYPES, help="the run's dtype")
+    load_format: str = execution_option("auto", choices=LOAD_FORMATS, help="dummy: random weights")
+    allow_pickle: bool = execution_option(
+        False, action="store_true", help="load a checkpoint's pickle (.bin) weights: they can run code"
+    )
+    gpus: int | None = parallel_option(
+        type=positive, help="processes in the group; default: the product of the degrees"
+    )
+    parallel: ParallelConfig | None = None
+    comm_dtype: str | None = parallel_option(
+        choices=COMM_DTYPES, help="fp8: Ulysses/Ring traffic in FP8 with scales (default auto)"
+    )
+    patches: int | None = parallel_option(
+        type=positive, help="pipefusion: image patches in flight per step (default 1)"
+    )
+    warmup_steps: int | None = parallel_option(
+        type=positive, help="pipefusion: exact steps before patching (default 1)"
+    )
+    shard_weights: int | None = parallel_option(
+        type=positive,
+        metavar="N",
+        help="each of N neighbouring GPUs keeps 1/N of the weights, gathering each block just before it runs (FSDP; "
+        "with ulysses, ring, cfg; N divides the GPUs)",
+    )
+    options: ExecutionOptions = option(factory=ExecutionOptions)
+    max_gpu_memory: str | int | None = option(
+        group=MEMORY, help="per-GPU cap with its unit, e.g. 32GiB or 30GB: a plan that cannot fit is refused"
+    )
+    text_encoder_placement: str = option(
+        "auto",
+        choices=("auto", *PLACEMENTS),
+        group=MEMORY,
+        help="prompt encoders on rank 0's GPU, there with FP8 linears (with --quantize fp8), or in CPU memory streamed "
+        "to it while encoding; auto: the first that fits the GPU's memory (its cap, or what it has free)",
+    )
+
+
+@dataclass(frozen=True)
+class LoraFlags:
+    """The adapters' flags, which ``lora_set`` turns into the run's ``LoraSet``: ``generate``'s by path and scale,
+    ``serve``'s by name (each request chooses among them)."""
+
+    lora: list[str] | None = lora_option(
+        action="append",
+        metavar="PATH[:SCALE]",
+        help="a .safetensors file, a folder or a hub id; repeatable; scale default 1 (of a model with two experts: "
+        "the high-noise one; with --server: NAME[:SCALE] of the server's adapters)",
+    )
+    lora_2: list[str] | None = lora_option(
+        action="append", metavar="PATH[:SCALE]", help="a second expert's (the low-noise one)"
+    )
+    lora_weight_name: str | None = lora_option(help="the adapter file inside a folder or hub repository")
+    lora_mode: str = lora_option(
+        "fused",
+        choices=MODES,
+        absent="fused",
+        help="fused into the weights at load (no cost per step), or low-rank side paths beside the linears",
+    )
+    named: list[str] | None = served_lora_option(
+        name="--lora", action="append", metavar="NAME=PATH", help="an adapter and its name; repeatable"
+    )
+    named_2: list[str] | None = served_lora_option(
+        name="--lora-2", action="append", metavar="NAME=PATH", help="a second expert's (the low-noise one)"
+    )
+    lora_dir: str | None = served_lora_option(
+        help="every .safetensors adapter in this folder, named by its file's stem"
+    )
+    lora_cache: int = served_lora_option(
+        0,
+        type=nonnegative,
+        metavar="N",
+        absent=0,
+        help="choices of adapters and scales kept fused into weights of their own, the N most recently used: no cost "
+        "per step, one merge a miss, the weights they change held N+1 times (0: side paths beside the weights)",
+    )
+
+    def lora_set(self) -> LoraSet | None:
+        """The adapters these flags name (None: none): a run's, each at its scale, or a server's, named and loaded
+        unchosen."""
+        served = tuple(parse_adapter(text, "--lora", named=True) for text in self.named or ())
+        served += adapters_in(self.lora_dir) if self.lora_dir else ()
+        served_2 = tuple(parse_adapter(text, "--lora-2", named=True) for text in self.named_2 or ())
+        if served or served_2:
+            return LoraSet(served, served_2, "unfused", switchable=True, cache=self.lora_cache)
+        if self.lora_cache:
+            raise InvalidRequest("--lora-cache keeps choices of named adapters: give --lora NAME=PATH or --lora-dir")
+        first = tuple(parse_adapter(text, "--lora", self.lora_weight_name) for text in self.lora or ())
+        second = tuple(parse_adapter(text, "--lora-2", self.lora_weight_name) for text in self.lora_2 or ())
+        return LoraSet(first, second, self.lora_mode) if first or second else None
+
+
+def group_size(text: str) -> int | str:
+    """GPUs per serving group, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; give 1 or more, or auto") from None
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What ``paradit serve`` was asked for: the model and how it executes (``asked``, as ``generate`` takes it:
+    unset options follow the tuned choice for a group's size), ``gpus`` in groups of ``group_size`` (CPU processes
+    with ``device="cpu"``), where it listens, and the queue's limits."""
+
+    asked: Asked = option(factory=Asked)
+    gpus: int = serve_option(1, type=positive, absent=1, help="GPUs to serve with (CPU processes with --device cpu)")
+    group_size: int | str | None = serve_option(
+        type=group_size,
+        help="GPUs per group, each running the plan generate chooses for that many: --gpus (the default) splits each "
+        "request over all of them (lowest latency), 1 serves independent requests on each (most throughput); auto "
+        "chooses per batch from the queue (each GPU then holds the model twice)",
+    )
+    host: str = serve_option(
+        "127.0.0.1",
+        absent="127.0.0.1",
+        help="the address to listen on (0.0.0.0: every interface) and url answers link to (under 0.0.0.0: the one a "
+        "request reached; never its Host)",
+    )
+    port: int = serve_option(8000, type=int, absent=8000, help="0: any free one; one in use is refused before loading")
+    api_key: str | None = serve_option(
+        help="require `Authorization: Bearer KEY` on every route but /health (default: $PARADIT_API_KEY)"
+    )
+    max_batch: int = serve_option(
+        1,
+        type=positive,
+        absent=1,
+        help="images per forward pass: queued requests of the same size, steps and guidance run together (more "
+        "throughput; a batched image can differ from the unbatched one in its last bits)",
+    )
+    max_queue: int = serve_option(64, type=positive, absent=64, help="requests waiting; more get 429 (Retry-After)")
+    timeout_s: float = serve_option(
+        600.0,
+        name="--timeout",
+        type=positive,
+        absent=600,
+        help="seconds a request may take, its wait included: one its measured pace puts at 3x that is refused, a "
+        "run past it stopped within a step",
+    )
+    max_pixels: int | None = serve_option(
+        type=positive, help="width x height a request may ask for (default 4x the model's default size)"
+    )
+
+
+@dataclass(frozen=True)
+class GenerateFlags:
+    """``paradit generate``'s own flags: where its files go, a server to send the request to, what it shows."""
+
+    out: str | None = generate_option(
+        help="image path, its format from the extension (.png, .jpg, .jpeg, .webp); a video's: .mp4 (H.264), or a "
+        "folder (or an image extension: x.png -> x/) for one image per frame; with several images or videos, _N is "
+        "appended to the name (default: out/paradit.png, out/paradit.mp4 for video models)"
+    )
+    json: str | None = generate_option(help="also write the closing table, the seed and the plan to this JSON file")
+    server: str | None = generate_option(
+        help="send the request to a running `paradit serve` at this URL (http://host:port) instead"
+    )
+    api_key: str | None = generate_option(help="with --server: the server's API key (default: $PARADIT_API_KEY)")
+    devices: str | None = generate_option(
+        help="which GPUs, e.g. 2,3 (sets CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES for this run)"
+    )
+    no_progress: bool = generate_option(False, action="store_true", help="hide the progress bar")
+    verify_serial: bool = generate_option(
+        False,
+        action="store_true",
+        group=PARALLEL,
+        help="also run the request in one process and compare: exit 3 when an exact plan differs by more than one "
+        f"8-bit level, or a lossy one (FP8 transport, PipeFusion patches) falls under {LOSSY_PSNR_DB:.0f} dB PSNR",
+    )
+
+
+@dataclass(frozen=True)
+class PlanFlags:
+    """``paradit plan``'s own flags: the hardware to plan for, when not this machine."""
+
+    profile: str | None = option(
+        commands=(PLAN,),
+        help="plan for this hardware profile's GPUs instead of this machine (see paradit/planner/profiles/)",
+    )
+    link: str | None = option(
+        choices=LINKS,
+        commands=(PLAN,),
+        help="the profile's GPU with these links; measure: probe this machine's matmul, attention and collectives",
+    )
+
+
+# The records each command takes flags from, in the order its help lists them.
+COMMANDS: dict[str, tuple[type, ...]] = {
+    GENERATE: (Asked, GenerationRequest, StepCacheConfig, GenerateFlags, LoraFlags, ExecutionOptions, ParallelConfig),
+    SERVE: (Asked, ServeSettings, LoraFlags, ExecutionOptions),
+    PLAN: (Asked, GenerationRequest, PlanFlags, ExecutionOptions, ParallelConfig),
+}
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Options that do not combine: ``applies(parallel, options, device, request)`` (``request``: the resolved
+    request, None where the run's settings are checked alone) and the one line that says so."""
+
+    name: str
+    applies: Callable[[ParallelConfig, ExecutionOptions, str, ResolvedRequest | None], bool]
+    message: str
+    param: str | None = None
+
+
+def _caches(request: ResolvedRequest | None) -> bool:
+    return request is not None and request.cache is not None
+
+
+CONFLICTS = (
+    # PipeFusion counts steps on the host to choose warm-up or patched steps; a graph replay would skip that.
+    Conflict(
+        "graphs with pipefusion",
+        lambda parallel, options, device, request: bool(options.cuda_graphs) and parallel.pipefusion > 1,
+        "CUDA graphs do not combine with pipefusion yet; drop --cuda-graphs or --pipefusion",
+    ),
+    # A graph replays the addresses it captured, which each gather allocates anew; a swap moves whole tensors, where
+    # sharding keeps 1/N of each expert resident already.
+    Conflict(
+        "sharded weights with graphs or swapped experts",
+        lambda parallel, options, device, request: (
+            bool(parallel.shard_weights) and bool(options.cuda_graphs or options.swap_experts)
+        ),
+        "--shard-weights does not combine with --cuda-graphs or --swap-experts; drop one",
+    ),
+    # A merge copies into whole weights, which sharding splits.
+    Conflict(
+        "fused adapter choices with sharded weights",
+        lambda parallel, options, device, request: bool(parallel.shard_weights and options.lora.cache),
+        "--lora-cache does not combine with --shard-weights; drop one (--lora-cache 0: side paths)",
+    ),
+    Conflict(
+        "graphs off a GPU",
+        lambda parallel, options, device, request: bool(options.cuda_graphs) and device != "cuda",
+        "CUDA graphs need a GPU; run without --cuda-graphs",
+    ),
+    # A graph replays the addresses it captured; a swap moves them.
+    Conflict(
+        "graphs with swapped experts",
+        lambda parallel, options, device, request: bool(options.cuda_graphs and options.swap_experts),
+        "CUDA graphs do not combine with swapped experts; drop one of the two options",
+    ),
+    Conflict(
+        "exact attention steps without FP8 attention",
+        lambda parallel, options, device, request: options.attention_bf16_steps > 0 and options.attention != "fp8",
+        "--attention-bf16-steps keeps the first and last steps exact under FP8 attention; give --attention fp8 with "
+        "it, or drop it",
+        param="attention_bf16_steps",
+    ),
+    # A replay would keep the kernels, and each step's choice of precision, of its capture.
+    Conflict(
+        "FP8 attention with graphs",
+        lambda parallel, options, device, request: options.attention == "fp8" and bool(options.cuda_graphs),
+        "FP8 attention does not combine with CUDA graphs yet; drop --cuda-graphs or give --attention sdpa",
+        param="attention",
+    ),
+    # A graph replays the side paths it captured; fused choices copy into the captured weights instead.
+    Conflict(
+        "graphs with switchable adapters as side paths",
+        lambda parallel, options, device, request: (
+            bool(options.cuda_graphs) and options.lora.switchable and not options.lora.cache
+        ),
+        "CUDA graphs replay one choice of adapters; give --lora-cache 1 or more (choices fused into the weights), or "
+        "drop --cuda-graphs",
+    ),
+    # Fused choices would pin each expert's copies on the device.
+    Conflict(
+        "fused adapter choices with swapped experts",
+        lambda parallel, options, device, request: bool(options.swap_experts and options.lora.cache),
+        "--lora-cache does not combine with swapped experts; give --lora-cache 0 (side paths) or drop --swap-experts",
+    ),
+    # A decision made at the head block must reach every block of the step before they run: PipeFusion's stages run a
+    # step's blocks patch by patch ahead of it, and a CUDA graph replays one fixed set of blocks.
+    Conflict(
+        "step caching with pipefusion",
+        lambda parallel, options, device, request: _caches(request) and parallel.pipefusion > 1,
+        "step caching does not combine with PipeFusion; drop the cache or --pipefusion",
+        param="cache",
+    ),
+    Conflict(
+        "step caching with graphs",
+        lambda parallel, options, device, request: _caches(request) and bool(options.cuda_graphs),
+        "step caching does not combine with CUDA graphs; drop the cache or --cuda-graphs",
+        param="cache",
+    ),
+)
+
+
+def check_conflicts(
+    parallel: ParallelConfig, options: ExecutionOptions, device: str, request: ResolvedRequest | None = None
+) -> None:
+    """Refuse the first row of ``CONFLICTS`` that applies, with its line."""
+    for conflict in CONFLICTS:
+        if conflict.applies(parallel, options, device, request):
+            raise InvalidRequest(conflict.message, param=conflict.param)
+
+
+def conflicts(parallel: ParallelConfig, options: ExecutionOptions, device: str) -> bool:
+    """Whether any row of ``CONFLICTS`` refuses these settings (the planner asks before it proposes them)."""
+    return any(conflict.applies(parallel, options, device, None) for conflict in CONFLICTS)

@@ -1,0 +1,44 @@
+"""Per-request features as hooks of the denoise loop, so that ``DiffusionPipeline.generate`` stays the skeleton; each
+acts through the same three calls, in the order the pipeline lists its hooks. Here, below every module that has a
+feature, so that any of them can implement the protocol (the attention layers too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from paradit.request import ResolvedRequest
+
+
+@dataclass
+class Denoise:
+    """A batch's denoise loop as its hooks see it before the first step: its requests and their batch (``request``),
+    whether it guides (``guided``: the model sees [conditional; unconditional] rows), where it starts (``latents``,
+    the family's ``layout``, the ``scheduler`` and its ``timesteps``), which a hook may replace, and ``features``, what
+    each feature reports by name (``Timings.features``)."""
+
+    requests: list[ResolvedRequest]
+    request: ResolvedRequest
+    guided: bool
+    latents: torch.Tensor
+    layout: Any
+    scheduler: Any
+    timesteps: torch.Tensor
+    features: dict[str, Any]
+
+
+class RequestHook:
+    """A per-request feature. Each call does nothing unless the feature needs it."""
+
+    def begin_request(self, request: ResolvedRequest) -> None:
+        """Before the request's first work, ahead of its clock and of its peak memory's reset (a choice of adapters,
+        whose merge the timings leave out)."""
+
+    def begin_denoise(self, denoise: Denoise) -> None:
+        """Once the schedule is set, before the first step."""
+
+    def at_step(self, done: int, steps: int) -> None:
+        """When ``done`` of the ``steps`` steps are done: 0 before the first step, ``steps`` after the last."""

@@ -1,0 +1,144 @@
+"""The transformer a rank runs, built in one fixed order of steps on the plain model (docs/architecture.md lists
+them), each step a function of the module that owns its concern, the result one frozen record (``Runtime``), as
+torchtitan's ``parallelize_llama`` is one function to read. Beside the loader, not in ``parallel/parallelize.py``,
+which stays the parallel strategies alone (the parallel tests apply it to loaded models). Why this order: the FP8
+attention kernel goes in before parallelism wraps each module's kernel; parallelism runs on the meta device, so only
+the tensors the rank keeps are ever read; LoRA side paths go in while each linear is still the plain model's; with
+sharded weights each block is sharded as soon as it has loaded, so no more than one block is ever whole; CUDA graphs
+wrap whatever the steps before made the forward."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paradit.checkpoint import safetensors_files
+from paradit.compile import compile_blocks, model_blocks
+from paradit.cuda_graphs import GraphedModule
+from paradit.family import Family
+from paradit.layers.attention import apply_fp8_attention
+from paradit.layers.fp8 import fp8_dtype
+from paradit.lora.adapters import LowRank
+from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
+from paradit.lora.refs import adapter_key
+from paradit.lora.variants import AdapterChoice
+from paradit.options import ExecutionOptions
+from paradit.parallel.mesh import ParallelContext
+from paradit.parallel.parallelize import Parallelized, parallelize
+from paradit.parallel.shard import shard_module, shard_root
+from paradit.quantize import fp8_load
+from paradit.request_hooks import RequestHook
+from paradit.spec import CheckpointFolder, Fp8PresetFolder, ModelSpec
+from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, TensorSlice, TensorSource, materialize
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A transformer as this rank runs it: ``parallel`` what parallelism made of the plain model (its guidance
+    branches, denoise loop and VAE), ``forward`` what to call in the model's place, ``hooks`` the request hooks its
+    steps made (FP8 attention's exact steps, a server's adapter choice), ``adapters`` those every request runs with,
+    in words (a server's are chosen per request), for the error a NaN prediction becomes."""
+
+    parallel: Parallelized
+    forward: nn.Module
+    hooks: tuple[RequestHook, ...] = ()
+    adapters: tuple[str, ...] = ()
+
+    @property
+    def model(self) -> nn.Module:
+        """The plain model, parallelized, loaded and compiled in place."""
+        return self.parallel.model
+
+
+def load_transformer(
+    family: Family,
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    context: ParallelContext | None = None,
+    options: ExecutionOptions | None = None,
+    component: str = "transformer",
+) -> Runtime:
+    """This rank's transformer in ``context``'s group (None: one process), built in the module's order from
+    ``spec``'s ``component`` (another transformer of the checkpoint: ``spec.experts``; ``spec.transformer`` is its
+    config) with ``options``. No check that FP8 can run here: converting on the CPU is allowed
+    (``ExecutionOptions.validate`` guards execution)."""
+    options = options or ExecutionOptions()
+    with torch.device("meta"):
+        model = family.build_transformer(spec).eval()
+    names = ModelNames(model)
+    lora, refs = options.lora, options.lora.of(component)
+    updates = read_updates(family.lora_loader, refs, model, component) if refs else {}  # the whole model's names
+    shard = context if context is not None and context.config.shard_weights else None
+    hooks: list[RequestHook] = []
+
+    if options.attention == "fp8":
+        hooks.append(apply_fp8_attention(model, options.attention_bf16_steps))
+    parallel = parallelize(model, family.tensor_plan, context)
+    if updates and not lora.fused:  # a server's named adapters start unchosen; a run's all apply at their scales
+        scales = {} if lora.switchable else {adapter_key(ref, index): 1.0 for index, ref in enumerate(refs)}
+        add_side_paths(model, names, updates, parallel.slices, device, dtype, scales, lora.switchable)
+    fused = updates if lora.fused else {}
+    load_weights(model, names, family, spec, component, device, dtype, options.quantize, parallel.slices, fused, shard)
+    if updates and lora.switchable:
+        hooks.append(AdapterChoice(model, lora.cache))
+    forward = parallel.forward if shard is None else shard_root(parallel.forward, model, shard)
+    if options.compiles(device):
+        compile_blocks(model)
+    if options.cuda_graphs:
+        forward = GraphedModule(forward)
+    applied = () if lora.switchable else tuple(f"{ref.source} at scale {ref.scale:g}" for ref in refs)
+    return Runtime(parallel, forward, tuple(hooks), applied)
+
+
+def load_weights(
+    model: nn.Module,
+    names: ModelNames,
+    family: Family,
+    spec: ModelSpec,
+    component: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantize: str,
+    slices: dict[str, TensorSlice],
+    fused: dict[str, list[tuple[str, LowRank]]],
+    shard: ParallelContext | None,
+) -> None:
+    """Every tensor the (parallelized, still meta) ``model`` kept, of its ``slices`` only their share, from ``spec``'s
+    ``component`` folder or at random. ``quantize="fp8"`` converts the quantizable linears as they load; an FP8
+    checkpoint's linears load as FP8 whatever ``quantize`` says. ``fused``: adapters' updates added to the weights
+    they name as those are read. ``shard``: the group whose weights are sharded, each block as soon as it has
+    loaded."""
+    fp8 = fp8_load(model, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
+    with component_tensors(family, spec, component, model, device, dtype) as source:
+        source = FusedLoraTensors(source, fused) if fused else source
+        if shard is not None:
+            for block in model_blocks(model):
+                materialize(block, names, source, slices, fp8)
+                shard_module(block, shard)
+        materialize(model, names, source, slices, fp8)
+
+
+@contextlib.contextmanager
+def component_tensors(
+    family: Family, spec: ModelSpec, component: str, model: nn.Module, device: torch.device, dtype: torch.dtype
+) -> Iterator[TensorSource]:
+    """The tensors of ``spec``'s ``component``: its folder's, or with none random ones, drawn for ``model``, whose
+    fixed buffers the family fills once they have been drawn."""
+    # A preset's FP8 folder holds its transformer alone; a checkpoint folder holds each component (None: random).
+    fp8_preset = isinstance(spec.weights, Fp8PresetFolder) and component == "transformer"
+    folder = spec.weights.transformer if fp8_preset else spec.folder and spec.folder / component
+    if folder is not None:
+        allow_pickle = isinstance(spec.weights, CheckpointFolder) and spec.weights.allow_pickle
+        with CheckpointTensors(safetensors_files(folder, allow_pickle), device, dtype) as source:
+            yield source
+        return
+    buffers = {name for name, _ in model.named_buffers()}
+    # Each component its own random weights (two experts drawn alike would hide a swapped expert).
+    yield DummyTensors(device, dtype, buffers, 0 if component == "transformer" else sum(component.encode()))
+    if family.after_dummy_init is not None:
+        family.after_dummy_init(model)
