@@ -25,8 +25,9 @@ the two implementations' predictions per branch (the proof that the inputs are l
 both sides with fewer blocks (FLUX.2-dev's 32B does not fit beside 3 references' activations); the full step is then
 projected from the per-block time (approximate: the embedding and output layers are counted as blocks).
 
-    python benchmarks/edit_step.py --out-dir $OUT
-    python benchmarks/edit_step.py --tiny --device cpu            (every model's tiny stand-in, both sides, ~1 min)
+    python benchmarks/edit_step.py --check --out-dir $OUT          (DEFAULT_CASES, in ~8 minutes on an H100)
+    python benchmarks/edit_step.py --models flux2-dev --refs 3 --blocks flux2-dev=14 --out-dir $OUT
+    python benchmarks/edit_step.py --tiny --device cpu             (every model's tiny stand-in, both sides, ~20 s)
 """
 
 from __future__ import annotations
@@ -57,8 +58,20 @@ from paradit.runtime import load_transformer  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402
 
 MODELS = ["qwen-image-edit-2511", "qwen-image-edit-2509", "flux2-klein-4b", "flux2-dev"]
-# What fits one ~8 minute command on an H100, compiled (each new sequence length compiles once per side).
-DEFAULT_REFS = {"qwen-image-edit-2511": [0, 1, 2], "qwen-image-edit-2509": [1], "flux2-klein-4b": [0, 1, 3]}
+# The cases run without --models / --refs, most wanted first (the issue's 1 and 2 references of Qwen-Image-Edit-2511):
+# compiled, each new sequence length compiles once per side and shape, ~1-2 minutes a case on an H100; those past
+# --deadline-s are skipped, to be run by a second command.
+DEFAULT_CASES = [
+    ("qwen-image-edit-2511", 1),
+    ("qwen-image-edit-2511", 2),
+    ("flux2-klein-4b", 1),
+    ("flux2-klein-4b", 3),
+    ("qwen-image-edit-2511", 0),
+    ("qwen-image-edit-2509", 1),
+    ("flux2-dev", 1),
+    ("flux2-klein-4b", 0),
+]
+GPU_DEADLINE_S = 330  # on GPUs without --deadline-s: no case starts past it, so the command ends within ~8 minutes
 DEFAULT_BLOCKS = {"flux2-dev": 14}  # of 56 (8 double + 48 single): 2 + 12, a quarter of its 64 GB
 TINY_MODELS = [*MODELS, "flux2-tiny"]  # flux2-tiny: the klein layout with true CFG (the branches' batching)
 # An edit checkpoint's text-to-image sibling (the same transformer): its step without references.
@@ -95,6 +108,7 @@ COLUMNS = [
     ("diffusers_peak_gib", "diffusers peak GiB", ".1f"),
     ("max_abs_diff", "max |diff|", ".1e"),
     ("rel_l2", "rel L2", ".1e"),
+    ("error", "note", "s"),
 ]
 
 
@@ -125,15 +139,16 @@ def truncated(family: str, config: dict, blocks: int) -> dict[str, int]:
     return kept
 
 
-def model_spec(name: str, args):
-    """The preset's spec, random weights; ``--tiny``: its family's tiny transformer with the preset's switches."""
+def model_spec(name: str, args, blocks_of: str):
+    """The preset's spec, random weights; ``--tiny``: its family's tiny transformer with the preset's switches;
+    ``--blocks`` as given for ``blocks_of``."""
     spec = PRESETS[name]
     config = dict(spec.transformer)
     if args.tiny and spec.family == "qwen_image":
         config = {**QWEN_IMAGE_TINY_TRANSFORMER, "zero_cond_t": config.get("zero_cond_t", False)}
     elif args.tiny:
         config = {**FLUX2_TINY_TRANSFORMER, "guidance_embeds": config["guidance_embeds"]}
-    blocks = args.blocks.get(name, args.blocks.get("*"))
+    blocks = args.blocks.get(blocks_of, args.blocks.get("*"))
     full_blocks = sum(block_counts(spec.family, config).values())
     if blocks is not None:
         config.update(truncated(spec.family, config, blocks))
@@ -329,7 +344,7 @@ def measure(fn, args, device, label: str) -> tuple[float, float | None]:
 
 def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtype) -> dict:
     config_name = TEXT_TO_IMAGE.get(name, name) if refs == 0 else name
-    spec, kept, full_blocks = model_spec(config_name, args)
+    spec, kept, full_blocks = model_spec(config_name, args, name)
     family = FAMILIES[spec.family]
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     log(f"{name} refs={refs}: building paradit's transformer ({config_name}, {kept}/{full_blocks} blocks)")
@@ -393,6 +408,20 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
     return row
 
 
+def cases(args) -> list[tuple[str, int]]:
+    """(model, references) in run order: ``DEFAULT_CASES`` unless ``--models`` or ``--refs`` is given (then every
+    model's every count; a model's count by default the ones ``DEFAULT_CASES`` gives it, else 1)."""
+    if args.tiny and args.models is None and args.refs is None:
+        return [(name, refs) for name in TINY_MODELS for refs in (0, 1, 2, 3)]
+    if args.models is None and args.refs is None:
+        return list(DEFAULT_CASES)
+    chosen = []
+    for name in args.models or MODELS:
+        default = sorted(refs for model, refs in DEFAULT_CASES if model == name) or [1]
+        chosen += [(name, refs) for refs in (args.refs if args.refs is not None else default)]
+    return chosen
+
+
 def free(device: torch.device) -> None:
     gc.collect()
     torch._dynamo.reset()
@@ -402,14 +431,13 @@ def free(device: torch.device) -> None:
 
 
 def parse_blocks(values: list[str] | None) -> dict[str, int]:
-    """``--blocks 8`` (every model) or ``--blocks flux2-dev=14 qwen-image-edit-2511=30``."""
-    if values is None:
-        return dict(DEFAULT_BLOCKS)
+    """``--blocks 8`` (every model) or ``--blocks flux2-dev=14 qwen-image-edit-2511=30`` (over ``DEFAULT_BLOCKS``;
+    ``flux2-dev=56``: the whole model)."""
     blocks = {}
-    for value in values:
+    for value in values or ():
         name, _, count = value.rpartition("=")
         blocks[name or "*"] = int(count)
-    return blocks
+    return blocks if "*" in blocks else {**DEFAULT_BLOCKS, **blocks}
 
 
 def environment(device: torch.device) -> dict:
@@ -447,7 +475,7 @@ def main() -> None:
         "--deadline-s",
         type=float,
         default=None,
-        help="start no case past this many seconds from the start (the rest are listed as skipped)",
+        help=f"start no case past this many seconds, listing the rest as skipped (default on GPUs: {GPU_DEADLINE_S})",
     )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default bf16 on GPUs, fp32 on CPU")
@@ -460,13 +488,14 @@ def main() -> None:
     )
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
-    args.models = args.models or (TINY_MODELS if args.tiny else MODELS)
     args.size = args.size or (64 if args.tiny else 1024)
     args.iters = args.iters or (1 if args.tiny else 5)
     args.warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 2)
     args.check = args.tiny if args.check is None else args.check
     args.blocks = parse_blocks(args.blocks) if not args.tiny or args.blocks else {}
     device = torch.device(args.device)
+    if args.deadline_s is None and device.type == "cuda":
+        args.deadline_s = GPU_DEADLINE_S
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     env = environment(device)
@@ -474,22 +503,20 @@ def main() -> None:
     started = time.perf_counter()
     rows: list[dict] = []
     payload = {"environment": env, "args": {**vars(args), "dtype": dtype_name}, "rows": rows}
-    for name in args.models:
-        counts = args.refs if args.refs is not None else ([0, 1, 2, 3] if args.tiny else DEFAULT_REFS.get(name, [1]))
-        for refs in counts:
-            if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
-                log(f"{name} refs={refs}: skipped, past --deadline-s {args.deadline_s:g}")
-                rows.append({"model": name, "refs": refs, "error": "skipped: past --deadline-s"})
-                continue
-            try:
-                rows.append(run_case(name, refs, args, device, dtype))
-            except Exception as exc:  # noqa: BLE001 - one case failing (memory) must not lose the others' figures
-                log(f"{name} refs={refs}: FAILED {type(exc).__name__}: {exc}")
-                traceback.print_exc()
-                rows.append({"model": name, "refs": refs, "error": f"{type(exc).__name__}: {exc}"})
-            free(device)  # the case's models went with its frame; their compiled graphs and cached blocks go now
-            print_table(rows[-1:], COLUMNS)
-            write_json(args.out_dir, "edit_step.json", payload)
+    for name, refs in cases(args):
+        if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
+            log(f"{name} refs={refs}: skipped, past --deadline-s {args.deadline_s:g}")
+            rows.append({"model": name, "refs": refs, "error": "skipped: past --deadline-s"})
+            continue
+        try:
+            rows.append(run_case(name, refs, args, device, dtype))
+        except Exception as exc:  # noqa: BLE001 - one case failing (memory) must not lose the others' figures
+            log(f"{name} refs={refs}: FAILED {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            rows.append({"model": name, "refs": refs, "error": f"{type(exc).__name__}: {exc}"})
+        free(device)  # the case's models went with its frame; their compiled graphs and cached blocks go now
+        print_table(rows[-1:], COLUMNS)
+        write_json(args.out_dir, "edit_step.json", payload)
     print()
     log("all cases")
     print_table(rows, COLUMNS)
