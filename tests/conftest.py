@@ -9,6 +9,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 # result (the same threads do the same work); it is read as the OpenMP library loads, so set before torch is imported,
 # and inherited by every worker and subprocess.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Three test processes share two cores with their workers and subprocesses: one thread each (a subprocess's torch
+# reads this as it starts) keeps more threads than cores from contending for them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -16,31 +19,31 @@ import torch  # noqa: E402
 from tests.checkpoint_cache import cached  # noqa: E402
 from tests.checkpoints import build_dev_checkpoint, build_klein_checkpoint
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)
 
-# The files that take longest, slowest first (seconds summed over a 2-process run on 2 cores, measured before OpenMP
-# waited passively; reordered by the passive run's sums, the suite took 7:26 against this order's 6:21).
+# The files that take longest, slowest first (seconds summed over a 3-process run on 2 cores, 780 tests).
 # ``--dist loadfile`` hands each process the next file as it finishes one, in collection order (pyproject's addopts
 # turn off xdist's reordering by test count, which put these few-test files last): started first, they leave the
-# short files to even out the two processes' ends.
+# short files to even out the processes' ends.
 SLOWEST_FILES = [
-    "test_hardening_server.py",  # 180
-    "test_processes.py",  # 150
-    "test_lora.py",  # 127
-    "test_parallel_engine.py",  # 126
-    "test_serving.py",  # 95
-    "test_editing.py",  # 74
-    "test_step_cache.py",  # 73
-    "test_execution_options.py",  # 51
-    "test_adding_a_family.py",  # 16
-    "test_checkpoint_options.py",  # 44
-    "test_fp8_attention.py",  # 44
-    "test_memory.py",  # 37
-    "test_parallel_matrix.py",  # 35
-    "test_pipefusion.py",  # 32
-    "test_hardening.py",  # 29
-    "test_planner.py",  # 29
-    "test_serving_process.py",  # 26
+    "test_serving.py",  # 169
+    "test_processes.py",  # 124
+    "test_device_memory.py",  # 110
+    "test_parallel_engine.py",  # 91
+    "test_lora.py",  # 86
+    "test_editing.py",  # 80
+    "test_hardening_server.py",  # 73
+    "test_checkpoint_options.py",  # 55
+    "test_step_cache.py",  # 55
+    "test_fp8_attention.py",  # 47
+    "test_serving_process.py",  # 40
+    "test_front_door.py",  # 38
+    "test_pipefusion.py",  # 34
+    "test_planner.py",  # 32
+    "test_parallel_matrix.py",  # 28
+    "test_cli.py",  # 27
+    "test_parallel_vae.py",  # 18
+    "test_adding_a_family.py",  # 17
 ]
 
 
