@@ -18,7 +18,8 @@ a 392x392 grid of 14-pixel patches, merged 2x2: 196 tokens, plus "Picture N: " a
 prompt " " carries them too; FLUX.2 pads every prompt to 512 tokens. Text-to-image (0 references) of an edit
 checkpoint is its text-to-image sibling's step (Qwen-Image), as neither pipeline takes an edit without images.
 
-Reported per case: paradit's step (one forward, both branches batched when the model guides with CFG), diffusers'
+Reported per case: paradit's step (its forwards: both branches in one batch when the model guides with CFG, or
+apart where their texts differ in length), diffusers'
 step (its two batch-1 forwards, cond then uncond, as its loop runs them), each side's single branch (paradit: its
 pipeline's call without CFG, batch 1), the ratio, peak memory, and with ``--check`` the largest difference between
 the two implementations' predictions per branch (the proof that the inputs are like for like). ``--blocks`` builds
@@ -169,12 +170,12 @@ class Recorder(torch.nn.Module):
 
 
 def paradit_call(pipeline, runtime, request, conditioning, layout, latents, t):
-    """The exact (args, kwargs) paradit's pipeline hands the transformer for one step of ``request``."""
+    """The exact calls, as (args, kwargs), paradit's pipeline makes of the transformer for one step of ``request``
+    (two where CFG's branches run apart)."""
     recorder = Recorder(runtime.model.proj_out.out_features)
     finite = [torch.ones((), dtype=torch.bool, device=latents.device)]
     pipeline.predictor(request, conditioning, layout, finite)(latents, t, recorder)
-    (call,) = recorder.calls
-    return call
+    return recorder.calls
 
 
 def qwen_inputs(spec, refs: int, args, pipeline, runtime, device, dtype):
@@ -360,8 +361,8 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
 
     forward = runtime.forward
 
-    def ours(call=step):
-        return forward(*call[0], **call[1])
+    def ours(calls=step):
+        return torch.cat([forward(*call[0], **call[1]) for call in calls])
 
     def theirs(kwargs=None):
         if kwargs is not None:
@@ -378,7 +379,11 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
         cfg="CFG" if cfg else ("embedded" if spec.guidance_mode == "embedded" else "none"),
         compiled="yes" if compiled else "no",
         # paradit's text: the branches padded to one length and masked (Qwen-Image), or of one length already
-        text_mask="padded, masked" if spec.family == "qwen_image" and step[0][5] is not None else "none",
+        text_mask="apart, unmasked"
+        if len(step) == 2
+        else "padded, masked"
+        if spec.family == "qwen_image" and step[0][0][5] is not None
+        else "none",
     )
     row["paradit_ms"], row["paradit_peak_gib"] = measure(ours, args, device, "paradit step")
     row["diffusers_ms"], row["diffusers_peak_gib"] = measure(theirs, args, device, "diffusers step")
@@ -521,8 +526,9 @@ def main() -> None:
     log("all cases")
     print_table(rows, COLUMNS)
     print(
-        "paradit ms/step: one forward, CFG's branches batched (text padded to one length, masked); diffusers "
-        "ms/step: its pipeline's forwards per step (cond then uncond, batch 1, each its own text length). "
+        "paradit ms/step: its step's forwards (CFG's branches in one batch, or apart, each text unpadded, where "
+        "their lengths differ); diffusers ms/step: its pipeline's forwards per step (cond then uncond, batch 1, each "
+        "its own text length). "
         "'full ms (proj.)': the truncated model's step scaled by blocks (full / built)."
     )
     write_json(args.out_dir, "edit_step.json", payload)

@@ -19,6 +19,7 @@ from paradit.families import PRESETS
 from paradit.families.qwen_image.family import resolve_request, uses_cfg
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
 from paradit.parallel import ParallelConfig
+from paradit.request import StepCacheConfig
 from paradit.weights import load_module_weights
 from tests.checkpoint_cache import cached
 from tests.checkpoints import relative_l2
@@ -276,3 +277,42 @@ def test_engine_plan_gives_the_serial_image(plan, serial_pixels):
     assert result.timings.plan == plan.describe() and result.timings.comm_bytes_per_step > 0
     assert result.pixels.shape == serial_pixels.shape == (2, 3, 48, 80)
     assert (result.pixels - serial_pixels).abs().max().item() <= 1e-4
+
+
+class TextLengths:
+    """The transformer, recording the text length of each call."""
+
+    def __init__(self, transformer, lengths: list[int]) -> None:
+        self.transformer, self.lengths = transformer, lengths
+
+    def __getattr__(self, name: str):
+        return getattr(self.transformer, name)
+
+    def __call__(self, x, embeds, *args, **kwargs):
+        self.lengths.append(embeds.shape[1])
+        return self.transformer(x, embeds, *args, **kwargs)
+
+
+def test_guidance_branches_of_different_text_lengths_run_apart_unpadded(reference, engine, monkeypatch):
+    """A mask sends attention off its flash kernel: where the negative prompt is shorter, each branch runs with its
+    own text, unmasked (two calls a step, as diffusers makes them), and the image is still diffusers'. Step caching,
+    which decides per call, keeps the one batch."""
+    lengths = []
+    monkeypatch.setattr(engine.pipeline, "transformer", TextLengths(engine.pipeline.transformer, lengths))
+    request = GenerationRequest(**{**IMAGE_CASES["cfg-images-per-prompt"], "num_images_per_prompt": 1})
+    got = to_hwc(engine.generate(request))
+    expected = reference(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        true_cfg_scale=request.guidance or 4.0,
+        height=request.height,
+        width=request.width,
+        num_inference_steps=request.steps,
+        generator=torch.Generator("cpu").manual_seed(request.seed),
+        output_type="np",
+    ).images
+    assert np.abs(got - expected).max() <= 1e-4
+    assert len(lengths) == 2 * request.steps and lengths[0] > lengths[1] and lengths[:2] * request.steps == lengths
+    lengths.clear()
+    engine.generate(dataclasses.replace(request, cache=StepCacheConfig("first-block")))
+    assert len(lengths) == request.steps

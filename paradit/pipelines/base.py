@@ -109,6 +109,16 @@ def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return padded, torch.arange(padded.shape[1], device=padded.device) < lengths[:, None]
 
 
+def unpadded_halves(conditioning: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor | None]]:
+    """``encode_rows``' [conditional; unconditional] rows as two halves, each cut to its own longest text (the padding
+    trails it) and its mask dropped where then nothing is padded."""
+    halves = []
+    for embeds, mask in zip(conditioning["embeds"].chunk(2), conditioning["mask"].chunk(2)):
+        mask = mask[:, : int(mask.sum(1).max())]
+        halves.append({"embeds": embeds[:, : mask.shape[1]], "mask": None if bool(mask.all()) else mask})
+    return halves
+
+
 def load_vae(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool) -> nn.Module:
     """The family's VAE from ``spec.folder``, or seeded random weights (``dummy``), the caller's random state kept."""
     if not dummy:
@@ -269,6 +279,12 @@ class DiffusionPipeline(ABC):
             for name, value in conditioning.items()
         }
         call = self.model_call(request, local, layout)
+        # CFG's branches run apart, each text unpadded and unmasked, where ``encode_rows`` padded the shorter one: the
+        # mask sends attention off its flash kernel, which made Qwen-Image-Edit's batched step 1.45x diffusers' two
+        # with two references, its branches alone at parity (docs/benchmarks.md, issue 51). One batch stays where a
+        # step must be one call: step caching decides per call, PipeFusion's stages buffer one text length.
+        apart = cfg and isinstance(branches, BatchedBranches) and self.runs_branches_apart(request, local)
+        halves = [self.model_call(request, half, layout) for half in unpadded_halves(local)] if apart else None
 
         def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
             expert, scale = self.expert_at(request, t)
@@ -280,13 +296,24 @@ class DiffusionPipeline(ABC):
                 model_input = branches.local(torch.cat([model_input, model_input]))
                 timestep = branches.local(torch.cat([timestep, timestep]))
             with torch.inference_mode():
-                prediction = call(transformer, model_input, timestep, latents)
+                if halves is None:
+                    prediction = call(transformer, model_input, timestep, latents)
+                else:
+                    inputs = zip(halves, model_input.chunk(2), timestep.chunk(2))
+                    prediction = torch.cat([half(transformer, x, step, latents) for half, x, step in inputs])
             if cfg:
                 prediction = self.guide(*branches.combine(prediction).chunk(2), scale)
             finite[-1] &= torch.isfinite(prediction).all()
             return prediction
 
         return predict
+
+    def runs_branches_apart(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor | None]) -> bool:
+        """Whether ``conditioning`` is ``encode_rows``' with padding left in it, on a plan that may call the model
+        twice a step."""
+        pipefusion = self.parallel is not None and self.parallel.config.pipefusion > 1
+        padded = set(conditioning) == {"embeds", "mask"} and conditioning["mask"] is not None
+        return padded and request.cache is None and not pipefusion
 
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
         """Image-to-image families: the input image's latents in the layout noise is drawn in (batch 1), drawn from
