@@ -142,10 +142,9 @@ IMAGE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", IMAGE_CASES)
-def test_images_match_diffusers(reference, engine, case):
-    request = GenerationRequest(**IMAGE_CASES[case])
-    expected = reference(
+def diffusers_images(reference, request: GenerationRequest) -> np.ndarray:
+    """What diffusers' pipeline makes of ``request``, as float HWC arrays."""
+    return reference(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,
         true_cfg_scale=request.guidance or 4.0,
@@ -156,6 +155,12 @@ def test_images_match_diffusers(reference, engine, case):
         generator=torch.Generator("cpu").manual_seed(request.seed),
         output_type="np",
     ).images
+
+
+@pytest.mark.parametrize("case", IMAGE_CASES)
+def test_images_match_diffusers(reference, engine, case):
+    request = GenerationRequest(**IMAGE_CASES[case])
+    expected = diffusers_images(reference, request)
     got = to_hwc(engine.generate(request))
     assert got.shape == expected.shape == (len(request.prompts) * request.num_images_per_prompt, *expected.shape[1:])
     assert np.abs(got - expected).max() <= 1e-4
@@ -301,16 +306,7 @@ def test_guidance_branches_of_different_text_lengths_run_apart_unpadded(referenc
     monkeypatch.setattr(engine.pipeline, "transformer", TextLengths(engine.pipeline.transformer, lengths))
     request = GenerationRequest(**{**IMAGE_CASES["cfg-images-per-prompt"], "num_images_per_prompt": 1})
     got = to_hwc(engine.generate(request))
-    expected = reference(
-        prompt=request.prompt,
-        negative_prompt=request.negative_prompt,
-        true_cfg_scale=request.guidance or 4.0,
-        height=request.height,
-        width=request.width,
-        num_inference_steps=request.steps,
-        generator=torch.Generator("cpu").manual_seed(request.seed),
-        output_type="np",
-    ).images
+    expected = diffusers_images(reference, request)
     assert np.abs(got - expected).max() <= 1e-4
     assert len(lengths) == 2 * request.steps and lengths[0] > lengths[1] and lengths[:2] * request.steps == lengths
     lengths.clear()
