@@ -1,0 +1,54 @@
+"""The server's parallel PNG encoder: every mode it writes decodes with PIL to the same pixels, whatever the band
+split (one band, several, a last band shorter than the rest), and the modes it does not write go through PIL."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from paradit.serving import png
+
+
+def decoded(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+@pytest.mark.parametrize("mode, channels", [("RGB", 3), ("RGBA", 4), ("L", 1)])
+@pytest.mark.parametrize("height, width", [(1, 1), (7, 5), (1024, 1024), (1021, 333)])
+def test_a_png_decodes_to_the_same_pixels(mode, channels, height, width):
+    rng = np.random.default_rng(height * width)
+    noise = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    ramp = (np.arange(height * width * channels) % 256).astype(np.uint8).reshape(height, width, channels)
+    for pixels in (noise, ramp):
+        image = Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode)
+        back = decoded(png.encode_png(image))
+        assert back.mode == mode and back.size == (width, height)
+        assert np.array_equal(np.asarray(back), np.asarray(image))
+
+
+def test_small_bands_split_an_image_across_threads(monkeypatch):
+    monkeypatch.setattr(png, "MIN_BAND_BYTES", 1)
+    monkeypatch.setattr(png, "THREADS", 4)
+    pixels = np.random.default_rng(0).integers(0, 256, (37, 11, 3), dtype=np.uint8)
+    split = []
+    deflate = png.deflate_band
+
+    def counted(band, final):
+        split.append(len(band))
+        return deflate(band, final)
+
+    monkeypatch.setattr(png, "deflate_band", counted)
+    back = decoded(png.encode_png(Image.fromarray(pixels)))
+    assert sorted(split) == [7, 10, 10, 10]
+    assert np.array_equal(np.asarray(back), pixels)
+
+
+def test_other_modes_are_written_by_pil():
+    image = Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8), "L").convert("P")
+    back = decoded(png.encode_png(image))
+    assert back.mode == "P" and np.array_equal(np.asarray(back), np.asarray(image))
