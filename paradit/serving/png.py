@@ -40,7 +40,10 @@ def encode_png(image: Image.Image) -> bytes:
     band_rows = max(1, -(-MIN_BAND_BYTES // rows.shape[1]), -(-image.height // THREADS))
     bands = [rows[start : start + band_rows] for start in range(0, image.height, band_rows)]
     last = len(bands) - 1
-    deflated = _pool.map(lambda index: deflate_band(bands[index], final=index == last), range(len(bands)))
+    if last == 0:  # a small image: a thread hand-off would cost more than its deflate
+        deflated = [deflate_band(bands[0], final=True)]
+    else:
+        deflated = _pool.map(lambda index: deflate_band(bands[index], final=index == last), range(len(bands)))
     stream = b"\x78\x01" + b"".join(deflated) + struct.pack(">I", zlib.adler32(rows))
     header = struct.pack(">IIBBBBB", image.width, image.height, 8, COLOR_TYPES[image.mode], 0, 0, 0)
     return PNG_SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", stream) + chunk(b"IEND", b"")
