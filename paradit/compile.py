@@ -1,8 +1,6 @@
-"""Regional compilation: ``torch.compile`` each repeated block rather than the whole model.
-
-All blocks of one kind share a single compiled graph (their weights are graph inputs), so compile time is that of
-one or two blocks instead of the whole stack, and the stages between blocks (where the parallel runtime splits,
-gathers and communicates) stay eager."""
+"""Regional compilation: each repeated block compiled, sharing one graph with the blocks of its kind, rather than the
+whole model, so that compile time is one block's and the stages between blocks, where the parallel runtime
+communicates, stay eager."""
 
 from __future__ import annotations
 
@@ -16,13 +14,12 @@ RECOMPILE_LIMIT = 64
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a plain model, from the block stacks it lists in run order (``BLOCK_LISTS``): what
-    compilation, the memory estimate and PipeFusion's stages all act on."""
+    """The repeated blocks of a plain model, in run order."""
     return [block for name in type(model).BLOCK_LISTS for block in getattr(model, name)]
 
 
 def compile_blocks(model: nn.Module, mode: str | None = None) -> int:
-    """Compile every repeated block in place; returns how many were wrapped."""
+    """Returns how many blocks were compiled."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     blocks = model_blocks(model)
     for block in blocks:
