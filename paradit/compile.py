@@ -7,9 +7,8 @@ from __future__ import annotations
 import torch._dynamo
 from torch import nn
 
-# Every shape a process serves (resolutions, batch sizes, the local lengths of each parallel plan) and every
-# attention implementation swapped in is one more compiled graph of the same block code. Dynamo's default of 8 per
-# code object is soon spent by a server and then silently falls back to eager blocks, so allow many more.
+# Every shape a process serves and every attention swapped in is one more graph of the same block code: Dynamo's
+# default of 8 per code object is soon spent by a server, which then silently falls back to eager blocks.
 RECOMPILE_LIMIT = 64
 
 

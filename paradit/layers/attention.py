@@ -32,8 +32,7 @@ def sdpa_attention(
 
 
 def joint_key_mask(txt_mask: torch.Tensor | None, img: torch.Tensor, text_first: bool) -> torch.Tensor | None:
-    """The key mask of text and image tokens ``img`` (all real) from the text's; built once per forward, as the
-    parallel runtime gathers it once per tensor it sees."""
+    """Built once per forward, as the parallel runtime gathers it once per tensor it sees."""
     if txt_mask is None:
         return None
     image_keys = txt_mask.new_ones(img.shape[:2])
@@ -62,9 +61,8 @@ class AttentionDispatch(torch.nn.Module):
         self.attention_fn = fn
 
 
-# Keys below which FP8 attention does not pay, so such calls stay exact. On the H200 (docs/benchmarks.md, issue 28)
-# the kernel runs at 0.61-0.82x cuDNN's bf16 speed at FLUX.2's and Qwen-Image's 1024² (4,352-4,608 keys), 0.70x at
-# 8,192, 1.11x at 16,384 and 1.32x at TI2V-5B's 27,280: images up to 1024² stay on SDPA, 2048² and video go FP8.
+# Keys below which FP8 attention does not pay. On the H200 (docs/benchmarks.md, issue 28) the kernel runs at 0.61-0.82x
+# cuDNN's bf16 speed at 4,352-4,608 keys (1024²), 0.70x at 8,192, 1.11x at 16,384 and 1.32x at 27,280 (TI2V-5B).
 FP8_MIN_KEYS = 16384
 
 
@@ -182,8 +180,7 @@ class QKVAttention(AttentionDispatch):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=bias)])
 
     def project(self, x: torch.Tensor, linear: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:
-        """``linear(x)`` as (batch, seq, heads, head_dim); heads are counted from the width, so a tensor-parallel shard
-        that holds some of them needs no change here."""
+        """Heads are counted from the width, so a tensor-parallel shard that holds some needs no change here."""
         if norm is not None and self.across_heads:
             return norm(linear(x)).unflatten(-1, (-1, self.head_dim))
         x = linear(x).unflatten(-1, (-1, self.head_dim))

@@ -23,9 +23,8 @@ def sinusoidal_embedding(
     exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timesteps.device)
     freqs = torch.exp(exponent / (half - downscale_freq_shift))
     angles = scale * (timesteps[:, None].float() * freqs[None, :])
-    emb = torch.cat(
-        [torch.cos(angles), torch.sin(angles)] if flip_sin_to_cos else [torch.sin(angles), torch.cos(angles)], dim=-1
-    )
+    parts = [torch.cos(angles), torch.sin(angles)]
+    emb = torch.cat(parts if flip_sin_to_cos else parts[::-1], dim=-1)
     if dim % 2 == 1:
         emb = nn.functional.pad(emb, (0, 1))
     return emb
@@ -51,8 +50,7 @@ class EmbeddingMLP(nn.Module):
 
 
 class TimestepEmbed(nn.Module):
-    """The joint models' conditioning vector: the timestep's embedding plus the guidance's and the pooled text's,
-    where built."""
+    """The joint models' conditioning vector: the timestep's embedding, plus the guidance's and pooled text's."""
 
     def __init__(
         self, dim: int, channels: int = 256, bias: bool = True, guidance: bool = False, pooled_dim: int | None = None

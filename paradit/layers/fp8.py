@@ -1,8 +1,6 @@
-"""FP8 linears: e4m3 weights scaled per output channel, activations per token on the fly, through ``torch._scaled_mm``.
-
-Row-wise scales keep FP8's error near 1e-2 relative on DiT activations, whose magnitudes vary from token to token; a
-tensor-wide scale would let the loudest token set everyone's resolution. ``torch._scaled_mm`` is PyTorch's one FP8 GEMM
-on both CUDA (sm89+) and ROCm (MI300, RDNA 4): nothing vendor-only is on the path."""
+"""FP8 linears through ``torch._scaled_mm``, PyTorch's one FP8 GEMM on CUDA (sm89+) and ROCm (MI300, RDNA 4): e4m3
+weights scaled per output channel, activations per token on the fly (a tensor-wide scale would let the loudest token
+set everyone's resolution; row-wise, FP8's error stays near 1e-2 relative)."""
 
 from __future__ import annotations
 

@@ -23,9 +23,8 @@ except ImportError:  # CPU-only installs (or a Triton before 3.4): ``check_fp8_a
 from paradit.errors import InvalidRequest
 from paradit.layers.fp8 import fp8_dtype
 
-# The kernel's key tile, which is also K's scale block: one scale per tile lets a score's scaling fold into the
-# multiply-add that feeds exp2 (scales per 64 keys, which follow the keys' range more closely, cost a fifth more time
-# at Wan 720p). The key length is padded to whole tiles, which the kernel reads without bounds checks.
+# The key tile, also K's scale block: one scale per tile folds a score's scaling into the multiply-add feeding exp2
+# (scales per 64 keys cost a fifth more time at Wan 720p). The keys are padded to whole tiles.
 KEY_TILE = 128
 INT8_MAX = 127.0
 
@@ -54,9 +53,8 @@ def check_fp8_attention(device: torch.device) -> None:
         raise InvalidRequest(f"{problem}; run with --attention sdpa", param="attention")
 
 
-# Q·Kᵀ's 8-bit format. INT8 under a per-block scale resolves 1/127 of the block's range everywhere, where FP8 keeps 3
-# mantissa bits: on the H200 its error per call is 0.040 against FP8's 0.054 (relative L2, Wan 720p), for 1.5% more
-# time. Hopper, MI300 and RDNA 4 multiply INT8 at FP8's rate.
+# Q·Kᵀ's 8-bit format: INT8 under a per-block scale errs by 0.040 per call against FP8's 0.054 (relative L2, Wan 720p,
+# H200), for 1.5% more time; Hopper, MI300 and RDNA 4 multiply INT8 at FP8's rate.
 QK_FORMAT = torch.int8
 
 
@@ -312,7 +310,6 @@ def p_exponent(dtype: torch.dtype) -> int:
 
 
 def rounding(dtype: torch.dtype) -> dict:
-    """``_to_8bit``'s constants for FP8 format ``dtype``."""
     return {"ROUND": interpreting(), "TINY": torch.finfo(dtype).tiny}
 
 

@@ -81,8 +81,7 @@ class SequenceParallelAttention:
         return [sum(self.local_lengths[r * self.ulysses : (r + 1) * self.ulysses]) for r in range(self.ring)]
 
     def _head_ranges(self, heads: int, chunk: int = 0, chunks: int = 1) -> list[tuple[int, int]]:
-        """(first head, count) that each Ulysses rank attends, in rank order: its ``tensor_split`` share of ``heads``,
-        or the ``chunk``-th of ``chunks`` parts of that share."""
+        """(first head, count) each Ulysses rank attends: the ``chunk``-th part of its ``tensor_split`` share."""
         owned = split_sizes(heads, self.ulysses)
         parts = [split_sizes(count, chunks) for count in owned]
         return [(sum(owned[:rank]) + sum(share[:chunk]), share[chunk]) for rank, share in enumerate(parts)]

@@ -42,8 +42,7 @@ class ShardedForward(nn.Module):
 
 
 def shard_module(module: nn.Module, context: ParallelContext) -> None:
-    """``fully_shard`` the parameters no inner module has sharded, counting what each gather sends (FSDP2 does not):
-    this rank's (padded) share to each of the N - 1 others."""
+    """``fully_shard`` the parameters no inner module has sharded, counting what each gather sends (FSDP2 does not)."""
     degree = context.config.shard_weights
     own = [p for p in module.parameters() if not isinstance(p, DTensor)]
     share = sum(-(-p.shape[0] // degree) * (p[0].numel() if p.dim() else 1) * p.element_size() for p in own)
@@ -57,8 +56,7 @@ def shard_module(module: nn.Module, context: ParallelContext) -> None:
 
 
 def shard_root(forward: nn.Module, model: nn.Module, context: ParallelContext) -> ShardedForward:
-    """What to call in place of ``forward`` once every block of ``model`` is sharded: the rest sharded, and each block
-    (the root: the first) prefetching the next one's weights."""
+    """What to call in place of ``forward`` once every block is sharded, each prefetching the next one's weights."""
     root = ShardRoot(forward)
     shard_module(root, context)
     chain = [root, *model_blocks(model)]

@@ -13,9 +13,8 @@ TRANSPORT_FP8 = torch.float8_e4m3fn
 SCALE_BYTES = 4  # a float32 per row
 
 
-# The scale's bytes are cut out of (and put back into) its bit pattern with shifts rather than a float32 -> uint8
-# view: inductor may lay a (..., 1) scale out with a non-unit last stride, and a view between element sizes then
-# fails to compile. Same-size views (float32 <-> int32) have no such limit.
+# The scale's bytes come by shifts rather than a float32 -> uint8 view: inductor may lay a (..., 1) scale out with a
+# non-unit last stride, where a view between element sizes fails to compile (float32 <-> int32 views do not).
 _BYTE_SHIFTS = (0, 8, 16, 24)  # little-endian, the order a float32 -> uint8 view gives
 
 
