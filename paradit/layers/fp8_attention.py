@@ -126,7 +126,7 @@ if triton is not None:
 
     @triton.jit
     def _load_tile(
-        K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr, DESCRIPTORS: tl.constexpr
+        K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr, DESCRIPTORS: tl.constexpr
     ):
         """A key tile of K and of V, each (dim, keys): through tensor descriptors (Hopper's TMA copies a tile without
         the threads computing its addresses: 7% at Wan 720p) or through pointers (ROCm, older GPUs, the interpreter)."""
@@ -143,7 +143,6 @@ if triton is not None:
         k,
         v,
         scale,
-        keys,
         key_mask_ptrs,
         start,
         valid_length,
@@ -158,6 +157,7 @@ if triton is not None:
         bounds this kernel (Hopper multiplies 8 bits faster than it converts, exponentiates and adds), so each score
         costs one fused multiply-add on its way into exp2: ``scale`` (positive) takes the tile's products to scores
         after the max is taken, and P's scaling to ``2^P_EXPONENT`` rides in the exponent (1.3x at Wan 720p)."""
+        keys = tl.arange(0, k.shape[1])
         if QK_INT8:
             # int32 to fp32 without a conversion instruction: the bits of 1.5 * 2^23 added to a product (|x| < 2^22:
             # 127² * 256 at most) give the float 1.5 * 2^23 + x exactly. Subtracted after the scale, the offset's
@@ -238,7 +238,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         whole = k_length // BLOCK_N * BLOCK_N  # tiles every key of which is real: no bounds check
         for start in range(0, whole, BLOCK_N):
-            k, v = _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
+            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
             # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
             scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
             acc, m_i, l_i = _attend_tile(
@@ -249,7 +249,6 @@ if triton is not None:
                 k,
                 v,
                 scale,
-                keys,
                 key_mask_ptrs,
                 start,
                 k_length,
@@ -261,7 +260,7 @@ if triton is not None:
                 TINY,
             )
         if whole < k_length:
-            k, v = _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
+            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
             scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + whole // BLOCK_N), 1e-30)
             acc, m_i, l_i = _attend_tile(
                 acc,
@@ -271,7 +270,6 @@ if triton is not None:
                 k,
                 v,
                 scale,
-                keys,
                 key_mask_ptrs,
                 whole,
                 k_length,
