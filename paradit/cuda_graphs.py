@@ -1,9 +1,5 @@
-"""Replay the transformer's kernels from CUDA graphs, so that a short step is not bound by Python issuing them.
-
-A DiT step has the same shapes at every denoise step of a request, so each input signature is captured once (after
-two warm-up calls on a side stream, which also triggers compilation) and every later call copies its inputs into the
-captured buffers and replays. Collectives of the parallel runtime are captured with the rest (NCCL supports graph
-capture), so a parallel step is one replay per rank too."""
+"""Replay the transformer's kernels from CUDA graphs, so that a short step is not bound by Python issuing them: each
+input signature is captured once (after two warm-up calls, which also compile), collectives included."""
 
 from __future__ import annotations
 

@@ -1,2 +1,1 @@
-"""Building blocks shared by the model families: attention, rotary tables, embeddings, feed-forwards, modulation, the
-staged-transformer base. Plain single-device math."""
+"""Building blocks shared by the model families: plain single-device math."""

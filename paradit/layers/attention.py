@@ -1,8 +1,6 @@
-"""The one attention entry point every model calls.
-
-Models' attention modules call ``self.attend(q, k, v)``; the parallel runtime swaps ``attend`` for a distributed
-implementation (Ulysses, Ring, ...) from outside. Tensors are (batch, sequence, heads, head_dim), as the projections
-produce them, so no transpose is spent before the dispatch decides what it needs."""
+"""The one attention entry point every model calls, ``self.attend(q, k, v)``, which the parallel runtime swaps from
+outside. Tensors are (batch, sequence, heads, head_dim), as the projections produce them: no transpose is spent before
+the dispatch decides what it needs."""
 
 from __future__ import annotations
 
@@ -26,17 +24,15 @@ class AttentionFn(Protocol):
 def sdpa_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Full attention through PyTorch SDPA, which picks the device's fastest kernel (flash, cuDNN, efficient).
-    ``key_mask`` is boolean (batch, k_len), False for padding: the only mask the entry point takes, since text padding
-    needs no other and, unlike a (q, k) mask, the sequence-parallel runtime can split and gather it with the keys."""
+    """``key_mask`` is boolean (batch, k_len), False for padding: the only mask the entry point takes, since text
+    padding needs no other and, unlike a (q, k) mask, the sequence-parallel runtime can split it with the keys."""
     mask = None if key_mask is None else key_mask[:, None, None, :]
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask)
     return out.transpose(1, 2)
 
 
 def joint_key_mask(txt_mask: torch.Tensor | None, img: torch.Tensor, text_first: bool) -> torch.Tensor | None:
-    """The key mask of text and image tokens ``img`` (all real) from the text's (batch, text) mask; None for None. Built
-    once per forward: the parallel runtime gathers it once per tensor it sees."""
+    """Built once per forward, as the parallel runtime gathers it once per tensor it sees."""
     if txt_mask is None:
         return None
     image_keys = txt_mask.new_ones(img.shape[:2])
@@ -44,10 +40,9 @@ def joint_key_mask(txt_mask: torch.Tensor | None, img: torch.Tensor, text_first:
 
 
 class AttentionDispatch(torch.nn.Module):
-    """Holder of the swappable attention implementation: modules inherit from it and call ``self.attend``, which the
-    runtime replaces through ``set_attention_fn``. ``sequence_streams`` names the token streams the module attends over,
-    in its concatenation order (None: all, order unsaid); the sequence-parallel runtime reads it for each rank's token
-    count (an image-only module sets ``("img",)``), PipeFusion for where each stream's keys go in its K/V buffer."""
+    """Modules call ``self.attend``, which the runtime replaces through ``set_attention_fn``. ``sequence_streams``
+    names the token streams the module attends over, in its concatenation order (None: all, order unsaid; empty: keys
+    whole on every rank), which the parallel runtime reads for each rank's tokens and PipeFusion's K/V buffer."""
 
     def __init__(self, sequence_streams: tuple[str, ...] | None = None) -> None:
         super().__init__()
@@ -65,22 +60,16 @@ class AttentionDispatch(torch.nn.Module):
     def set_attention_fn(self, fn: AttentionFn) -> None:
         self.attention_fn = fn
 
-    def set_kernel(self, kernel: AttentionFn) -> None:
-        """Attend with ``kernel``: before parallelism wraps it."""
-        self.kernel = self.attention_fn = kernel
 
-
-# Keys below which FP8 attention does not pay, so such calls stay exact. On the H200 (docs/benchmarks.md, issue 28)
-# the kernel runs at 0.61-0.82x cuDNN's bf16 speed at FLUX.2's and Qwen-Image's 1024² (4,352-4,608 keys), 0.70x at
-# 8,192, 1.11x at 16,384 and 1.32x at TI2V-5B's 27,280: images up to 1024² stay on SDPA, 2048² and video go FP8.
+# Keys below which FP8 attention does not pay. On the H200 (docs/benchmarks.md, issue 28) the kernel runs at 0.61-0.82x
+# cuDNN's bf16 speed at 4,352-4,608 keys (1024²), 0.70x at 8,192, 1.11x at 16,384 and 1.32x at 27,280 (TI2V-5B).
 FP8_MIN_KEYS = 16384
 
 
 class FP8Attention(RequestHook):
-    """``--attention fp8``: the self-attention of every step through the FP8 kernel, except the first and last
-    ``exact_steps`` of a request and calls over fewer than ``FP8_MIN_KEYS`` keys, which SDPA attends exactly. One per
-    transformer, shared by its modules; a request hook, told of each step (compiled blocks keep a graph for each value
-    of ``fp8_now``, a plain attribute they guard on)."""
+    """``--attention fp8``: self-attention through the FP8 kernel, except the first and last ``exact_steps`` of a
+    request and calls over fewer than ``FP8_MIN_KEYS`` keys. A request hook; compiled blocks keep a graph for each
+    value of ``fp8_now``, a plain attribute they guard on."""
 
     def __init__(self, exact_steps: int = 0) -> None:
         from paradit.layers.fp8_attention import fp8_attention_with_lse  # imports Triton: only runs that use it
@@ -105,29 +94,27 @@ class FP8Attention(RequestHook):
     def with_lse(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``attention_with_lse`` gives, through the kernel ``__call__`` would use."""
         if self.uses_fp8(key):
             return self.fp8_kernel(query, key, value, key_mask)
         return attention_with_lse(query, key, value, key_mask)
 
 
 def apply_fp8_attention(model: nn.Module, exact_steps: int) -> FP8Attention:
-    """Every self-attention of the plain ``model`` (modules whose keys are its token streams) through one
-    FP8Attention; cross-attention to the text (``sequence_streams`` empty: a few hundred keys) stays on SDPA."""
+    """Every self-attention of the plain ``model``, before parallelism wraps it; cross-attention to the text
+    (``sequence_streams`` empty: a few hundred keys) stays on SDPA."""
     kernel = FP8Attention(exact_steps)
     for module in model.modules():
         if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
-            module.set_kernel(kernel)
+            module.kernel = module.attention_fn = kernel
     return kernel
 
 
 def attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one K/V block, with each query's log-sum-exp, (batch, heads, q_len) in float32. Ring attention
-    merges blocks by it and SDPA hides it, so this calls the kernels that expose it (cuDNN or flash on CUDA/ROCm half
-    precision, memory-efficient for fp32 or masked blocks on CUDA, flash on the CPU), else an exact matmul. A query
-    whose keys here are all masked gets output 0 and lse -inf: nothing when merged."""
+    """Attention of one K/V block, with each query's log-sum-exp, (batch, heads, q_len) in float32, by which Ring
+    merges blocks: the kernels that expose it, else an exact matmul. A query whose keys here are all masked gets
+    output 0 and lse -inf: nothing when merged."""
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     cuda, half = q.device.type == "cuda", q.dtype in (torch.float16, torch.bfloat16)
     # cuDNN's attention is the fastest on recent NVIDIA GPUs and SDPA picks it there; ROCm builds have none.
@@ -152,8 +139,7 @@ def attention_with_lse(
 def _masked_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, L, D) layout. On CUDA the memory-efficient kernel takes the mask as an additive bias; elsewhere the
-    scores are formed explicitly (exact, for the CPU and for devices without a kernel that reports the lse)."""
+    """(B, H, L, D) layout. On CUDA the memory-efficient kernel takes the mask as a bias; elsewhere, exact scores."""
     if q.device.type == "cuda" and key_mask is not None:
         # The kernel wants the bias's batch stride a multiple of 8: its rows are allocated padded, the keys a view.
         keys = key_mask.shape[1]
@@ -172,9 +158,8 @@ def _masked_attention_with_lse(
 
 
 class QKVAttention(AttentionDispatch):
-    """Attention through ``to_q``/``to_k``/``to_v`` (``dim`` wide, heads of ``head_dim``) and ``to_out.0``, with
-    ``norm_q``/``norm_k`` (``qk_norm(width)``; ``nn.Identity``: none) on Q and K, per head or over all heads
-    (``across_heads``, Wan). Called: self-attention, rotated by ``rope`` (cos, sin) if given."""
+    """Attention through ``to_q``/``to_k``/``to_v`` and ``to_out.0``, with ``norm_q``/``norm_k`` on Q and K per head
+    or over all heads (``across_heads``, Wan). Called: self-attention, rotated by ``rope`` (cos, sin) if given."""
 
     def __init__(
         self,
@@ -195,8 +180,7 @@ class QKVAttention(AttentionDispatch):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=bias)])
 
     def project(self, x: torch.Tensor, linear: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:
-        """``linear(x)`` as (batch, seq, heads, head_dim), normed by ``norm`` where given. Heads are counted from the
-        width, so a tensor-parallel shard that holds some of them needs no change here."""
+        """Heads are counted from the width, so a tensor-parallel shard that holds some needs no change here."""
         if norm is not None and self.across_heads:
             return norm(linear(x)).unflatten(-1, (-1, self.head_dim))
         x = linear(x).unflatten(-1, (-1, self.head_dim))
@@ -216,9 +200,8 @@ class QKVAttention(AttentionDispatch):
 
 
 class JointAttention(QKVAttention):
-    """Joint text-image attention, the MMDiT layout of FLUX.2, Qwen-Image and SD3: the image through ``to_q``/..., the
-    text through ``add_q_proj``/... and ``norm_added_q``/..., concatenated text or image first. ``context_pre_only``
-    (SD3's last block) drops ``to_add_out``: nothing reads the text output."""
+    """MMDiT joint text-image attention: the text through ``add_q_proj``/... and ``norm_added_q``/...
+    ``context_pre_only`` (SD3's last block) drops ``to_add_out``: nothing reads the text output."""
 
     def __init__(
         self,
@@ -247,7 +230,7 @@ class JointAttention(QKVAttention):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(image out, text out or None); ``rope`` (cos, sin) and ``key_mask`` (batch, keys) follow the joint order."""
+        """``rope`` and ``key_mask`` follow the joint order."""
         q_img, k_img, v_img = self.qkv(img)
         q_txt = self.project(txt, self.add_q_proj, self.norm_added_q)
         k_txt = self.project(txt, self.add_k_proj, self.norm_added_k)

@@ -17,23 +17,21 @@ def sinusoidal_embedding(
     max_period: float = 10000.0,
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """(N,) timesteps -> (N, dim) float32 sin/cos features, the layout diffusers' checkpoints were trained with.
-    ``scale`` multiplies the angles, where Qwen-Image's reference applies its 1000: scaling timesteps first rounds the
-    fastest angles differently (up to 6e-5 rad)."""
+    """(N, dim) float32 sin/cos features, diffusers' layout. ``scale`` multiplies the angles, where Qwen-Image's
+    reference applies its 1000: scaling timesteps first rounds the fastest angles differently (up to 6e-5 rad)."""
     half = dim // 2
     exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timesteps.device)
     freqs = torch.exp(exponent / (half - downscale_freq_shift))
     angles = scale * (timesteps[:, None].float() * freqs[None, :])
-    emb = torch.cat(
-        [torch.cos(angles), torch.sin(angles)] if flip_sin_to_cos else [torch.sin(angles), torch.cos(angles)], dim=-1
-    )
+    parts = [torch.cos(angles), torch.sin(angles)]
+    emb = torch.cat(parts if flip_sin_to_cos else parts[::-1], dim=-1)
     if dim % 2 == 1:
         emb = nn.functional.pad(emb, (0, 1))
     return emb
 
 
 class EmbeddingMLP(nn.Module):
-    """linear_1 -> activation (default SiLU) -> linear_2, diffusers' ``TimestepEmbedding`` names: checkpoints load."""
+    """diffusers' ``TimestepEmbedding``."""
 
     def __init__(
         self,
@@ -52,8 +50,7 @@ class EmbeddingMLP(nn.Module):
 
 
 class TimestepEmbed(nn.Module):
-    """The joint models' conditioning vector: ``timestep_embedder`` of the timestep's sinusoid (angles times ``scale``)
-    plus ``guidance_embedder`` of the guidance's or ``text_embedder`` of the pooled text, where built."""
+    """The joint models' conditioning vector: the timestep's embedding, plus the guidance's and pooled text's."""
 
     def __init__(
         self, dim: int, channels: int = 256, bias: bool = True, guidance: bool = False, pooled_dim: int | None = None

@@ -7,7 +7,7 @@ from torch import nn
 
 
 class GeluProjection(nn.Module):
-    """A linear named ``proj`` followed by GELU: diffusers' ``GELU`` activation module, which owns the projection."""
+    """diffusers' ``GELU`` activation module, which owns the projection."""
 
     def __init__(self, dim: int, hidden: int, approximate: str = "tanh") -> None:
         super().__init__()
@@ -19,8 +19,7 @@ class GeluProjection(nn.Module):
 
 
 class GeluFeedForward(nn.Module):
-    """dim -> hidden (GELU, tanh-approximated by default) -> out. ``net`` keeps the checkpoint's
-    indices: 0 the projection in, 2 the projection out; 1 is where training had its dropout, an identity here."""
+    """``net`` keeps the checkpoint's indices; 1 is where training had its dropout."""
 
     def __init__(self, dim: int, hidden: int, out: int, approximate: str = "tanh") -> None:
         super().__init__()

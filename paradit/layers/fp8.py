@@ -1,8 +1,6 @@
-"""FP8 linears: e4m3 weights scaled per output channel, activations per token on the fly, through ``torch._scaled_mm``.
-
-Row-wise scales keep FP8's error near 1e-2 relative on DiT activations, whose magnitudes vary from token to token; a
-tensor-wide scale would let the loudest token set everyone's resolution. ``torch._scaled_mm`` is PyTorch's one FP8 GEMM
-on both CUDA (sm89+) and ROCm (MI300, RDNA 4): nothing vendor-only is on the path."""
+"""FP8 linears through ``torch._scaled_mm``, PyTorch's one FP8 GEMM on CUDA (sm89+) and ROCm (MI300, RDNA 4): e4m3
+weights scaled per output channel, activations per token on the fly (a tensor-wide scale would let the loudest token
+set everyone's resolution; row-wise, FP8's error stays near 1e-2 relative)."""
 
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ def fp8_dtype(device: torch.device) -> torch.dtype:
 
 
 def check_fp8_supported(device: torch.device) -> None:
-    """Refuse FP8 where ``torch._scaled_mm`` has no row-wise kernel, naming what would work."""
     problem = None
     if device.type != "cuda":
         problem = f"FP8 execution needs a GPU, not {device.type}"
@@ -37,15 +34,14 @@ def check_fp8_supported(device: torch.device) -> None:
 
 
 def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (last-dim) absmax scaling: returns (x / scale in ``dtype``, scale as float32 of shape (rows, 1))."""
+    """(x / scale in ``dtype``, its float32 absmax scale per row (last dim))."""
     fmax = torch.finfo(dtype).max
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / fmax
     return (x.float() / scale).clamp(-fmax, fmax).to(dtype), scale
 
 
 def quantize_weight(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rowwise`` of a weight a block of rows at a time, so the float32 working copies stay a block's size
-    (2^24 elements) beyond the weight and its FP8 copy; rows are independent, so the result is the same bit for bit."""
+    """``quantize_rowwise`` a block of rows at a time (the same bits), so the float32 working copies stay small."""
     rows = max(1, 2**24 // max(1, weight.shape[1]))
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     scale = torch.empty(weight.shape[0], 1, dtype=torch.float32, device=weight.device)
@@ -81,7 +77,7 @@ class Fp8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def multiply(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        """The GEMM alone: quantized rows ``x_q`` (scales ``x_scale``, (rows, 1)) times the weight, without bias."""
+        """The GEMM alone, without bias."""
         return torch._scaled_mm(
             x_q,
             self.weight.t(),
@@ -92,5 +88,5 @@ class Fp8Linear(nn.Module):
         )
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight FP8 stands for, in float32: what the GEMM effectively multiplies by (for error accounting)."""
+        """What the GEMM effectively multiplies by, in float32 (for error accounting)."""
         return self.weight.float() * self.weight_scale

@@ -1,20 +1,9 @@
-"""FP8 attention: a Triton kernel of our own, because PyTorch's SDPA has no FP8 path and the vendors' FP8 kernels
-(FlashAttention-3, AITER, FlyDSL) each run on one vendor's GPUs only. Triton compiles the same source for CUDA and ROCm.
-
-The method is SageAttention's, in the variant the GPU multiplies fastest:
-
-- **Q·Kᵀ in 8 bits** (INT8, ``QK_FORMAT``; FP8 works too), both scaled per block: each query block's scale
-  is taken as it is loaded (no pass over Q), each key tile's by a pre-pass over K (K is read once per query block,
-  so halving its bytes pays; Q is read once). K is first smoothed: its mean over the tokens is subtracted, which
-  adds the same constant to every score of a query, leaves the softmax unchanged and shrinks the range the 8 bits
-  must cover (keys share a large common component). The log-sum-exp gets the constant back (``q·mean``), so Ring
-  attention merges partial results exactly as it merges SDPA's.
-- **P·V in FP8**: P (in [0, 1] under the online softmax) scaled to the format's largest power of two, V per channel
-  (pre-pass, stored transposed: FP8 tensor cores take the reduced dimension contiguous), fp32 accumulation.
-- **Online softmax** in fp32, base 2, as FlashAttention does.
-
-The pre-pass (K's mean and V's channel maxima by torch, one Triton pass writing both in 8 bits) reads K and V twice
-and writes them once: at Wan 720p 1.5 ms beside 190 ms of attention. tests/test_fp8_attention.py derives the error."""
+"""FP8 attention: a Triton kernel of our own (SDPA has no FP8 path, and the vendors' FP8 kernels each run on one
+vendor's GPUs only), by SageAttention's method: Q·Kᵀ in INT8 under per-block scales, K smoothed by subtracting its mean
+over the tokens (a constant per query's scores: the softmax is unchanged, the range to cover shrinks, and the
+log-sum-exp gets it back for Ring's merge), P·V in FP8 with V scaled per channel, an fp32 online softmax in base 2.
+A pre-pass (1.5 ms beside 190 ms of attention at Wan 720p) writes K and V in 8 bits. tests/test_fp8_attention.py
+derives the error."""
 
 from __future__ import annotations
 
@@ -34,12 +23,9 @@ except ImportError:  # CPU-only installs (or a Triton before 3.4): ``check_fp8_a
 from paradit.errors import InvalidRequest
 from paradit.layers.fp8 import fp8_dtype
 
-# The kernel's key tile, which is also K's scale block: one scale per tile lets a score's scaling fold into the
-# multiply-add that feeds exp2 (scales per 64 keys, which follow the keys' range more closely, cost a fifth more time
-# at Wan 720p).
+# The key tile, also K's scale block: one scale per tile folds a score's scaling into the multiply-add feeding exp2
+# (scales per 64 keys cost a fifth more time at Wan 720p). The keys are padded to whole tiles.
 KEY_TILE = 128
-# The key length is padded to a whole number of tiles, so the kernel reads them without bounds checks.
-K_PAD = KEY_TILE
 INT8_MAX = 127.0
 
 
@@ -48,7 +34,6 @@ def interpreting() -> bool:
 
 
 def check_fp8_attention(device: torch.device) -> None:
-    """Refuse ``--attention fp8`` where the kernel cannot run, naming what would."""
     problem = None
     if triton is None:
         problem = (
@@ -68,9 +53,8 @@ def check_fp8_attention(device: torch.device) -> None:
         raise InvalidRequest(f"{problem}; run with --attention sdpa", param="attention")
 
 
-# Q·Kᵀ's 8-bit format. INT8 under a per-block scale resolves 1/127 of the block's range everywhere, where FP8 keeps 3
-# mantissa bits: on the H200 its error per call is 0.040 against FP8's 0.054 (relative L2, Wan 720p), for 1.5% more
-# time. Hopper, MI300 and RDNA 4 multiply INT8 at FP8's rate.
+# Q·Kᵀ's 8-bit format: INT8 under a per-block scale errs by 0.040 per call against FP8's 0.054 (relative L2, Wan 720p,
+# H200), for 1.5% more time; Hopper, MI300 and RDNA 4 multiply INT8 at FP8's rate.
 QK_FORMAT = torch.int8
 
 
@@ -118,9 +102,8 @@ if triton is not None:
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        """One block of ``BLOCK`` tokens of one (batch, head): K smoothed and scaled to 8 bits (one scale for the
-        block), V divided by its channel scales and stored transposed ((batch, head, dim, padded length)). Rows past
-        ``length`` and channels past ``dim`` (``HEAD_DIM`` is a power of two, as tiles must be) are written as zeros."""
+        """One block of tokens of one (batch, head): K smoothed and scaled to 8 bits, V by its channel scales and
+        transposed (FP8 tensor cores take the reduced dimension contiguous). Padding rows and channels are zeros."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         rows = block * BLOCK + tl.arange(0, BLOCK)
@@ -143,11 +126,10 @@ if triton is not None:
 
     @triton.jit
     def _load_tile(
-        K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr, DESCRIPTORS: tl.constexpr
+        K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr, DESCRIPTORS: tl.constexpr
     ):
-        """A key tile of K (dim, keys) and of V (dim, keys), both from buffers padded to whole tiles: through
-        tensor descriptors (Hopper's TMA copies a tile without the threads computing its addresses: 7% at Wan
-        720p) or through pointers (ROCm, older GPUs, the interpreter)."""
+        """A key tile of K and of V, each (dim, keys): through tensor descriptors (Hopper's TMA copies a tile without
+        the threads computing its addresses: 7% at Wan 720p) or through pointers (ROCm, older GPUs, the interpreter)."""
         if DESCRIPTORS:
             return tl.trans(K_DESC.load([bh * padded + start, 0])), V_DESC.load([bh * HEAD_DIM, start])
         return tl.load(k_ptrs + start * HEAD_DIM), tl.load(v_ptrs + start)
@@ -161,7 +143,6 @@ if triton is not None:
         k,
         v,
         scale,
-        keys,
         key_mask_ptrs,
         start,
         valid_length,
@@ -176,6 +157,7 @@ if triton is not None:
         bounds this kernel (Hopper multiplies 8 bits faster than it converts, exponentiates and adds), so each score
         costs one fused multiply-add on its way into exp2: ``scale`` (positive) takes the tile's products to scores
         after the max is taken, and P's scaling to ``2^P_EXPONENT`` rides in the exponent (1.3x at Wan 720p)."""
+        keys = tl.arange(0, k.shape[1])
         if QK_INT8:
             # int32 to fp32 without a conversion instruction: the bits of 1.5 * 2^23 added to a product (|x| < 2^22:
             # 127² * 256 at most) give the float 1.5 * 2^23 + x exactly. Subtracted after the scale, the offset's
@@ -232,7 +214,7 @@ if triton is not None:
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        """One block of ``BLOCK_M`` queries of one (batch, head) against every key; K's scales are per key tile."""
+        """One block of queries of one (batch, head) against every key."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         queries = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -256,7 +238,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         whole = k_length // BLOCK_N * BLOCK_N  # tiles every key of which is real: no bounds check
         for start in range(0, whole, BLOCK_N):
-            k, v = _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
+            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
             # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
             scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
             acc, m_i, l_i = _attend_tile(
@@ -267,7 +249,6 @@ if triton is not None:
                 k,
                 v,
                 scale,
-                keys,
                 key_mask_ptrs,
                 start,
                 k_length,
@@ -279,7 +260,7 @@ if triton is not None:
                 TINY,
             )
         if whole < k_length:
-            k, v = _load_tile(K8, V8, K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
+            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
             scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + whole // BLOCK_N), 1e-30)
             acc, m_i, l_i = _attend_tile(
                 acc,
@@ -289,7 +270,6 @@ if triton is not None:
                 k,
                 v,
                 scale,
-                keys,
                 key_mask_ptrs,
                 whole,
                 k_length,
@@ -310,8 +290,8 @@ if triton is not None:
 
 
 def _configs(device: torch.device) -> list[tuple[int, int, int, int]]:
-    """(query tile, key tile, warps, stages) to try. Under the interpreter, one: timing means nothing there, and the
-    largest tiles, as its cost is per operation, whatever the tile."""
+    """(query tile, key tile, warps, stages) to try. Under the interpreter, one, of the largest tiles: its cost is per
+    operation, whatever the tile."""
     if interpreting() or device.type == "cpu":
         return [(256, KEY_TILE, 4, 1)]
     # On the H200 (64, 128, 4, 3) wins: two blocks of one warpgroup each share an SM, one's softmax beside the
@@ -328,8 +308,6 @@ def p_exponent(dtype: torch.dtype) -> int:
 
 
 def rounding(dtype: torch.dtype) -> dict:
-    """``_to_8bit``'s constants for FP8 format ``dtype``: whether to round in fp32 (under the interpreter), and the
-    format's smallest normal."""
     return {"ROUND": interpreting(), "TINY": torch.finfo(dtype).tiny}
 
 
@@ -339,7 +317,6 @@ def tile_width(dim: int) -> int:
 
 
 def uses_descriptors(device: torch.device) -> bool:
-    """Whether the kernel loads its tiles through tensor descriptors: on NVIDIA GPUs with TMA (Hopper on)."""
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
@@ -347,7 +324,7 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
     """The pre-pass: (K in 8 bits (B, H, padded, W), its scales per key tile, K's mean (B, H, W) in fp32, V in FP8
     transposed (B, H, W, padded), its channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
     batch, length, heads, dim = key.shape
-    padded, width = -(-length // K_PAD) * K_PAD, tile_width(dim)
+    padded, width = -(-length // KEY_TILE) * KEY_TILE, tile_width(dim)
     k_mean = F.pad(key.mean(dim=1, dtype=torch.float32), (0, width - dim)).contiguous()  # (B, H, W)
     vmax = torch.finfo(pv_dtype).max
     # The largest magnitude by one reduction: ``value.abs()`` first wrote a copy of V (0.5 ms at Wan 720p).
@@ -369,12 +346,8 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
         length,
         heads,
         dim,
-        key.stride(0),
-        key.stride(1),
-        key.stride(2),
-        value.stride(0),
-        value.stride(1),
-        value.stride(2),
+        *key.stride()[:3],
+        *value.stride()[:3],
         padded,
         QMAX=qmax,
         VMAX=vmax,
@@ -391,21 +364,16 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
 def fp8_attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of (batch, tokens, heads, head_dim) tensors in 8 bits, and each query's log-sum-exp (batch, heads,
-    q_len) in fp32, as ``attention_with_lse`` gives them. ``key_mask`` (batch, keys) is False for padding."""
+    """What ``attention_with_lse`` gives, in 8 bits."""
     batch, q_length, heads, dim = query.shape
     k_length = key.shape[1]
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    pv_dtype = fp8_dtype(query.device)
-    qk_dtype = QK_FORMAT
+    pv_dtype, qk_dtype = fp8_dtype(query.device), QK_FORMAT
     k8, k_scale, k_mean, v8, v_scale = quantize_keys_values(key, value, qk_dtype, pv_dtype)
     padded = k8.shape[2]
-    if key_mask is not None:
-        mask = torch.zeros(batch, padded, dtype=torch.uint8, device=query.device)
-        mask[:, :k_length] = key_mask
-    else:
-        mask = k_scale  # never read: HAS_MASK is off
+    # Without a mask, k_scale stands in: never read, HAS_MASK is off.
+    mask = k_scale if key_mask is None else F.pad(key_mask.to(torch.uint8), (0, padded - k_length))
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, q_length, dtype=torch.float32, device=query.device)
     qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
@@ -433,12 +401,8 @@ def fp8_attention_with_lse(
         heads,
         dim,
         padded,
-        query.stride(0),
-        query.stride(1),
-        query.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
+        *query.stride()[:3],
+        *out.stride()[:3],
         dim**-0.5,
     )
     constants = {
@@ -480,9 +444,8 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: tor
 
 
 def fastest(launch, configs: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
-    """The config that runs ``launch`` fastest on this GPU (Triton's own benchmark helper), once per process:
-    tiles that suit Hopper's tensor cores do not suit RDNA 4's. A config the compiler refuses (too much shared
-    memory, or registers the compiler cannot fit) is skipped."""
+    """The config that runs ``launch`` fastest on this GPU (tiles that suit Hopper's tensor cores do not suit RDNA 4's);
+    one the compiler refuses (too much shared memory or too many registers) is skipped."""
     if len(configs) == 1:
         return configs[0]
     timed, refusal = {}, None

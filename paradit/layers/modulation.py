@@ -7,7 +7,7 @@ from torch import nn
 
 
 class Modulation(nn.Module):
-    """SiLU then one projection of the conditioning vector to ``sets`` (shift, scale, gate) triples, unsplit."""
+    """The conditioning vector to ``sets`` (shift, scale, gate) triples, unsplit."""
 
     def __init__(self, dim: int, sets: int, bias: bool = True) -> None:
         super().__init__()
@@ -30,8 +30,7 @@ def clip_fp16(x: torch.Tensor) -> torch.Tensor:
 
 
 class AdaLayerNormOut(nn.Module):
-    """Final LayerNorm whose scale and shift come from the conditioning vector (diffusers' AdaLayerNormContinuous).
-    The projection emits (scale, shift) in that order, as the published checkpoints do."""
+    """diffusers' AdaLayerNormContinuous, whose projection emits (scale, shift) in that order."""
 
     def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6, bias: bool = True) -> None:
         super().__init__()

@@ -1,5 +1,4 @@
-"""Rotary position embeddings over several position axes (FLUX-style: interleaved pairs, one frequency band per
-axis)."""
+"""Rotary position embeddings over several position axes (FLUX-style: interleaved pairs, a band per axis)."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ import torch
 def multi_axis_rope(
     ids: torch.Tensor, axes_dim: list[int] | tuple[int, ...], theta: float, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (seq, sum(axes_dim)) for integer positions ``ids`` (seq, n_axes). Each axis contributes
-    ``axes_dim[i]`` channels, every frequency repeated for the (real, imaginary) pair it rotates. Angles are formed in
+    """cos/sin tables (seq, sum(axes_dim)) for integer positions ``ids`` (seq, n_axes). Angles are formed in
     ``dtype``, by default float64 (exact for large positions) where the device has it: MPS has not."""
     pos = ids.float()
     dtype = dtype or (torch.float32 if ids.device.type == "mps" else torch.float64)
@@ -24,7 +22,7 @@ def multi_axis_rope(
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, seq, heads, dim) by tables (seq, dim) where channels (2i, 2i+1) form one complex pair."""
+    """Channels (2i, 2i+1) form one complex pair."""
     cos = cos[None, :, None, :]
     sin = sin[None, :, None, :]
     real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
@@ -35,5 +33,4 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def rotate_qk(
     q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``apply_rope_interleaved`` of queries and keys by the same (cos, sin) tables."""
     return apply_rope_interleaved(q, *rope), apply_rope_interleaved(k, *rope)

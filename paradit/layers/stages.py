@@ -1,5 +1,4 @@
-"""What every family's transformer is built on: its config (``transformer/config.json``), the three stages the parallel
-runtime acts between, the joint models' token state, the inverse patch embedding."""
+"""What every family's transformer is built on: its config, its stages, the joint models' token state, unpatchify."""
 
 from __future__ import annotations
 
@@ -16,14 +15,12 @@ class CheckpointConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> Self:
-        """The fields ``config`` sets (JSON lists as tuples), skipping keys the model does not read."""
+        """JSON lists as tuples; keys the model does not read skipped."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in names})
 
 
 class HeadsConfig(CheckpointConfig):
-    """diffusers' width fields: ``num_attention_heads`` x ``attention_head_dim``, ``in_channels``, ``out_channels``."""
-
     num_attention_heads: int
     attention_head_dim: int
     in_channels: int
@@ -39,15 +36,11 @@ class HeadsConfig(CheckpointConfig):
 
 
 class StagedTransformer(nn.Module):
-    """``embed`` (inputs -> token state), ``run_blocks`` (token state -> token state, through whichever blocks the
-    ``BLOCK_LISTS`` stacks hold, in order: PipeFusion leaves each stage only its own) and ``head`` (token state ->
-    prediction), which the runtime calls one by one; ``forward`` runs them in a row. The token state is a dataclass
-    whose ``SEQUENCE_FIELDS`` map each field the runtime may split along the sequence to (its token stream, its sequence
-    dimension), the other fields staying whole on every rank; the prediction comes from its ``OUTPUT_STREAM``.
-
-    ``run_stack`` (the blocks, then the head) is the one seam a request's feature takes inside the forward:
-    ``stack_runner``, when set from outside (as an attention module's kernel is), runs them in its place on the token
-    state this rank holds (a step cache, which skips blocks and calls ``run_blocks`` and ``head`` itself)."""
+    """``embed`` (inputs -> token state), ``run_blocks`` (through whichever blocks the ``BLOCK_LISTS`` stacks hold)
+    and ``head`` (-> prediction), which the runtime calls one by one. The token state is a dataclass whose
+    ``SEQUENCE_FIELDS`` map each field the runtime may split to (its token stream, its sequence dimension); the
+    prediction comes from its ``OUTPUT_STREAM``. ``stack_runner``, set from outside (a step cache), runs in place of
+    ``run_stack``'s blocks and head."""
 
     BLOCK_LISTS: ClassVar[tuple[str, ...]]
 
@@ -65,14 +58,13 @@ class StagedTransformer(nn.Module):
         return self.head(self.run_blocks(tokens))
 
     def head(self, tokens: Any) -> torch.Tensor:
-        """The AdaLN-modulated output projection of the image tokens, where the model has no head of its own."""
+        """Where the model has no head of its own."""
         return self.proj_out(self.norm_out(tokens.img, tokens.temb))
 
 
 @dataclasses.dataclass
 class JointTokens:
-    """The token state of the models that attend over image and text together: the ``img`` and ``txt`` streams
-    (batch, tokens, dim) and their rotary (cos, sin) tables, split along with them, a row per token."""
+    """The token state of the models that attend over image and text together, with their rotary tables."""
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
         "img": ("img", 1),
@@ -89,8 +81,8 @@ class JointTokens:
 
 
 def unpatchify(tokens: torch.Tensor, grid: tuple[int, ...], patch: tuple[int, ...]) -> torch.Tensor:
-    """(B, prod(grid), prod(patch) * C) -> (B, C, grid[0] * patch[0], grid[1] * patch[1], ...). Each token's row
-    holds its patch as (*patch, C), channels last, as the references' ``proj_out`` lays it out."""
+    """(B, prod(grid), prod(patch) * C) -> (B, C, grid[0] * patch[0], ...); each token's row holds its patch as
+    (*patch, C), as the references' ``proj_out`` lays it out."""
     axes = len(grid)
     x = tokens.reshape(tokens.shape[0], *grid, *patch, -1)
     x = x.permute(0, 2 * axes + 1, *(i for axis in range(1, axes + 1) for i in (axis, axis + axes)))

@@ -1,7 +1,5 @@
-"""Classifier-free guidance branches, batched on one rank or split across the two halves of the group.
-
-The pipeline stacks its inputs as [conditional; unconditional] along the batch; ``local`` picks the rows this rank
-computes and ``combine`` brings every rank's prediction back in that order: one all-gather a step."""
+"""Classifier-free guidance branches, stacked [conditional; unconditional] along the batch: batched on one rank, or
+split across the two halves of the group (one all-gather a step)."""
 
 from __future__ import annotations
 

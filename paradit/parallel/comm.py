@@ -1,7 +1,5 @@
-"""Collectives the runtime uses, each counting the bytes this process sends.
-
-Uneven splits are first-class: sequence lengths and head counts need not divide the degree, so all-to-alls carry
-per-rank sizes instead of padding (no wasted bytes, no masks), and gathers pad only the small final outputs."""
+"""Collectives the runtime uses, each counting the bytes this process sends. Sequence lengths and head counts need not
+divide the degree: all-to-alls carry per-rank sizes instead of padding, and gathers pad only in transit."""
 
 from __future__ import annotations
 
@@ -40,9 +38,8 @@ def split_sizes(total: int, parts: int) -> list[int]:
 def start_all_to_all_uneven(
     send: torch.Tensor, send_numels: list[int], recv_numels: list[int], group: dist.ProcessGroup, stats: CommStats
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Post an all-to-all of uneven parts, returning (receive buffer, work) so the caller computes while it travels;
-    read the buffer after ``work.wait()``. Flat ``send`` holds ``send_numels[j]`` elements for group rank j, the flat
-    receive buffer ``recv_numels[j]`` from rank j; callers' layouts cost at most one copy each way."""
+    """Post an all-to-all of uneven parts of flat ``send`` (``send_numels[j]`` elements for group rank j), returning
+    the flat receive buffer (``recv_numels[j]`` from rank j), to read after ``work.wait()``, and ``work``."""
     recv = send.new_empty(sum(recv_numels))
     work = dist.all_to_all_single(recv, send, recv_numels, send_numels, group=group, async_op=True)
     me = dist.get_rank(group)
@@ -53,8 +50,7 @@ def start_all_to_all_uneven(
 def all_gather_uneven(
     x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup | None, stats: CommStats | None = None
 ) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, where rank j holds ``sizes[j]`` rows (padded in transit, since
-    all_gather wants equal shapes). Without ``stats`` the bytes are not counted."""
+    """Every rank's ``x`` concatenated along ``dim``, rank j holding ``sizes[j]`` rows; uncounted without ``stats``."""
     longest = max(sizes)
     if x.shape[dim] < longest:
         pad_shape = list(x.shape)
@@ -70,7 +66,7 @@ def all_gather_uneven(
 
 @torch.compiler.disable  # compiled blocks break their graph here, as around the sequence-parallel collectives
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) -> torch.Tensor:
-    """Sum ``x`` over ``group`` in place; counted as a ring all-reduce (NCCL's) sends: 2 (T - 1) / T of it per rank."""
+    """In place; counted as NCCL's ring all-reduce sends: 2 (T - 1) / T of ``x`` per rank."""
     dist.all_reduce(x, group=group)
     degree = dist.get_world_size(group)
     stats.add(2 * (degree - 1) * x.numel() * x.element_size() // degree)
@@ -85,7 +81,7 @@ def broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None, stats:
 
 
 class RingExchange:
-    """Async send to the next rank and receive from the previous, overlapping the attention of the block in hand."""
+    """Async send to the next rank and receive from the previous."""
 
     def __init__(self, group: dist.ProcessGroup, stats: CommStats) -> None:
         self.group = group
@@ -96,8 +92,7 @@ class RingExchange:
         self.prev_rank = ranks[(me - 1) % len(ranks)]
 
     def start(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], list]:
-        """Post ``send`` to the next rank and receives shaped ``recv_shapes`` (in their ``send`` counterparts' dtypes)
-        from the previous; returns the receive buffers and the work to wait on before reading them."""
+        """Returns the receive buffers (``recv_shapes``, in ``send``'s dtypes) and the work to wait on."""
         recv = [tensor.new_empty(shape) for tensor, shape in zip(send, recv_shapes)]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next_rank, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group) for t in recv]

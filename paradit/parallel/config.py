@@ -9,6 +9,7 @@ from paradit.errors import InvalidRequest
 from paradit.flags import GENERATE, PLAN, option, positive
 
 COMM_DTYPES = ("auto", "fp8")
+MESH_DIMS = ("cfg", "pipefusion", "ring", "ulysses", "tensor")  # outermost first
 PARALLEL = "parallelism (one request across several GPUs or CPU processes)"
 # A flag of how one request is spread over the group; a server's groups run the plan generate chooses for their size.
 parallel_option = functools.partial(option, commands=(GENERATE, PLAN), group=PARALLEL)
@@ -16,20 +17,10 @@ parallel_option = functools.partial(option, commands=(GENERATE, PLAN), group=PAR
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees of each strategy; their product is the number of GPUs (processes) in the group.
-
-    ``cfg`` 2 puts the conditional and unconditional guidance branches on different halves of the group;
-    ``ring`` x ``ulysses`` split the token sequence (USP when both are > 1, Ulysses innermost); ``tensor`` shards
-    every projection's weights (and the attention heads) across the ranks. ``comm_dtype`` "fp8" sends Ulysses'
-    all-to-alls and Ring's K/V as FP8 with scales ("auto": in the model dtype, exact).
-
-    ``pipefusion`` splits the blocks into that many pipeline stages, each ``ring`` x ``ulysses`` ranks wide; after
-    ``warmup_steps`` exact steps, each step's image tokens flow through the stages as ``patches`` patches attending
-    to the previous step's (stale) K/V for the other patches.
-
-    ``shard_weights`` N (0: off) keeps 1/N of every block's weights on each of N neighbouring ranks (the innermost
-    degrees: ``shard_dims``), each block gathered whole just before it runs (FSDP); it multiplies no degree.
-    """
+    """Degrees of each strategy; their product is the number of GPUs (processes) in the group. ``comm_dtype`` "fp8"
+    sends Ulysses' all-to-alls and Ring's K/V as FP8 with scales ("auto": in the model dtype, exact). ``pipefusion``
+    stages run ``warmup_steps`` exact steps, then ``patches`` patches a step against stale K/V. ``shard_weights`` N
+    (0: off) keeps 1/N of every block's weights on each of N neighbouring ranks (FSDP); it multiplies no degree."""
 
     ulysses: int = parallel_option(1, type=positive, help="Ulysses (all-to-all over heads) degree")
     ring: int = parallel_option(1, type=positive, help="Ring attention degree")
@@ -87,14 +78,7 @@ class ParallelConfig:
         return " x ".join(reversed(spanned)) or "the one GPU"
 
     def degrees(self) -> tuple[tuple[str, int], ...]:
-        """(name, degree) in mesh order, outermost first."""
-        return (
-            ("cfg", self.cfg),
-            ("pipefusion", self.pipefusion),
-            ("ring", self.ring),
-            ("ulysses", self.ulysses),
-            ("tensor", self.tensor),
-        )
+        return tuple((name, getattr(self, name)) for name in MESH_DIMS)
 
     def validate(self, gpus: int, has_cfg: bool, heads: int) -> None:
         """Raises InvalidRequest naming the problem and the plans that do work for ``gpus``."""

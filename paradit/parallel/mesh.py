@@ -1,9 +1,5 @@
-"""The process group, the device mesh (cfg x pipefusion x ring x ulysses x tensor) and this rank's place in it.
-
-The heaviest traffic sits innermost, between neighbouring ranks (one NVLink island or PCIe switch on most boxes): tensor
-parallelism's per-layer reductions, then Ulysses' all-to-alls; the ring passes K/V between Ulysses groups, PipeFusion
-one patch's activations per stage boundary, CFG one noise prediction per step.
-"""
+"""The process group, the device mesh and this rank's place in it. The heaviest traffic sits innermost, between
+neighbouring ranks (one NVLink island or PCIe switch on most boxes): tensor parallelism's, then Ulysses'."""
 
 from __future__ import annotations
 
@@ -16,9 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paradit.parallel.comm import CommStats, all_gather_uneven, broadcast
-from paradit.parallel.config import ParallelConfig
-
-MESH_DIMS = ("cfg", "pipefusion", "ring", "ulysses", "tensor")
+from paradit.parallel.config import MESH_DIMS, ParallelConfig
 
 
 def init_process_group(device: torch.device, rank: int, world_size: int, init_method: str) -> None:
@@ -59,8 +53,8 @@ class ParallelContext:
 
     @cached_property
     def shard_mesh(self) -> DeviceMesh:
-        """The mesh ``shard_weights`` shards over: groups of N consecutive ranks (the innermost degrees), each group
-        holding the whole model between them (FSDP2's hybrid sharding when N is less than the group)."""
+        """Groups of ``shard_weights`` consecutive ranks, each holding the whole model between them (FSDP2's hybrid
+        sharding when fewer than the group)."""
         n, world = self.config.shard_weights, self.config.world_size
         if n == world:
             return init_device_mesh(self.device.type, (n,), mesh_dim_names=("shard",))
@@ -86,18 +80,15 @@ class ParallelContext:
         return dist.get_rank(self.sequence_group)
 
     def gather_int(self, value: int) -> list[int]:
-        """Every rank's ``value``, in rank order, on every rank (one tiny all-gather)."""
         mine = torch.tensor([value], dtype=torch.int64, device=self.device)
         return all_gather_uneven(mine, 0, [1] * dist.get_world_size(), None).tolist()
 
     def sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over every rank of the group, on every rank (each rank the same sums)."""
         dist.all_reduce(tensor)
         return tensor
 
     def share_from_leader(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        """Rank 0's ``tensor`` on every rank (the others pass None). Shape and dtype travel first, so prompt
-        embeddings of any length can be shared; bool tensors travel as bytes (gloo carries no bool)."""
+        """Rank 0's ``tensor`` (any shape) on every rank, the others passing None; bools travel as bytes for gloo."""
         meta = [(tuple(tensor.shape), tensor.dtype) if self.is_leader else None]
         dist.broadcast_object_list(meta, src=0, device=self.device if self.device.type == "cuda" else None)
         shape, dtype = meta[0]

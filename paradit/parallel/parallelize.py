@@ -1,8 +1,5 @@
-"""``parallelize``: the one place that applies parallelism to a plain model, every strategy in a fixed order (tensor,
-sequence, PipeFusion, CFG, the VAE's bands), each in place on the meta device before loading, as torchtitan's
-``parallelize_*`` do. What comes back (``Parallelized``) is what loading and the denoise loop need; pipelines use it
-and never name a strategy. Tensor parallelism goes first so that the slices each rank keeps reach the loader, and
-PipeFusion's stale-K/V attention wraps the sequence group's when both are on."""
+"""``parallelize``: the one place that applies parallelism to a plain model, every strategy in a fixed order, on the
+meta device before loading (as torchtitan's ``parallelize_*``); pipelines use what it returns and name no strategy."""
 
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ class DenoiseLoop:
     """The scheduler run over the timesteps, one whole prediction per step."""
 
     def begin_request(self) -> None:
-        """What a request starts from (``run`` calls it first)."""
+        """Called first by ``run``."""
 
     def run(
         self,
@@ -55,8 +52,7 @@ class DenoiseLoop:
 
 
 class PipeFusionLoop(DenoiseLoop):
-    """PipeFusion's loop: each request starts with warm-up steps; with patches, the latents advance patch by patch
-    (``patch_loop``) so that the pipeline never drains between steps."""
+    """Each request starts with warm-up steps; with patches, the latents advance patch by patch (``patch_loop``)."""
 
     def __init__(self, pipefusion: PipeFusion) -> None:
         self.pipefusion = pipefusion
@@ -96,10 +92,8 @@ def plain_vae_encode(vae: nn.Module, images: torch.Tensor):
 
 @dataclass(frozen=True)
 class Parallelized:
-    """A model with its parallelism applied: ``model`` is the plain model, parallelized in place (what FP8 and
-    compilation act on); ``forward`` what to call in its place; ``slices`` the part of each sharded tensor this rank
-    loads; ``branches`` the guidance branches this rank computes; ``loop`` the denoise loop;
-    ``vae_decode``/``vae_encode`` the VAE's (by the group if any, a band each; encode gives the latent distribution)."""
+    """``model``: the plain model, parallelized in place (what FP8 and compilation act on); ``forward``: what to call
+    in its place; ``slices``: the part of each sharded tensor this rank loads."""
 
     model: nn.Module
     forward: nn.Module
@@ -111,8 +105,8 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: ParallelContext | None) -> Parallelized:
-    """Apply ``context``'s plan to the plain ``model`` (on the meta device, before loading); ``tensor_plan`` is the
-    model family's. Without a context (one process), the model runs as it is."""
+    """Without a context (one process), the model runs as it is. Tensor parallelism goes first, so that its slices
+    reach the loader; PipeFusion's stale-K/V attention wraps the sequence group's."""
     if context is None:
         return Parallelized(model, model)
     config = context.config
@@ -124,6 +118,5 @@ def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: Paral
     if config.pipefusion > 1:
         forward = PipeFusion(model, context, sequence)
         loop = PipeFusionLoop(forward)
-    # Every rank ends the loop with the same latents: the whole group decodes them, a band each (exact); likewise
-    # every rank has the request's images and encodes them with the group.
+    # Every rank ends the loop with the same latents (and has the request's images): the group decodes them together.
     return Parallelized(model, forward, slices, guidance_branches(context), loop, parallel_decode, parallel_encode)

@@ -1,14 +1,7 @@
-"""PipeFusion's denoise loop: the latents advance patch by patch, so the pipeline never drains between steps.
-
-In the plain loop every step ends with the whole prediction, so stages idle at its edges and each step costs (patches +
-stages - 1) patch-times. But a flow-matching update is elementwise: patch m's latents at step k + 1 need only patch m's
-prediction at step k. So this loop updates each patch's rows as its prediction lands and submits the next step's patch m
-right behind it, keeping ``patches - 1`` in flight: with ``patches >= stages`` no stage idles and a step costs
-``patches`` patch-times. The numbers are the plain loop's (each patch sees the same latents and K/V rows, in order).
-
-Requirements, met by every family: an elementwise scheduler update (one copy per patch keeps its step count), and
-``predict``'s work after the transformer (guidance, unpatchify) independent of row and step, since one call may return
-rows of an earlier step than its ``t``. ``predict`` calls the transformer it is handed, here ``PipeFusion.run``."""
+"""PipeFusion's denoise loop: the latents advance patch by patch, so the pipeline never drains between steps. A
+flow-matching update is elementwise, so each patch's rows are updated as its prediction lands and the next step's patch
+goes in right behind it: a step costs ``patches`` patch-times, not ``patches + stages - 1``, for the plain loop's
+numbers. ``predict``'s work after the transformer must not depend on row or step: a call may return an earlier step."""
 
 from __future__ import annotations
 
@@ -35,8 +28,7 @@ def denoise_by_patches(
     mark_step: Callable[[], None],
     progress: bool,
 ) -> torch.Tensor:
-    """Run ``scheduler`` over ``timesteps`` with ``predict(latents, t, transformer)`` as the plain loop does, the
-    transformer being ``pipefusion``; ``mark_step`` is called at the start and as each step's last patch lands."""
+    """``mark_step`` is called at the start and as each step's last patch lands."""
     steps = len(timesteps)
     # One scheduler per band of a patched step: each advances its own step count once per step.
     band_schedulers = [copy.deepcopy(scheduler) for _ in range(pipefusion.patches)]

@@ -1,29 +1,8 @@
 """PipeFusion: the blocks split into pipeline stages, image patches flowing through them against stale K/V.
 
-The low-communication strategy for slow links, for every family. The model's block stacks (``BLOCK_LISTS``, in run
-order) form one sequence split into P contiguous stages; rank p keeps stage p's blocks (the rest freed), so
-``run_blocks`` runs just its stage. Every rank runs ``embed`` (cheap; every stage needs the modulation vectors, rotary
-tables, masks); activations pass point to point between stages; the last stage runs ``head`` and broadcasts each patch's
-prediction (every scheduler needs it) at once on a second communicator, never queued behind forward activations.
-
-- **Warm-up steps** (the first ``warmup_steps``) run whole, exactly the serial result, filling each layer's K/V buffer.
-- **Patched steps** split the output stream (the image) into ``patches`` row bands that enter the pipeline one after
-  another, so stage p works on patch m while stage p + 1 works on patch m - 1. Each attention layer writes the patch's
-  fresh K/V over its rows of the buffer and attends to the whole buffer: earlier patches' rows are this step's, later
-  ones the previous step's, an approximation neighbouring steps make small.
-
-The text rides whole with patch 0, so it is computed once per step and later patches read its buffered K/V; band 0 is
-narrower by its length so that all patches hold about as many tokens (``band_rows``), the largest pacing the pipeline. A
-key mask (Qwen-Image's padded text) is buffered beside the keys, so masking is exactly serial attention's. Z-Image's
-refiners are ordinary blocks, the noise refiner patched and stale like any layer, the context refiner exact on patch 0
-and a no-op after: one code path, their weights on one stage, and the stage split balances them.
-
-**Ulysses inside a stage**: each stage is a sequence-parallel group; every patch is split across its ranks
-(``SequenceParallel.split``), rank r of stage p sending to rank r of stage p + 1, and each layer's local attention after
-the all-to-all is the stale-K/V attention (this rank's heads, the whole sequence). The ``Window`` says which rows of
-each stream every rank holds, so each gathered piece (rank by rank, in ``sequence_streams`` order) lands on its own
-buffer rows. **Ring** inside a stage all-gathers the patch's K/V instead (the buffer needs every key at once; the same
-bytes). **Tensor parallelism** inside a stage shards its blocks as anywhere else; each buffer holds the rank's heads."""
+Warm-up steps run whole (exact), filling each attention layer's K/V buffer; a patched step sends the image through as
+row bands one after another (the text whole with band 0), each layer attending to its buffer: this step's rows where
+written, the previous step's elsewhere. Inside a stage, sequence and tensor parallelism split each patch as anywhere."""
 
 from __future__ import annotations
 
@@ -45,8 +24,7 @@ from paradit.parallel.sequence import SequenceParallel, narrow_streams, scoped, 
 
 @dataclass
 class Window:
-    """The tokens in flight: per stream, its first row in flight, the rows each sequence rank holds from there in rank
-    order (one entry without sequence parallelism), and its whole length; ``whole``: they cover every row."""
+    """Per stream: its first row in flight, the rows each sequence rank holds from there, and its whole length."""
 
     starts: dict[str, int]
     sizes: dict[str, list[int]]
@@ -57,8 +35,7 @@ class Window:
         self.whole = all(sum(self.sizes[s]) == self.lengths[s] for s in self.lengths)
 
     def copies(self, streams: tuple[str, ...]) -> list[tuple[int, int, int]]:
-        """(row in the call, row in the buffer, count) runs for a module concatenating ``streams`` in that order;
-        the buffer lays the streams out in the same order, each whole."""
+        """(row in the call, row in the buffer, count) runs for a module concatenating ``streams`` in that order."""
         if streams not in self._copies:
             offsets = dict(zip(streams, itertools.accumulate((self.lengths[s] for s in streams), initial=0)))
             runs, source = [], 0
@@ -80,8 +57,8 @@ _WINDOW: ContextVar[Window] = ContextVar("paradit_pipefusion_window")
 
 
 class StaleKVAttention:
-    """One attention layer's K/V buffer over its streams' whole sequence: the tokens in flight (their ``Window``) write
-    their rows (and key mask's), then attend to every row (this step's where written, else the previous step's)."""
+    """One attention layer's K/V buffer over its streams' whole sequence: the tokens in flight write their rows (and
+    the key mask's), then attend to every row."""
 
     def __init__(self, streams: tuple[str, ...], kernel: AttentionFn = sdpa_attention) -> None:
         self.streams, self.kernel = streams, kernel
@@ -114,9 +91,8 @@ class StaleKVAttention:
 
 
 def band_rows(length: int, band: int, bands: int, lead: int = 0) -> tuple[int, int]:
-    """The (first, end) rows of band ``band`` when ``length`` output-stream rows split into ``bands`` bands, band 0 also
-    carrying ``lead`` tokens of the other streams. A patch costs in proportion to its tokens (projections, and queries
-    against the whole K/V buffer) and the slowest paces the pipeline, so band 0 gets ``lead`` fewer rows."""
+    """The (first, end) output-stream rows of band ``band`` of ``bands``. Band 0 also carries ``lead`` tokens of the
+    other streams, so it gets that many fewer rows: a patch costs in proportion to its tokens, the slowest pacing."""
     if bands == 1:
         return 0, length
     first = split_sizes(length, bands)[0]
@@ -130,7 +106,6 @@ def band_rows(length: int, band: int, bands: int, lead: int = 0) -> tuple[int, i
 
 
 def stage_range(blocks: int, stages: int, stage: int) -> range:
-    """The indices, in the model's run order, of the blocks ``stage`` runs."""
     sizes = split_sizes(blocks, stages)
     start = sum(sizes[:stage])
     return range(start, start + sizes[stage])
@@ -147,8 +122,7 @@ class PatchItem:
 
 @dataclass
 class InFlight:
-    """A submitted item whose prediction is still on its way from the last stage: the output-stream rows it covers,
-    how many of them each sequence rank holds, and the broadcast carrying this rank's rows."""
+    """A submitted item whose prediction (``work``: its broadcast) is on its way from the last stage."""
 
     item: PatchItem
     rows: tuple[int, int]
@@ -158,12 +132,9 @@ class InFlight:
 
 
 class PipeFusion(nn.Module):
-    """Runs a plain model as this rank's pipeline stage; ``sequence`` (Ulysses or Ring inside each stage) carries each
-    patch across the stage's ranks with its ``split`` and ``gather``. Called like the model, one call is one whole step
-    (its patches submitted, then all their predictions collected; ``begin_request`` makes the next call step 0). A
-    denoise loop that updates the latents patch by patch calls ``run`` instead: each call submits at most one patch and
-    returns the oldest predictions in flight, so the first stage starts step k + 1's first patch while the last still
-    works on step k's last (no pipeline drain per step; see ``paradit.parallel.patch_loop``)."""
+    """Runs a plain model as this rank's pipeline stage. Called like the model, one call is one whole step; the patch
+    loop (``paradit.parallel.patch_loop``) calls ``run``, which submits and collects patches separately, so that the
+    pipeline never drains between steps."""
 
     def __init__(self, model: nn.Module, context: ParallelContext, sequence: SequenceParallel | None = None) -> None:
         super().__init__()
@@ -214,21 +185,18 @@ class PipeFusion(nn.Module):
         return self.model.config
 
     def begin_request(self) -> None:
-        """The next forward is step 0 of a new request: a warm-up step."""
         self.step = 0
         self._in_flight.clear()
 
     @property
     def in_flight(self) -> list[PatchItem]:
-        """The items submitted and not yet collected, oldest first."""
         return [pending.item for pending in self._in_flight]
 
     def patches_at(self, step: int) -> int:
-        """Warm-up steps run whole; the others in ``patches`` bands."""
         return 1 if step < self.warmup_steps else self.patches
 
     def band(self, band: int, bands: int) -> tuple[int, int]:
-        """The output-stream rows of band ``band`` of ``bands`` in this request (known once a patch was submitted)."""
+        """Known once a patch of the request was submitted."""
         return band_rows(self.output_length, band, bands, self._lead)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
@@ -239,7 +207,7 @@ class PipeFusion(nn.Module):
 
     def run(self, submits: list[PatchItem], collect: int, *args, **kwargs) -> tuple[torch.Tensor, list[InFlight]]:
         """Submit ``submits``, then collect the ``collect`` oldest items in flight: a prediction of the whole output
-        stream whose rows are valid only where the collected items lie, and those items."""
+        stream, valid only on the collected items' rows, and those items."""
         if submits:
             tokens = self.model.embed(*args, **kwargs)
             for item in submits:
@@ -247,8 +215,6 @@ class PipeFusion(nn.Module):
         return self._collect(collect)
 
     def _submit(self, tokens, item: PatchItem) -> None:
-        """Runs this stage's blocks on the item's patch and passes it on; the last stage runs the head and posts the
-        prediction to the group at once, the others post their receive for it."""
         output = type(tokens).OUTPUT_STREAM
         lengths = stream_lengths(tokens)
         streams = list(lengths)
@@ -272,29 +238,22 @@ class PipeFusion(nn.Module):
             patch = self.model.run_blocks(patch)
         if self.next_rank is not None:
             self._send([getattr(patch, s) for s in streams])
-            prediction = None
-        else:
-            prediction = self.model.head(patch)
+        # The last stage broadcasts this rank's rows of the prediction at once; the others post the receive.
+        prediction = self.model.head(patch).contiguous() if self.next_rank is None else None
         image = self._image = getattr(tokens, output)
-        me = self.context.sequence_rank if self.sequence is not None else 0
-        prediction, work = self._post_prediction(prediction, image, sizes[output][me])
-        self._in_flight.append(InFlight(item, (start, stop), sizes[output], prediction, work))
-
-    def _post_prediction(self, prediction, image: torch.Tensor, rows: int) -> tuple[torch.Tensor, dist.Work]:
-        """The last stage broadcasts this rank's rows of the item's prediction; the others post the receive."""
         if self._out_channels is None:  # the head's width, learnt once: only the last stage has run it
             width = torch.tensor([prediction.shape[-1] if prediction is not None else 0], device=image.device)
             width = broadcast(width, self.last_rank, self.prediction_group, self.context.stats)
             self._out_channels = int(width.item())
         if prediction is None:
-            prediction = image.new_empty(image.shape[0], rows, self._out_channels)
+            me = self.context.sequence_rank if self.sequence is not None else 0
+            prediction = image.new_empty(image.shape[0], sizes[output][me], self._out_channels)
         else:
-            prediction = prediction.contiguous()
             self.context.stats.add(prediction.numel() * prediction.element_size() * (self.stages - 1))
-        return prediction, dist.broadcast(prediction, self.last_rank, group=self.prediction_group, async_op=True)
+        work = dist.broadcast(prediction, self.last_rank, group=self.prediction_group, async_op=True)
+        self._in_flight.append(InFlight(item, (start, stop), sizes[output], prediction, work))
 
     def _collect(self, count: int) -> tuple[torch.Tensor, list[InFlight]]:
-        """The ``count`` oldest items' predictions, placed on their rows of the output stream, and those items."""
         image = self._image
         out = image.new_zeros(image.shape[0], self.output_length, self._out_channels)
         collected = [self._in_flight.popleft() for _ in range(count)]
@@ -308,15 +267,11 @@ class PipeFusion(nn.Module):
             self._wait_for_sends()
         return out, collected
 
-    def _send(self, tensors: list[torch.Tensor | None]) -> None:
-        """Post the patch's activations to the next stage, so this stage goes on to its next patch while they travel.
-        Empty streams (the text of later patches) are not sent; the receiver knows their shapes."""
+    def _send(self, tensors: list[torch.Tensor]) -> None:
         # The previous patch's sends finished long ago (the next stage needed them); waiting only frees their buffers.
         self._wait_for_sends()
-        for tensor in tensors:
-            if tensor is None or tensor.numel() == 0:
-                continue
-            tensor = tensor.contiguous()
+        # Empty streams (the text of later patches) are not sent; the receiver knows their shapes.
+        for tensor in (t.contiguous() for t in tensors if t.numel()):
             self._sends.append((dist.isend(tensor, self.next_rank, group=self.group), tensor))
             self.context.stats.add(tensor.numel() * tensor.element_size())
 

@@ -1,17 +1,6 @@
-"""Sequence parallelism: split the token streams after ``embed``, attend across ranks, gather before the output.
-
-Each rank holds a contiguous chunk (``torch.tensor_split`` sizes: any length) of each token stream and runs the blocks
-on it unchanged; only attention needs the whole sequence, through a ``SequenceParallelAttention``:
-
-- **Ulysses**: an all-to-all trades the sequence split for a head split (``tensor_split`` shares: heads need not divide
-  the degree), full attention on those heads, an all-to-all back, in head chunks that overlap attention and exchange.
-- **Ring**: K/V blocks travel round the ring while each rank attends to the block in hand, merging by log-sum-exp.
-- **USP**: Ulysses inside groups of neighbouring ranks, Ring across the groups.
-
-Uneven splits travel as per-rank sizes, not padding (``comm``); attention is order-invariant over keys and every query
-returns to its rank, so chunk order inside attention does not matter. Modules with empty ``sequence_streams`` (Wan's
-cross-attention to the whole text) keep local attention. PipeFusion, over this wrapper, swaps each module's *local*
-attention (SDPA on this rank's heads, whole sequence) for stale-K/V attention, with ``split``/``gather`` per patch."""
+"""Sequence parallelism: the token streams split after ``embed`` (any length: ``tensor_split`` sizes), attention
+across the ranks by Ulysses (all-to-all over heads), Ring (K/V blocks passed round, merged by log-sum-exp) or both
+(USP: Ulysses innermost), the output stream gathered before the head."""
 
 from __future__ import annotations
 
@@ -41,7 +30,6 @@ _LAYOUT: ContextVar[dict[str, list[int]]] = ContextVar("paradit_sequence_layout"
 
 @contextlib.contextmanager
 def scoped(var: ContextVar, value) -> Iterator[None]:
-    """``var`` holds ``value`` inside the block, and what it held before after it."""
     token = var.set(value)
     try:
         yield
@@ -50,15 +38,11 @@ def scoped(var: ContextVar, value) -> Iterator[None]:
 
 
 def sequence_layout(sizes: dict[str, list[int]]) -> contextlib.AbstractContextManager[None]:
-    """Attention calls inside see ``sizes`` (stream -> tokens per sequence rank) as their forward's layout."""
     return scoped(_LAYOUT, sizes)
 
 
 def merge_partials(
-    out_acc: torch.Tensor | None,
-    lse_acc: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    out_acc: torch.Tensor | None, lse_acc: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention over two key blocks from each one's: ``out`` (B, L, H, D) and ``lse`` (B, H, L) of the new block
     merged into the running fp32 (``out_acc``, ``lse_acc`` (B, L, H, 1); None for the first block)."""
@@ -97,8 +81,7 @@ class SequenceParallelAttention:
         return [sum(self.local_lengths[r * self.ulysses : (r + 1) * self.ulysses]) for r in range(self.ring)]
 
     def _head_ranges(self, heads: int, chunk: int = 0, chunks: int = 1) -> list[tuple[int, int]]:
-        """(first head, count) that each Ulysses rank attends, in rank order: its ``tensor_split`` share of ``heads``,
-        or the ``chunk``-th of ``chunks`` parts of that share."""
+        """(first head, count) each Ulysses rank attends: the ``chunk``-th part of its ``tensor_split`` share."""
         owned = split_sizes(heads, self.ulysses)
         parts = [split_sizes(count, chunks) for count in owned]
         return [(sum(owned[:rank]) + sum(share[:chunk]), share[chunk]) for rank, share in enumerate(parts)]
@@ -174,9 +157,8 @@ class SequenceParallelAttention:
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
     ) -> torch.Tensor:
-        """``local`` on this rank's heads over the call's whole sequence: with Ring, a ``blockwise`` kernel runs block
-        by block as the K/V blocks travel; any other local attention (PipeFusion's K/V buffer) needs every key at once,
-        so the ring members' K/V are all-gathered for it instead (the same bytes, without the overlap)."""
+        """``local`` on this rank's heads over the whole sequence. A local attention that is not ``blockwise``
+        (PipeFusion's K/V buffer) gets the ring members' K/V all-gathered: the same bytes, without the overlap."""
         if self.ring == 1:
             return local(q, k, v, key_mask)
         if blockwise(local):
@@ -184,15 +166,9 @@ class SequenceParallelAttention:
         return local(q, *self.ring_gather(k, v, key_mask))
 
     def ring_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        with_lse=attention_with_lse,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, with_lse
     ) -> torch.Tensor:
-        """Attention of local queries over all ring ranks' K/V block-wise, each block through ``with_lse`` (exact:
-        ``attention_with_lse``), merged by log-sum-exp; ``key_mask`` is Ulysses-gathered."""
+        """Each ring rank's K/V block attended through ``with_lse`` as it arrives; ``key_mask`` is Ulysses-gathered."""
         lengths = self._ring_lengths()
         me = self.context.local_rank("ring")
         ring_group = self.context.group("ring")
@@ -220,8 +196,7 @@ class SequenceParallelAttention:
     def ring_gather(
         self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Every ring member's K/V (and key mask) in ring order: with the Ulysses gather inside each member, the
-        whole call's sequence in sequence-rank order, for this rank's heads."""
+        """Every ring member's K/V (and key mask) in ring order: the whole sequence, for this rank's heads."""
         lengths, group, dtype = self._ring_lengths(), self.context.group("ring"), k.dtype
         gathered = [all_gather_uneven(self._to_wire(t), 1, lengths, group, self.context.stats) for t in (k, v)]
         k, v = (self._from_wire(t, dtype) for t in gathered)
@@ -234,11 +209,11 @@ class SequenceParallelAttention:
         return decode_fp8_rows(wire, dtype) if self.fp8_transport else wire
 
     def _gather_mask(self, key_mask: torch.Tensor, lengths: list[int], group) -> torch.Tensor:
-        """The key masks of ``group`` (``lengths[r]`` keys on rank r), concatenated; as bytes: gloo carries no bool."""
+        # As bytes: gloo carries no bool.
         return all_gather_uneven(key_mask.to(torch.uint8), 1, lengths, group, self.context.stats).bool()
 
     def gather_key_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
-        """This Ulysses group's key masks in gather order; once per forward, as every layer passes the same tensor."""
+        """Gathered once per forward, as every layer passes the same tensor."""
         if self._mask_cache is None or self._mask_cache[0] is not key_mask:
             self._mask_cache = key_mask, self._gather_mask(key_mask, self._ulysses_lengths(), self.ulysses_group)
         return self._mask_cache[1]
@@ -254,7 +229,6 @@ class SequenceParallelAttention:
         streams: tuple[str, ...] | None = None,
         local: AttentionFn = sdpa_attention,
     ) -> torch.Tensor:
-        """``local`` attends this rank's heads over the gathered sequence (see ``_attend``)."""
         layout = _LAYOUT.get()
         sizes = [layout[name] for name in (streams or layout)]
         self.local_lengths = [sum(column) for column in zip(*sizes)]
@@ -305,8 +279,7 @@ class SequenceParallel(nn.Module):
         return self.model.config
 
     def set_local_attention(self, module: AttentionDispatch, local: AttentionFn) -> None:
-        """``module`` attends through the sequence group, ``local`` on this rank's heads over the gathered sequence. Not
-        for modules whose ``sequence_streams`` is empty: their keys are whole on every rank."""
+        """Not for modules whose ``sequence_streams`` is empty: their keys are whole on every rank."""
         module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams, local=local))
 
     def split(self, tokens):
@@ -317,7 +290,6 @@ class SequenceParallel(nn.Module):
         return narrow_streams(tokens, ranges), sizes
 
     def gather(self, out: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Every sequence rank's ``out`` (``sizes[r]`` rows on rank r) concatenated along dim 1."""
         return all_gather_uneven(out, 1, sizes, self.context.sequence_group, self.context.stats)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:

@@ -1,13 +1,5 @@
-"""Weights sharded over neighbouring ranks (``ParallelConfig.shard_weights``), block by block, by PyTorch's FSDP2
-(``fully_shard``): each of N ranks keeps 1/N of every parameter; a block's pre-forward gathers its whole weights (FP8
-bytes and scales as stored: FSDP2 gathers parameters of mixed dtypes as bytes), issuing the next block's gather too
-so that it travels while this block computes, and its post-forward frees them.
-
-Each block is sharded as soon as it has loaded (``shard_module``), so a rank never holds more than its shares and one
-whole block. The root (``shard_root``) takes what is outside the blocks (embedders, output layers) and ties the blocks
-into one FSDP tree, whose one communication context lets a block prefetch the next. Written here: only the count of
-the bytes each gather sends (``CommStats``), which FSDP2 does not keep.
-"""
+"""Weights sharded over neighbouring ranks (``ParallelConfig.shard_weights``) by FSDP2, each block as soon as it has
+loaded, so a rank never holds more than its shares and one whole block; each block's gather prefetches the next's."""
 
 from __future__ import annotations
 
@@ -21,7 +13,7 @@ from paradit.parallel.mesh import ParallelContext
 
 
 class ShardRoot(nn.Module):
-    """The FSDP root: calls the model (or its sequence-parallel wrapper) as it is."""
+    """The FSDP root, over the model (or its sequence-parallel wrapper): what is outside the blocks."""
 
     def __init__(self, forward: nn.Module) -> None:
         super().__init__()
@@ -50,8 +42,7 @@ class ShardedForward(nn.Module):
 
 
 def shard_module(module: nn.Module, context: ParallelContext) -> None:
-    """``fully_shard`` the parameters of ``module`` that no inner module has sharded, and count what each of its
-    gathers sends: this rank's (padded) share to each of the N - 1 others."""
+    """``fully_shard`` the parameters no inner module has sharded, counting what each gather sends (FSDP2 does not)."""
     degree = context.config.shard_weights
     own = [p for p in module.parameters() if not isinstance(p, DTensor)]
     share = sum(-(-p.shape[0] // degree) * (p[0].numel() if p.dim() else 1) * p.element_size() for p in own)
@@ -65,8 +56,7 @@ def shard_module(module: nn.Module, context: ParallelContext) -> None:
 
 
 def shard_root(forward: nn.Module, model: nn.Module, context: ParallelContext) -> ShardedForward:
-    """The module to call in place of ``forward``, once every block of ``model`` is sharded: it shards the rest and
-    sets each block to prefetch the next one's weights (the root, the first block's)."""
+    """What to call in place of ``forward`` once every block is sharded, each prefetching the next one's weights."""
     root = ShardRoot(forward)
     shard_module(root, context)
     chain = [root, *model_blocks(model)]

@@ -1,20 +1,7 @@
-"""Tensor parallelism: shard every block's projections across the tensor group, from outside the model.
-
-Megatron's pairing, applied to each attention and MLP of the repeated blocks:
-
-- **column-parallel** linears (Q/K/V, the MLP's input) keep a contiguous slice of the output features: whole heads,
-  whole hidden units, so attention and the MLP's activation run locally.
-- **row-parallel** linears (attention output, MLP output) keep the matching input slice; one all-reduce over the tensor
-  group sums the partial outputs, then the bias is added once.
-
-Packed layouts are sharded part by part: FLUX.2's single-block ``to_qkv_mlp_proj`` packs [q, k, v, MLP gate, MLP up],
-its ``to_out`` reads [attention, MLP], ``ff.linear_in`` packs [gate, up]. The rest (embedders, modulation, norms, output
-projection) is small, needed whole, and replicated, except a norm over all heads after a column-parallel projection
-(Wan's Q/K RMS norms): it keeps its weight slice, its squared sums added over the group before the root.
-
-The models infer head counts from shapes (``unflatten(-1, (-1, head_dim))``) and the counts attention modules store are
-divided here, so attention sees heads / T heads unchanged. Exact; composes with sequence parallelism (which splits
-tokens) and CFG parallelism."""
+"""Tensor parallelism, Megatron's pairing applied to every block from outside the model: column-parallel linears (Q/K/V,
+the MLP's input) keep whole heads and hidden units, row-parallel ones (the outputs) the matching input slice, their
+partial outputs summed over the group. Packed layouts (FLUX.2's [q, k, v, gate, up]) are sharded part by part; the rest
+is small and replicated."""
 
 from __future__ import annotations
 
@@ -33,8 +20,8 @@ from paradit.weights import TensorSlice
 
 @dataclass(frozen=True)
 class Shard:
-    """How one linear is split: ``style`` "column" (output features) or "row" (input features); ``parts`` names
-    the packed parts along that dimension, in order, by their key in the plan's ``widths``."""
+    """``style`` "column" (output features) or "row" (input features); ``parts``: the packed parts along that
+    dimension, in order, by their key in the plan's ``widths``."""
 
     style: str
     parts: tuple[str, ...] = ("attention",)
@@ -42,7 +29,7 @@ class Shard:
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One family's sharding, as data. Patterns are ``fnmatch`` patterns of module names."""
+    """One family's sharding, as data; patterns are ``fnmatch`` patterns of module names."""
 
     family: str
     heads: Callable[[nn.Module], int]  # model -> attention heads
@@ -71,8 +58,7 @@ def joint_attention(prefix: str, out_projection: bool = True) -> dict[str, Shard
 
 
 class RowParallelLinear(nn.Module):
-    """A linear over this rank's slice of the input features: partial outputs summed over the tensor group, then the
-    bias added once. The sharded linear stays a plain ``nn.Linear`` (``linear``), so FP8 can still swap it."""
+    """The bias is added once, after the sum; ``linear`` stays a plain ``nn.Linear``, so FP8 can still swap it."""
 
     def __init__(self, linear: nn.Linear, bias: nn.Parameter | None, context: ParallelContext) -> None:
         super().__init__()
@@ -85,9 +71,8 @@ class RowParallelLinear(nn.Module):
 
 
 class HeadShardedRMSNorm(nn.Module):
-    """An RMS norm over the whole attention width on a rank holding some heads: each token's squared sum is added over
-    the tensor group (one value per token) before the root, then the rank's weight slice applies, computed as
-    ``torch.nn.RMSNorm`` does (float32, rounded, weighted). The weight stays in ``norm`` for the loader."""
+    """An RMS norm over the whole attention width (Wan's Q/K norms) on a rank holding some heads: each token's squared
+    sum is added over the group, then ``torch.nn.RMSNorm``'s math. The weight slice stays in ``norm`` for the loader."""
 
     def __init__(self, norm: nn.RMSNorm, width: int, context: ParallelContext) -> None:
         super().__init__()
@@ -103,7 +88,6 @@ class HeadShardedRMSNorm(nn.Module):
 
 
 def check_tensor_plan(plan: TensorPlan | None, model: nn.Module, degree: int) -> TensorPlan:
-    """``plan``, once ``model``'s heads and widths are known to split into ``degree`` equal shares."""
     if plan is None:
         raise InvalidRequest(f"tensor parallelism has no plan for {type(model).__name__}; drop --tensor")
     heads = plan.heads(model)
@@ -126,8 +110,7 @@ def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
 
 
 def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) -> dict[str, TensorSlice]:
-    """The slice ``rank`` of ``degree`` keeps of each sharded tensor of the plain ``model`` by (diffusers) name:
-    ``<linear>.weight``, and ``.bias`` and FP8's ``.weight_scale`` of column-parallel ones; others are replicated."""
+    """The slice ``rank`` keeps of each sharded tensor of the plain ``model``, by name; the others are replicated."""
     widths = check_tensor_plan(plan, model, degree).widths(model)
     slices = {}
     for pattern, shard in plan.linears.items():
@@ -149,8 +132,8 @@ def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) ->
 
 @torch.no_grad()
 def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelContext) -> dict[str, TensorSlice]:
-    """Shard ``model``'s blocks in place across ``context``'s tensor group (on the meta device only their shapes, for
-    the loader to fill); returns the slice of each sharded tensor this rank keeps."""
+    """Shard ``model`` in place (on the meta device: the shapes, for the loader to fill); returns ``tensor_slices``.
+    The models infer head counts from shapes; the counts attention modules store are divided here."""
     degree = context.config.tensor
     slices = tensor_slices(plan, model, degree, context.local_rank("tensor"))
     attention_width = plan.widths(model)["attention"]  # read before sharding changes the modules it reads

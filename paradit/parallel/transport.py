@@ -1,32 +1,28 @@
-"""FP8 transport (``--comm-dtype fp8``): activations crossing the wire as e4m3 bytes, each row with its own scale.
-
-A row (one token's one head: ``head_dim`` values) travels as its e4m3 bytes followed by the four bytes of its float32
-scale, so one message carries both and a collective needs no second call for the scales: on a PCIe-like link every
-extra collective per attention costs more latency than its few bytes. On GPUs both directions are compiled into
-single kernels: done step by step in eager mode (an fp32 copy, a divide, a clamp, a cast) the conversion reads and
-writes ~27 bytes per value, which costs more time than the halved wire saves."""
+"""FP8 transport (``--comm-dtype fp8``): each row (one token's one head) crosses the wire as its e4m3 bytes followed by
+its float32 scale's four, so one collective carries both: on a PCIe-like link an extra collective per attention costs
+more latency than its few bytes. On GPUs each direction is one compiled kernel: eager mode reads and writes ~27 bytes
+per value, more time than the halved wire saves."""
 
 from __future__ import annotations
 
 import torch
 
+from paradit.layers.fp8 import quantize_rowwise
+
 TRANSPORT_FP8 = torch.float8_e4m3fn
 SCALE_BYTES = 4  # a float32 per row
 
 
-# The scale's bytes are cut out of (and put back into) its bit pattern with shifts rather than a float32 -> uint8
-# view: inductor may lay a (..., 1) scale out with a non-unit last stride, and a view between element sizes then
-# fails to compile. Same-size views (float32 <-> int32) have no such limit.
+# The scale's bytes come by shifts rather than a float32 -> uint8 view: inductor may lay a (..., 1) scale out with a
+# non-unit last stride, where a view between element sizes fails to compile (float32 <-> int32 views do not).
 _BYTE_SHIFTS = (0, 8, 16, 24)  # little-endian, the order a float32 -> uint8 view gives
 
 
 def _encode(x: torch.Tensor) -> torch.Tensor:
-    fmax = torch.finfo(TRANSPORT_FP8).max
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / fmax
-    payload = (x.float() / scale).clamp(-fmax, fmax).to(TRANSPORT_FP8).view(torch.uint8)
+    payload, scale = quantize_rowwise(x, TRANSPORT_FP8)
     bits = scale.view(torch.int32)
     scale_bytes = [((bits >> shift) & 0xFF).to(torch.uint8) for shift in _BYTE_SHIFTS]
-    return torch.cat([payload, *scale_bytes], dim=-1)
+    return torch.cat([payload.view(torch.uint8), *scale_bytes], dim=-1)
 
 
 def _decode(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,24 +1,8 @@
-"""Patch-parallel VAE decode and encode for diffusers' autoencoders, exact.
-
-The VAE ends every request, and at 2048²-4096² or on 720p video its decode takes seconds and many GiB on one GPU while
-the others idle. Here each rank decodes (or encodes) one horizontal band, and every rank gets the whole result.
-
-The latent is cut along its height into ``torch.tensor_split`` bands, one per rank (each at least one latent row), and
-the VAE's code runs unchanged on the band: for one call, the ``forward`` of each of its module instances that sees more
-than one row at a time is swapped (no ``torch.nn`` class is touched):
-
-- convolutions (``Conv2d``; Wan / Qwen-Image's causal ``Conv3d``, after their temporal cache) get the halo rows their
-  kernel needs from the neighbouring bands while the band's own rows are convolved, and zero-pad only at the image's
-  edges. A tensor ``f`` times the latent's height holds rows ``[f * P_r, f * P_{r+1})`` on rank ``r`` (``P_r``: latent
-  rows above band ``r``), which gives each layer its offset. The encoders' stride-2 pads (``Downsample2D``'s ``F.pad``,
-  Wan's ``ZeroPad2d``) move into the convolution: only the last band pads;
-- group norms (``AutoencoderKL``, FLUX.2) combine per-channel count, mean and M2 over ranks in float64 (Chan's method);
-- the mid-block attention gathers its normalised input from all bands, so queries attend to the whole image;
-- the rest is local to a band: activations, nearest upsampling, Wan's RMS norm (over one position's channels), the
-  temporal caches, Wan 2.2's patchify, the final clamp.
-
-Inference only; exact up to floating-point reassociation (relative L2 <= 1e-5 in fp32; tests/test_parallel_vae.py
-checks every layout at world sizes 2-4). Tiling (a different computation) is off."""
+"""Patch-parallel VAE decode and encode for diffusers' autoencoders: each rank runs the VAE's code unchanged on one
+horizontal band of the latent (or image), every rank gets the whole result. For one call, the ``forward`` of each
+module instance that sees several rows at once is swapped: convolutions exchange halo rows with the neighbouring bands,
+group norms combine their statistics over the ranks, attention gathers its keys; the rest is local to a band. Exact up
+to floating-point reassociation (tests/test_parallel_vae.py); tiling, a different computation, is off."""
 
 from __future__ import annotations
 
@@ -47,15 +31,14 @@ _STATS_CHUNK = 1 << 26
 
 @dataclass(frozen=True)
 class _Bands:
-    """Where this rank's band lies: latent rows per rank, this rank, the group and the peers' global ranks."""
-
     rows: tuple[int, ...]
     rank: int
     group: dist.ProcessGroup | None
     peers: tuple[int, ...]
 
     def scaled(self, local_rows: int) -> tuple[int, ...]:
-        """Rows per rank of a tensor whose band on this rank is ``local_rows`` high."""
+        """Rows per rank of a tensor whose band on this rank is ``local_rows`` high: a tensor ``f`` times the latent's
+        height holds ``f`` times each band."""
         factor, rest = divmod(local_rows, self.rows[self.rank])
         if rest or not factor:
             raise RuntimeError(
@@ -83,8 +66,8 @@ def _bands(rows: list[int], group: dist.ProcessGroup | None) -> _Bands:
 # _exchange_halos, _gather_moments, _gather_rows: the only places ranks talk (tests swap them to prove checks bite).
 @torch.compiler.disable
 def _exchange_halos(x: torch.Tensor, bands: _Bands, plan: _ConvPlan) -> Callable[[], tuple[torch.Tensor | None, ...]]:
-    """Start exchanging the rows above and below this rank's band (``x``, rows at dim -2) that its convolution windows
-    reach into; ``finish()`` waits and gives (above, below), None where nothing comes."""
+    """Start exchanging the rows above and below the band ``x`` that its convolution windows reach into;
+    ``finish()`` waits and gives (above, below), None where nothing comes."""
     r, n = bands.rank, x.shape[-2]
     ops, halos = [], []
     up = (r - 1, plan.send_up[r], plan.recv_up[r], 0)
@@ -109,13 +92,12 @@ def _exchange_halos(x: torch.Tensor, bands: _Bands, plan: _ConvPlan) -> Callable
 
 @torch.compiler.disable
 def _gather_moments(moments: torch.Tensor, bands: _Bands) -> torch.Tensor:
-    """Every rank's (count, mean, M2) per (batch, channel): (world, 3, B, C) from this rank's (3, B, C)."""
+    """(world, 3, B, C) from this rank's (3, B, C)."""
     return _gather_rows(moments.unsqueeze(0), 0, (1,) * len(bands.rows), bands)
 
 
 @torch.compiler.disable
 def _gather_rows(x: torch.Tensor, dim: int, sizes: tuple[int, ...], bands: _Bands) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, rank r holding ``sizes[r]``."""
     return x if len(bands.rows) == 1 else all_gather_uneven(x, dim, list(sizes), bands.group)
 
 
@@ -135,7 +117,6 @@ class _ConvPlan:
 
 @functools.lru_cache(maxsize=4096)
 def _conv_plan(rows: tuple[int, ...], kernel: int, stride: int, pad_top: int, pad_bottom: int) -> _ConvPlan:
-    """``rows``: every rank's input rows at this layer."""
     # Every rank computes the whole plan, so a band too thin for a halo raises on all ranks alike (no hang).
     height = sum(rows)
     out_height = (height + pad_top + pad_bottom - kernel) // stride + 1
@@ -223,6 +204,7 @@ def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
         dims = tuple(range(2, x.ndim))
         count = x[0, 0].numel()
         # Per-channel var_mean (Welford): any layout, no copy in float32; lower precisions upcast by channel chunks.
+        # The ranks' count, mean and M2 then combine in float64 (Chan's method).
         if x.dtype in (torch.float32, torch.float64):
             var, mean = torch.var_mean(x, dim=dims, correction=0)
         else:
@@ -306,8 +288,8 @@ def _causal_attention_forward(block: nn.Module, bands: _Bands) -> Callable:
 
 
 def _downsample_forward(block: nn.Module) -> Callable:
-    """``Downsample2D`` with ``padding=0`` pads right and bottom by one before its stride-2 convolution; the
-    bottom pad belongs to the image, not the band, so it moves into the (banded) convolution."""
+    """``Downsample2D`` with ``padding=0``: its bottom pad belongs to the image, not the band, so it moves into the
+    banded convolution (as does the bottom of Wan's ``ZeroPad2d``: only the last band pads)."""
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return block.conv(F.pad(hidden_states, (0, 1, 0, 0)))
@@ -316,7 +298,7 @@ def _downsample_forward(block: nn.Module) -> Callable:
 
 
 def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callable]]:
-    """(module, banded forward) per ``vae`` module seeing several rows; raises, before any swap, on one not bandable."""
+    """Raises, before any swap, on a module not bandable."""
     from diffusers.models.attention_processor import Attention
     from diffusers.models.downsampling import Downsample2D
 
@@ -363,8 +345,7 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
 
 @contextmanager
 def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = None) -> Iterator[_Bands]:
-    """Within the block, ``vae`` runs on this rank's band of ``rows`` (latent rows per rank), mapping the latent's (or
-    image's) band to the result's; swapped forwards and ``use_tiling`` are restored on exit. Yields the band."""
+    """Within the block, ``vae`` runs on this rank's band of ``rows`` (latent rows per rank). Yields the band."""
     bands = _bands(rows, group)
     swaps = _replacements(vae, bands)
     missing = object()
@@ -388,7 +369,7 @@ def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = No
 
 
 def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.ProcessGroup | None, run: Callable):
-    """``run`` on this rank's band of ``x`` (``factor`` rows per latent row) in ``banded``; every rank gets it all."""
+    """``run`` on this rank's band of ``x`` (``factor`` rows per latent row); every rank gets it all."""
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     height = x.shape[-2] // factor
     if height < world:
@@ -401,7 +382,7 @@ def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.Proces
 
 @torch.no_grad()
 def parallel_decode(vae: nn.Module, latents: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``vae.decode(latents).sample`` on every rank of ``group`` (None: the default group), each decoding one band."""
+    """``vae.decode(latents).sample`` on every rank of ``group`` (None: the default group)."""
     return _run_banded(vae, latents, 1, group, lambda band: vae.decode(band).sample)
 
 
@@ -409,8 +390,8 @@ def parallel_decode(vae: nn.Module, latents: torch.Tensor, group: dist.ProcessGr
 def parallel_encode(
     vae: nn.Module, images: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> DiagonalGaussianDistribution:
-    """``vae.encode(images).latent_dist``, each rank of ``group`` encoding one band of rows and returning the whole. The
-    height must be a multiple of the VAE's factor (8; 16 for Wan 2.2) so bands stay aligned to every stride-2 step."""
+    """``vae.encode(images).latent_dist``. The height must be a multiple of the VAE's factor (8; 16 for Wan 2.2) so
+    bands stay aligned to every stride-2 step."""
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
     # Image rows per latent row (Wan 2.2's patchify included).

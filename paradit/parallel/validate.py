@@ -1,6 +1,4 @@
-"""The checks of a plan that need the model: its tensor plan against the model's widths, PipeFusion's stages against
-its blocks, and the strategies a model with several experts cannot run yet. (``ParallelConfig.validate`` checks the
-degrees alone.)"""
+"""The checks of a plan that need the model (``ParallelConfig.validate`` checks the degrees alone)."""
 
 from __future__ import annotations
 
