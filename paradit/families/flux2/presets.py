@@ -1,5 +1,4 @@
-"""FLUX.2 presets: full-size dev and klein configs (published ``transformer/config.json``), the text encoders'
-decoder configs (for ``--load-format dummy``), a tiny model for demo and tests."""
+"""FLUX.2 presets: dev and klein as published, and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 
@@ -16,8 +15,6 @@ FLUX2_VAE = CONFIGS["vae"]
 _FLUX2_DEV = CONFIGS["dev_transformer"]
 
 FLUX2_TINY_TRANSFORMER = {**_FLUX2_DEV, **CONFIGS["tiny_transformer_changes"]}
-FLUX2_TINY_TEXT_ENCODER = {**QWEN3_COMMON, **CONFIGS["tiny_text_encoder_changes"]}
-FLUX2_TINY_VAE = CONFIGS["tiny_vae"]
 
 # The published checkpoints' sizes; klein's step-distilled checkpoints run unguided.
 preset = functools.partial(ModelSpec, family="flux2", vae=FLUX2_VAE, scheduler=FLUX2_SCHEDULER, height=1024, width=1024)
@@ -51,8 +48,8 @@ PRESETS: list[ModelSpec] = [
         name="flux2-tiny",
         description="a few-million-parameter FLUX.2 (klein layout, true CFG), random weights, for demos and tests",
         transformer=FLUX2_TINY_TRANSFORMER,
-        text_encoder=TextEncoderSpec(FLUX2_TINY_TEXT_ENCODER, layers=(9, 18, 27)),
-        vae=FLUX2_TINY_VAE,
+        text_encoder=TextEncoderSpec({**QWEN3_COMMON, **CONFIGS["tiny_text_encoder_changes"]}, layers=(9, 18, 27)),
+        vae=CONFIGS["tiny_vae"],
         guidance_mode="cfg",
         steps=8,
         guidance=4.0,

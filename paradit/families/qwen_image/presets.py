@@ -1,5 +1,4 @@
-"""Qwen-Image presets: the published full-size model (``Qwen/Qwen-Image``), its Qwen2.5-VL-7B text encoder's config
-(for ``--load-format dummy``), VAE and scheduler, a tiny model for demo and tests."""
+"""Qwen-Image presets: the text-to-image and edit models as published, and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ CONFIGS = read_configs(__file__)
 QWEN_IMAGE_SCHEDULER = CONFIGS["scheduler"]
 # AutoencoderKLQwenImage as published (its defaults, the Wan 2.1 VAE): 16 channels, 8x spatial stride.
 QWEN_IMAGE_VAE = CONFIGS["vae"]
-# Qwen2_5_VLForConditionalGeneration, Qwen2.5-VL-7B-Instruct (8,292,166,656 parameters with its vision tower).
-# Text-to-image reads only the language model's last hidden states, so its dummy mode builds the text config alone;
-# the edit models' encoder reads their input images too, through the vision tower.
+# Qwen2.5-VL-7B-Instruct (8,292,166,656 parameters with its vision tower). Text-to-image reads only the language
+# model's last hidden states, so its dummy mode builds the text config alone; the edit models read images too.
 QWEN25_VL_7B = CONFIGS["qwen25_vl_7b"]
 _QWEN_IMAGE = CONFIGS["transformer"]
 
@@ -28,7 +26,6 @@ QWEN_IMAGE_TINY_TEXT_ENCODER = {
     "vision_config": {**QWEN25_VL_7B["vision_config"], **_TINY_TOWERS["vision_config"]},
     "tie_word_embeddings": False,
 }
-QWEN_IMAGE_TINY_VAE = {**QWEN_IMAGE_VAE, "base_dim": 8, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
 
 preset = functools.partial(
     ModelSpec, family="qwen_image", scheduler=QWEN_IMAGE_SCHEDULER, guidance_mode="cfg", guidance=4.0
@@ -68,7 +65,7 @@ PRESETS: list[ModelSpec] = [
         description="a few-million-parameter Qwen-Image, random weights, for demos and tests",
         transformer=QWEN_IMAGE_TINY_TRANSFORMER,
         text_encoder=QWEN_IMAGE_TINY_TEXT_ENCODER,
-        vae=QWEN_IMAGE_TINY_VAE,
+        vae={**QWEN_IMAGE_VAE, "base_dim": 8, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1},
         steps=8,
         height=128,
         width=128,

@@ -1,6 +1,5 @@
-"""Stable Diffusion 3.5 presets: full-size large and medium transformer configs (published ``transformer/config.json``),
-the three text encoders' configs (for ``--load-format dummy``), the VAE and scheduler as published, the model cards'
-defaults, and a tiny model for the demo and tests."""
+"""Stable Diffusion 3.5 presets: large and medium as published, with their model cards' defaults, and a tiny model for
+the demo and tests."""
 
 from __future__ import annotations
 
@@ -35,12 +34,10 @@ SD3_SCHEDULER = CONFIGS["scheduler"]
 SD35_LARGE = CONFIGS["sd35_large"]
 SD35_MEDIUM = {**SD35_LARGE, **CONFIGS["sd35_medium_changes"]}
 
-SD35_TINY_TRANSFORMER = {**SD35_MEDIUM, **CONFIGS["tiny_transformer_changes"]}
 _TINY_CLIP = CONFIGS["tiny_clip"]
 SD35_TINY_TEXT_ENCODERS = SD3TextEncoders(
     clip_l=_TINY_CLIP, clip_g={**_TINY_CLIP, "hidden_size": 24, "hidden_act": "gelu"}, t5=CONFIGS["tiny_t5"]
 )
-SD35_TINY_VAE = {**SD3_VAE, **CONFIGS["tiny_vae_changes"]}
 
 preset = functools.partial(
     ModelSpec,
@@ -72,9 +69,9 @@ PRESETS: list[ModelSpec] = [
     preset(
         name="sd3.5-tiny",
         description="a few-million-parameter SD3.5 (medium layout), random weights, for demos and tests",
-        transformer=SD35_TINY_TRANSFORMER,
+        transformer={**SD35_MEDIUM, **CONFIGS["tiny_transformer_changes"]},
         text_encoder=SD35_TINY_TEXT_ENCODERS,
-        vae=SD35_TINY_VAE,
+        vae={**SD3_VAE, **CONFIGS["tiny_vae_changes"]},
         steps=8,
         guidance=4.5,
         height=128,

@@ -1,6 +1,4 @@
-"""Wan 2.2 presets: T2V-A14B (two 14B experts, high-noise then low-noise, switched at ``boundary_ratio``), I2V-A14B (the
-same with the image's latents as extra input channels), and TI2V-5B (one transformer, per-token timesteps, the 2.2 VAE;
-text or text and image), with the umT5-XXL prompt encoder, the schedulers as published, and a tiny model for tests."""
+"""Wan 2.2 presets: T2V-A14B, I2V-A14B and TI2V-5B as published, and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 
@@ -37,9 +35,7 @@ WAN21_VAE = CONFIGS["wan21_vae"]
 # from a checkpoint's vae/config.json; a random-weight run takes these neutral ones.
 WAN22_VAE = {**CONFIGS["wan22_vae"], "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48}
 
-WAN_TINY_TEXT_ENCODER = {**UMT5_XXL, **CONFIGS["tiny_text_encoder_changes"]}
 WAN_TINY_TRANSFORMER = {**A14B_TRANSFORMER, **CONFIGS["tiny_transformer_changes"]}
-WAN_TINY_VAE = CONFIGS["tiny_vae"]
 
 
 @dataclass(frozen=True)
@@ -97,8 +93,8 @@ PRESETS: list[ModelSpec] = [
         description="a tiny two-expert Wan 2.2 (T2V layout), random weights, for demos and tests",
         transformer=WAN_TINY_TRANSFORMER,
         experts={"transformer_2": WAN_TINY_TRANSFORMER},
-        text_encoder=WanTextEncoder(WAN_TINY_TEXT_ENCODER, max_length=32),
-        vae=WAN_TINY_VAE,
+        text_encoder=WanTextEncoder({**UMT5_XXL, **CONFIGS["tiny_text_encoder_changes"]}, max_length=32),
+        vae=CONFIGS["tiny_vae"],
         scheduler={**UNIPC_FLOW, "flow_shift": 3.0},
         steps=4,
         guidance=4.0,

@@ -1,6 +1,4 @@
-"""Z-Image presets: the full-size Turbo (step-distilled) and base transformers (published ``transformer/config.json``),
-the Qwen3-4B text encoder read at its second-to-last hidden state, the FLUX.1 VAE and the schedulers as published,
-and a tiny model for the demo and tests."""
+"""Z-Image presets: Turbo (step-distilled) and base as published, and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 
@@ -14,14 +12,9 @@ CONFIGS = read_configs(__file__)
 # Both checkpoints use a fixed timestep shift (no dynamic shifting): 3.0 for Turbo, 6.0 for the base model.
 TURBO_SCHEDULER = CONFIGS["turbo_scheduler"]
 BASE_SCHEDULER = CONFIGS["base_scheduler"]
-# The FLUX.1 VAE (AutoencoderKL, 16 latent channels, stride 8) with its latent scaling and shift.
 FLUX1_VAE = CONFIGS["flux1_vae"]
 # Tongyi-MAI/Z-Image-Turbo's transformer/config.json (shared/models/configs.json); the base model shares it.
 _ZIMAGE_TRANSFORMER = CONFIGS["transformer"]
-
-ZIMAGE_TINY_TEXT_ENCODER = {**QWEN3_4B, **CONFIGS["tiny_text_encoder_changes"]}
-ZIMAGE_TINY_TRANSFORMER = {**_ZIMAGE_TRANSFORMER, **CONFIGS["tiny_transformer_changes"]}
-ZIMAGE_TINY_VAE = {**FLUX1_VAE, "block_out_channels": [16, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4}
 
 
 def text_encoder_spec(config: dict[str, Any], class_name: str | None = None) -> TextEncoderSpec:
@@ -30,9 +23,8 @@ def text_encoder_spec(config: dict[str, Any], class_name: str | None = None) -> 
     return TextEncoderSpec(config, layers=(config["num_hidden_layers"] - 1,), max_length=512, class_name=class_name)
 
 
-QWEN3_4B_CAPTIONS = text_encoder_spec(QWEN3_4B)
 preset = functools.partial(ModelSpec, family="zimage", vae=FLUX1_VAE, guidance_mode="cfg", height=1024, width=1024)
-full_size = functools.partial(preset, transformer=_ZIMAGE_TRANSFORMER, text_encoder=QWEN3_4B_CAPTIONS)
+full_size = functools.partial(preset, transformer=_ZIMAGE_TRANSFORMER, text_encoder=text_encoder_spec(QWEN3_4B))
 PRESETS: list[ModelSpec] = [
     full_size(
         name="z-image-turbo",
@@ -53,9 +45,9 @@ PRESETS: list[ModelSpec] = [
     preset(
         name="z-image-tiny",
         description="a few-million-parameter Z-Image (base layout, true CFG), random weights, for demos and tests",
-        transformer=ZIMAGE_TINY_TRANSFORMER,
-        text_encoder=text_encoder_spec(ZIMAGE_TINY_TEXT_ENCODER),
-        vae=ZIMAGE_TINY_VAE,
+        transformer={**_ZIMAGE_TRANSFORMER, **CONFIGS["tiny_transformer_changes"]},
+        text_encoder=text_encoder_spec({**QWEN3_4B, **CONFIGS["tiny_text_encoder_changes"]}),
+        vae={**FLUX1_VAE, "block_out_channels": [16, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4},
         scheduler=BASE_SCHEDULER,
         steps=8,
         guidance=5.0,
