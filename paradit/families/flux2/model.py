@@ -101,7 +101,6 @@ class ParallelSelfAttention(AttentionDispatch):
         return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp), (k, v.contiguous())
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Rotated Q and K, V, and the MLP's input."""
         proj = self.to_qkv_mlp_proj(x)
         qkv_width = proj.shape[-1] * 3 * self.inner_dim // (3 * self.inner_dim + 2 * self.mlp_hidden_dim)
         qkv, mlp = proj.split([qkv_width, proj.shape[-1] - qkv_width], dim=-1)
@@ -260,9 +259,8 @@ class Flux2Transformer(StagedTransformer):
         guidance: torch.Tensor | None = None,
         reference_kv: ReferenceKV | None = None,
     ) -> Flux2Tokens:
-        """``timestep`` and ``guidance`` are in [0, 1] as the pipeline passes them (sigma), per sample;
-        ``reference_kv``: what ``cache_references`` made of the request's references (None: it has none, or they
-        join ``hidden_states``)."""
+        """``timestep`` and ``guidance``: sigma in [0, 1] per sample; ``reference_kv``: ``cache_references``' keys and
+        values of the request's references (None: it has none, or they join ``hidden_states``)."""
         dtype = hidden_states.dtype
         timestep = timestep.to(dtype) * 1000
         if guidance is not None:

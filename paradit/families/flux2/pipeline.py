@@ -130,8 +130,7 @@ class Flux2Pipeline(DiffusionPipeline):
 
     def encode_references(self, request: ResolvedRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Each reference centre-cropped to its ``reference_size`` (inpainting's image to repaint resized to the
-        output's size, as ``Flux2KleinInpaintPipeline`` takes it), encoded and packed into one sequence, each at its
-        own time coordinate 10, 20, ... as diffusers numbers them."""
+        output's size), encoded and packed into one sequence, at time coordinates 10, 20, ... as diffusers has them."""
         if not request.images:
             return None, None
         tokens, ids = [], []
@@ -168,7 +167,6 @@ class Flux2Pipeline(DiffusionPipeline):
         return latent_mask(request, image, mode="bilinear")
 
     def latent_statistics(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The VAE's batch-norm mean and standard deviation, (1, C, 1, 1) in ``latents``' dtype."""
         mean = self.vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
         std = torch.sqrt(self.vae.bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
         return mean, std

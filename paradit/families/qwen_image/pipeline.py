@@ -245,7 +245,7 @@ class QwenImagePipeline(DiffusionPipeline):
         return torch.cat(tokens, dim=1), tuple(grids)
 
     def latent_distribution(self, image, height: int, width: int):
-        """The VAE's latent distribution of ``image`` resized to ``height`` x ``width``, as a one-frame video."""
+        """As a one-frame video."""
         processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(image, height=height, width=width).unsqueeze(2)
         return self.vae_encode(pixels.to(self.device, self.vae.dtype))

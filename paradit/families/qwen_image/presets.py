@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 from paradit.families.qwen_image.edit import EDIT, EDIT_PLUS
 from paradit.spec import ModelSpec, read_configs
 
 CONFIGS = read_configs(__file__)
+# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
+DEFAULTS = CONFIGS["presets"]
 # The published scheduler config: dynamic shifting with mu from the image size (up to 8192 tokens), and the sigma
 # ladder stretched so that its last step lands at 0.02.
 QWEN_IMAGE_SCHEDULER = CONFIGS["scheduler"]
@@ -27,47 +29,24 @@ QWEN_IMAGE_TINY_TEXT_ENCODER = {
     "tie_word_embeddings": False,
 }
 
-preset = functools.partial(
-    ModelSpec, family="qwen_image", scheduler=QWEN_IMAGE_SCHEDULER, guidance_mode="cfg", guidance=4.0
-)
-full_size = functools.partial(preset, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, steps=50, height=1024, width=1024)
+
+def preset(name: str, **configs: Any) -> ModelSpec:
+    full_size = {"text_encoder": QWEN25_VL_7B, "vae": QWEN_IMAGE_VAE}
+    return ModelSpec(
+        name=name, family="qwen_image", scheduler=QWEN_IMAGE_SCHEDULER, **{**full_size, **configs}, **DEFAULTS[name]
+    )
+
+
 PRESETS: list[ModelSpec] = [
-    full_size(
-        name="qwen-image",
-        description="Qwen-Image, 20B MMDiT (60 dual-stream blocks), true CFG; Qwen2.5-VL-7B text encoder",
-        transformer=_QWEN_IMAGE,
-        hub_id="Qwen/Qwen-Image",
-    ),
-    full_size(
-        name="qwen-image-edit-2511",
-        description="Qwen-Image-Edit-2511, the 20B MMDiT editing from one or more images (their tokens modulated as "
-        "at timestep 0); Qwen2.5-VL-7B reads them with the prompt",
-        transformer={**_QWEN_IMAGE, "zero_cond_t": True},
-        hub_id="Qwen/Qwen-Image-Edit-2511",
-        details=EDIT_PLUS,
-    ),
-    full_size(
-        name="qwen-image-edit-2509",
-        description="Qwen-Image-Edit-2509, the 20B MMDiT editing from one or more images; Qwen2.5-VL-7B reads them",
-        transformer=_QWEN_IMAGE,
-        hub_id="Qwen/Qwen-Image-Edit-2509",
-        details=EDIT_PLUS,
-    ),
-    full_size(
-        name="qwen-image-edit",
-        description="Qwen-Image-Edit, the 20B MMDiT editing one image; Qwen2.5-VL-7B reads it with the prompt",
-        transformer=_QWEN_IMAGE,
-        hub_id="Qwen/Qwen-Image-Edit",
-        details=EDIT,
-    ),
+    preset("qwen-image", transformer=_QWEN_IMAGE),
+    # Edit-2511 modulates its input images' tokens as at timestep 0.
+    preset("qwen-image-edit-2511", transformer={**_QWEN_IMAGE, "zero_cond_t": True}, details=EDIT_PLUS),
+    preset("qwen-image-edit-2509", transformer=_QWEN_IMAGE, details=EDIT_PLUS),
+    preset("qwen-image-edit", transformer=_QWEN_IMAGE, details=EDIT),
     preset(
-        name="qwen-image-tiny",
-        description="a few-million-parameter Qwen-Image, random weights, for demos and tests",
+        "qwen-image-tiny",
         transformer=QWEN_IMAGE_TINY_TRANSFORMER,
         text_encoder=QWEN_IMAGE_TINY_TEXT_ENCODER,
         vae={**QWEN_IMAGE_VAE, "base_dim": 8, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1},
-        steps=8,
-        height=128,
-        width=128,
     ),
 ]

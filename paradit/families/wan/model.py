@@ -229,8 +229,6 @@ class WanTransformer(StagedTransformer):
         dtype = encoder_hidden_states.dtype
         temb = modulation = token_temb = token_modulation = None
         if timestep.ndim == 2:
-            if timestep.shape[1] != video.shape[1]:
-                raise ValueError(f"per-token timestep has {timestep.shape[1]} entries for {video.shape[1]} tokens")
             # One row per token through the time MLPs, as the reference does: (B * tokens,) -> (B, tokens, ...).
             rows = embedder.time(timestep.flatten(), dtype)
             token_temb, token_modulation = (t.unflatten(0, timestep.shape) for t in rows)
