@@ -116,17 +116,14 @@ def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
     if not request.images or not caches_references(settings.spec):
         return
     parallel = settings.parallel
-    refused = [
-        flag
-        for flag, used in (
-            ("--ulysses", parallel.ulysses > 1),
-            ("--ring", parallel.ring > 1),
-            ("--pipefusion", parallel.pipefusion > 1),
-            ("--shard-weights", bool(parallel.shard_weights)),
-            ("--cuda-graphs", settings.options.cuda_graphs),
-        )
-        if used
-    ]
+    asked = {
+        "--ulysses": parallel.ulysses > 1,
+        "--ring": parallel.ring > 1,
+        "--pipefusion": parallel.pipefusion > 1,
+        "--shard-weights": bool(parallel.shard_weights),
+        "--cuda-graphs": settings.options.cuda_graphs,
+    }
+    refused = [flag for flag, used in asked.items() if used]
     if refused:
         flags = " and ".join(refused)
         raise InvalidRequest(

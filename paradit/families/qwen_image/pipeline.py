@@ -30,8 +30,7 @@ PROMPT_TEMPLATE = (
 # Hidden states dropped from the front of every encoded prompt: the system turn and "<|im_start|>user\n", 34 tokens
 # in Qwen2.5-VL's tokenizer. diffusers drops this count whatever the tokenizer, and so does paradit.
 TEMPLATE_PREFIX_TOKENS = 34
-# Qwen-Image-Edit's: the system turn asks to keep the input where the instruction does not change it. Its 64 leading
-# tokens are dropped; the user turn starts with the input images' markers (Edit-Plus numbers them "Picture N: ").
+# Qwen-Image-Edit's, its 64 leading tokens dropped; the user turn starts with the input images' markers.
 EDIT_TEMPLATE = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
     "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "

@@ -10,8 +10,7 @@ from paradit.spec import ModelSpec, read_configs
 CONFIGS = read_configs(__file__)
 # Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
 DEFAULTS = CONFIGS["presets"]
-# The published scheduler config: dynamic shifting with mu from the image size (up to 8192 tokens), and the sigma
-# ladder stretched so that its last step lands at 0.02.
+# Dynamic shifting with mu from the image size (up to 8192 tokens), the sigmas stretched to end at 0.02.
 QWEN_IMAGE_SCHEDULER = CONFIGS["scheduler"]
 # AutoencoderKLQwenImage as published (its defaults, the Wan 2.1 VAE): 16 channels, 8x spatial stride.
 QWEN_IMAGE_VAE = CONFIGS["vae"]

@@ -136,11 +136,8 @@ class WanPipeline(DiffusionPipeline):
         (``first_frame``) or followed by black frames (``channels``), encoded to its latent mean, normalised by the
         VAE's statistics; for ``channels``, a mask in front, 1 on the first frame's ``temporal`` slots."""
         temporal, spatial = vae_factors(self.spec.vae)
-        pixels = (
-            VideoProcessor(vae_scale_factor=spatial)
-            .preprocess(request.images[0], height=request.height, width=request.width)
-            .unsqueeze(2)
-        )
+        processor = VideoProcessor(vae_scale_factor=spatial)
+        pixels = processor.preprocess(request.images[0], height=request.height, width=request.width).unsqueeze(2)
         mode = image_input(self.spec)
         if mode == "channels":
             pixels = torch.cat([pixels, pixels.new_zeros(*pixels.shape[:2], request.frames - 1, *pixels.shape[3:])], 2)

@@ -98,8 +98,7 @@ FAMILY = Family(
     diffusers_pipelines=("ZImagePipeline", "ZImageOmniPipeline"),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
-    # The reference guides whenever the scale is above 0 (its formula adds scale * (cond - uncond) to cond), the
-    # step-distilled Turbo too: its default of 0 turns guidance off, a request may turn it on.
+    # The reference guides whenever the scale is above 0, the step-distilled Turbo too (its default 0 turns it off).
     uses_cfg=lambda spec, request: request.guidance > 0,
     build_transformer=lambda spec: ZImageTransformer(ZImageConfig.from_dict(spec.transformer)),
     prompt_encoder=lambda spec: OmniPromptEncoder if is_omni(spec) else CaptionEncoder,

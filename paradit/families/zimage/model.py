@@ -148,7 +148,7 @@ class FeedForward(nn.Module):
 
 
 class ZImageBlock(nn.Module):
-    """Pre- and post-normed attention and MLP, modulated by the timestep but in the context and SigLIP refiners."""
+    """Pre- and post-normed attention and MLP, timestep-modulated except in the context and SigLIP refiners."""
 
     def __init__(self, config: ZImageConfig, modulated: bool, streams: tuple[str, ...] | None) -> None:
         super().__init__()
