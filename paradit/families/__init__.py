@@ -1,8 +1,6 @@
-"""The registry of model families: the only place outside the family folders that names them. A checkpoint folder
-finds its family by the pipeline class ``model_index.json`` names, a preset by ``family``.
-
-The presets are light (no torch); the family records are imported on first use of ``FAMILIES``, so that listing
-models and refusing bad flags answer at once."""
+"""The registry of model families: the only place outside the family folders that names them. The presets are light
+(no torch); the family records are imported on first use of ``FAMILIES``, so that listing models and refusing bad flags
+answer at once."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Published prompt-encoder configs that more than one family reads (for ``--load-format dummy`` and the memory
-estimate, which build the encoder without its weights), from ``encoders.json``."""
+"""Published prompt-encoder configs that more than one family reads, from ``encoders.json`` (for random weights and
+the memory estimate, which build an encoder without its weights)."""
 
 from __future__ import annotations
 

@@ -87,10 +87,9 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
         resolve_reference(image, index, checked=not inpainting) for index, image in enumerate(resolved.images)
     )
     if resolved.images:  # diffusers makes the first image's size when none is asked for
-        first = reference_size(resolved.images[0], granularity)
-        resolved.height = resolved.height if request.height is not None else first[0]
-        resolved.width = resolved.width if request.width is not None else first[1]
         sizes = [reference_size(image, granularity) for image in resolved.images]
+        resolved.height = resolved.height if request.height is not None else sizes[0][0]
+        resolved.width = resolved.width if request.width is not None else sizes[0][1]
         if inpainting:  # the image to repaint joins as a reference too, at the output's size
             sizes[0] = (resolved.height, resolved.width)
         resolved.reference_tokens = sum(math.prod(size) // granularity**2 for size in sizes)
@@ -117,17 +116,14 @@ def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
     if not request.images or not caches_references(settings.spec):
         return
     parallel = settings.parallel
-    refused = [
-        flag
-        for flag, used in (
-            ("--ulysses", parallel.ulysses > 1),
-            ("--ring", parallel.ring > 1),
-            ("--pipefusion", parallel.pipefusion > 1),
-            ("--shard-weights", bool(parallel.shard_weights)),
-            ("--cuda-graphs", settings.options.cuda_graphs),
-        )
-        if used
-    ]
+    asked = {
+        "--ulysses": parallel.ulysses > 1,
+        "--ring": parallel.ring > 1,
+        "--pipefusion": parallel.pipefusion > 1,
+        "--shard-weights": bool(parallel.shard_weights),
+        "--cuda-graphs": settings.options.cuda_graphs,
+    }
+    refused = [flag for flag, used in asked.items() if used]
     if refused:
         flags = " and ".join(refused)
         raise InvalidRequest(

@@ -1,10 +1,6 @@
-"""FLUX.2 transformer (dev, klein): diffusers' ``Flux2Transformer2DModel``; ``run_blocks`` runs the double-stream
-blocks, then the single-stream blocks over [text, image].
-
-klein's KV checkpoints (diffusers' ``Flux2KleinKVPipeline``) run their reference images through the blocks once per
-request (``cache_references``): the references attend only to themselves, so their keys and values at every block are
-the same at every step, and each step's text and image tokens attend to them besides their own.
-"""
+"""FLUX.2 transformer (dev, klein): diffusers' ``Flux2Transformer2DModel``. klein's KV checkpoints run their reference
+images through the blocks once per request (``cache_references``): the references attend only to themselves, so their
+keys and values at every block are the same at every step, and each step's tokens attend to them besides their own."""
 
 from __future__ import annotations
 
@@ -48,8 +44,7 @@ ReferenceKV = dict[nn.Module, KeyValue]  # per block, as ``cache_references`` ma
 
 
 def join_reference(key: torch.Tensor, value: torch.Tensor, reference: KeyValue, text_tokens: int) -> KeyValue:
-    """Keys and values as [text, references, image], the order diffusers' KV attention concatenates them in (the same
-    sums in the same order)."""
+    """Keys and values as [text, references, image], the order diffusers' KV attention sums them in."""
     key_ref, value_ref = (cached.expand(key.shape[0], -1, -1, -1) for cached in reference)
     return (
         torch.cat([key[:, :text_tokens], key_ref, key[:, text_tokens:]], dim=1),
@@ -63,8 +58,6 @@ def _swiglu(x: torch.Tensor) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP whose gate and up projections share ``linear_in``."""
-
     def __init__(self, dim: int, mult: float) -> None:
         super().__init__()
         inner = int(dim * mult)
@@ -108,7 +101,6 @@ class ParallelSelfAttention(AttentionDispatch):
         return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp), (k, v.contiguous())
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Rotated Q and K, V, and the MLP's input."""
         proj = self.to_qkv_mlp_proj(x)
         qkv_width = proj.shape[-1] * 3 * self.inner_dim // (3 * self.inner_dim + 2 * self.mlp_hidden_dim)
         qkv, mlp = proj.split([qkv_width, proj.shape[-1] - qkv_width], dim=-1)
@@ -121,8 +113,7 @@ class ParallelSelfAttention(AttentionDispatch):
 
 
 class Flux2Attention(JointAttention):
-    """The double-stream blocks' joint attention, text first, whose keys and values may take a KV checkpoint's
-    cached references' besides."""
+    """Joint attention, text first, whose keys and values may take a KV checkpoint's cached references' besides."""
 
     def forward(
         self,
@@ -157,16 +148,13 @@ def _after_attention(
     norm: nn.Module,
     ff: nn.Module,
 ) -> torch.Tensor:
-    """A double-stream block's gated residuals of one stream: its attention output, then its MLP's (``mlp``: the
-    MLP's shift, scale and gate)."""
+    """One stream's gated residuals in a double-stream block: its attention's, then its MLP's (shift, scale, gate)."""
     shift, scale, mlp_gate = mlp
     x = x + gate * attn
     return x + mlp_gate * ff(norm(x) * (1 + scale) + shift)
 
 
 class Flux2TransformerBlock(nn.Module):
-    """Double-stream block: text and image keep their own weights and meet in joint attention."""
-
     def __init__(self, config: Flux2Config) -> None:
         super().__init__()
         dim, eps = config.inner_dim, config.eps
@@ -204,8 +192,6 @@ class Flux2TransformerBlock(nn.Module):
 
 
 class Flux2SingleTransformerBlock(nn.Module):
-    """Single-stream block over the concatenated [text, image] sequence."""
-
     def __init__(self, config: Flux2Config) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(config.inner_dim, elementwise_affine=False, eps=config.eps)
@@ -273,9 +259,8 @@ class Flux2Transformer(StagedTransformer):
         guidance: torch.Tensor | None = None,
         reference_kv: ReferenceKV | None = None,
     ) -> Flux2Tokens:
-        """``timestep`` and ``guidance`` are in [0, 1] as the pipeline passes them (sigma), per sample;
-        ``reference_kv``: what ``cache_references`` made of the request's references (None: it has none, or they
-        join ``hidden_states``)."""
+        """``timestep`` and ``guidance``: sigma in [0, 1] per sample; ``reference_kv``: ``cache_references``' keys and
+        values of the request's references (None: it has none, or they join ``hidden_states``)."""
         dtype = hidden_states.dtype
         timestep = timestep.to(dtype) * 1000
         if guidance is not None:

@@ -1,11 +1,6 @@
-"""FLUX.2 text-to-image and editing: prompt encoding, reference images, seeded latents, denoising, VAE decoding.
-
-Reproduces diffusers' ``Flux2Pipeline`` (dev: Mistral3 encoder, embedded guidance), ``Flux2KleinPipeline`` (klein:
-Qwen3 encoder, true CFG unless step-distilled), ``Flux2KleinInpaintPipeline`` (klein with a mask: the image to
-repaint is also the first reference) and ``Flux2KleinKVPipeline`` (klein without guidance, whose references' keys and
-values are computed once per request): the same checkpoint and seed give the same image. Differences for speed
-only: CFG's unconditional branch shares the conditional one's batch (or runs on the group's other half under CFG
-parallelism), and the text encoder stops at the deepest layer read."""
+"""FLUX.2 as diffusers' ``Flux2Pipeline`` (dev), ``Flux2KleinPipeline`` (klein), ``Flux2KleinInpaintPipeline`` (klein
+with a mask: the image to repaint is also the first reference) and ``Flux2KleinKVPipeline`` (klein whose references'
+keys and values are computed once per request) run it: the same checkpoint and seed give the same image."""
 
 from __future__ import annotations
 
@@ -75,9 +70,8 @@ class MistralPromptEncoder(DecoderPromptEncoder):
 
 @dataclass(frozen=True)
 class Flux2Details:
-    """A checkpoint's facts beyond its configs (its ``ModelSpec.details``; None for presets and the other pipelines):
-    ``cached_references`` for ``Flux2KleinKVPipeline``'s, whose references attend only to themselves at a fixed
-    timestep, so that their keys and values are computed once per request (``Flux2Transformer.cache_references``)."""
+    """A checkpoint's ``ModelSpec.details`` (None for presets and the other pipelines): ``cached_references`` for
+    ``Flux2KleinKVPipeline``'s, whose references' keys and values are computed once per request."""
 
     cached_references: bool = False
 
@@ -88,9 +82,8 @@ def caches_references(spec: ModelSpec) -> bool:
 
 @dataclass(frozen=True)
 class Flux2Layout:
-    """The target's token grid, and the reference images' packed latents (1, tokens, channels) with their position
-    ids (tokens, 4): each reference its own time coordinate 10, 20, ... as diffusers numbers them; a KV checkpoint's
-    references' keys and values at every block (``CachedReferences``)."""
+    """The target's token grid; the references' packed latents (1, tokens, channels), their position ids (tokens, 4),
+    and a KV checkpoint's keys and values of them at every block (``CachedReferences``)."""
 
     rows: int
     cols: int
@@ -100,9 +93,8 @@ class Flux2Layout:
 
 
 class CachedReferences(RequestHook):
-    """A KV checkpoint's references, run once per request before the first step (``cache_references`` of the plain
-    model: family.py refuses the plans whose forward would split the references' tokens or blocks); every step attends
-    to their keys and values instead."""
+    """A KV checkpoint's references, run through the plain model once per request before the first step (family.py
+    refuses the plans that would split their tokens or blocks); every step attends to their keys and values."""
 
     def __init__(self, model, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
@@ -127,22 +119,18 @@ class Flux2Pipeline(DiffusionPipeline):
         return [CachedReferences(self.runtime.model, self.dtype)] if caches_references(self.spec) else []
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, Flux2Layout]:
-        """Seeded noise packed to (batch, tokens, channels), with the token grid and the encoded references."""
         granularity = pixel_granularity(self.spec.vae)
         rows, cols = request.height // granularity, request.width // granularity
-        noise = seeded_noise(
-            (request.batch, self.transformer.config.in_channels, rows, cols), request.seed, self.dtype, self.device
-        )
+        shape = (request.batch, self.transformer.config.in_channels, rows, cols)
+        noise = seeded_noise(shape, request.seed, self.dtype, self.device)
         return self.pack_drawn(noise, request), Flux2Layout(rows, cols, *self.encode_references(request))
 
     def pack_drawn(self, latents: torch.Tensor, request: ResolvedRequest) -> torch.Tensor:
-        """(batch, channels, rows, cols) as (batch, tokens, channels)."""
         return latents.flatten(2).transpose(1, 2)
 
     def encode_references(self, request: ResolvedRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Each reference centre-cropped to its ``reference_size`` (inpainting's image to repaint resized to the
-        output's size, as ``Flux2KleinInpaintPipeline`` conditions on it) and encoded (``encode_image``), then
-        packed; all references' tokens in one sequence, each its own time coordinate."""
+        output's size), encoded and packed into one sequence, at time coordinates 10, 20, ... as diffusers has them."""
         if not request.images:
             return None, None
         tokens, ids = [], []
@@ -159,9 +147,8 @@ class Flux2Pipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def encode_image(self, image, height: int, width: int, resize_mode: str) -> torch.Tensor:
-        """``image`` brought to ``height`` x ``width`` (``resize_mode`` as diffusers' image processor takes it),
-        encoded to its latent mode, patchified 2x2 and normalised by the VAE's batch-norm statistics:
-        (1, channels, rows, cols)."""
+        """``image`` at ``height`` x ``width``, its latent mode patchified 2x2 and normalised by the VAE's batch-norm
+        statistics: (1, channels, rows, cols)."""
         processor = Flux2ImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(image, height=height, width=width, resize_mode=resize_mode)
         latents = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode()
@@ -180,7 +167,6 @@ class Flux2Pipeline(DiffusionPipeline):
         return latent_mask(request, image, mode="bilinear")
 
     def latent_statistics(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The VAE's batch-norm mean and standard deviation per patchified channel, as (1, C, 1, 1) in ``latents``'."""
         mean = self.vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
         std = torch.sqrt(self.vae.bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
         return mean, std

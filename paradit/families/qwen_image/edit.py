@@ -31,7 +31,5 @@ class EditInputs:
         return area_dimensions(self.condition_area or self.input_area, image)
 
 
-# The edit checkpoints' pipeline classes and how they take images: Edit one image, Edit-Plus (2509, 2511) several, its
-# encoder seeing each at about 384x384 pixels.
 EDIT, EDIT_PLUS = EditInputs(plus=False), EditInputs(plus=True, condition_area=384 * 384)
 EDIT_PIPELINES = {"QwenImageEditPipeline": EDIT, "QwenImageEditPlusPipeline": EDIT_PLUS}

@@ -56,29 +56,22 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     string, even " ", which is what Qwen-Image's authors pass when they have nothing to exclude). A text-to-image
     checkpoint runs image-to-image or inpainting given an image; an edit checkpoint needs its input image(s)."""
     granularity = pixel_granularity(spec.vae)
-    if spec.details is None:
-        return resolve_common(
-            spec,
-            request,
-            granularity,
-            image_limit=1,
-            image_to_image=True,
-            inpainting_strength=0.6,
-            schedulers=SCHEDULERS,
-        )
-    edit: EditInputs = spec.details
-    limit = EDIT_PLUS_IMAGE_LIMIT if edit.plus else 1
+    edit: EditInputs | None = spec.details
+    plus = edit is not None and edit.plus
+    limit = EDIT_PLUS_IMAGE_LIMIT if plus else 1
     # Edit inpaints (QwenImageEditInpaintPipeline: its one image, noised where the mask is white); Edit-Plus does not.
-    inpainting = request.mask is not None and not edit.plus
+    inpainting = request.mask is not None and not plus
     resolved = resolve_common(
         spec,
         request,
         granularity,
         image_limit=limit,
-        image_to_image=inpainting,
-        inpainting_strength=None if edit.plus else 0.6,
+        image_to_image=edit is None or inpainting,
+        inpainting_strength=None if plus else 0.6,
         schedulers=SCHEDULERS,
     )
+    if edit is None:
+        return resolved
     if not resolved.images:
         raise InvalidRequest(f"{spec.name} edits: give the image{'(s)' * (limit > 1)} to edit (--image)", param="image")
     # Without a size, Edit makes its image's input size and Edit-Plus its last image's, floored to whole tokens.
@@ -122,10 +115,8 @@ FAMILY = Family(
         },
         linears={
             **joint_attention("transformer_blocks.*.attn"),
-            "transformer_blocks.*.img_mlp.net.0.proj": COLUMN_MLP,
-            "transformer_blocks.*.img_mlp.net.2": ROW_MLP,
-            "transformer_blocks.*.txt_mlp.net.0.proj": COLUMN_MLP,
-            "transformer_blocks.*.txt_mlp.net.2": ROW_MLP,
+            **{f"transformer_blocks.*.{mlp}.net.0.proj": COLUMN_MLP for mlp in ("img_mlp", "txt_mlp")},
+            **{f"transformer_blocks.*.{mlp}.net.2": ROW_MLP for mlp in ("img_mlp", "txt_mlp")},
         },
         local_attributes={"transformer_blocks.*.attn": ("heads",)},
     ),

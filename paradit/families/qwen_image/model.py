@@ -62,15 +62,12 @@ def image_positions(grids: tuple[tuple[int, int], ...], device: torch.device | N
 def text_positions(
     grids: tuple[tuple[int, int], ...], text_len: int, device: torch.device | None = None
 ) -> torch.Tensor:
-    """(text_len, 3) positions of the text tokens: counting on from the largest half-side of any grid, on every
-    axis."""
+    """(text_len, 3) positions of the text tokens, counting on from the largest half-side of any grid on every axis."""
     start = max(max(rows // 2, cols // 2) for rows, cols in grids)
     return torch.arange(start, start + text_len, device=device)[:, None].expand(-1, 3)
 
 
 class QwenImageTransformerBlock(nn.Module):
-    """Dual-stream block: text and image keep their own weights and modulation and meet in joint attention."""
-
     def __init__(self, config: QwenImageConfig) -> None:
         super().__init__()
         dim, head_dim = config.inner_dim, config.attention_head_dim

@@ -1,16 +1,7 @@
-"""Qwen-Image text-to-image: prompt encoding, seeded latents, denoising with true CFG, VAE decoding.
-
-Reproduces diffusers' ``QwenImagePipeline``: the same checkpoint, request and seed give the same image.
-
-- Prompts go through Qwen-Image's chat template and are read from Qwen2.5-VL's last hidden state (after the final norm),
-  the template's leading tokens dropped, prompts of different lengths padded and masked.
-- CFG (``true_cfg_scale``) runs only above 1 with a negative prompt, each token rescaled to the conditional norm.
-- The scheduler's shift ``mu`` is linear in the image token count, from the scheduler config.
-
-Differences for speed only: the unconditional branch joins the conditional batch (or, under CFG parallelism, the group's
-other half), padded to one text length and masked; the vision tower and LM head, which text prompts never reach, never
-run. One deliberate difference: with prompts of differing lengths and several images each, each image keeps its own
-prompt's text mask; diffusers' ``encode_prompt`` repeats embeddings image by image, but tiles masks prompt by prompt."""
+"""Qwen-Image and Qwen-Image-Edit as diffusers' ``QwenImagePipeline`` and its image-to-image, inpainting and edit
+pipelines run them: the same checkpoint, request and seed give the same image. One deliberate difference: with prompts
+of differing lengths and several images each, each image keeps its own prompt's text mask; diffusers' ``encode_prompt``
+repeats embeddings image by image, but tiles masks prompt by prompt."""
 
 from __future__ import annotations
 
@@ -39,8 +30,7 @@ PROMPT_TEMPLATE = (
 # Hidden states dropped from the front of every encoded prompt: the system turn and "<|im_start|>user\n", 34 tokens
 # in Qwen2.5-VL's tokenizer. diffusers drops this count whatever the tokenizer, and so does paradit.
 TEMPLATE_PREFIX_TOKENS = 34
-# Qwen-Image-Edit's: the system turn asks to keep the input where the instruction does not change it. Its 64 leading
-# tokens are dropped; the user turn starts with the input images' markers (Edit-Plus numbers them "Picture N: ").
+# Qwen-Image-Edit's, its 64 leading tokens dropped; the user turn starts with the input images' markers.
 EDIT_TEMPLATE = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
     "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "
@@ -49,8 +39,6 @@ EDIT_TEMPLATE = (
 )
 EDIT_PREFIX_TOKENS = 64
 IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
 # Tokenizer limit past the prefix; embeddings are cut to MAX_SEQUENCE_LENGTH (diffusers' ``max_sequence_length``).
 TOKENIZER_MAX_LENGTH = 1024
 MAX_SEQUENCE_LENGTH = 512
@@ -62,7 +50,6 @@ def pixel_granularity(vae_config: dict) -> int:
 
 
 def load_qwen25_vl(weights: CheckpointFolder, device: torch.device, dtype: torch.dtype, placement: str) -> nn.Module:
-    """The checkpoint's Qwen2.5-VL (``text_encoder``), loaded where ``placement`` loads weights."""
     return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         component_dir(weights.path, "text_encoder"),
         dtype=dtype,
@@ -72,8 +59,7 @@ def load_qwen25_vl(weights: CheckpointFolder, device: torch.device, dtype: torch
 
 
 class QwenPromptEncoder:
-    """Tokenizer + the Qwen2.5-VL language model running on ``device``; ``encode`` gives each prompt's last hidden
-    states past the template prefix, padded to the longest in the batch, with the mask of real tokens."""
+    """Qwen2.5-VL's language model alone: text prompts never reach the vision tower or the LM head."""
 
     def __init__(self, language_model: nn.Module, tokenizer, device: torch.device) -> None:
         self.language_model, self.tokenizer, self.device = language_model, tokenizer, device
@@ -105,7 +91,7 @@ class QwenPromptEncoder:
 
     @torch.no_grad()
     def encode(self, prompts: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(batch, tokens, hidden) embeddings and the (batch, tokens) bool mask of real tokens."""
+        """(batch, tokens, hidden) last hidden states past the template prefix, and the bool mask of real tokens."""
         texts = [PROMPT_TEMPLATE.format(prompt) for prompt in prompts]
         warn_if_truncated(self.tokenizer, texts, MAX_SEQUENCE_LENGTH + TEMPLATE_PREFIX_TOKENS)
         length = TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS
@@ -113,7 +99,6 @@ class QwenPromptEncoder:
         attention_mask = inputs["attention_mask"].to(self.device)
         hidden = self.language_model(input_ids=inputs["input_ids"].to(self.device), attention_mask=attention_mask)
         hidden = hidden.last_hidden_state
-        # Real tokens wherever the padding put them, then the template prefix off the front of each prompt.
         prompts_hidden = [
             h[m.bool()][TEMPLATE_PREFIX_TOKENS:][:MAX_SEQUENCE_LENGTH].to(dtype) for h, m in zip(hidden, attention_mask)
         ]
@@ -130,11 +115,9 @@ def widen_image_markers(text: str, counts) -> str:
 
 
 class QwenVisionPromptEncoder:
-    """Qwen-Image-Edit's prompt encoder: Qwen2.5-VL whole (its vision tower reads the edit's input images; the LM
-    head, which nothing reads, dropped), the checkpoint's ``processor`` folder's tokenizer and image processor.
-    ``encode`` gives every token's last hidden state, the template's included. The image processor is used directly,
-    not through transformers' Qwen2VLProcessor, which will not load without torchvision's video processor: each image
-    marker is widened to the image's merged patches here, as that processor widens it."""
+    """Qwen-Image-Edit's: Qwen2.5-VL without its LM head, the vision tower reading the input images. The image processor
+    is used directly, not through transformers' Qwen2VLProcessor, which will not load without torchvision's video
+    processor: each image marker is widened to the image's merged patches here, as that processor widens it."""
 
     def __init__(self, model: nn.Module, tokenizer, image_processor, device: torch.device) -> None:
         self.model, self.tokenizer, self.image_processor, self.device = model, tokenizer, image_processor, device
@@ -150,9 +133,8 @@ class QwenVisionPromptEncoder:
         processor = component_dir(weights.path, "processor")
         tokenizer = transformers.AutoTokenizer.from_pretrained(processor)
         image_processor = transformers.AutoImageProcessor.from_pretrained(processor)
-        return cls(
-            place(model.model.eval().requires_grad_(False), placement, device), tokenizer, image_processor, device
-        )
+        model = place(model.model.eval().requires_grad_(False), placement, device)
+        return cls(model, tokenizer, image_processor, device)
 
     @classmethod
     def dummy(
@@ -160,12 +142,8 @@ class QwenVisionPromptEncoder:
     ) -> QwenVisionPromptEncoder:
         tokenizer = build_offline_tokenizer(TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS)
         # The image markers where the offline tokenizer has them (the published ids are past its vocabulary).
-        markers = dict(
-            zip(
-                ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
-                tokenizer.convert_tokens_to_ids(VISION_TOKENS),
-            )
-        )
+        names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+        markers = dict(zip(names, tokenizer.convert_tokens_to_ids(VISION_TOKENS)))
         settings = {key: value for key, value in config.items() if key != "model_type"}
         vl_config = transformers.Qwen2_5_VLConfig(**{**settings, **markers})
         model = random_encoder(
@@ -183,12 +161,11 @@ class QwenVisionPromptEncoder:
 
     @torch.no_grad()
     def encode(self, texts: list[str], images: list, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Each text's (tokens, hidden) last hidden states; its image markers, in order, read ``images``."""
+        """Each text's (tokens, hidden) last hidden states, the template's included; its markers read ``images``."""
         vision = self.image_processor(images=images * len(texts), return_tensors="pt")
         counts = iter((vision["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2).tolist())
-        inputs = self.tokenizer(
-            [widen_image_markers(text, counts) for text in texts], padding=True, return_tensors="pt"
-        )
+        texts = [widen_image_markers(text, counts) for text in texts]
+        inputs = self.tokenizer(texts, padding=True, return_tensors="pt")
         mask = inputs["attention_mask"].to(self.device)
         output = self.model(
             input_ids=inputs["input_ids"].to(self.device),
@@ -214,8 +191,7 @@ class QwenImagePipeline(DiffusionPipeline):
     CONDITIONING = ("embeds", "mask")
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """[conditional; unconditional] embeddings and mask, branches encoded apart as diffusers does, then padded;
-        an edit's prompts read with its input images."""
+        """Branches encoded apart as diffusers does, then padded; an edit's prompts read with its input images."""
 
         def rows(prompts: list[str]) -> list[torch.Tensor]:
             embeds, mask = self.prompt_encoder.encode(prompts, self.dtype)
@@ -254,9 +230,8 @@ class QwenImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def encode_inputs(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
-        """An edit's input images, each resized to its ``EditInputs.input_size``, encoded to its latent mode,
-        normalised by the VAE's statistics (divided by their std, as diffusers' edit pipelines divide) and packed; all
-        in one sequence, with each one's token grid."""
+        """An edit's input images at their ``input_size``, each latent mode normalised (divided by the std, as
+        diffusers' edit pipelines divide) and packed, in one sequence; and each one's token grid."""
         granularity = pixel_granularity(self.spec.vae)
         tokens, grids = [], []
         for image in request.images:
@@ -269,7 +244,7 @@ class QwenImagePipeline(DiffusionPipeline):
         return torch.cat(tokens, dim=1), tuple(grids)
 
     def latent_distribution(self, image, height: int, width: int):
-        """The VAE's latent distribution of ``image`` resized to ``height`` x ``width``, as a one-frame video."""
+        """As a one-frame video."""
         processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(image, height=height, width=width).unsqueeze(2)
         return self.vae_encode(pixels.to(self.device, self.vae.dtype))
@@ -282,9 +257,8 @@ class QwenImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image resized to the output's size (diffusers' ``QwenImageImg2ImgPipeline``; an edit checkpoint's
-        inpainting: its edit size), as a one-frame video, a sample of its latent distribution normalised by the VAE's
-        statistics, in the noise's drawn layout."""
+        """The image at the output's size (an edit checkpoint's inpainting: its edit size), a sample of its latent
+        distribution normalised, in the noise's drawn layout."""
         sample = self.latent_distribution(request.images[0], request.height, request.width).sample(generator)
         mean, inverse_std = latent_statistics(self.vae.config, sample)
         return ((sample - mean) * inverse_std).transpose(1, 2)
@@ -302,9 +276,8 @@ class QwenImagePipeline(DiffusionPipeline):
             if inputs is None:
                 return transformer(x, embeds, timestep, layout.rows, layout.cols, mask)
             joined = torch.cat([x, inputs.to(x.dtype).expand(x.shape[0], -1, -1)], dim=1)
-            return transformer(joined, embeds, timestep, layout.rows, layout.cols, mask, layout.input_grids)[
-                :, : x.shape[1]
-            ]
+            out = transformer(joined, embeds, timestep, layout.rows, layout.cols, mask, layout.input_grids)
+            return out[:, : x.shape[1]]
 
         return call
 

@@ -1,22 +1,21 @@
-"""Qwen-Image presets: the published full-size model (``Qwen/Qwen-Image``), its Qwen2.5-VL-7B text encoder's config
-(for ``--load-format dummy``), VAE and scheduler, a tiny model for demo and tests."""
+"""Qwen-Image presets: the text-to-image and edit models as published, and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 from paradit.families.qwen_image.edit import EDIT, EDIT_PLUS
 from paradit.spec import ModelSpec, read_configs
 
 CONFIGS = read_configs(__file__)
-# The published scheduler config: dynamic shifting with mu from the image size (up to 8192 tokens), and the sigma
-# ladder stretched so that its last step lands at 0.02.
+# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
+DEFAULTS = CONFIGS["presets"]
+# Dynamic shifting with mu from the image size (up to 8192 tokens), the sigmas stretched to end at 0.02.
 QWEN_IMAGE_SCHEDULER = CONFIGS["scheduler"]
 # AutoencoderKLQwenImage as published (its defaults, the Wan 2.1 VAE): 16 channels, 8x spatial stride.
 QWEN_IMAGE_VAE = CONFIGS["vae"]
-# Qwen2_5_VLForConditionalGeneration, Qwen2.5-VL-7B-Instruct (8,292,166,656 parameters with its vision tower).
-# Text-to-image reads only the language model's last hidden states, so its dummy mode builds the text config alone;
-# the edit models' encoder reads their input images too, through the vision tower.
+# Qwen2.5-VL-7B-Instruct (8,292,166,656 parameters with its vision tower). Text-to-image reads only the language
+# model's last hidden states, so its dummy mode builds the text config alone; the edit models read images too.
 QWEN25_VL_7B = CONFIGS["qwen25_vl_7b"]
 _QWEN_IMAGE = CONFIGS["transformer"]
 
@@ -28,49 +27,25 @@ QWEN_IMAGE_TINY_TEXT_ENCODER = {
     "vision_config": {**QWEN25_VL_7B["vision_config"], **_TINY_TOWERS["vision_config"]},
     "tie_word_embeddings": False,
 }
-QWEN_IMAGE_TINY_VAE = {**QWEN_IMAGE_VAE, "base_dim": 8, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
 
-preset = functools.partial(
-    ModelSpec, family="qwen_image", scheduler=QWEN_IMAGE_SCHEDULER, guidance_mode="cfg", guidance=4.0
-)
-full_size = functools.partial(preset, text_encoder=QWEN25_VL_7B, vae=QWEN_IMAGE_VAE, steps=50, height=1024, width=1024)
+
+def preset(name: str, **configs: Any) -> ModelSpec:
+    full_size = {"text_encoder": QWEN25_VL_7B, "vae": QWEN_IMAGE_VAE}
+    return ModelSpec(
+        name=name, family="qwen_image", scheduler=QWEN_IMAGE_SCHEDULER, **{**full_size, **configs}, **DEFAULTS[name]
+    )
+
+
 PRESETS: list[ModelSpec] = [
-    full_size(
-        name="qwen-image",
-        description="Qwen-Image, 20B MMDiT (60 dual-stream blocks), true CFG; Qwen2.5-VL-7B text encoder",
-        transformer=_QWEN_IMAGE,
-        hub_id="Qwen/Qwen-Image",
-    ),
-    full_size(
-        name="qwen-image-edit-2511",
-        description="Qwen-Image-Edit-2511, the 20B MMDiT editing from one or more images (their tokens modulated as "
-        "at timestep 0); Qwen2.5-VL-7B reads them with the prompt",
-        transformer={**_QWEN_IMAGE, "zero_cond_t": True},
-        hub_id="Qwen/Qwen-Image-Edit-2511",
-        details=EDIT_PLUS,
-    ),
-    full_size(
-        name="qwen-image-edit-2509",
-        description="Qwen-Image-Edit-2509, the 20B MMDiT editing from one or more images; Qwen2.5-VL-7B reads them",
-        transformer=_QWEN_IMAGE,
-        hub_id="Qwen/Qwen-Image-Edit-2509",
-        details=EDIT_PLUS,
-    ),
-    full_size(
-        name="qwen-image-edit",
-        description="Qwen-Image-Edit, the 20B MMDiT editing one image; Qwen2.5-VL-7B reads it with the prompt",
-        transformer=_QWEN_IMAGE,
-        hub_id="Qwen/Qwen-Image-Edit",
-        details=EDIT,
-    ),
+    preset("qwen-image", transformer=_QWEN_IMAGE),
+    # Edit-2511 modulates its input images' tokens as at timestep 0.
+    preset("qwen-image-edit-2511", transformer={**_QWEN_IMAGE, "zero_cond_t": True}, details=EDIT_PLUS),
+    preset("qwen-image-edit-2509", transformer=_QWEN_IMAGE, details=EDIT_PLUS),
+    preset("qwen-image-edit", transformer=_QWEN_IMAGE, details=EDIT),
     preset(
-        name="qwen-image-tiny",
-        description="a few-million-parameter Qwen-Image, random weights, for demos and tests",
+        "qwen-image-tiny",
         transformer=QWEN_IMAGE_TINY_TRANSFORMER,
         text_encoder=QWEN_IMAGE_TINY_TEXT_ENCODER,
-        vae=QWEN_IMAGE_TINY_VAE,
-        steps=8,
-        height=128,
-        width=128,
+        vae={**QWEN_IMAGE_VAE, "base_dim": 8, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1},
     ),
 ]

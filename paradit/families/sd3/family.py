@@ -57,8 +57,6 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
-    """The negative prompt is "" unless given; the largest size is what the positional-embedding table covers; an
-    image runs image-to-image at the model's size (or the one asked for)."""
     granularity = pixel_granularity(spec)
     largest = spec.transformer["pos_embed_max_size"] * granularity
     return resolve_common(
@@ -96,10 +94,8 @@ FAMILY = Family(
             # SD3.5-medium's image-only attention (attn2) in its first blocks.
             "transformer_blocks.*.attn2.to_[qkv]": COLUMN,
             "transformer_blocks.*.attn2.to_out.0": ROW,
-            "transformer_blocks.*.ff.net.0.proj": COLUMN_MLP,
-            "transformer_blocks.*.ff.net.2": ROW_MLP,
-            "transformer_blocks.*.ff_context.net.0.proj": COLUMN_MLP,
-            "transformer_blocks.*.ff_context.net.2": ROW_MLP,
+            **{f"transformer_blocks.*.{ff}.net.0.proj": COLUMN_MLP for ff in ("ff", "ff_context")},
+            **{f"transformer_blocks.*.{ff}.net.2": ROW_MLP for ff in ("ff", "ff_context")},
         },
     ),
     # The embedders, the AdaLN modulation (under "norm" names: norm1.linear, norm1_context.linear, norm_out), proj_out.

@@ -1,9 +1,5 @@
-"""Stable Diffusion 3 / 3.5 text-to-image: three prompt encoders, seeded latents, denoising with CFG, VAE decoding.
-
-Reproduces diffusers' ``StableDiffusion3Pipeline``: same checkpoint and seed, same image. CLIP-L and OpenCLIP bigG give
-penultimate hidden states (concatenated on channels, zero-padded to T5's width) and pooled projections (concatenated),
-T5 its last hidden state, appended on the sequence; no attention mask. Differences for speed only: both branches share
-one batch (or the group's two halves under CFG parallelism); only rank 0 holds the encoders and the VAE."""
+"""Stable Diffusion 3 / 3.5 as diffusers' ``StableDiffusion3Pipeline`` and its image-to-image and inpainting pipelines
+run it: same checkpoint and seed, same image."""
 
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ def offline_clip_tokenizer(pad_token: str) -> transformers.CLIPTokenizer:
 
 
 class SD3PromptEncoder:
-    """CLIP-L, OpenCLIP bigG and T5 with their tokenizers, loaded on ``weights_device(placement, device)`` and run on
-    ``device``; ``encode`` gives diffusers' ``prompt_embeds`` and ``pooled_prompt_embeds``."""
+    """CLIP-L, OpenCLIP bigG and T5 with their tokenizers: diffusers' ``prompt_embeds`` and ``pooled_prompt_embeds``."""
 
     def __init__(
         self,
@@ -103,28 +98,17 @@ class SD3PromptEncoder:
     def dummy(
         cls, spec: SD3TextEncoders, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
     ) -> SD3PromptEncoder:
-        clip_encoders = [
-            random_encoder(
-                lambda config=config: CLIPTextModelWithProjection._from_config(
-                    CLIPTextConfig.from_dict(config), dtype=dtype
-                ),
-                placement,
-                device,
-                dtype,
-                seed + index,
+        def random(model_class, config: transformers.PretrainedConfig, offset: int) -> nn.Module:
+            return random_encoder(
+                lambda: model_class._from_config(config, dtype=dtype), placement, device, dtype, seed + offset
             )
-            for index, config in enumerate((spec.clip_l, spec.clip_g))
-        ]
-        t5 = random_encoder(
-            lambda: T5EncoderModel._from_config(T5Config.from_dict(spec.t5), dtype=dtype),
-            placement,
-            device,
-            dtype,
-            seed + 2,
-        )
+
+        clip_l = random(CLIPTextModelWithProjection, CLIPTextConfig.from_dict(spec.clip_l), 0)
+        clip_g = random(CLIPTextModelWithProjection, CLIPTextConfig.from_dict(spec.clip_g), 1)
+        t5 = random(T5EncoderModel, T5Config.from_dict(spec.t5), 2)
         # The published bigG tokenizer pads with "!", CLIP-L's with its end token.
         tokenizers = [offline_clip_tokenizer("<|endoftext|>"), offline_clip_tokenizer("!"), offline_t5_tokenizer()]
-        return cls(clip_encoders, t5, tokenizers, spec.max_sequence_length, device, placement)
+        return cls([clip_l, clip_g], t5, tokenizers, spec.max_sequence_length, device, placement)
 
     def _clip(self, which: int, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(penultimate hidden states, pooled projection) of CLIP encoder ``which``."""
@@ -161,7 +145,6 @@ class SD3Pipeline(DiffusionPipeline):
     CONDITIONING = ("embeds", "pooled")
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """Prompt embeddings and pooled vectors, [conditional; unconditional] under CFG, repeated per image."""
         prompts = request.prompts + (request.negative_prompts if self.uses_cfg(request) else [])
         embeds, pooled = self.prompt_encoder.encode(prompts, self.dtype)
         repeat = request.images_per_prompt
@@ -180,8 +163,7 @@ class SD3Pipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image resized to the output's size (diffusers' ``StableDiffusion3Img2ImgPipeline``), a sample of its
-        latent distribution, shifted and scaled as the decode undoes."""
+        """The image at the output's size, a sample of its latent distribution, shifted and scaled as decode undoes."""
         processor = VaeImageProcessor(vae_scale_factor=vae_scale_factor(self.spec.vae))
         pixels = processor.preprocess(request.images[0], height=request.height, width=request.width)
         sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)

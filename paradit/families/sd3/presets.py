@@ -1,10 +1,8 @@
-"""Stable Diffusion 3.5 presets: full-size large and medium transformer configs (published ``transformer/config.json``),
-the three text encoders' configs (for ``--load-format dummy``), the VAE and scheduler as published, the model cards'
-defaults, and a tiny model for the demo and tests."""
+"""Stable Diffusion 3.5 presets: large and medium as published, with their model cards' defaults, and a tiny model for
+the demo and tests."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +21,8 @@ class SD3TextEncoders:
 
 
 CONFIGS = read_configs(__file__)
+# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
+DEFAULTS = CONFIGS["presets"]
 # The published configs keep CLIP's legacy token ids (eos 2: pooling takes the highest token id, which is the eos).
 CLIP_L = CONFIGS["clip_l"]
 OPENCLIP_BIGG = {**CLIP_L, **CONFIGS["openclip_bigg_changes"]}
@@ -35,49 +35,24 @@ SD3_SCHEDULER = CONFIGS["scheduler"]
 SD35_LARGE = CONFIGS["sd35_large"]
 SD35_MEDIUM = {**SD35_LARGE, **CONFIGS["sd35_medium_changes"]}
 
-SD35_TINY_TRANSFORMER = {**SD35_MEDIUM, **CONFIGS["tiny_transformer_changes"]}
 _TINY_CLIP = CONFIGS["tiny_clip"]
 SD35_TINY_TEXT_ENCODERS = SD3TextEncoders(
     clip_l=_TINY_CLIP, clip_g={**_TINY_CLIP, "hidden_size": 24, "hidden_act": "gelu"}, t5=CONFIGS["tiny_t5"]
 )
-SD35_TINY_VAE = {**SD3_VAE, **CONFIGS["tiny_vae_changes"]}
 
-preset = functools.partial(
-    ModelSpec,
-    family="sd3",
-    text_encoder=SD3_TEXT_ENCODERS,
-    vae=SD3_VAE,
-    scheduler=SD3_SCHEDULER,
-    guidance_mode="cfg",
-    height=1024,
-    width=1024,
-)
+
+def preset(name: str, **configs: Any) -> ModelSpec:
+    full_size = {"text_encoder": SD3_TEXT_ENCODERS, "vae": SD3_VAE}
+    return ModelSpec(name=name, family="sd3", scheduler=SD3_SCHEDULER, **{**full_size, **configs}, **DEFAULTS[name])
+
+
 PRESETS: list[ModelSpec] = [
+    preset("sd3.5-large", transformer=SD35_LARGE),
+    preset("sd3.5-medium", transformer=SD35_MEDIUM),
     preset(
-        name="sd3.5-large",
-        description="Stable Diffusion 3.5 Large, 8.1B MMDiT; CLIP-L + OpenCLIP bigG + T5-XXL encoders, true CFG",
-        transformer=SD35_LARGE,
-        steps=28,
-        guidance=3.5,
-        hub_id="stabilityai/stable-diffusion-3.5-large",
-    ),
-    preset(
-        name="sd3.5-medium",
-        description="Stable Diffusion 3.5 Medium, 2.2B MMDiT-X (dual attention in blocks 0-12), same encoders, CFG",
-        transformer=SD35_MEDIUM,
-        steps=40,
-        guidance=4.5,
-        hub_id="stabilityai/stable-diffusion-3.5-medium",
-    ),
-    preset(
-        name="sd3.5-tiny",
-        description="a few-million-parameter SD3.5 (medium layout), random weights, for demos and tests",
-        transformer=SD35_TINY_TRANSFORMER,
+        "sd3.5-tiny",
+        transformer={**SD35_MEDIUM, **CONFIGS["tiny_transformer_changes"]},
         text_encoder=SD35_TINY_TEXT_ENCODERS,
-        vae=SD35_TINY_VAE,
-        steps=8,
-        guidance=4.5,
-        height=128,
-        width=128,
+        vae={**SD3_VAE, **CONFIGS["tiny_vae_changes"]},
     ),
 ]

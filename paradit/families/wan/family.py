@@ -61,8 +61,6 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
-    """Sides in multiples of the VAE stride times the patch, frames one more than a multiple of its temporal stride,
-    a low-noise guidance only with that expert, an image where the model takes one (always for image-to-video)."""
     temporal, spatial = vae_factors(spec.vae)
     mode = image_input(spec)
     if mode is None and request.image is not None:

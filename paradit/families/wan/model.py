@@ -1,12 +1,6 @@
-"""Wan 2.1 / 2.2 video transformer (T2V-A14B, I2V-A14B, TI2V-5B): diffusers' ``WanTransformer3DModel``.
-
-``embed`` makes the video tokens (Conv3d (1, 2, 2) patches in frame-row-column order) and the timestep modulation, per
-sample or (TI2V-5B) per token; each block is modulated self-attention, text cross-attention (and Wan 2.1 I2V's CLIP
-features) and a modulated GELU MLP.
-
-The video is the one stream the runtime splits: every rank holds the whole text, so cross-attention runs locally (its
-``sequence_streams == ()``). Numerics follow the reference: layer norms and modulation in float32, rounded where it
-rounds; Q/K RMS norms span all heads (one statistic over ``heads * head_dim``)."""
+"""Wan 2.1 / 2.2 video transformer: diffusers' ``WanTransformer3DModel``. The video is the one stream the runtime
+splits: every rank holds the whole text, so cross-attention runs locally. Numerics follow the reference: layer norms and
+modulation in float32, rounded where it rounds; Q/K RMS norms span all heads (one statistic over heads * head_dim)."""
 
 from __future__ import annotations
 
@@ -56,7 +50,6 @@ class WanConfig(HeadsConfig):
         return self.attention_head_dim - 2 * spatial, spatial, spatial
 
     def token_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
-        """Latent (frames, height, width) -> the token grid (frames, rows, columns)."""
         p_t, p_h, p_w = self.patch_size
         return frames // p_t, height // p_h, width // p_w
 
@@ -72,8 +65,7 @@ class FP32LayerNorm(nn.LayerNorm):
 
 
 class WanCrossAttention(QKVAttention):
-    """Attention from the video tokens to the text, plus (with ``add_k_proj``) one to image features added before
-    ``to_out``; no rotary positions. Its keys are from no split stream (``sequence_streams == ()``)."""
+    """Attention from the video tokens to the text, plus (with ``add_k_proj``) one to image features; no rotary."""
 
     def __init__(
         self, dim: int, head_dim: int, qk_norm: Callable[[int], nn.Module], added_kv_proj_dim: int | None
@@ -96,9 +88,6 @@ class WanCrossAttention(QKVAttention):
 
 
 class WanBlock(nn.Module):
-    """Modulated self-attention, unmodulated cross-attention, modulated MLP. The six modulation vectors are the
-    block's learnt ``scale_shift_table`` plus the timestep projection, summed in float32."""
-
     def __init__(self, config: WanConfig) -> None:
         super().__init__()
         dim, head_dim, eps = config.inner_dim, config.attention_head_dim, config.eps
@@ -151,8 +140,7 @@ class ImageEmbedding(nn.Module):
 
 
 class ConditionEmbedder(nn.Module):
-    """Timestep -> (``temb`` for the output norm, its projection to the blocks' six modulation vectors); text (and
-    image) features -> model width. Named as diffusers' ``WanTimeTextImageEmbedding``."""
+    """diffusers' ``WanTimeTextImageEmbedding``: the timestep, text and image features embedded."""
 
     def __init__(self, config: WanConfig) -> None:
         super().__init__()
@@ -178,7 +166,7 @@ class ConditionEmbedder(nn.Module):
 @dataclass
 class WanTokens:
     """Exactly one of ``temb`` / ``token_temb`` (and of the modulations) is set: per token if the timestep came per
-    token (TI2V-5B), else per sample. Not frozen, like the other token states: PipeFusion sets received streams."""
+    token (TI2V-5B), else per sample."""
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
         "video": ("video", 1),
@@ -241,8 +229,6 @@ class WanTransformer(StagedTransformer):
         dtype = encoder_hidden_states.dtype
         temb = modulation = token_temb = token_modulation = None
         if timestep.ndim == 2:
-            if timestep.shape[1] != video.shape[1]:
-                raise ValueError(f"per-token timestep has {timestep.shape[1]} entries for {video.shape[1]} tokens")
             # One row per token through the time MLPs, as the reference does: (B * tokens,) -> (B, tokens, ...).
             rows = embedder.time(timestep.flatten(), dtype)
             token_temb, token_modulation = (t.unflatten(0, timestep.shape) for t in rows)

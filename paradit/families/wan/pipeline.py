@@ -1,11 +1,5 @@
-"""Wan 2.2 text/image-to-video: umT5 prompts, seeded latents, VAE-encoded first frame, one or two experts, VAE decoding.
-
-Reproduces diffusers' ``WanPipeline`` for T2V-A14B (``transformer`` above ``boundary_ratio * num_train_timesteps``,
-``transformer_2`` below, each with its guidance scale) and TI2V-5B (one transformer, per-token timesteps, the 2.2 VAE),
-and ``WanImageToVideoPipeline`` for I2V-A14B (the image's latents and a first-frame mask as extra input channels) and
-TI2V-5B with an image (its latent frame replacing the first noisy one, at timestep 0): same checkpoint, image and seed,
-same frames. The loader puts the second expert (``spec.experts``) in ``self.experts``. Differences for speed only: both
-guidance branches run in one batch (or the group's two halves under CFG parallelism); the group encodes the image."""
+"""Wan 2.2 as diffusers' ``WanPipeline`` (T2V-A14B, TI2V-5B) and ``WanImageToVideoPipeline`` (I2V-A14B, TI2V-5B with an
+image) run it: same checkpoint, image and seed, same frames."""
 
 from __future__ import annotations
 
@@ -73,8 +67,6 @@ class ImageCondition:
 
 
 class UMT5PromptEncoder:
-    """umT5's encoder and its tokenizer, loaded on ``weights_device(placement, device)`` and run on ``device``."""
-
     def __init__(self, encoder, tokenizer, max_length: int, device: torch.device, placement: str = "gpu") -> None:
         self.encoder = place(encoder.eval().requires_grad_(False), placement, device)
         self.tokenizer, self.max_length, self.device = tokenizer, max_length, device
@@ -133,13 +125,8 @@ class WanPipeline(DiffusionPipeline):
         """Seeded noise (batch, VAE channels, latent frames, rows, cols), float32 as the reference draws it, and the
         request's image encoded (by the whole group, when there is one) into what it adds to them."""
         temporal, spatial = vae_factors(self.spec.vae)
-        shape = (
-            request.batch,
-            self.vae.config.z_dim,
-            (request.frames - 1) // temporal + 1,
-            request.height // spatial,
-            request.width // spatial,
-        )
+        frames = (request.frames - 1) // temporal + 1
+        shape = (request.batch, self.vae.config.z_dim, frames, request.height // spatial, request.width // spatial)
         noise = seeded_noise(shape, request.seed, torch.float32, self.device)
         return noise, self.image_condition(request, noise) if request.images else None
 
@@ -149,11 +136,8 @@ class WanPipeline(DiffusionPipeline):
         (``first_frame``) or followed by black frames (``channels``), encoded to its latent mean, normalised by the
         VAE's statistics; for ``channels``, a mask in front, 1 on the first frame's ``temporal`` slots."""
         temporal, spatial = vae_factors(self.spec.vae)
-        pixels = (
-            VideoProcessor(vae_scale_factor=spatial)
-            .preprocess(request.images[0], height=request.height, width=request.width)
-            .unsqueeze(2)
-        )
+        processor = VideoProcessor(vae_scale_factor=spatial)
+        pixels = processor.preprocess(request.images[0], height=request.height, width=request.width).unsqueeze(2)
         mode = image_input(self.spec)
         if mode == "channels":
             pixels = torch.cat([pixels, pixels.new_zeros(*pixels.shape[:2], request.frames - 1, *pixels.shape[3:])], 2)

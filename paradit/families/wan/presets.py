@@ -1,10 +1,7 @@
-"""Wan 2.2 presets: T2V-A14B (two 14B experts, high-noise then low-noise, switched at ``boundary_ratio``), I2V-A14B (the
-same with the image's latents as extra input channels), and TI2V-5B (one transformer, per-token timesteps, the 2.2 VAE;
-text or text and image), with the umT5-XXL prompt encoder, the schedulers as published, and a tiny model for tests."""
+"""Wan 2.2 presets: T2V-A14B, I2V-A14B and TI2V-5B as published, and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +18,11 @@ class WanTextEncoder:
 
 
 CONFIGS = read_configs(__file__)
+# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
+DEFAULTS = CONFIGS["presets"]
 # google/umt5-xxl's encoder, as the Wan 2.2 checkpoints' text_encoder/config.json holds it.
 UMT5_XXL = CONFIGS["umt5_xxl"]
+UMT5_XXL_PROMPTS = WanTextEncoder(UMT5_XXL)
 # The UniPC flow-matching schedulers of the published checkpoints (flow_shift 3.0 for T2V-A14B, 5.0 for TI2V-5B).
 UNIPC_FLOW = CONFIGS["unipc_flow"]
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers' transformer/config.json (transformer_2 is the same architecture).
@@ -37,9 +37,7 @@ WAN21_VAE = CONFIGS["wan21_vae"]
 # from a checkpoint's vae/config.json; a random-weight run takes these neutral ones.
 WAN22_VAE = {**CONFIGS["wan22_vae"], "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48}
 
-WAN_TINY_TEXT_ENCODER = {**UMT5_XXL, **CONFIGS["tiny_text_encoder_changes"]}
 WAN_TINY_TRANSFORMER = {**A14B_TRANSFORMER, **CONFIGS["tiny_transformer_changes"]}
-WAN_TINY_VAE = CONFIGS["tiny_vae"]
 
 
 @dataclass(frozen=True)
@@ -51,62 +49,41 @@ class WanDetails:
     expand_timesteps: bool = False
 
 
-preset = functools.partial(ModelSpec, family="wan", text_encoder=WanTextEncoder(UMT5_XXL), guidance_mode="cfg")
-two_experts = functools.partial(preset, vae=WAN21_VAE, steps=40, height=720, width=1280, frames=81, fps=16)
+def preset(name: str, **configs: Any) -> ModelSpec:
+    return ModelSpec(name=name, family="wan", **{"text_encoder": UMT5_XXL_PROMPTS, **configs}, **DEFAULTS[name])
+
+
 PRESETS: list[ModelSpec] = [
-    two_experts(
-        name="wan2.2-t2v-a14b",
-        description="Wan 2.2 T2V-A14B text-to-video: two 14B experts (high-noise, low-noise); umT5-XXL",
+    preset(
+        "wan2.2-t2v-a14b",
         transformer=A14B_TRANSFORMER,
         experts={"transformer_2": A14B_TRANSFORMER},
+        vae=WAN21_VAE,
         scheduler={**UNIPC_FLOW, "flow_shift": 3.0},
-        guidance=4.0,
-        guidance_2=3.0,
-        hub_id="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         details=WanDetails(boundary_ratio=0.875),
     ),
-    two_experts(
-        name="wan2.2-i2v-a14b",
-        description="Wan 2.2 I2V-A14B image-to-video (--image): two 14B experts (high-noise, low-noise); umT5-XXL",
+    preset(
+        "wan2.2-i2v-a14b",
         transformer=I2V_A14B_TRANSFORMER,
         experts={"transformer_2": I2V_A14B_TRANSFORMER},
+        vae=WAN21_VAE,
         scheduler={**UNIPC_FLOW, "flow_shift": 5.0},
-        guidance=3.5,
-        guidance_2=3.5,
-        hub_id="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
         details=WanDetails(boundary_ratio=0.9),
     ),
     preset(
-        name="wan2.2-ti2v-5b",
-        description="Wan 2.2 TI2V-5B text-to-video, or image-to-video with --image: one 5B transformer, the 2.2 VAE "
-        "(4x16x16); umT5-XXL",
+        "wan2.2-ti2v-5b",
         transformer=TI2V_5B_TRANSFORMER,
         vae=WAN22_VAE,
         scheduler={**UNIPC_FLOW, "flow_shift": 5.0},
-        steps=50,
-        guidance=5.0,
-        height=704,
-        width=1280,
-        frames=121,
-        fps=24,
-        hub_id="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
         details=WanDetails(expand_timesteps=True),
     ),
     preset(
-        name="wan-tiny",
-        description="a tiny two-expert Wan 2.2 (T2V layout), random weights, for demos and tests",
+        "wan-tiny",
         transformer=WAN_TINY_TRANSFORMER,
         experts={"transformer_2": WAN_TINY_TRANSFORMER},
-        text_encoder=WanTextEncoder(WAN_TINY_TEXT_ENCODER, max_length=32),
-        vae=WAN_TINY_VAE,
+        text_encoder=WanTextEncoder({**UMT5_XXL, **CONFIGS["tiny_text_encoder_changes"]}, max_length=32),
+        vae=CONFIGS["tiny_vae"],
         scheduler={**UNIPC_FLOW, "flow_shift": 3.0},
-        steps=4,
-        guidance=4.0,
-        guidance_2=3.0,
-        height=64,
-        width=64,
-        frames=5,
-        fps=16,
         details=WanDetails(boundary_ratio=0.875),
     ),
 ]

@@ -61,26 +61,22 @@ SCHEDULERS = ("flow-euler",)
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
-    g = pixel_granularity(spec.vae)
+    g, omni = pixel_granularity(spec.vae), is_omni(spec)
     # Rotary positions are looked up in tables of axes_lens rows; a latent grid past them has no position.
     _, max_rows, max_cols = spec.transformer["axes_lens"]
-    if is_omni(spec):  # condition images; no image-to-image, no inpainting (diffusers has no Omni one)
-        resolved = resolve_common(
-            spec, request, g, largest=(max_rows * g, max_cols * g), image_limit=IMAGE_LIMIT, schedulers=SCHEDULERS
-        )
-        resolve_images(resolved, request.height, request.width, (max_rows, max_cols), g)
-        return resolved
     resolved = resolve_common(
         spec,
         request,
         g,
         largest=(max_rows * g, max_cols * g),
-        image_limit=1,
-        image_to_image=True,
-        inpainting_strength=1.0,
+        image_limit=IMAGE_LIMIT if omni else 1,
+        image_to_image=not omni,  # Omni's images condition; diffusers has no Omni image-to-image or inpainting
+        inpainting_strength=None if omni else 1.0,
         schedulers=SCHEDULERS,
     )
-    if resolved.images and (request.height is None or request.width is None):
+    if omni:
+        resolve_images(resolved, request.height, request.width, (max_rows, max_cols), g)
+    elif resolved.images and (request.height is None or request.width is None):
         # Image-to-image makes the image's size, floored to whole tokens, unless asked otherwise.
         image = resolved.images[0]
         height, width = request.height or image.height // g * g, request.width or image.width // g * g
@@ -102,8 +98,7 @@ FAMILY = Family(
     diffusers_pipelines=("ZImagePipeline", "ZImageOmniPipeline"),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
-    # The reference guides whenever the scale is above 0 (its formula adds scale * (cond - uncond) to cond), the
-    # step-distilled Turbo too: its default of 0 turns guidance off, a request may turn it on.
+    # The reference guides whenever the scale is above 0, the step-distilled Turbo too (its default 0 turns it off).
     uses_cfg=lambda spec, request: request.guidance > 0,
     build_transformer=lambda spec: ZImageTransformer(ZImageConfig.from_dict(spec.transformer)),
     prompt_encoder=lambda spec: OmniPromptEncoder if is_omni(spec) else CaptionEncoder,

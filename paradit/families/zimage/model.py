@@ -1,14 +1,9 @@
-"""Z-Image transformer (Turbo and the non-distilled base): diffusers' ``ZImageTransformer2DModel``.
-
-``run_blocks``: noise refiner over the image, context refiner over the text, joint blocks over [image, text]; ``head``
-gives one row per token, pad tokens included (``unpatchify`` drops them).
-
-The Omni checkpoints (``siglip_feat_dim`` set) also take condition images (``OmniInputs``): their latents' tokens
-follow the target's in the image stream, their SigLIP features form a third stream with its own refiner, and every
-token before the target's, in the images and in the caption's segments, is modulated as at timestep 1 (clean).
-
-As in the reference, each stream is padded to a multiple of 32 tokens with a learnt pad token, a real key every query
-attends to; only batch padding past a caption's own rounded length is masked, by a key mask built once per forward."""
+"""Z-Image transformer (Turbo, base, Omni): diffusers' ``ZImageTransformer2DModel``. A noise refiner over the image
+and a context refiner over the text, then joint blocks over [image, text]. As in the reference, each stream is padded to
+a multiple of 32 tokens with a learnt pad token, a real key every query attends to; only batch padding past a caption's
+own rounded length is masked. The Omni checkpoints (``siglip_feat_dim``) take condition images (``OmniInputs``): their
+latents follow the target's, their SigLIP features form a third stream, and every token before the target's is
+modulated as at timestep 1 (clean)."""
 
 from __future__ import annotations
 
@@ -67,7 +62,6 @@ class ZImageConfig(CheckpointConfig):
 
 
 def round_up(n, multiple: int = SEQUENCE_MULTIPLE):
-    """``n`` (an int or an integer tensor) rounded up to a multiple of ``multiple``."""
     return (n + multiple - 1) // multiple * multiple
 
 
@@ -84,8 +78,7 @@ def unpatchify(tokens: torch.Tensor, rows: int, cols: int, patch: int) -> torch.
 
 
 class RMSNorm(nn.Module):
-    """RMS norm with the reference's dtype handling: statistics in float32, the result cast to a half-precision
-    weight's dtype before scaling (so bf16 runs round where the reference rounds)."""
+    """Statistics in float32, the result cast to a half-precision weight's dtype before scaling, as the reference."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -137,8 +130,6 @@ def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class ZImageAttention(QKVAttention):
-    """Self-attention over whatever sequence the block is given, with per-head RMS norms on Q and K."""
-
     def forward(self, x: torch.Tensor, rope: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.qkv(x)
         out = self.attend(rotate(q, rope), rotate(k, rope), v, key_mask)
@@ -146,8 +137,6 @@ class ZImageAttention(QKVAttention):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -159,8 +148,7 @@ class FeedForward(nn.Module):
 
 
 class ZImageBlock(nn.Module):
-    """Pre- and post-normed attention and MLP. Modulated blocks (noise refiner, joint blocks) scale the normed input
-    and tanh-gate the residual from the timestep; the context refiner's blocks have no modulation."""
+    """Pre- and post-normed attention and MLP, timestep-modulated except in the context and SigLIP refiners."""
 
     def __init__(self, config: ZImageConfig, modulated: bool, streams: tuple[str, ...] | None) -> None:
         super().__init__()
@@ -193,8 +181,6 @@ class ZImageBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """LayerNorm scaled by the timestep vector, then the projection to patch pixels."""
-
     def __init__(self, dim: int, cond_dim: int, out_features: int) -> None:
         super().__init__()
         self.norm_final = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
@@ -206,8 +192,6 @@ class FinalLayer(nn.Module):
 
 
 class TimestepEmbedder(nn.Module):
-    """Sinusoidal features (cos first) lifted by a two-layer MLP, named as the reference's ``t_embedder.mlp``."""
-
     def __init__(self, out_dim: int) -> None:
         super().__init__()
         self.mlp = nn.Sequential(
@@ -342,29 +326,26 @@ class ZImageTransformer(StagedTransformer):
         self.all_final_layer = nn.ModuleDict(
             {config.patch_key: FinalLayer(dim, config.adaln_dim, patch * patch * config.in_channels)}
         )
-        self.noise_refiner = nn.ModuleList(
-            ZImageBlock(config, modulated=True, streams=("img",)) for _ in range(config.n_refiner_layers)
-        )
-        self.context_refiner = nn.ModuleList(
-            ZImageBlock(config, modulated=False, streams=("txt",)) for _ in range(config.n_refiner_layers)
-        )
+
+        def refiner(modulated: bool, stream: str) -> nn.ModuleList:
+            return nn.ModuleList(ZImageBlock(config, modulated, (stream,)) for _ in range(config.n_refiner_layers))
+
+        def embedder(width: int) -> nn.Sequential:
+            return nn.Sequential(RMSNorm(width, eps=config.norm_eps), nn.Linear(width, dim))
+
+        self.noise_refiner = refiner(True, "img")
+        self.context_refiner = refiner(False, "txt")
         self.t_embedder = TimestepEmbedder(config.adaln_dim)
-        self.cap_embedder = nn.Sequential(
-            RMSNorm(config.cap_feat_dim, eps=config.norm_eps), nn.Linear(config.cap_feat_dim, dim)
-        )
+        self.cap_embedder = embedder(config.cap_feat_dim)
         self.x_pad_token = nn.Parameter(torch.zeros(1, dim))
         self.cap_pad_token = nn.Parameter(torch.zeros(1, dim))
         self.siglip_refiner = nn.ModuleList()
         joint = ("img", "txt")
         if config.siglip_feat_dim is not None:
-            self.siglip_embedder = nn.Sequential(
-                RMSNorm(config.siglip_feat_dim, eps=config.norm_eps), nn.Linear(config.siglip_feat_dim, dim)
-            )
-            self.siglip_refiner.extend(
-                ZImageBlock(config, modulated=False, streams=("sig",)) for _ in range(config.n_refiner_layers)
-            )
+            self.siglip_embedder = embedder(config.siglip_feat_dim)
+            self.siglip_refiner = refiner(False, "sig")
             self.siglip_pad_token = nn.Parameter(torch.zeros(1, dim))
-            joint = ("img", "txt", "sig")
+            joint += ("sig",)
         self.layers = nn.ModuleList(ZImageBlock(config, modulated=True, streams=joint) for _ in range(config.n_layers))
         self._rope_tables: dict[torch.device, list[torch.Tensor]] = {}
 

@@ -1,10 +1,7 @@
-"""Z-Image-Omni: generation conditioned on images, as diffusers' ``ZImageOmniPipeline`` runs it.
-
-The prompt template is cut before each image it shows (the condition images, then the target) and after the last,
-and Qwen3 reads each piece apart; SigLIP2 reads each condition image; the VAE encodes each one, centre-cropped to whole
-tokens. Without images it is text-to-image with the Omni template and positions (not ``ZImagePipeline``'s).
-One deliberate difference: diffusers casts the condition images to bfloat16 for the VAE whatever its dtype (a float32
-VAE then fails); paradit encodes them in the VAE's dtype, which for a bfloat16 run is the same."""
+"""Z-Image-Omni, as diffusers' ``ZImageOmniPipeline``: Qwen3 reads each piece of the prompt template cut at the images,
+SigLIP2 and the VAE each condition image (centre-cropped to whole tokens); without images, text-to-image with the Omni
+template and positions. One deliberate difference: diffusers casts the condition images to bfloat16 for the VAE whatever
+its dtype (a float32 VAE then fails); paradit encodes them in the VAE's dtype, which for a bfloat16 run is the same."""
 
 from __future__ import annotations
 
@@ -38,7 +35,7 @@ class OmniEncoders:
 
 
 def template_segments(prompt: str, images: int) -> list[str]:
-    """The user turn cut before each image (condition images, then the target) and after the last."""
+    """The user turn cut before each image (the condition images, then the target) and after the last."""
     if not images:
         return [f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"]
     return [
@@ -80,8 +77,7 @@ def resolve_images(
 
 
 class OmniPromptEncoder(CaptionEncoder):
-    """Qwen3 reading the template's pieces as they are, and SigLIP2 (``siglip``, with its ``siglip_processor``)
-    reading the condition images."""
+    """Qwen3 reading the template's pieces as they are, and SigLIP2 reading the condition images."""
 
     templated = False
     siglip: nn.Module
@@ -164,7 +160,7 @@ class ZImageOmniPipeline(ZImagePipeline):
         }
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The noise, and each condition image's latents (its latent mode, shifted and scaled) as the layout."""
+        """The noise, and each condition image's latent mode, shifted and scaled, as the layout."""
         noise, _ = super().initial_latents(request)
         return noise, self.encode_conditions(request)
 

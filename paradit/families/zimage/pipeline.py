@@ -1,7 +1,5 @@
-"""Z-Image text-to-image: prompt encoding, seeded latents, denoising, VAE decoding.
-
-Reproduces diffusers' ``ZImagePipeline`` (Turbo, base): same checkpoint and seed, same image. Differences for speed
-only: CFG parallelism runs the unconditional branch on the group's other half; the text encoder stops at its layer."""
+"""Z-Image (Turbo, base) as diffusers' ``ZImagePipeline`` and ``ZImageImg2ImgPipeline`` run it: same checkpoint and
+seed, same image."""
 
 from __future__ import annotations
 
@@ -37,7 +35,6 @@ class ZImagePipeline(DiffusionPipeline):
     CONDITIONING = ("embeds", "mask")
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """[conditional; unconditional] caption features padded to a common length, and the mask of real tokens."""
         return self.encode_rows(request, lambda prompts: self.prompt_encoder.encode(prompts, self.dtype))
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, None]:

@@ -1,27 +1,21 @@
-"""Z-Image presets: the full-size Turbo (step-distilled) and base transformers (published ``transformer/config.json``),
-the Qwen3-4B text encoder read at its second-to-last hidden state, the FLUX.1 VAE and the schedulers as published,
-and a tiny model for the demo and tests."""
+"""Z-Image presets: Turbo (step-distilled) and base as published, and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from paradit.families.encoders import QWEN3_4B
 from paradit.spec import ModelSpec, TextEncoderSpec, read_configs
 
 CONFIGS = read_configs(__file__)
+# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
+DEFAULTS = CONFIGS["presets"]
 # Both checkpoints use a fixed timestep shift (no dynamic shifting): 3.0 for Turbo, 6.0 for the base model.
 TURBO_SCHEDULER = CONFIGS["turbo_scheduler"]
 BASE_SCHEDULER = CONFIGS["base_scheduler"]
-# The FLUX.1 VAE (AutoencoderKL, 16 latent channels, stride 8) with its latent scaling and shift.
 FLUX1_VAE = CONFIGS["flux1_vae"]
 # Tongyi-MAI/Z-Image-Turbo's transformer/config.json (shared/models/configs.json); the base model shares it.
 _ZIMAGE_TRANSFORMER = CONFIGS["transformer"]
-
-ZIMAGE_TINY_TEXT_ENCODER = {**QWEN3_4B, **CONFIGS["tiny_text_encoder_changes"]}
-ZIMAGE_TINY_TRANSFORMER = {**_ZIMAGE_TRANSFORMER, **CONFIGS["tiny_transformer_changes"]}
-ZIMAGE_TINY_VAE = {**FLUX1_VAE, "block_out_channels": [16, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4}
 
 
 def text_encoder_spec(config: dict[str, Any], class_name: str | None = None) -> TextEncoderSpec:
@@ -30,36 +24,19 @@ def text_encoder_spec(config: dict[str, Any], class_name: str | None = None) -> 
     return TextEncoderSpec(config, layers=(config["num_hidden_layers"] - 1,), max_length=512, class_name=class_name)
 
 
-QWEN3_4B_CAPTIONS = text_encoder_spec(QWEN3_4B)
-preset = functools.partial(ModelSpec, family="zimage", vae=FLUX1_VAE, guidance_mode="cfg", height=1024, width=1024)
-full_size = functools.partial(preset, transformer=_ZIMAGE_TRANSFORMER, text_encoder=QWEN3_4B_CAPTIONS)
+def preset(name: str, scheduler: dict, **configs: Any) -> ModelSpec:
+    full_size = {"transformer": _ZIMAGE_TRANSFORMER, "text_encoder": text_encoder_spec(QWEN3_4B), "vae": FLUX1_VAE}
+    return ModelSpec(name=name, family="zimage", scheduler=scheduler, **{**full_size, **configs}, **DEFAULTS[name])
+
+
 PRESETS: list[ModelSpec] = [
-    full_size(
-        name="z-image-turbo",
-        description="Z-Image-Turbo, 6.2B, step-distilled (8 steps, guidance 0: off); Qwen3-4B text encoder",
-        scheduler=TURBO_SCHEDULER,
-        steps=8,
-        guidance=0.0,
-        hub_id="Tongyi-MAI/Z-Image-Turbo",
-    ),
-    full_size(
-        name="z-image",
-        description="Z-Image, 6.2B, the non-distilled base model (true CFG, negative prompts); Qwen3-4B text encoder",
-        scheduler=BASE_SCHEDULER,
-        steps=50,
-        guidance=5.0,
-        hub_id="Tongyi-MAI/Z-Image",
-    ),
+    preset("z-image-turbo", TURBO_SCHEDULER),
+    preset("z-image", BASE_SCHEDULER),
     preset(
-        name="z-image-tiny",
-        description="a few-million-parameter Z-Image (base layout, true CFG), random weights, for demos and tests",
-        transformer=ZIMAGE_TINY_TRANSFORMER,
-        text_encoder=text_encoder_spec(ZIMAGE_TINY_TEXT_ENCODER),
-        vae=ZIMAGE_TINY_VAE,
-        scheduler=BASE_SCHEDULER,
-        steps=8,
-        guidance=5.0,
-        height=128,
-        width=128,
+        "z-image-tiny",
+        BASE_SCHEDULER,
+        transformer={**_ZIMAGE_TRANSFORMER, **CONFIGS["tiny_transformer_changes"]},
+        text_encoder=text_encoder_spec({**QWEN3_4B, **CONFIGS["tiny_text_encoder_changes"]}),
+        vae={**FLUX1_VAE, "block_out_channels": [16, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4},
     ),
 ]
