@@ -1,6 +1,5 @@
-"""LoRA adapters as published: read from a file, a folder or the hub, converted to diffusers' keys by diffusers' own
-loader for the family (kohya, ComfyUI, musubi, ai-toolkit layouts), checked against the model, and reduced to each
-linear's low-rank factors with the scale the file states."""
+"""LoRA adapters as published: read, converted to diffusers' keys by diffusers' own loader for the family (kohya,
+ComfyUI, musubi, ai-toolkit layouts), checked against the model, and reduced to each linear's factors and scale."""
 
 from __future__ import annotations
 
@@ -38,13 +37,11 @@ class LowRank:
     up_bias: torch.Tensor | None = None
 
     def delta(self, device: torch.device) -> torch.Tensor:
-        """The weight's update in float32, computed on ``device``."""
         return (self.up.to(device, torch.float32) @ self.down.to(device, torch.float32)) * self.scale
 
     def reach(self) -> float:
-        """A bound, cheap to compute, on the largest number the update puts in a weight or a side path holds (the
-        factors, ``up`` times the scale): ``|up @ down|`` is at most the sum over the rank of each factor's largest
-        entry, one times the other."""
+        """A cheap bound on the largest number the update puts in a weight or a side path holds (the factors, ``up``
+        times the scale): ``|up @ down|`` is at most the sum over the rank of the factors' largest entries' products."""
         up, down = self.up.abs().double(), self.down.abs().double()
         update = (up.amax(0) * down.amax(1)).sum().item()
         bias = 0.0 if self.up_bias is None else self.up_bias.abs().max().item()
@@ -91,9 +88,8 @@ def _from_hub(repo: str, filename: str) -> Path:
 
 
 def read_adapter(ref: LoraRef, loader: type, linears: dict[str, tuple[int, int]], component: str) -> dict[str, LowRank]:
-    """The adapter's update of each linear (diffusers' module names) of a model whose linears' (out, in) shapes are
-    ``linears``; keys are converted by ``loader`` (the family's diffusers LoRA loader mixin). Anything that would not
-    apply as diffusers applies it is refused with the keys at fault."""
+    """The adapter's update of each of ``linears`` (module name: (out, in)), its keys converted by ``loader`` (the
+    family's diffusers LoRA loader mixin); what diffusers would not apply is refused, naming the keys."""
     path = adapter_file(ref)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -113,8 +109,7 @@ def read_adapter(ref: LoraRef, loader: type, linears: dict[str, tuple[int, int]]
 
 def _config(path: Path, raw: str | None) -> dict:
     """The transformer's LoraConfig from the header, unprefixed (empty: alpha equals rank, diffusers' default), its
-    numbers checked: each refusal names the key and its value. Keys under ``transformer.`` are read, as diffusers
-    reads them; a config without any is read as PEFT's own (unprefixed), as for a state dict without the prefix."""
+    numbers checked. Keys under ``transformer.`` are read, as diffusers reads them; without any, as PEFT's own."""
     if not raw:
         return {}
     try:
@@ -132,7 +127,13 @@ def _config(path: Path, raw: str | None) -> dict:
     def refuse(key: str, value, allowed: str) -> InvalidRequest:
         return InvalidRequest(f"--lora {path}: its metadata's {prefix}{key} is {json.dumps(value)}; give {allowed}")
 
-    for key, value in _config_numbers(config, refuse):
+    numbers = [(key, config[key]) for key in ("r", "lora_alpha", "alpha") if key in config]
+    for key in ("rank_pattern", "alpha_pattern"):  # each pattern's number keyed ``pattern[module]``
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise refuse(key, patterns, "an object of module patterns and numbers")
+        numbers += [(f"{key}[{pattern}]", value) for pattern, value in patterns.items()]
+    for key, value in numbers:
         if key == "r" or key.startswith("rank_pattern"):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise refuse(key, value, "a positive integer (the rank)")
@@ -143,17 +144,6 @@ def _config(path: Path, raw: str | None) -> dict:
     if config.get("use_dora"):
         raise refuse("use_dora", config["use_dora"], "an adapter without DoRA (paradit does not apply DoRA)")
     return config
-
-
-def _config_numbers(config: dict, refuse) -> list[tuple[str, object]]:
-    """The config's ranks and alphas as (key, value), patterns' by ``pattern[module]``."""
-    numbers = [(key, config[key]) for key in ("r", "lora_alpha", "alpha") if key in config]
-    for key in ("rank_pattern", "alpha_pattern"):
-        patterns = config.get(key) or {}
-        if not isinstance(patterns, dict):
-            raise refuse(key, patterns, "an object of module patterns and numbers")
-        numbers += [(f"{key}[{pattern}]", value) for pattern, value in patterns.items()]
-    return numbers
 
 
 def _factors(
@@ -211,7 +201,13 @@ def _factors(
         if alpha is not None and (alpha.numel() != 1 or not torch.isfinite(alpha).all()):
             shown = alpha.item() if alpha.numel() == 1 else f"a tensor of shape {tuple(alpha.shape)}"
             raise refuse(f"an alpha of {shown}; give one finite number", [f"{name}.alpha"])
-        scale = _alpha_over_rank(name, rank, config, None if alpha is None else alpha.item())
+        # PEFT's scaling, alpha / r (over sqrt(r) with rsLoRA): the module's own alpha, else the config's; without
+        # either, scale 1, as diffusers loads such files.
+        if alpha is not None:
+            alpha = alpha.item()
+        elif config:
+            alpha = _by_pattern(name, config.get("alpha_pattern") or {}, config.get("lora_alpha", rank))
+        scale = 1.0 if alpha is None else alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         factors[name] = LowRank(down, up, user_scale * scale, bias)
     return factors
 
@@ -242,9 +238,8 @@ class Kronecker:
 
 
 def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: tuple[int, int], refuse) -> Kronecker:
-    """PEFT's LoKr, as diffusers loads it: each Kronecker factor whole (``lokr_w1``) or as a product (``_a @ _b``),
-    alpha already baked into the left factor by diffusers' converter, so scale 1 unless the file's config says
-    ``alpha / r``."""
+    """PEFT's LoKr as diffusers loads it, alpha already baked into the left factor (scale 1 unless the config says
+    ``alpha / r``)."""
 
     def factor(which: str) -> torch.Tensor:
         whole, a, b = (parts.get(f"lokr_{which}{suffix}") for suffix in ("", "_a", "_b"))
@@ -266,17 +261,6 @@ def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: t
         rank = _by_pattern(name, config.get("rank_pattern") or {}, config.get("r", 1))
         scale = _by_pattern(name, config.get("alpha_pattern") or {}, config.get("alpha", rank)) / rank
     return Kronecker(left, right, user_scale * scale)
-
-
-def _alpha_over_rank(module: str, rank: int, config: dict, alpha: float | None) -> float:
-    """PEFT's scaling: ``lora_alpha / r`` (over ``sqrt(r)`` with rsLoRA), a pattern's value where one matches the
-    module's name, the module's own ``alpha`` tensor before either; without a config or alpha the rank itself is
-    alpha (scale 1), as diffusers loads such files."""
-    if alpha is None and not config:
-        return 1.0
-    if alpha is None:
-        alpha = _by_pattern(module, config.get("alpha_pattern") or {}, config.get("lora_alpha", rank))
-    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
 def _by_pattern(module: str, patterns: dict, default: float) -> float:

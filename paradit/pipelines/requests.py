@@ -1,5 +1,4 @@
-"""Resolving a request (``ResolvedRequest``: every default filled in and every value checked): the checks every family
-shares, and what requests must share to run as one batch."""
+"""Resolving a request: the checks every family shares, and what requests must share to run as one batch."""
 
 from __future__ import annotations
 
@@ -54,11 +53,9 @@ def resolve_common(
     inpainting_strength: float | None = None,
     schedulers: tuple[str, ...] = SCHEDULERS,
 ) -> ResolvedRequest:
-    """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest`` (height, width),
-    steps, guidance, negative prompts, images per prompt, seed, at most ``image_limit`` input images, a strength
-    where the family runs ``image_to_image``, a mask where it inpaints, its default strength then
-    ``inpainting_strength``, a scheduler of ``schedulers`` and a shift), raising InvalidRequest with the allowed
-    values."""
+    """The checks every family makes, raising InvalidRequest with the allowed values: sizes in steps of
+    ``granularity`` up to ``largest`` (height, width), at most ``image_limit`` input images, a strength where the
+    family runs ``image_to_image``, a mask where it inpaints (its default strength ``inpainting_strength``)."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
@@ -261,23 +258,14 @@ def check_guidance(name: str, value: float | None) -> None:
         )
 
 
+BATCH_FIELDS = ("height", "width", "steps", "guidance", "guidance_2", "frames", "lora", "cache", "scheduler", "shift")
+
+
 def batch_key(request: ResolvedRequest) -> tuple | None:
     """What one batch's requests share: all but prompts, seeds and image counts (None: one with images, run alone)."""
     if request.images:
         return None
-    return (
-        request.height,
-        request.width,
-        request.steps,
-        request.guidance,
-        request.guidance_2,
-        request.frames,
-        request.negative_prompts is None,
-        request.lora,
-        request.cache,
-        request.scheduler,
-        request.shift,
-    )
+    return (request.negative_prompts is None, *(getattr(request, name) for name in BATCH_FIELDS))
 
 
 def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:

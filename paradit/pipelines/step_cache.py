@@ -1,18 +1,10 @@
 """Step caching: skip the blocks of a denoise step whose result barely changes, deciding it as diffusers'
 ``FirstBlockCacheConfig``, ``MagCacheConfig`` and ``TaylorSeerCacheConfig(use_lite_mode=True)`` hooks decide it.
 
-``StepCaching`` is the request hook. For a request that asks for a cache, each transformer's ``StepCache`` takes the
-model's stack seam (``StagedTransformer.stack_runner``: inside the forward, since it acts on the token state each rank
-holds, a shard of the sequence under Ulysses or Ring) and runs the blocks in ranges (the blocks before the cached
-stack, its head block, the rest) by handing the model's own ``run_blocks`` a slice of each block list, so each family's
-joins between its lists stay its own. Every rank's decision is the same:
-
-- **first-block**: the head block's residual against its last computed one, summed per guidance branch (and per request
-  of a batch) over this rank's tokens, then over the group (``reduce``), so every rank compares the same ratio;
-- **mag**, **taylorseer**: decided by the step count alone, the same everywhere.
-
-Each guidance branch of each request keeps its own first-block state, as diffusers' ``cache_context("cond")`` and
-``("uncond")`` keep theirs, so a request decides alone whatever it is batched with; a state lives one request."""
+Each transformer's ``StepCache`` runs its blocks in ranges by handing the model's own ``run_blocks`` a slice of each
+block list, so each family's joins between its lists stay its own. Every rank decides alike (first-block sums its
+statistics over the group). Each guidance branch of each request keeps its own state, as diffusers'
+``cache_context("cond")`` and ``("uncond")`` do, so a request decides alone whatever it is batched with."""
 
 from __future__ import annotations
 
@@ -35,9 +27,8 @@ Streams = dict[str, torch.Tensor]
 
 @dataclasses.dataclass
 class CacheRecord:
-    """What a request's caching did (its ``Timings.features["step_cache"]``), per model call in order: whether each
-    guidance branch of each request (global order: [conditional parts; unconditional parts]) had its blocks skipped;
-    the block evaluations not run (a batched call counts once); MagCache's calibration curve, one ratio a call."""
+    """What a request's caching did, per model call: whether each guidance branch of each request (global order:
+    [conditional parts; unconditional parts]) had its blocks skipped; MagCache's calibration curve, a ratio a call."""
 
     skipped: list[tuple[bool, ...]] = dataclasses.field(default_factory=list)
     blocks_skipped: int = 0
@@ -45,14 +36,11 @@ class CacheRecord:
 
     @property
     def skipped_steps(self) -> int:
-        """Model calls whose blocks every branch skipped."""
         return sum(all(call) for call in self.skipped)
 
 
 class StepCaching(RequestHook):
-    """Each request's guidance branches are groups of their own, of which this rank holds the rows the guidance
-    ``branches`` give it. Experts keep caches of their own, each counting its own steps; what they skip goes to one
-    record."""
+    """Each request's guidance branches are groups of their own; experts keep caches of their own, one record."""
 
     def __init__(
         self,
@@ -81,8 +69,6 @@ class StepCaching(RequestHook):
 
 
 class StepCache:
-    """A model's blocks and head run through a request's cache method, in the model's stack seam."""
-
     def __init__(self, model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.model, self.reduce = model, reduce
         self.run_all, self.head_all = model.run_blocks, model.head
@@ -96,21 +82,18 @@ class StepCache:
     def begin(
         self, config: StepCacheConfig, steps: int, row_groups: torch.Tensor, groups: int, record: CacheRecord
     ) -> None:
-        """A fresh state for a request of ``steps`` steps whose model rows here belong to ``row_groups`` (one global
-        branch-and-request index a row, of ``groups``); its decisions go to ``record``."""
+        """``row_groups``: each of this rank's rows' global branch-and-request index, of ``groups``."""
         self.record = record
         self.method = METHODS[config.method](config, self, steps, row_groups, groups)
         self.model.stack_runner = self.run_stack
 
     def end(self) -> None:
-        """The model runs its stack as it is again."""
         self.model.stack_runner = None
 
     def run_stack(self, tokens) -> torch.Tensor:
         return self.method.head(self.method.run_blocks(tokens))
 
     def run_range(self, tokens, start: int, stop: int):
-        """``tokens`` through blocks ``start:stop`` of the stack (the block lists in order)."""
         if start >= stop:
             return tokens
         if (start, stop) not in self.slices:
@@ -127,7 +110,6 @@ class StepCache:
             modules.update(self.lists)
 
     def streams(self, tokens) -> Streams:
-        """The token state's streams (its fields that are their own stream), those present."""
         fields = type(tokens).SEQUENCE_FIELDS
         return {
             name: getattr(tokens, name)
@@ -136,8 +118,7 @@ class StepCache:
         }
 
     def statistic_streams(self, tokens) -> Streams:
-        """The streams diffusers' hook reads as the head block's hidden states: the output stream, or the model's
-        ``CACHE_STREAMS`` (Z-Image's joint stack: image, text and Omni's SigLIP features), those present."""
+        """What diffusers' hook reads as the head block's hidden states: the output stream, or ``CACHE_STREAMS``."""
         names = getattr(self.model, "CACHE_STREAMS", (type(tokens).OUTPUT_STREAM,))
         return {name: getattr(tokens, name) for name in names if getattr(tokens, name, None) is not None}
 
@@ -155,11 +136,9 @@ class FirstBlock:
         self.tail_residual: Streams = {}
 
     def row_sums(self, values: Streams) -> torch.Tensor:
-        """Per row: the sum of |value| over every stream's tokens and channels, in float32."""
         return sum(v.abs().sum(dim=tuple(range(1, v.ndim)), dtype=torch.float32) for v in values.values())
 
     def decide(self, residual: Streams) -> list[bool]:
-        """Per global group: whether it runs the rest of the stack (all, at the first step)."""
         if self.head_residual is None:
             return [True] * self.groups
         sums = torch.zeros(self.groups, 2, device=self.row_groups.device)
@@ -244,7 +223,6 @@ class MagCache:
         return tokens
 
     def norm_ratio(self, residual: Streams) -> float:
-        """The mean over tokens of each token's residual norm over its norm the step before, over the group."""
         ratios = [
             (torch.linalg.norm(value.float(), dim=-1) / (torch.linalg.norm(self.residual[name].float(), dim=-1) + 1e-8))
             for name, value in residual.items()
@@ -307,7 +285,7 @@ METHODS: dict[str, Any] = {"first-block": FirstBlock, "mag": MagCache, "taylorse
 
 
 def nearest_interpolation(ratios: tuple[float, ...], length: int) -> torch.Tensor:
-    """diffusers' ``nearest_interp``: a calibrated curve stretched or squeezed to ``length`` steps."""
+    """diffusers' ``nearest_interp``."""
     curve = torch.tensor(ratios)
     if length == 1:
         return curve[-1:]

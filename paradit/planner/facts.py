@@ -1,8 +1,5 @@
-"""What the cost model knows of a model: its FLOPs and attention shapes as functions of the token counts.
-
-A linear layer's FLOPs are linear in the tokens it sees, so three meta-device traces (``benchmarks/model_trace.py``) at
-workloads differing in image and in text tokens give each count exactly as ``per image token x I + per text token x T +
-fixed``; attention calls keep their shapes as the same kind of function of (I, T)."""
+"""What the cost model knows of a model: its FLOPs and attention shapes, each exactly linear in the image and text
+token counts (so three meta-device traces, ``benchmarks/model_trace.py``, give it)."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class LinearKind:
-    """Where a linear layer sits and what the runtime does to it: inside the repeated blocks (PipeFusion's stages
-    split them), sharded by the tensor plan, converted by FP8."""
+    """Inside the repeated blocks (PipeFusion's stages split them), sharded by the tensor plan, converted by FP8."""
 
     in_blocks: bool
     sharded: bool
@@ -57,17 +53,14 @@ class AttentionGroup:
 
 @dataclass(frozen=True)
 class Workload:
-    """Tokens of one sample: image (or video) tokens and text tokens."""
-
     image_tokens: int
     text_tokens: int
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """FLOPs and shapes of one forward of one sample of ``preset``'s transformer. ``token_side``: pixels per image token
-    side; ``frame_stride``: video frames per latent frame (None for images); ``width``: the blocks' activation width
-    (what PipeFusion passes between stages); ``experts``: transformers the model alternates between (one active)."""
+    """One forward of one sample of ``preset``'s transformer. ``token_side``: pixels per image token side;
+    ``frame_stride``: video frames per latent frame (None for images); ``width``: the blocks' activation width."""
 
     preset: str
     blocks: int
@@ -88,13 +81,12 @@ class ModelFacts:
         return Workload((height // self.token_side) * (width // self.token_side) * latent_frames, self.text_tokens)
 
     def step_flops(self, workload: Workload, batch: int) -> float:
-        """FLOPs of one forward of ``batch`` samples: the linear layers, the attention calls and the rest."""
         image, text = workload.image_tokens, workload.text_tokens
         flops = sum(group.flops.at(image, text) for group in self.linear) + self.other_flops.at(image, text)
         return (flops + sum(group.flops(workload) for group in self.attention)) * batch
 
     def to_json(self) -> dict:
-        """Everything but the preset's name, which keys the facts in a family's ``model_facts.json``."""
+        """Everything but the preset's name, which keys the facts in ``model_facts.json``."""
         data = asdict(self)
         del data["preset"]
         return data
@@ -120,5 +112,4 @@ class ModelFacts:
 
 
 def read_facts(path: Path) -> dict[str, ModelFacts]:
-    """The facts a family's ``model_facts.json`` holds, by preset."""
     return {name: ModelFacts.from_json(name, facts) for name, facts in json.loads(path.read_text())["models"].items()}

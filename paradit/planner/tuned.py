@@ -1,9 +1,5 @@
-"""Tuned configurations: for every preset, GPU count (1, 2, 4) and hardware profile, the settings to run it with,
-shipped as data in ``paradit/configs/<profile>.json`` (written by ``python -m benchmarks.tune_configs``).
-
-An entry's figure is a measurement (where, when, which command) or the planner's prediction. ``paradit generate
---gpus N`` with no parallel flag runs the entry of the detected profile when the request matches it (the preset's
-defaults, which it was planned for); any parallel flag replaces it."""
+"""Tuned configurations: for every preset, GPU count and hardware profile, the settings to run it with, as data in
+``paradit/configs/<profile>.json`` (written by ``benchmarks/tune_configs.py``)."""
 
 from __future__ import annotations
 
@@ -23,8 +19,6 @@ GPU_COUNTS = (1, 2, 4)
 
 @dataclass(frozen=True)
 class TunedEntry:
-    """Settings for ``preset`` on ``gpus`` GPUs of one profile; ``refused`` (with its reason) when nothing fits."""
-
     preset: str
     gpus: int
     request: Request  # what it was planned for
