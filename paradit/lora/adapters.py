@@ -1,5 +1,4 @@
-"""LoRA adapters as published: read, converted to diffusers' keys by diffusers' own loader for the family (kohya,
-ComfyUI, musubi, ai-toolkit layouts), checked against the model, and reduced to each linear's factors and scale."""
+"""LoRA adapters as published (kohya, ComfyUI, musubi, ai-toolkit layouts), read by the family's diffusers loader."""
 
 from __future__ import annotations
 
@@ -16,20 +15,17 @@ from paradit.errors import InvalidRequest
 from paradit.hub import hub_offline, offline_reason, quiet_retries
 from paradit.lora.refs import LoraRef, locate
 
-# The metadata diffusers' ``save_lora_weights`` writes into the safetensors header: the LoraConfig, keys prefixed by
-# the component (``transformer.r``, ``transformer.lora_alpha``, ...).
+# Where diffusers' ``save_lora_weights`` writes the LoraConfig, keys prefixed (``transformer.r``, ...).
 METADATA_KEY = "lora_adapter_metadata"
 # What diffusers' ``save_lora_weights`` puts before the transformer's keys; PEFT's own state dict has none.
 COMPONENT_PREFIX = "transformer."
-# A converted state dict's keys after the module's name: LoRA's (PEFT's, with kohya's per-module alpha, which
-# diffusers' FLUX.1 loader reads beside them) and LoKr's (whole or factored).
+# LoRA's (PEFT's, with kohya's per-module alpha, which diffusers' FLUX.1 loader keeps) and LoKr's factors.
 FACTOR_KEYS = r"lora_A\.weight|lora_B\.weight|lora_B\.bias|alpha|lokr_w[12](?:_[ab])?"
 
 
 @dataclass(frozen=True)
 class LowRank:
-    """One linear's update ``scale * up @ down`` (``up_bias`` added to its bias): ``down`` is PEFT's ``lora_A``
-    (rank x in), ``up`` its ``lora_B`` (out x rank); ``scale`` folds the file's alpha over rank with the asked one."""
+    """``scale * up @ down`` (+ ``up_bias``): ``down`` is PEFT's ``lora_A`` (rank x in), ``up`` its ``lora_B``."""
 
     down: torch.Tensor
     up: torch.Tensor
@@ -40,8 +36,7 @@ class LowRank:
         return (self.up.to(device, torch.float32) @ self.down.to(device, torch.float32)) * self.scale
 
     def reach(self) -> float:
-        """A cheap bound on the largest number the update puts in a weight or a side path holds (the factors, ``up``
-        times the scale): ``|up @ down|`` is at most the sum over the rank of the factors' largest entries' products."""
+        """A cheap bound on the largest number the update puts in a weight or a side path holds."""
         up, down = self.up.abs().double(), self.down.abs().double()
         update = (up.amax(0) * down.amax(1)).sum().item()
         bias = 0.0 if self.up_bias is None else self.up_bias.abs().max().item()
@@ -88,8 +83,7 @@ def _from_hub(repo: str, filename: str) -> Path:
 
 
 def read_adapter(ref: LoraRef, loader: type, linears: dict[str, tuple[int, int]], component: str) -> dict[str, LowRank]:
-    """The adapter's update of each of ``linears`` (module name: (out, in)), its keys converted by ``loader`` (the
-    family's diffusers LoRA loader mixin); what diffusers would not apply is refused, naming the keys."""
+    """Each linear's update, keys converted by ``loader``; what diffusers would not apply is refused, naming keys."""
     path = adapter_file(ref)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -108,8 +102,7 @@ def read_adapter(ref: LoraRef, loader: type, linears: dict[str, tuple[int, int]]
 
 
 def _config(path: Path, raw: str | None) -> dict:
-    """The transformer's LoraConfig from the header, unprefixed (empty: alpha equals rank, diffusers' default), its
-    numbers checked. Keys under ``transformer.`` are read, as diffusers reads them; without any, as PEFT's own."""
+    """The header's LoraConfig, unprefixed as diffusers reads it, its numbers checked (empty: alpha equals rank)."""
     if not raw:
         return {}
     try:
@@ -201,8 +194,7 @@ def _factors(
         if alpha is not None and (alpha.numel() != 1 or not torch.isfinite(alpha).all()):
             shown = alpha.item() if alpha.numel() == 1 else f"a tensor of shape {tuple(alpha.shape)}"
             raise refuse(f"an alpha of {shown}; give one finite number", [f"{name}.alpha"])
-        # PEFT's scaling, alpha / r (over sqrt(r) with rsLoRA): the module's own alpha, else the config's; without
-        # either, scale 1, as diffusers loads such files.
+        # PEFT's alpha / r (over sqrt(r) with rsLoRA); without alpha or a config, scale 1, as diffusers loads it.
         if alpha is not None:
             alpha = alpha.item()
         elif config:
@@ -238,8 +230,7 @@ class Kronecker:
 
 
 def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: tuple[int, int], refuse) -> Kronecker:
-    """PEFT's LoKr as diffusers loads it, alpha already baked into the left factor (scale 1 unless the config says
-    ``alpha / r``)."""
+    """PEFT's LoKr as diffusers loads it: alpha baked into the left factor, scaled by a config's alpha / r if any."""
 
     def factor(which: str) -> torch.Tensor:
         whole, a, b = (parts.get(f"lokr_{which}{suffix}") for suffix in ("", "_a", "_b"))

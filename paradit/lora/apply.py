@@ -1,6 +1,5 @@
-"""Applying adapters to a transformer as it loads, on whatever plan it runs. Fused: each weight is merged whole in
-float32, then cut and converted, so every plan and precision gets the same weight. Unfused: a low-rank side path beside
-each linear, its factors cut as the base weight is cut, so the existing all-reduce sums it: no extra communication."""
+"""Applying adapters as the transformer loads, on any plan: fused (merged whole in float32, then cut and converted), or
+as side paths cut as the base weight is cut, so the existing all-reduce sums them: no extra communication."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ SCALE_LIMIT = math.sqrt(torch.finfo(torch.float32).max)
 
 
 def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -> int:
-    """Refuses, before anything loads, an adapter that would not apply to ``spec``'s transformers; returns the bytes a
-    rank holds for them beyond the weights, every tensor whole (so it errs high): side paths' factors, and with a cache
-    of fused choices the weights they change, once for the base and once a choice; 0 for fused adapters."""
+    """Refuses, before anything loads, an adapter that would not apply; returns the bytes a rank holds for them beyond
+    the weights (every tensor whole, so it errs high)."""
     if lora.transformer_2 and "transformer_2" not in spec.experts:
         raise InvalidRequest(f"--lora-2 is for a second transformer (a low-noise expert); {spec.name} has one")
     held = 0
@@ -136,10 +134,8 @@ class FusedLoraTensors:
 
 
 class LoraSidePath(nn.Module):
-    """``linear`` with low-rank updates beside it: ``linear(x) + (x @ down.T) @ up.T (+ bias)``. It holds each
-    adapter's factors (``factors``: key -> down, up and bias, their file's scale folded in) and runs the ones
-    ``select`` chose, concatenated along the rank (one pair of GEMMs however many) with their scales folded into
-    ``up``. The chosen factors are plain attributes, not buffers: an expert swap leaves them where they are."""
+    """``linear(x) + (x @ down.T) @ up.T (+ bias)``, the chosen adapters' factors concatenated along the rank (one pair
+    of GEMMs however many). They are plain attributes, not buffers: an expert swap leaves them where they are."""
 
     def __init__(self, linear: nn.Module, factors: dict[str, tuple]) -> None:
         super().__init__()
@@ -193,10 +189,9 @@ def add_side_paths(
     scales: dict[str, float],
     switchable: bool,
 ) -> None:
-    """Wraps every linear this rank kept that an adapter updates (before the loader fills it, so FP8 can still swap
-    the linear inside the wrapper), choosing the adapters ``scales`` names (``switchable``: others later). A
-    column-parallel linear keeps some outputs (its ``up`` and bias rows), a row-parallel one some inputs (its
-    ``down`` columns; each rank adds its share of the bias, as the all-reduce after it sums the ranks)."""
+    """Wraps every linear this rank kept that an adapter updates, before the loader fills it (so FP8 can still swap the
+    linear inside). A column-parallel linear keeps its ``up`` and bias rows, a row-parallel one its ``down`` columns and
+    a share of the bias, as the all-reduce after it sums the ranks."""
     for parent in list(model.modules()):
         for leaf, child in list(parent.named_children()):
             name = names.module(child)

@@ -1,5 +1,4 @@
-"""What a run or a server is asked to apply, and its command-line forms. Imports nothing heavy: ``generate --server``
-parses them too."""
+"""What a run or a server is asked to apply; imports nothing heavy (``generate --server`` parses it too)."""
 
 from __future__ import annotations
 
@@ -26,10 +25,9 @@ class LoraRef:
 
 @dataclass(frozen=True)
 class LoraSet:
-    """The adapters of a run: ``transformer``'s (Wan 2.2: the high-noise expert) and ``transformer_2``'s (the
-    low-noise one), fused into the weights or kept as side paths (``unfused``). ``switchable``: a server's named
-    adapters, side paths each batch chooses among with its own scales. ``cache``: how many of a server's choices are
-    kept fused into weights of their own, the most recently used (0: every choice runs as side paths)."""
+    """``transformer_2``: the low-noise expert's (Wan 2.2). ``switchable``: a server's named adapters, side paths each
+    batch chooses among. ``cache``: how many of a server's choices are kept fused into weights of their own (0: every
+    choice runs as side paths)."""
 
     transformer: tuple[LoraRef, ...] = ()
     transformer_2: tuple[LoraRef, ...] = ()
@@ -55,8 +53,7 @@ def adapter_key(ref: LoraRef, index: int) -> str:
     return ref.name or f"#{index}"
 
 
-# A hub repository id, owner/name: letters, digits, '-', '_' and '.' (huggingface_hub checks the finer rules); an
-# adapter file in one: owner/name/path/in/it.safetensors.
+# A hub repository id, and a file in one (huggingface_hub checks the finer rules).
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 HUB_FILE = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)/(?P<file>(?:[\w.-]+/)*[\w.-]+\.safetensors)")
 NAME = re.compile(r"[\w.-]+")

@@ -22,8 +22,7 @@ Merged = dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor | None]]  # path
 
 
 class AdapterChoice(RequestHook):
-    """Each batch's choice (name -> scale) run on ``model``'s side paths (``cache`` 0), else fused into the weights,
-    ``cache`` choices kept; a batch that names none (None) keeps the engine's."""
+    """Each batch's choice (name -> scale), on side paths (``cache`` 0) or fused; None keeps the engine's."""
 
     def __init__(self, model: nn.Module, cache: int) -> None:
         self.choose: Callable[[dict[str, float]], None] = (

@@ -1,5 +1,4 @@
-"""What every family's pipeline shares: the skeleton (``DiffusionPipeline``, whose hooks each family implements), seeded
-noise, the timestep shift, the VAE and step clocks. It names no family and no parallel strategy."""
+"""What every family's pipeline shares: the skeleton, noise, timestep shift, VAE and step clocks; it names no family."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ if TYPE_CHECKING:
     from paradit.family import Family
     from paradit.runtime import Runtime
 
-# ``--scheduler``'s choices: diffusers' class and the config it takes over the checkpoint's, as one swaps it into
-# diffusers' pipeline (``pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, ...)``).
+# ``--scheduler``'s choices: the class and the config it takes over the checkpoint's, as one swaps it into diffusers'.
 FLOW_SOLVER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True}
 SCHEDULER_CHOICES = {
     "flow-euler": (FlowMatchEulerDiscreteScheduler, {}),
@@ -43,7 +41,6 @@ SCHEDULER_CHOICES = {
     "dpmpp-2m": (DPMSolverMultistepScheduler, {**FLOW_SOLVER, "algorithm_type": "dpmsolver++", "solver_order": 2}),
 }
 
-# call(transformer, model_input, timestep, latents) -> the model's prediction in the latents' layout
 ModelCall = Callable[[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -81,9 +78,8 @@ def seeded_noise(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: 
 
 
 def dynamic_shift(image_tokens: int, scheduler_config: dict) -> float:
-    """diffusers' ``calculate_shift``: the timestep shift ``mu``, linear in the image token count between the
-    scheduler's base and max points (diffusers' defaults where the config has none), with its intercept computed
-    first, as there (adding the two terms one at a time differs in the last bit for some token counts)."""
+    """diffusers' ``calculate_shift``, its intercept computed first, as there (adding the two terms one at a time
+    differs in the last bit for some token counts)."""
     base_len, max_len = scheduler_config.get("base_image_seq_len", 256), scheduler_config.get("max_image_seq_len", 4096)
     base_shift = scheduler_config.get("base_shift", 0.5)
     slope = (scheduler_config.get("max_shift", 1.15) - base_shift) / (max_len - base_len)
@@ -91,9 +87,8 @@ def dynamic_shift(image_tokens: int, scheduler_config: dict) -> float:
 
 
 def latent_statistics(vae_config, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE's per-channel ``latents_mean`` and ``1 / latents_std``, broadcast over ``like``'s channels (dim 1),
-    in its dtype and on its device: the reference normalises by the reciprocal of std computed in the latent dtype,
-    and un-normalises by dividing by it; the same rounding keeps it exact."""
+    """The VAE's ``latents_mean`` and ``1 / latents_std`` over ``like``'s channels: the reference normalises by the
+    reciprocal computed in the latent dtype, and un-normalises by dividing by it; the same rounding keeps it exact."""
     shape = (1, -1) + (1,) * (like.ndim - 2)
     mean = torch.tensor(vae_config.latents_mean).view(shape).to(like.device, like.dtype)
     return mean, 1.0 / torch.tensor(vae_config.latents_std).view(shape).to(like.device, like.dtype)
@@ -107,8 +102,7 @@ def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def unpadded_halves(conditioning: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor | None]]:
-    """``encode_rows``' [conditional; unconditional] rows as two halves, each cut to its own longest text (the padding
-    trails it) and its mask dropped where then nothing is padded."""
+    """``encode_rows``' two branches apart, each cut to its longest text, its mask dropped where nothing is padded."""
     halves = []
     for embeds, mask in zip(conditioning["embeds"].chunk(2), conditioning["mask"].chunk(2)):
         mask = mask[:, : int(mask.sum(1).max())]
@@ -129,8 +123,7 @@ def load_vae(family: Family, spec: ModelSpec, device: torch.device, dtype: torch
 
 
 class DiffusionPipeline(ABC):
-    """Text conditioning encoded on rank 0 and shared, the guided step, the runtime's denoise loop, decoding, timings.
-    A family implements the abstract hooks and names in ``CONDITIONING`` the tensors its encoding makes."""
+    """A family implements the abstract hooks and names in ``CONDITIONING`` the tensors its encoding makes."""
 
     CONDITIONING: ClassVar[tuple[str, ...]] = ("embeds",)
     # Whether the family's diffusers pipeline drops the sigmas it passes for a scheduler of flow sigmas (as
@@ -203,8 +196,8 @@ class DiffusionPipeline(ABC):
         """The diffusers scheduler and its timesteps (``scheduled``)."""
 
     def scheduled(self, scheduler_class, **timesteps) -> tuple[Any, torch.Tensor]:
-        """A ``scheduler_class`` from the spec's config set to ``timesteps``, or the request's choice of scheduler and
-        shift made as diffusers' pipeline with that one swapped in makes it."""
+        """The spec's ``scheduler_class`` set to ``timesteps``, or the request's scheduler and shift, as
+        diffusers swaps them in."""
         config, request = dict(self.spec.scheduler), self.scheduling
         if request is not None and request.scheduler is not None:
             scheduler_class, overrides = SCHEDULER_CHOICES[request.scheduler]
@@ -256,8 +249,7 @@ class DiffusionPipeline(ABC):
     def predictor(
         self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout, finite: list[torch.Tensor]
     ) -> NoisePredictor:
-        """``predict(latents, t, transformer)``: the guided prediction, the runtime's branches saying which of the
-        [conditional; unconditional] rows this rank computes. ``finite[-1] &=`` whether it is finite."""
+        """``predict(latents, t, transformer)``: the guided prediction; ``finite[-1] &=`` whether it is finite."""
         cfg = self.uses_cfg(request)
         branches = self.runtime.parallel.branches if cfg else BatchedBranches()
         # A mask with no padding is dropped, so attention runs unmasked (every rank holds it whole: all decide alike).
@@ -413,7 +405,6 @@ class DiffusionPipeline(ABC):
 
 
 def shift_name(scheduler_class: type) -> str:
-    """The config key a scheduler class reads its static timestep shift by."""
     return "shift" if issubclass(scheduler_class, FlowMatchEulerDiscreteScheduler) else "flow_shift"
 
 

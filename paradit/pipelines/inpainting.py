@@ -38,8 +38,7 @@ class KeepUnmasked:
 
 class ImageToImage(RequestHook):
     """Image-to-image as diffusers starts it: the steps from ``first_step`` on, the image's latents noised to the first.
-    One generator, seeded as the request, draws the latents from the VAE's distribution and then the noise (so not the
-    noise text-to-image drew first, whose shape alone is used)."""
+    One generator, seeded as the request, draws the latents from the VAE's distribution, then the noise."""
 
     def __init__(self, pipeline) -> None:  # the DiffusionPipeline, which imports this module
         self.pipeline = pipeline

@@ -53,9 +53,8 @@ def resolve_common(
     inpainting_strength: float | None = None,
     schedulers: tuple[str, ...] = SCHEDULERS,
 ) -> ResolvedRequest:
-    """The checks every family makes, raising InvalidRequest with the allowed values: sizes in steps of
-    ``granularity`` up to ``largest`` (height, width), at most ``image_limit`` input images, a strength where the
-    family runs ``image_to_image``, a mask where it inpaints (its default strength ``inpainting_strength``)."""
+    """The checks every family makes, raising InvalidRequest with the allowed values; ``largest``: (height, width);
+    ``inpainting_strength``: the default strength where a mask is given."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
@@ -123,10 +122,9 @@ def resolve_common(
 def resolve_scheduler(
     spec: ModelSpec, scheduler: str | None, shift, allowed: tuple[str, ...], from_image: bool
 ) -> tuple[str | None, float | None]:
-    """A scheduler of ``allowed`` (those of ``SCHEDULERS`` the family's diffusers pipeline takes) and a static shift
-    above 0, or InvalidRequest naming what is allowed. Starting ``from_image`` (image-to-image, inpainting) takes
-    flow-euler: the image is noised by its ``scale_noise``, which the multistep solvers lack. dpmpp-2m takes the
-    shift ``mu`` a dynamically shifting checkpoint's pipeline passes only as its dynamic shift, not a static one."""
+    """A scheduler of ``allowed`` and a static shift above 0. Starting ``from_image`` takes flow-euler, whose
+    ``scale_noise`` noises the image (the multistep solvers lack it); dpmpp-2m takes a dynamically shifting checkpoint's
+    ``mu`` only as its dynamic shift."""
     if scheduler is not None:
         if scheduler not in allowed:
             raise InvalidRequest(
@@ -150,7 +148,7 @@ def resolve_scheduler(
 
 
 def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
-    """The step cache asked for with its method's threshold filled in, or InvalidRequest naming the allowed values."""
+    """The step cache asked for, its method's threshold filled in."""
     if config is None:
         return None
     if not isinstance(config, StepCacheConfig) or config.method not in CACHE_METHODS:
@@ -184,8 +182,7 @@ def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
 
 
 def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
-    """An inpainting mask as diffusers' mask processor reads it (grayscale; EXIF-turned and deep pixels scaled as
-    images are), which must cover the image it masks pixel for pixel."""
+    """Grayscale as diffusers' mask processor reads it, covering the image it masks pixel for pixel."""
     from PIL import Image
 
     from paradit.outputs import rgb_image
@@ -209,8 +206,7 @@ def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
 
 
 def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: bool, default: float) -> float | None:
-    """diffusers' image-to-image strength, ``default`` unless given (above 0: a step runs); refused without an
-    image."""
+    """diffusers' image-to-image strength, ``default`` unless given; refused without an image."""
     if not image_to_image or not images:
         if strength is not None:
             takes = "an image (--image) to start from" if image_to_image else "no strength: it does no image-to-image"
@@ -227,8 +223,7 @@ def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: b
 
 
 def first_step(request: ResolvedRequest) -> int:
-    """The step image-to-image starts at: the schedule's first ``1 - strength`` share is skipped, as diffusers
-    counts it (``get_timesteps``)."""
+    """The step image-to-image starts at, as diffusers' ``get_timesteps`` counts it."""
     return int(max(request.steps - min(request.steps * request.strength, request.steps), 0))
 
 

@@ -1,10 +1,7 @@
-"""Step caching: skip the blocks of a denoise step whose result barely changes, deciding it as diffusers'
-``FirstBlockCacheConfig``, ``MagCacheConfig`` and ``TaylorSeerCacheConfig(use_lite_mode=True)`` hooks decide it.
-
-Each transformer's ``StepCache`` runs its blocks in ranges by handing the model's own ``run_blocks`` a slice of each
-block list, so each family's joins between its lists stay its own. Every rank decides alike (first-block sums its
-statistics over the group). Each guidance branch of each request keeps its own state, as diffusers'
-``cache_context("cond")`` and ``("uncond")`` do, so a request decides alone whatever it is batched with."""
+"""Step caching: skip the blocks of a denoise step whose result barely changes, as diffusers' FirstBlockCache, MagCache
+and TaylorSeer (lite) hooks decide it. ``StepCache`` hands the model's own ``run_blocks`` a slice of each block list,
+so each family's joins between its lists stay its own. Each guidance branch of each request keeps its own state, as
+diffusers' ``cache_context("cond")`` and ``("uncond")`` do, so a request decides alone whatever it is batched with."""
 
 from __future__ import annotations
 
@@ -23,6 +20,7 @@ if TYPE_CHECKING:
     from paradit.parallel.cfg import BatchedBranches, SplitBranches
 
 Streams = dict[str, torch.Tensor]
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # a sum over the group's ranks
 
 
 @dataclasses.dataclass
@@ -42,12 +40,7 @@ class CacheRecord:
 class StepCaching(RequestHook):
     """Each request's guidance branches are groups of their own; experts keep caches of their own, one record."""
 
-    def __init__(
-        self,
-        models: list[nn.Module],
-        reduce: Callable[[torch.Tensor], torch.Tensor],
-        branches: BatchedBranches | SplitBranches,
-    ) -> None:
+    def __init__(self, models: list[nn.Module], reduce: Reduce, branches: BatchedBranches | SplitBranches) -> None:
         self.caches = [StepCache(model, reduce) for model in models]
         self.branches = branches
 
@@ -69,7 +62,7 @@ class StepCaching(RequestHook):
 
 
 class StepCache:
-    def __init__(self, model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, reduce: Reduce) -> None:
         self.model, self.reduce = model, reduce
         self.run_all, self.head_all = model.run_blocks, model.head
         self.lists = {name: getattr(model, name) for name in model.BLOCK_LISTS}
@@ -83,8 +76,8 @@ class StepCache:
         self, config: StepCacheConfig, steps: int, row_groups: torch.Tensor, groups: int, record: CacheRecord
     ) -> None:
         """``row_groups``: each of this rank's rows' global branch-and-request index, of ``groups``."""
-        self.record = record
-        self.method = METHODS[config.method](config, self, steps, row_groups, groups)
+        self.steps, self.row_groups, self.groups, self.record = steps, row_groups, groups, record
+        self.method = METHODS[config.method](config, self)
         self.model.stack_runner = self.run_stack
 
     def end(self) -> None:
@@ -110,12 +103,8 @@ class StepCache:
             modules.update(self.lists)
 
     def streams(self, tokens) -> Streams:
-        fields = type(tokens).SEQUENCE_FIELDS
-        return {
-            name: getattr(tokens, name)
-            for name, (stream, _) in fields.items()
-            if name == stream and getattr(tokens, name) is not None
-        }
+        own = [name for name, (stream, _) in type(tokens).SEQUENCE_FIELDS.items() if name == stream]
+        return {name: getattr(tokens, name) for name in own if getattr(tokens, name) is not None}
 
     def statistic_streams(self, tokens) -> Streams:
         """What diffusers' hook reads as the head block's hidden states: the output stream, or ``CACHE_STREAMS``."""
@@ -128,10 +117,9 @@ class FirstBlock:
     ``threshold`` (mean absolute change over mean absolute value) since the last step that ran it; otherwise each
     stream is the head block's output plus the rest's residual of that step."""
 
-    def __init__(
-        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
-    ) -> None:
-        self.threshold, self.cache, self.row_groups, self.groups = config.threshold, cache, row_groups, groups
+    def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
+        self.threshold, self.cache = config.threshold, cache
+        self.row_groups, self.groups = cache.row_groups, cache.groups
         self.head_residual: Streams | None = None
         self.tail_residual: Streams = {}
 
@@ -179,17 +167,14 @@ class FirstBlock:
 
 
 class MagCache:
-    """diffusers' MagCache: past the first ``retention_ratio`` of the steps, a step is skipped while the error its
-    magnitude ratios accumulate stays within ``threshold`` for at most ``max_skip_steps`` steps in a row; a skipped
-    stack adds the residual (stack output minus input) of the last step that ran it. ``calibrate`` runs every step and
-    records each step's ratio of residual norms."""
+    """diffusers' MagCache: past the first ``retention_ratio`` of the steps, a step is skipped while its magnitude
+    ratios' accumulated error stays within ``threshold``, at most ``max_skip_steps`` in a row, adding the residual of
+    the last step that ran; ``calibrate`` runs every step and records each step's ratio of residual norms."""
 
-    def __init__(
-        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
-    ) -> None:
-        self.config, self.cache, self.groups = config, cache, groups
-        self.ratios = None if config.calibrate else nearest_interpolation(config.mag_ratios, steps)
-        self.retention_step = int(config.retention_ratio * steps + 0.5)
+    def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
+        self.config, self.cache, self.groups = config, cache, cache.groups
+        self.ratios = None if config.calibrate else nearest_interpolation(config.mag_ratios, cache.steps)
+        self.retention_step = int(config.retention_ratio * cache.steps + 0.5)
         self.step, self.ratio, self.error, self.skips = 0, 1.0, 0.0, 0
         self.residual: Streams | None = None
 
@@ -236,15 +221,12 @@ class MagCache:
 
 
 class TaylorSeer:
-    """diffusers' TaylorSeer in its lite mode: the model's output (its output projection's) is computed in the first
-    ``disable_cache_before_step`` steps, every ``cache_interval`` steps after and from ``disable_cache_after_step``
-    on; the steps between skip every block and predict it by a Taylor expansion of order up to ``max_order`` from
-    the divided differences of the computed steps."""
+    """diffusers' TaylorSeer in its lite mode: the output is computed in the first ``disable_cache_before_step`` steps,
+    every ``cache_interval`` after and from ``disable_cache_after_step`` on; the steps between predict it by a Taylor
+    expansion of order up to ``max_order`` from the divided differences of the computed steps."""
 
-    def __init__(
-        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
-    ) -> None:
-        self.config, self.cache, self.groups = config, cache, groups
+    def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
+        self.config, self.cache, self.groups = config, cache, cache.groups
         self.step, self.last_update = -1, None
         self.factors: list[torch.Tensor] = []
         self.computes = True

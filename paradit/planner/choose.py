@@ -1,6 +1,5 @@
-"""What ``--gpus N`` alone runs on a GPU the planner knows: the profile's tuned entry when the request is the one it
-was planned for, else the planner's choice; None (the engine's default) on the CPU, an unknown GPU or an architecture
-the planner has not counted."""
+"""What ``--gpus N`` alone runs: the tuned entry planned for this request, else the planner's choice; None where
+the planner knows no GPU here or has not counted the architecture."""
 
 from __future__ import annotations
 

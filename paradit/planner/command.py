@@ -1,5 +1,4 @@
-"""``paradit plan``: what ``generate`` with the same flags would run (the same ``settle``), here or on a hardware
-profile's GPUs, with the planner's ranking where the planner chose."""
+"""``paradit plan``: what ``generate`` with the same flags would run, here or on a hardware profile's GPUs."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[Hardw
 def plan_text(
     asked: Asked, request: GenerationRequest | None = None, profile_name: str | None = None, link: str | None = None
 ) -> str:
-    """What ``paradit generate`` with the same flags runs (with ``profile_name`` or ``link``: on that profile's GPUs),
-    the plans the planner ranked where it chose, and the command that runs it."""
+    """What ``generate`` with the same flags runs, the planner's ranking where it chose, and the command."""
     gpus = asked.gpus or (asked.parallel.world_size if asked.parallel else 1)
     machine, note = Machine.detect(), None
     if profile_name is not None or link is not None:

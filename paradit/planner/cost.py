@@ -1,6 +1,5 @@
-"""The cost model: one denoise step of a plan on a hardware profile, in ms and bytes sent, for the busiest rank.
-Compute is FLOPs over the profile's rates times the model's achieved efficiency (plan changes are counted, not
-fitted); no communication is hidden behind compute but PipeFusion's sends and sharded weights' gathers."""
+"""The cost model: one denoise step of a plan on a hardware profile, in ms and bytes sent, for the busiest rank;
+plan changes are counted, not fitted (the model's efficiency comes from its one-GPU step)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""What the cost model knows of a model: its FLOPs and attention shapes, each exactly linear in the image and text
-token counts (so three meta-device traces, ``benchmarks/model_trace.py``, give it)."""
+"""What the cost model knows of a model: FLOPs and attention shapes, exactly linear in image and text tokens."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -85,12 +84,6 @@ class ModelFacts:
         flops = sum(group.flops.at(image, text) for group in self.linear) + self.other_flops.at(image, text)
         return (flops + sum(group.flops(workload) for group in self.attention)) * batch
 
-    def to_json(self) -> dict:
-        """Everything but the preset's name, which keys the facts in ``model_facts.json``."""
-        data = asdict(self)
-        del data["preset"]
-        return data
-
     @classmethod
     def from_json(cls, preset: str, data: dict) -> ModelFacts:
         plain = ("blocks", "width", "token_side", "frame_stride", "text_tokens", "experts", "all_reduce_calls")
@@ -101,11 +94,7 @@ class ModelFacts:
             **{k: TokenLinear(**data[k]) for k in counts},
             linear=tuple(LinearGroup(LinearKind(**g["kind"]), TokenLinear(**g["flops"])) for g in data["linear"]),
             attention=tuple(
-                AttentionGroup(
-                    **{k: g[k] for k in ("exchanged", "heads", "head_dim", "layers")},
-                    query_tokens=TokenLinear(**g["query_tokens"]),
-                    key_tokens=TokenLinear(**g["key_tokens"]),
-                )
+                AttentionGroup(**{**g, **{k: TokenLinear(**g[k]) for k in ("query_tokens", "key_tokens")}})
                 for g in data["attention"]
             ),
         )

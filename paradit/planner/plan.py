@@ -1,5 +1,4 @@
-"""The planner: every plan that can run a model on N GPUs, costed (``cost.py``), checked against rank 0's memory
-estimate with the first prompt-encoder placement that fits, and ranked by the request's predicted mean step."""
+"""The planner: every plan of N GPUs for a model, costed, checked against rank 0's memory, and ranked."""
 
 from __future__ import annotations
 
@@ -48,8 +47,8 @@ class Request:
 
 
 def request_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | None = None) -> Request:
-    """The request as the planner sizes it (default: the model's defaults); a model that animates an image, given
-    none, is planned for a blank first frame of the request's size."""
+    """The request as the planner sizes it; a model that animates an image, given none, is planned for a blank
+    first frame."""
     family = FAMILIES[spec.family]
     if isinstance(request, ResolvedRequest):
         resolved = request
@@ -212,29 +211,21 @@ def _factorizations(n: int, slots: int) -> list[tuple[int, ...]]:
 
 
 class MemoryEstimates:
-    """``estimates`` of one model at one size per plan shape, its models built on meta once (for each of dozens of
-    plans, building them would be the planner's slowest part)."""
+    """``estimates`` per plan shape, the models built on meta once (for each of dozens of plans, building them
+    would be the planner's slowest part)."""
 
     def __init__(self, spec: ModelSpec, extra_tokens: int = 0, fp8_attention: bool = False) -> None:
         self.spec, self.extra_tokens, self.fp8_attention = spec, extra_tokens, fp8_attention
         self._known: dict[tuple, dict[str, MemoryPlan]] = {}
-        self._built = MetaModels.build(spec, torch.bfloat16)
+        # What every plan's estimate shares (compiled: the GPUs' default).
+        built = MetaModels.build(spec, torch.bfloat16)
+        self._fixed = {"compiled": True, "built": built, "extra_tokens": extra_tokens, "fp8_attention": fp8_attention}
 
     def __call__(self, parallel: ParallelConfig, fp8: bool, swap: bool = False) -> dict[str, MemoryPlan]:
         shape = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.shard_weights)
         key = (*shape, fp8, swap)
-        if key not in self._known:  # compiled: the GPUs' default
-            self._known[key] = estimates(
-                self.spec,
-                parallel,
-                torch.bfloat16,
-                fp8,
-                swap,
-                compiled=True,
-                built=self._built,
-                extra_tokens=self.extra_tokens,
-                fp8_attention=self.fp8_attention,
-            )
+        if key not in self._known:
+            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, **self._fixed)
         return self._known[key]
 
 
@@ -247,8 +238,7 @@ def plan(
     memory: MemoryEstimates | None = None,
     attention: str = "sdpa",
 ) -> PlanChoice:
-    """Rank every plan of ``gpus`` GPUs for ``spec`` on ``profile``. ``quantize`` None tries bf16, then FP8 compute
-    where nothing fits."""
+    """``quantize`` None tries bf16, then FP8 compute where nothing fits."""
     wanted = request_for(spec, request)
     sized = dataclasses.replace(spec, height=wanted.height, width=wanted.width)
     fp8_attention = attention == "fp8"

@@ -1,5 +1,4 @@
-"""``paradit plan --link measure``: this machine's matmul, SDPA and collective rates over the profile it refines, bytes
-counted as ``parallel/comm.py`` counts them (what one rank sends), so the cost model divides the same bytes."""
+"""``paradit plan --link measure``: this machine's rates, bytes counted as ``parallel/comm.py`` counts them."""
 
 from __future__ import annotations
 

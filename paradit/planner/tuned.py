@@ -1,9 +1,7 @@
-"""Tuned configurations: for every preset, GPU count and hardware profile, the settings to run it with, as data in
-``paradit/configs/<profile>.json`` (written by ``benchmarks/tune_configs.py``)."""
+"""Tuned configurations, as data in ``paradit/configs/<profile>.json`` (``benchmarks/tune_configs.py``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -51,12 +49,6 @@ class TunedEntry:
         else:
             figure = f"predicted {ms(self.ms_per_step)} ms/step by the planner"
         return f"{', '.join(settings)} ({figure})"
-
-    def to_json(self) -> dict:
-        data = dataclasses.asdict(self)
-        if self.refused:  # settings of an entry that cannot run would only mislead
-            return {key: data[key] for key in ("preset", "gpus", "request", "refused")}
-        return {key: value for key, value in data.items() if value is not None}
 
     @classmethod
     def from_json(cls, data: dict) -> TunedEntry:
