@@ -33,6 +33,10 @@ MAX_BATCH = 64
 MAX_GUIDANCE = 3.4028234663852886e38
 
 
+def not_allowed(name: str, value, allowed: str, param: str | None = None) -> InvalidRequest:
+    return InvalidRequest(f"{name} {value} is not allowed; {allowed}", param=param)
+
+
 def check_text(name: str, texts: list[str]) -> None:
     """Refuse text that is not valid Unicode (a command line's undecodable bytes arrive as lone surrogates)."""
     for text in texts:
@@ -64,14 +68,12 @@ def resolve_common(
     for index, (name, value) in enumerate((("height", height), ("width", width))):
         limit = largest[index] if largest else MAX_SIDE
         if value < granularity or value % granularity or value > limit:
-            raise InvalidRequest(
-                f"{name} {value} is not allowed; this model takes multiples of {granularity} from {granularity} to "
-                f"{limit}",
-                param="size",
+            raise not_allowed(
+                name, value, f"this model takes multiples of {granularity} from {granularity} to {limit}", "size"
             )
     steps = spec.steps if request.steps is None else request.steps
     if not 1 <= steps <= MAX_STEPS:
-        raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more (at most {MAX_STEPS})", param="steps")
+        raise not_allowed("steps", steps, f"give 1 or more (at most {MAX_STEPS})", "steps")
     guidance = spec.guidance if request.guidance is None else float(request.guidance)
     check_guidance("guidance", guidance)
     negative = request.negative_prompt if request.negative_prompt is not None else default_negative
@@ -88,13 +90,12 @@ def resolve_common(
                 f"{len(negatives)} negative prompts for {len(prompts)} prompts; give 1 or {len(prompts)}"
             )
     if not 1 <= request.num_images_per_prompt <= MAX_BATCH:
-        raise InvalidRequest(
-            f"num_images_per_prompt {request.num_images_per_prompt} is not allowed; give 1 or more (at most "
-            f"{MAX_BATCH})"
+        raise not_allowed(
+            "num_images_per_prompt", request.num_images_per_prompt, f"give 1 or more (at most {MAX_BATCH})"
         )
     seed = random.randrange(2**31) if request.seed is None else int(request.seed)
     if not 0 <= seed < SEED_LIMIT:
-        raise InvalidRequest(f"seed {seed} is not allowed; give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
+        raise not_allowed("seed", seed, f"give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
     images = resolve_images(spec, request.image, image_limit)
     mask = resolve_mask(spec, request.mask, images, inpainting_strength is not None)
     default_strength = DEFAULT_STRENGTH if mask is None else inpainting_strength
@@ -137,7 +138,7 @@ def resolve_scheduler(
     if shift is None:
         return scheduler, None
     if isinstance(shift, bool) or not isinstance(shift, int | float) or not 0 < shift < math.inf:
-        raise InvalidRequest(f"shift {shift} is not allowed; give a finite number above 0", param="shift")
+        raise not_allowed("shift", shift, "give a finite number above 0", "shift")
     if scheduler == "dpmpp-2m" and spec.scheduler.get("use_dynamic_shifting"):
         raise InvalidRequest(
             f"scheduler 'dpmpp-2m' takes no static shift on {spec.name}, which shifts dynamically; drop the shift or "
@@ -169,7 +170,7 @@ def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
     for name, (value, low, high) in bounds.items():
         if value is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
             allowed = f"{low} to {high}" if high is not None else f"{low} or more"
-            raise InvalidRequest(f"cache: {name} {value} is not allowed; give {allowed}", param="cache")
+            raise not_allowed(f"cache: {name}", value, f"give {allowed}", "cache")
     if config.method == "mag" and not config.calibrate:
         ratios = config.mag_ratios
         if not ratios or not all(isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in ratios):
@@ -214,11 +215,8 @@ def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: b
         return None
     strength = default if strength is None else strength
     if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
-        raise InvalidRequest(
-            f"strength {strength} is not allowed; give a number above 0 and at most 1 (the share "
-            "of the steps run from the noised image)",
-            param="strength",
-        )
+        allowed = "give a number above 0 and at most 1 (the share of the steps run from the noised image)"
+        raise not_allowed("strength", strength, allowed, "strength")
     return float(strength)
 
 
@@ -248,9 +246,7 @@ def resolve_images(spec: ModelSpec, image, limit: int) -> tuple[Image.Image, ...
 
 def check_guidance(name: str, value: float | None) -> None:
     if value is not None and not 0 <= value <= MAX_GUIDANCE:  # NaN fails both comparisons
-        raise InvalidRequest(
-            f"{name} {value} is not allowed; give a finite value >= 0 (at most {MAX_GUIDANCE:.3g})", param=name
-        )
+        raise not_allowed(name, value, f"give a finite value >= 0 (at most {MAX_GUIDANCE:.3g})", name)
 
 
 BATCH_FIELDS = ("height", "width", "steps", "guidance", "guidance_2", "frames", "lora", "cache", "scheduler", "shift")
