@@ -16,6 +16,7 @@ import importlib
 import json
 import sys
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -169,7 +170,7 @@ def preset_facts(spec: ModelSpec) -> dict:
         text_tokens=text_tokens,
         experts=1 + len(spec.experts),
     )
-    return facts.to_json()
+    return {key: value for key, value in asdict(facts).items() if key != "preset"}  # the preset's name keys them
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ Must not import torch.distributed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from paradit.errors import InvalidRequest
@@ -37,6 +38,13 @@ def measured(preset: str, option: Option, batch: int, profile: HardwareProfile) 
         and m.on(profile)
     ]
     return found[-1] if found else None
+
+
+def entry_json(entry: TunedEntry) -> dict:
+    data = dataclasses.asdict(entry)
+    if entry.refused:  # settings of an entry that cannot run would only mislead
+        return {key: data[key] for key in ("preset", "gpus", "request", "refused")}
+    return {key: value for key, value in data.items() if value is not None}
 
 
 def entry(spec: ModelSpec, gpus: int, profile: HardwareProfile, memory: MemoryEstimates) -> TunedEntry:
@@ -83,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.profiles:
             for gpus in GPU_COUNTS:
                 tuned = entry(spec, gpus, all_profiles()[name], memory)
-                entries[name].append(tuned.to_json())
+                entries[name].append(entry_json(tuned))
                 print(f"{name} {spec.name} x{gpus}: {tuned.describe()}", flush=True)
     for name, found in entries.items():
         about = (

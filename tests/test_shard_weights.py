@@ -25,7 +25,7 @@ from paradit.parallel.mesh import ParallelContext
 from paradit.planner.choose import settings_for
 from paradit.planner.plan import plan
 from paradit.planner.profile import load_profile
-from paradit.planner.report import command
+from paradit.planner.report import generate_command
 from paradit.planner.tuned import tuned_entry
 from paradit.request import GenerationRequest
 from paradit.runtime import load_transformer
@@ -225,7 +225,8 @@ def test_the_planner_shards_wan_a14b_over_four_32gb_cards_and_the_tuned_entry_ru
     expert = estimate(spec, ParallelConfig(), torch.bfloat16, False, swap_experts=True).transformer
     (gather,) = [t for t in best.cost.transfers if t.strategy == "shard"]
     assert gather.bytes == pytest.approx(expert * 3 / 4) and gather.ms < best.cost.compute_ms
-    assert "--shard-weights 4" in command(choice)
+    flags = (best.parallel, best.fp8, False, best.cuda_graphs, best.swap_experts, best.placement)
+    assert "--shard-weights 4" in generate_command(spec.name, 4, *flags)
     assert tuned_entry(spec.name, 4, profile.name).parallel == best.parallel  # what `generate --gpus 4` runs there
     assert settings_for(spec, 4, profile=profile).parallel == best.parallel
 

@@ -1,6 +1,4 @@
-"""LoRA adapters as published: read from a file, a folder or the hub, converted to diffusers' keys by diffusers' own
-loader for the family (kohya, ComfyUI, musubi, ai-toolkit layouts), checked against the model, and reduced to each
-linear's low-rank factors with the scale the file states."""
+"""LoRA adapters as published (kohya, ComfyUI, musubi, ai-toolkit layouts), read by the family's diffusers loader."""
 
 from __future__ import annotations
 
@@ -17,20 +15,17 @@ from paradit.errors import InvalidRequest
 from paradit.hub import hub_offline, offline_reason, quiet_retries
 from paradit.lora.refs import LoraRef, locate
 
-# The metadata diffusers' ``save_lora_weights`` writes into the safetensors header: the LoraConfig, keys prefixed by
-# the component (``transformer.r``, ``transformer.lora_alpha``, ...).
+# Where diffusers' ``save_lora_weights`` writes the LoraConfig, keys prefixed (``transformer.r``, ...).
 METADATA_KEY = "lora_adapter_metadata"
 # What diffusers' ``save_lora_weights`` puts before the transformer's keys; PEFT's own state dict has none.
 COMPONENT_PREFIX = "transformer."
-# A converted state dict's keys after the module's name: LoRA's (PEFT's, with kohya's per-module alpha, which
-# diffusers' FLUX.1 loader reads beside them) and LoKr's (whole or factored).
+# LoRA's (PEFT's, with kohya's per-module alpha, which diffusers' FLUX.1 loader keeps) and LoKr's factors.
 FACTOR_KEYS = r"lora_A\.weight|lora_B\.weight|lora_B\.bias|alpha|lokr_w[12](?:_[ab])?"
 
 
 @dataclass(frozen=True)
 class LowRank:
-    """One linear's update ``scale * up @ down`` (``up_bias`` added to its bias): ``down`` is PEFT's ``lora_A``
-    (rank x in), ``up`` its ``lora_B`` (out x rank); ``scale`` folds the file's alpha over rank with the asked one."""
+    """``scale * up @ down`` (+ ``up_bias``): ``down`` is PEFT's ``lora_A`` (rank x in), ``up`` its ``lora_B``."""
 
     down: torch.Tensor
     up: torch.Tensor
@@ -38,13 +33,10 @@ class LowRank:
     up_bias: torch.Tensor | None = None
 
     def delta(self, device: torch.device) -> torch.Tensor:
-        """The weight's update in float32, computed on ``device``."""
         return (self.up.to(device, torch.float32) @ self.down.to(device, torch.float32)) * self.scale
 
     def reach(self) -> float:
-        """A bound, cheap to compute, on the largest number the update puts in a weight or a side path holds (the
-        factors, ``up`` times the scale): ``|up @ down|`` is at most the sum over the rank of each factor's largest
-        entry, one times the other."""
+        """A cheap bound on the largest number the update puts in a weight or a side path holds."""
         up, down = self.up.abs().double(), self.down.abs().double()
         update = (up.amax(0) * down.amax(1)).sum().item()
         bias = 0.0 if self.up_bias is None else self.up_bias.abs().max().item()
@@ -91,9 +83,7 @@ def _from_hub(repo: str, filename: str) -> Path:
 
 
 def read_adapter(ref: LoraRef, loader: type, linears: dict[str, tuple[int, int]], component: str) -> dict[str, LowRank]:
-    """The adapter's update of each linear (diffusers' module names) of a model whose linears' (out, in) shapes are
-    ``linears``; keys are converted by ``loader`` (the family's diffusers LoRA loader mixin). Anything that would not
-    apply as diffusers applies it is refused with the keys at fault."""
+    """Each linear's update, keys converted by ``loader``; what diffusers would not apply is refused, naming keys."""
     path = adapter_file(ref)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -112,9 +102,7 @@ def read_adapter(ref: LoraRef, loader: type, linears: dict[str, tuple[int, int]]
 
 
 def _config(path: Path, raw: str | None) -> dict:
-    """The transformer's LoraConfig from the header, unprefixed (empty: alpha equals rank, diffusers' default), its
-    numbers checked: each refusal names the key and its value. Keys under ``transformer.`` are read, as diffusers
-    reads them; a config without any is read as PEFT's own (unprefixed), as for a state dict without the prefix."""
+    """The header's LoraConfig, unprefixed as diffusers reads it, its numbers checked (empty: alpha equals rank)."""
     if not raw:
         return {}
     try:
@@ -132,7 +120,13 @@ def _config(path: Path, raw: str | None) -> dict:
     def refuse(key: str, value, allowed: str) -> InvalidRequest:
         return InvalidRequest(f"--lora {path}: its metadata's {prefix}{key} is {json.dumps(value)}; give {allowed}")
 
-    for key, value in _config_numbers(config, refuse):
+    numbers = [(key, config[key]) for key in ("r", "lora_alpha", "alpha") if key in config]
+    for key in ("rank_pattern", "alpha_pattern"):  # each pattern's number keyed ``pattern[module]``
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise refuse(key, patterns, "an object of module patterns and numbers")
+        numbers += [(f"{key}[{pattern}]", value) for pattern, value in patterns.items()]
+    for key, value in numbers:
         if key == "r" or key.startswith("rank_pattern"):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise refuse(key, value, "a positive integer (the rank)")
@@ -143,17 +137,6 @@ def _config(path: Path, raw: str | None) -> dict:
     if config.get("use_dora"):
         raise refuse("use_dora", config["use_dora"], "an adapter without DoRA (paradit does not apply DoRA)")
     return config
-
-
-def _config_numbers(config: dict, refuse) -> list[tuple[str, object]]:
-    """The config's ranks and alphas as (key, value), patterns' by ``pattern[module]``."""
-    numbers = [(key, config[key]) for key in ("r", "lora_alpha", "alpha") if key in config]
-    for key in ("rank_pattern", "alpha_pattern"):
-        patterns = config.get(key) or {}
-        if not isinstance(patterns, dict):
-            raise refuse(key, patterns, "an object of module patterns and numbers")
-        numbers += [(f"{key}[{pattern}]", value) for pattern, value in patterns.items()]
-    return numbers
 
 
 def _factors(
@@ -211,7 +194,12 @@ def _factors(
         if alpha is not None and (alpha.numel() != 1 or not torch.isfinite(alpha).all()):
             shown = alpha.item() if alpha.numel() == 1 else f"a tensor of shape {tuple(alpha.shape)}"
             raise refuse(f"an alpha of {shown}; give one finite number", [f"{name}.alpha"])
-        scale = _alpha_over_rank(name, rank, config, None if alpha is None else alpha.item())
+        # PEFT's alpha / r (over sqrt(r) with rsLoRA); without alpha or a config, scale 1, as diffusers loads it.
+        if alpha is not None:
+            alpha = alpha.item()
+        elif config:
+            alpha = _by_pattern(name, config.get("alpha_pattern") or {}, config.get("lora_alpha", rank))
+        scale = 1.0 if alpha is None else alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         factors[name] = LowRank(down, up, user_scale * scale, bias)
     return factors
 
@@ -242,9 +230,7 @@ class Kronecker:
 
 
 def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: tuple[int, int], refuse) -> Kronecker:
-    """PEFT's LoKr, as diffusers loads it: each Kronecker factor whole (``lokr_w1``) or as a product (``_a @ _b``),
-    alpha already baked into the left factor by diffusers' converter, so scale 1 unless the file's config says
-    ``alpha / r``."""
+    """PEFT's LoKr as diffusers loads it: alpha baked into the left factor, scaled by a config's alpha / r if any."""
 
     def factor(which: str) -> torch.Tensor:
         whole, a, b = (parts.get(f"lokr_{which}{suffix}") for suffix in ("", "_a", "_b"))
@@ -266,17 +252,6 @@ def _kronecker(name: str, parts: dict, user_scale: float, config: dict, shape: t
         rank = _by_pattern(name, config.get("rank_pattern") or {}, config.get("r", 1))
         scale = _by_pattern(name, config.get("alpha_pattern") or {}, config.get("alpha", rank)) / rank
     return Kronecker(left, right, user_scale * scale)
-
-
-def _alpha_over_rank(module: str, rank: int, config: dict, alpha: float | None) -> float:
-    """PEFT's scaling: ``lora_alpha / r`` (over ``sqrt(r)`` with rsLoRA), a pattern's value where one matches the
-    module's name, the module's own ``alpha`` tensor before either; without a config or alpha the rank itself is
-    alpha (scale 1), as diffusers loads such files."""
-    if alpha is None and not config:
-        return 1.0
-    if alpha is None:
-        alpha = _by_pattern(module, config.get("alpha_pattern") or {}, config.get("lora_alpha", rank))
-    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
 def _by_pattern(module: str, patterns: dict, default: float) -> float:

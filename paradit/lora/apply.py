@@ -1,9 +1,5 @@
-"""Applying adapters to a transformer as it loads, on whatever plan it runs. Fused: each targeted weight is read whole,
-its updates added in float32, and only then cut to the rank's tensor-parallel slice and converted to FP8, so every
-plan and precision gets the same merged weight at no cost per step. Unfused: each targeted linear gets a low-rank
-side path beside it (bf16 beside an FP8 GEMM), its factors cut the way the base weight is cut (``up`` for a column-
-parallel linear, ``down`` for a row-parallel one, whose partial output the existing all-reduce sums), so no extra
-communication."""
+"""Applying adapters as the transformer loads, on any plan: fused (merged whole in float32, then cut and converted), or
+as side paths cut as the base weight is cut, so the existing all-reduce sums them: no extra communication."""
 
 from __future__ import annotations
 
@@ -19,14 +15,13 @@ from paradit.lora.adapters import Kronecker, LowRank, read_adapter
 from paradit.lora.refs import LoraRef, LoraSet, adapter_key
 from paradit.weights import ModelNames, TensorSlice, TensorSource
 
+# Past the square root of float32's largest number, a scale alone overflows the layer after the update.
+SCALE_LIMIT = math.sqrt(torch.finfo(torch.float32).max)
+
 
 def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -> int:
-    """Refuses, before anything loads, an adapter that would not apply to ``spec``'s transformers (each rank reads
-    its adapters again as it loads: they are small, and the files are the only thing a worker is sent); returns the
-    bytes a rank holds for them beyond the weights, every tensor whole (a tensor-parallel or PipeFusion rank holds
-    less, so this errs high): side paths' factors, and with a cache of fused choices the weights they change, once
-    for the base and once a choice (FP8: a byte an element, its row scales besides); 0 for fused adapters, which
-    become the weights."""
+    """Refuses, before anything loads, an adapter that would not apply; returns the bytes a rank holds for them beyond
+    the weights (every tensor whole, so it errs high)."""
     if lora.transformer_2 and "transformer_2" not in spec.experts:
         raise InvalidRequest(f"--lora-2 is for a second transformer (a low-noise expert); {spec.name} has one")
     held = 0
@@ -73,8 +68,7 @@ def check_reach(refs: tuple[LoraRef, ...], keyed: dict[str, list], dtype: torch.
 
 
 def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
-    """A request's choice of a server's named adapters, as the pipeline takes it: () for none, and for an engine
-    whose adapters are fixed None; InvalidRequest for a name it does not have or a scale that is not a number."""
+    """A request's choice of a server's named adapters: () for none, None for an engine whose adapters are fixed."""
     if not lora.switchable:
         if chosen:
             raise InvalidRequest("this model was started without named LoRA adapters to choose from", param="lora")
@@ -83,19 +77,17 @@ def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
     for name, scale in chosen or ():
         if name not in known:
             raise InvalidRequest(f"unknown LoRA adapter {name!r}; this server has {', '.join(known)}", param="lora")
-        # Past the square root of float32's largest number, a scale alone overflows the layer after the update.
-        if not abs(scale) <= math.sqrt(torch.finfo(torch.float32).max):
+        if not abs(scale) <= SCALE_LIMIT:
             raise InvalidRequest(
                 f"LoRA adapter {name!r}: scale {scale:g} is not allowed; give a finite number within "
-                f"±{math.sqrt(torch.finfo(torch.float32).max):.3g}",
+                f"±{SCALE_LIMIT:.3g}",
                 param="lora",
             )
     return tuple(chosen or ())
 
 
 def read_updates(loader_name: str, refs: tuple[LoraRef, ...], model: nn.Module, component: str) -> dict[str, list]:
-    """Each linear's updates from every adapter in ``refs`` as (its key, the update), in order; ``model`` the plain
-    model (on meta)."""
+    """Each linear's updates from every adapter in ``refs`` as (its key, the update), in order."""
     loader = getattr(importlib.import_module("diffusers.loaders.lora_pipeline"), loader_name)
     linears = {name: tuple(m.weight.shape) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     biased = {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.bias is not None}
@@ -109,8 +101,7 @@ def read_updates(loader_name: str, refs: tuple[LoraRef, ...], model: nn.Module, 
 
 
 class FusedLoraTensors:
-    """``source`` with the updates fused into the weights and biases they name as those are read: the whole tensor
-    read in float32, the updates added, then cast and cut to the rank's slice."""
+    """``source`` with the updates fused into the weights and biases they name, whole in float32, then cast and cut."""
 
     def __init__(self, source: TensorSource, updates: dict[str, list[tuple[str, LowRank]]]) -> None:
         self.source, self.updates = source, updates
@@ -143,10 +134,8 @@ class FusedLoraTensors:
 
 
 class LoraSidePath(nn.Module):
-    """``linear`` with low-rank updates beside it: ``linear(x) + (x @ down.T) @ up.T (+ bias)``. It holds each
-    adapter's factors (``factors``: key -> down, up and bias, their file's scale folded in) and runs the ones
-    ``select`` chose, concatenated along the rank (one pair of GEMMs however many) with their scales folded into
-    ``up``. The chosen factors are plain attributes, not buffers: an expert swap leaves them where they are."""
+    """``linear(x) + (x @ down.T) @ up.T (+ bias)``, the chosen adapters' factors concatenated along the rank (one pair
+    of GEMMs however many). They are plain attributes, not buffers: an expert swap leaves them where they are."""
 
     def __init__(self, linear: nn.Module, factors: dict[str, tuple]) -> None:
         super().__init__()
@@ -163,8 +152,7 @@ class LoraSidePath(nn.Module):
         return self.linear.bias
 
     def combined(self, scales: dict[str, float]) -> tuple | None:
-        """The factors ``scales`` chooses, concatenated along the rank with the scales folded into ``up``: (down, up,
-        bias or None), or None where it chooses none of this linear's."""
+        """(down, up, bias or None) of the adapters ``scales`` chooses, their scales folded in (None: none here)."""
         parts = [(*self.factors[key], scale) for key, scale in scales.items() if key in self.factors]
         if not parts:
             return None
@@ -201,10 +189,9 @@ def add_side_paths(
     scales: dict[str, float],
     switchable: bool,
 ) -> None:
-    """Wraps every linear this rank kept that an adapter updates (before the loader fills it, so FP8 can still swap
-    the linear inside the wrapper), choosing the adapters ``scales`` names (``switchable``: others later). A
-    column-parallel linear keeps some outputs (its ``up`` and bias rows), a row-parallel one some inputs (its
-    ``down`` columns; each rank adds its share of the bias, as the all-reduce after it sums the ranks)."""
+    """Wraps every linear this rank kept that an adapter updates, before the loader fills it (so FP8 can still swap the
+    linear inside). A column-parallel linear keeps its ``up`` and bias rows, a row-parallel one its ``down`` columns and
+    a share of the bias, as the all-reduce after it sums the ranks."""
     for parent in list(model.modules()):
         for leaf, child in list(parent.named_children()):
             name = names.module(child)
@@ -229,7 +216,6 @@ def add_side_paths(
 
 
 def select_adapters(model: nn.Module, scales: dict[str, float]) -> None:
-    """Every side path of ``model`` runs the adapters ``scales`` names, at those scales (none: the base model)."""
     for module in model.modules():
         if isinstance(module, LoraSidePath):
             module.select(scales)

@@ -1,5 +1,4 @@
-"""What a run or a server is asked to apply: adapters by file and scale (``LoraRef``), the run's set of them
-(``LoraSet``), and their command-line forms. Imports nothing heavy: ``generate --server`` parses them too."""
+"""What a run or a server is asked to apply; imports nothing heavy (``generate --server`` parses it too)."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ MODES = ("fused", "unfused")
 
 @dataclass(frozen=True)
 class LoraRef:
-    """One adapter as asked for: ``source`` a ``.safetensors`` file, a folder holding one, or a hub repository id
-    (``weight_name`` picks its file); ``scale`` multiplies its update (diffusers' ``set_adapters`` weight); ``name``
-    what a server's requests call it."""
+    """``source``: a ``.safetensors`` file, a folder holding one, or a hub repository id (``weight_name`` picks its
+    file); ``scale``: diffusers' ``set_adapters`` weight; ``name``: what a server's requests call it."""
 
     source: str
     scale: float = 1.0
@@ -27,11 +25,8 @@ class LoraRef:
 
 @dataclass(frozen=True)
 class LoraSet:
-    """The adapters of a run: ``transformer``'s (Wan 2.2: the high-noise expert) and ``transformer_2``'s (the
-    low-noise expert), fused into the weights at load or kept as side paths beside each linear (``unfused``).
-    ``switchable``: named adapters loaded as side paths that each batch chooses among, with its own scales (a
-    server's); otherwise every adapter applies to every request at its scale. ``cache``: how many of a server's
-    choices (adapters and scales) are kept fused into weights of their own, the most recently used (0: none, every
+    """``transformer_2``: the low-noise expert's (Wan 2.2). ``switchable``: a server's named adapters, side paths each
+    batch chooses among. ``cache``: how many of a server's choices are kept fused into weights of their own (0: every
     choice runs as side paths)."""
 
     transformer: tuple[LoraRef, ...] = ()
@@ -45,7 +40,6 @@ class LoraSet:
 
     @property
     def fused(self) -> bool:
-        """Whether the adapters become the weights (else they run as side paths)."""
         return self.mode == "fused" and not self.switchable
 
     def of(self, component: str) -> tuple[LoraRef, ...]:
@@ -56,21 +50,18 @@ class LoraSet:
 
 
 def adapter_key(ref: LoraRef, index: int) -> str:
-    """What a side path calls an adapter: its name, or its place on the command line."""
     return ref.name or f"#{index}"
 
 
-# A hub repository id, owner/name: letters, digits, '-', '_' and '.' (huggingface_hub checks the finer rules); an
-# adapter file in one: owner/name/path/in/it.safetensors.
+# A hub repository id, and a file in one (huggingface_hub checks the finer rules).
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 HUB_FILE = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)/(?P<file>(?:[\w.-]+/)*[\w.-]+\.safetensors)")
 NAME = re.compile(r"[\w.-]+")
 
 
 def parse_adapter(text: str, flag: str = "--lora", weight_name: str | None = None, named: bool = False) -> LoraRef:
-    """The one reading of an adapter as a command line gives it: a run's ``SOURCE[:SCALE]`` (a client's
-    ``NAME[:SCALE]`` too), or with ``named`` a server's ``NAME=SOURCE``, whose requests give the scales. A scale is a
-    finite number or refused naming the reference and the value; what ``SOURCE`` is, is ``locate``'s."""
+    """A command line's adapter: a run's ``SOURCE[:SCALE]`` (a client's ``NAME[:SCALE]`` too), or with ``named`` a
+    server's ``NAME=SOURCE``, whose requests give the scales; what ``SOURCE`` is, is ``locate``'s."""
     if named:
         name, _, source = text.partition("=")
         if not name or not source or not NAME.fullmatch(name):
@@ -99,8 +90,7 @@ def parse_adapter(text: str, flag: str = "--lora", weight_name: str | None = Non
 
 
 def _scale_part(text: str) -> str | None:
-    """What follows the last ':' of ``text``, unless ``text`` is a file or folder whose name holds one, or the part
-    is a path's (it holds a '/'): None where there is no scale to read."""
+    """What follows the last ':' of ``text``, unless that is a path's (an existing one, or holding a '/')."""
     _, colon, tail = text.rpartition(":")
     if not colon or "/" in tail or Path(text).expanduser().exists():
         return None
@@ -109,8 +99,7 @@ def _scale_part(text: str) -> str | None:
 
 @dataclass(frozen=True)
 class Location:
-    """Where an adapter is: ``path`` on disk (a file or a folder), or ``repo`` on the hub with ``filename`` the file
-    in it (None: the one ``weight_name`` names, else diffusers' default)."""
+    """``path`` on disk, or ``repo`` on the hub with ``filename`` in it (None: ``weight_name``'s, else diffusers')."""
 
     path: Path | None = None
     repo: str | None = None
@@ -118,10 +107,9 @@ class Location:
 
 
 def locate(source: str) -> Location:
-    """The one decision of what an adapter's source names, as a user expects it. What is on disk is local; so is a
-    path that starts with '.', '/' or '~', a ``folder/file.safetensors`` and anything not of a hub shape: missing,
-    it is refused without asking the hub. The hub's are ``owner/name`` (a repository) and
-    ``owner/name/path/in/it.safetensors`` (a file of one: Wan 2.2's experts' adapters come two to a repository)."""
+    """What an adapter's source names. On disk, a path starting with '.', '/' or '~', ``folder/file.safetensors`` or
+    anything not of a hub shape is local (missing, refused without asking the hub); the hub's are ``owner/name`` and
+    ``owner/name/path/in/it.safetensors`` (Wan 2.2's experts' adapters come two to a repository)."""
     path = Path(source).expanduser()
     if path.exists():
         return Location(path=path)
@@ -137,7 +125,6 @@ def locate(source: str) -> Location:
 
 
 def adapters_in(folder: str) -> tuple[LoraRef, ...]:
-    """Every ``.safetensors`` file of ``folder``, named by its stem."""
     files = sorted(Path(folder).expanduser().glob("*.safetensors"))
     if not files:
         raise InvalidRequest(f"--lora-dir {folder}: no .safetensors adapters there")

@@ -1,9 +1,5 @@
-"""A server's choice of adapters for each batch (``AdapterChoice``, a request hook): its side paths, or choices fused
-into the weights, a few at a time: the weights of a choice (its adapters and scales) merged once and kept in a
-least-recently-used cache, so a request whose choice is cached runs at the base model's speed after a copy of the
-weights it changes, and a miss costs one merge. Every choice is copied into the tensors the model already runs, never
-new ones, so compiled blocks and CUDA graphs stay valid across switches. Each side path's factors are this rank's cut
-of them, so a merged update matches the weight slice the rank holds."""
+"""A server's choice of adapters for each batch: side paths, or choices merged into the weights and kept in an LRU
+cache, each copied into the tensors the model already runs, so compiled blocks and CUDA graphs stay valid."""
 
 from __future__ import annotations
 
@@ -26,9 +22,7 @@ Merged = dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor | None]]  # path
 
 
 class AdapterChoice(RequestHook):
-    """The request hook of a server's named adapters: each batch's choice (name -> scale) run on ``model`` (loaded,
-    its side paths added) by ``choose``: side paths (``cache`` 0), else choices fused into the weights, ``cache`` of
-    them kept. A batch that names none (None) keeps the engine's."""
+    """Each batch's choice (name -> scale), on side paths (``cache`` 0) or fused; None keeps the engine's."""
 
     def __init__(self, model: nn.Module, cache: int) -> None:
         self.choose: Callable[[dict[str, float]], None] = (
@@ -41,16 +35,14 @@ class AdapterChoice(RequestHook):
 
 
 def _live(path: LoraSidePath) -> tuple[torch.Tensor, ...]:
-    """The tensors of ``path``'s linear that a merge replaces: an FP8 weight comes with its row scales."""
     linear = path.linear
     return (linear.weight, linear.weight_scale) if isinstance(linear, Fp8Linear) else (linear.weight,)
 
 
 class FusedVariants:
-    """The model's side paths stop running factors: ``choose`` copies the chosen weights into their linears. A copy
-    of the base weights is kept to return to and to merge from (an FP8 weight merges dequantized, then is quantized
-    again row by row); an adapter's bias stays beside the linear as one tensor, zero where none is chosen (a row-
-    parallel linear adds its bias only after the all-reduce, so it cannot take a rank's share)."""
+    """``choose`` copies the chosen weights into the side paths' linears, merged from a copy of the base weights (the
+    factors are this rank's cut, so a merge matches its weight slice); an adapter's bias stays beside the linear (a
+    row-parallel linear adds its bias only after the all-reduce, so it cannot take a rank's share)."""
 
     def __init__(self, model: nn.Module, size: int) -> None:
         self.paths = [module for module in model.modules() if isinstance(module, LoraSidePath)]

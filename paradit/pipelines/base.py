@@ -1,8 +1,4 @@
-"""What every family's pipeline shares: the skeleton (``DiffusionPipeline``, whose hooks each family implements, and
-which owns the guided step), seeded noise, the timestep shift, the VAE's loading and latent statistics, and the clocks
-that time the denoise loop without stalling the device. Names no family and no parallel strategy: the runtime build
-hands a pipeline what it needs (``runtime.Runtime``). The per-request features act through request hooks
-(``request_hooks``), so ``generate`` is the skeleton."""
+"""What every family's pipeline shares: the skeleton, noise, timestep shift, VAE and step clocks; it names no family."""
 
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ if TYPE_CHECKING:
     from paradit.family import Family
     from paradit.runtime import Runtime
 
-# ``--scheduler``'s choices: diffusers' class and the config it takes over the checkpoint's, as one swaps it into
-# diffusers' pipeline (``pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, ...)``).
+# ``--scheduler``'s choices: the class and the config it takes over the checkpoint's, as one swaps it into diffusers'.
 FLOW_SOLVER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True}
 SCHEDULER_CHOICES = {
     "flow-euler": (FlowMatchEulerDiscreteScheduler, {}),
@@ -46,7 +41,6 @@ SCHEDULER_CHOICES = {
     "dpmpp-2m": (DPMSolverMultistepScheduler, {**FLOW_SOLVER, "algorithm_type": "dpmsolver++", "solver_order": 2}),
 }
 
-# call(transformer, model_input, timestep, latents) -> the model's prediction in the latents' layout
 ModelCall = Callable[[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -84,9 +78,8 @@ def seeded_noise(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: 
 
 
 def dynamic_shift(image_tokens: int, scheduler_config: dict) -> float:
-    """diffusers' ``calculate_shift``: the timestep shift ``mu``, linear in the image token count between the
-    scheduler's base and max points (diffusers' defaults where the config has none), with its intercept computed
-    first, as there (adding the two terms one at a time differs in the last bit for some token counts)."""
+    """diffusers' ``calculate_shift``, its intercept computed first, as there (adding the two terms one at a time
+    differs in the last bit for some token counts)."""
     base_len, max_len = scheduler_config.get("base_image_seq_len", 256), scheduler_config.get("max_image_seq_len", 4096)
     base_shift = scheduler_config.get("base_shift", 0.5)
     slope = (scheduler_config.get("max_shift", 1.15) - base_shift) / (max_len - base_len)
@@ -94,9 +87,8 @@ def dynamic_shift(image_tokens: int, scheduler_config: dict) -> float:
 
 
 def latent_statistics(vae_config, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE's per-channel ``latents_mean`` and ``1 / latents_std``, broadcast over ``like``'s channels (dim 1),
-    in its dtype and on its device: the reference normalises by the reciprocal of std computed in the latent dtype,
-    and un-normalises by dividing by it; the same rounding keeps it exact."""
+    """The VAE's ``latents_mean`` and ``1 / latents_std`` over ``like``'s channels: the reference normalises by the
+    reciprocal computed in the latent dtype, and un-normalises by dividing by it; the same rounding keeps it exact."""
     shape = (1, -1) + (1,) * (like.ndim - 2)
     mean = torch.tensor(vae_config.latents_mean).view(shape).to(like.device, like.dtype)
     return mean, 1.0 / torch.tensor(vae_config.latents_std).view(shape).to(like.device, like.dtype)
@@ -110,8 +102,7 @@ def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def unpadded_halves(conditioning: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor | None]]:
-    """``encode_rows``' [conditional; unconditional] rows as two halves, each cut to its own longest text (the padding
-    trails it) and its mask dropped where then nothing is padded."""
+    """``encode_rows``' two branches apart, each cut to its longest text, its mask dropped where nothing is padded."""
     halves = []
     for embeds, mask in zip(conditioning["embeds"].chunk(2), conditioning["mask"].chunk(2)):
         mask = mask[:, : int(mask.sum(1).max())]
@@ -132,10 +123,7 @@ def load_vae(family: Family, spec: ModelSpec, device: torch.device, dtype: torch
 
 
 class DiffusionPipeline(ABC):
-    """The skeleton every family shares: text conditioning encoded once per group (on rank 0, which alone holds the
-    prompt encoders and the VAE) and shared, the guided step (both guidance branches batched, or split over the
-    group), the denoise loop the parallel runtime chose, decoding, timings. A family implements the abstract hooks
-    and names in ``CONDITIONING`` the tensors its encoding makes."""
+    """A family implements the abstract hooks and names in ``CONDITIONING`` the tensors its encoding makes."""
 
     CONDITIONING: ClassVar[tuple[str, ...]] = ("embeds",)
     # Whether the family's diffusers pipeline drops the sigmas it passes for a scheduler of flow sigmas (as
@@ -156,8 +144,7 @@ class DiffusionPipeline(ABC):
         expert_swap: ExpertSwap | None = None,
     ) -> None:
         """In a group, only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so that the
-        group decodes together. ``experts``: the further transformers of ``spec.experts``, by component;
-        ``expert_swap``, when they take turns on the device (``transformer`` first), what swaps them."""
+        group decodes together. ``experts``: the further transformers of ``spec.experts``, by component."""
         self.family, self.spec, self.parallel = family, spec, parallel
         self.runtime, self.transformer = transformer, transformer.forward
         self.experts, self.expert_swap = experts or {}, expert_swap
@@ -177,29 +164,25 @@ class DiffusionPipeline(ABC):
         self.scheduling: ResolvedRequest | None = None
 
     def request_hooks(self) -> list[RequestHook]:
-        """The family's own request hooks (none by default)."""
         return []
 
     def uses_cfg(self, request: ResolvedRequest) -> bool:
         return self.family.uses_cfg(self.spec, request)
 
     def branch_prompts(self, request: ResolvedRequest) -> list[list[str]]:
-        """The prompts of each guidance branch: the request's, and when it guides its negative prompts ("" unless
-        given), which diffusers encodes apart."""
+        """The request's prompts, and when it guides its negative prompts ("" unless given)."""
         if not self.uses_cfg(request):
             return [request.prompts]
         return [request.prompts, request.negative_prompts or [""] * len(request.prompts)]
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """The ``CONDITIONING`` tensors of the request's prompts (rank 0 only), [conditional; unconditional] rows
-        when the request guides: by default the prompt encoder's embeddings, each prompt's repeated per image."""
+        """The ``CONDITIONING`` tensors (rank 0 only), [conditional; unconditional] rows when the request guides."""
         branches = self.branch_prompts(request)
         embeds = torch.cat([self.prompt_encoder.encode(prompts, self.dtype).to(self.device) for prompts in branches])
         return {"embeds": embeds.repeat_interleave(request.images_per_prompt, dim=0)}
 
     def encode_rows(self, request: ResolvedRequest, rows: Callable[[list[str]], list[torch.Tensor]]) -> dict:
-        """``encode`` for prompts that keep their own lengths: ``rows(prompts)`` (one (tokens, hidden) tensor per
-        prompt) of every branch, each repeated per image, padded to the longest, and the mask of real tokens."""
+        """``encode`` for prompts that keep their own lengths (``rows``: a (tokens, hidden) tensor each), padded."""
         repeat, branches = request.images_per_prompt, self.branch_prompts(request)
         embeds, mask = pad_rows([row.to(self.device) for p in branches for row in rows(p) for _ in range(repeat)])
         return {"embeds": embeds, "mask": mask}
@@ -210,12 +193,11 @@ class DiffusionPipeline(ABC):
 
     @abstractmethod
     def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """The diffusers scheduler, its timesteps set (``scheduled``)."""
+        """The diffusers scheduler and its timesteps (``scheduled``)."""
 
     def scheduled(self, scheduler_class, **timesteps) -> tuple[Any, torch.Tensor]:
-        """A ``scheduler_class`` from the spec's config, set to ``timesteps`` and stepping from the first; and those.
-        The request being scheduled may choose another scheduler and a static shift: then the scheduler is made and set
-        as diffusers' pipeline with that one swapped in makes and sets it (resolution refused what it cannot take)."""
+        """The spec's ``scheduler_class`` set to ``timesteps``, or the request's scheduler and shift, as
+        diffusers swaps them in."""
         config, request = dict(self.spec.scheduler), self.scheduling
         if request is not None and request.scheduler is not None:
             scheduler_class, overrides = SCHEDULER_CHOICES[request.scheduler]
@@ -237,8 +219,8 @@ class DiffusionPipeline(ABC):
     def model_inputs(
         self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor, layout
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One branch's model input and timestep(s) at scheduler time ``t``: by default as the reference casts t to the
-        latent dtype before dividing by 1000 (which keeps bf16 runs bit-faithful), and the latents in the model's."""
+        """One branch's model input and timestep(s): by default t cast to the latent dtype before dividing by 1000, as
+        the reference does (which keeps bf16 runs bit-faithful)."""
         return latents.to(self.dtype), t.expand(latents.shape[0]).to(latents.dtype) / 1000
 
     @abstractmethod
@@ -247,7 +229,7 @@ class DiffusionPipeline(ABC):
         the rows of ``conditioning`` this rank computes, rows independent after the transformer (PipeFusion's loop)."""
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-        """The guided prediction: classifier-free guidance as diffusers' pipelines write it."""
+        """Classifier-free guidance as diffusers' pipelines write it."""
         return uncond + scale * (cond - uncond)
 
     def expert_at(self, request: ResolvedRequest, t: torch.Tensor) -> tuple[str, float | None]:
@@ -259,8 +241,7 @@ class DiffusionPipeline(ABC):
         """Pixels in [0, 1], (batch, 3, H, W); for a video family (batch, frames, 3, H, W)."""
 
     def band_mask(self, latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Which latent elements rows ``start:stop`` of the transformer's output stream become (PipeFusion updates
-        the latents band by band): by default, a token of packed latents or a ``patch_size`` box of others per row."""
+        """Which latent elements rows ``start:stop`` of the output stream become (PipeFusion's bands)."""
         if latents.ndim > 3:
             return patch_grid_band_mask(latents, self.transformer.config.patch_size, start, stop)
         return token_band_mask(latents, start, stop)
@@ -268,9 +249,7 @@ class DiffusionPipeline(ABC):
     def predictor(
         self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout, finite: list[torch.Tensor]
     ) -> NoisePredictor:
-        """``predict(latents, t, transformer)``: the guided prediction. Under CFG the model sees [conditional;
-        unconditional] rows, of which the parallel runtime's branches say which this rank computes (all on one GPU,
-        half under CFG parallelism); ``guide`` runs on the combined rows. ``finite[-1] &=`` whether it is finite."""
+        """``predict(latents, t, transformer)``: the guided prediction; ``finite[-1] &=`` whether it is finite."""
         cfg = self.uses_cfg(request)
         branches = self.runtime.parallel.branches if cfg else BatchedBranches()
         # A mask with no padding is dropped, so attention runs unmasked (every rank holds it whole: all decide alike).
@@ -283,7 +262,9 @@ class DiffusionPipeline(ABC):
         # mask sends attention off its flash kernel, which made Qwen-Image-Edit's batched step 1.45x diffusers' two
         # with two references, its branches alone at parity (docs/benchmarks.md, issue 51). One batch stays where a
         # step must be one call: step caching decides per call, PipeFusion's stages buffer one text length.
-        apart = cfg and isinstance(branches, BatchedBranches) and self.runs_branches_apart(request, local)
+        pipefusion = self.parallel is not None and self.parallel.config.pipefusion > 1
+        padded = set(local) == {"embeds", "mask"} and local["mask"] is not None
+        apart = cfg and isinstance(branches, BatchedBranches) and padded and request.cache is None and not pipefusion
         halves = [self.model_call(request, half, layout) for half in unpadded_halves(local)] if apart else None
 
         def predict(latents: torch.Tensor, t: torch.Tensor, transformer) -> torch.Tensor:
@@ -308,37 +289,26 @@ class DiffusionPipeline(ABC):
 
         return predict
 
-    def runs_branches_apart(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor | None]) -> bool:
-        """Whether ``conditioning`` is ``encode_rows``' with padding left in it, on a plan that may call the model
-        twice a step."""
-        pipefusion = self.parallel is not None and self.parallel.config.pipefusion > 1
-        padded = set(conditioning) == {"embeds", "mask"} and conditioning["mask"] is not None
-        return padded and request.cache is None and not pipefusion
-
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """Image-to-image families: the input image's latents in the layout noise is drawn in (batch 1), drawn from
-        the VAE's distribution with ``generator`` as diffusers' pipelines draw them."""
+        """Image-to-image: the input image's latents (batch 1) in the drawn layout, sampled with ``generator``."""
         raise NotImplementedError(f"{type(self).__name__} does no image-to-image")
 
     def pack_drawn(self, latents: torch.Tensor, request: ResolvedRequest) -> torch.Tensor:
-        """Latents in the layout noise is drawn in, in the layout the denoise loop steps (by default the same)."""
+        """Drawn latents in the layout the denoise loop steps (by default the same)."""
         return latents
 
     def latent_mask(self, request: ResolvedRequest, image: torch.Tensor) -> torch.Tensor:
-        """Inpainting: the request's mask over ``image`` (its latents in the drawn layout), as the family's
-        diffusers inpainting pipeline makes it (by default resized to the latents' grid by nearest neighbours)."""
+        """Inpainting: the request's mask over ``image``'s latents, as the family's diffusers pipeline makes it."""
         return latent_mask(request, image)
 
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """``self.vae.decode(latents)``'s sample as pixels in [0, 1], computed by the whole group when there is one."""
+        """Pixels in [0, 1], decoded by the whole group when there is one."""
         return (self.runtime.parallel.vae_decode(self.vae, latents) / 2 + 0.5).clamp(0, 1)
 
     def vae_encode(self, images: torch.Tensor):
-        """``self.vae.encode(images).latent_dist``, computed by the whole group when there is one."""
         return self.runtime.parallel.vae_encode(self.vae, images)
 
     def conditioning(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """The family's prompt encoding on rank 0, shared with the group tensor by tensor."""
         encoded = self.encode(request) if self.prompt_encoder is not None else {}
         if self.parallel is None:
             return encoded
@@ -347,10 +317,9 @@ class DiffusionPipeline(ABC):
     def generate(
         self, requests: list[ResolvedRequest], progress: bool = False, on_step: Callable[[int], None] | None = None
     ) -> list[GenerationResult] | None:
-        """One result per request on the rank that decodes (rank 0 of the group); None on the other ranks.
-        Requests of one ``batch_key`` run as one batch, each its noise drawn from its own seed as if it ran alone.
-        ``on_step(k)`` is called when k steps are done (k = 0 before the first); it may raise to stop the request
-        between steps, which in a group every rank must do at the same k."""
+        """One result per request on rank 0; None on the others. Requests of one ``batch_key`` run as one batch, each
+        its noise from its own seed. ``on_step(k)`` is called when k steps are done; it may raise to stop the request,
+        which in a group every rank must do at the same k."""
         resolved = one_batch(requests)
         timings = Timings()
         stats = self.parallel.stats if self.parallel else CommStats()  # one process's: sends nothing
@@ -436,20 +405,16 @@ class DiffusionPipeline(ABC):
 
 
 def shift_name(scheduler_class: type) -> str:
-    """The config key a scheduler class reads its static timestep shift by: flow matching's ``shift``, the
-    multistep solvers' ``flow_shift``."""
     return "shift" if issubclass(scheduler_class, FlowMatchEulerDiscreteScheduler) else "flow_shift"
 
 
 def token_band_mask(latents: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Packed latents (batch, tokens, channels), one token per output-stream row."""
     tokens = torch.arange(latents.shape[1], device=latents.device)
     return ((tokens >= start) & (tokens < stop)).view(1, -1, 1)
 
 
 def patch_grid_band_mask(latents: torch.Tensor, patch, start: int, stop: int) -> torch.Tensor:
-    """Latents (batch, channels, *sides) whose output-stream rows are ``patch`` boxes (an int: squares) in raster
-    order; rows past the grid (a stream's pad tokens) cover no latent."""
+    """Rows are ``patch`` boxes of (batch, channels, *sides) latents in raster order; pad rows cover no latent."""
     patch = (patch,) * (latents.ndim - 2) if isinstance(patch, int) else patch
     grid = [side // size for side, size in zip(latents.shape[2:], patch)]
     tokens = torch.arange(math.prod(grid), device=latents.device)

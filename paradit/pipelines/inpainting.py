@@ -1,7 +1,4 @@
-"""Image-to-image and inpainting as diffusers' flow-matching pipelines run them: the request's image noised to the
-step the schedule starts at (``ImageToImage``, a request hook), and for inpainting, after every step, the latents
-outside the mask put back to the input image's, noised to the level of the step that follows (the last step's to the
-image itself)."""
+"""Image-to-image and inpainting as diffusers' flow-matching pipelines run them."""
 
 from __future__ import annotations
 
@@ -14,9 +11,8 @@ from paradit.request_hooks import Denoise, RequestHook
 
 
 def latent_mask(request, like: torch.Tensor, mode: str = "nearest") -> torch.Tensor:
-    """``request.mask`` at the output's size, white (repainted) 1 and black 0 as diffusers' mask processor makes it,
-    resized (``mode``: as the model's pipeline resizes it) to the last two (height, width) axes of ``like`` (the
-    image's latents in their drawn layout), spread over its other axes, in its dtype and on its device."""
+    """``request.mask`` as diffusers' mask processor makes it (white, repainted, 1), resized by ``mode`` to the last two
+    axes of ``like`` (the image's latents in their drawn layout) and spread over its others."""
     processor = VaeImageProcessor(do_normalize=False, do_binarize=True, do_convert_grayscale=True)
     mask = processor.preprocess(request.mask, height=request.height, width=request.width)
     mask = F.interpolate(mask, size=like.shape[-2:], mode=mode)
@@ -24,10 +20,9 @@ def latent_mask(request, like: torch.Tensor, mode: str = "nearest") -> torch.Ten
 
 
 class KeepUnmasked:
-    """A scheduler whose every step keeps ``image`` where ``mask`` is 0: there the stepped latents are replaced by
-    ``image`` noised with ``noise`` to the next step's level (diffusers' blend, written as its pipelines write it, so
-    that a soft mask's edges mix alike). All in the layout the loop steps. PipeFusion copies it per band, each copy
-    counting its own steps as the scheduler does."""
+    """A scheduler whose every step keeps ``image`` where ``mask`` is 0, noised with ``noise`` to the next step's level
+    (the last step's to the image itself): diffusers' blend, written as its pipelines write it, so that a soft mask's
+    edges mix alike. PipeFusion copies it per band, each copy counting its own steps."""
 
     def __init__(self, scheduler, image: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor) -> None:
         self.scheduler, self.image, self.noise, self.mask = scheduler, image, noise, mask
@@ -42,11 +37,8 @@ class KeepUnmasked:
 
 
 class ImageToImage(RequestHook):
-    """Image-to-image as diffusers starts it, for a request with a strength: the steps from ``first_step`` on, and the
-    image's latents (the pipeline's ``image_latents``) noised to the first of them. One generator, seeded as the
-    request, draws the latents from the VAE's distribution and then the noise (which is therefore not the noise
-    text-to-image drew first; only its shape is used). Inpainting (a mask) steps with a scheduler that keeps the image
-    outside the mask (``KeepUnmasked``)."""
+    """Image-to-image as diffusers starts it: the steps from ``first_step`` on, the image's latents noised to the first.
+    One generator, seeded as the request, draws the latents from the VAE's distribution, then the noise."""
 
     def __init__(self, pipeline) -> None:  # the DiffusionPipeline, which imports this module
         self.pipeline = pipeline

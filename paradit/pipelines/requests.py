@@ -1,5 +1,4 @@
-"""Resolving a request (``ResolvedRequest``: every default filled in and every value checked): the checks every family
-shares, and what requests must share to run as one batch."""
+"""Resolving a request: the checks every family shares, and what requests must share to run as one batch."""
 
 from __future__ import annotations
 
@@ -34,6 +33,10 @@ MAX_BATCH = 64
 MAX_GUIDANCE = 3.4028234663852886e38
 
 
+def not_allowed(name: str, value, allowed: str, param: str | None = None) -> InvalidRequest:
+    return InvalidRequest(f"{name} {value} is not allowed; {allowed}", param=param)
+
+
 def check_text(name: str, texts: list[str]) -> None:
     """Refuse text that is not valid Unicode (a command line's undecodable bytes arrive as lone surrogates)."""
     for text in texts:
@@ -54,11 +57,8 @@ def resolve_common(
     inpainting_strength: float | None = None,
     schedulers: tuple[str, ...] = SCHEDULERS,
 ) -> ResolvedRequest:
-    """The checks every family makes (prompts, size in steps of ``granularity`` up to ``largest`` (height, width),
-    steps, guidance, negative prompts, images per prompt, seed, at most ``image_limit`` input images, a strength
-    where the family runs ``image_to_image``, a mask where it inpaints, its default strength then
-    ``inpainting_strength``, a scheduler of ``schedulers`` and a shift), raising InvalidRequest with the allowed
-    values."""
+    """The checks every family makes, raising InvalidRequest with the allowed values; ``largest``: (height, width);
+    ``inpainting_strength``: the default strength where a mask is given."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
@@ -68,14 +68,12 @@ def resolve_common(
     for index, (name, value) in enumerate((("height", height), ("width", width))):
         limit = largest[index] if largest else MAX_SIDE
         if value < granularity or value % granularity or value > limit:
-            raise InvalidRequest(
-                f"{name} {value} is not allowed; this model takes multiples of {granularity} from {granularity} to "
-                f"{limit}",
-                param="size",
+            raise not_allowed(
+                name, value, f"this model takes multiples of {granularity} from {granularity} to {limit}", "size"
             )
     steps = spec.steps if request.steps is None else request.steps
     if not 1 <= steps <= MAX_STEPS:
-        raise InvalidRequest(f"steps {steps} is not allowed; give 1 or more (at most {MAX_STEPS})", param="steps")
+        raise not_allowed("steps", steps, f"give 1 or more (at most {MAX_STEPS})", "steps")
     guidance = spec.guidance if request.guidance is None else float(request.guidance)
     check_guidance("guidance", guidance)
     negative = request.negative_prompt if request.negative_prompt is not None else default_negative
@@ -92,13 +90,12 @@ def resolve_common(
                 f"{len(negatives)} negative prompts for {len(prompts)} prompts; give 1 or {len(prompts)}"
             )
     if not 1 <= request.num_images_per_prompt <= MAX_BATCH:
-        raise InvalidRequest(
-            f"num_images_per_prompt {request.num_images_per_prompt} is not allowed; give 1 or more (at most "
-            f"{MAX_BATCH})"
+        raise not_allowed(
+            "num_images_per_prompt", request.num_images_per_prompt, f"give 1 or more (at most {MAX_BATCH})"
         )
     seed = random.randrange(2**31) if request.seed is None else int(request.seed)
     if not 0 <= seed < SEED_LIMIT:
-        raise InvalidRequest(f"seed {seed} is not allowed; give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
+        raise not_allowed("seed", seed, f"give 0 to {SEED_LIMIT - 1} (a 64-bit generator seed)")
     images = resolve_images(spec, request.image, image_limit)
     mask = resolve_mask(spec, request.mask, images, inpainting_strength is not None)
     default_strength = DEFAULT_STRENGTH if mask is None else inpainting_strength
@@ -126,10 +123,9 @@ def resolve_common(
 def resolve_scheduler(
     spec: ModelSpec, scheduler: str | None, shift, allowed: tuple[str, ...], from_image: bool
 ) -> tuple[str | None, float | None]:
-    """A scheduler of ``allowed`` (those of ``SCHEDULERS`` the family's diffusers pipeline takes) and a static shift
-    above 0, or InvalidRequest naming what is allowed. Starting ``from_image`` (image-to-image, inpainting) takes
-    flow-euler: the image is noised by its ``scale_noise``, which the multistep solvers lack. dpmpp-2m takes the
-    shift ``mu`` a dynamically shifting checkpoint's pipeline passes only as its dynamic shift, not a static one."""
+    """A scheduler of ``allowed`` and a static shift above 0. Starting ``from_image`` takes flow-euler, whose
+    ``scale_noise`` noises the image (the multistep solvers lack it); dpmpp-2m takes a dynamically shifting checkpoint's
+    ``mu`` only as its dynamic shift."""
     if scheduler is not None:
         if scheduler not in allowed:
             raise InvalidRequest(
@@ -142,7 +138,7 @@ def resolve_scheduler(
     if shift is None:
         return scheduler, None
     if isinstance(shift, bool) or not isinstance(shift, int | float) or not 0 < shift < math.inf:
-        raise InvalidRequest(f"shift {shift} is not allowed; give a finite number above 0", param="shift")
+        raise not_allowed("shift", shift, "give a finite number above 0", "shift")
     if scheduler == "dpmpp-2m" and spec.scheduler.get("use_dynamic_shifting"):
         raise InvalidRequest(
             f"scheduler 'dpmpp-2m' takes no static shift on {spec.name}, which shifts dynamically; drop the shift or "
@@ -153,7 +149,7 @@ def resolve_scheduler(
 
 
 def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
-    """The step cache asked for with its method's threshold filled in, or InvalidRequest naming the allowed values."""
+    """The step cache asked for, its method's threshold filled in."""
     if config is None:
         return None
     if not isinstance(config, StepCacheConfig) or config.method not in CACHE_METHODS:
@@ -174,7 +170,7 @@ def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
     for name, (value, low, high) in bounds.items():
         if value is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
             allowed = f"{low} to {high}" if high is not None else f"{low} or more"
-            raise InvalidRequest(f"cache: {name} {value} is not allowed; give {allowed}", param="cache")
+            raise not_allowed(f"cache: {name}", value, f"give {allowed}", "cache")
     if config.method == "mag" and not config.calibrate:
         ratios = config.mag_ratios
         if not ratios or not all(isinstance(r, int | float) and math.isfinite(r) and r > 0 for r in ratios):
@@ -187,8 +183,7 @@ def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
 
 
 def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
-    """An inpainting mask as diffusers' mask processor reads it (grayscale; EXIF-turned and deep pixels scaled as
-    images are), which must cover the image it masks pixel for pixel."""
+    """Grayscale as diffusers' mask processor reads it, covering the image it masks pixel for pixel."""
     from PIL import Image
 
     from paradit.outputs import rgb_image
@@ -212,8 +207,7 @@ def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
 
 
 def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: bool, default: float) -> float | None:
-    """diffusers' image-to-image strength, ``default`` unless given (above 0: a step runs); refused without an
-    image."""
+    """diffusers' image-to-image strength, ``default`` unless given; refused without an image."""
     if not image_to_image or not images:
         if strength is not None:
             takes = "an image (--image) to start from" if image_to_image else "no strength: it does no image-to-image"
@@ -221,17 +215,13 @@ def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: b
         return None
     strength = default if strength is None else strength
     if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
-        raise InvalidRequest(
-            f"strength {strength} is not allowed; give a number above 0 and at most 1 (the share "
-            "of the steps run from the noised image)",
-            param="strength",
-        )
+        allowed = "give a number above 0 and at most 1 (the share of the steps run from the noised image)"
+        raise not_allowed("strength", strength, allowed, "strength")
     return float(strength)
 
 
 def first_step(request: ResolvedRequest) -> int:
-    """The step image-to-image starts at: the schedule's first ``1 - strength`` share is skipped, as diffusers
-    counts it (``get_timesteps``)."""
+    """The step image-to-image starts at, as diffusers' ``get_timesteps`` counts it."""
     return int(max(request.steps - min(request.steps * request.strength, request.steps), 0))
 
 
@@ -256,28 +246,17 @@ def resolve_images(spec: ModelSpec, image, limit: int) -> tuple[Image.Image, ...
 
 def check_guidance(name: str, value: float | None) -> None:
     if value is not None and not 0 <= value <= MAX_GUIDANCE:  # NaN fails both comparisons
-        raise InvalidRequest(
-            f"{name} {value} is not allowed; give a finite value >= 0 (at most {MAX_GUIDANCE:.3g})", param=name
-        )
+        raise not_allowed(name, value, f"give a finite value >= 0 (at most {MAX_GUIDANCE:.3g})", name)
+
+
+BATCH_FIELDS = ("height", "width", "steps", "guidance", "guidance_2", "frames", "lora", "cache", "scheduler", "shift")
 
 
 def batch_key(request: ResolvedRequest) -> tuple | None:
     """What one batch's requests share: all but prompts, seeds and image counts (None: one with images, run alone)."""
     if request.images:
         return None
-    return (
-        request.height,
-        request.width,
-        request.steps,
-        request.guidance,
-        request.guidance_2,
-        request.frames,
-        request.negative_prompts is None,
-        request.lora,
-        request.cache,
-        request.scheduler,
-        request.shift,
-    )
+    return (request.negative_prompts is None, *(getattr(request, name) for name in BATCH_FIELDS))
 
 
 def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:

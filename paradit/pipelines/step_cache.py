@@ -1,18 +1,7 @@
-"""Step caching: skip the blocks of a denoise step whose result barely changes, deciding it as diffusers'
-``FirstBlockCacheConfig``, ``MagCacheConfig`` and ``TaylorSeerCacheConfig(use_lite_mode=True)`` hooks decide it.
-
-``StepCaching`` is the request hook. For a request that asks for a cache, each transformer's ``StepCache`` takes the
-model's stack seam (``StagedTransformer.stack_runner``: inside the forward, since it acts on the token state each rank
-holds, a shard of the sequence under Ulysses or Ring) and runs the blocks in ranges (the blocks before the cached
-stack, its head block, the rest) by handing the model's own ``run_blocks`` a slice of each block list, so each family's
-joins between its lists stay its own. Every rank's decision is the same:
-
-- **first-block**: the head block's residual against its last computed one, summed per guidance branch (and per request
-  of a batch) over this rank's tokens, then over the group (``reduce``), so every rank compares the same ratio;
-- **mag**, **taylorseer**: decided by the step count alone, the same everywhere.
-
-Each guidance branch of each request keeps its own first-block state, as diffusers' ``cache_context("cond")`` and
-``("uncond")`` keep theirs, so a request decides alone whatever it is batched with; a state lives one request."""
+"""Step caching: skip the blocks of a denoise step whose result barely changes, as diffusers' FirstBlockCache, MagCache
+and TaylorSeer (lite) hooks decide it. ``StepCache`` hands the model's own ``run_blocks`` a slice of each block list,
+so each family's joins between its lists stay its own. Each guidance branch of each request keeps its own state, as
+diffusers' ``cache_context("cond")`` and ``("uncond")`` do, so a request decides alone whatever it is batched with."""
 
 from __future__ import annotations
 
@@ -31,13 +20,13 @@ if TYPE_CHECKING:
     from paradit.parallel.cfg import BatchedBranches, SplitBranches
 
 Streams = dict[str, torch.Tensor]
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # a sum over the group's ranks
 
 
 @dataclasses.dataclass
 class CacheRecord:
-    """What a request's caching did (its ``Timings.features["step_cache"]``), per model call in order: whether each
-    guidance branch of each request (global order: [conditional parts; unconditional parts]) had its blocks skipped;
-    the block evaluations not run (a batched call counts once); MagCache's calibration curve, one ratio a call."""
+    """What a request's caching did, per model call: whether each guidance branch of each request (global order:
+    [conditional parts; unconditional parts]) had its blocks skipped; MagCache's calibration curve, a ratio a call."""
 
     skipped: list[tuple[bool, ...]] = dataclasses.field(default_factory=list)
     blocks_skipped: int = 0
@@ -45,21 +34,13 @@ class CacheRecord:
 
     @property
     def skipped_steps(self) -> int:
-        """Model calls whose blocks every branch skipped."""
         return sum(all(call) for call in self.skipped)
 
 
 class StepCaching(RequestHook):
-    """Each request's guidance branches are groups of their own, of which this rank holds the rows the guidance
-    ``branches`` give it. Experts keep caches of their own, each counting its own steps; what they skip goes to one
-    record."""
+    """Each request's guidance branches are groups of their own; experts keep caches of their own, one record."""
 
-    def __init__(
-        self,
-        models: list[nn.Module],
-        reduce: Callable[[torch.Tensor], torch.Tensor],
-        branches: BatchedBranches | SplitBranches,
-    ) -> None:
+    def __init__(self, models: list[nn.Module], reduce: Reduce, branches: BatchedBranches | SplitBranches) -> None:
         self.caches = [StepCache(model, reduce) for model in models]
         self.branches = branches
 
@@ -81,9 +62,7 @@ class StepCaching(RequestHook):
 
 
 class StepCache:
-    """A model's blocks and head run through a request's cache method, in the model's stack seam."""
-
-    def __init__(self, model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, reduce: Reduce) -> None:
         self.model, self.reduce = model, reduce
         self.run_all, self.head_all = model.run_blocks, model.head
         self.lists = {name: getattr(model, name) for name in model.BLOCK_LISTS}
@@ -96,21 +75,18 @@ class StepCache:
     def begin(
         self, config: StepCacheConfig, steps: int, row_groups: torch.Tensor, groups: int, record: CacheRecord
     ) -> None:
-        """A fresh state for a request of ``steps`` steps whose model rows here belong to ``row_groups`` (one global
-        branch-and-request index a row, of ``groups``); its decisions go to ``record``."""
-        self.record = record
-        self.method = METHODS[config.method](config, self, steps, row_groups, groups)
+        """``row_groups``: each of this rank's rows' global branch-and-request index, of ``groups``."""
+        self.steps, self.row_groups, self.groups, self.record = steps, row_groups, groups, record
+        self.method = METHODS[config.method](config, self)
         self.model.stack_runner = self.run_stack
 
     def end(self) -> None:
-        """The model runs its stack as it is again."""
         self.model.stack_runner = None
 
     def run_stack(self, tokens) -> torch.Tensor:
         return self.method.head(self.method.run_blocks(tokens))
 
     def run_range(self, tokens, start: int, stop: int):
-        """``tokens`` through blocks ``start:stop`` of the stack (the block lists in order)."""
         if start >= stop:
             return tokens
         if (start, stop) not in self.slices:
@@ -127,17 +103,11 @@ class StepCache:
             modules.update(self.lists)
 
     def streams(self, tokens) -> Streams:
-        """The token state's streams (its fields that are their own stream), those present."""
-        fields = type(tokens).SEQUENCE_FIELDS
-        return {
-            name: getattr(tokens, name)
-            for name, (stream, _) in fields.items()
-            if name == stream and getattr(tokens, name) is not None
-        }
+        own = [name for name, (stream, _) in type(tokens).SEQUENCE_FIELDS.items() if name == stream]
+        return {name: getattr(tokens, name) for name in own if getattr(tokens, name) is not None}
 
     def statistic_streams(self, tokens) -> Streams:
-        """The streams diffusers' hook reads as the head block's hidden states: the output stream, or the model's
-        ``CACHE_STREAMS`` (Z-Image's joint stack: image, text and Omni's SigLIP features), those present."""
+        """What diffusers' hook reads as the head block's hidden states: the output stream, or ``CACHE_STREAMS``."""
         names = getattr(self.model, "CACHE_STREAMS", (type(tokens).OUTPUT_STREAM,))
         return {name: getattr(tokens, name) for name in names if getattr(tokens, name, None) is not None}
 
@@ -147,19 +117,16 @@ class FirstBlock:
     ``threshold`` (mean absolute change over mean absolute value) since the last step that ran it; otherwise each
     stream is the head block's output plus the rest's residual of that step."""
 
-    def __init__(
-        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
-    ) -> None:
-        self.threshold, self.cache, self.row_groups, self.groups = config.threshold, cache, row_groups, groups
+    def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
+        self.threshold, self.cache = config.threshold, cache
+        self.row_groups, self.groups = cache.row_groups, cache.groups
         self.head_residual: Streams | None = None
         self.tail_residual: Streams = {}
 
     def row_sums(self, values: Streams) -> torch.Tensor:
-        """Per row: the sum of |value| over every stream's tokens and channels, in float32."""
         return sum(v.abs().sum(dim=tuple(range(1, v.ndim)), dtype=torch.float32) for v in values.values())
 
     def decide(self, residual: Streams) -> list[bool]:
-        """Per global group: whether it runs the rest of the stack (all, at the first step)."""
         if self.head_residual is None:
             return [True] * self.groups
         sums = torch.zeros(self.groups, 2, device=self.row_groups.device)
@@ -200,17 +167,14 @@ class FirstBlock:
 
 
 class MagCache:
-    """diffusers' MagCache: past the first ``retention_ratio`` of the steps, a step is skipped while the error its
-    magnitude ratios accumulate stays within ``threshold`` for at most ``max_skip_steps`` steps in a row; a skipped
-    stack adds the residual (stack output minus input) of the last step that ran it. ``calibrate`` runs every step and
-    records each step's ratio of residual norms."""
+    """diffusers' MagCache: past the first ``retention_ratio`` of the steps, a step is skipped while its magnitude
+    ratios' accumulated error stays within ``threshold``, at most ``max_skip_steps`` in a row, adding the residual of
+    the last step that ran; ``calibrate`` runs every step and records each step's ratio of residual norms."""
 
-    def __init__(
-        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
-    ) -> None:
-        self.config, self.cache, self.groups = config, cache, groups
-        self.ratios = None if config.calibrate else nearest_interpolation(config.mag_ratios, steps)
-        self.retention_step = int(config.retention_ratio * steps + 0.5)
+    def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
+        self.config, self.cache, self.groups = config, cache, cache.groups
+        self.ratios = None if config.calibrate else nearest_interpolation(config.mag_ratios, cache.steps)
+        self.retention_step = int(config.retention_ratio * cache.steps + 0.5)
         self.step, self.ratio, self.error, self.skips = 0, 1.0, 0.0, 0
         self.residual: Streams | None = None
 
@@ -244,7 +208,6 @@ class MagCache:
         return tokens
 
     def norm_ratio(self, residual: Streams) -> float:
-        """The mean over tokens of each token's residual norm over its norm the step before, over the group."""
         ratios = [
             (torch.linalg.norm(value.float(), dim=-1) / (torch.linalg.norm(self.residual[name].float(), dim=-1) + 1e-8))
             for name, value in residual.items()
@@ -258,15 +221,12 @@ class MagCache:
 
 
 class TaylorSeer:
-    """diffusers' TaylorSeer in its lite mode: the model's output (its output projection's) is computed in the first
-    ``disable_cache_before_step`` steps, every ``cache_interval`` steps after and from ``disable_cache_after_step``
-    on; the steps between skip every block and predict it by a Taylor expansion of order up to ``max_order`` from
-    the divided differences of the computed steps."""
+    """diffusers' TaylorSeer in its lite mode: the output is computed in the first ``disable_cache_before_step`` steps,
+    every ``cache_interval`` after and from ``disable_cache_after_step`` on; the steps between predict it by a Taylor
+    expansion of order up to ``max_order`` from the divided differences of the computed steps."""
 
-    def __init__(
-        self, config: StepCacheConfig, cache: StepCache, steps: int, row_groups: torch.Tensor, groups: int
-    ) -> None:
-        self.config, self.cache, self.groups = config, cache, groups
+    def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
+        self.config, self.cache, self.groups = config, cache, cache.groups
         self.step, self.last_update = -1, None
         self.factors: list[torch.Tensor] = []
         self.computes = True
@@ -307,7 +267,7 @@ METHODS: dict[str, Any] = {"first-block": FirstBlock, "mag": MagCache, "taylorse
 
 
 def nearest_interpolation(ratios: tuple[float, ...], length: int) -> torch.Tensor:
-    """diffusers' ``nearest_interp``: a calibrated curve stretched or squeezed to ``length`` steps."""
+    """diffusers' ``nearest_interp``."""
     curve = torch.tensor(ratios)
     if length == 1:
         return curve[-1:]

@@ -1,7 +1,5 @@
-"""What ``--gpus N`` alone runs on a GPU the planner knows: the tuned entry of the detected hardware profile when the
-request is the one the entry was planned for, else the planner's choice for this request. None where no profile
-applies (CPU processes, an unknown GPU) or the model's architecture is none the planner has counted, which leaves the
-engine's own default."""
+"""What ``--gpus N`` alone runs: the tuned entry planned for this request, else the planner's choice; None where
+the planner knows no GPU here or has not counted the architecture."""
 
 from __future__ import annotations
 
@@ -37,7 +35,6 @@ def settings_for(
     device: str | torch.device | None = None,
     profile: HardwareProfile | None = None,
 ) -> PlannedSettings | None:
-    """The planned settings for ``gpus`` GPUs of ``profile`` (default: this machine's, when ``device`` is a GPU)."""
     if device is not None and torch.device(device).type == "cpu":
         return None
     profile = profile or detect_profile(gpus)

@@ -1,6 +1,4 @@
-"""``paradit plan``: what ``generate`` with the same flags would run, through the same ``settle``, on this machine or
-on GPUs of a hardware profile (named, this machine's, or measured by a probe, its link as asked), with the planner's
-ranking where the planner chose."""
+"""``paradit plan``: what ``generate`` with the same flags would run, here or on a hardware profile's GPUs."""
 
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ DEFAULT_PROFILE = "h200-nvlink"
 
 
 def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[HardwareProfile, str | None]:
-    """The profile to plan for, and a note when it was not named nor detected."""
     note = None
     profile = load_profile(name) if name is not None else detect_profile(gpus)
     if profile is None:
@@ -44,9 +41,7 @@ def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[Hardw
 def plan_text(
     asked: Asked, request: GenerationRequest | None = None, profile_name: str | None = None, link: str | None = None
 ) -> str:
-    """What ``paradit generate`` with the same flags runs, settled by the same ``settle``: on this machine, or with
-    ``profile_name`` or ``link`` on GPUs of that profile; where the planner chose the plan (GPUs of a known profile,
-    ``--gpus N`` without degrees), the plans it ranked and why; and the command that runs it."""
+    """What ``generate`` with the same flags runs, the planner's ranking where it chose, and the command."""
     gpus = asked.gpus or (asked.parallel.world_size if asked.parallel else 1)
     machine, note = Machine.detect(), None
     if profile_name is not None or link is not None:
@@ -70,7 +65,6 @@ def plan_text(
 
 
 def run_command(asked: Asked, run: RunSettings) -> str:
-    """The ``paradit generate`` command that runs ``run`` (settled for ``asked``) as it was settled."""
     options, parallel = run.options, run.parallel
     extra = [f"--device {run.device.type}"] if asked.device is not None else []
     extra += [f"--dtype {asked.dtype}"] if isinstance(asked.dtype, str) else []
@@ -92,7 +86,6 @@ def run_command(asked: Asked, run: RunSettings) -> str:
 
 
 def settled_words(run: RunSettings) -> str:
-    """The settled plan and options in words, and where they came from."""
     options = run.options
     parts = [
         run.parallel.describe().replace("1 GPU", "one process" if run.device.type == "cpu" else "1 GPU"),

@@ -1,19 +1,5 @@
-"""The cost model: one denoise step of a plan on a hardware profile, in ms and bytes sent, for the busiest rank:
-
-- **compute**: linear FLOPs over the matmul rate (FP8's for FP8 layers) times the model's achieved efficiency, plus
-  attention FLOPs over the attention rate at the head size; sequence parallelism divides the blocks' token work, tensor
-  parallelism the sharded layers and heads, PipeFusion the blocks (1/P per stage), CFG parallelism the batch;
-- **communication**: the bytes this rank sends per step (as ``parallel/comm.py`` counts them) over the collective's
-  bandwidth, none hidden behind compute but PipeFusion's sends, overlapping the next patch (one patch's hop is exposed),
-  and sharded weights' gathers, each block's during the block before it (the first block's, and any excess over the
-  compute, exposed);
-- **PipeFusion**: a step is one stage's work given at least as many patches as stages (the patch loop keeps the pipeline
-  full), else stages idle in proportion; warm-up steps run whole, the stages in turn;
-- **the host**: without CUDA graphs (PipeFusion, tensor parallelism) a step lasts at least the host's launch time of its
-  blocks (``host_ms_per_block`` each), which bounds models of many short blocks.
-
-Efficiency: from the model's one-GPU step (``calibration``) or the profile; plan changes are counted, not fitted.
-"""
+"""The cost model: one denoise step of a plan on a hardware profile, in ms and bytes sent, for the busiest rank;
+plan changes are counted, not fitted (the model's efficiency comes from its one-GPU step)."""
 
 from __future__ import annotations
 
@@ -28,14 +14,11 @@ BF16_BYTES = 2
 
 
 def ms(value: float) -> str:
-    """Milliseconds to one decimal, or to three significant digits below 1 ms (a tiny model's steps)."""
     return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """What one kind of collective sends from this rank per step, and the time it takes on the profile's link."""
-
     collective: str
     strategy: str
     bytes: float
@@ -57,7 +40,6 @@ class StepCost:
         return sum(t.bytes for t in self.transfers)
 
     def mean_ms(self, steps: int) -> float:
-        """The average step of a request of ``steps`` steps (PipeFusion's warm-up steps included)."""
         warmup = min(self.warmup_steps, steps)
         return (warmup * self.warmup_ms + (steps - warmup) * self.steady_ms) / steps
 
@@ -70,8 +52,7 @@ def attention_ms(
     fp8_attention: bool = False,
     ring: int = 1,
 ) -> float:
-    """With ``fp8_attention``, the calls the runtime gives the FP8 kernel (at least ``FP8_MIN_KEYS`` keys in each of
-    Ring's ``ring`` blocks) at its rate, the rest at SDPA's."""
+    """With ``fp8_attention``, the calls the runtime gives the FP8 kernel at its rate, the rest at SDPA's."""
     total = 0.0
     for group in facts.attention:
         keys = group.key_tokens.at(workload.image_tokens, workload.text_tokens) / ring
@@ -83,8 +64,7 @@ def attention_ms(
 def linear_efficiency(
     facts: ModelFacts, workload: Workload, batch: int, fp8: bool, profile: HardwareProfile, measured_ms: float
 ) -> float:
-    """The share of the matmul rates a model's linear layers reach, from its measured one-GPU step: the time left
-    after attention and the rest, against the linears' time at full rate."""
+    """The share of the matmul rates the linears reach: their time at full rate over what the measured step leaves."""
     image, text = workload.image_tokens, workload.text_tokens
     full_rate_ms = sum(
         g.flops.at(image, text) * batch / (profile.matmul_tflops["fp8" if fp8 and g.kind.fp8 else "bf16"] * 1e9)
@@ -107,10 +87,7 @@ def step_cost(
     weight_bytes: float = 0.0,
     fp8_attention: bool = False,
 ) -> StepCost:
-    """One step of ``batch`` samples (both guidance branches count when the request runs them) under ``parallel``;
-    ``weight_bytes``: the transformer's (one expert's), which sharded weights gather once a step. Without CUDA graphs
-    a step takes at least the host's time to launch its blocks. ``fp8_attention``: with paradit's FP8 kernel
-    (``attention_ms``)."""
+    """``weight_bytes``: the transformer's (one expert's), which sharded weights gather once a step."""
     image, text = workload.image_tokens, workload.text_tokens
     local_batch = batch / parallel.cfg
     sequence, tensor, stages = parallel.sequence_degree, parallel.tensor, parallel.pipefusion
@@ -143,11 +120,6 @@ def step_cost(
     return StepCost(compute, transfers, steady, warmup, parallel.warmup_steps)
 
 
-def transport_factor(parallel: ParallelConfig, head_dim: int) -> float:
-    """Bytes on the wire against bf16's: FP8 transport sends a byte per value and a float32 scale per token and head."""
-    return (head_dim + 4) / (BF16_BYTES * head_dim) if parallel.comm_dtype == "fp8" else 1.0
-
-
 def _transfers(
     facts: ModelFacts,
     workload: Workload,
@@ -164,7 +136,9 @@ def _transfers(
         if not group.exchanged:
             continue
         query, key = group.query_tokens.at(image, text), group.key_tokens.at(image, text)
-        row = group.heads / tensor * group.head_dim * BF16_BYTES * transport_factor(parallel, group.head_dim)
+        row = group.heads / tensor * group.head_dim * BF16_BYTES
+        if parallel.comm_dtype == "fp8":  # a byte per value and a float32 scale per token and head
+            row *= (group.head_dim + 4) / (BF16_BYTES * group.head_dim)
         layers = group.layers / stages * batch
         # Q, K, V and the output each leave this rank but for its own share of the heads.
         ulysses_bytes += layers * (2 * query + 2 * key) / sequence * row * (ulysses - 1) / ulysses

@@ -1,20 +1,15 @@
-"""What the cost model knows of a model: its FLOPs and attention shapes as functions of the token counts.
-
-A linear layer's FLOPs are linear in the tokens it sees, so three meta-device traces (``benchmarks/model_trace.py``) at
-workloads differing in image and in text tokens give each count exactly as ``per image token x I + per text token x T +
-fixed``; attention calls keep their shapes as the same kind of function of (I, T)."""
+"""What the cost model knows of a model: FLOPs and attention shapes, exactly linear in image and text tokens."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 
 @dataclass(frozen=True)
 class LinearKind:
-    """Where a linear layer sits and what the runtime does to it: inside the repeated blocks (PipeFusion's stages
-    split them), sharded by the tensor plan, converted by FP8."""
+    """Inside the repeated blocks (PipeFusion's stages split them), sharded by the tensor plan, converted by FP8."""
 
     in_blocks: bool
     sharded: bool
@@ -57,17 +52,14 @@ class AttentionGroup:
 
 @dataclass(frozen=True)
 class Workload:
-    """Tokens of one sample: image (or video) tokens and text tokens."""
-
     image_tokens: int
     text_tokens: int
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """FLOPs and shapes of one forward of one sample of ``preset``'s transformer. ``token_side``: pixels per image token
-    side; ``frame_stride``: video frames per latent frame (None for images); ``width``: the blocks' activation width
-    (what PipeFusion passes between stages); ``experts``: transformers the model alternates between (one active)."""
+    """One forward of one sample of ``preset``'s transformer. ``token_side``: pixels per image token side;
+    ``frame_stride``: video frames per latent frame (None for images); ``width``: the blocks' activation width."""
 
     preset: str
     blocks: int
@@ -88,16 +80,9 @@ class ModelFacts:
         return Workload((height // self.token_side) * (width // self.token_side) * latent_frames, self.text_tokens)
 
     def step_flops(self, workload: Workload, batch: int) -> float:
-        """FLOPs of one forward of ``batch`` samples: the linear layers, the attention calls and the rest."""
         image, text = workload.image_tokens, workload.text_tokens
         flops = sum(group.flops.at(image, text) for group in self.linear) + self.other_flops.at(image, text)
         return (flops + sum(group.flops(workload) for group in self.attention)) * batch
-
-    def to_json(self) -> dict:
-        """Everything but the preset's name, which keys the facts in a family's ``model_facts.json``."""
-        data = asdict(self)
-        del data["preset"]
-        return data
 
     @classmethod
     def from_json(cls, preset: str, data: dict) -> ModelFacts:
@@ -109,16 +94,11 @@ class ModelFacts:
             **{k: TokenLinear(**data[k]) for k in counts},
             linear=tuple(LinearGroup(LinearKind(**g["kind"]), TokenLinear(**g["flops"])) for g in data["linear"]),
             attention=tuple(
-                AttentionGroup(
-                    **{k: g[k] for k in ("exchanged", "heads", "head_dim", "layers")},
-                    query_tokens=TokenLinear(**g["query_tokens"]),
-                    key_tokens=TokenLinear(**g["key_tokens"]),
-                )
+                AttentionGroup(**{**g, **{k: TokenLinear(**g[k]) for k in ("query_tokens", "key_tokens")}})
                 for g in data["attention"]
             ),
         )
 
 
 def read_facts(path: Path) -> dict[str, ModelFacts]:
-    """The facts a family's ``model_facts.json`` holds, by preset."""
     return {name: ModelFacts.from_json(name, facts) for name, facts in json.loads(path.read_text())["models"].items()}

@@ -1,6 +1,4 @@
-"""Measured step times (``measurements.json``, copied from docs/benchmarks.md): the one-GPU rows calibrate the cost
-model's compute, the rows of several GPUs are what its predictions are checked against, and both mark tuned
-configurations as measured."""
+"""Measured step times (from docs/benchmarks.md): one-GPU rows calibrate the cost model, the others check it."""
 
 from __future__ import annotations
 
@@ -18,8 +16,6 @@ _INT_FIELDS = {f.name for f in fields(ParallelConfig) if f.type in ("int", int)}
 
 @dataclass(frozen=True)
 class Run:
-    """One benchmark invocation: where and when, and its commands by link."""
-
     id: str
     section: str
     date: str
@@ -39,13 +35,12 @@ class Measurement:
     execution: str  # eager, compiled (regional torch.compile), graphs (compiled + CUDA graphs)
     link: str | None  # None: one GPU, no link involved
     ms: float
-    batch: int  # samples per step: 2 when both guidance branches ran
-    superseded: str | None
-    calibrates: str | None  # the profile figure derived from this row, which makes it in-sample
+    batch: int = 1  # samples per step: 2 when both guidance branches ran
+    superseded: str | None = None
+    calibrates: str | None = None  # the profile figure derived from this row, which makes it in-sample
 
     def on(self, profile: HardwareProfile) -> bool:
-        """Whether the measurement applies to ``profile``: its device, and its link unless no link was involved (the
-        measurements name a link regime: NVLink, or PCIe-like with NCCL's peer access off)."""
+        """Its device, and its link regime unless none was involved (NVLink, or PCIe-like with NCCL's P2P off)."""
         return profile.device in self.run.where and self.link in (None, "nvlink" if profile.peer_access else "p2p-off")
 
 
@@ -61,23 +56,9 @@ def parse_plan(text: str) -> ParallelConfig:
 @cache
 def all_measurements() -> tuple[Measurement, ...]:
     rows = []
-    for run_data in json.loads(MEASUREMENTS_FILE.read_text())["runs"]:
-        run = Run(**{key: run_data[key] for key in ("id", "section", "date", "where", "commands")})
-        rows += [
-            Measurement(
-                run,
-                row["model"],
-                parse_plan(row["plan"]),
-                row["precision"],
-                row["execution"],
-                row["link"],
-                row["ms"],
-                row.get("batch", 1),
-                row.get("superseded"),
-                row.get("calibrates"),
-            )
-            for row in run_data["rows"]
-        ]
+    for data in json.loads(MEASUREMENTS_FILE.read_text())["runs"]:
+        run = Run(**{key: value for key, value in data.items() if key != "rows"})
+        rows += [Measurement(run, parallel=parse_plan(row.pop("plan")), **row) for row in data["rows"]]
     return tuple(rows)
 
 
@@ -89,8 +70,7 @@ def one_gpu_reference(
     run: Run | None = None,
     batch: int | None = None,
 ) -> Measurement | None:
-    """The latest current one-GPU measurement of ``model`` in that precision and execution on the profile's device
-    (within ``run`` and at ``batch`` when given: one machine's figures of one workload compared with each other)."""
+    """The latest current one-GPU measurement of ``model`` on the profile's device (within ``run`` and at ``batch``)."""
     found = [
         m
         for m in all_measurements()

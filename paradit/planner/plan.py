@@ -1,18 +1,4 @@
-"""The planner: every plan that can run a model on N GPUs, each costed (``cost.py``), checked against the GPUs'
-memory (``paradit.memory``'s estimate of rank 0, with the first prompt-encoder placement that fits), and ranked by
-the predicted time of an average denoise step of the request.
-
-Plans are CFG x PipeFusion x Ring x Ulysses x tensor degrees that multiply to N and that the model accepts
-(``parallel.validate.check_plan``), PipeFusion with as many patches as stages or twice as many, and with FP8 compute
-(only when asked for, or when nothing fits without it) also FP8 transport for the sequence plans. Models with experts
-may also swap them (one resident at a time), and the sequence and CFG plans may shard their weights over 2 GPUs or
-more (``--shard-weights``): all of these exact ways to fit are ranked together, by what they cost a step.
-
-Ranking prefers exact plans: an approximate one (FP8 transport, PipeFusion's stale patches) must be predicted
-``EXACT_PREMIUM`` faster to rank above an exact one. Plans within ``SAME_SPEED`` of each other count as equally fast
-(the model cannot tell them apart), and among them the least approximate goes first (exact, then FP8 transport, then
-fewer patches).
-"""
+"""The planner: every plan of N GPUs for a model, costed, checked against rank 0's memory, and ranked."""
 
 from __future__ import annotations
 
@@ -61,9 +47,8 @@ class Request:
 
 
 def request_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | None = None) -> Request:
-    """The request as the planner sizes it: one resolved already (``settle``'s) as it is, else resolved here (default:
-    the model's defaults); a model that animates an image, given none, is planned for a blank first frame of the
-    request's size."""
+    """The request as the planner sizes it; a model that animates an image, given none, is planned for a blank
+    first frame."""
     family = FAMILIES[spec.family]
     if isinstance(request, ResolvedRequest):
         resolved = request
@@ -85,8 +70,6 @@ def request_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | 
 
 
 def facts_for(spec: ModelSpec) -> ModelFacts:
-    """The planner's counts of ``spec``'s transformer (``families.find_facts``), or an InvalidRequest saying how to
-    run without them."""
     facts = find_facts(spec)
     if facts is None:
         counted = ", ".join(name for family in FAMILIES.values() for name in family.measured.model_facts)
@@ -99,8 +82,7 @@ def facts_for(spec: ModelSpec) -> ModelFacts:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The linear layers' achieved share of the matmul rates, and the one-GPU measurement it came from (None: the
-    profile's figure for models measured nowhere)."""
+    """The linear layers' achieved share of the matmul rates, and its measurement (None: the profile's figure)."""
 
     efficiency: float
     source: Measurement | None
@@ -120,9 +102,7 @@ class Calibration:
 
 
 def calibration(facts: ModelFacts, profile: HardwareProfile, fp8: bool, cuda_graphs: bool) -> Calibration:
-    """From the latest one-GPU measurement, on the profile's GPU, of the model or of a preset with the same
-    transformer, in the execution the plan runs (else the other one); every such measurement ran at the measured
-    preset's own size."""
+    """From the latest one-GPU measurement of a preset with the same transformer, in the plan's execution if any."""
     precision = "fp8" if fp8 else "bf16"
     same = [name for name, spec in PRESETS.items() if spec.transformer == PRESETS[facts.preset].transformer]
     for execution in ("graphs", "compiled") if cuda_graphs else ("compiled", "graphs"):
@@ -137,8 +117,7 @@ def calibration(facts: ModelFacts, profile: HardwareProfile, fp8: bool, cuda_gra
 
 @dataclass(frozen=True)
 class Option:
-    """A plan with FP8 or not, its cost, and rank 0's memory: ``memory`` is that of ``placement``, the first prompt
-    encoder placement that fits (None when none fits; ``memory`` is then the smallest of them)."""
+    """A plan with its cost and rank 0's memory with ``placement``, the first that fits (None: none; the smallest)."""
 
     parallel: ParallelConfig
     fp8: bool
@@ -164,7 +143,7 @@ class Option:
 
 @dataclass(frozen=True)
 class PlanChoice:
-    """The options that fit, best first, those that do not, and for N > 1 the one-GPU option to compare against."""
+    """The options that fit, best first, those that do not, and for N > 1 the one-GPU option."""
 
     spec: ModelSpec
     gpus: int
@@ -189,8 +168,8 @@ def approximation(parallel: ParallelConfig) -> tuple[int, int]:
 
 
 def rank(items: list[T], ms: Callable[[T], float], parallel: Callable[[T], ParallelConfig]) -> list[T]:
-    """Best first by predicted ms, approximate plans charged ``EXACT_PREMIUM``; within ``SAME_SPEED`` of the best,
-    the least approximate first."""
+    """Best first by predicted ms, approximate plans (FP8 transport, PipeFusion's stale patches) charged
+    ``EXACT_PREMIUM``; within ``SAME_SPEED`` of the best (the model cannot tell them apart), the least approximate."""
 
     def charged(item: T) -> float:
         return ms(item) * (1 if parallel(item).exact else 1 + EXACT_PREMIUM)
@@ -232,37 +211,21 @@ def _factorizations(n: int, slots: int) -> list[tuple[int, ...]]:
 
 
 class MemoryEstimates:
-    """``paradit.memory.estimates`` of one model at one size, kept per plan shape, its models built on the meta device
-    once (building them for each of dozens of plans would be the planner's slowest part)."""
+    """``estimates`` per plan shape, the models built on meta once (for each of dozens of plans, building them
+    would be the planner's slowest part)."""
 
     def __init__(self, spec: ModelSpec, extra_tokens: int = 0, fp8_attention: bool = False) -> None:
         self.spec, self.extra_tokens, self.fp8_attention = spec, extra_tokens, fp8_attention
         self._known: dict[tuple, dict[str, MemoryPlan]] = {}
-        self._built = MetaModels.build(spec, torch.bfloat16)
+        # What every plan's estimate shares (compiled: the GPUs' default).
+        built = MetaModels.build(spec, torch.bfloat16)
+        self._fixed = {"compiled": True, "built": built, "extra_tokens": extra_tokens, "fp8_attention": fp8_attention}
 
     def __call__(self, parallel: ParallelConfig, fp8: bool, swap: bool = False) -> dict[str, MemoryPlan]:
-        key = (
-            parallel.tensor,
-            parallel.pipefusion,
-            parallel.sequence_degree,
-            parallel.cfg,
-            parallel.world_size,
-            parallel.shard_weights,
-            fp8,
-            swap,
-        )
-        if key not in self._known:  # compiled: the GPUs' default
-            self._known[key] = estimates(
-                self.spec,
-                parallel,
-                torch.bfloat16,
-                fp8,
-                swap,
-                compiled=True,
-                built=self._built,
-                extra_tokens=self.extra_tokens,
-                fp8_attention=self.fp8_attention,
-            )
+        shape = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.shard_weights)
+        key = (*shape, fp8, swap)
+        if key not in self._known:
+            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, **self._fixed)
         return self._known[key]
 
 
@@ -275,18 +238,13 @@ def plan(
     memory: MemoryEstimates | None = None,
     attention: str = "sdpa",
 ) -> PlanChoice:
-    """Rank every plan of ``gpus`` GPUs for ``spec`` on ``profile``. ``quantize``: "fp8" or "none" to decide FP8
-    compute; None tries without FP8 first and falls back to it only when nothing fits. ``attention``: "fp8" predicts
-    with the FP8 attention kernel's measured rate."""
+    """``quantize`` None tries bf16, then FP8 compute where nothing fits."""
     wanted = request_for(spec, request)
     sized = dataclasses.replace(spec, height=wanted.height, width=wanted.width)
     fp8_attention = attention == "fp8"
-    if memory is None or (memory.spec, memory.extra_tokens, memory.fp8_attention) != (
-        sized,
-        wanted.input_tokens,
-        fp8_attention,
-    ):
-        memory = MemoryEstimates(sized, wanted.input_tokens, fp8_attention)
+    sized_for = (sized, wanted.input_tokens, fp8_attention)
+    if memory is None or (memory.spec, memory.extra_tokens, memory.fp8_attention) != sized_for:
+        memory = MemoryEstimates(*sized_for)
     facts = facts_for(spec)
     workload = facts.workload(wanted.height, wanted.width, wanted.frames)
     workload = dataclasses.replace(workload, image_tokens=workload.image_tokens + wanted.input_tokens)
@@ -294,7 +252,6 @@ def plan(
     if quantize == "fp8" and not fp8_supported:
         raise InvalidRequest(f"{profile.name} has no FP8 matmul rate: its GPUs cannot run --quantize fp8")
     attempts = [quantize == "fp8"] if quantize is not None else [False] + ([True] if fp8_supported else [])
-    fp8_attention = attention == "fp8"
     if fp8_attention and not profile.fp8_attention_tflops:
         raise InvalidRequest(
             f"{profile.name} has no measured FP8 attention rate: run benchmarks/fp8_attention.py "
@@ -333,9 +290,8 @@ def plan(
         single = option(ParallelConfig(), fp8, best.swap_experts) if gpus > 1 else None
         needed = fp8 and quantize is None
         notes = [f"no plan fits {gib(profile.memory_bytes)} GiB per GPU in bf16: FP8 halves the weights"] * needed
-        notes += [f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"] * (
-            best.swap_experts
-        )
+        swapping = f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"
+        notes += [swapping] * best.swap_experts
         return PlanChoice(
             spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes), attention
         )
@@ -350,8 +306,7 @@ def plan(
 
 
 def graphs_for(parallel: ParallelConfig, swap_experts: bool, fp8_attention: bool) -> bool:
-    """CUDA graphs where ``CONFLICTS`` allows them with these options and they have been measured with the plan (one
-    GPU, CFG, Ulysses, Ring: tensor parallelism has run compiled only)."""
+    """CUDA graphs where ``CONFLICTS`` allows them and they were measured with the plan (not tensor parallelism)."""
     attention = "fp8" if fp8_attention else "sdpa"
     options = ExecutionOptions(cuda_graphs=True, swap_experts=swap_experts, attention=attention)
     return parallel.tensor == 1 and not conflicts(parallel, options, "cuda")

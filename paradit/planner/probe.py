@@ -1,8 +1,4 @@
-"""A short probe (``paradit plan --link measure``): bf16 matmul, SDPA at head sizes 64 and 128, each runtime collective
-on 2+ GPUs: a profile of this machine's rates, efficiencies and memory from the one it refines.
-
-Bandwidths are reported as ``parallel/comm.py`` counts bytes (what one rank sends), so the cost model divides the same
-bytes by them. torch.distributed is imported only inside the probe's worker processes."""
+"""``paradit plan --link measure``: this machine's rates, bytes counted as ``parallel/comm.py`` counts them."""
 
 from __future__ import annotations
 
@@ -90,7 +86,6 @@ def _collectives_worker(rank: int, world: int, init_file: str, backend: str, nby
 
 
 def collective_gbps(world: int, device_type: str = "cuda", nbytes: int = MESSAGE_BYTES) -> dict[str, float]:
-    """GB/s each collective moves between ``world`` processes (NCCL on GPUs, gloo on the CPU)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -107,7 +102,7 @@ def collective_gbps(world: int, device_type: str = "cuda", nbytes: int = MESSAGE
 
 
 def measured_profile(base: HardwareProfile, gpus: int) -> HardwareProfile:
-    """``base`` with this machine's matmul (FP8 at the base's ratio), attention and (2+ GPUs) collective rates."""
+    """``base`` with this machine's rates (FP8 matmul at the base's ratio to bf16)."""
     device = torch.device("cuda", 0)
     bf16 = matmul_tflops(device)
     matmul = {precision: bf16 * rate / base.matmul_tflops["bf16"] for precision, rate in base.matmul_tflops.items()}

@@ -1,8 +1,4 @@
-"""Hardware profiles: a GPU and its links as the cost model sees them, one JSON file each under ``profiles/``.
-
-A profile gives the rates (bf16 and FP8 matmul, attention by head size, each collective's bandwidth), the share of the
-matmul rate compiled linear layers reach absent a model measurement, the GPU memory, and how to recognise the machine
-(device name, peer access). Adding a profile is adding a file; its ``sources`` say where each figure comes from."""
+"""Hardware profiles: a GPU and its links as the cost model sees them, one JSON file each under ``profiles/``."""
 
 from __future__ import annotations
 
@@ -20,10 +16,10 @@ COLLECTIVES = ("all_to_all", "send_recv", "all_reduce", "all_gather")
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """``link_gbps``: GB/s a rank sends through each collective, as ``parallel/comm.py`` counts; ``linear_efficiency``:
-    achieved share of ``matmul_tflops`` by precision; ``attention_tflops``: by head dimension (SDPA), and
-    ``fp8_attention_tflops`` of paradit's FP8 kernel (empty: never measured there); ``host_ms_per_block``: host time to
-    launch one compiled block without CUDA graphs; ``predicted``: nothing measured here."""
+    """``link_gbps``: GB/s a rank sends per collective, as ``parallel/comm.py`` counts; ``linear_efficiency``: the share
+    of ``matmul_tflops`` reached absent a model's measurement; ``attention_tflops`` by head size (``fp8_``: paradit's
+    FP8 kernel, empty where never measured); ``host_ms_per_block``: the host's time to launch a compiled block without
+    CUDA graphs; ``predicted``: nothing measured here."""
 
     name: str
     description: str
@@ -42,8 +38,7 @@ class HardwareProfile:
     fp8_attention_tflops: dict[int, float] = field(default_factory=dict)
 
     def attention_rate(self, head_dim: int, fp8: bool = False) -> float:
-        """TFLOP/s of attention (``fp8``: the FP8 kernel's) at ``head_dim``: the largest listed head size's not above
-        it, else the smallest's."""
+        """The rate of the largest listed head size not above ``head_dim``, else the smallest's."""
         rates = self.fp8_attention_tflops if fp8 else self.attention_tflops
         listed = sorted(rates)
         below = [d for d in listed if d <= head_dim]
@@ -81,7 +76,6 @@ def load_profile(name: str) -> HardwareProfile:
 
 
 def with_link(profile: HardwareProfile, link: str) -> HardwareProfile:
-    """The profile of the same device with ``link`` (nvlink or pcie), for asking "what if" of another machine."""
     if link == profile.link:
         return profile
     for other in all_profiles().values():
@@ -91,8 +85,7 @@ def with_link(profile: HardwareProfile, link: str) -> HardwareProfile:
 
 
 def detect_profile(gpus: int = 1) -> HardwareProfile | None:
-    """The profile of this machine's GPUs: its device name matched to a profile's, then the link by peer access (on
-    one GPU, the first profile of the device). None without a GPU, or for a GPU no profile knows."""
+    """This machine's profile: its device name matched, then the link by peer access (one GPU: the device's first)."""
     import torch
 
     if not torch.cuda.is_available():

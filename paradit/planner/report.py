@@ -58,7 +58,6 @@ def _row(option: Option, marker: str) -> str:
 
 
 def why(choice: PlanChoice) -> str:
-    """The winner's compute and traffic against the best plan of each other shape, then what else decided."""
     best = choice.best
     link = choice.profile.link_gbps
     rivals: dict[tuple, Option] = {}
@@ -100,21 +99,6 @@ def why(choice: PlanChoice) -> str:
     return "\n".join(lines)
 
 
-def command(choice: PlanChoice) -> str:
-    """``paradit generate``'s flags for the planner's choice."""
-    best = choice.best
-    return generate_command(
-        choice.spec.name,
-        choice.gpus,
-        best.parallel,
-        best.fp8,
-        choice.attention == "fp8",
-        best.cuda_graphs,
-        best.swap_experts,
-        best.placement,
-    )
-
-
 def generate_command(
     model: str,
     gpus: int,
@@ -126,7 +110,6 @@ def generate_command(
     placement: str | None,
     extra: tuple[str, ...] = (),
 ) -> str:
-    """The ``paradit generate`` command that runs this plan with these options (``extra``: further flags)."""
     flags = [f"--model {model}", f"--gpus {gpus}"]
     for name, degree in parallel.degrees():
         if degree > 1:

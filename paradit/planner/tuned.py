@@ -1,13 +1,7 @@
-"""Tuned configurations: for every preset, GPU count (1, 2, 4) and hardware profile, the settings to run it with,
-shipped as data in ``paradit/configs/<profile>.json`` (written by ``python -m benchmarks.tune_configs``).
-
-An entry's figure is a measurement (where, when, which command) or the planner's prediction. ``paradit generate
---gpus N`` with no parallel flag runs the entry of the detected profile when the request matches it (the preset's
-defaults, which it was planned for); any parallel flag replaces it."""
+"""Tuned configurations, as data in ``paradit/configs/<profile>.json`` (``benchmarks/tune_configs.py``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -23,8 +17,6 @@ GPU_COUNTS = (1, 2, 4)
 
 @dataclass(frozen=True)
 class TunedEntry:
-    """Settings for ``preset`` on ``gpus`` GPUs of one profile; ``refused`` (with its reason) when nothing fits."""
-
     preset: str
     gpus: int
     request: Request  # what it was planned for
@@ -57,12 +49,6 @@ class TunedEntry:
         else:
             figure = f"predicted {ms(self.ms_per_step)} ms/step by the planner"
         return f"{', '.join(settings)} ({figure})"
-
-    def to_json(self) -> dict:
-        data = dataclasses.asdict(self)
-        if self.refused:  # settings of an entry that cannot run would only mislead
-            return {key: data[key] for key in ("preset", "gpus", "request", "refused")}
-        return {key: value for key, value in data.items() if value is not None}
 
     @classmethod
     def from_json(cls, data: dict) -> TunedEntry:
