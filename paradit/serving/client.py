@@ -1,6 +1,5 @@
-"""``paradit generate --server URL``: the request sent to a running ``paradit serve`` instead of a model loaded here,
-the files written where ``--out`` says. An ``--out`` ending in .mp4 makes a video job and waits for it. Standard
-library only, so that the command answers at once."""
+"""``paradit generate --server URL``: the request sent to a running ``paradit serve``, the files written where ``--out``
+says (an ``--out`` ending in .mp4 makes a video job, and waits for it). Standard library only: it answers at once."""
 
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ class ServerError(ParaditError):
 
 
 def multipart(fields: dict, files: list[tuple[str, Path]]) -> tuple[bytes, str]:
-    """A multipart form of ``fields`` as text (lists as JSON) and ``files`` as (part name, path) file parts, and its
-    content type: what OpenAI's image edits take. Written here, as urllib has no form encoder."""
+    """A multipart form (OpenAI's image edits) of ``fields`` as text, lists as JSON, and ``files`` as (part name, path)
+    file parts, and its content type: urllib has no form encoder."""
     boundary = secrets.token_hex(16)
     parts = []
     for name, value in fields.items():
@@ -59,8 +58,7 @@ def call(
     body: dict | None = None,
     files: list[tuple[str, Path]] | None = None,
 ) -> bytes:
-    """The answer's body (``files``, (part name, path): sent as a multipart form with ``body``); an error answer
-    raises ServerError with the server's message."""
+    """The answer's body (with ``files``, ``body`` is sent as a multipart form); an error answer raises ServerError."""
     content_type, data = "application/json", None if body is None else json.dumps(body).encode()
     if files:
         data, content_type = multipart(body or {}, files)
@@ -80,8 +78,7 @@ def call(
 
 
 def request_body(args: argparse.Namespace) -> dict:
-    """The request's fields, from ``generate``'s flags; flags a server cannot take are refused."""
-    # The server chose how it runs when it started: the run's flags have no place in a request.
+    """The request's fields, from ``generate``'s flags; the run's flags, which the server chose, are refused."""
     chosen = flags_given(args, GENERATE, Asked, ExecutionOptions, ParallelConfig, LoraFlags)
     chosen = [name for name in chosen if name not in ("--model", "--lora")]  # --lora: the server's adapters by name
     if chosen:
