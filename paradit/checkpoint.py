@@ -1,4 +1,4 @@
-"""Checkpoint folders in the diffusers layout, a hub id's fetched with only the files the loader reads."""
+"""Checkpoint folders in the diffusers layout; a hub id's is fetched with only the files the loader reads."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ NOT_READ = ["*/*/*", "*.*.safetensors", "*.index.*.json", "*.bin.index.json"]
 
 
 def listed_components(model_index: dict) -> list[str]:
+    """Not the metadata (``_name``) nor the components the pipeline declares absent (``[null, null]``)."""
     listed = [name for name, entry in model_index.items() if isinstance(entry, list) and None not in entry]
     return [name for name in listed if not name.startswith("_")]
 
@@ -99,8 +100,7 @@ def check_components(folder: Path, index: dict, allow_pickle: bool) -> None:
 
 
 def check_safetensors(file: Path) -> None:
-    """A truncated download refused from its header alone, before anything loads, not when its component is reached
-    (after the denoise, for a VAE)."""
+    """A truncated download refused from its header alone, before anything loads (not after the denoise, for a VAE)."""
     size = file.stat().st_size
     try:
         with file.open("rb") as handle:

@@ -105,8 +105,8 @@ def format_table(result) -> str:
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
     if (cache := t.features.get("step_cache")) is not None:
-        skipped = f"{cache.skipped_steps} of {len(cache.skipped)} steps skipped, {cache.blocks_skipped} block"
-        rows.append(("step cache", f"{skipped} evaluations skipped"))
+        steps = f"{cache.skipped_steps} of {len(cache.skipped)} steps skipped"
+        rows.append(("step cache", f"{steps}, {cache.blocks_skipped} block evaluations skipped"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -229,8 +229,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def request_record(resolved) -> dict:
-    """The request's fields a client sends (those whose flag names a ``remote``) as they ran, for the PNG metadata and
-    ``--json``: a new request option is recorded where it is declared."""
+    """The request fields a client can send (their flags name a ``remote``) as they ran, for metadata and ``--json``."""
     return {
         each.name: getattr(resolved, each.name)
         for each, flag in flagged_fields(GenerationRequest, GENERATE)
@@ -332,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     received = []
 
     def interrupt(signum, frame) -> None:
-        """Unwind, so that the engine stops its workers and removes its files; a second signal is ignored, as it
-        would cut that short."""
+        """Unwind, so that the engine stops its workers and removes its files; a second signal would cut that short."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         received.append(signum)

@@ -50,7 +50,6 @@ def human_size(size: float) -> str:
 
 
 def free_bytes(folder: Path) -> int:
-    """Free space on the disk that holds ``folder``, or will once it is created."""
     existing = next(path for path in [folder, *folder.parents] if path.exists())
     return shutil.disk_usage(existing).free
 
@@ -90,8 +89,7 @@ def hub_errors(repo_id: str) -> Iterator[None]:
 
 
 def download(model: str, local_dir: str | Path | None = None) -> Path:
-    """``paradit download``: the checkpoint of a preset or hub id, into ``local_dir`` or the hub cache (where
-    ``--model <preset or hub id>`` finds it)."""
+    """A preset's or hub id's checkpoint, into ``local_dir`` or the hub cache (where ``--model`` then finds it)."""
     from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils import filter_repo_objects, validate_repo_id

@@ -46,13 +46,9 @@ def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list
         "modules": layers,
         "weight_scale": "float32 (out_features, 1): weight = fp8 * scale, row by row",
     }
+    config = {**spec.transformer, "quantization_config": marker}
     with replaced(out, (OSError, SafetensorError)) as staging:
-        save_component(
-            model.state_dict(),
-            {**spec.transformer, "quantization_config": marker},
-            staging / "transformer",
-            max_shard_bytes=5 * 2**30,
-        )
+        save_component(model.state_dict(), config, staging / "transformer", max_shard_bytes=5 * 2**30)
         if folder is None:
             (staging / PRESET_FILE).write_text(json.dumps({"preset": spec.name}, indent=2) + "\n")
         else:  # file by file, so that a failure is the file's own (copytree's gathers them all)

@@ -28,13 +28,8 @@ def warn_if_truncated(tokenizer, texts: list[str], limit: int, reader: str = "th
     """Warn, as diffusers does, when one of ``texts`` (templates applied) is longer than ``reader`` reads."""
     longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"])
     if longest > limit:
-        logger.warning(
-            "a prompt is %d tokens long and %s reads %d: its last %d tokens are dropped",
-            longest,
-            reader,
-            limit,
-            longest - limit,
-        )
+        message = "a prompt is %d tokens long and %s reads %d: its last %d tokens are dropped"
+        logger.warning(message, longest, reader, limit, longest - limit)
 
 
 def weights_device(placement: str, device: torch.device) -> torch.device:
@@ -102,8 +97,7 @@ def converts_to_fp8(encoder: nn.Module, name: str, module: nn.Module) -> bool:
 
 @torch.no_grad()
 def quantize_to(module: nn.Module, device: torch.device) -> nn.Module:
-    """``module`` on ``device``, its linears converted to FP8 as each arrives: it never sits whole there in the run
-    dtype."""
+    """``module`` on ``device``, each linear converted to FP8 as it arrives: never whole there in the run dtype."""
     dtype = fp8_dtype(device)
     for name, child in list(module.named_modules()):
         if converts_to_fp8(module, name, child):
@@ -198,11 +192,9 @@ class DecoderPromptEncoder:
     ) -> DecoderPromptEncoder:
         config = transformers.AutoConfig.for_model(**spec.config)
         _truncate_config(config, max(spec.layers))
-
-        def build() -> nn.Module:
-            return transformers.AutoModel.from_config(config, dtype=dtype)
-
-        model = random_encoder(build, placement, device, dtype, seed)
+        model = random_encoder(
+            lambda: transformers.AutoModel.from_config(config, dtype=dtype), placement, device, dtype, seed
+        )
         decoder = place(_decoder_without_final_norm(model), placement, device)
         return cls(decoder, build_offline_tokenizer(spec.max_length), spec, device)
 

@@ -140,8 +140,7 @@ class ModelNames:
 
 @dataclass(frozen=True)
 class Fp8Load:
-    """Linears to build as ``Fp8Linear`` while loading (names by module identity), and the ``weight_scale`` names an
-    FP8 checkpoint holds (empty when converting from high precision)."""
+    """Linears to build as ``Fp8Linear`` (names by module identity), and an FP8 checkpoint's ``weight_scale`` names."""
 
     modules: dict[int, str]
     dtype: torch.dtype
@@ -230,8 +229,7 @@ def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dty
 
 
 def save_component(state: dict[str, torch.Tensor], config: dict, folder: Path, max_shard_bytes: int) -> None:
-    """A diffusers-layout component: ``config.json`` and safetensors shards of at most ``max_shard_bytes`` (a larger
-    tensor alone in its own) with their index, or one file."""
+    """``config.json`` and safetensors shards of at most ``max_shard_bytes`` with their index, or one file for all."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]

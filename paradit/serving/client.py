@@ -32,8 +32,7 @@ class ServerError(ParaditError):
 
 
 def multipart(fields: dict, files: list[tuple[str, Path]]) -> tuple[bytes, str]:
-    """A multipart form (OpenAI's image edits) of ``fields`` as text, lists as JSON, and ``files`` as (part name, path)
-    file parts, and its content type: urllib has no form encoder."""
+    """A multipart form of ``fields`` (lists as JSON) and ``files`` (part name, path), and its type: urllib has none."""
     boundary = secrets.token_hex(16)
     parts = []
     for name, value in fields.items():
@@ -122,8 +121,7 @@ def generate_remote(args: argparse.Namespace) -> int:
     for flag, path in parts:  # read before anything is sent, as generate does
         if not path.is_file():
             raise InvalidRequest(f"--{flag} {path} cannot be read as an image (no such file)")
-    images = [path for flag, path in parts if flag == "image"]
-    if video and images:
+    if video and args.image:
         raise InvalidRequest("--image: a server's video jobs take no image; run image-to-video without --server")
     if video:
         [path] = output_paths(out, 1, video=True)
@@ -137,7 +135,7 @@ def generate_remote(args: argparse.Namespace) -> int:
     else:
         paths = output_paths(out, args.num_images_per_prompt)
         body.update(n=args.num_images_per_prompt, output_format=IMAGE_FORMATS[paths[0].suffix.lower()].lower())
-        route = "/v1/images/edits" if images else "/v1/images/generations"
+        route = "/v1/images/edits" if args.image else "/v1/images/generations"
         answer = json.loads(call(args.server, "POST", route, api_key, body, parts))
         files = {path: base64.b64decode(item["b64_json"]) for path, item in zip(paths, answer["data"])}
     for path, data in files.items():

@@ -39,8 +39,7 @@ class JobCancelled(ParaditError):
 
 @dataclass(eq=False)
 class Job:
-    """One API request, its seed drawn once in ``resolved``; equal ``key``s may share a forward pass (None runs alone).
-    State and times change under the scheduler's lock."""
+    """One API request, its seed drawn once; equal ``key``s may share a forward pass. The scheduler's lock guards it."""
 
     resolved: ResolvedRequest
     key: tuple | None
@@ -60,7 +59,3 @@ class Job:
     @property
     def images(self) -> int:
         return self.resolved.batch
-
-    @property
-    def steps(self) -> int:
-        return self.resolved.steps

@@ -70,20 +70,18 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
 
     def check(request: GenerationRequest) -> ResolvedRequest:
         resolved = grouped.resolve(request)
+        size = f"{resolved.width}x{resolved.height}"
         if resolved.width * resolved.height > max_pixels:
             raise InvalidRequest(
-                f"{resolved.width}x{resolved.height} is past this server's {max_pixels} pixels a "
-                "request (--max-pixels)",
-                param="size",
+                f"{size} is past this server's {max_pixels} pixels a request (--max-pixels)", param="size"
             )
         # Input images' tokens (references, an edit's inputs) count as the pixels that many target tokens cover:
         # each lengthens every block's sequence as much.
         inputs = resolved.reference_tokens * PIXELS_PER_IMAGE_TOKEN
         if resolved.width * resolved.height + inputs > max_pixels:
             raise InvalidRequest(
-                f"{resolved.width}x{resolved.height} with input images of {inputs} pixels (as the "
-                f"transformer sees them) is past this server's {max_pixels} pixels a request "
-                "(--max-pixels); send fewer or smaller images",
+                f"{size} with input images of {inputs} pixels (as the transformer sees them) is past this server's "
+                f"{max_pixels} pixels a request (--max-pixels); send fewer or smaller images",
                 param="image",
             )
         return resolved
@@ -129,8 +127,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """Listening before any engine loads: a port in use is refused at once, not after a minute of loading, and no
-    other process takes it meanwhile."""
+    """Listening before any engine loads: a port in use is refused at once, not after a minute of loading."""
     try:
         return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except (OSError, OverflowError) as exc:  # OverflowError: a port past 65535

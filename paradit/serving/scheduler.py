@@ -306,7 +306,7 @@ class Scheduler:
             job.state = jobs.CANCELLED if isinstance(outcome, JobCancelled) else jobs.FAILED
             job.future.set_exception(outcome)
         else:
-            job.state, job.steps_done = jobs.COMPLETED, job.steps
+            job.state, job.steps_done = jobs.COMPLETED, job.resolved.steps
             job.future.set_result(outcome)
 
     def _retry_after(self) -> int:

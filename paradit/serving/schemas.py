@@ -61,12 +61,12 @@ class CacheChoice(BaseModel):
         return StepCacheConfig(**{**fields, "mag_ratios": None if self.mag_ratios is None else tuple(self.mag_ratios)})
 
 
-def declared(route: str) -> dict[str, tuple[Any, Any]]:
-    """The request fields ``route``'s body takes, as their flags declare them, for ``create_model``."""
+def declared(route: str, beyond=()) -> dict[str, tuple[Any, Any]]:
+    """The request fields ``route``'s body takes but ``beyond`` does not, as their flags declare them."""
     return {
         flag.remote: (flag.http[0], Field(None, **flag.http[1]))
         for _, flag in flagged_fields(GenerationRequest, GENERATE)
-        if flag.http is not None and route in flag.routes
+        if flag.http is not None and route in flag.routes and flag.remote not in beyond
     }
 
 
@@ -82,7 +82,6 @@ class Request(BaseModel):
     cache: CacheChoice | None = Field(None, description="step caching for this request")
 
     def request(self, **fields) -> GenerationRequest:
-        """The engine's request of these fields and ``fields``."""
         width, height = (None, None) if self.size == "auto" else map(int, self.size.split("x"))
         declared = {
             each.name: getattr(self, flag.remote)
@@ -118,11 +117,7 @@ class EditForm(ImageGenerationBody):
     model_config = ConfigDict(extra="forbid", strict=False)
 
 
-ImageEditBody = create_model(
-    "ImageEditBody",
-    __base__=EditForm,
-    **{k: v for k, v in declared("edits").items() if k not in Body.model_fields},
-)
+ImageEditBody = create_model("ImageEditBody", __base__=EditForm, **declared("edits", Body.model_fields))
 
 
 def takes_json(annotation) -> bool:
@@ -139,7 +134,7 @@ VideoBody = create_model(
     "VideoBody",
     __base__=Body,
     __doc__="A text-to-video job. ``frames`` and ``fps`` default to the model's.",
-    **{k: v for k, v in declared("videos").items() if k not in Body.model_fields},
+    **declared("videos", Body.model_fields),
 )
 
 

@@ -39,8 +39,7 @@ NO_KEY = "a valid API key is required: send the header Authorization: Bearer <ke
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """``model``: the name clients use; ``video``: whether it makes videos; ``api_key``: required as a bearer token
-    on every route but /health when set; ``lora``: the adapters' names a request may choose."""
+    """``api_key``, when set: the bearer token every route but /health requires; ``lora``: the adapters' names."""
 
     model: str
     video: bool = False
@@ -167,8 +166,7 @@ def outcome(status: int) -> str:
 
 
 def with_kept_curve(request, model: str):
-    """A MagCache request without its curve takes the one kept for the served model on this machine, as ``generate``
-    does."""
+    """A MagCache request without its curve takes the one kept for ``model`` on this machine, as ``generate`` does."""
     cache = request.cache
     if cache is None or cache.method != "mag" or cache.mag_ratios is not None:
         return request
