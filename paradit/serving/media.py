@@ -16,6 +16,7 @@ PNG_COMPRESS_LEVEL = 1
 
 
 def encode_image(image: Image.Image, output_format: str, quality: int | None = None) -> bytes:
+    """``output_format``: png (lossless), jpeg or webp at ``quality`` (0-100, default 95)."""
     buffer = io.BytesIO()
     if output_format == "png":
         image.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
