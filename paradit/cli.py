@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def format_table(result) -> str:
     t = result.timings
+    # What the allocator held at most beside what tensors took, and the memory plan's estimate, where known.
+    details = [f"{t.peak_reserved_bytes / 2**30:.2f} held by the allocator"] if t.peak_reserved_bytes else []
+    details += [f"planned {t.memory_estimate_bytes / 2**30:.2f}"] if t.memory_estimate_bytes else []
+    peak = f"{t.peak_memory_bytes / 2**30:.2f} GiB" + (f" ({', '.join(details)})" if details else "")
     rows = [
         ("seed", str(result.seed)),
         ("text encoding", f"{t.text_encode_s:.3f} s"),
@@ -96,7 +100,7 @@ def format_table(result) -> str:
         *([("denoise step (median)", f"{t.median_step_ms:.1f} ms x {len(t.step_ms) - 1} more")] * (len(t.step_ms) > 1)),
         ("VAE decode", f"{t.vae_decode_s:.3f} s"),
         ("total", f"{t.total_s:.3f} s"),
-        (f"peak memory ({t.peak_memory_kind})", f"{t.peak_memory_bytes / 2**30:.2f} GiB" + peak_details(t)),
+        (f"peak memory ({t.peak_memory_kind})", peak),
         ("parallel plan", t.plan),
         ("text encoder placement", t.text_encoders),
     ]
@@ -109,13 +113,6 @@ def format_table(result) -> str:
         rows.append(("step cache", f"{steps}, {cache.blocks_skipped} block evaluations skipped"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
-def peak_details(t) -> str:
-    """What the allocator held at most beside what tensors took, and the memory plan's estimate, where known."""
-    details = [f"{t.peak_reserved_bytes / 2**30:.2f} held by the allocator"] if t.peak_reserved_bytes else []
-    details += [f"planned {t.memory_estimate_bytes / 2**30:.2f}"] if t.memory_estimate_bytes else []
-    return f" ({', '.join(details)})" if details else ""
 
 
 def asked_for(args: argparse.Namespace, command: str) -> Asked:
@@ -164,11 +161,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     run = settle(asked, request)
     video = run.family.video
-    paths = output_paths(
-        args.out or ("out/paradit.mp4" if video else "out/paradit.png"),
-        len(args.prompt) * request.num_images_per_prompt,
-        video,
-    )
+    out = args.out or ("out/paradit.mp4" if video else "out/paradit.png")
+    paths = output_paths(out, len(args.prompt) * request.num_images_per_prompt, video)
     if args.json is not None:  # checked as --out is, before anything runs
         writable_folder("--json", args.json)
     if run.origin is not None:
@@ -238,8 +232,7 @@ def request_record(resolved) -> dict:
 
 
 def file_records(resolved, seed: int) -> list[dict]:
-    """What made each image (or video) of the batch: its prompts, and the batch's seed with its index in the batch
-    (one generator draws the whole batch's noise, as diffusers draws it)."""
+    """Each output's prompts, and the batch's seed with its index: one generator draws the whole batch's noise."""
     per, negatives = resolved.images_per_prompt, resolved.negative_prompts
     return [
         {

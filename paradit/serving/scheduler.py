@@ -112,8 +112,7 @@ class Group:
 
 
 class Scheduler:
-    """The queue and the groups. ``build(index)`` makes group ``index``'s engine; ``check(request)`` resolves a request
-    against the model (raising InvalidRequest) without running anything."""
+    """``build(index)`` makes group ``index``'s engine; ``check(request)`` resolves a request, running nothing."""
 
     def __init__(
         self,

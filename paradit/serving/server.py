@@ -236,14 +236,12 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
 
     @app.post(EDITS, response_model=schemas.ImagesResponse)
     async def edit_images(request: Request):
-        """Multipart: ``image`` (or ``image[]``, as OpenAI's client sends several) once per input image, an optional
-        ``mask`` file (inpainting), and the other fields as text."""
+        """Multipart: an ``image`` (``image[]`` from OpenAI's client) per input image, a ``mask``, text fields."""
         try:
             form = await request.form(max_files=schemas.MAX_INPUT_IMAGES + 2)
         except HTTPException as refused:  # Starlette's own, for a malformed body or too many parts
-            raise InvalidRequest(
-                f"the body is not a multipart form of this API's fields: {refused.detail}", param="image"
-            ) from None
+            message = f"the body is not a multipart form of this API's fields: {refused.detail}"
+            raise InvalidRequest(message, param="image") from None
         uploads, mask = [*form.getlist("image"), *form.getlist("image[]")], form.get("mask")
         if not uploads:
             raise InvalidRequest("give the image(s) to edit as file parts named image", param="image")
@@ -275,8 +273,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         mask_bytes = None if mask is None else await mask.read()
 
         def decoded():
-            images = [decode_input(data, f"image {i + 1}", schemas.MAX_INPUT_PIXELS) for i, data in enumerate(contents)]
             pixels = schemas.MAX_INPUT_PIXELS
+            images = [decode_input(data, f"image {i + 1}", pixels) for i, data in enumerate(contents)]
             return images, None if mask_bytes is None else decode_input(mask_bytes, "the mask", pixels, "mask")
 
         images, mask = await run_in_threadpool(decoded)
