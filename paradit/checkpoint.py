@@ -1,4 +1,4 @@
-"""Checkpoint folders in the diffusers layout: a hub id is fetched with only the files the loader reads."""
+"""Checkpoint folders in the diffusers layout; a hub id's is fetched with only the files the loader reads."""
 
 from __future__ import annotations
 
@@ -17,14 +17,13 @@ NOT_READ = ["*/*/*", "*.*.safetensors", "*.index.*.json", "*.bin.index.json"]
 
 
 def listed_components(model_index: dict) -> list[str]:
-    """The components ``model_index.json`` lists: not its metadata, nor those the pipeline declares absent."""
+    """Not the metadata (``_name``) nor the components the pipeline declares absent (``[null, null]``)."""
     listed = [name for name, entry in model_index.items() if isinstance(entry, list) and None not in entry]
     return [name for name in listed if not name.startswith("_")]
 
 
 def pipeline_patterns(model_index: dict) -> dict[str, list[str]]:
-    """The ``allow_patterns`` and ``ignore_patterns`` (of huggingface_hub's downloads) that select the files the loader
-    reads of the pipeline ``model_index`` describes: every component it lists, as ``check_components`` expects them."""
+    """huggingface_hub's ``allow_patterns`` and ``ignore_patterns`` for the files the loader reads."""
     allow = [MODEL_INDEX, *(f"{name}/*{suffix}" for name in listed_components(model_index) for suffix in READ_SUFFIXES)]
     return {"allow_patterns": allow, "ignore_patterns": NOT_READ}
 
@@ -38,8 +37,8 @@ PICKLE_WEIGHTS = ("diffusion_pytorch_model.bin", "pytorch_model.bin")
 
 
 def resolve_checkpoint(model: str, allow_pickle: bool = False) -> Path:
-    """A local folder as it is; otherwise a Hugging Face hub id, fetched (or found in the cache) by huggingface_hub:
-    the files the loader reads, and with ``allow_pickle`` the pickle weights of components that have no others."""
+    """A local folder, or a hub id's files the loader reads fetched (or found in the cache), and with ``allow_pickle``
+    the pickle weights of components that have no others."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / MODEL_INDEX).is_file():
@@ -90,8 +89,8 @@ def read_json(path: Path) -> dict:
 
 
 def check_components(folder: Path, index: dict, allow_pickle: bool) -> None:
-    """Every component ``model_index.json`` lists is a folder, and one holding any weights holds those its loader
-    reads (``weights_file``): a stray ``*.safetensors`` beside pickle weights does not make them safe."""
+    """Every component listed is a folder, and one holding any weights holds those its loader reads (``weights_file``):
+    a stray ``*.safetensors`` beside pickle weights does not make them safe."""
     for name in listed_components(index):
         component = component_dir(folder, name)
         if any(path.suffix in (".safetensors", *PICKLE_SUFFIXES) for path in component.iterdir()):
@@ -101,8 +100,7 @@ def check_components(folder: Path, index: dict, allow_pickle: bool) -> None:
 
 
 def check_safetensors(file: Path) -> None:
-    """``file``'s header is whole and its tensors' bytes are all in the file, read from the header alone: a truncated
-    download is refused before anything loads, not when its component is reached (after the denoise, for a VAE)."""
+    """A truncated download refused from its header alone, before anything loads (not after the denoise, for a VAE)."""
     size = file.stat().st_size
     try:
         with file.open("rb") as handle:
@@ -128,14 +126,12 @@ def component_dir(folder: Path, name: str) -> Path:
 
 
 def component_config(folder: Path, component: str) -> dict:
-    """The config a diffusers component folder holds (``scheduler_config.json`` for the scheduler)."""
     name = "scheduler_config.json" if component == "scheduler" else "config.json"
     return read_json(component_dir(folder, component) / name)
 
 
 def weights_file(component: Path, allow_pickle: bool = False) -> Path:
-    """Where a component's loader reads its weights from: the index of its shards, else the whole file, of the first
-    name in ``SAFETENSORS_WEIGHTS`` (then, if ``allow_pickle``, ``PICKLE_WEIGHTS``) it holds."""
+    """Where a component's loader reads its weights: the shards' index, else the whole file, of the first name held."""
     names = SAFETENSORS_WEIGHTS + (PICKLE_WEIGHTS if allow_pickle else ())
     held = [file for name in names for file in (component / f"{name}.index.json", component / name) if file.is_file()]
     if held:
@@ -154,7 +150,6 @@ def weights_file(component: Path, allow_pickle: bool = False) -> Path:
 
 
 def safetensors_files(component: Path, allow_pickle: bool = False) -> list[Path]:
-    """The files a component's weights load from (``weights_file``): the shards its index lists, else the one."""
     file = weights_file(component, allow_pickle)
     if not file.name.endswith(".index.json"):
         return [file]

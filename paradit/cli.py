@@ -1,10 +1,6 @@
-"""``paradit`` command line: a thin face over ``paradit.Engine``.
-
-Errors paradit can name (bad input, missing checkpoints) print one line and exit 2, with no traceback (the device
-running out of memory: one line, exit 1); an unexpected error prints one line naming the file that holds its trace,
-and exits 1. Everything heavy (torch, the model families) is imported only by the command that needs it, so that help
-and refusals answer at once.
-"""
+"""``paradit`` command line: a thin face over ``paradit.Engine``. An error paradit can name prints one line (exit 2;
+out of device memory 1), an unexpected one a line naming the file that holds its trace (exit 1). Heavy modules are
+imported only by the command that needs them, so that help and refusals answer at once."""
 
 from __future__ import annotations
 
@@ -93,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def format_table(result) -> str:
     t = result.timings
+    # What the allocator held at most beside what tensors took, and the memory plan's estimate, where known.
+    details = [f"{t.peak_reserved_bytes / 2**30:.2f} held by the allocator"] if t.peak_reserved_bytes else []
+    details += [f"planned {t.memory_estimate_bytes / 2**30:.2f}"] if t.memory_estimate_bytes else []
+    peak = f"{t.peak_memory_bytes / 2**30:.2f} GiB" + (f" ({', '.join(details)})" if details else "")
     rows = [
         ("seed", str(result.seed)),
         ("text encoding", f"{t.text_encode_s:.3f} s"),
@@ -100,7 +100,7 @@ def format_table(result) -> str:
         *([("denoise step (median)", f"{t.median_step_ms:.1f} ms x {len(t.step_ms) - 1} more")] * (len(t.step_ms) > 1)),
         ("VAE decode", f"{t.vae_decode_s:.3f} s"),
         ("total", f"{t.total_s:.3f} s"),
-        (f"peak memory ({t.peak_memory_kind})", f"{t.peak_memory_bytes / 2**30:.2f} GiB" + peak_details(t)),
+        (f"peak memory ({t.peak_memory_kind})", peak),
         ("parallel plan", t.plan),
         ("text encoder placement", t.text_encoders),
     ]
@@ -109,27 +109,14 @@ def format_table(result) -> str:
     if t.comm_bytes_per_step:
         rows.append(("sent per step (rank 0)", f"{t.comm_bytes_per_step / 2**20:.2f} MiB"))
     if (cache := t.features.get("step_cache")) is not None:
-        rows.append(
-            (
-                "step cache",
-                f"{cache.skipped_steps} of {len(cache.skipped)} steps skipped, "
-                f"{cache.blocks_skipped} block evaluations skipped",
-            )
-        )
+        steps = f"{cache.skipped_steps} of {len(cache.skipped)} steps skipped"
+        rows.append(("step cache", f"{steps}, {cache.blocks_skipped} block evaluations skipped"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def peak_details(t) -> str:
-    """What the allocator held at most beside what tensors took, and the memory plan's estimate, where known."""
-    details = [f"{t.peak_reserved_bytes / 2**30:.2f} held by the allocator"] if t.peak_reserved_bytes else []
-    details += [f"planned {t.memory_estimate_bytes / 2**30:.2f}"] if t.memory_estimate_bytes else []
-    return f" ({', '.join(details)})" if details else ""
-
-
 def asked_for(args: argparse.Namespace, command: str) -> Asked:
-    """What ``command``'s flags ask for: a plan of the degrees given, or for ``--gpus N`` alone the one paradit
-    chooses; the adapters the LoRA flags name."""
+    """What ``command``'s flags ask for: the parallel degrees given (None: paradit chooses), the LoRA adapters."""
     parallel = from_args(ParallelConfig, args, command) if flags_given(args, command, ParallelConfig) else None
     lora = from_args(LoraFlags, args, command).lora_set() or LoraSet()
     options = from_args(ExecutionOptions, args, command, lora=lora)
@@ -137,7 +124,7 @@ def asked_for(args: argparse.Namespace, command: str) -> Asked:
 
 
 def request_for(args: argparse.Namespace, command: str) -> GenerationRequest:
-    """The request ``command``'s flags make (``plan``'s: the size it is planned for); input images are read here."""
+    """The request ``command``'s flags make (``plan``'s: the size it is planned for)."""
     if command == PLAN:
         return from_args(GenerationRequest, args, command, prompt="a plan")
     return from_args(GenerationRequest, args, command, cache=cache_config(args))
@@ -154,8 +141,7 @@ def run_generate(args: argparse.Namespace) -> int:
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     from paradit.pipelines.requests import check_text
 
-    # What needs no model is checked first, before any heavy import or worker: a bad prompt or an unreadable image
-    # is refused at once.
+    # What needs no model is checked before any heavy import or worker, so that a bad prompt is refused at once.
     check_text("prompt", args.prompt)
     check_text("negative_prompt", [args.negative_prompt or ""])
     request = request_for(args, GENERATE)
@@ -175,11 +161,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     run = settle(asked, request)
     video = run.family.video
-    paths = output_paths(
-        args.out or ("out/paradit.mp4" if video else "out/paradit.png"),
-        len(args.prompt) * request.num_images_per_prompt,
-        video,
-    )
+    out = args.out or ("out/paradit.mp4" if video else "out/paradit.png")
+    paths = output_paths(out, len(args.prompt) * request.num_images_per_prompt, video)
     if args.json is not None:  # checked as --out is, before anything runs
         writable_folder("--json", args.json)
     if run.origin is not None:
@@ -240,8 +223,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def request_record(resolved) -> dict:
-    """The request's fields a client sends (their declarations name a ``remote``) as they ran, unset ones left out:
-    what the PNG metadata and ``--json`` record of it, so a new request option is recorded where it is declared."""
+    """The request fields a client can send (their flags name a ``remote``) as they ran, for metadata and ``--json``."""
     return {
         each.name: getattr(resolved, each.name)
         for each, flag in flagged_fields(GenerationRequest, GENERATE)
@@ -250,8 +232,7 @@ def request_record(resolved) -> dict:
 
 
 def file_records(resolved, seed: int) -> list[dict]:
-    """What made each image (or video) of the batch, in order: its own prompt and negative prompt, and the batch's
-    seed with its index in the batch (one generator draws the whole batch's noise, as diffusers draws it)."""
+    """Each output's prompts, and the batch's seed with its index: one generator draws the whole batch's noise."""
     per, negatives = resolved.images_per_prompt, resolved.negative_prompts
     return [
         {
@@ -266,8 +247,6 @@ def file_records(resolved, seed: int) -> list[dict]:
 
 
 def lora_record(lora) -> dict:
-    """The adapters and scales of a run, for the PNG metadata and ``--json``."""
-
     def refs(adapters) -> list[dict]:
         return [{"source": ref.source, "scale": ref.scale, "weight_name": ref.weight_name} for ref in adapters]
 
@@ -275,8 +254,8 @@ def lora_record(lora) -> dict:
 
 
 def serial_comparison(parallel, serial, exact: bool) -> tuple[int, str]:
-    """How far the parallel images are from the one-process ones (float pixels, 8-bit levels, PSNR), and the exit
-    code: 3 when an exact plan differs by more than one level or a lossy one falls under ``LOSSY_PSNR_DB``."""
+    """The exit code (3: an exact plan off by more than one 8-bit level, a lossy one under ``LOSSY_PSNR_DB``) and
+    a line saying how far the parallel images are from the one-process ones."""
     diff = parallel.pixels - serial.pixels
     float_diff, mse = diff.abs().max().item(), diff.square().mean().item()
     psnr = 10 * math.log10(1 / mse) if mse > 0 else float("inf")
@@ -345,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     received = []
 
     def interrupt(signum, frame) -> None:
-        """SIGINT or SIGTERM: unwind, so that the engine stops its workers and removes its files on the way out; a
-        second signal would cut that short, so it is ignored."""
+        """Unwind, so that the engine stops its workers and removes its files; a second signal would cut that short."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         received.append(signum)

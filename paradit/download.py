@@ -1,11 +1,6 @@
-"""Checkpoints from the Hugging Face hub: ``paradit download`` and ``paradit models --local``.
-
-Downloads fetch only what the loader reads: ``model_index.json`` and, in its component folders, configs, default-variant
-safetensors and tokenizer files, not the root single-file checkpoints, pickle, ONNX/Flax or fp16 copies (often more
-bytes than the pipeline). huggingface_hub transfers (token from ``HF_TOKEN`` or ``hf auth login``; files on disk are
-kept; cut connections resume); this module picks the files, checks disk space first and turns hub errors into one line.
-
-Light on imports (no torch): the CLI answers at once."""
+"""``paradit download`` and ``paradit models --local``. A download fetches only what the loader reads, after checking
+the disk has room: ``model_index.json`` and its components' configs, default-variant safetensors and tokenizer files
+(not root single-file checkpoints, pickle, ONNX/Flax or fp16 copies, often more bytes than the pipeline). No torch."""
 
 from __future__ import annotations
 
@@ -54,33 +49,7 @@ def human_size(size: float) -> str:
     return f"{size:.2f} TiB"
 
 
-@dataclass(frozen=True)
-class DownloadPlan:
-    """Files a download of ``repo_id`` into ``local_dir`` (None: hub cache) reads, skips and must fetch, with sizes."""
-
-    repo_id: str
-    local_dir: Path | None
-    patterns: dict[str, list[str]]  # allow_patterns and ignore_patterns (pipeline_patterns)
-    reads: dict[str, int]
-    skips: dict[str, int]
-    to_fetch: dict[str, int]
-
-    @property
-    def target(self) -> Path:
-        from huggingface_hub import constants
-
-        return self.local_dir if self.local_dir is not None else Path(constants.HF_HUB_CACHE)
-
-    def summary(self) -> str:
-        reads = f"{self.repo_id}: {count_files(self.reads)} the pipeline reads; skipping {count_files(self.skips)}"
-        if not self.to_fetch:
-            return f"{reads}\nall of them are already in {self.target}"
-        free = human_size(free_bytes(self.target))
-        return f"{reads}\nfetching {count_files(self.to_fetch)} into {self.target} ({free} free)"
-
-
 def free_bytes(folder: Path) -> int:
-    """Free space on the disk that holds ``folder``, or will once it is created."""
     existing = next(path for path in [folder, *folder.parents] if path.exists())
     return shutil.disk_usage(existing).free
 
@@ -119,46 +88,45 @@ def hub_errors(repo_id: str) -> Iterator[None]:
         raise DownloadError(f"cannot write {exc.filename or 'the download'}: {exc.strerror or exc}") from None
 
 
-def plan_download(repo_id: str, local_dir: Path | None = None) -> DownloadPlan:
-    """Reads ``model_index.json`` and lists the repo: which files the pipeline reads, and which are not on disk yet."""
+def download(model: str, local_dir: str | Path | None = None) -> Path:
+    """A preset's or hub id's checkpoint, into ``local_dir`` or the hub cache (where ``--model`` then finds it)."""
     from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
     from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
+    repo_id = hub_id(model)
     if constants.is_offline_mode():
         raise DownloadError("HF_HUB_OFFLINE is set: unset it to download from the hub")
+    folder = None if local_dir is None else Path(local_dir).expanduser().resolve()
+    target = folder if folder is not None else Path(constants.HF_HUB_CACHE)
     with hub_errors(repo_id):
         validate_repo_id(repo_id)  # a name the hub cannot have is said as such, not as an unreachable hub
         if hub_offline():
             raise DownloadError(f"could not reach the hub at {constants.ENDPOINT}")
-        patterns = pipeline_patterns(read_json(Path(hf_hub_download(repo_id, MODEL_INDEX, local_dir=local_dir))))
+        patterns = pipeline_patterns(read_json(Path(hf_hub_download(repo_id, MODEL_INDEX, local_dir=folder))))
         tree = HfApi().list_repo_tree(repo_id, recursive=True)
         sizes = {entry.path: entry.size for entry in tree if isinstance(entry, RepoFile)}
         selected = set(filter_repo_objects(sizes, **patterns))
         quiet = functools.partial(tqdm, disable=True)  # a dry run's bars would show a download that does not happen
-        preview = snapshot_download(repo_id, **patterns, local_dir=local_dir, dry_run=True, tqdm_class=quiet)
+        preview = snapshot_download(repo_id, **patterns, local_dir=folder, dry_run=True, tqdm_class=quiet)
     reads = {path: size for path, size in sizes.items() if path in selected}
     skips = {path: size for path, size in sizes.items() if path not in selected}
     to_fetch = {file.filename: sizes[file.filename] for file in preview if file.will_download}
-    return DownloadPlan(repo_id, local_dir, patterns, reads, skips, to_fetch)
-
-
-def download(model: str, local_dir: str | Path | None = None) -> Path:
-    """``paradit download``: the checkpoint of a preset or hub id, into ``local_dir`` or the hub cache (where
-    ``--model <preset or hub id>`` finds it), after checking the disk has room for the files not on it yet."""
-    from huggingface_hub import snapshot_download
-
-    plan = plan_download(hub_id(model), None if local_dir is None else Path(local_dir).expanduser().resolve())
-    print(plan.summary(), flush=True)
-    if (needed := sum(plan.to_fetch.values())) > (free := free_bytes(plan.target)):
+    free = free_bytes(target)
+    print(f"{repo_id}: {count_files(reads)} the pipeline reads; skipping {count_files(skips)}")
+    if to_fetch:
+        print(f"fetching {count_files(to_fetch)} into {target} ({human_size(free)} free)", flush=True)
+    else:
+        print(f"all of them are already in {target}", flush=True)
+    if (needed := sum(to_fetch.values())) > free:
         raise DownloadError(
-            f"not enough disk space for {plan.repo_id}: {human_size(needed)} to fetch into {plan.target}, "
+            f"not enough disk space for {repo_id}: {human_size(needed)} to fetch into {target}, "
             f"{human_size(free)} free there; make room or choose another disk with --dir"
         )
-    with hub_errors(plan.repo_id):
-        folder = Path(snapshot_download(plan.repo_id, **plan.patterns, local_dir=plan.local_dir))
-    print(f"{folder}: run it with --model {local_dir if local_dir is not None else model}")
-    return folder
+    with hub_errors(repo_id):
+        written = Path(snapshot_download(repo_id, **patterns, local_dir=folder))
+    print(f"{written}: run it with --model {local_dir if local_dir is not None else model}")
+    return written
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,4 @@
-"""``paradit quantize``: write an FP8 checkpoint folder (the transformer quantized linear by linear as it loads, the
-other components linked), and read back one written for a preset."""
+"""``paradit quantize``: write an FP8 checkpoint folder, and read back one written for a preset."""
 
 from __future__ import annotations
 
@@ -24,16 +23,14 @@ from paradit.runtime import load_transformer
 from paradit.spec import Fp8PresetFolder, ModelSpec
 from paradit.weights import save_component
 
-PRESET_FILE = "paradit_preset.json"  # in an FP8 folder written for a preset: which one (see write_fp8_checkpoint)
+PRESET_FILE = "paradit_preset.json"  # in an FP8 folder written for a preset: which one
 
 
 def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list[str]:
-    """Quantize ``spec``'s transformer on the CPU, linear by linear as it loads, and write an FP8 checkpoint folder at
-    ``out``; returns the FP8 layers. A checkpoint folder's other components are hard-linked (copied across file
-    systems), so ``out`` is a complete diffusers-layout folder. A preset without one (random weights) gets its
-    transformer component and ``PRESET_FILE`` naming the preset, whose prompt encoders and VAE paradit then draws at
-    random: a full-size FP8 load path for benchmarks without the real weights. ``dtype``: the layers kept in high
-    precision. It is written under a hidden name and moved into place whole: a failure leaves none to block a rerun."""
+    """An FP8 checkpoint folder of ``spec`` at ``out``, its transformer quantized on the CPU; returns the FP8 layers.
+    The other components are hard-linked (copied across file systems); a preset with random weights gets
+    ``PRESET_FILE`` instead, whose encoders and VAE are then drawn at random: a full-size FP8 load path for benchmarks
+    without the real weights. ``dtype``: the layers kept in high precision."""
     folder = spec.folder
     if folder is None and spec.name not in PRESETS:
         raise InvalidRequest(
@@ -49,13 +46,9 @@ def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list
         "modules": layers,
         "weight_scale": "float32 (out_features, 1): weight = fp8 * scale, row by row",
     }
+    config = {**spec.transformer, "quantization_config": marker}
     with replaced(out, (OSError, SafetensorError)) as staging:
-        save_component(
-            model.state_dict(),
-            {**spec.transformer, "quantization_config": marker},
-            staging / "transformer",
-            max_shard_bytes=5 * 2**30,
-        )
+        save_component(model.state_dict(), config, staging / "transformer", max_shard_bytes=5 * 2**30)
         if folder is None:
             (staging / PRESET_FILE).write_text(json.dumps({"preset": spec.name}, indent=2) + "\n")
         else:  # file by file, so that a failure is the file's own (copytree's gathers them all)
@@ -72,8 +65,8 @@ def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list
 
 
 def check_out(out: Path, spec: ModelSpec | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """``--out`` before any work: a new (or empty) folder paradit can write in; with ``spec``, outside the checkpoint
-    it quantizes, on a disk with room for the FP8 transformer, and for copies of the rest where it cannot link them."""
+    """``--out`` before any work: a new (or empty) folder paradit can write in; with ``spec``, outside the checkpoint,
+    on a disk with room for the FP8 transformer (and copies of the rest where it cannot link them)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InvalidRequest(f"--out {out} {'is not empty' if out.is_dir() else 'is a file'}; give a new folder")
     disk = writable_folder("--out", out, out.parent)  # where it is written, to be renamed
@@ -94,7 +87,6 @@ def check_out(out: Path, spec: ModelSpec | None = None, dtype: torch.dtype = tor
 
 
 def spec_with_fp8_transformer(folder: Path) -> ModelSpec:
-    """The spec of a folder ``write_fp8_checkpoint`` wrote for a preset: its FP8 transformer, everything else random."""
     preset = read_json(folder / PRESET_FILE).get("preset")
     if preset not in PRESETS:
         raise CheckpointError(f"{folder / PRESET_FILE} names preset {preset!r}; the presets: {', '.join(PRESETS)}")

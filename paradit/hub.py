@@ -1,7 +1,5 @@
-"""Reaching the Hugging Face hub, or knowing at once that it cannot be reached. Unreachable, huggingface_hub retries
-each request five times over half a minute, warning twice a retry (its handler and paradit's) before it falls back
-to its cache; one short request asked first decides instead whether to read the cache only. Light on imports (no
-torch): a refusal answers at once."""
+"""Whether the hub can be reached, asked once in a short request: unreachable, huggingface_hub retries each request
+five times over half a minute, warning twice a retry, before it falls back to its cache. No torch."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ PROBE_SECONDS = 2.0
 
 
 def hub_offline() -> bool:
-    """Whether huggingface_hub may read only its cache: ``HF_HUB_OFFLINE`` is set, or the hub's endpoint did not
-    answer (asked once a process and endpoint: a server's models and adapters resolve once, at its start)."""
+    """Whether huggingface_hub may read only its cache (asked once a process: a server resolves its models at start)."""
     from huggingface_hub import constants
 
     return constants.is_offline_mode() or not _answers(constants.ENDPOINT)
@@ -43,7 +40,6 @@ def _answers(endpoint: str) -> bool:
 
 
 def offline_reason() -> str:
-    """Why the hub was not asked, in words."""
     from huggingface_hub import constants
 
     return "HF_HUB_OFFLINE is set" if constants.is_offline_mode() else f"the hub at {constants.ENDPOINT} is unreachable"
@@ -51,7 +47,7 @@ def offline_reason() -> str:
 
 @contextlib.contextmanager
 def quiet_retries() -> Iterator[None]:
-    """huggingface_hub's warnings silenced: its retries warn twice each, and the error they end in says it once."""
+    """Silenced: huggingface_hub's retries warn twice each, and the error they end in says it once."""
     hub_log = logging.getLogger("huggingface_hub")
     level = hub_log.level
     hub_log.setLevel(logging.ERROR)

@@ -1,9 +1,6 @@
-"""A stand-in tokenizer built in memory, for models run without a checkpoint (``--load-format dummy``, tiny presets).
-
-Byte-level BPE with no merges: every UTF-8 byte is one token, plus the chat-format special tokens, and a chat
-template that accepts plain-string and list-of-parts message contents (the two forms the FLUX.2 pipelines send).
-Real checkpoints bring their own tokenizer; this exists only so that a model with random weights can still take a
-text prompt end to end, offline."""
+"""Stand-in tokenizers built in memory, so that a model with random weights (``--load-format dummy``, tiny presets)
+takes a text prompt end to end, offline: byte-level BPE with no merges (every UTF-8 byte a token) plus the chat
+special tokens, and a chat template taking both forms of message content the FLUX.2 pipelines send."""
 
 from __future__ import annotations
 
@@ -49,8 +46,8 @@ def build_offline_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerF
 
 
 def offline_t5_tokenizer() -> transformers.T5Tokenizer:
-    """A T5 (unigram) tokenizer built in memory for random-weight runs: printable ASCII characters, with and without
-    the word-start marker; T5's pad, end and unknown tokens take ids 0, 1 and 2 as in the published vocabulary."""
+    """A T5 (unigram) tokenizer of printable ASCII characters, with and without the word-start marker; pad, end and
+    unknown take ids 0, 1 and 2, as in T5's published vocabulary."""
     characters = string.ascii_letters + string.digits + string.punctuation
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     pieces += [("▁" + c, -3.0) for c in characters] + [(c, -4.0) for c in characters]

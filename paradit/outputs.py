@@ -1,5 +1,5 @@
-"""Output files: image formats, ``--out``'s paths, files written, MP4s (H.264: PyAV's libx264). The CLI writes these;
-the server (``serving.media``) encodes the same formats, by API name, and ``encode_mp4``."""
+"""Output files: image formats, ``--out``'s paths, images, frames and MP4s (H.264: PyAV's libx264) written whole, and
+input images read as diffusers reads them. The server (``serving.media``) encodes the same formats."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ CRF = 18
 
 
 def output_paths(out: str, count: int, video: bool = False) -> list[Path]:
-    """The files ``--out`` names, checked before anything runs: a known image extension (or for a video, .mp4, an
-    image extension or a folder, which hold its frames), a writable folder."""
+    """The files ``--out`` names, checked before anything runs (a video's may be a folder or image, for its frames)."""
     path = Path(out)
     is_folder = out.endswith(("/", os.sep)) or path.is_dir()
     images = ", ".join(IMAGE_FORMATS)
@@ -43,8 +42,7 @@ def output_paths(out: str, count: int, video: bool = False) -> list[Path]:
 
 
 def writable_folder(flag: str, out: str | Path, folder: Path | None = None) -> Path:
-    """The nearest existing one of ``folder`` and its parents, where ``out`` goes (None: ``out`` names a file, which
-    goes in its folder), refused unless paradit can write there."""
+    """The nearest existing one of ``folder`` (None: ``out``'s) and its parents, refused unless paradit writes there."""
     if folder is None and (str(out).endswith(("/", os.sep)) or Path(out).is_dir()):
         raise InvalidRequest(f"{flag} {out} is a folder; give a file name")
     folder = Path(out).parent if folder is None else folder
@@ -58,8 +56,8 @@ def writable_folder(flag: str, out: str | Path, folder: Path | None = None) -> P
 
 @contextmanager
 def replaced(path: Path, errors: tuple[type[Exception], ...] = (OSError,)) -> Iterator[Path]:
-    """A name in a hidden folder beside ``path`` to write a file or a folder at, renamed to ``path`` once whole, so
-    that a failure (a full disk, Ctrl-C) leaves nothing half-written; ``errors``: the writer's, said in one line."""
+    """A name in a hidden folder beside ``path`` to write at, renamed to ``path`` once whole: a failure (a full disk,
+    Ctrl-C) leaves nothing half-written. ``errors``: the writer's, said in one line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as folder:
@@ -70,8 +68,7 @@ def replaced(path: Path, errors: tuple[type[Exception], ...] = (OSError,)) -> It
 
 
 def save_images(images: list, paths: list[Path], metadata: list[dict[str, str]]) -> None:
-    """Each image in the format its extension names; PNGs carry their ``metadata`` (one dict an image) as text
-    chunks."""
+    """Each image in the format its extension names, a PNG with its ``metadata`` as text chunks."""
     from PIL.PngImagePlugin import PngInfo
 
     for path, image, text in zip(paths, images, metadata):
@@ -83,8 +80,7 @@ def save_images(images: list, paths: list[Path], metadata: list[dict[str, str]])
 
 
 def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: list[dict[str, str]]) -> list[Path]:
-    """Each video as an MP4 or its frames in a folder (``x.png`` or ``x/`` -> ``x/0000.png``), with its own
-    ``metadata``; returns the paths."""
+    """Each video as an MP4 or its frames in a folder (``x.png`` or ``x/`` -> ``x/0000.png``); returns the paths."""
     written = []
     for path, frames, text in zip(paths, videos, metadata):
         if path.suffix.lower() == VIDEO_SUFFIX:
@@ -100,7 +96,6 @@ def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: list[
 
 
 def read_image(path: str, flag: str = "--image"):
-    """``flag``'s picture as ``rgb_image`` reads it; refused with the reason if unreadable or past PIL's limit."""
     import warnings
 
     from PIL import Image, UnidentifiedImageError
@@ -120,8 +115,7 @@ def read_image(path: str, flag: str = "--image"):
 
 
 def header_size(path: str) -> tuple[int, int]:
-    """An image's size as its header gives it, however large: PIL's pixel limit lifted for a read that decodes
-    nothing (the command line reads its images on one thread)."""
+    """An image's size from its header, PIL's pixel limit lifted (the command line reads images on one thread)."""
     from PIL import Image
 
     limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
@@ -133,9 +127,8 @@ def header_size(path: str) -> tuple[int, int]:
 
 
 def rgb_image(image, name: str = "image"):
-    """``image`` (PIL) as diffusers' ``load_image`` hands it to a pipeline: turned as its EXIF orientation says, in RGB
-    without its alpha; but deep pixels are scaled to 8 bits where PIL's conversion clips them (a 16-bit frame turns
-    white), over the first range that holds them: ``I;16`` 0-65535, ``I`` 0-255 or 0-65535, ``F`` 0-1 or 0-255."""
+    """``image`` (PIL) as diffusers' ``load_image`` hands it on (EXIF-turned, RGB), but deep pixels scaled to 8 bits
+    over the first range that holds them, where PIL's conversion clips them (a 16-bit frame turns white)."""
     import numpy as np
     from PIL import Image, ImageOps
 
@@ -152,7 +145,7 @@ def rgb_image(image, name: str = "image"):
 
 
 def encode_mp4(frames: list, fps: int, metadata: dict[str, str] | None = None) -> bytes:
-    """MP4 bytes of ``frames`` (PIL, one size, even sides) at ``fps``; ``metadata`` goes in the container's tags."""
+    """``frames``: PIL images of one size, even sides; ``metadata`` goes in the container's tags."""
     import av
     import numpy as np
 

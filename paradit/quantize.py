@@ -1,13 +1,8 @@
-"""Swap a model's linear layers for FP8 ones, from outside the model (its file never knows), and read paradit's FP8
-checkpoints (written by ``fp8_checkpoint``): a diffusers-layout transformer component whose quantized linears hold an
-FP8 ``weight`` and a float32 ``weight_scale`` (one per output channel), marked in its ``config.json`` by a
-``quantization_config`` that names the method (``paradit-fp8``), the format (``float8_e4m3fn``) and the layers.
-diffusers refuses the unknown method rather than reading FP8 bytes as weights.
-
-Converting and saving run anywhere (the CPU included); only executing FP8 needs a GPU (``check_fp8_supported``).
-Which layers stay in bf16 is a measured choice, not a guess: the embedders, the timestep/guidance MLPs, the
-modulation projections and the output projection are a small share of the FLOPs but feed every block (modulation)
-or the final prediction directly, so their error is not averaged away; the benchmark reports the resulting error."""
+"""FP8 linears swapped in from outside the model, and paradit's FP8 checkpoints (``fp8_checkpoint``): a transformer
+whose quantized linears hold an FP8 ``weight`` and a float32 ``weight_scale`` per output channel, marked by a
+``quantization_config`` of its own method, which diffusers refuses rather than read FP8 bytes as weights. The layers
+kept in bf16 (embedders, timestep MLPs, modulation, output) are a small share of the FLOPs but feed every block or the
+prediction directly, so their error is not averaged away: a measured choice."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ CHECKPOINT_FORMAT = torch.float8_e4m3fn  # OCP e4m3, what every FP8 GPU but MI30
 
 
 def quantizable(name: str, module: nn.Module, keep: tuple[str, ...]) -> bool:
-    """Linear layers whose name holds none of the family's ``keep`` fragments (its embedders, modulation and output
-    layers), and whose dimensions the FP8 GEMM accepts (multiples of 16)."""
+    """A linear whose name holds none of the family's ``keep`` fragments, of dimensions the FP8 GEMM takes."""
     if not isinstance(module, nn.Linear) or module.in_features % 16 or module.out_features % 16:
         return False
     return not any(fragment in name for fragment in keep)
@@ -32,8 +26,7 @@ def quantizable(name: str, module: nn.Module, keep: tuple[str, ...]) -> bool:
 
 @torch.no_grad()
 def convert_fp8(model: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> list[str]:
-    """Replace the quantizable linears of ``model`` with ``dtype`` ones, one at a time, so that at most one layer's
-    high-precision weight exists beside the FP8 copies; returns the names replaced."""
+    """The quantizable linears replaced one at a time (one high-precision weight beside the FP8 copies); their names."""
     replaced = []
     for name, module in list(model.named_modules()):
         if quantizable(name, module, keep):
@@ -44,13 +37,12 @@ def convert_fp8(model: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> 
 
 
 def quantize_fp8(model: nn.Module, device: torch.device, keep: tuple[str, ...]) -> list[str]:
-    """``convert_fp8`` into the format ``device`` multiplies, where it can (a loaded model, for benchmarks)."""
+    """``convert_fp8`` into the format ``device`` multiplies (a loaded model, for benchmarks)."""
     check_fp8_supported(device)
     return convert_fp8(model, fp8_dtype(device), keep)
 
 
 def fp8_checkpoint_layers(config: dict) -> list[str] | None:
-    """The FP8 linears a transformer ``config.json`` declares (None for a high-precision checkpoint)."""
     quantization = config.get("quantization_config")
     if quantization is None:
         return None
@@ -66,9 +58,8 @@ def fp8_checkpoint_layers(config: dict) -> list[str] | None:
 def fp8_load(
     model: nn.Module, names: ModelNames, config: dict, quantize: str, dtype: torch.dtype, keep: tuple[str, ...]
 ) -> Fp8Load | None:
-    """The linears of the (parallelized, still meta) ``model`` to load as ``dtype`` FP8, by ``names`` (of the plain
-    model): those of an FP8 checkpoint (``config`` declares them), else with ``quantize="fp8"`` the quantizable ones
-    (``keep``: the family's high-precision fragments) at their sharded sizes. None when nothing loads as FP8."""
+    """The linears of the parallelized meta ``model`` to load as FP8: an FP8 checkpoint's, else with ``quantize="fp8"``
+    the quantizable ones at their sharded sizes; None when nothing loads as FP8."""
     layers = fp8_checkpoint_layers(config)
     if layers is None and quantize != "fp8":
         return None

@@ -1,11 +1,6 @@
-"""Prompt encoding with a transformers decoder, read at chosen hidden layers.
-
-Only decoder layers up to the deepest one read are built and loaded (layer 30 of 40 saves a quarter of the weights and
-time); the final norm becomes an identity, so the last kept layer gives the raw hidden state the full model reports.
-
-Prompt encoders are placed one of three ways (``PLACEMENTS``), as the memory plan chooses: ``gpu``, resident in the run
-dtype; ``fp8``, resident with FP8 linears (``quantize_to``) where the run already executes in FP8; ``offload``, weights
-in host memory streamed to the device (``stream_weights``), when the encoder does not fit beside the transformer."""
+"""Prompt encoding with a transformers decoder read at chosen hidden layers (only the layers up to the deepest one
+read are built), and the three ways the memory plan places an encoder (``PLACEMENTS``): ``gpu``, resident in the run
+dtype; ``fp8``, resident with FP8 linears; ``offload``, weights in host memory streamed to the device."""
 
 from __future__ import annotations
 
@@ -30,30 +25,23 @@ _MIN_HOST_BUFFER = 2**28
 
 
 def warn_if_truncated(tokenizer, texts: list[str], limit: int, reader: str = "the text encoder") -> None:
-    """Say, as diffusers does, when a prompt is longer than ``reader`` reads: its tokens past ``limit`` are dropped.
-    ``texts`` are the prompts as the encoder is given them (templates applied)."""
+    """Warn, as diffusers does, when one of ``texts`` (templates applied) is longer than ``reader`` reads."""
     longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"])
     if longest > limit:
-        logger.warning(
-            "a prompt is %d tokens long and %s reads %d: its last %d tokens are dropped",
-            longest,
-            reader,
-            limit,
-            longest - limit,
-        )
+        message = "a prompt is %d tokens long and %s reads %d: its last %d tokens are dropped"
+        logger.warning(message, longest, reader, limit, longest - limit)
 
 
 def weights_device(placement: str, device: torch.device) -> torch.device:
-    """Where a prompt encoder's weights load: its device, or host memory when streamed or converted on the way."""
+    """Where a prompt encoder's weights load: host memory when streamed or converted on the way."""
     return device if placement == "gpu" else torch.device("cpu")
 
 
 def random_encoder(build, placement: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """``build()`` (a transformers model from its config) with random weights (``DummyTensors``: seeded by name, fan-in
-    scaled) in ``dtype``, loaded where ``placement`` loads weights. transformers' own initialisation draws on the host
-    at ~40M values a second a thread when the encoder is bound for host memory (offload, fp8): minutes for FLUX.2-dev's
-    17B-parameter encoder; here each parameter is drawn on ``device`` (milliseconds on a GPU) and moved one at a time,
-    so a memory cap still holds. Buffers (rotary tables) are computed as transformers does; tied weights stay tied."""
+    """``build()`` (a transformers model) with ``DummyTensors`` weights, loaded where ``placement`` loads weights.
+    transformers' own initialisation draws on the host at ~40M values a second a thread (minutes for FLUX.2-dev's 17B
+    encoder bound for host memory); here each parameter is drawn on ``device`` and moved one at a time, so a memory
+    cap still holds. Buffers (rotary tables) are computed as transformers does; tied weights stay tied."""
     if device.type == "meta":  # the memory plan counts tensors: built on meta, transformers initialises nothing
         with init_empty_weights(), torch.device("meta"):
             return build().eval().requires_grad_(False)
@@ -72,10 +60,9 @@ def random_encoder(build, placement: str, device: torch.device, dtype: torch.dty
 
 
 def _move_to_host_buffers(module: nn.Module, pin: bool) -> dict[str, torch.Tensor]:
-    """Move ``module``'s parameters into a few large host buffers, page-locked (for full-speed host-to-device copies)
-    when ``pin``, leaving the module's own on the meta device; returns them by name (tied weights share one). Packed,
-    because PyTorch's pinned allocator rounds each allocation up to a power of two, tensor by tensor up to twice the
-    encoder's size; moved one at a time, so the peak stays near one encoder, not two."""
+    """``module``'s parameters moved one at a time (the peak stays near one encoder) into a few large host buffers,
+    page-locked when ``pin``, by name; the module's left on the meta device. Packed, because PyTorch's pinned allocator
+    rounds each allocation up to a power of two: tensor by tensor, up to twice the encoder's size."""
     params = dict(module.named_parameters(remove_duplicate=False))
     size = max(_MIN_HOST_BUFFER, 1 << (max(p.nbytes for p in params.values()) - 1).bit_length())
     moved: dict[str, torch.Tensor] = {}
@@ -95,26 +82,22 @@ def _move_to_host_buffers(module: nn.Module, pin: bool) -> dict[str, torch.Tenso
 
 
 def stream_weights(module: nn.Module, device: torch.device) -> nn.Module:
-    """Keep ``module``'s weights in host memory and run it on ``device``: accelerate's ``cpu_offload`` hooks copy each
-    submodule's weights in just before its forward and drop them after, so the device holds one submodule's at a time
-    (the largest usually the token embedding, else an MLP projection) and gets it all back after encoding. The cost: the
-    whole encoder crosses the host link on every encode, synchronously (no overlap), with an allocator cache flush per
-    weight (accelerate empties the cache whenever it places a tensor). Buffers (rotary tables) stay on the device."""
+    """``module``'s weights kept in host memory, each submodule's copied to ``device`` for its forward by accelerate's
+    ``cpu_offload`` hooks. The cost: the whole encoder crosses the host link on every encode, with no overlap, and an
+    allocator cache flush per weight (accelerate empties the cache whenever it places a tensor)."""
     weights = _move_to_host_buffers(module, pin=device.type == "cuda")
     return cpu_offload(module, execution_device=device, state_dict=weights)
 
 
 def converts_to_fp8(encoder: nn.Module, name: str, module: nn.Module) -> bool:
-    """Whether ``quantize_to`` converts ``encoder``'s submodule ``name``: a linear ``quantize.quantizable`` accepts,
-    unless transformers keeps it in float32 for precision (T5's ``wo``, whose input it casts to the weight's dtype)."""
+    """A linear ``quantizable`` accepts, unless transformers keeps it in float32 for precision (T5's ``wo``)."""
     keep = getattr(encoder, "_keep_in_fp32_modules", None) or ()
     return quantizable(name, module, keep=()) and not any(part in keep for part in name.split("."))
 
 
 @torch.no_grad()
 def quantize_to(module: nn.Module, device: torch.device) -> nn.Module:
-    """``module`` on ``device`` with its linears in FP8 (``converts_to_fp8``), each converted as it arrives, so that
-    the encoder never sits whole on the device in the run dtype; the rest follows as it is."""
+    """``module`` on ``device``, each linear converted to FP8 as it arrives: never whole there in the run dtype."""
     dtype = fp8_dtype(device)
     for name, child in list(module.named_modules()):
         if converts_to_fp8(module, name, child):
@@ -124,7 +107,6 @@ def quantize_to(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 def place(module: nn.Module, placement: str, device: torch.device) -> nn.Module:
-    """``module``, loaded on ``weights_device(placement, device)``, made to run on ``device``."""
     if placement == "offload":
         return stream_weights(module, device)
     if placement == "fp8":
@@ -140,14 +122,14 @@ def _truncate_config(config: transformers.PretrainedConfig, num_layers: int) -> 
 
 
 def _decoder_without_final_norm(model: nn.Module) -> nn.Module:
+    """The last kept layer then gives the raw hidden state that the full model reports at that layer."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     decoder.norm = nn.Identity()
     return decoder.eval().requires_grad_(False)
 
 
 class PromptEncoder(Protocol):
-    """What every family's prompt encoder does: ``encode`` gives the family's embeddings of the prompts (its own
-    structure: a tensor, a pair, a list); ``modules`` the nn.Modules it holds (what the memory plan counts)."""
+    """``encode``: the family's prompt embeddings, in its own structure; ``modules``: what memory plans count."""
 
     def encode(self, prompts: list[str], dtype: torch.dtype) -> Any: ...
 
@@ -157,8 +139,7 @@ class PromptEncoder(Protocol):
 def load_prompt_encoder(
     family, spec, device: torch.device, dtype: torch.dtype, dummy: bool, placement: str = "gpu"
 ) -> PromptEncoder:
-    """``family``'s prompt encoder for ``spec``, placed as ``placement`` says: read from its checkpoint folder
-    (``spec.weights``), or random (``dummy``; on the meta device for memory estimates)."""
+    """Read from ``spec.weights``, or random (``dummy``; on the meta device for memory estimates)."""
     encoder = family.prompt_encoder(spec)
     if dummy:
         return encoder.dummy(spec.text_encoder, device, dtype, placement)
@@ -211,17 +192,14 @@ class DecoderPromptEncoder:
     ) -> DecoderPromptEncoder:
         config = transformers.AutoConfig.for_model(**spec.config)
         _truncate_config(config, max(spec.layers))
-
-        def build() -> nn.Module:
-            return transformers.AutoModel.from_config(config, dtype=dtype)
-
-        model = random_encoder(build, placement, device, dtype, seed)
+        model = random_encoder(
+            lambda: transformers.AutoModel.from_config(config, dtype=dtype), placement, device, dtype, seed
+        )
         decoder = place(_decoder_without_final_norm(model), placement, device)
         return cls(decoder, build_offline_tokenizer(spec.max_length), spec, device)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each prompt as one user turn of the chat template (if ``templated``), with the generation prompt, padded to
-        ``max_length``."""
+        """Each prompt as one user turn of the chat template (if ``templated``), padded to ``max_length``."""
         template = {"tokenize": False, "add_generation_prompt": True, "enable_thinking": self.thinking}
         texts = prompts
         if self.templated:
@@ -233,7 +211,6 @@ class DecoderPromptEncoder:
         return inputs["input_ids"], inputs["attention_mask"]
 
     def hidden_states(self, prompts: list[str]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """Every layer's hidden states of the tokenized prompts, and their attention mask, on ``device``."""
         input_ids, mask = self.tokenize(prompts)
         mask = mask.to(self.device)
         output = self.decoder(

@@ -1,11 +1,6 @@
-"""Weights: diffusers-layout checkpoint folders, hub ids, and random ("dummy") initialisation on the device.
-
-The transformer is built on the meta device, the parallel runtime shards and prunes it there, and only then are the
-tensors this rank kept materialised (``materialize``): read from the memory-mapped safetensors shards (just the
-slice a tensor-parallel rank keeps) or drawn at random (``dummy``), one tensor at a time, straight into their final
-device and dtype. Linears converted to FP8 while loading become FP8 as they are read. So a rank's memory while
-loading is its own share plus at most one full tensor. Keys must match the model exactly: a missing or unexpected
-key is an error that names it."""
+"""Weights: the tensors a rank kept after the parallel runtime sharded and pruned the meta-device model, materialised
+one at a time straight into their device and dtype, from memory-mapped safetensors (just a rank's slice) or at random
+(``dummy``): a rank's memory while loading is its share plus at most one full tensor. Keys must match exactly."""
 
 from __future__ import annotations
 
@@ -30,19 +25,19 @@ from paradit.layers.fp8 import Fp8Linear, quantize_weight
 @dataclass(frozen=True)
 class TensorSlice:
     """The part of a full tensor one rank keeps: the ``ranges`` [start, stop) along ``dim`` (``size`` long in the full
-    tensor), concatenated in order (one range per packed part, so every rank holds matching shares of each part)."""
+    tensor), concatenated (one range per packed part, so every rank holds matching shares of each part)."""
 
     dim: int
     size: int
     ranges: tuple[tuple[int, int], ...]
 
     def indices(self, ndim: int) -> list[tuple[slice, ...]]:
-        """One index per range, for anything indexed like a tensor (a tensor, a safetensors slice)."""
+        """One index per range, for a tensor or a safetensors slice."""
         before = (slice(None),) * self.dim
         return [(*before, slice(start, stop), *(slice(None),) * (ndim - self.dim - 1)) for start, stop in self.ranges]
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a full ``tensor``, as a copy, so that the full tensor can be freed."""
+        """A copy, so that the full tensor can be freed."""
         if tensor.shape[self.dim] != self.size:
             raise ValueError(
                 f"a tensor-parallel plan expects {self.size} features along dim {self.dim}, found {tensor.shape}"
@@ -51,9 +46,8 @@ class TensorSlice:
 
 
 class CheckpointTensors(ExitStack):
-    """The tensors of weight ``files`` by name, each read (or just the slice a rank keeps) from the memory map when
-    asked for, so that no more than one tensor's share is in flight. Closing it closes the files. Pickle files
-    (``.bin``, only where allowed) go through torch's restricted unpickler, which builds tensors and nothing else."""
+    """The tensors of weight ``files`` by name, each read (or a rank's slice of it) from the memory map when asked for.
+    Pickle files (``.bin``, only where allowed) go through torch's restricted unpickler, which builds only tensors."""
 
     def __init__(self, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
@@ -95,11 +89,10 @@ class CheckpointTensors(ExitStack):
 
 
 class DummyTensors:
-    """Random weights for speed measurements (vLLM's ``dummy`` format), generated on the device.
-    Each tensor's values come from a generator seeded by its name, drawn for its full shape and then sliced, so every
-    rank holds the same values for a replicated tensor and matching shares of a sharded one, whatever else it holds.
-    Scales keep activations bounded through deep stacks (std 1/sqrt(fan_in) for matrices, 1 for norm weights, 0 for
-    biases and buffers), so timings are not distorted by inf/NaN arithmetic."""
+    """Random weights for speed measurements (vLLM's ``dummy`` format), drawn on the device for a tensor's full shape
+    from a generator seeded by its name, then sliced: every rank holds matching values, whatever else it holds. Std
+    1/sqrt(fan_in) for matrices, 1 for norm weights, 0 for biases and buffers keep activations bounded through deep
+    stacks, so timings are not distorted by inf/NaN arithmetic."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, buffers: set[str], seed: int = 0) -> None:
         self.device, self.dtype, self.buffers, self.seed = device, dtype, buffers, seed
@@ -120,10 +113,9 @@ TensorSource = CheckpointTensors | DummyTensors
 
 
 class ModelNames:
-    """The names (diffusers') of a plain model's modules, parameters and buffers, and each tensor's full shape, taken
-    before the parallel runtime shards, prunes and wraps it: they still name whatever it kept, wherever that now
-    lives. A tensor is found by identity, or, where tensor parallelism replaced it by its slice, by the module and
-    attribute that hold it. Everything named is kept referenced, so no identity is reused while this lives."""
+    """The names (diffusers') and full shapes of a plain model's modules and tensors, taken before the parallel runtime
+    shards, prunes and wraps it. A tensor is found by identity, or where tensor parallelism replaced it by its slice,
+    by the module and attribute holding it; all are kept referenced, so no identity is reused while this lives."""
 
     def __init__(self, model: nn.Module) -> None:
         self._modules = {id(module): (name, module) for name, module in model.named_modules(remove_duplicate=False)}
@@ -137,7 +129,6 @@ class ModelNames:
         return self._modules.get(id(module), (None,))[0]
 
     def tensor(self, owner: nn.Module, leaf: str, tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
-        """The name and full shape of ``tensor``, held as ``owner.leaf``."""
         entry = self._tensors.get(id(tensor)) or self._slots.get((id(owner), leaf))
         if entry is None:  # a parallel wrapper built on the meta device must hold only the model's own tensors
             raise ValueError(f"{type(owner).__name__}.{leaf} is on the meta device but is none of the model's tensors")
@@ -149,8 +140,7 @@ class ModelNames:
 
 @dataclass(frozen=True)
 class Fp8Load:
-    """Linears to build as ``Fp8Linear`` while loading (their names by module identity), the FP8 format, and the
-    ``weight_scale`` names an FP8 checkpoint holds (empty when converting from high precision)."""
+    """Linears to build as ``Fp8Linear`` (names by module identity), and an FP8 checkpoint's ``weight_scale`` names."""
 
     modules: dict[int, str]
     dtype: torch.dtype
@@ -165,10 +155,8 @@ def materialize(
     slices: dict[str, TensorSlice] | None = None,
     fp8: Fp8Load | None = None,
 ) -> None:
-    """Fill every meta tensor still reachable from ``root`` from ``source``: only what this rank kept is read, and of
-    a sharded tensor only its slice. ``names`` (of the plain model) gives each tensor's checkpoint name and full
-    shape; ``slices`` the cut of each sharded one. The linears in ``fp8`` become ``Fp8Linear`` as they
-    are read, so at most one of their high-precision weights exists at a time."""
+    """Fill every meta tensor still reachable from ``root`` from ``source``, each sharded one's slice only (``slices``).
+    The linears in ``fp8`` become ``Fp8Linear`` as they are read, one high-precision weight at a time."""
     slices = slices or {}
     fp8 = fp8 or Fp8Load({}, torch.float8_e4m3fn)
     owners = list(root.modules())
@@ -202,7 +190,7 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _fp8_linear(
     linear: nn.Linear, name: str, names: ModelNames, source: TensorSource, slices: dict[str, TensorSlice], fp8: Fp8Load
 ) -> Fp8Linear:
-    """One linear as FP8: an FP8 checkpoint's weight and scale as stored, else its high-precision weight converted."""
+    """An FP8 checkpoint's weight and scale as stored, else the high-precision weight converted."""
 
     def read(key: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
         return source.read(key, shape, slices.get(key), dtype)
@@ -219,7 +207,6 @@ def _fp8_linear(
 
 
 def _check_keys(source: CheckpointTensors, known: set[str], wanted: set[str]) -> None:
-    """Every tensor this rank holds must be in the checkpoint, and every checkpoint tensor one of the model's."""
     keys = source.keys()
     mismatches = {"missing": sorted(wanted - keys), "unexpected": sorted(keys - known)}
     if parts := [f"{kind} keys {_few(names)}" for kind, names in mismatches.items() if names]:
@@ -232,20 +219,17 @@ def _few(names: list[str], limit: int = 8) -> str:
 
 
 def load_module_weights(module: nn.Module, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
-    """Fill a whole meta-device ``module`` from safetensors ``files``."""
     with CheckpointTensors(files, device, dtype) as source:
         materialize(module, ModelNames(module), source)
 
 
 def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
-    """Random weights (``DummyTensors``) on ``device`` for a whole meta-device ``module``."""
     buffers = {name for name, _ in module.named_buffers()}
     materialize(module, ModelNames(module), DummyTensors(device, dtype, buffers, seed))
 
 
 def save_component(state: dict[str, torch.Tensor], config: dict, folder: Path, max_shard_bytes: int) -> None:
-    """A diffusers-layout component: ``config.json``, and the tensors in safetensors shards of at most
-    ``max_shard_bytes`` (a larger tensor alone in its shard) with their index, or one file if they fit in one."""
+    """``config.json`` and safetensors shards of at most ``max_shard_bytes`` with their index, or one file for all."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -1,6 +1,5 @@
-"""``paradit generate --server URL``: the request sent to a running ``paradit serve`` instead of a model loaded here,
-the files written where ``--out`` says. An ``--out`` ending in .mp4 makes a video job and waits for it. Standard
-library only, so that the command answers at once."""
+"""``paradit generate --server URL``: the request sent to a running ``paradit serve``, the files written where ``--out``
+says (an ``--out`` ending in .mp4 makes a video job, and waits for it). Standard library only: it answers at once."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class ServerError(ParaditError):
 
 
 def multipart(fields: dict, files: list[tuple[str, Path]]) -> tuple[bytes, str]:
-    """A multipart form of ``fields`` as text (lists as JSON) and ``files`` as (part name, path) file parts, and its
-    content type: what OpenAI's image edits take. Written here, as urllib has no form encoder."""
+    """A multipart form of ``fields`` (lists as JSON) and ``files`` (part name, path), and its type: urllib has none."""
     boundary = secrets.token_hex(16)
     parts = []
     for name, value in fields.items():
@@ -59,8 +57,7 @@ def call(
     body: dict | None = None,
     files: list[tuple[str, Path]] | None = None,
 ) -> bytes:
-    """The answer's body (``files``, (part name, path): sent as a multipart form with ``body``); an error answer
-    raises ServerError with the server's message."""
+    """The answer's body (with ``files``, ``body`` is sent as a multipart form); an error answer raises ServerError."""
     content_type, data = "application/json", None if body is None else json.dumps(body).encode()
     if files:
         data, content_type = multipart(body or {}, files)
@@ -80,8 +77,7 @@ def call(
 
 
 def request_body(args: argparse.Namespace) -> dict:
-    """The request's fields, from ``generate``'s flags; flags a server cannot take are refused."""
-    # The server chose how it runs when it started: the run's flags have no place in a request.
+    """The request's fields, from ``generate``'s flags; the run's flags, which the server chose, are refused."""
     chosen = flags_given(args, GENERATE, Asked, ExecutionOptions, ParallelConfig, LoraFlags)
     chosen = [name for name in chosen if name not in ("--model", "--lora")]  # --lora: the server's adapters by name
     if chosen:
@@ -125,8 +121,7 @@ def generate_remote(args: argparse.Namespace) -> int:
     for flag, path in parts:  # read before anything is sent, as generate does
         if not path.is_file():
             raise InvalidRequest(f"--{flag} {path} cannot be read as an image (no such file)")
-    images = [path for flag, path in parts if flag == "image"]
-    if video and images:
+    if video and args.image:
         raise InvalidRequest("--image: a server's video jobs take no image; run image-to-video without --server")
     if video:
         [path] = output_paths(out, 1, video=True)
@@ -140,7 +135,7 @@ def generate_remote(args: argparse.Namespace) -> int:
     else:
         paths = output_paths(out, args.num_images_per_prompt)
         body.update(n=args.num_images_per_prompt, output_format=IMAGE_FORMATS[paths[0].suffix.lower()].lower())
-        route = "/v1/images/edits" if images else "/v1/images/generations"
+        route = "/v1/images/edits" if args.image else "/v1/images/generations"
         answer = json.loads(call(args.server, "POST", route, api_key, body, parts))
         files = {path: base64.b64decode(item["b64_json"]) for path, item in zip(paths, answer["data"])}
     for path, data in files.items():

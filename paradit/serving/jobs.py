@@ -39,9 +39,7 @@ class JobCancelled(ParaditError):
 
 @dataclass(eq=False)
 class Job:
-    """One API request: ``resolved`` (the model's defaults filled in and its seed drawn, once: the engine runs it as it
-    is, and the answer names the seed), the batching ``key`` (equal keys may share a forward pass; None runs alone), and
-    ``future``, which ends with the GenerationResult or the error. State and times change under the scheduler's lock."""
+    """One API request, its seed drawn once; equal ``key``s may share a forward pass. The scheduler's lock guards it."""
 
     resolved: ResolvedRequest
     key: tuple | None
@@ -60,9 +58,4 @@ class Job:
 
     @property
     def images(self) -> int:
-        """Images (or videos) it adds to a batch."""
         return self.resolved.batch
-
-    @property
-    def steps(self) -> int:
-        return self.resolved.steps

@@ -1,6 +1,5 @@
-"""``paradit serve``: its socket, the groups' engines, the scheduler, the app, and uvicorn, which on SIGTERM (or Ctrl-C,
-or SIGHUP: the command line takes a closed terminal for SIGTERM) first drains (new requests get 503, the accepted
-ones finish) and then exits; a second signal exits at once."""
+"""``paradit serve``: its socket, the groups' engines, the scheduler, the app, and uvicorn, which on the first SIGTERM,
+SIGINT or SIGHUP (the command line's SIGTERM for a closed terminal) drains first; a second signal exits at once."""
 
 from __future__ import annotations
 
@@ -27,15 +26,14 @@ from paradit.settings import settle
 logger = logging.getLogger(__name__)
 
 
-# What one request may ask for by default, against the model's default size: a larger request costs the square of
+# A request's pixels at most, by default, against the model's default size: a larger request costs the square of
 # its tokens in attention, and holds every request behind it.
 MAX_PIXELS_FACTOR = 4
 
 
 def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Scheduler, ServerConfig]:
-    """The scheduler over ``gpus / group_size`` groups, each an engine on its own devices with the settings
-    ``generate`` would settle for ``group_size`` GPUs, warmed up before it serves (not started yet), and what the app
-    needs to know. ``auto``: a group over every GPU, then one group on each GPU (the scheduler picks per batch)."""
+    """The scheduler (not started) over ``gpus / group_size`` groups, each an engine warmed up on its own devices with
+    the settings ``generate`` would settle for ``group_size`` GPUs; ``auto``: a group over every GPU, then one each."""
     auto = settings.group_size == "auto"
     if auto and settings.gpus < 2:
         raise InvalidRequest("--group-size auto needs --gpus 2 or more (it chooses between splitting and not)")
@@ -72,20 +70,18 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
 
     def check(request: GenerationRequest) -> ResolvedRequest:
         resolved = grouped.resolve(request)
+        size = f"{resolved.width}x{resolved.height}"
         if resolved.width * resolved.height > max_pixels:
             raise InvalidRequest(
-                f"{resolved.width}x{resolved.height} is past this server's {max_pixels} pixels a "
-                "request (--max-pixels)",
-                param="size",
+                f"{size} is past this server's {max_pixels} pixels a request (--max-pixels)", param="size"
             )
         # Input images' tokens (references, an edit's inputs) count as the pixels that many target tokens cover:
         # each lengthens every block's sequence as much.
         inputs = resolved.reference_tokens * PIXELS_PER_IMAGE_TOKEN
         if resolved.width * resolved.height + inputs > max_pixels:
             raise InvalidRequest(
-                f"{resolved.width}x{resolved.height} with input images of {inputs} pixels (as the "
-                f"transformer sees them) is past this server's {max_pixels} pixels a request "
-                "(--max-pixels); send fewer or smaller images",
+                f"{size} with input images of {inputs} pixels (as the transformer sees them) is past this server's "
+                f"{max_pixels} pixels a request (--max-pixels); send fewer or smaller images",
                 param="image",
             )
         return resolved
@@ -106,7 +102,7 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, whose first SIGTERM or SIGINT drains the scheduler before the usual shutdown."""
+    """uvicorn, whose first SIGTERM or SIGINT drains the scheduler (new requests get 503) before the usual shutdown."""
 
     def __init__(self, config: uvicorn.Config, scheduler: Scheduler) -> None:
         super().__init__(config)
@@ -131,8 +127,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, listening before any engine loads: a port in use is refused at once, not after a minute
-    of loading, and no other process takes it meanwhile (a connection made then waits in the backlog)."""
+    """Listening before any engine loads: a port in use is refused at once, not after a minute of loading."""
     try:
         return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except (OSError, OverflowError) as exc:  # OverflowError: a port past 65535

@@ -1,5 +1,4 @@
-"""Image files made from what the workers return, in the formats of ``paradit.outputs``. Called from the front end's
-thread pool, never from a group's thread, so that encoding overlaps the next batch."""
+"""Image files from what the workers return, encoded in the front end's thread pool, never in a group's thread."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def encode_image(image: Image.Image, output_format: str, quality: int | None = N
 
 
 def decode_input(data: bytes, name: str, max_pixels: int, param: str = "image") -> Image.Image:
-    """An uploaded input image (``name`` in messages, ``param`` the form field), RGB as ``rgb_image`` makes it; its
-    size is read before its pixels are decoded, so that one past ``max_pixels`` costs nothing to refuse."""
+    """An uploaded image, its size read before its pixels: one past ``max_pixels`` costs nothing to refuse."""
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.width * image.height > max_pixels:

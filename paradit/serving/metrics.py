@@ -1,5 +1,5 @@
-"""The server's Prometheus metrics (``GET /metrics``), in a registry of their own so that several servers in one
-process (tests) do not collide."""
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of their own: several servers in one process
+(tests) do not collide."""
 
 from __future__ import annotations
 
@@ -51,14 +51,13 @@ class Metrics:
         )
 
     def record_run(self, group: int, timings, images: int) -> None:
-        """A group's run of one batch (``timings``: its Timings)."""
         denoise_s = sum(timings.step_ms) / 1000
         self.latency.labels("text_encode").observe(timings.text_encode_s)
         self.latency.labels("denoise").observe(denoise_s)
         self.latency.labels("decode").observe(timings.vae_decode_s)
         self.batch_images.observe(images)
         self.steps.labels(str(group)).inc(len(timings.step_ms))
-        cache = timings.features.get("step_cache")  # a CacheRecord, where the batch asked for a step cache
+        cache = timings.features.get("step_cache")
         self.cached_steps.labels(str(group)).inc(cache.skipped_steps if cache else 0)
         self.cached_blocks.labels(str(group)).inc(cache.blocks_skipped if cache else 0)
         if denoise_s > 0:

@@ -1,11 +1,8 @@
-"""How long a request would take on this server: its groups' own measured denoise steps, scaled to the request's
-tokens, batch and steps by the planner's FLOP counts. The scheduler refuses up front a request that cannot finish
-inside its deadline, and gives a run a step's time to stop before stopping it by force.
-
-Measured here rather than predicted from a hardware profile, so it holds on any device (the CPU, a GPU no profile
-knows) and for this server's own plan and options. The fastest pace seen counts: a small step uses the device less
-well than a large one, so scaling from it errs high (2.3x for flux2-tiny on the CPU from 128x128 to 1024x1024,
-docs/benchmarks.md), and a request is refused only when even a third of its estimate is past the deadline."""
+"""A request's time on this server: its groups' own fastest measured step, scaled by the planner's FLOP counts.
+Measured, not predicted from a hardware profile, so it holds on any device and for this server's plan. A small step
+uses the device less well than a large one, so scaling from it errs high (2.3x for flux2-tiny on the CPU from 128x128
+to 1024x1024, docs/benchmarks.md): the scheduler refuses a request only when a third of its estimate is past the
+deadline."""
 
 from __future__ import annotations
 
@@ -34,14 +31,13 @@ class Pace:
         return self._facts.step_flops(workload, request.batch * (2 if guided else 1))
 
     def record(self, requests: list[ResolvedRequest], step_ms: list[float]) -> None:
-        """A run of ``requests`` (one batch) whose denoise steps took ``step_ms``."""
         if self._facts is not None and step_ms:
             pace = min(step_ms) / 1000 / sum(self._flops(request) for request in requests)
             with self._lock:
                 self._seconds_per_flop = min(pace, self._seconds_per_flop or pace)
 
     def step_seconds(self, requests: list[ResolvedRequest]) -> float | None:
-        """One denoise step of ``requests`` run as one batch, at the fastest pace measured; None before any."""
+        """One denoise step of ``requests`` as one batch, at the fastest pace measured; None before any."""
         if self._facts is None or self._seconds_per_flop is None:
             return None
         return sum(self._flops(request) for request in requests) * self._seconds_per_flop

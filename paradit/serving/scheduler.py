@@ -1,24 +1,7 @@
-"""The scheduler: the bounded job queue, the worker groups that serve it, batching, cancellation, timeouts, recovery.
-
-Each group is one ``paradit.Engine`` whose workers run in their own processes, driven by one thread of the server's
-process: it takes the next batch from the queue, runs it, and ends each job with its result or its error. The HTTP
-front end never waits on a group: it awaits the job's future, and encodes the images itself.
-
-- Batching: the oldest queued job runs first, together with the queued jobs that may share its forward pass (equal
-  ``batch_key``) up to ``max_batch`` images; every job keeps its own seed (``DiffusionPipeline.generate``).
-- Deadlines: a job's covers its wait and its run. One that the measured pace (``serving/pace.py``) says cannot
-  finish inside it is refused up front, naming ``size`` or ``steps``.
-- Cancellation and timeouts: a queued job is dropped at once; a running one is abandoned, and once every job of its
-  batch is, the engine stops the run at the next step boundary (``Engine.cancel``). The job ends when its run does.
-  A run that has not stopped a step's time (plus ``STOP_GRACE_S``) later is inside a step that may last minutes:
-  its workers are killed (``Engine.abort``) and the group rebuilt, so the jobs behind it run.
-- Failures: a request that fails in the workers fails its jobs, the group serving on; a worker that dies fails the
-  running jobs (their clients hear at once) and the group is rebuilt as a new engine while the queue waits.
-- Draining (SIGTERM): new jobs are refused and the accepted ones finish.
-- ``auto``: group 0 spans every GPU and the other groups hold one GPU each, on the same devices (each with its own
-  copy of the model). Per batch, from the queue: while it holds at most one batch, group 0 runs it split across every
-  GPU (lowest latency); past that, the one-GPU groups run independent batches (most throughput), never both at once.
-"""
+"""The server's bounded job queue and the worker groups that serve it, each one ``Engine`` driven by its own thread:
+batching (equal ``batch_key``, up to ``max_batch`` images, each job its own seed), deadlines (a request the measured
+pace says cannot make its deadline is refused up front), cancellation, timeouts, and rebuilding a group whose worker
+died or whose cancelled run would not stop. Under ``auto``, group 0 spans every GPU and each other group holds one."""
 
 from __future__ import annotations
 
@@ -88,7 +71,7 @@ class Group:
             try:
                 engine = self._build(self.index)
             except Exception as exc:  # noqa: BLE001 - reported, or retried
-                if self.restarts == 0:  # ``_serve`` then stops the group
+                if self.restarts == 0:
                     self.error = exc
                     return False
                 logger.exception("group %d could not be rebuilt; retrying in %s s", self.index, RESTART_BACKOFF_S)
@@ -129,8 +112,7 @@ class Group:
 
 
 class Scheduler:
-    """The queue and the groups. ``build(index)`` makes group ``index``'s engine; ``check(request)`` resolves a request
-    against the model (raising InvalidRequest) without running anything."""
+    """``build(index)`` makes group ``index``'s engine; ``check(request)`` resolves a request, running nothing."""
 
     def __init__(
         self,
@@ -202,8 +184,9 @@ class Scheduler:
             )
 
     def cancel(self, job: Job, reason: ParaditError) -> None:
-        """End a queued job with ``reason`` now; abandon a running one, stopping its batch at the next step boundary
-        once nobody waits for any of it (the job then ends with ``reason``)."""
+        """End a queued job with ``reason`` now; abandon a running one: once nobody waits for any job of its batch, the
+        engine stops the run at the next step boundary (``Engine.cancel``), and kills its workers (``Engine.abort``,
+        the group rebuilt) if it has not stopped a step's time plus ``STOP_GRACE_S`` later."""
         with self._changed:
             self._abandon(job, reason)
 
@@ -322,7 +305,7 @@ class Scheduler:
             job.state = jobs.CANCELLED if isinstance(outcome, JobCancelled) else jobs.FAILED
             job.future.set_exception(outcome)
         else:
-            job.state, job.steps_done = jobs.COMPLETED, job.steps
+            job.state, job.steps_done = jobs.COMPLETED, job.resolved.steps
             job.future.set_result(outcome)
 
     def _retry_after(self) -> int:

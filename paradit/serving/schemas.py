@@ -1,6 +1,5 @@
-"""The HTTP API's bodies and answers (pydantic): what FastAPI validates each request against and what the OpenAPI
-schema shows. Requests refuse fields they do not know and values of the wrong JSON type ("2" for 2); the model's own
-limits (sizes, frames) are checked afterwards by the engine, which knows them."""
+"""The HTTP API's bodies and answers (pydantic). Bodies refuse unknown fields and values of the wrong JSON type ("2"
+for 2); the model's own limits (sizes, frames) are checked by the engine, which knows them."""
 
 from __future__ import annotations
 
@@ -22,17 +21,13 @@ from paradit.request import (
     StepCacheConfig,
 )
 
-# Bounds a server sets on what one request may ask for, beside those its request fields declare (``request``): as
-# many images per request as OpenAI's Images API allows, and input images a decoder can take.
-MAX_IMAGES = 10
+MAX_IMAGES = 10  # per request, as OpenAI's Images API allows
 MAX_INPUT_IMAGES = 10  # input images one edit may send (as FLUX.2 takes them)
 MAX_INPUT_PIXELS = 40_000_000  # pixels of one input image: past a 7680x4320 photo, decoding it costs more than it gives
 SIZE_PATTERN = r"^(auto|\d{1,5}x\d{1,5})$"
 
 
 class LoraChoice(BaseModel):
-    """One of the server's named adapters, at a scale."""
-
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(min_length=1, max_length=200)
@@ -40,8 +35,7 @@ class LoraChoice(BaseModel):
 
 
 class CacheChoice(BaseModel):
-    """A request's step cache: ``method`` and its parameters, by diffusers' names (``StepCacheConfig``); MagCache's
-    curve is given (the server calibrates nothing)."""
+    """A request's step cache, by diffusers' names (``StepCacheConfig``); MagCache's curve given, never calibrated."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -67,13 +61,12 @@ class CacheChoice(BaseModel):
         return StepCacheConfig(**{**fields, "mag_ratios": None if self.mag_ratios is None else tuple(self.mag_ratios)})
 
 
-def declared(route: str) -> dict[str, tuple[Any, Any]]:
-    """The request's fields ``route``'s body takes as they are declared (``request.GenerationRequest``'s flags:
-    ``remote``, ``http``, ``routes``), for ``create_model``."""
+def declared(route: str, beyond=()) -> dict[str, tuple[Any, Any]]:
+    """The request fields ``route``'s body takes but ``beyond`` does not, as their flags declare them."""
     return {
         flag.remote: (flag.http[0], Field(None, **flag.http[1]))
         for _, flag in flagged_fields(GenerationRequest, GENERATE)
-        if flag.http is not None and route in flag.routes
+        if flag.http is not None and route in flag.routes and flag.remote not in beyond
     }
 
 
@@ -89,8 +82,6 @@ class Request(BaseModel):
     cache: CacheChoice | None = Field(None, description="step caching for this request")
 
     def request(self, **fields) -> GenerationRequest:
-        """The engine's request: these fields (the declared ones by their request field's name), ``size`` as height
-        and width (``auto``: the model's), and ``fields``."""
         width, height = (None, None) if self.size == "auto" else map(int, self.size.split("x"))
         declared = {
             each.name: getattr(self, flag.remote)
@@ -112,8 +103,7 @@ Body = create_model("Body", __base__=Request, __doc__="The fields every API take
 
 
 class ImageGenerationBody(Body):
-    """OpenAI's Images API (``images.generate``), with paradit's ``negative_prompt``, ``steps``, ``guidance`` and
-    ``seed``. All ``n`` images come from one seed, as a batch of ``n`` from ``paradit generate`` does."""
+    """OpenAI's ``images.generate``, with paradit's request fields. The ``n`` images come from one seed, as a batch."""
 
     n: int = Field(1, ge=1, le=MAX_IMAGES)
     response_format: Literal["b64_json", "url"] = "b64_json"
@@ -122,21 +112,16 @@ class ImageGenerationBody(Body):
 
 
 class EditForm(ImageGenerationBody):
-    """OpenAI's image edits (``images.edit``), sent as multipart form fields, whose values are all text: numbers are
-    read from it ("3" for 3), as OpenAI's API reads them. The images travel as files beside these fields."""
+    """OpenAI's ``images.edit``: multipart form fields, all text, numbers read from it ("3" for 3) as OpenAI does."""
 
     model_config = ConfigDict(extra="forbid", strict=False)
 
 
-ImageEditBody = create_model(
-    "ImageEditBody",
-    __base__=EditForm,
-    **{k: v for k, v in declared("edits").items() if k not in Body.model_fields},
-)
+ImageEditBody = create_model("ImageEditBody", __base__=EditForm, **declared("edits", Body.model_fields))
 
 
 def takes_json(annotation) -> bool:
-    """Whether a field of this type is an object or a list, which a form's text spells as JSON."""
+    """Whether a field of this type is an object or a list, spelled as JSON in a form."""
     if typing.get_origin(annotation) is Literal:
         return False
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -149,7 +134,7 @@ VideoBody = create_model(
     "VideoBody",
     __base__=Body,
     __doc__="A text-to-video job. ``frames`` and ``fps`` default to the model's.",
-    **{k: v for k, v in declared("videos").items() if k not in Body.model_fields},
+    **declared("videos", Body.model_fields),
 )
 
 
@@ -179,7 +164,7 @@ class ErrorResponse(BaseModel):
 
 
 class VideoJob(BaseModel):
-    """A video job as ``GET /v1/videos/{id}`` shows it; ``progress`` is the share of denoise steps done, in percent."""
+    """``progress``: the share of denoise steps done, in percent."""
 
     id: str
     object: Literal["video"] = "video"

@@ -1,10 +1,6 @@
-"""The HTTP front end (FastAPI): OpenAI's Images API, video jobs, models, health and metrics over a ``Scheduler``.
-
-Handlers never wait on a group: they queue a job and await its future, polling for the client's disconnection (a
-synchronous request whose client went away is cancelled), and encode images in the thread pool. Every error is an
-OpenAI-style ``{"error": {"message", "type", "param"}}`` answer: bad input 400 naming the field and what is allowed,
-a missing or wrong API key 401 (every route but /health), a body past the limit 413, a full queue 429 with
-``Retry-After``, shutting down or out of device memory 503, a timeout 504, a worker failure 500."""
+"""The HTTP front end (FastAPI) over a ``Scheduler``: OpenAI's Images API, video jobs, models, health and metrics.
+Handlers never wait on a group: they await the job's future, cancelling it if the client goes away, and encode in the
+thread pool. Every error is an OpenAI-style ``{"error": {"message", "type", "param"}}`` answer (``ERRORS``)."""
 
 from __future__ import annotations
 
@@ -43,8 +39,7 @@ NO_KEY = "a valid API key is required: send the header Authorization: Bearer <ke
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """``model``: the name clients use; ``video``: whether it makes videos; ``api_key``: required as a bearer token
-    on every route but /health when set; ``lora``: the adapters' names a request may choose."""
+    """``api_key``, when set: the bearer token every route but /health requires; ``lora``: the adapters' names."""
 
     model: str
     video: bool = False
@@ -103,10 +98,9 @@ class BodyTooLarge(Exception):
 
 
 class Gate:
-    """ASGI middleware in front of every HTTP request: with ``api_key`` set, a request without it gets 401 on every
-    route but /health (FastAPI's schema and docs pages included, which no router dependency reaches); a body past
-    ``max_bytes`` (declared or streamed) gets 413 before anything parses it; every answer is counted by route and
-    outcome, the generation routes timed end to end."""
+    """ASGI middleware: without ``api_key`` 401 on every route but /health (the docs pages too, which no router
+    dependency reaches); a body past ``max_bytes``, declared or streamed, 413 before anything parses it; every answer
+    counted by route and outcome."""
 
     TIMED = {"/v1/images/generations", EDITS, "/v1/videos"}
 
@@ -149,8 +143,7 @@ class Gate:
                 message = f"the body is larger than this server's limit of {max_bytes} bytes"
                 await error_response(413, message, "invalid_request_error", "body")(scope, receive, recording_send)
         finally:
-            # Set by the router once it matched; a request refused before it (no key, too large) counts under the
-            # route it asked for too.
+            # A request refused before the router matched it (no key, too large) counts under its route too.
             route = scope.get("route") or next(
                 (r for r in scope["app"].routes if r.matches(scope)[0] is Match.FULL), None
             )
@@ -173,8 +166,7 @@ def outcome(status: int) -> str:
 
 
 def with_kept_curve(request, model: str):
-    """A MagCache request without its curve takes the one ``--cache mag --cache-calibrate`` kept for the served model
-    on this machine, as ``generate`` does."""
+    """A MagCache request without its curve takes the one kept for ``model`` on this machine, as ``generate`` does."""
     cache = request.cache
     if cache is None or cache.method != "mag" or cache.mag_ratios is not None:
         return request
@@ -208,8 +200,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
     app.state.videos = videos
 
     def submitted(body: schemas.Body, **fields):
-        """The body's request queued (as a video job for a VideoBody), if it asks for what is served. A size refused
-        says what ``size`` may be: the engine names height or width, which this API does not have."""
+        """The body's request queued (a video job for a VideoBody). A size refused is said in ``size``'s terms: the
+        engine names height or width, which this API does not have."""
         video = isinstance(body, schemas.VideoBody)
         if body.model is not None and body.model != config.model:
             raise InvalidRequest(f"model {body.model!r} is not served here; this server serves {config.model!r}")
@@ -227,7 +219,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             raise InvalidRequest(message, param="size") from None
 
     async def outcome_of(job: Job, request: Request):
-        """The job's result, or None for a client that left first (the job is cancelled)."""
+        """The job's result, or None for a client that left first (its job cancelled)."""
         waiting = asyncio.wrap_future(job.future)
         while True:
             done, _ = await asyncio.wait([waiting], timeout=DISCONNECT_POLL_S)
@@ -244,14 +236,12 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
 
     @app.post(EDITS, response_model=schemas.ImagesResponse)
     async def edit_images(request: Request):
-        """Multipart: ``image`` (or ``image[]``, as OpenAI's client sends several) once per input image, an optional
-        ``mask`` file (inpainting), and the other fields as text."""
+        """Multipart: an ``image`` (``image[]`` from OpenAI's client) per input image, a ``mask``, text fields."""
         try:
             form = await request.form(max_files=schemas.MAX_INPUT_IMAGES + 2)
         except HTTPException as refused:  # Starlette's own, for a malformed body or too many parts
-            raise InvalidRequest(
-                f"the body is not a multipart form of this API's fields: {refused.detail}", param="image"
-            ) from None
+            message = f"the body is not a multipart form of this API's fields: {refused.detail}"
+            raise InvalidRequest(message, param="image") from None
         uploads, mask = [*form.getlist("image"), *form.getlist("image[]")], form.get("mask")
         if not uploads:
             raise InvalidRequest("give the image(s) to edit as file parts named image", param="image")
@@ -283,8 +273,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         mask_bytes = None if mask is None else await mask.read()
 
         def decoded():
-            images = [decode_input(data, f"image {i + 1}", schemas.MAX_INPUT_PIXELS) for i, data in enumerate(contents)]
             pixels = schemas.MAX_INPUT_PIXELS
+            images = [decode_input(data, f"image {i + 1}", pixels) for i, data in enumerate(contents)]
             return images, None if mask_bytes is None else decode_input(mask_bytes, "the mask", pixels, "mask")
 
         images, mask = await run_in_threadpool(decoded)

@@ -1,5 +1,4 @@
-"""Encoded files the server hands out by address (``response_format: url`` images, finished videos), kept in memory
-up to a byte budget: the oldest go first."""
+"""Encoded files the server hands out by address (url images, videos), in memory up to a byte budget."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ class FileStore:
         self._lock = threading.Lock()
 
     def put(self, data: bytes, media_type: str, suffix: str) -> str:
-        """Keep ``data`` and return its name (unguessable, ending in ``suffix``); older files leave to make room."""
+        """``data``'s name, unguessable; older files leave to make room."""
         name = f"{secrets.token_urlsafe(16)}.{suffix}"
         with self._lock:
             self._files[name] = (data, media_type)

@@ -1,5 +1,5 @@
-"""Video jobs (``/v1/videos``): each a scheduler job, its MP4 encoded in a thread pool once the workers return its
-frames, so that the group goes on to the next job at once. The last ``keep`` jobs are kept."""
+"""Video jobs (``/v1/videos``), the last ``keep`` kept: each MP4 is encoded in a thread pool, so that the group goes on
+to the next job at once."""
 
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ class VideoJobs:
         self._encoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="paradit-mp4")
 
     def create(self, request) -> VideoEntry:
-        """Queue a video request (raises what ``Scheduler.submit`` raises)."""
         entry = VideoEntry(self.scheduler.submit(request, video=True))
         with self._lock:
             self._entries[entry.job.id] = entry
@@ -50,7 +49,7 @@ class VideoJobs:
             return self._entries.get(video_id)
 
     async def delete(self, entry: VideoEntry) -> str:
-        """Stop the job if it has not ended (between two denoise steps), forget it and its file; its last status."""
+        """Stop the job if it has not ended, forget it and its file; its last status."""
         if entry.job.state not in FINAL:
             self.scheduler.cancel(entry.job, JobCancelled("the video job was cancelled by DELETE"))
             ended = asyncio.wrap_future(entry.job.future)
@@ -76,9 +75,9 @@ class VideoJobs:
             id=job.id,
             model=self.model,
             status=status,
-            progress=100 * steps_done // job.steps,
+            progress=100 * steps_done // resolved.steps,
             steps_done=steps_done,
-            steps=job.steps,
+            steps=resolved.steps,
             created_at=int(job.created),
             completed_at=int(job.created + job.finished_at - job.queued_at) if status == COMPLETED else None,
             size=f"{resolved.width}x{resolved.height}",
