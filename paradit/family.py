@@ -75,7 +75,6 @@ class Family:
     diffusers_pipelines: tuple[str, ...]  # the diffusers pipeline classes whose checkpoints it serves
     # (folder, its model_index.json) -> the ModelSpec: architecture from its configs, defaults from diffusers
     read_checkpoint: Callable[[Path, dict[str, Any]], ModelSpec]
-    # the request with the model's defaults filled in, or an InvalidRequest naming what is allowed
     resolve_request: Callable[[ModelSpec, GenerationRequest], ResolvedRequest]
     uses_cfg: Callable[[ModelSpec, ResolvedRequest], bool]  # two guidance branches a step, by diffusers' rule
     build_transformer: Callable[[ModelSpec], nn.Module]  # the plain transformer (the loader builds it on meta)

@@ -54,9 +54,8 @@ def load_pipeline(
     slightly from the whole decode)."""
     options = options or ExecutionOptions()
     family = FAMILIES[spec.family]
-    # The transformer and the further ones (a low-noise expert; check_plan refused PipeFusion for those), each
-    # parallelized alike. Swapped experts load one at a time on the device and leave for host memory, the resident one
-    # last: the device never holds two (and random weights and FP8 conversion run at the device's speed).
+    # Swapped experts load one at a time on the device and leave for host memory, the resident one last: the device
+    # never holds two (and random weights and FP8 conversion run at the device's speed).
     experts = {}
     swap = ExpertSwap(device) if options.swap_experts and spec.experts else None
     for component, config in {**spec.experts, "transformer": spec.transformer}.items():

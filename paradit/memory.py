@@ -227,8 +227,7 @@ def estimates(
         for model in models
     ]
     transformer_bytes = _resident_bytes(shares, swap_experts, parallel.shard_weights) + adapter_bytes
-    # The token width, from the attention projections (every family's blocks attend at the model width); a family
-    # without a tensor plan states it in its config.
+    # Every family's blocks attend at the model width; a family without a tensor plan states it in its config.
     plan = family.tensor_plan
     width = plan.widths(transformer)["attention"] if plan else transformer.config.inner_dim
     batch = 2 if spec.guidance_mode == "cfg" and parallel.cfg == 1 else 1

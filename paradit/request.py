@@ -17,9 +17,8 @@ if TYPE_CHECKING:
     import torch
 
 SEED_LIMIT = 2**64  # seeds are torch generators' 64-bit seeds: 0 to 2**64 - 1
-# Bounds a server sets on what one request may ask for, tighter than the engine's own (``pipelines.requests``): a
-# prompt far past what any text encoder reads, and steps past any published schedule, so that no one request holds a
-# shared group for long.
+# A server's bounds on one request, tighter than the engine's own (``pipelines.requests``), so that no one request holds
+# a shared group for long: a prompt far past what any text encoder reads, steps past any published schedule.
 MAX_PROMPT_CHARS = 10_000
 SERVED_MAX_STEPS = 500
 CACHE_METHODS = ("first-block", "mag", "taylorseer")
@@ -66,9 +65,8 @@ def read_images(paths: list[str]) -> list[Image.Image]:
 
 @dataclass(frozen=True)
 class StepCacheConfig:
-    """Step caching (``--cache``): a method of ``CACHE_METHODS`` with the parameters of diffusers' config of it that
-    ``CACHE_PARAMETERS`` lists, by their names and with their defaults (``threshold``: the method's in
-    ``CACHE_THRESHOLDS`` when unset; ``mag_ratios``: a calibrated curve, any length)."""
+    """Step caching: a method with the parameters of diffusers' config of it that ``CACHE_PARAMETERS`` lists, by their
+    names and with their defaults (``threshold`` unset: the method's in ``CACHE_THRESHOLDS``)."""
 
     method: str = cache_option(
         name="--cache",
@@ -172,7 +170,6 @@ class GenerationRequest:
         routes=("videos",),
         help="models with a low-noise expert: its guidance scale (diffusers' guidance_scale_2)",
     )
-    # image-conditioned models: Wan's first frame to animate, FLUX.2's reference images (a list: several)
     image: Image.Image | list[Image.Image] | None = generate_option(
         action="append",
         convert=read_images,

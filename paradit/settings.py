@@ -290,18 +290,8 @@ def settle(asked: Asked, request: GenerationRequest | None = None, machine: Mach
         placement = memory_plan.text_encoder_placement
     if device.type == "cpu":  # after the cap's check: a cap asked for on the CPU is for the GPU plan it would run
         check_cpu_group(spec, parallel, dtype)
-    settings = RunSettings(
-        spec,
-        device,
-        dtype,
-        parallel,
-        options,
-        cap,
-        memory_plan,
-        "gpu" if placement == "auto" else placement,
-        origin,
-        limit_words,
-    )
+    placement = "gpu" if placement == "auto" else placement
+    settings = RunSettings(spec, device, dtype, parallel, options, cap, memory_plan, placement, origin, limit_words)
     return settings if resolved is None else dataclasses.replace(settings, request=settings.checked(resolved))
 
 

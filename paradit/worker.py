@@ -42,7 +42,6 @@ CLOSE_S = 30  # idle workers asked to finish get this long, together, before the
 STOP_S = 10  # terminated workers get this long, together, before they are killed
 # An orphan's grace to unwind after its SIGTERM (a main thread deep in a collective may never reach the handler).
 ORPHAN_EXIT_S = 3
-# What the forkserver imports once for every worker it forks: all a worker needs to build its pipeline.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "paradit.loader"]
 # A Unix socket's path: sun_path holds 108 bytes on Linux and 104 on macOS, the closing NUL included.
 UNIX_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
