@@ -1,5 +1,4 @@
-"""The command line's step cache (its flags declared on ``request.StepCacheConfig``) and MagCache's
-calibrated curves, kept per model where the next ``--cache mag`` finds them."""
+"""The command line's step cache, and MagCache's calibrated curves, kept per model for the next ``--cache mag``."""
 
 from __future__ import annotations
 

@@ -46,8 +46,7 @@ def configure_allocator(device: torch.device) -> None:
 
 
 def hold_to_cap(device: torch.device, cap: int | None) -> None:
-    """Make the caching allocator refuse to grow past ``cap``; None gives it the whole device again (an engine before
-    this one may have capped it)."""
+    """Make the caching allocator refuse to grow past ``cap``; None lifts the cap an earlier engine may have set."""
     if device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index  # "cuda" names no index
         total = torch.cuda.get_device_properties(index).total_memory
@@ -82,8 +81,7 @@ def unmap_free(device: torch.device) -> None:
 def reporting_out_of_memory(
     call: Callable[[], Result], stage: Callable[[], str], device: torch.device, budget: MemoryBudget
 ) -> Result:
-    """``call()``, a device out-of-memory error raised as ``OutOfMemory``'s one line, after the failed call's tensors
-    are freed, so that the process can serve its next request."""
+    """``call()``, its device out-of-memory error raised as ``OutOfMemory``'s one line once its tensors are freed."""
     try:
         return call()
     except torch.OutOfMemoryError as exc:

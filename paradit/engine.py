@@ -142,8 +142,7 @@ class Engine:
         self._signals.cancel()
 
     def abort(self) -> None:
-        """Kill the workers now, for a run that does not reach a step boundary: the ``generate`` in flight raises
-        WorkerFailure and the engine serves no more."""
+        """Kill the workers now, for a run that does not reach a step boundary; the engine serves no more."""
         for process in self._group.processes:
             process.kill()
 
@@ -158,8 +157,7 @@ class Engine:
         return 0 if self._signals is None else self._signals.steps_done()
 
     def close(self) -> None:
-        """Stop the workers, or let go of this process's pipeline and give its device memory back for the next
-        engine; the engine serves no more requests."""
+        """Stop the workers, or free this process's pipeline and its device memory; the engine serves no more."""
         if self._group is not None:
             self._group.close()
         if self.pipeline is not None:

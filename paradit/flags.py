@@ -112,8 +112,7 @@ def flags_given(args: argparse.Namespace, command: str, *records: type) -> dict[
 
 
 def check_choices(record: Any) -> None:
-    """Refuse a value of ``record`` (set through the Python API, where argparse checked nothing) that its field's
-    flag does not allow."""
+    """Refuse a value set through the Python API (argparse checked nothing) that its field's flag does not allow."""
     for each in dataclasses.fields(record):
         flag, value = flag_of(each), getattr(record, each.name)
         if flag is not None and flag.choices and isinstance(value, str) and value not in flag.choices:

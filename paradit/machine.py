@@ -1,5 +1,4 @@
-"""The hardware a run is settled for: this machine (``Machine.detect()``), or GPUs of a hardware profile that
-``paradit plan --profile`` predicts for on any machine, through the same ``settle``."""
+"""The hardware a run is settled for: this machine, or a hardware profile's GPUs (``paradit plan --profile``)."""
 
 from __future__ import annotations
 

@@ -180,8 +180,7 @@ class MetaModels:
 
     @classmethod
     def build(cls, spec: ModelSpec, dtype: torch.dtype) -> MetaModels:
-        """Built once per architecture and dtype (a second or more for the largest prompt encoders; ``settle`` and the
-        planner estimate the same model many times)."""
+        """Built once per architecture and dtype: ``settle`` and the planner estimate the same model many times."""
         # What the models are built from: their configs and the family's own details, not the sizes or weights.
         key = repr((spec.family, spec.transformer, spec.experts, spec.text_encoder, spec.vae, spec.details, dtype))
         if key not in _BUILT:

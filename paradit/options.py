@@ -191,8 +191,7 @@ def group_size(text: str) -> int | str:
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """What ``paradit serve`` was asked for: ``asked`` as ``generate`` takes it (unset options follow the tuned choice
-    for a group's size), the groups, where it listens, and the queue's limits."""
+    """What ``paradit serve`` was asked for; ``asked``'s unset options follow the tuned choice for a group's size."""
 
     asked: Asked = option(factory=Asked)
     gpus: int = serve_option(1, type=positive, absent=1, help="GPUs to serve with (CPU processes with --device cpu)")

@@ -52,10 +52,12 @@ def parse_device(device: str | torch.device | None, machine: Machine) -> torch.d
     return device
 
 
-def resolve_model(model: str, load_format: str = "auto", allow_pickle: bool = False) -> ModelSpec:
-    """The spec of a preset, checkpoint folder or hub id: a preset with a hub id resolves to its checkpoint; ``dummy``
-    (or a preset without a checkpoint) gives random weights of the same architecture. Every caller has checked
-    ``load_format`` against ``options.LOAD_FORMATS`` (argparse or ``check_choices``)."""
+def resolve_model(model: str | ModelSpec, load_format: str = "auto", allow_pickle: bool = False) -> ModelSpec:
+    """The spec of a preset, checkpoint folder or hub id (a ModelSpec is one already): a preset with a hub id resolves
+    to its checkpoint; ``dummy`` (or a preset without a checkpoint) gives random weights of the same architecture.
+    Every caller has checked ``load_format`` against ``options.LOAD_FORMATS`` (argparse or ``check_choices``)."""
+    if isinstance(model, ModelSpec):
+        return model
     path = Path(model).expanduser()
     if model in PRESETS:
         spec = PRESETS[model]
@@ -236,11 +238,7 @@ def settle(asked: Asked, request: GenerationRequest | None = None, machine: Mach
     check_choices(asked.options)
     device = parse_device(asked.device, machine)
     dtype = parse_dtype(asked.dtype, device)
-    spec = (
-        asked.model
-        if isinstance(asked.model, ModelSpec)
-        else resolve_model(asked.model, asked.load_format, asked.allow_pickle)
-    )
+    spec = resolve_model(asked.model, asked.load_format, asked.allow_pickle)
     family = FAMILIES[spec.family]
     resolved = None if request is None else family.resolve_request(spec, request)
     parallel, options, placement, origin = choices(asked, spec, resolved, machine)

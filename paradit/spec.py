@@ -1,5 +1,4 @@
-"""``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder (the one
-a family's ``read_checkpoint`` builds: ``checkpoint_spec``)."""
+"""``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder."""
 
 from __future__ import annotations
 

@@ -137,8 +137,7 @@ def worker_context(device_type: str) -> multiprocessing.context.BaseContext:
 
 
 class EngineStreams:
-    """This process's stdout and stderr, sent as descriptors to a starting worker: one forked from the forkserver
-    would otherwise write to the forkserver's."""
+    """This process's stdout and stderr for a starting worker, which, forked, would write to the forkserver's."""
 
     def __reduce__(self):
         return _detach_all, (reduction.DupFd(1), reduction.DupFd(2))
@@ -323,8 +322,7 @@ class WorkerGroup:
             raise
 
     def _next_message(self, deadline: float | None = None) -> tuple[str, int, object] | None:
-        """The next message from the workers, or None once ``deadline`` (``time.monotonic``) passes; a worker's
-        error or death stops the group and raises."""
+        """The workers' next message, or None once ``deadline`` passes; a worker's error or death raises."""
         while True:
             try:
                 kind, rank, payload = self.results.get(timeout=POLL_S)
