@@ -1,7 +1,5 @@
-"""paradit: multi-GPU inference for diffusion transformers.
-
-Public API: ``Engine``, ``GenerationRequest``, ``GenerationResult``, ``ParallelConfig``. They are imported on first
-use, so that the command line answers ``--help``, ``models`` and refusals without loading torch."""
+"""paradit: multi-GPU inference for diffusion transformers. The public names are imported on first use, so that the
+command line answers ``--help``, ``models`` and refusals without loading torch."""
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version

@@ -1,5 +1,4 @@
-"""The command line's step cache (its flags declared on ``request.StepCacheConfig``) and MagCache's
-calibrated curves, kept per model where the next ``--cache mag`` finds them."""
+"""The command line's step cache, and MagCache's calibrated curves, kept per model for the next ``--cache mag``."""
 
 from __future__ import annotations
 
@@ -36,18 +35,13 @@ def cache_config(args: argparse.Namespace) -> StepCacheConfig | None:
             raise InvalidRequest(f"{name} is not a parameter of --cache {args.method}, which reads {', '.join(reads)}")
     config = from_args(StepCacheConfig, args, GENERATE)
     if config.method == "mag" and not config.calibrate and config.mag_ratios is None:
-        config = dataclasses.replace(config, mag_ratios=stored_curve(args.model))
+        if (ratios := kept_curve(args.model)) is None:
+            raise InvalidRequest(
+                f"--cache mag needs {args.model}'s magnitude ratios: measure them once with --cache mag "
+                f"--cache-calibrate (kept in {curve_path(args.model)}), or give --cache-mag-ratios"
+            )
+        config = dataclasses.replace(config, mag_ratios=ratios)
     return config
-
-
-def stored_curve(model: str) -> tuple[float, ...]:
-    ratios = kept_curve(model)
-    if ratios is None:
-        raise InvalidRequest(
-            f"--cache mag needs {model}'s magnitude ratios: measure them once with --cache mag "
-            f"--cache-calibrate (kept in {curve_path(model)}), or give --cache-mag-ratios"
-        )
-    return ratios
 
 
 def kept_curve(model: str) -> tuple[float, ...] | None:

@@ -1,4 +1,4 @@
-"""The device's side of memory (docs/architecture.md lists its parts); the estimate itself is ``memory.py``'s."""
+"""The device's side of memory: the allocator, free memory, out-of-memory errors; the estimate is ``memory.py``'s."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ Result = TypeVar("Result")
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """What a run was planned to hold on rank 0, for the line an out-of-memory error becomes: the estimate (None
-    where none was made: the CPU), the limit it was made for in words, and the options that would lower it."""
+    """What rank 0 was planned to hold (None: no plan was made), for the line an out-of-memory error becomes."""
 
     estimate: int | None = None
     limit: str = ""
@@ -35,11 +34,9 @@ class MemoryBudget:
 
 
 def configure_allocator(device: torch.device) -> None:
-    """Expandable segments for this process's device memory, unless the user configured the allocator. A segment then
-    grows by mapping pages instead of one more allocation per size, so memory one phase's tensors free serves the next
-    phase's tensors of other sizes. With fixed segments, Wan 2.2 720p under a 32 GiB cap failed its first step holding
-    7.8 GiB reserved but unallocated (docs/benchmarks.md). Called before the run's first allocation; it applies to the
-    whole process."""
+    """Expandable segments, unless the user configured the allocator: memory one phase's tensors free then serves the
+    next phase's tensors of other sizes. With fixed segments, Wan 2.2 720p under a 32 GiB cap failed its first step
+    holding 7.8 GiB reserved but unallocated (docs/benchmarks.md). Applies to the whole process."""
     if device.type != "cuda" or any(os.environ.get(name) for name in ALLOCATOR_VARIABLES):
         return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
@@ -49,8 +46,7 @@ def configure_allocator(device: torch.device) -> None:
 
 
 def hold_to_cap(device: torch.device, cap: int | None) -> None:
-    """Make the caching allocator refuse to grow past ``cap`` on this device; None gives it the whole device again (an
-    engine before this one in the process may have capped it). CPU processes rely on the up-front check alone."""
+    """Make the caching allocator refuse to grow past ``cap``; None lifts the cap an earlier engine may have set."""
     if device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index  # "cuda" names no index
         total = torch.cuda.get_device_properties(index).total_memory
@@ -58,10 +54,8 @@ def hold_to_cap(device: torch.device, cap: int | None) -> None:
 
 
 def free_memory(index: int) -> int:
-    """Bytes of GPU ``index`` a new process can give its allocator: what the driver has free (other processes'
-    memory taken away), less ``OUTSIDE_ALLOCATOR_BYTES``. Read through NVML (amdsmi on ROCm) where torch can: the
-    runtime's own answer creates a context on the device, which then holds memory for as long as this process lives,
-    on a GPU its workers need."""
+    """Bytes of GPU ``index`` a new process can give its allocator. Read through NVML (amdsmi on ROCm) where torch
+    can: the runtime's own answer creates a context on the device, holding memory on a GPU the workers need."""
     total = torch.cuda.get_device_properties(index).total_memory
     try:
         free = total - torch.cuda.device_memory_used(index)
@@ -78,9 +72,8 @@ def release_cached(device: torch.device) -> None:
 
 
 def unmap_free(device: torch.device) -> None:
-    """Give the device back the memory no tensor holds, at a boundary between phases of a request (encoding, the
-    experts' turns, decoding): each phase allocates tensors of other sizes, and blocks one phase freed would otherwise
-    stay mapped beside the next phase's, adding to the peak a cap bounds (docs/benchmarks.md)."""
+    """Give the device back the memory no tensor holds, between phases of a request: blocks one phase freed would
+    otherwise stay mapped beside the next phase's, adding to the peak a cap bounds (docs/benchmarks.md)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -88,9 +81,7 @@ def unmap_free(device: torch.device) -> None:
 def reporting_out_of_memory(
     call: Callable[[], Result], stage: Callable[[], str], device: torch.device, budget: MemoryBudget
 ) -> Result:
-    """``call()``, its device out-of-memory error raised as ``OutOfMemory``: one line naming ``stage()`` (where the run
-    was), what the allocator held and its peak, against ``budget``. The failed call's tensors are freed and the cache
-    emptied before it is raised, so the process can serve its next request."""
+    """``call()``, its device out-of-memory error raised as ``OutOfMemory``'s one line once its tensors are freed."""
     try:
         return call()
     except torch.OutOfMemoryError as exc:
@@ -101,7 +92,6 @@ def reporting_out_of_memory(
 
 
 def out_of_memory(message: str, stage: str, device: torch.device, budget: MemoryBudget) -> OutOfMemory:
-    """The one line for an out-of-memory error whose PyTorch ``message`` arose at ``stage`` on ``device``."""
     gib = 2**30
     tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", message)
     figures = [f"{tried[1]} more was asked for"] if tried else []

@@ -1,5 +1,5 @@
-"""The Engine: runs a loaded pipeline (in this process or a group of workers) and serves requests. A request that
-fails to resolve raises ``InvalidRequest`` before any worker sees it, leaving the engine ready for the next one."""
+"""The Engine: runs a loaded pipeline, in this process or a group of workers. A request that fails to resolve raises
+``InvalidRequest`` before any worker sees it, leaving the engine ready for the next one."""
 
 from __future__ import annotations
 
@@ -27,22 +27,12 @@ Request = GenerationRequest | ResolvedRequest
 class Engine:
     """``Engine(model="flux2-dev").generate(GenerationRequest(prompt="..."))``.
 
-    ``model`` is a preset name, a checkpoint folder, a hub id, or a ModelSpec already resolved. ``options`` selects
-    FP8 linears and regional compilation (on by default on GPUs). ``max_gpu_memory`` ("32GiB") is checked against
-    the plan's estimate before anything loads, and every GPU worker holds its allocator to it.
-    ``text_encoder_placement`` is ``gpu`` (prompt encoders resident on rank 0's GPU), ``fp8`` (resident with FP8
-    linears; FP8 runs only), ``offload`` (kept in CPU memory and streamed to the GPU while encoding) or ``auto``: under
-    a cap, the first of those that fits (the choice is ``memory_plan.text_encoder_placement``); without one, resident.
-    ``request``, when given, is settled with the run (resolved once, checked and sized for before anything loads;
-    ``generate()`` without one runs it). ``allow_pickle`` lets a checkpoint folder's pickle weights load (they can run
-    code).
-
-    With a ``ParallelConfig`` of more than one GPU, the engine spawns one worker process per GPU on this host
-    (``cpu`` spawns CPU processes joined by gloo), using the GPUs from ``device``'s index on; ``isolate`` spawns one
-    worker for a one-GPU plan too, so that a crash of the model code cannot take the caller down (the server's groups).
-    ``cpu_threads``: torch's threads per CPU worker process (default: the cores shared among the group). In a script
-    started by torchrun, each process is one worker of the torchrun group, and ``generate`` returns the result on rank
-    0 and None elsewhere. ``settings``, when given, replaces every argument before it (``settle``'s result).
+    The arguments are ``Asked``'s fields (their help: ``paradit generate --help``), settled before anything loads;
+    ``request`` is settled with them (``generate()`` then runs it), and ``settings`` (``settle``'s) replaces them all.
+    A plan of more than one GPU spawns a worker process per GPU of this host, from ``device``'s index on (CPU
+    processes joined by gloo on ``cpu``, ``cpu_threads`` each); ``isolate`` spawns one for a one-GPU plan too, so that
+    a crash of the model code cannot take the caller down. Under torchrun each process is one worker of the group, and
+    ``generate`` returns None off rank 0.
     """
 
     def __init__(
@@ -104,17 +94,14 @@ class Engine:
             self._signals = self._group.signals
 
     def check(self, request: GenerationRequest) -> ResolvedRequest:
-        """The request with the model's defaults filled in, or InvalidRequest for one this engine's model cannot
-        serve (nothing runs)."""
+        """The request resolved and checked against this run, or InvalidRequest (nothing runs)."""
         return self.settings.resolve(request)
 
     def generate(
         self, request: Request | list[Request] | None = None, progress: bool = False
     ) -> GenerationResult | list[GenerationResult] | None:
-        """The request's result; for a list of requests that differ only in prompts, seeds and image counts, one
-        batch and a list of results, each what its request gives alone (``DiffusionPipeline.generate``). A request
-        resolved already (``check``, the server's; the one the settings were settled for, which ``generate()`` runs)
-        runs as it is. Raises RequestCancelled when ``cancel`` stopped it."""
+        """The request's result; for a list of requests that can share a batch, one batch and a list of results, each
+        what its request gives alone. A resolved request runs as it is; RequestCancelled when ``cancel`` stopped it."""
         # Resolved here once, each seed drawn here: the ranks run what they are sent, and a seed each rank drew for
         # itself would give each rank other noise, and the result a seed that is not its image's.
         request = self.settings.request if request is None else request
@@ -151,13 +138,11 @@ class Engine:
         return plan.replace("1 GPU", "1 process") if self.device.type == "cpu" else plan
 
     def cancel(self) -> None:
-        """Stop the ``generate`` call in flight (called from another thread) at its next step boundary, where it
-        raises RequestCancelled; nothing happens if it is past its last step. Not under torchrun."""
+        """Stop the ``generate`` in flight (from another thread) at its next step boundary. Not under torchrun."""
         self._signals.cancel()
 
     def abort(self) -> None:
-        """Kill the worker processes now, for a run that does not reach a step boundary: the ``generate`` in flight
-        raises WorkerFailure and the engine serves no more (a server rebuilds it). Only an engine with workers."""
+        """Kill the workers now, for a run that does not reach a step boundary; the engine serves no more."""
         for process in self._group.processes:
             process.kill()
 
@@ -172,10 +157,7 @@ class Engine:
         return 0 if self._signals is None else self._signals.steps_done()
 
     def close(self) -> None:
-        """Stop the worker processes, if any, and remove their rendezvous folder; a request cut short (an interrupt)
-        is not waited for. An engine running in this process lets go of its pipeline and gives the device memory
-        back, so that the next engine has the whole device. Also done (for workers) when the engine is
-        garbage-collected or the interpreter exits. The engine serves no more requests after this."""
+        """Stop the workers, or free this process's pipeline and its device memory; the engine serves no more."""
         if self._group is not None:
             self._group.close()
         if self.pipeline is not None:

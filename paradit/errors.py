@@ -25,8 +25,7 @@ class NonFinitePrediction(ParaditError):
 
 
 class OutOfMemory(ParaditError):
-    """The device ran out of memory during a run (loading, encoding, a denoise step, decoding): not the input's
-    fault, so the CLI exits 1 and the server answers 503; the line says where, how much, and what would need less."""
+    """The device ran out of memory: not the input's fault, so the CLI exits 1 and the server answers 503."""
 
     exit_code = 1
 

@@ -1,12 +1,7 @@
-"""Two experts on a card that holds one: the idle expert's tensors live in pinned host memory and are copied in when
-its turn comes (Wan 2.2 A14B: the high-noise expert until the boundary, then the low-noise one).
-
-Written here rather than taken from accelerate's offloading hooks: those move a module block by block around every
-forward (the price paid on each of the ~40 steps), while an expert is needed for a run of consecutive steps; one bulk
-copy per switch, from pinned memory at the host link's full rate, costs a fraction of one step.
-
-The tensors are swapped in place (``Parameter.data``, buffer slots), so compiled blocks, FP8 linears and parallel
-wrappers keep their modules. CUDA graphs (fixed addresses) do not mix with it."""
+"""Two experts on a card that holds one (Wan 2.2 A14B): the idle expert's tensors wait in pinned host memory. Not
+accelerate's offloading hooks, which move a module block by block around every forward: an expert serves a run of
+consecutive steps, and one bulk copy per switch costs a fraction of one step. The tensors are swapped in place
+(``Parameter.data``, buffer slots), so compiled blocks, FP8 linears and parallel wrappers keep their modules."""
 
 from __future__ import annotations
 
@@ -30,10 +25,8 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str, bool]]:
 
 
 class ExpertSwap:
-    """Experts that take turns on ``device``: ``add`` each (one of them resident), then ``activate(name)`` makes
-    ``name`` the resident one. The previous one's device memory is released before the copy, so the device never
-    holds two experts; an expert added idle leaves the device at once (load the idle ones first, then the resident
-    one, and loading never holds two either)."""
+    """Experts that take turns on ``device``. The leaving one's memory is released before the copy, so the device
+    never holds two; an expert added idle leaves the device at once (so load the idle ones first)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,5 +1,4 @@
-"""``Family``: one record that says everything the runtime needs of a model family, as torchtitan's ``TrainSpec``
-describes a model: each family folder exports one (``families/<family>/family.py``), and the registry lists them."""
+"""``Family``: everything the runtime needs of a model family, one record in each ``families/<family>/family.py``."""
 
 from __future__ import annotations
 
@@ -34,12 +33,9 @@ def image_tokens(spec: ModelSpec) -> int:
 
 @dataclass(frozen=True)
 class Measured:
-    """What was measured of a family's presets, by preset name, as data in its ``folder``: working memory
-    (``MEMORY_FILE``, by ``benchmarks/memory_estimates.py``: ``activations`` by execution, eager or compiled, and
-    precision, bf16 or fp8, and ``vae_decode``, in the units the file states and ``paradit.memory`` scales) and the
-    planner's counts of each transformer (``FACTS_FILE``, by ``benchmarks/model_facts.py``). Where a family or preset
-    has none, the memory estimate takes the largest figure of its family or, failing that, of any family, and the
-    planner leaves ``--gpus N`` the default plan."""
+    """What was measured of a family's presets, by preset name: working memory (``MEMORY_FILE``, written by
+    ``benchmarks/memory_estimates.py``; ``activations`` by eager or compiled, then bf16 or fp8) and the planner's counts
+    of each transformer (``FACTS_FILE``, by ``benchmarks/model_facts.py``)."""
 
     folder: Path | None = None
     activations: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
@@ -48,7 +44,7 @@ class Measured:
 
     @classmethod
     def read(cls, folder: Path) -> Measured:
-        """What ``folder`` holds: either file may be missing (a family not yet measured on a GPU has no memory.json)."""
+        """Either file may be missing (a family not yet measured on a GPU has no memory.json)."""
         memory = json.loads((folder / MEMORY_FILE).read_text()) if (folder / MEMORY_FILE).is_file() else {}
         return cls(
             folder,
@@ -59,8 +55,7 @@ class Measured:
 
 
 class SettledRun(Protocol):
-    """What a family's ``check_run`` reads of a settled run: ``settings.RunSettings``, which the record cannot name
-    (the front door that settles runs sits above every family)."""
+    """What a family's ``check_run`` reads of ``settings.RunSettings``, which sits above every family."""
 
     @property
     def spec(self) -> ModelSpec: ...
@@ -75,17 +70,14 @@ class SettledRun(Protocol):
 @dataclass(frozen=True)
 class Family:
     name: str
-    # its ``pipelines.base.DiffusionPipeline`` class, or one choosing by the spec: (family, spec, ...) -> the pipeline
-    # (untyped here: the skeleton holds its family's record, so the record sits below it)
+    # its ``DiffusionPipeline`` class, or a callable choosing by the spec (untyped: the pipeline sits above the record)
     pipeline: Callable[..., Any]
     diffusers_pipelines: tuple[str, ...]  # the diffusers pipeline classes whose checkpoints it serves
     # (folder, its model_index.json) -> the ModelSpec: architecture from its configs, defaults from diffusers
     read_checkpoint: Callable[[Path, dict[str, Any]], ModelSpec]
-    # the request with the model's defaults filled in, or an InvalidRequest naming what is allowed
     resolve_request: Callable[[ModelSpec, GenerationRequest], ResolvedRequest]
     uses_cfg: Callable[[ModelSpec, ResolvedRequest], bool]  # two guidance branches a step, by diffusers' rule
     build_transformer: Callable[[ModelSpec], nn.Module]  # the plain transformer (the loader builds it on meta)
-    # the prompt encoder's class for a spec: its ``from_folder`` and ``dummy`` (``text_encoder.load_prompt_encoder``)
     prompt_encoder: Callable[[ModelSpec], type[PromptEncoder]]
     vae: type  # the diffusers autoencoder class of the ``vae/`` component
     tensor_plan: TensorPlan | None
@@ -94,7 +86,6 @@ class Family:
     video: bool = False  # whether it makes videos (batch, frames, 3, H, W) rather than images
     sequence_tokens: Callable[[ModelSpec], int] = image_tokens  # tokens a sample's blocks see (memory estimate)
     after_dummy_init: Callable[[nn.Module], None] | None = None  # fills a model's fixed buffers after random init
-    # (the run's settings, a resolved request) -> None, or an InvalidRequest for what the run's plan or options cannot
-    # give that request and what can (None: every request its resolution passes runs under any plan)
+    # refuses (InvalidRequest) what the run's plan or options cannot give a request (None: any plan serves any request)
     check_run: Callable[[SettledRun, ResolvedRequest], None] | None = None
     measured: Measured = Measured()  # what was measured of its presets: ``Measured.read`` of its folder

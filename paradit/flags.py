@@ -1,11 +1,11 @@
-"""How the command line spells an option, declared on the field of the record the option sets (``option``), and the
-argparse groups and records derived from those declarations (``add_flags``, ``from_args``). Imports nothing of
-paradit's records, so that each record's module can declare its own fields' flags."""
+"""Options declared on the fields of the records they set (``option``), and the argparse flags and records derived
+from them. Imports nothing of paradit's records, so that each record's module can declare its own fields' flags."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,12 +21,10 @@ REQUIRED = object()  # ``option``'s default for a field that has none
 
 @dataclass(frozen=True)
 class Flag:
-    """How the command line spells an option: ``name`` (None: ``--`` and its field's name, dashes for underscores).
-    ``commands``: those that take it; ``group``: the heading it is listed under in their help; ``convert``: the flag's
-    value to the field's (argparse's ``type`` reads text, this runs after, where a refusal is paradit's own one line);
-    ``remote``: with ``generate --server``, the request body's field it is sent as, or None where the server chose it
-    when it started (then it is refused); ``http``: the JSON type and bounds of that field where the server's bodies
-    take it, ``routes``: which of them."""
+    """How the command line spells an option: ``name`` (None: ``--`` and its field's name, dashes for underscores),
+    ``group``: its heading in the help; ``convert``: the flag's value to the field's (after argparse's ``type``, where a
+    refusal is paradit's own one line); ``http``: the JSON type and pydantic constraints of the field where the
+    server's bodies (``routes``) take it, which ``generate --server`` sends (the server chose the others)."""
 
     help: str
     name: str | None = None
@@ -39,12 +37,11 @@ class Flag:
     required: bool = False
     absent: Any = None  # what argparse answers when the flag is absent (None: the field's own default)
     convert: Callable[[Any], Any] | None = None
-    remote: str | None = None
-    http: tuple[Any, dict[str, Any]] | None = None  # the HTTP body's field: its JSON type and pydantic constraints
-    routes: tuple[str, ...] = ("images", "edits", "videos")  # the HTTP bodies that take it
+    remote: str | None = None  # set by ``flag_of``: the body's field, the field's name where ``http`` is set
+    http: tuple[Any, dict[str, Any]] | None = None
+    routes: tuple[str, ...] = ("images", "edits", "videos")
 
     def add_to(self, parser: Any, dest: str) -> None:
-        """The flag on ``parser`` (or an argument group), its answer under ``dest``."""
         keywords = {"type": self.type, "choices": self.choices, "metavar": self.metavar, "action": self.action}
         keywords = {key: value for key, value in keywords.items() if value is not None}
         if self.action is None and self.choices is None and self.metavar is None:  # named as the flag, not the field
@@ -55,8 +52,7 @@ class Flag:
 
 
 def option(default: Any = None, *, factory: Callable[[], Any] | None = None, **flag: Any) -> Any:
-    """A record's field with its default (or ``factory``), declared as the option ``Flag(**flag)`` (none: a field
-    the Python API sets alone)."""
+    """A record's field declared as the option ``Flag(**flag)`` (none: a field the Python API sets alone)."""
     metadata = {OPTION: Flag(**flag)} if flag else {}
     if default is REQUIRED:
         return field(metadata=metadata)
@@ -65,12 +61,17 @@ def option(default: Any = None, *, factory: Callable[[], Any] | None = None, **f
     return field(default=default, metadata=metadata)
 
 
+generate_option = functools.partial(option, commands=(GENERATE,))
+serve_option = functools.partial(option, commands=(SERVE,))
+
+
 def flag_of(each: dataclasses.Field) -> Flag | None:
-    """The flag a field declares, named."""
+    """The flag a field declares, named, and its ``remote`` name where the HTTP bodies take it."""
     flag = each.metadata.get(OPTION)
-    if flag is None or flag.name is not None:
-        return flag
-    return dataclasses.replace(flag, name="--" + each.name.replace("_", "-"))
+    if flag is None:
+        return None
+    name = flag.name or "--" + each.name.replace("_", "-")
+    return dataclasses.replace(flag, name=name, remote=each.name if flag.http is not None else None)
 
 
 def flagged_fields(record: type, command: str) -> list[tuple[dataclasses.Field, Flag]]:
@@ -111,8 +112,7 @@ def flags_given(args: argparse.Namespace, command: str, *records: type) -> dict[
 
 
 def check_choices(record: Any) -> None:
-    """Refuse a value of ``record`` (set through the Python API, where argparse checked nothing) that its field's
-    flag does not allow."""
+    """Refuse a value set through the Python API (argparse checked nothing) that its field's flag does not allow."""
     for each in dataclasses.fields(record):
         flag, value = flag_of(each), getattr(record, each.name)
         if flag is not None and flag.choices and isinstance(value, str) and value not in flag.choices:
@@ -130,14 +130,12 @@ def whole_number(text: str, problem: str) -> int:
 
 
 def positive(text: str) -> int:
-    """A whole number of 1 or more (degrees, counts, sizes)."""
     if (value := whole_number(text, "is not a whole number")) < 1:
         raise argparse.ArgumentTypeError(f"{value} is not allowed; give 1 or more")
     return value
 
 
 def nonnegative(text: str) -> int:
-    """A whole number of 0 or more (steps kept exact)."""
     if (value := whole_number(text, "is not a whole number")) < 0:
         raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 or more")
     return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +49,13 @@ def load_pipeline(
     placement: str = "gpu",
     vae_tiled: bool = False,
 ) -> DiffusionPipeline:
-    """This rank's pipeline in ``context``'s group (None: one process): its share of the transformer, built with the
-    execution options (``runtime.load_transformer``); the prompt encoders (placed as ``placement`` says) on rank 0
-    alone; the VAE, decoding with the group (or, ``vae_tiled``, alone and tile by tile: diffusers' tiling, which blends
-    the tiles' seams and so differs slightly from the whole decode; tests/test_memory.py measures it)."""
+    """This rank's pipeline: its share of the transformers, the prompt encoders on rank 0 alone, the VAE decoding
+    with the group (or, ``vae_tiled``, alone and tile by tile: diffusers' tiling blends the seams, so it differs
+    slightly from the whole decode)."""
     options = options or ExecutionOptions()
     family = FAMILIES[spec.family]
-    # The transformer and the further ones (a low-noise expert; check_plan refused PipeFusion for those), each
-    # parallelized alike. Swapped experts load one at a time on the device and leave for host memory, the resident one
-    # last: the device never holds two (and random weights and FP8 conversion run at the device's speed).
+    # Swapped experts load one at a time on the device and leave for host memory, the resident one last: the device
+    # never holds two (and random weights and FP8 conversion run at the device's speed).
     experts = {}
     swap = ExpertSwap(device) if options.swap_experts and spec.experts else None
     for component, config in {**spec.experts, "transformer": spec.transformer}.items():
@@ -82,8 +81,7 @@ def load_pipeline(
 
 
 def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:
-    """Rank ``rank``'s pipeline: sets up its device's allocator and holds it to the memory cap, joins the group (when
-    there is one), loads; running out of device memory while loading is ``OutOfMemory``'s one line."""
+    """Rank ``rank``'s pipeline, its device's allocator set up and held to the cap, in its group where there is one."""
     device = torch.device("cuda", local_rank) if plan.device_type == "cuda" else torch.device("cpu")
     configure_allocator(device)
     hold_to_cap(device, plan.memory_cap)
@@ -91,22 +89,15 @@ def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> Diff
     if plan.parallel.world_size > 1 or plan.parallel.shard_weights:  # sharding over one GPU: a group of one
         init_process_group(device, rank, plan.parallel.world_size, plan.init_method)
         context = ParallelContext.build(plan.parallel, device)
-
-    def load() -> DiffusionPipeline:
-        return load_pipeline(
-            plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement, plan.vae_tiled
-        )
-
+    load = functools.partial(
+        load_pipeline, plan.spec, device, plan.dtype, context, plan.options, plan.text_encoder_placement, plan.vae_tiled
+    )
     return reporting_out_of_memory(load, lambda: "while loading the model", device, plan.budget)
 
 
 def run_requests(
     pipeline: DiffusionPipeline, plan: WorkerPlan, requests: list[ResolvedRequest], progress: bool = False, on_step=None
 ) -> list[GenerationResult] | None:
-    """``pipeline.generate``, running out of device memory reported as ``OutOfMemory``'s one line, naming the stage
-    the pipeline was in (``DiffusionPipeline.stage``), and the memory given back for the next request."""
-
-    def generate() -> list[GenerationResult] | None:
-        return pipeline.generate(requests, progress=progress, on_step=on_step)
-
+    """``pipeline.generate``; running out of device memory is ``OutOfMemory``'s one line, naming the stage."""
+    generate = functools.partial(pipeline.generate, requests, progress=progress, on_step=on_step)
     return reporting_out_of_memory(generate, lambda: pipeline.stage, pipeline.device, plan.budget)

@@ -1,7 +1,4 @@
-"""What ``settle`` needs to know of the hardware a run is settled for: how many GPUs there are, their hardware profile,
-their free memory, and whether they run FP8. ``Machine.detect()`` asks this machine; ``Machine.of_profile`` is GPUs of
-a hardware profile, which ``paradit plan --profile`` predicts for on any machine (the CPU included), through the same
-``settle`` that ``generate`` runs."""
+"""The hardware a run is settled for: this machine, or a hardware profile's GPUs (``paradit plan --profile``)."""
 
 from __future__ import annotations
 
@@ -16,9 +13,7 @@ from paradit.planner.profile import HardwareProfile, detect_profile
 
 @dataclass(frozen=True)
 class Machine:
-    """``gpus``: the GPUs visible (0: none); ``profile``: theirs, as the planner knows it (None: none known);
-    ``virtual``: GPUs of ``profile`` that are not here (``paradit plan --profile``), whose free memory is the
-    profile's memory and whose FP8 support its rates say."""
+    """``virtual``: GPUs of ``profile`` that are not here, whose free memory and FP8 support the profile gives."""
 
     gpus: int
     profile: HardwareProfile | None = None
@@ -33,17 +28,15 @@ class Machine:
         return cls(gpus, profile, virtual=True)
 
     def profile_for(self, gpus: int) -> HardwareProfile | None:
-        """The profile of a group of ``gpus`` of these GPUs (on this machine: detected, the links by peer access)."""
+        """On this machine: detected, the links by peer access."""
         return self.profile if self.virtual else detect_profile(gpus)
 
     def free_memory(self, index: int) -> int:
-        """Bytes GPU ``index`` can give a run's allocator (``device_memory.free_memory``)."""
-        if self.virtual:  # the profile's memory, as the planner counts it
+        if self.virtual:
             return self.profile.memory_bytes
         return free_memory(index)
 
     def memory_words(self, free: int, index: int) -> str:
-        """What a plan made for ``free`` bytes of GPU ``index`` was made for, in words."""
         where = f"an {self.profile.name} GPU" if self.virtual else f"GPU {index}"
         return f"the {free / 2**30:.1f} GiB free on {where}"
 

@@ -1,12 +1,6 @@
-"""Per-GPU memory: what a plan holds on rank 0, and the check that it fits under a cap (or, uncapped, the GPU's free
-memory) before anything loads.
-
-The weights are counted from the model itself: the transformer and the prompt encoders and VAE are built on the meta
-device (no memory, milliseconds) and their parameters counted as the run holds them; working memory is each
-family's, measured on the GPU (``memory.json`` in its folder: ``family.Measured``), for the tokens and pixels each
-rank holds. Rank 0 carries the prompt encoders and the VAE, so it is the rank that must fit; the plan also places the
-prompt encoders (``check_fits``).
-"""
+"""What a plan holds on rank 0 (which carries the prompt encoders and the VAE), and the check that it fits under a cap
+or the GPU's free memory before anything loads. Weights are counted on models built on the meta device; working memory
+is each family's as measured on the GPU (``family.Measured``), scaled to the tokens and pixels each rank holds."""
 
 from __future__ import annotations
 
@@ -47,7 +41,7 @@ _UNITS = {
 
 
 def gib(size: int) -> str:
-    """Bytes as GiB: one decimal, or three significant digits below 1 GiB, so that tiny models' megabytes show."""
+    """One decimal, or three significant digits below 1 GiB, so that tiny models' megabytes show."""
     return f"{size / 2**30:.1f}" if size >= 2**30 else f"{size / 2**30:.3g}"
 
 
@@ -127,10 +121,9 @@ class MemoryPlan:
 
 
 def working_units(spec: ModelSpec, table: str, compiled: bool, fp8: bool) -> float:
-    """The measured working-memory coefficient ``table`` (``activations`` or ``vae_decode`` of ``family.Measured``) of
-    the preset whose architecture ``spec`` shares, in this mode (eager or compiled, bf16 or FP8). Each figure that is
-    missing takes the largest there is, which errs high: of an unmeasured mode, the largest its preset has; of an
-    unmeasured architecture, its family's; of a family measured nowhere, any family's."""
+    """The measured coefficient ``table`` (``activations`` or ``vae_decode``) of the preset whose architecture ``spec``
+    shares, in this mode. A missing figure takes the largest there is, which errs high: its preset's, else its
+    family's, else any family's."""
     tables = {name: getattr(family.measured, table) for name, family in FAMILIES.items()}
     measured = tables[spec.family]
     preset = measured_preset(spec, measured)
@@ -145,9 +138,8 @@ def working_units(spec: ModelSpec, table: str, compiled: bool, fp8: bool) -> flo
 def _transformer_bytes(
     model: nn.Module, kept: list[nn.Module], dtype: torch.dtype, fp8: bool, keep: tuple[str, ...], tensor: int
 ) -> tuple[int, list[int]]:
-    """Rank 0's share of a transformer: the bytes of every parameter outside the blocks, and of each ``kept`` block
-    (PipeFusion's first stage) divided by tensor parallelism; FP8 linears as the conversion makes them (a byte a
-    weight and a float32 scale a row), the ``keep`` ones left in ``dtype``."""
+    """Rank 0's share of a transformer: the bytes outside the blocks, and of each ``kept`` block (PipeFusion's first
+    stage) over tensor parallelism; FP8 linears as the conversion makes them."""
     names = {id(module): name for name, module in model.named_modules()}
     outside, blocks = 0, [0] * len(kept)
     prefixes = tuple(names[id(block)] + "." for block in model_blocks(model))
@@ -164,9 +156,8 @@ def _transformer_bytes(
 
 
 def _resident_bytes(shares: list[tuple[int, list[int]]], swap_experts: bool, shard: int) -> int:
-    """What the transformers' ``shares`` (``_transformer_bytes`` of each) hold on the device: all of them, or with
-    swapped experts the largest; sharded over ``shard`` ranks, 1/N of each, and the active one's gathered copies on
-    top: the weights outside its blocks for the whole forward, a block and the next one prefetched."""
+    """What the transformers' ``shares`` hold on the device: all, or swapped the largest; sharded, 1/N of each and
+    the active one's gathered copies on top: the weights outside its blocks, a block and the next one prefetched."""
     totals = [outside + sum(blocks) for outside, blocks in shares]
     if not shard:
         return max(totals) if swap_experts else sum(totals)
@@ -181,8 +172,7 @@ _BUILT: dict[str, MetaModels] = {}
 
 @dataclass(frozen=True)
 class MetaModels:
-    """A model's transformers (the further ones: a low-noise expert), prompt encoder and VAE on the meta device: what
-    an estimate counts, built once for the many plans a planner estimates."""
+    """A model's transformers, prompt encoder and VAE on the meta device: what an estimate counts."""
 
     transformers: list[nn.Module]
     encoder: Any
@@ -190,24 +180,19 @@ class MetaModels:
 
     @classmethod
     def build(cls, spec: ModelSpec, dtype: torch.dtype) -> MetaModels:
-        """``spec``'s models on the meta device, built once per architecture and dtype (a second or more for the
-        largest models' prompt encoders; ``settle`` and the planner estimate the same model many times)."""
+        """Built once per architecture and dtype: ``settle`` and the planner estimate the same model many times."""
         # What the models are built from: their configs and the family's own details, not the sizes or weights.
         key = repr((spec.family, spec.transformer, spec.experts, spec.text_encoder, spec.vae, spec.details, dtype))
         if key not in _BUILT:
             if len(_BUILT) >= BUILT_KEPT:
                 del _BUILT[next(iter(_BUILT))]
-            _BUILT[key] = cls._build(spec, dtype)
+            family = FAMILIES[spec.family]
+            with torch.device("meta"):
+                configs = [spec.transformer, *spec.experts.values()]
+                models = [family.build_transformer(dataclasses.replace(spec, transformer=c)) for c in configs]
+            encoder = load_prompt_encoder(family, spec, torch.device("meta"), dtype, True)
+            _BUILT[key] = cls(models, encoder, load_vae(family, spec, torch.device("meta"), dtype, dummy=True))
         return _BUILT[key]
-
-    @classmethod
-    def _build(cls, spec: ModelSpec, dtype: torch.dtype) -> MetaModels:
-        family = FAMILIES[spec.family]
-        with torch.device("meta"):
-            configs = [spec.transformer, *spec.experts.values()]
-            models = [family.build_transformer(dataclasses.replace(spec, transformer=c)) for c in configs]
-        encoder = load_prompt_encoder(family, spec, torch.device("meta"), dtype, True)
-        return cls(models, encoder, load_vae(family, spec, torch.device("meta"), dtype, dummy=True))
 
 
 def estimates(
@@ -223,12 +208,9 @@ def estimates(
     extra_tokens: int = 0,
     fp8_attention: bool = False,
 ) -> dict[str, MemoryPlan]:
-    """Rank 0's plan for each prompt encoder placement; ``swap_experts``: a model's experts take turns on the device
-    (the largest counts), else all are resident; ``vae_tiled``: the decode works on one tile at a time;
-    ``compiled``: regional compilation, whose fused blocks hold less working memory; ``built``: ``spec``'s models
-    on the meta device, when the caller has them; ``adapter_bytes``: LoRA side paths held beside the weights;
-    ``extra_tokens``: what a request's inputs add to each sample's sequence (FLUX.2's reference images);
-    ``fp8_attention``: self-attention through the FP8 kernel, which holds 8-bit copies of the keys and values."""
+    """Rank 0's plan for each prompt encoder placement. ``compiled``: regional compilation, whose fused blocks hold
+    less working memory; ``adapter_bytes``: LoRA side paths beside the weights; ``extra_tokens``: what a request's
+    inputs add to each sample's sequence (FLUX.2's reference images)."""
     family = FAMILIES[spec.family]
     built = built or MetaModels.build(spec, dtype)
     models, encoder, vae = built.transformers, built.encoder, built.vae
@@ -244,13 +226,11 @@ def estimates(
         for model in models
     ]
     transformer_bytes = _resident_bytes(shares, swap_experts, parallel.shard_weights) + adapter_bytes
-    # The token width, from the attention projections (every family's blocks attend at the model width); a family
-    # without a tensor plan states it in its config.
+    # Every family's blocks attend at the model width; a family without a tensor plan states it in its config.
     plan = family.tensor_plan
     width = plan.widths(transformer)["attention"] if plan else transformer.config.inner_dim
     batch = 2 if spec.guidance_mode == "cfg" and parallel.cfg == 1 else 1
     local_tokens = -(-(family.sequence_tokens(spec) + extra_tokens) // parallel.sequence_degree)
-    # Working memory as measured per family on the GPU (``working_units``), linear in the tokens and pixels.
     element = dtype.itemsize
     units = working_units(spec, "activations", compiled, fp8)
     block_activations = units * batch * local_tokens * width * element / parallel.tensor
@@ -304,10 +284,9 @@ def check_fits(
     limit: str | None = None,
     fp8_attention: bool = False,
 ) -> MemoryPlan:
-    """The first plan that fits rank 0 under ``cap``, with the prompt encoders placed as asked or, for ``auto``,
-    resident if that fits, else (in an FP8 run) resident in FP8, else offloaded; and only when none of those fits, the
-    same with the VAE decoding tile by tile; an InvalidRequest with the numbers when none fits. ``limit``: what
-    ``cap`` is, in words (default: the ``--max-gpu-memory`` it was given as)."""
+    """The first plan that fits rank 0 under ``cap``, the prompt encoders placed as asked or, for ``auto``, resident,
+    else in FP8 (FP8 runs), else offloaded; only then the same with a tiled VAE decode; else an InvalidRequest with
+    the numbers. ``limit``: what ``cap`` is, in words (default: the ``--max-gpu-memory`` it was given as)."""
     check_placement(placement, fp8)
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []
@@ -344,8 +323,7 @@ def cap_words(cap: int) -> str:
 def lowering_options(
     spec: ModelSpec, parallel: ParallelConfig, fp8: bool, placement: str, swap_experts: bool
 ) -> list[str]:
-    """The options that would make a run of ``spec`` with this plan, precision, prompt-encoder placement and expert
-    swapping hold less on rank 0, in the order worth trying."""
+    """The options that would make such a run hold less on rank 0, in the order worth trying."""
     advice = ["give more GPUs to the plan (--shard-weights or --tensor shards the weights)"]
     advice += [] if fp8 else ["use --quantize fp8"]
     advice += [] if placement == "offload" else ["--text-encoder-placement offload"]

@@ -1,6 +1,5 @@
-"""What a run, a server and the commands' own flags are asked for, each option declared once on its record's field
-(``flags.option``); ``COMMANDS`` lists which records each command takes. Imports nothing heavy: the command line
-builds its parser from here before torch loads."""
+"""What a run, a server and the commands' own flags are asked for, each option declared on its record's field, and
+what does not combine (``CONFLICTS``). Imports nothing heavy: the command line builds its parser before torch loads."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from paradit.errors import InvalidRequest
 from paradit.families.default import DEFAULT_MODEL
-from paradit.flags import GENERATE, PLAN, SERVE, nonnegative, option, positive
+from paradit.flags import GENERATE, PLAN, SERVE, generate_option, nonnegative, option, positive, serve_option
 from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_adapter
 from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig, parallel_option
 from paradit.request import GenerationRequest, StepCacheConfig
@@ -40,17 +39,14 @@ MEMORY = "memory"
 LORA = "LoRA adapters (applied to the transformer)"
 SERVED_LORA = "LoRA adapters each request may choose (its lora field)"
 execution_option = functools.partial(option, group=EXECUTION)
-generate_option = functools.partial(option, commands=(GENERATE,))
-serve_option = functools.partial(option, commands=(SERVE,))
-lora_option = functools.partial(option, commands=(GENERATE,), group=LORA)
-served_lora_option = functools.partial(option, commands=(SERVE,), group=SERVED_LORA)
+lora_option = functools.partial(generate_option, group=LORA)
+served_lora_option = functools.partial(serve_option, group=SERVED_LORA)
 
 
 @dataclass(frozen=True)
 class ExecutionOptions:
     """How the transformers execute. None leaves ``quantize``, ``cuda_graphs`` and ``swap_experts`` to the tuned
-    configuration or the planner (then none, off, off) and ``compile`` to the device (on GPUs); ``lora``: the
-    adapters applied as the transformers load (their flags: ``LoraFlags``)."""
+    configuration or the planner, and ``compile`` to the device; ``lora``'s flags are ``LoraFlags``."""
 
     quantize: str | None = execution_option(
         choices=QUANTIZATIONS, help="fp8: e4m3 linears (sm89+, MI300, RDNA 4); default none, or the planner's"
@@ -87,9 +83,8 @@ class ExecutionOptions:
 
 @dataclass(frozen=True)
 class Asked:
-    """What a user asked for; None (and ``auto``) leave the choice to paradit. ``parallel``: explicit degrees (the
-    flags of ``ParallelConfig``); ``comm_dtype``, ``patches``, ``warmup_steps`` and ``shard_weights`` apply on top of
-    whichever plan runs."""
+    """What a user asked for; None (and ``auto``) leave the choice to paradit. ``comm_dtype``, ``patches``,
+    ``warmup_steps`` and ``shard_weights`` apply on top of whichever plan runs."""
 
     model: str | ModelSpec = option(
         DEFAULT_MODEL, help="preset name, checkpoint folder or hub id", absent=DEFAULT_MODEL
@@ -134,8 +129,7 @@ class Asked:
 
 @dataclass(frozen=True)
 class LoraFlags:
-    """The adapters' flags, which ``lora_set`` turns into the run's ``LoraSet``: ``generate``'s by path and scale,
-    ``serve``'s by name (each request chooses among them)."""
+    """The adapters' flags: ``generate``'s by path and scale, ``serve``'s by name (each request chooses among them)."""
 
     lora: list[str] | None = lora_option(
         action="append",
@@ -172,8 +166,7 @@ class LoraFlags:
     )
 
     def lora_set(self) -> LoraSet | None:
-        """The adapters these flags name (None: none): a run's, each at its scale, or a server's, named and loaded
-        unchosen."""
+        """The adapters these flags name (None: none); a server's are loaded unchosen."""
         served = tuple(parse_adapter(text, "--lora", named=True) for text in self.named or ())
         served += adapters_in(self.lora_dir) if self.lora_dir else ()
         served_2 = tuple(parse_adapter(text, "--lora-2", named=True) for text in self.named_2 or ())
@@ -198,9 +191,7 @@ def group_size(text: str) -> int | str:
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """What ``paradit serve`` was asked for: the model and how it executes (``asked``, as ``generate`` takes it:
-    unset options follow the tuned choice for a group's size), ``gpus`` in groups of ``group_size`` (CPU processes
-    with ``device="cpu"``), where it listens, and the queue's limits."""
+    """What ``paradit serve`` was asked for; ``asked``'s unset options follow the tuned choice for a group's size."""
 
     asked: Asked = option(factory=Asked)
     gpus: int = serve_option(1, type=positive, absent=1, help="GPUs to serve with (CPU processes with --device cpu)")
@@ -243,7 +234,7 @@ class ServeSettings:
 
 @dataclass(frozen=True)
 class GenerateFlags:
-    """``paradit generate``'s own flags: where its files go, a server to send the request to, what it shows."""
+    """``paradit generate``'s own flags."""
 
     out: str | None = generate_option(
         help="image path, its format from the extension (.png, .jpg, .jpeg, .webp); a video's: .mp4 (H.264), or a "
@@ -270,7 +261,7 @@ class GenerateFlags:
 
 @dataclass(frozen=True)
 class PlanFlags:
-    """``paradit plan``'s own flags: the hardware to plan for, when not this machine."""
+    """``paradit plan``'s own flags: the hardware to plan for, when not this machine's."""
 
     profile: str | None = option(
         commands=(PLAN,),

@@ -10,16 +10,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from PIL import Image
 
 from paradit.errors import InvalidRequest
-from paradit.flags import GENERATE, PLAN, REQUIRED, finite, option, positive, whole_number
+from paradit.flags import GENERATE, PLAN, REQUIRED, finite, generate_option, option, positive, whole_number
 from paradit.outputs import read_image
 
 if TYPE_CHECKING:
     import torch
 
 SEED_LIMIT = 2**64  # seeds are torch generators' 64-bit seeds: 0 to 2**64 - 1
-# Bounds a server sets on what one request may ask for, tighter than the engine's own (``pipelines.requests``): a
-# prompt far past what any text encoder reads, and steps past any published schedule, so that no one request holds a
-# shared group for long.
+# A server's bounds on one request, tighter than the engine's own (``pipelines.requests``), so that no one request holds
+# a shared group for long: a prompt far past what any text encoder reads, steps past any published schedule.
 MAX_PROMPT_CHARS = 10_000
 SERVED_MAX_STEPS = 500
 CACHE_METHODS = ("first-block", "mag", "taylorseer")
@@ -36,7 +35,7 @@ SCHEDULERS = ("flow-euler", "unipc", "dpmpp-2m")
 
 
 CACHING = "step caching (skip the blocks of steps that barely change)"
-cache_option = functools.partial(option, commands=(GENERATE,), group=CACHING)
+cache_option = functools.partial(generate_option, group=CACHING)
 
 
 def read_ratios(text: str) -> tuple[float, ...]:
@@ -66,9 +65,8 @@ def read_images(paths: list[str]) -> list[Image.Image]:
 
 @dataclass(frozen=True)
 class StepCacheConfig:
-    """Step caching (``--cache``): a method of ``CACHE_METHODS`` with the parameters of diffusers' config of it that
-    ``CACHE_PARAMETERS`` lists, by their names and with their defaults (``threshold``: the method's in
-    ``CACHE_THRESHOLDS`` when unset; ``mag_ratios``: a calibrated curve, any length)."""
+    """Step caching: a method with the parameters of diffusers' config of it that ``CACHE_PARAMETERS`` lists, by their
+    names and with their defaults (``threshold`` unset: the method's in ``CACHE_THRESHOLDS``)."""
 
     method: str = cache_option(
         name="--cache",
@@ -120,17 +118,14 @@ class StepCacheConfig:
 class GenerationRequest:
     """One call: ``prompt`` may be a list (one batch); unset fields take the model's defaults."""
 
-    prompt: str | list[str] = option(
+    prompt: str | list[str] = generate_option(
         REQUIRED,
         action="append",
         required=True,
         convert=one_or_many,
-        commands=(GENERATE,),
         help="repeat for several prompts in one batch",
     )
-    negative_prompt: str | list[str] | None = option(
-        commands=(GENERATE,),
-        remote="negative_prompt",
+    negative_prompt: str | list[str] | None = generate_option(
         http=(str | None, dict(max_length=MAX_PROMPT_CHARS)),
         help="for models with true classifier-free guidance",
     )
@@ -140,77 +135,61 @@ class GenerationRequest:
     steps: int | None = option(
         type=int,
         commands=(GENERATE, PLAN),
-        remote="steps",
         http=(int | None, dict(ge=1, le=SERVED_MAX_STEPS)),
         help="denoise steps (default: the model's)",
     )
-    guidance: float | None = option(
+    guidance: float | None = generate_option(
         type=finite,
-        commands=(GENERATE,),
-        remote="guidance",
         http=(float | None, dict(ge=0, allow_inf_nan=False)),
         help="guidance scale (default: the model's)",
     )
-    seed: int | None = option(
+    seed: int | None = generate_option(
         type=seed,
         absent=0,
         convert=lambda value: None if value == "random" else value,
-        commands=(GENERATE,),
-        remote="seed",
         http=(int | None, dict(ge=0, lt=SEED_LIMIT, description="drawn at random when absent; answered back")),
         help="a 64-bit seed, or 'random'",
     )
-    num_images_per_prompt: int = option(
+    num_images_per_prompt: int = generate_option(
         1,
         name="--images-per-prompt",
         type=positive,
         absent=1,
-        commands=(GENERATE,),
         help="images of each prompt",
     )
     frames: int | None = option(
         type=int,
         commands=(GENERATE, PLAN),
-        remote="frames",
         http=(int | None, dict(ge=1)),
         routes=("videos",),
         help="video models: frames per video, 4k+1 (default: the model's)",
     )
-    guidance_2: float | None = option(
+    guidance_2: float | None = generate_option(
         type=finite,
-        commands=(GENERATE,),
-        remote="guidance_2",
         http=(float | None, dict(ge=0, allow_inf_nan=False)),
         routes=("videos",),
         help="models with a low-noise expert: its guidance scale (diffusers' guidance_scale_2)",
     )
-    # image-conditioned models: Wan's first frame to animate, FLUX.2's reference images (a list: several)
-    image: Image.Image | list[Image.Image] | None = option(
+    image: Image.Image | list[Image.Image] | None = generate_option(
         action="append",
         convert=read_images,
-        commands=(GENERATE,),
         help="an input image, repeatable where the model takes several: image-to-video's first frame, a reference to "
         "edit from, image-to-image's start",
     )
-    strength: float | None = option(
+    strength: float | None = generate_option(
         type=finite,
-        commands=(GENERATE,),
-        remote="strength",
         http=(float | None, dict(gt=0, le=1, description="image-to-image: the share of the steps run")),
         routes=("edits",),
         help="image-to-image (with --image): the share of the steps run from the noised image, above 0 to 1 (default "
         "0.6; inpainting: the model pipeline's)",
     )
-    mask: Image.Image | None = option(
+    mask: Image.Image | None = generate_option(
         convert=lambda path: read_image(path, "--mask"),
-        commands=(GENERATE,),
         help="inpainting (with --image): a picture of the image's size, white where it is repainted, black where it "
         "is kept",
     )
-    fps: int | None = option(
+    fps: int | None = generate_option(
         type=positive,
-        commands=(GENERATE,),
-        remote="fps",
         http=(int | None, dict(ge=1)),
         routes=("videos",),
         help="video models: frames per second of the MP4 (default: the model's)",
@@ -218,19 +197,13 @@ class GenerationRequest:
     # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
     lora: tuple[tuple[str, float], ...] | None = None
     cache: StepCacheConfig | None = None  # step caching (None: every step runs every block; its flags: StepCacheConfig)
-    scheduler: str | None = option(
-        name="--scheduler",
+    scheduler: str | None = generate_option(
         choices=SCHEDULERS,
-        commands=(GENERATE,),
-        remote="scheduler",
         http=(Literal[*SCHEDULERS] | None, dict(description="the sampler (default: the model's)")),
         help="the sampler, as diffusers' pipeline with that scheduler swapped in (default: the model's own)",
     )
-    shift: float | None = option(
-        name="--shift",
+    shift: float | None = generate_option(
         type=finite,
-        commands=(GENERATE,),
-        remote="shift",
         http=(float | None, dict(gt=0, allow_inf_nan=False, description="the static timestep shift")),
         help="the static timestep shift, above 0; replaces a dynamic one (default: the model's)",
     )

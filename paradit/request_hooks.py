@@ -1,6 +1,5 @@
-"""Per-request features as hooks of the denoise loop, so that ``DiffusionPipeline.generate`` stays the skeleton; each
-acts through the same three calls, in the order the pipeline lists its hooks. Here, below every module that has a
-feature, so that any of them can implement the protocol (the attention layers too)."""
+"""Per-request features as hooks of the denoise loop, so that ``DiffusionPipeline.generate`` stays the skeleton; here,
+below every module that has a feature, so that any of them can implement the protocol."""
 
 from __future__ import annotations
 
@@ -15,10 +14,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Denoise:
-    """A batch's denoise loop as its hooks see it before the first step: its requests and their batch (``request``),
-    whether it guides (``guided``: the model sees [conditional; unconditional] rows), where it starts (``latents``,
-    the family's ``layout``, the ``scheduler`` and its ``timesteps``), which a hook may replace, and ``features``, what
-    each feature reports by name (``Timings.features``)."""
+    """A batch's denoise loop as its hooks see it before the first step (a hook may replace where it starts);
+    ``guided``: the model sees [conditional; unconditional] rows; ``features``: ``Timings.features``."""
 
     requests: list[ResolvedRequest]
     request: ResolvedRequest

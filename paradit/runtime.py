@@ -1,7 +1,4 @@
-"""The transformer a rank runs, built in one fixed order of steps on the plain model (docs/architecture.md lists
-them), each step a function of the module that owns its concern, the result one frozen record (``Runtime``), as
-torchtitan's ``parallelize_llama`` is one function to read. Beside the loader, not in ``parallel/parallelize.py``,
-which stays the parallel strategies alone (the parallel tests apply it to loaded models). Why this order: the FP8
+"""The transformer a rank runs, built in one fixed order of steps on the plain model. Why this order: the FP8
 attention kernel goes in before parallelism wraps each module's kernel; parallelism runs on the meta device, so only
 the tensors the rank keeps are ever read; LoRA side paths go in while each linear is still the plain model's; with
 sharded weights each block is sharded as soon as it has loaded, so no more than one block is ever whole; CUDA graphs
@@ -38,10 +35,8 @@ from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, TensorS
 
 @dataclass(frozen=True)
 class Runtime:
-    """A transformer as this rank runs it: ``parallel`` what parallelism made of the plain model (its guidance
-    branches, denoise loop and VAE), ``forward`` what to call in the model's place, ``hooks`` the request hooks its
-    steps made (FP8 attention's exact steps, a server's adapter choice), ``adapters`` those every request runs with,
-    in words (a server's are chosen per request), for the error a NaN prediction becomes."""
+    """A transformer as this rank runs it: ``forward`` is called in the model's place; ``adapters``: those every
+    request runs with, in words, for the error a NaN prediction becomes."""
 
     parallel: Parallelized
     forward: nn.Module
@@ -50,7 +45,6 @@ class Runtime:
 
     @property
     def model(self) -> nn.Module:
-        """The plain model, parallelized, loaded and compiled in place."""
         return self.parallel.model
 
 
@@ -63,10 +57,8 @@ def load_transformer(
     options: ExecutionOptions | None = None,
     component: str = "transformer",
 ) -> Runtime:
-    """This rank's transformer in ``context``'s group (None: one process), built in the module's order from
-    ``spec``'s ``component`` (another transformer of the checkpoint: ``spec.experts``; ``spec.transformer`` is its
-    config) with ``options``. No check that FP8 can run here: converting on the CPU is allowed
-    (``ExecutionOptions.validate`` guards execution)."""
+    """This rank's transformer from ``spec``'s ``component`` (``spec.transformer`` is its config). FP8 is not checked
+    here: converting on the CPU is allowed (``settings.check_execution`` guards execution)."""
     options = options or ExecutionOptions()
     with torch.device("meta"):
         model = family.build_transformer(spec).eval()
@@ -108,11 +100,8 @@ def load_weights(
     fused: dict[str, list[tuple[str, LowRank]]],
     shard: ParallelContext | None,
 ) -> None:
-    """Every tensor the (parallelized, still meta) ``model`` kept, of its ``slices`` only their share, from ``spec``'s
-    ``component`` folder or at random. ``quantize="fp8"`` converts the quantizable linears as they load; an FP8
-    checkpoint's linears load as FP8 whatever ``quantize`` says. ``fused``: adapters' updates added to the weights
-    they name as those are read. ``shard``: the group whose weights are sharded, each block as soon as it has
-    loaded."""
+    """Every tensor the (parallelized, still meta) ``model`` kept, of its ``slices`` only their share; an FP8
+    checkpoint's linears load as FP8 whatever ``quantize`` says; ``fused``: adapters' updates added as weights load."""
     fp8 = fp8_load(model, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
     with component_tensors(family, spec, component, model, device, dtype) as source:
         source = FusedLoraTensors(source, fused) if fused else source
@@ -127,8 +116,7 @@ def load_weights(
 def component_tensors(
     family: Family, spec: ModelSpec, component: str, model: nn.Module, device: torch.device, dtype: torch.dtype
 ) -> Iterator[TensorSource]:
-    """The tensors of ``spec``'s ``component``: its folder's, or with none random ones, drawn for ``model``, whose
-    fixed buffers the family fills once they have been drawn."""
+    """The tensors of ``spec``'s ``component``: its folder's, or random ones drawn for ``model``."""
     # A preset's FP8 folder holds its transformer alone; a checkpoint folder holds each component (None: random).
     fp8_preset = isinstance(spec.weights, Fp8PresetFolder) and component == "transformer"
     folder = spec.weights.transformer if fp8_preset else spec.folder and spec.folder / component

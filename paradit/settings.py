@@ -1,12 +1,11 @@
-"""``settle``: the one front door. It turns what a user asked (``Asked``: ``paradit generate``'s and ``plan``'s flags,
-a server's settings, the Python ``Engine``'s arguments) and the request, when there is one, into the settings a run
-executes with (``choices``, then every check, the family's included, and the memory plan) and the request resolved
-once, before anything loads."""
+"""``settle``, the one front door: what a user asked (``Asked``, from every command and the ``Engine``) and its request
+become the checked settings a run executes with and the request resolved once, before anything loads."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from paradit.lora.apply import check_adapters, check_choice
 from paradit.lora.refs import MODES
 from paradit.machine import Machine
 from paradit.memory import MemoryPlan, cap_words, check_fits, check_placement, gib, lowering_options, parse_size
-from paradit.options import LOAD_FORMATS, Asked, ExecutionOptions, check_conflicts
+from paradit.options import Asked, ExecutionOptions, check_conflicts
 from paradit.parallel.config import ParallelConfig, plans_for
 from paradit.parallel.validate import check_plan
 from paradit.planner.choose import settings_for
@@ -31,7 +30,6 @@ from paradit.quantize import fp8_checkpoint_layers
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, RandomWeights
 
-# The dtypes ``options.DTYPES`` names.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -40,9 +38,7 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
         return dtype
     if dtype is None:
         return torch.bfloat16 if device.type != "cpu" else torch.float32
-    if dtype not in DTYPES:
-        raise InvalidRequest(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return DTYPES[dtype]  # one ``check_choices`` allowed
 
 
 def parse_device(device: str | torch.device | None, machine: Machine) -> torch.device:
@@ -56,11 +52,12 @@ def parse_device(device: str | torch.device | None, machine: Machine) -> torch.d
     return device
 
 
-def resolve_model(model: str, load_format: str = "auto", allow_pickle: bool = False) -> ModelSpec:
-    """The spec of a preset, checkpoint folder or hub id, with its weight source: a preset with a hub id resolves to
-    its checkpoint; ``dummy`` (or a preset without a checkpoint) gives random weights of the same architecture."""
-    if load_format not in LOAD_FORMATS:
-        raise InvalidRequest(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+def resolve_model(model: str | ModelSpec, load_format: str = "auto", allow_pickle: bool = False) -> ModelSpec:
+    """The spec of a preset, checkpoint folder or hub id (a ModelSpec is one already): a preset with a hub id resolves
+    to its checkpoint; ``dummy`` (or a preset without a checkpoint) gives random weights of the same architecture.
+    Every caller has checked ``load_format`` against ``options.LOAD_FORMATS`` (argparse or ``check_choices``)."""
+    if isinstance(model, ModelSpec):
+        return model
     path = Path(model).expanduser()
     if model in PRESETS:
         spec = PRESETS[model]
@@ -87,10 +84,8 @@ def launched_by_torchrun() -> bool:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What a run executes with, settled and checked: the model, where and in which dtype, the plan, the execution
-    options, the memory cap (None: none) and plan (None where none was made: the CPU without a cap), where the prompt
-    encoders live (``gpu``, ``fp8`` or ``offload``), where the plan came from (None: the flags or the default), and
-    the limit the memory plan was made for, in words."""
+    """What a run executes with, settled and checked. ``memory_plan``: None where none was made (the CPU without a
+    cap); ``origin``: where a tuned or planned choice came from; ``memory_limit``: what it was made for, in words."""
 
     spec: ModelSpec
     device: torch.device
@@ -121,13 +116,11 @@ class RunSettings:
         return MemoryBudget(self.memory_plan.total, self.memory_limit or "", ", ".join(advice))
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        """``request`` with the model's defaults filled in and checked against this run, or InvalidRequest naming
-        what is wrong: the one resolution of a request, wherever it arrives."""
+        """The one resolution of a request, wherever it arrives: defaults filled in, checked against this run."""
         return self.checked(self.family.resolve_request(self.spec, request))
 
     def checked(self, resolved: ResolvedRequest) -> ResolvedRequest:
-        """A resolved request checked against what this run's plan and options can give it (the family's rules,
-        ``CONFLICTS``), its choice of adapters against the run's."""
+        """A resolved request checked against this run's plan and options (the family's rules, ``CONFLICTS``)."""
         if self.family.check_run is not None:
             self.family.check_run(self, resolved)
         check_conflicts(self.parallel, self.options, self.device.type, resolved)
@@ -137,10 +130,9 @@ class RunSettings:
 def default_plan_for(
     spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None
 ) -> ParallelConfig:
-    """The plan ``--gpus N`` alone gets: on GPUs of a known hardware profile, the planner's (the tuned entry for the
-    request, else a plan made for it: ``planner.choose``). Elsewhere (CPU processes, an unknown GPU): CFG parallel
-    only when the request (or, without one, the model's defaults) runs both guidance branches, so that no half of the
-    group idles; the rest Ulysses, then Ring."""
+    """The plan ``--gpus N`` alone gets: on GPUs of a known hardware profile, the planner's; elsewhere CFG parallel
+    only when the request runs both guidance branches (so that no half of the group idles), the rest Ulysses, then
+    Ring."""
     resolved = None if request is None else FAMILIES[spec.family].resolve_request(spec, request)
     return choices(Asked(spec, device, gpus=gpus), spec, resolved, Machine.detect())[0]
 
@@ -148,10 +140,9 @@ def default_plan_for(
 def choices(
     asked: Asked, spec: ModelSpec, resolved: ResolvedRequest | None, machine: Machine
 ) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:
-    """What ``asked`` leaves open, chosen for ``resolved`` (None: the model's defaults) on ``machine``: the plan (the
-    degrees asked for, else the tuned or planned one, else the default), the execution options and prompt-encoder
-    placement (asked for, else the tuned choice's), and a line saying where a tuned or planned choice came from (None
-    otherwise). Nothing is checked yet."""
+    """What ``asked`` leaves open, chosen for ``resolved`` (None: the model's defaults) on ``machine``: the plan, the
+    execution options, the prompt-encoder placement and where a tuned or planned choice came from. Nothing is checked
+    yet."""
     planned = None
     if asked.parallel is not None:
         parallel = asked.parallel
@@ -188,8 +179,7 @@ def choices(
 
 
 def check_execution(spec: ModelSpec, options: ExecutionOptions, device: torch.device, machine: Machine) -> None:
-    """Refuse what ``device`` cannot execute: FP8 linears or attention without the kernels, an FP8 checkpoint run
-    otherwise than in FP8, a negative count of fused adapter choices."""
+    """Refuse what ``device`` cannot execute, and an FP8 checkpoint run otherwise than in FP8."""
     if fp8_checkpoint_layers(spec.transformer) is not None:  # it runs in FP8 or not at all
         if options.quantize != "fp8":
             raise InvalidRequest(f"{spec.name} holds an FP8 transformer; run it with --quantize fp8")
@@ -241,20 +231,14 @@ def check_cpu_group(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtyp
 
 
 def settle(asked: Asked, request: GenerationRequest | None = None, machine: Machine | None = None) -> RunSettings:
-    """The settings for ``asked`` on ``machine`` (default: this one), and for its one request when known: that
-    request is resolved here, once, checked against the run, and plans and memory are sized for it
-    (``RunSettings.request``). Every refusal happens here, before anything loads: InvalidRequest naming what cannot
-    run and what can."""
+    """The settings for ``asked`` on ``machine`` (default: this one), sized for its one request when known, which is
+    resolved here once (``RunSettings.request``). Every refusal happens here, before anything loads."""
     machine = machine or Machine.detect()
     check_choices(asked)
     check_choices(asked.options)
     device = parse_device(asked.device, machine)
     dtype = parse_dtype(asked.dtype, device)
-    spec = (
-        asked.model
-        if isinstance(asked.model, ModelSpec)
-        else resolve_model(asked.model, asked.load_format, asked.allow_pickle)
-    )
+    spec = resolve_model(asked.model, asked.load_format, asked.allow_pickle)
     family = FAMILIES[spec.family]
     resolved = None if request is None else family.resolve_request(spec, request)
     parallel, options, placement, origin = choices(asked, spec, resolved, machine)
@@ -278,53 +262,39 @@ def settle(asked: Asked, request: GenerationRequest | None = None, machine: Mach
             sized = dataclasses.replace(
                 spec, height=resolved.height, width=resolved.width, frames=resolved.frames or spec.frames
             )
-
-        def fits(swap_experts: bool) -> MemoryPlan:
-            return check_fits(
-                sized,
-                parallel,
-                dtype,
-                fp8,
-                limit,
-                placement,
-                swap_experts,
-                compiled=options.compiles(device),
-                adapter_bytes=adapter_bytes,
-                extra_tokens=extra_tokens,
-                limit=None if cap is not None else limit_words,
-                fp8_attention=options.attention == "fp8",
-            )
-
+        fits = functools.partial(
+            check_fits,
+            sized,
+            parallel,
+            dtype,
+            fp8,
+            limit,
+            placement,
+            compiled=options.compiles(device),
+            adapter_bytes=adapter_bytes,
+            extra_tokens=extra_tokens,
+            limit=None if cap is not None else limit_words,
+            fp8_attention=options.attention == "fp8",
+        )
         try:
-            memory_plan = fits(options.swap_experts)
+            memory_plan = fits(swap_experts=options.swap_experts)
         except InvalidRequest:
             # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
-            memory_plan = fits(True)
+            memory_plan = fits(swap_experts=True)
             options = dataclasses.replace(options, swap_experts=True)
             check_conflicts(parallel, options, device.type)
         placement = memory_plan.text_encoder_placement
     if device.type == "cpu":  # after the cap's check: a cap asked for on the CPU is for the GPU plan it would run
         check_cpu_group(spec, parallel, dtype)
-    settings = RunSettings(
-        spec,
-        device,
-        dtype,
-        parallel,
-        options,
-        cap,
-        memory_plan,
-        "gpu" if placement == "auto" else placement,
-        origin,
-        limit_words,
-    )
+    placement = "gpu" if placement == "auto" else placement
+    settings = RunSettings(spec, device, dtype, parallel, options, cap, memory_plan, placement, origin, limit_words)
     return settings if resolved is None else dataclasses.replace(settings, request=settings.checked(resolved))
 
 
 def free_limit(device: torch.device, gpus: int, machine: Machine) -> tuple[int | None, str | None]:
-    """The free memory of the group's least free GPU (``device_memory.free_memory``) and its words; none on the CPU.
-    Under torchrun each process checks its own GPU."""
+    """The free memory of the group's least free GPU and its words; under torchrun each process checks its own."""
     if device.type != "cuda":
         return None, None
     first = int(os.environ["LOCAL_RANK"]) if launched_by_torchrun() else device.index or 0

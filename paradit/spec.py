@@ -1,5 +1,4 @@
-"""``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder (the one
-a family's ``read_checkpoint`` builds: ``checkpoint_spec``)."""
+"""``ModelSpec``: everything the engine needs to know about one model, from a preset or a checkpoint folder."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ GuidanceMode = Literal["embedded", "cfg", "none"]
 
 
 def read_configs(module_file: str, name: str = "configs.json") -> dict[str, Any]:
-    """The model configs a preset module names, by key, from the JSON file ``name`` shipped beside it (``module_file``:
-    its ``__file__``). A key ending in ``_changes`` holds only the keys a config changes of the one it is derived from,
-    which the module names."""
+    """The model configs shipped beside a preset module (``module_file``: its ``__file__``), by key; a key ending in
+    ``_changes`` holds only what a config changes of the one the module derives it from."""
     return json.loads(Path(module_file).with_name(name).read_text())
 
 
@@ -39,15 +37,13 @@ class CheckpointFolder:
     allow_pickle: bool = False
 
     def use_safetensors(self, component: str) -> bool:
-        """diffusers' and transformers' ``from_pretrained`` keyword for ``component``: whether the weights it reads
-        are safetensors (``safetensors_files`` finds them, their index whole); their default falls back to pickle."""
+        """``from_pretrained``'s keyword for ``component``, whose default would fall back to pickle weights."""
         return safetensors_files(self.path / component, self.allow_pickle)[0].suffix == ".safetensors"
 
 
 @dataclass(frozen=True)
 class RandomWeights:
-    """The full-size architecture with seeded random weights (``--load-format dummy``, or a preset without a
-    checkpoint): for speed measurements without the real weights."""
+    """Seeded random weights (``--load-format dummy``, or a preset without a checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +91,7 @@ class ModelSpec:
 
 
 def checkpoint_spec(folder: Path, index: dict, family: str, detail: str | None = None, **fields) -> ModelSpec:
-    """A checkpoint folder's ModelSpec: ``fields`` as the family reads them, the transformer, VAE and scheduler
-    configs as the folder holds them where ``fields`` give none, described by its pipeline class and ``detail``."""
+    """A checkpoint folder's ModelSpec: ``fields`` as the family reads them, other configs as the folder holds them."""
     for component in ("transformer", "vae", "scheduler"):
         if component not in fields:
             fields[component] = component_config(folder, component)

@@ -1,14 +1,6 @@
-"""Worker processes, one per GPU (or CPU process); ``WorkerGroup`` is the engine's side of them.
-
-A request that fails on every worker (a cancellation, an error every rank meets alike) raises its error, the group
-serving on. If a worker dies, or fails alone and leaves its peers waiting, the group is stopped and the engine raises
-the worker's reason instead of waiting on a collective that will never finish. The group never outlives the engine:
-``close()``, an interrupt, garbage collection and interpreter exit all stop the workers and remove the rendezvous
-folder; if the engine's process is killed outright, the workers see their lifeline close (``exit_with_lifeline``).
-
-Forked from a forkserver that imported torch and the model code once, a group starts in a fraction of a second, not
-after each worker's seconds of CPU on imports. No heavy imports at the top: a spawned worker imports this module
-first, and sets up its signals and lifeline before importing torch."""
+"""Worker processes, one per GPU (or CPU process); ``WorkerGroup`` is the engine's side of them. A worker that dies,
+or fails alone and leaves its peers waiting in a collective, stops the group; the group never outlives the engine.
+No heavy imports at the top: a spawned worker sets up its signals and lifeline before importing torch."""
 
 from __future__ import annotations
 
@@ -44,21 +36,17 @@ if TYPE_CHECKING:
     from paradit.request import GenerationResult, ResolvedRequest
 
 POLL_S = 0.5
-# After one worker fails a request, how long its peers get to report that request's end before the group is taken for
-# stuck (a peer waiting on the failed worker in a collective never reports).
+# How long a failed worker's peers get to report that request's end before the group is taken for stuck.
 FAILURE_GRACE_S = 10
 CLOSE_S = 30  # idle workers asked to finish get this long, together, before they are terminated
 STOP_S = 10  # terminated workers get this long, together, before they are killed
-# An orphan's grace to unwind after its SIGTERM: nobody waits for it, and a main thread deep in an import or a
-# collective may never reach the handler.
+# An orphan's grace to unwind after its SIGTERM (a main thread deep in a collective may never reach the handler).
 ORPHAN_EXIT_S = 3
-# What the forkserver imports once for every worker it forks: all a worker needs to build its pipeline.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "paradit.loader"]
 # A Unix socket's path: sun_path holds 108 bytes on Linux and 104 on macOS, the closing NUL included.
 UNIX_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
 
-# The exit code of a spawned child that found itself re-running an unguarded main script; any code worker_main never
-# uses (1 on error, 128 + SIGTERM when stopped, negative when killed by a signal) would do.
+# A spawned child re-running an unguarded main script exits with this, a code worker_main never uses.
 UNGUARDED_MAIN_EXIT = 87
 UNGUARDED_MAIN = (
     'paradit: error: a script that starts worker processes must guard its entry point with `if __name__ == "__main__":`'
@@ -79,8 +67,7 @@ class RequestFailed(ParaditError):
 
 
 def reportable(error: BaseException) -> ParaditError:
-    """The error as the engine's side can receive it, in one line: paradit's own as it is (they pickle), any other
-    as ``RequestFailed`` naming it and the file that holds its trace, as the CLI reports an internal error."""
+    """What the engine's side can receive: paradit's errors pickle; any other is one line naming its trace's file."""
     if isinstance(error, ParaditError):
         return error
     with tempfile.NamedTemporaryFile("w", prefix="paradit-error-", suffix=".log", delete=False) as log:
@@ -89,11 +76,9 @@ def reportable(error: BaseException) -> ParaditError:
 
 
 class StepSignals:
-    """Progress and cancellation of an engine's requests, in memory shared by the engine's process and its workers.
-    Each request is a run with a number (``begin``). Every rank calls ``check(rank, run, k)`` when k denoise steps are
-    done; ``cancel`` may be called from any thread of the engine's process. The ranks of a group must stop at the same
-    step, or those still running would wait in a collective for those that stopped: ``cancel`` asks for a stop one
-    step past the furthest any rank has reported, which no rank has passed and every rank reaches."""
+    """Progress and cancellation of numbered runs, in memory the engine shares with its workers. The ranks must stop
+    at the same step, or those still running would wait in a collective: ``cancel`` stops one step past the furthest
+    any rank has reported, which no rank has passed and every rank reaches."""
 
     def __init__(self, world_size: int, context: multiprocessing.context.BaseContext | None = None) -> None:
         # [current run, run to stop, steps at which it stops, then (run, steps done) per rank]
@@ -101,21 +86,20 @@ class StepSignals:
         self._world_size = world_size
 
     def begin(self) -> int:
-        """The number of a new run, which becomes the current one."""
         with self._state.get_lock():
             self._state[0] += 1
             return self._state[0]
 
     def check(self, rank: int, run: int, steps: int) -> None:
-        """Record that ``rank`` has done ``steps`` steps of ``run``; raise RequestCancelled if it stops there."""
+        """Raise RequestCancelled if ``run`` stops once ``rank`` has done ``steps`` steps."""
         with self._state.get_lock():
             self._state[3 + 2 * rank], self._state[4 + 2 * rank] = run, steps
             if self._state[1] == run and steps >= self._state[2]:
                 raise RequestCancelled(f"the request was cancelled after {steps} denoise steps")
 
     def cancel(self) -> None:
-        """Stop the current run at its next step boundary (none if it is past its last). Once set, a run's stop
-        stays where it is: moved, it could let ranks that have not reached it run past those that stopped."""
+        """Stop the current run at its next step boundary. A stop once set stays: moved, it could let ranks that have
+        not reached it run past those that stopped."""
         with self._state.get_lock():
             run = self._state[0]
             if self._state[1] == run:
@@ -124,18 +108,15 @@ class StepSignals:
             self._state[1], self._state[2] = run, max(reached, default=-1) + 1
 
     def steps_done(self) -> int:
-        """Denoise steps rank 0 has done in the current run."""
         with self._state.get_lock():
             return self._state[4] if self._state[3] == self._state[0] else 0
 
 
 def worker_context(device_type: str) -> multiprocessing.context.BaseContext:
-    """How workers for ``device_type`` start: forked from a forkserver that preloaded ``FORKSERVER_PRELOAD`` (started
-    here if it is not running), else spawned. Not plain fork: the engine's process may hold CUDA state and threads,
-    which a forked copy must not inherit. Spawned where the forkserver cannot serve: on Windows; where its socket,
-    which multiprocessing puts in the temporary folder, would have a path past a Unix socket's limit (a deep
-    TMPDIR); and on ROCm builds, whose imports may initialise the GPU runtime in the forkserver (a child forked after
-    that cannot use the GPU), with nothing to steer them off it as NVML does for CUDA's."""
+    """Forked from a forkserver that preloaded ``FORKSERVER_PRELOAD`` (a group then starts in a fraction of a second),
+    not plain fork: the engine's process may hold CUDA state and threads. Spawned on Windows, under a TMPDIR too deep
+    for the forkserver's socket, and on ROCm, whose imports may initialise the GPU in the forkserver (a child forked
+    after that cannot use it) with no NVML check to steer them off it."""
     from unittest import mock
 
     import torch
@@ -147,19 +128,16 @@ def worker_context(device_type: str) -> multiprocessing.context.BaseContext:
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)  # read once, when the forkserver first starts
-    # diffusers asks torch.cuda.is_available() as it is imported, which initialises the CUDA driver in the forkserver,
-    # and a process forked after that cannot use CUDA at all. PyTorch answers through NVML instead, without touching
-    # the driver, where this variable is set; the forkserver starts with it (its workers get the engine's environment
-    # back), and the workers it forks inherit SIGINT ignored.
+    # diffusers asks torch.cuda.is_available() at import, which would initialise CUDA in the forkserver and leave its
+    # children unable to use it; with this variable PyTorch answers through NVML instead (the workers get the engine's
+    # environment back).
     with mock.patch.dict(os.environ, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}), sigint_ignored_by_children():
         multiprocessing.forkserver.ensure_running()
     return context
 
 
 class EngineStreams:
-    """This process's standard output and error as they are when a worker starts, for the worker to write to: one
-    forked from the forkserver would otherwise write to the forkserver's, from whenever that started. Sent as file
-    descriptors while the worker starts; the worker receives their numbers."""
+    """This process's stdout and stderr for a starting worker, which, forked, would write to the forkserver's."""
 
     def __reduce__(self):
         return _detach_all, (reduction.DupFd(1), reduction.DupFd(2))
@@ -170,8 +148,7 @@ def _detach_all(*fds) -> list[int]:
 
 
 def start_worker_server(device: str | None) -> None:
-    """Start the forkserver now, where a run on ``device`` (None: a GPU if there is one) will need workers: its
-    imports then run beside this process's own (on another core) instead of after them."""
+    """Start the forkserver now, so that its imports run beside this process's own instead of after them."""
     import torch
 
     worker_context(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type)
@@ -190,11 +167,9 @@ def worker_main(
     first_device: int = 0,
     threads: int | None = None,
 ) -> None:
-    """Build this rank's pipeline on device ``first_device + rank`` and serve requests until told to stop (None); it
-    ends when ``lifeline`` closes. ``streams``: ``EngineStreams``' descriptors (None: keep those inherited)."""
+    """Build this rank's pipeline and serve requests until a None; ``streams``: ``EngineStreams``' descriptors."""
     # A terminal's Ctrl-C reaches the whole process group; the engine stops the workers, which must not answer it
-    # themselves with a traceback each. WorkerGroup starts them (and the forkserver) with SIGINT ignored already
-    # where it can (a POSIX engine on its main thread), which also covers interpreter start-up.
+    # with a traceback each (WorkerGroup starts them with SIGINT ignored where it can, covering start-up too).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     threading.Thread(target=exit_with_lifeline, args=(lifeline, rendezvous), name="lifeline", daemon=True).start()
@@ -246,20 +221,17 @@ def worker_main(
 
 
 def exit_on_sigterm(signum: int, frame) -> None:
-    """SIGTERM (the engine stopping its workers, or exit_with_lifeline): leave through Python's exit rather than die
-    on the spot, so that multiprocessing's finalizers unlink this worker's named semaphores (tqdm's lock among them)
-    and remove its temporary folders, which the resource tracker would warn about. A second SIGTERM kills at once."""
+    """Leave through Python's exit, so that multiprocessing's finalizers unlink this worker's named semaphores and
+    temporary folders, which the resource tracker would warn about. A second SIGTERM kills at once."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(128 + signum)
 
 
 def exit_with_lifeline(lifeline: Connection, rendezvous: str) -> None:
-    """Wait until the engine's process is gone, then remove the rendezvous folder and end this worker.
-    A parent killed outright (SIGKILL, the OOM killer) cannot stop its workers; without this they would keep their
-    GPUs and the folder for good, waiting for requests that never come. The engine holds the only write end of the
-    lifeline and never writes to it, so the read end becomes ready exactly when that end closes, which the kernel
-    does when the engine dies however it dies. Not the parent's PID: a forked worker's parent is the forkserver.
-    prctl(PR_SET_PDEATHSIG) is not used: it is Linux-only and fires when the parent *thread* exits."""
+    """Once the engine's process is gone, however it died (SIGKILL, the OOM killer), remove the rendezvous folder
+    and end this worker, which would otherwise hold its GPU for good. The engine holds the lifeline's only write end,
+    so the read end is ready exactly when the kernel closes that. Not the parent's PID (a forked worker's is the
+    forkserver), nor prctl(PR_SET_PDEATHSIG): Linux-only, and it fires when the parent *thread* exits."""
     wait([lifeline])
     shutil.rmtree(rendezvous, ignore_errors=True)
     if hasattr(signal, "pthread_kill"):  # POSIX: sent to the main thread, it also interrupts a blocking read there
@@ -270,9 +242,8 @@ def exit_with_lifeline(lifeline: Connection, rendezvous: str) -> None:
 
 @contextlib.contextmanager
 def sigint_ignored_by_children():
-    """Processes started inside inherit SIGINT ignored, and Python keeps an ignored SIGINT ignored at start-up, so a
-    Ctrl-C while they start prints no traceback. Only the main thread may set handlers; elsewhere (and on Windows,
-    where dispositions are not inherited) worker_main's own call comes a moment later (a Ctrl-C in between is lost)."""
+    """Processes started inside inherit SIGINT ignored (Python keeps it so at start-up), so a Ctrl-C while they start
+    prints no traceback. Only the main thread may set handlers; elsewhere worker_main's own call comes later."""
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous is None:
         yield
@@ -305,17 +276,15 @@ class WorkerGroup:
 
     def __init__(self, plan: WorkerPlan, first_device: int = 0, threads: int | None = None) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
-            # We are a worker re-running a main script that creates an engine at import; each would otherwise print
-            # multiprocessing's traceback. The parent reports it once (see _failure). Not SystemExit: a forked
-            # worker's caller (the forkserver) turns any exception during its start-up into exit code 1.
+            # A worker re-running a main script that creates an engine at import: the parent reports it once
+            # (_failure). Not SystemExit: the forkserver turns any exception during start-up into exit code 1.
             os._exit(UNGUARDED_MAIN_EXIT)
         self.world_size = plan.parallel.world_size
         context = worker_context(plan.device_type)
         self._rendezvous = tempfile.TemporaryDirectory(prefix="paradit-")
         # Pickled here, unpickled by each worker once its signal handling is set up (unpickling imports torch).
         plan = pickle.dumps(dataclasses.replace(plan, init_method=f"file://{self._rendezvous.name}/store"))
-        # Each worker gets a copy of the read end; the write end stays here alone (pipes are not inherited by
-        # programs this process runs), and closes with this process.
+        # Each worker gets a copy of the read end; the write end stays here alone, and closes with this process.
         lifeline, self._lifeline = context.Pipe(duplex=False)
         self.requests = [context.Queue() for _ in range(self.world_size)]
         self.results = context.Queue()
@@ -353,8 +322,7 @@ class WorkerGroup:
             raise
 
     def _next_message(self, deadline: float | None = None) -> tuple[str, int, object] | None:
-        """The next message from the workers, or None once ``deadline`` (``time.monotonic``) passes; a worker's
-        error or death stops the group and raises."""
+        """The workers' next message, or None once ``deadline`` passes; a worker's error or death raises."""
         while True:
             try:
                 kind, rank, payload = self.results.get(timeout=POLL_S)
@@ -369,9 +337,8 @@ class WorkerGroup:
             return kind, rank, payload
 
     def _failure(self, reporter: int | None = None, error: ParaditError | None = None) -> ParaditError | SystemExit:
-        """Stop the group and say why, in one line. A worker that died outright is the cause; its peers' errors then
-        (a collective whose partner vanished) are consequences, so the dead are named first; with none, paradit's own
-        error (a damaged checkpoint every rank meets) is the line. An unguarded main script: one line, no traceback."""
+        """Stop the group and say why, in one line. A worker that died outright is the cause, its peers' errors (a
+        collective whose partner vanished) consequences; with none dead, the reported error is the line."""
         deadline = time.monotonic() + 2 * POLL_S
         while time.monotonic() < deadline and not self._dead(reporter):
             time.sleep(0.05)
@@ -391,9 +358,8 @@ class WorkerGroup:
         return [(r, p.exitcode) for r, p in enumerate(self.processes) if p.exitcode is not None and r != exclude]
 
     def generate(self, request: list[ResolvedRequest], progress: bool = False) -> list[GenerationResult]:
-        """Rank 0's results, one per request (resolved by the engine: the ranks run them as sent); ``progress``: rank 0
-        shows the denoise progress bar (on this process's terminal). A request every rank ends with an error raises
-        it, the group serving on; one that some ranks fail while the others fall silent stops the group."""
+        """Rank 0's results. An error every rank ends with is raised, the group serving on; one that some ranks fail
+        while the others fall silent stops the group."""
         if not self.processes:
             raise WorkerFailure("this engine's worker group was stopped; create a new Engine")
         self._in_flight = True
@@ -428,7 +394,7 @@ class WorkerGroup:
         self.processes = []
 
     def close(self) -> None:
-        """Ask idle workers to finish, then stop whatever did not; a request cut short (an interrupt) is not awaited."""
+        """Ask idle workers to finish, then stop whatever did not; a request cut short is not awaited."""
         if not self._in_flight:
             for requests in self.requests if self.processes else []:
                 requests.put(None)
