@@ -36,8 +36,7 @@ KLEIN_INPAINTING_STRENGTH = 0.8  # Flux2KleinInpaintPipeline's default
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
-    """dev reads Mistral's layers 10, 20, 30, guidance embedded; klein Qwen3's 9, 18, 27, true CFG unless distilled;
-    klein KV as distilled klein, whatever its index says (its pipeline never guides), its references cached."""
+    """klein KV runs as distilled klein whatever its index says: its pipeline never guides."""
     details = None
     if index["_class_name"] == "Flux2Pipeline":
         layers, mode, steps, guidance = (10, 20, 30), "embedded", 50, 4.0
@@ -97,8 +96,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 def resolve_reference(image, index: int, checked: bool = True):
-    """A reference as diffusers' FLUX.2 pipelines take it: shrunk (Lanczos) to REFERENCE_AREA pixels when larger;
-    ``checked``, at least 64 pixels a side and an aspect ratio of at most 8 (inpainting's images go unchecked)."""
+    """A reference as diffusers' FLUX.2 pipelines take it: ``checked`` (inpainting's not), shrunk to REFERENCE_AREA."""
     try:
         if checked:
             Flux2ImageProcessor.check_image_input(image)
@@ -110,9 +108,8 @@ def resolve_reference(image, index: int, checked: bool = True):
 
 
 def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
-    """A KV checkpoint's cached references are every block's keys and values, whole on each rank, computed outside the
-    forward: the plans that split the sequence or the blocks (or gather each block's weights in its forward) would
-    need them split alike, and a CUDA graph captures only the tensors it is called with."""
+    """KV's cached references are every block's keys and values, whole on each rank, computed outside the forward: plans
+    splitting the sequence or blocks (or weights) would need them split alike; a CUDA graph captures only its inputs."""
     if not request.images or not caches_references(settings.spec):
         return
     parallel = settings.parallel

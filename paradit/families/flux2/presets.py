@@ -8,7 +8,6 @@ from paradit.families.encoders import MISTRAL_SMALL_31, QWEN3_4B, QWEN3_8B, QWEN
 from paradit.spec import ModelSpec, TextEncoderSpec, read_configs
 
 CONFIGS = read_configs(__file__)
-# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
 DEFAULTS = CONFIGS["presets"]
 # The scheduler config FLUX.2 ships: dynamic shifting, with mu computed by the pipeline from the image size.
 FLUX2_SCHEDULER = CONFIGS["scheduler"]

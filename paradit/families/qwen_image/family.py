@@ -52,9 +52,7 @@ SCHEDULERS = ("flow-euler", "unipc")
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
-    """``guidance`` is diffusers' ``true_cfg_scale``; as there, it takes effect only with a negative prompt (any
-    string, even " ", which is what Qwen-Image's authors pass when they have nothing to exclude). A text-to-image
-    checkpoint runs image-to-image or inpainting given an image; an edit checkpoint needs its input image(s)."""
+    """A text-to-image checkpoint given an image runs image-to-image or inpainting; an edit one needs its image(s)."""
     granularity = pixel_granularity(spec.vae)
     edit: EditInputs | None = spec.details
     plus = edit is not None and edit.plus
@@ -92,7 +90,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
-    """diffusers' rule: true CFG needs both a negative prompt and a guidance above 1."""
+    """diffusers' rule for ``true_cfg_scale``: a negative prompt (even " ", as Qwen-Image's authors give) and > 1."""
     return request.negative_prompts is not None and request.guidance > 1.0
 
 

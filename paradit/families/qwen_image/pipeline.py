@@ -1,7 +1,5 @@
-"""Qwen-Image and Qwen-Image-Edit as diffusers' ``QwenImagePipeline`` and its image-to-image, inpainting and edit
-pipelines run them: the same checkpoint, request and seed give the same image. One deliberate difference: with prompts
-of differing lengths and several images each, each image keeps its own prompt's text mask; diffusers' ``encode_prompt``
-repeats embeddings image by image, but tiles masks prompt by prompt."""
+"""Qwen-Image and -Edit as diffusers' ``QwenImagePipeline`` and its image-to-image, inpainting and edit pipelines run
+them. One deliberate difference: each image keeps its prompt's text mask (diffusers tiles masks prompt by prompt)."""
 
 from __future__ import annotations
 
@@ -115,9 +113,8 @@ def widen_image_markers(text: str, counts) -> str:
 
 
 class QwenVisionPromptEncoder:
-    """Qwen-Image-Edit's: Qwen2.5-VL without its LM head, the vision tower reading the input images. The image processor
-    is used directly, not through transformers' Qwen2VLProcessor, which will not load without torchvision's video
-    processor: each image marker is widened to the image's merged patches here, as that processor widens it."""
+    """Qwen-Image-Edit's: Qwen2.5-VL without its LM head, the vision tower reading the input images. Not through
+    Qwen2VLProcessor, which needs torchvision: each image marker is widened here to the image's merged patches."""
 
     def __init__(self, model: nn.Module, tokenizer, image_processor, device: torch.device) -> None:
         self.model, self.tokenizer, self.image_processor, self.device = model, tokenizer, image_processor, device
@@ -212,8 +209,7 @@ class QwenImagePipeline(DiffusionPipeline):
         return self.encode_rows(request, edit_rows)
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, QwenLayout]:
-        """Noise drawn as diffusers draws it (in the unpacked (batch, 1, channels, 2 * rows, 2 * cols) layout),
-        packed 2x2 into (batch, rows * cols, 4 * channels); returns it with the token grid and an edit's inputs."""
+        """Noise drawn in diffusers' unpacked layout, then packed; the token grid and an edit's inputs."""
         granularity = pixel_granularity(self.spec.vae)
         rows, cols = request.height // granularity, request.width // granularity
         channels = self.transformer.config.in_channels // 4
@@ -230,8 +226,7 @@ class QwenImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def encode_inputs(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
-        """An edit's input images at their ``input_size``, each latent mode normalised (divided by the std, as
-        diffusers' edit pipelines divide) and packed, in one sequence; and each one's token grid."""
+        """An edit's input images' latent modes normalised (divided by the std, as diffusers does), packed; grids."""
         granularity = pixel_granularity(self.spec.vae)
         tokens, grids = [], []
         for image in request.images:
@@ -257,8 +252,7 @@ class QwenImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image at the output's size (an edit checkpoint's inpainting: its edit size), a sample of its latent
-        distribution normalised, in the noise's drawn layout."""
+        """The image at the output's size, a sample of its latent distribution normalised, in the noise's layout."""
         sample = self.latent_distribution(request.images[0], request.height, request.width).sample(generator)
         mean, inverse_std = latent_statistics(self.vae.config, sample)
         return ((sample - mean) * inverse_std).transpose(1, 2)

@@ -8,7 +8,6 @@ from paradit.families.qwen_image.edit import EDIT, EDIT_PLUS
 from paradit.spec import ModelSpec, read_configs
 
 CONFIGS = read_configs(__file__)
-# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
 DEFAULTS = CONFIGS["presets"]
 # Dynamic shifting with mu from the image size (up to 8192 tokens), the sigmas stretched to end at 0.02.
 QWEN_IMAGE_SCHEDULER = CONFIGS["scheduler"]

@@ -33,8 +33,7 @@ def pixel_granularity(spec: ModelSpec) -> int:
 
 
 def offline_clip_tokenizer(pad_token: str) -> transformers.CLIPTokenizer:
-    """A CLIP tokenizer built in memory for random-weight runs: byte-level, no merges (every byte a token, with and
-    without CLIP's end-of-word suffix), CLIP's start and end tokens last so the end token has the highest id."""
+    """A byte-level CLIP tokenizer for random-weight runs, start and end tokens last (pooling reads the highest id)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     symbols = [*alphabet, *(symbol + "</w>" for symbol in alphabet), "<|startoftext|>", "<|endoftext|>"]
     vocab = {symbol: i for i, symbol in enumerate(symbols)}

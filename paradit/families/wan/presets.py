@@ -10,15 +10,13 @@ from paradit.spec import ModelSpec, read_configs
 
 @dataclass(frozen=True)
 class WanTextEncoder:
-    """umT5 (``UMT5EncoderModel`` config): prompts padded to ``max_length`` tokens (diffusers' max_sequence_length),
-    the features past each prompt's length zeroed."""
+    """umT5's ``UMT5EncoderModel`` config; prompts padded to ``max_length`` (diffusers' max_sequence_length)."""
 
     config: dict[str, Any]
     max_length: int = 512
 
 
 CONFIGS = read_configs(__file__)
-# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
 DEFAULTS = CONFIGS["presets"]
 # google/umt5-xxl's encoder, as the Wan 2.2 checkpoints' text_encoder/config.json holds it.
 UMT5_XXL = CONFIGS["umt5_xxl"]
@@ -42,8 +40,8 @@ WAN_TINY_TRANSFORMER = {**A14B_TRANSFORMER, **CONFIGS["tiny_transformer_changes"
 
 @dataclass(frozen=True)
 class WanDetails:
-    """What only Wan reads: the timestep fraction below which the low-noise expert predicts (None: one
-    transformer), and per-token timesteps (TI2V-5B)."""
+    """The timestep fraction below which the low-noise expert predicts (None: one transformer); TI2V-5B's per-token
+    timesteps."""
 
     boundary_ratio: float | None = None
     expand_timesteps: bool = False

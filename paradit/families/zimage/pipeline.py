@@ -53,8 +53,7 @@ class ZImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image at the output's size (by default its own, floored to whole tokens, as diffusers'
-        ``ZImageImg2ImgPipeline`` takes it), a sample of its latent distribution, shifted and scaled."""
+        """The image at the output's size, a sample of its latent distribution, shifted and scaled."""
         processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(request.images[0], height=request.height, width=request.width)
         sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)
