@@ -43,7 +43,6 @@ def __getattr__(name: str):
 
 
 def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
-    """The ModelSpec of a diffusers checkpoint folder, by the pipeline class its ``model_index.json`` names."""
     index = read_json(folder / "model_index.json")
     check_components(folder, index, allow_pickle)
     pipeline_class = index.get("_class_name")
@@ -56,8 +55,7 @@ def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
 
 
 def measured_preset(spec: ModelSpec, measured: Collection[str]) -> str | None:
-    """Of the presets ``measured`` names, ``spec``'s own, else the first of its family whose transformer a checkpoint
-    folder shares (its config holds every setting the preset's does, with the same values); None when none is."""
+    """Of the presets ``measured`` names, ``spec``'s own, else the first of its family whose settings it all shares."""
     if spec.name in measured:
         return spec.name
     for name in measured:

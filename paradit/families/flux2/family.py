@@ -176,8 +176,7 @@ FAMILY = Family(
     ),
     vae=AutoencoderKLFlux2,
     tensor_plan=TENSOR_PLAN,
-    # The embedders (x_ and context_embedder), the timestep and guidance MLPs, the shared modulation projections and
-    # the output layers: a small share of the FLOPs that feeds every block or the prediction directly.
+    # The embedders, timestep and guidance MLPs, shared modulations and output layers: few FLOPs, feeding every block.
     keep_high_precision=("embed", "modulation", "norm_out", "proj_out"),
     lora_loader="Flux2LoraLoaderMixin",
     measured=Measured.read(Path(__file__).parent),

@@ -25,8 +25,7 @@ PROMPT_TEMPLATE = (
     "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
     "<|im_start|>assistant\n"
 )
-# Hidden states dropped from the front of every encoded prompt: the system turn and "<|im_start|>user\n", 34 tokens
-# in Qwen2.5-VL's tokenizer. diffusers drops this count whatever the tokenizer, and so does paradit.
+# The system turn and "<|im_start|>user\n": 34 of Qwen2.5-VL's tokens, dropped as diffusers does whatever the tokenizer.
 TEMPLATE_PREFIX_TOKENS = 34
 # Qwen-Image-Edit's, its 64 leading tokens dropped; the user turn starts with the input images' markers.
 EDIT_TEMPLATE = (
@@ -59,11 +58,11 @@ def load_qwen25_vl(weights: CheckpointFolder, device: torch.device, dtype: torch
 class QwenPromptEncoder:
     """Qwen2.5-VL's language model alone: text prompts never reach the vision tower or the LM head."""
 
-    def __init__(self, language_model: nn.Module, tokenizer, device: torch.device) -> None:
-        self.language_model, self.tokenizer, self.device = language_model, tokenizer, device
+    def __init__(self, model: nn.Module, tokenizer, device: torch.device, image_processor=None) -> None:
+        self.model, self.tokenizer, self.device, self.image_processor = model, tokenizer, device, image_processor
 
     def modules(self) -> list[nn.Module]:
-        return [self.language_model]
+        return [self.model]
 
     @classmethod
     def from_folder(
@@ -95,7 +94,7 @@ class QwenPromptEncoder:
         length = TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS
         inputs = self.tokenizer(texts, max_length=length, padding=True, truncation=True, return_tensors="pt")
         attention_mask = inputs["attention_mask"].to(self.device)
-        hidden = self.language_model(input_ids=inputs["input_ids"].to(self.device), attention_mask=attention_mask)
+        hidden = self.model(input_ids=inputs["input_ids"].to(self.device), attention_mask=attention_mask)
         hidden = hidden.last_hidden_state
         prompts_hidden = [
             h[m.bool()][TEMPLATE_PREFIX_TOKENS:][:MAX_SEQUENCE_LENGTH].to(dtype) for h, m in zip(hidden, attention_mask)
@@ -112,15 +111,9 @@ def widen_image_markers(text: str, counts) -> str:
     return first + "".join(IMAGE_PAD * next(counts) + part for part in rest)
 
 
-class QwenVisionPromptEncoder:
+class QwenVisionPromptEncoder(QwenPromptEncoder):
     """Qwen-Image-Edit's: Qwen2.5-VL without its LM head, the vision tower reading the input images. Not through
     Qwen2VLProcessor, which needs torchvision: each image marker is widened here to the image's merged patches."""
-
-    def __init__(self, model: nn.Module, tokenizer, image_processor, device: torch.device) -> None:
-        self.model, self.tokenizer, self.image_processor, self.device = model, tokenizer, image_processor, device
-
-    def modules(self) -> list[nn.Module]:
-        return [self.model]
 
     @classmethod
     def from_folder(
@@ -131,7 +124,7 @@ class QwenVisionPromptEncoder:
         tokenizer = transformers.AutoTokenizer.from_pretrained(processor)
         image_processor = transformers.AutoImageProcessor.from_pretrained(processor)
         model = place(model.model.eval().requires_grad_(False), placement, device)
-        return cls(model, tokenizer, image_processor, device)
+        return cls(model, tokenizer, device, image_processor)
 
     @classmethod
     def dummy(
@@ -154,7 +147,7 @@ class QwenVisionPromptEncoder:
             temporal_patch_size=vision["temporal_patch_size"],
             merge_size=vision["spatial_merge_size"],
         )
-        return cls(place(model, placement, device), tokenizer, image_processor, device)
+        return cls(place(model, placement, device), tokenizer, device, image_processor)
 
     @torch.no_grad()
     def encode(self, texts: list[str], images: list, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -216,8 +209,7 @@ class QwenImagePipeline(DiffusionPipeline):
         noise = seeded_noise((request.batch, 1, channels, 2 * rows, 2 * cols), request.seed, self.dtype, self.device)
         layout = QwenLayout(rows, cols)
         if self.spec.details is not None and request.mask is not None:
-            # Edit's inpainting conditions on the image's latents its start draws (the request's generator's first
-            # draw: ``ImageToImage``), drawn here alike.
+            # Edit's inpainting conditions on the latents its start draws first (``ImageToImage``), drawn here alike.
             drawn = self.image_latents(request, torch.Generator("cpu").manual_seed(request.seed))
             layout = QwenLayout(rows, cols, self.pack_drawn(drawn, request), ((rows, cols),))
         elif self.spec.details is not None:
@@ -239,7 +231,6 @@ class QwenImagePipeline(DiffusionPipeline):
         return torch.cat(tokens, dim=1), tuple(grids)
 
     def latent_distribution(self, image, height: int, width: int):
-        """As a one-frame video."""
         processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(image, height=height, width=width).unsqueeze(2)
         return self.vae_encode(pixels.to(self.device, self.vae.dtype))
@@ -252,7 +243,6 @@ class QwenImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image at the output's size, a sample of its latent distribution normalised, in the noise's layout."""
         sample = self.latent_distribution(request.images[0], request.height, request.width).sample(generator)
         mean, inverse_std = latent_statistics(self.vae.config, sample)
         return ((sample - mean) * inverse_std).transpose(1, 2)

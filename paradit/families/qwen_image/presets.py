@@ -13,8 +13,7 @@ DEFAULTS = CONFIGS["presets"]
 QWEN_IMAGE_SCHEDULER = CONFIGS["scheduler"]
 # AutoencoderKLQwenImage as published (its defaults, the Wan 2.1 VAE): 16 channels, 8x spatial stride.
 QWEN_IMAGE_VAE = CONFIGS["vae"]
-# Qwen2.5-VL-7B-Instruct (8,292,166,656 parameters with its vision tower). Text-to-image reads only the language
-# model's last hidden states, so its dummy mode builds the text config alone; the edit models read images too.
+# Qwen2.5-VL-7B-Instruct (8,292,166,656 parameters with vision); text-to-image's dummy builds its text config alone.
 QWEN25_VL_7B = CONFIGS["qwen25_vl_7b"]
 _QWEN_IMAGE = CONFIGS["transformer"]
 

@@ -1,5 +1,4 @@
-"""Stable Diffusion 3 / 3.5 as diffusers' ``StableDiffusion3Pipeline`` and its image-to-image and inpainting pipelines
-run it: same checkpoint and seed, same image."""
+"""Stable Diffusion 3 / 3.5 as ``StableDiffusion3Pipeline`` and its image-to-image and inpainting pipelines run it."""
 
 from __future__ import annotations
 
@@ -162,7 +161,6 @@ class SD3Pipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image at the output's size, a sample of its latent distribution, shifted and scaled as decode undoes."""
         processor = VaeImageProcessor(vae_scale_factor=vae_scale_factor(self.spec.vae))
         pixels = processor.preprocess(request.images[0], height=request.height, width=request.width)
         sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)

@@ -23,7 +23,6 @@ MAX_FRAMES, MAX_FPS = 1024, 240
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
-    """One or two experts, the boundary and per-token timesteps, as ``model_index.json`` says."""
     present = {
         name: isinstance(index.get(name), list) and index[name][0] is not None
         for name in ("transformer", "transformer_2", "image_encoder")

@@ -1,5 +1,4 @@
-"""Wan 2.2 as diffusers' ``WanPipeline`` (T2V-A14B, TI2V-5B) and ``WanImageToVideoPipeline`` (I2V-A14B, TI2V-5B with an
-image) run it: same checkpoint, image and seed, same frames."""
+"""Wan 2.2 as diffusers' ``WanPipeline`` and ``WanImageToVideoPipeline`` run it: same checkpoint, seed, frames."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def image_input(spec: ModelSpec) -> str | None:
 
 @dataclass
 class ImageCondition:
-    """The conditioning video's normalised latents (``channels``: the mask in front); ``first_frame``'s ``keep``: 1
-    where the noisy latents are kept."""
+    """The conditioning video's normalised latents (``channels``: mask first); ``keep``: 1 where noisy latents stay."""
 
     latents: torch.Tensor
     keep: torch.Tensor | None
@@ -131,8 +129,7 @@ class WanPipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_condition(self, request: ResolvedRequest, noise: torch.Tensor) -> ImageCondition:
-        """The reference's: the image as a one-frame video (``first_frame``) or followed by black frames (``channels``,
-        with a mask in front), its latent mean normalised by the VAE's statistics."""
+        """The image as a one-frame video (``first_frame``) or before black frames (``channels``), as the reference."""
         temporal, spatial = vae_factors(self.spec.vae)
         processor = VideoProcessor(vae_scale_factor=spatial)
         pixels = processor.preprocess(request.images[0], height=request.height, width=request.width).unsqueeze(2)
@@ -192,8 +189,7 @@ class WanPipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, layout: ImageCondition | None) -> torch.Tensor:
-        """Frames (batch, frames, 3, H, W), TI2V's image frame put back, un-normalised (divided by 1 / std, as the
-        reference)."""
+        """Frames (batch, frames, 3, H, W), TI2V's image frame put back, divided by 1 / std as the reference does."""
         if layout is not None and layout.keep is not None:
             latents = layout.model_latents(latents)
         latents = latents.to(self.vae.dtype)

@@ -55,8 +55,7 @@ def is_omni(spec: ModelSpec) -> bool:
     return isinstance(spec.text_encoder, OmniEncoders)
 
 
-# diffusers' pipelines hand the scheduler their own sigmas as a list, which DPMSolverMultistepScheduler takes none of
-# and UniPCMultistepScheduler fails on (it shifts them as an array)
+# diffusers hands the scheduler its own sigmas as a list: DPMSolverMultistep takes none, UniPCMultistep fails on it
 SCHEDULERS = ("flow-euler",)
 
 

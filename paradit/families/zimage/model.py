@@ -212,8 +212,7 @@ class ZImageTokens:
     txt: torch.Tensor  # (B, longest caption rounded up to 32, dim)
     img_rope: torch.Tensor  # complex (B, image tokens, head_dim / 2): the first axis depends on the caption
     txt_rope: torch.Tensor  # complex (1, text tokens, head_dim / 2)
-    # (B, text tokens) bool, False past a caption's own rounded length; None when no caption is masked (decided
-    # before the split, so every rank agrees), which keeps attention mask-free.
+    # (B, text tokens) False past a caption's own rounded length; None (every rank agrees) when none is: mask-free.
     txt_mask: torch.Tensor | None
     temb: torch.Tensor  # (B, adaln_dim)
 

@@ -155,7 +155,6 @@ class ZImageOmniPipeline(ZImagePipeline):
         }
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The noise, and each condition image's latent mode, shifted and scaled, as the layout."""
         noise, _ = super().initial_latents(request)
         return noise, self.encode_conditions(request)
 
