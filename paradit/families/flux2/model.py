@@ -87,7 +87,7 @@ class ParallelSelfAttention(AttentionDispatch):
         reference: KeyValue | None = None,
         text_tokens: int = 0,
     ) -> torch.Tensor:
-        """``reference``: keys and values the ``text_tokens`` text tokens at the front and the image after attend to."""
+        """``reference``: keys and values the text (``text_tokens`` at the front) and the image attend to besides."""
         q, k, v, mlp = self.project(x, rope)
         if reference is not None:
             k, v = join_reference(k, v, reference, text_tokens)

@@ -149,8 +149,7 @@ class QwenImageTransformer(StagedTransformer):
         encoder_hidden_states_mask: torch.Tensor | None = None,
         input_grids: tuple[tuple[int, int], ...] = (),
     ) -> QwenImageTokens:
-        """``hidden_states``: packed latents (batch, rows * cols, in_channels), then an edit's input images' (of token
-        grids ``input_grids``); ``timestep``: sigma in [0, 1]; the mask: nonzero for real tokens (None: unpadded)."""
+        """Packed latents, then an edit's input images' (of ``input_grids``); ``timestep``: sigma in [0, 1]."""
         img = self.img_in(hidden_states)
         text_len = encoder_hidden_states.shape[1]
         txt_mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)

@@ -211,8 +211,7 @@ class WanTransformer(StagedTransformer):
         encoder_hidden_states: torch.Tensor,
         encoder_hidden_states_image: torch.Tensor | None = None,
     ) -> WanTokens:
-        """``hidden_states``: latents (B, in_channels, F, H, W); ``timestep``: (B,) in [0, 1000], or (B, video tokens);
-        ``encoder_hidden_states``: text features, zero-padded, unmasked; ``encoder_hidden_states_image``: CLIP's."""
+        """``timestep``: (B,) in [0, 1000], or (B, video tokens); the text features zero-padded, unmasked."""
         config = self.config
         *_, frames, height, width = hidden_states.shape
         if any(n % p for n, p in zip((frames, height, width), config.patch_size)):
@@ -231,9 +230,7 @@ class WanTransformer(StagedTransformer):
             temb, modulation = embedder.time(timestep, dtype)
 
         context_image = None
-        if encoder_hidden_states_image is not None:
-            if embedder.image_embedder is None:
-                raise ValueError("image features given to a checkpoint without an image embedder (image_dim None)")
+        if encoder_hidden_states_image is not None:  # the pipeline never passes it: Wan 2.2 has no CLIP image encoder
             context_image = embedder.image_embedder(encoder_hidden_states_image)
         return WanTokens(
             video=video,

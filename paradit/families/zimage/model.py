@@ -371,8 +371,7 @@ class ZImageTransformer(StagedTransformer):
         encoder_attention_mask: torch.Tensor | None = None,
         omni: OmniInputs | None = None,
     ) -> ZImageTokens:
-        """``timestep``: (B,) 1 - sigma; captions right-padded where the mask is False (None: all T long); with
-        ``omni``, each caption's segments one after another (the mask unused)."""
+        """``timestep``: (B,) 1 - sigma; captions right-padded where the mask is False; ``omni``'s are its segments."""
         batch, device = hidden_states.shape[0], hidden_states.device
         patch = self.config.patch_size
         rows, cols = hidden_states.shape[2] // patch, hidden_states.shape[3] // patch
