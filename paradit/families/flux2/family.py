@@ -134,31 +134,6 @@ def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
     return spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
 
 
-TENSOR_PLAN = TensorPlan(
-    family="FLUX.2",
-    heads=lambda model: model.config.num_attention_heads,
-    widths=lambda model: {
-        "attention": model.single_transformer_blocks[0].attn.inner_dim,
-        "MLP hidden": model.single_transformer_blocks[0].attn.mlp_hidden_dim,
-    },
-    linears={
-        **joint_attention("transformer_blocks.*.attn"),
-        "transformer_blocks.*.ff.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),  # [gate, up]
-        "transformer_blocks.*.ff.linear_out": ROW_MLP,
-        "transformer_blocks.*.ff_context.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),
-        "transformer_blocks.*.ff_context.linear_out": ROW_MLP,
-        # The single blocks pack [q, k, v, MLP gate, MLP up] into one projection and read [attention, MLP] back.
-        "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Shard(
-            "column", ("attention", "attention", "attention", "MLP hidden", "MLP hidden")
-        ),
-        "single_transformer_blocks.*.attn.to_out": Shard("row", ("attention", "MLP hidden")),
-    },
-    local_attributes={
-        "transformer_blocks.*.attn": ("heads",),
-        "single_transformer_blocks.*.attn": ("heads", "inner_dim", "mlp_hidden_dim"),
-    },
-)
-
 FAMILY = Family(
     name="flux2",
     pipeline=Flux2Pipeline,
@@ -175,7 +150,30 @@ FAMILY = Family(
         else DecoderPromptEncoder
     ),
     vae=AutoencoderKLFlux2,
-    tensor_plan=TENSOR_PLAN,
+    tensor_plan=TensorPlan(
+        family="FLUX.2",
+        heads=lambda model: model.config.num_attention_heads,
+        widths=lambda model: {
+            "attention": model.single_transformer_blocks[0].attn.inner_dim,
+            "MLP hidden": model.single_transformer_blocks[0].attn.mlp_hidden_dim,
+        },
+        linears={
+            **joint_attention("transformer_blocks.*.attn"),
+            "transformer_blocks.*.ff.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),  # [gate, up]
+            "transformer_blocks.*.ff.linear_out": ROW_MLP,
+            "transformer_blocks.*.ff_context.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),
+            "transformer_blocks.*.ff_context.linear_out": ROW_MLP,
+            # The single blocks pack [q, k, v, MLP gate, MLP up] into one projection and read [attention, MLP] back.
+            "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Shard(
+                "column", ("attention", "attention", "attention", "MLP hidden", "MLP hidden")
+            ),
+            "single_transformer_blocks.*.attn.to_out": Shard("row", ("attention", "MLP hidden")),
+        },
+        local_attributes={
+            "transformer_blocks.*.attn": ("heads",),
+            "single_transformer_blocks.*.attn": ("heads", "inner_dim", "mlp_hidden_dim"),
+        },
+    ),
     # The embedders, timestep and guidance MLPs, shared modulations and output layers: few FLOPs, feeding every block.
     keep_high_precision=("embed", "modulation", "norm_out", "proj_out"),
     lora_loader="Flux2LoraLoaderMixin",

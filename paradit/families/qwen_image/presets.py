@@ -36,7 +36,6 @@ def preset(name: str, **configs: Any) -> ModelSpec:
 
 PRESETS: list[ModelSpec] = [
     preset("qwen-image", transformer=_QWEN_IMAGE),
-    # Edit-2511 modulates its input images' tokens as at timestep 0.
     preset("qwen-image-edit-2511", transformer={**_QWEN_IMAGE, "zero_cond_t": True}, details=EDIT_PLUS),
     preset("qwen-image-edit-2509", transformer=_QWEN_IMAGE, details=EDIT_PLUS),
     preset("qwen-image-edit", transformer=_QWEN_IMAGE, details=EDIT),

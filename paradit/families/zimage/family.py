@@ -76,7 +76,6 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     if omni:
         resolve_images(resolved, request.height, request.width, (max_rows, max_cols), g)
     elif resolved.images and (request.height is None or request.width is None):
-        # Image-to-image makes the image's size, floored to whole tokens, unless asked otherwise.
         image = resolved.images[0]
         height, width = request.height or image.height // g * g, request.width or image.width // g * g
         if not (g <= height <= max_rows * g and g <= width <= max_cols * g):

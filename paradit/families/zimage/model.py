@@ -391,7 +391,6 @@ class ZImageTransformer(StagedTransformer):
         txt = torch.where(real[..., None], captions, self.cap_pad_token.to(captions.dtype))
         txt_positions = nn.functional.pad((text_index + 1)[None, :, None], (0, 2))
 
-        # Image positions: (caption length + 1, row, column); the stream's pad tokens sit at (0, 0, 0).
         img_positions = image_positions(caption_lens + 1, raster_grid(rows, cols, device))
         txt_mask = None if encoder_attention_mask is None else text_index < caption_lens[:, None]
         return ZImageTokens(
