@@ -1,5 +1,4 @@
-"""FLUX.2 as diffusers' ``Flux2Pipeline`` (dev), ``Flux2KleinPipeline``, ``Flux2KleinInpaintPipeline`` (its image to
-repaint also the first reference) and ``Flux2KleinKVPipeline`` run it: same checkpoint and seed, same image."""
+"""FLUX.2 as diffusers' dev, klein, klein inpainting and klein KV pipelines run it, image for image."""
 
 from __future__ import annotations
 

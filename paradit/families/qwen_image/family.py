@@ -27,6 +27,8 @@ from paradit.spec import ModelSpec, checkpoint_spec
 logger = logging.getLogger(__name__)
 
 EDIT_PLUS_IMAGE_LIMIT = 10  # diffusers sets none; what one request's tokens can reasonably hold
+# diffusers' QwenImagePipeline.__call__ defaults, for a checkpoint folder.
+PIPELINE_DEFAULTS = {"guidance_mode": "cfg", "steps": 50, "guidance": 4.0, "height": 1024, "width": 1024}
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -38,11 +40,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         "qwen_image",
         transformer=transformer,
         text_encoder=component_config(folder, "text_encoder"),
-        guidance_mode="cfg",
-        steps=50,
-        guidance=4.0,
-        height=1024,
-        width=1024,
+        **PIPELINE_DEFAULTS,
         details=EDIT_PIPELINES.get(index["_class_name"]),
     )
 

@@ -1,4 +1,4 @@
-"""Wan 2.2 as diffusers' ``WanPipeline`` and ``WanImageToVideoPipeline`` run it: same checkpoint, seed, frames."""
+"""Wan 2.2 as diffusers' ``WanPipeline`` and ``WanImageToVideoPipeline`` run it, frame for frame."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' ZImagePipeline defaults; a checkpoint scheduled like the published Turbo gets Turbo's instead.
-DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_SIZE = 50, 5.0, 1024
-TURBO_STEPS = 8
+PIPELINE_DEFAULTS = {"guidance_mode": "cfg", "steps": 50, "guidance": 5.0, "height": 1024, "width": 1024}
+TURBO_DEFAULTS = {**PIPELINE_DEFAULTS, "steps": 8, "guidance": 0.0}
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -43,11 +43,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         "Turbo, step-distilled" if turbo else "true CFG",
         scheduler=scheduler,
         text_encoder=text_encoder,
-        guidance_mode="cfg",
-        steps=TURBO_STEPS if turbo else DEFAULT_STEPS,
-        guidance=0.0 if turbo else DEFAULT_GUIDANCE,
-        height=DEFAULT_SIZE,
-        width=DEFAULT_SIZE,
+        **(TURBO_DEFAULTS if turbo else PIPELINE_DEFAULTS),
     )
 
 
