@@ -20,7 +20,6 @@ CONFIGS = read_configs(__file__)
 DEFAULTS = CONFIGS["presets"]
 # google/umt5-xxl's encoder, as the Wan 2.2 checkpoints' text_encoder/config.json holds it.
 UMT5_XXL = CONFIGS["umt5_xxl"]
-UMT5_XXL_PROMPTS = WanTextEncoder(UMT5_XXL)
 # The UniPC flow-matching schedulers of the published checkpoints (flow_shift 3.0 for T2V-A14B, 5.0 for TI2V-5B).
 UNIPC_FLOW = CONFIGS["unipc_flow"]
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers' transformer/config.json (transformer_2 is the same architecture).
@@ -54,7 +53,7 @@ def preset(name: str, transformer: dict, flow_shift: float, details: WanDetails,
         experts=experts,
         scheduler={**UNIPC_FLOW, "flow_shift": flow_shift},
         details=details,
-        **{"text_encoder": UMT5_XXL_PROMPTS, "vae": WAN21_VAE, **configs},
+        **{"text_encoder": WanTextEncoder(UMT5_XXL), "vae": WAN21_VAE, **configs},
         **DEFAULTS[name],
     )
 
