@@ -1,6 +1,5 @@
-"""The registry of model families: the only place outside the family folders that names them. The presets are light
-(no torch); the family records are imported on first use of ``FAMILIES``, so that listing models and refusing bad flags
-answer at once."""
+"""The registry of model families. The presets are light (no torch); the family records are imported on first use of
+``FAMILIES``, so that listing models and refusing bad flags answer at once."""
 
 from __future__ import annotations
 
@@ -44,8 +43,6 @@ def __getattr__(name: str):
 
 
 def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
-    """The ModelSpec of a diffusers checkpoint folder, by the pipeline class its ``model_index.json`` names, once
-    every component it lists is there, with weights in safetensors unless ``allow_pickle`` (which its loaders keep)."""
     index = read_json(folder / "model_index.json")
     check_components(folder, index, allow_pickle)
     pipeline_class = index.get("_class_name")
@@ -58,8 +55,7 @@ def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
 
 
 def measured_preset(spec: ModelSpec, measured: Collection[str]) -> str | None:
-    """Of the presets ``measured`` names, ``spec``'s own, else the first of its family whose transformer a checkpoint
-    folder shares (its config holds every setting the preset's does, with the same values); None when none is."""
+    """Of the presets ``measured`` names, ``spec``'s own, else the first of its family whose settings it all shares."""
     if spec.name in measured:
         return spec.name
     for name in measured:
@@ -71,8 +67,7 @@ def measured_preset(spec: ModelSpec, measured: Collection[str]) -> str | None:
 
 
 def find_facts(spec: ModelSpec) -> ModelFacts | None:
-    """The planner's counts of ``spec``'s transformer: its preset's, or those of the preset whose architecture a
-    checkpoint folder shares (``measured_preset``); None for an architecture its family has not counted."""
+    """The planner's counts of ``spec``'s transformer (its ``measured_preset``'s); None where none was counted."""
     counted = _registry()[spec.family].measured.model_facts
     preset = measured_preset(spec, counted)
     return None if preset is None else counted[preset]

@@ -1,5 +1,4 @@
-"""Published prompt-encoder configs that more than one family reads, from ``encoders.json`` (for random weights and
-the memory estimate, which build an encoder without its weights)."""
+"""Published prompt-encoder configs several families read (random weights and memory estimates build from them)."""
 
 from __future__ import annotations
 

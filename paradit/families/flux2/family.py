@@ -36,8 +36,7 @@ KLEIN_INPAINTING_STRENGTH = 0.8  # Flux2KleinInpaintPipeline's default
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
-    """dev reads Mistral's layers 10, 20, 30, guidance embedded; klein Qwen3's 9, 18, 27, true CFG unless distilled;
-    klein KV as distilled klein, whatever its index says (its pipeline never guides), its references cached."""
+    """klein KV runs as distilled klein whatever its index says: its pipeline never guides."""
     details = None
     if index["_class_name"] == "Flux2Pipeline":
         layers, mode, steps, guidance = (10, 20, 30), "embedded", 50, 4.0
@@ -97,8 +96,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 def resolve_reference(image, index: int, checked: bool = True):
-    """A reference as diffusers' FLUX.2 pipelines take it: shrunk (Lanczos) to REFERENCE_AREA pixels when larger;
-    ``checked``, at least 64 pixels a side and an aspect ratio of at most 8 (inpainting's images go unchecked)."""
+    """A reference as diffusers' FLUX.2 pipelines take it: ``checked`` (inpainting's not), shrunk to REFERENCE_AREA."""
     try:
         if checked:
             Flux2ImageProcessor.check_image_input(image)
@@ -110,9 +108,8 @@ def resolve_reference(image, index: int, checked: bool = True):
 
 
 def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
-    """A KV checkpoint's cached references are every block's keys and values, whole on each rank, computed outside the
-    forward: the plans that split the sequence or the blocks (or gather each block's weights in its forward) would
-    need them split alike, and a CUDA graph captures only the tensors it is called with."""
+    """KV's cached references are every block's keys and values, whole on each rank, computed outside the forward: plans
+    splitting the sequence or blocks (or weights) would need them split alike; a CUDA graph captures only its inputs."""
     if not request.images or not caches_references(settings.spec):
         return
     parallel = settings.parallel
@@ -137,31 +134,6 @@ def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
     return spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
 
 
-TENSOR_PLAN = TensorPlan(
-    family="FLUX.2",
-    heads=lambda model: model.config.num_attention_heads,
-    widths=lambda model: {
-        "attention": model.single_transformer_blocks[0].attn.inner_dim,
-        "MLP hidden": model.single_transformer_blocks[0].attn.mlp_hidden_dim,
-    },
-    linears={
-        **joint_attention("transformer_blocks.*.attn"),
-        "transformer_blocks.*.ff.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),  # [gate, up]
-        "transformer_blocks.*.ff.linear_out": ROW_MLP,
-        "transformer_blocks.*.ff_context.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),
-        "transformer_blocks.*.ff_context.linear_out": ROW_MLP,
-        # The single blocks pack [q, k, v, MLP gate, MLP up] into one projection and read [attention, MLP] back.
-        "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Shard(
-            "column", ("attention", "attention", "attention", "MLP hidden", "MLP hidden")
-        ),
-        "single_transformer_blocks.*.attn.to_out": Shard("row", ("attention", "MLP hidden")),
-    },
-    local_attributes={
-        "transformer_blocks.*.attn": ("heads",),
-        "single_transformer_blocks.*.attn": ("heads", "inner_dim", "mlp_hidden_dim"),
-    },
-)
-
 FAMILY = Family(
     name="flux2",
     pipeline=Flux2Pipeline,
@@ -178,9 +150,31 @@ FAMILY = Family(
         else DecoderPromptEncoder
     ),
     vae=AutoencoderKLFlux2,
-    tensor_plan=TENSOR_PLAN,
-    # The embedders (x_ and context_embedder), the timestep and guidance MLPs, the shared modulation projections and
-    # the output layers: a small share of the FLOPs that feeds every block or the prediction directly.
+    tensor_plan=TensorPlan(
+        family="FLUX.2",
+        heads=lambda model: model.config.num_attention_heads,
+        widths=lambda model: {
+            "attention": model.single_transformer_blocks[0].attn.inner_dim,
+            "MLP hidden": model.single_transformer_blocks[0].attn.mlp_hidden_dim,
+        },
+        linears={
+            **joint_attention("transformer_blocks.*.attn"),
+            "transformer_blocks.*.ff.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),  # [gate, up]
+            "transformer_blocks.*.ff.linear_out": ROW_MLP,
+            "transformer_blocks.*.ff_context.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),
+            "transformer_blocks.*.ff_context.linear_out": ROW_MLP,
+            # The single blocks pack [q, k, v, MLP gate, MLP up] into one projection and read [attention, MLP] back.
+            "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Shard(
+                "column", ("attention", "attention", "attention", "MLP hidden", "MLP hidden")
+            ),
+            "single_transformer_blocks.*.attn.to_out": Shard("row", ("attention", "MLP hidden")),
+        },
+        local_attributes={
+            "transformer_blocks.*.attn": ("heads",),
+            "single_transformer_blocks.*.attn": ("heads", "inner_dim", "mlp_hidden_dim"),
+        },
+    ),
+    # The embedders, timestep and guidance MLPs, shared modulations and output layers: few FLOPs, feeding every block.
     keep_high_precision=("embed", "modulation", "norm_out", "proj_out"),
     lora_loader="Flux2LoraLoaderMixin",
     measured=Measured.read(Path(__file__).parent),

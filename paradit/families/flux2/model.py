@@ -1,6 +1,5 @@
-"""FLUX.2 transformer (dev, klein): diffusers' ``Flux2Transformer2DModel``. klein's KV checkpoints run their reference
-images through the blocks once per request (``cache_references``): the references attend only to themselves, so their
-keys and values at every block are the same at every step, and each step's tokens attend to them besides their own."""
+"""FLUX.2 transformer (dev, klein): diffusers' ``Flux2Transformer2DModel``. klein KV's references attend only to
+themselves, so their keys and values are computed once per request (``cache_references``) and attended to every step."""
 
 from __future__ import annotations
 
@@ -88,7 +87,7 @@ class ParallelSelfAttention(AttentionDispatch):
         reference: KeyValue | None = None,
         text_tokens: int = 0,
     ) -> torch.Tensor:
-        """``reference``: keys and values the ``text_tokens`` text tokens at the front and the image after attend to."""
+        """``reference``: keys and values the text (``text_tokens`` at the front) and the image attend to besides."""
         q, k, v, mlp = self.project(x, rope)
         if reference is not None:
             k, v = join_reference(k, v, reference, text_tokens)
@@ -210,7 +209,6 @@ class Flux2SingleTransformerBlock(nn.Module):
         return clip_fp16(x)
 
     def run_references(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """References alone: their next state, and their keys and values here."""
         ((shift, scale, gate),) = split_modulation(mod, 1)
         out, kv = self.attn.attend_references((1 + scale) * self.norm(x) + shift, rope)
         return clip_fp16(x + gate * out), kv
@@ -259,8 +257,7 @@ class Flux2Transformer(StagedTransformer):
         guidance: torch.Tensor | None = None,
         reference_kv: ReferenceKV | None = None,
     ) -> Flux2Tokens:
-        """``timestep`` and ``guidance``: sigma in [0, 1] per sample; ``reference_kv``: ``cache_references``' keys and
-        values of the request's references (None: it has none, or they join ``hidden_states``)."""
+        """``timestep``, ``guidance``: sigma in [0, 1] per sample; ``reference_kv``: ``cache_references``' output."""
         dtype = hidden_states.dtype
         timestep = timestep.to(dtype) * 1000
         if guidance is not None:
@@ -279,8 +276,7 @@ class Flux2Transformer(StagedTransformer):
         )
 
     def cache_references(self, latents: torch.Tensor, ids: torch.Tensor) -> ReferenceKV:
-        """Reference images' packed latents (1, tokens, channels) at position ``ids`` through every block, alone and
-        modulated at ``REFERENCE_TIMESTEP``: each block's keys and values of them."""
+        """Each block's keys and values of the references (1, tokens, channels), run alone at REFERENCE_TIMESTEP."""
         dtype = latents.dtype
         temb = self.time_guidance_embed(latents.new_full((1,), REFERENCE_TIMESTEP * 1000), dtype)
         mod_double, mod_single = self.double_stream_modulation_img(temb), self.single_stream_modulation(temb)
@@ -293,13 +289,13 @@ class Flux2Transformer(StagedTransformer):
 
     def run_blocks(self, tokens: Flux2Tokens) -> Flux2Tokens:
         rope = tuple(torch.cat([t, i], dim=0) for t, i in zip(tokens.txt_rope, tokens.img_rope))
-        cached = tokens.reference_kv
+        cached = tokens.reference_kv or {}
         for block in self.transformer_blocks:
-            reference = None if cached is None else cached[block]
-            tokens.img, tokens.txt = block(tokens.img, tokens.txt, tokens.mod_img, tokens.mod_txt, rope, reference)
+            tokens.img, tokens.txt = block(
+                tokens.img, tokens.txt, tokens.mod_img, tokens.mod_txt, rope, cached.get(block)
+            )
         x = torch.cat([tokens.txt, tokens.img], dim=1)
         for block in self.single_transformer_blocks:
-            reference = None if cached is None else cached[block]
-            x = block(x, tokens.mod_single, rope, reference, tokens.txt.shape[1])
+            x = block(x, tokens.mod_single, rope, cached.get(block), tokens.txt.shape[1])
         tokens.txt, tokens.img = x.split([tokens.txt.shape[1], tokens.img.shape[1]], dim=1)
         return tokens

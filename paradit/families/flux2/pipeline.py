@@ -1,6 +1,4 @@
-"""FLUX.2 as diffusers' ``Flux2Pipeline`` (dev), ``Flux2KleinPipeline`` (klein), ``Flux2KleinInpaintPipeline`` (klein
-with a mask: the image to repaint is also the first reference) and ``Flux2KleinKVPipeline`` (klein whose references'
-keys and values are computed once per request) run it: the same checkpoint and seed give the same image."""
+"""FLUX.2 as diffusers' dev, klein, klein inpainting and klein KV pipelines run it, image for image."""
 
 from __future__ import annotations
 
@@ -70,8 +68,7 @@ class MistralPromptEncoder(DecoderPromptEncoder):
 
 @dataclass(frozen=True)
 class Flux2Details:
-    """A checkpoint's ``ModelSpec.details`` (None for presets and the other pipelines): ``cached_references`` for
-    ``Flux2KleinKVPipeline``'s, whose references' keys and values are computed once per request."""
+    """A checkpoint's ``ModelSpec.details`` (None for presets): ``cached_references`` for ``Flux2KleinKVPipeline``'s."""
 
     cached_references: bool = False
 
@@ -82,8 +79,7 @@ def caches_references(spec: ModelSpec) -> bool:
 
 @dataclass(frozen=True)
 class Flux2Layout:
-    """The target's token grid; the references' packed latents (1, tokens, channels), their position ids (tokens, 4),
-    and a KV checkpoint's keys and values of them at every block (``CachedReferences``)."""
+    """The target's token grid; the references' packed latents (1, tokens, channels), ids (tokens, 4) and cached KV."""
 
     rows: int
     cols: int
@@ -93,8 +89,7 @@ class Flux2Layout:
 
 
 class CachedReferences(RequestHook):
-    """A KV checkpoint's references, run through the plain model once per request before the first step (family.py
-    refuses the plans that would split their tokens or blocks); every step attends to their keys and values."""
+    """A KV checkpoint's references, run through the plain model once per request before the first step."""
 
     def __init__(self, model, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
@@ -129,8 +124,7 @@ class Flux2Pipeline(DiffusionPipeline):
         return latents.flatten(2).transpose(1, 2)
 
     def encode_references(self, request: ResolvedRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Each reference centre-cropped to its ``reference_size`` (inpainting's image to repaint resized to the
-        output's size), encoded and packed into one sequence, at time coordinates 10, 20, ... as diffusers has them."""
+        """The references encoded and packed into one sequence, at time coordinates 10, 20, ... as in diffusers."""
         if not request.images:
             return None, None
         tokens, ids = [], []
@@ -147,8 +141,7 @@ class Flux2Pipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def encode_image(self, image, height: int, width: int, resize_mode: str) -> torch.Tensor:
-        """``image`` at ``height`` x ``width``, its latent mode patchified 2x2 and normalised by the VAE's batch-norm
-        statistics: (1, channels, rows, cols)."""
+        """Its latent mode, patchified 2x2, normalised by the VAE's batch-norm statistics: (1, channels, rows, cols)."""
         processor = Flux2ImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(image, height=height, width=width, resize_mode=resize_mode)
         latents = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode()
@@ -177,8 +170,7 @@ class Flux2Pipeline(DiffusionPipeline):
         return self.scheduled(FlowMatchEulerDiscreteScheduler, sigmas=sigmas, mu=mu)
 
     def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: Flux2Layout):
-        """The references' tokens follow the target's in the image stream; only the target's rows are predicted; a KV
-        checkpoint's cached keys and values of them are attended to instead."""
+        """References follow the target in the image stream (a KV checkpoint attends to their cached keys, values)."""
         embeds = conditioning["embeds"]
         one = torch.arange(1)
         img_ids = torch.cartesian_prod(one, torch.arange(layout.rows), torch.arange(layout.cols), one).to(self.device)

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 
 def area_dimensions(area: int, image) -> tuple[int, int]:
-    """(height, width) of about ``area`` pixels at ``image``'s aspect ratio, each rounded to 32 (diffusers'
-    ``calculate_dimensions``)."""
+    """(height, width) of about ``area`` pixels at ``image``'s aspect, rounded to 32 (``calculate_dimensions``)."""
     ratio = image.width / image.height
     width = math.sqrt(area * ratio)
     return round(width / ratio / 32) * 32, round(width / 32) * 32
@@ -16,9 +15,8 @@ def area_dimensions(area: int, image) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class EditInputs:
-    """How a Qwen-Image-Edit checkpoint takes its input images (its ``ModelSpec.details``; None: text-to-image).
-    The areas are diffusers' (the transformer sees each image at about 1024x1024 pixels, Edit-Plus's encoder at about
-    384x384, Edit's at the transformer's size), sides rounded to 32 pixels at the image's aspect ratio."""
+    """How a Qwen-Image-Edit checkpoint takes its input images (its ``ModelSpec.details``; None: text-to-image), at
+    diffusers' areas: about 1024x1024 pixels for the transformer, 384x384 for Edit-Plus's encoder."""
 
     plus: bool  # Edit-Plus (2509, 2511): several images, each numbered in the prompt ("Picture N: ")
     input_area: int = 1024 * 1024

@@ -27,6 +27,8 @@ from paradit.spec import ModelSpec, checkpoint_spec
 logger = logging.getLogger(__name__)
 
 EDIT_PLUS_IMAGE_LIMIT = 10  # diffusers sets none; what one request's tokens can reasonably hold
+# diffusers' QwenImagePipeline.__call__ defaults, for a checkpoint folder.
+PIPELINE_DEFAULTS = {"guidance_mode": "cfg", "steps": 50, "guidance": 4.0, "height": 1024, "width": 1024}
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -38,11 +40,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         "qwen_image",
         transformer=transformer,
         text_encoder=component_config(folder, "text_encoder"),
-        guidance_mode="cfg",
-        steps=50,
-        guidance=4.0,
-        height=1024,
-        width=1024,
+        **PIPELINE_DEFAULTS,
         details=EDIT_PIPELINES.get(index["_class_name"]),
     )
 
@@ -52,9 +50,7 @@ SCHEDULERS = ("flow-euler", "unipc")
 
 
 def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequest:
-    """``guidance`` is diffusers' ``true_cfg_scale``; as there, it takes effect only with a negative prompt (any
-    string, even " ", which is what Qwen-Image's authors pass when they have nothing to exclude). A text-to-image
-    checkpoint runs image-to-image or inpainting given an image; an edit checkpoint needs its input image(s)."""
+    """A text-to-image checkpoint given an image runs image-to-image or inpainting; an edit one needs its image(s)."""
     granularity = pixel_granularity(spec.vae)
     edit: EditInputs | None = spec.details
     plus = edit is not None and edit.plus
@@ -92,7 +88,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
-    """diffusers' rule: true CFG needs both a negative prompt and a guidance above 1."""
+    """diffusers' rule for ``true_cfg_scale``: a negative prompt (even " ", as Qwen-Image's authors give) and > 1."""
     return request.negative_prompts is not None and request.guidance > 1.0
 
 

@@ -90,8 +90,7 @@ class QwenImageTransformerBlock(nn.Module):
         key_mask: torch.Tensor | None,
         input_images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``input_images``: (timestep-0 embedding, (batch, img tokens, 1) bool of the input images' tokens), which
-        take the modulation of the former (``zero_cond_t``)."""
+        """``input_images`` (``zero_cond_t``): the timestep-0 embedding; (batch, img, 1) True where it modulates."""
         img_mods = split_modulation(self.img_mod(temb), 2)
         if input_images is not None:
             still, chosen = input_images
@@ -150,9 +149,7 @@ class QwenImageTransformer(StagedTransformer):
         encoder_hidden_states_mask: torch.Tensor | None = None,
         input_grids: tuple[tuple[int, int], ...] = (),
     ) -> QwenImageTokens:
-        """``hidden_states``: packed latents (batch, rows * cols, in_channels), followed by the packed latents of an
-        edit's input images, of token grids ``input_grids``; ``timestep``: sigma in [0, 1] per sample;
-        ``encoder_hidden_states_mask``: (batch, text), nonzero for real tokens, None if nothing is padded."""
+        """Packed latents, then an edit's input images' (of ``input_grids``); ``timestep``: sigma in [0, 1]."""
         img = self.img_in(hidden_states)
         text_len = encoder_hidden_states.shape[1]
         txt_mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)

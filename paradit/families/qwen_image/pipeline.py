@@ -1,7 +1,5 @@
-"""Qwen-Image and Qwen-Image-Edit as diffusers' ``QwenImagePipeline`` and its image-to-image, inpainting and edit
-pipelines run them: the same checkpoint, request and seed give the same image. One deliberate difference: with prompts
-of differing lengths and several images each, each image keeps its own prompt's text mask; diffusers' ``encode_prompt``
-repeats embeddings image by image, but tiles masks prompt by prompt."""
+"""Qwen-Image and -Edit as diffusers' ``QwenImagePipeline`` and its image-to-image, inpainting and edit pipelines run
+them. One deliberate difference: each image keeps its prompt's text mask (diffusers tiles masks prompt by prompt)."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ PROMPT_TEMPLATE = (
     "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
     "<|im_start|>assistant\n"
 )
-# Hidden states dropped from the front of every encoded prompt: the system turn and "<|im_start|>user\n", 34 tokens
-# in Qwen2.5-VL's tokenizer. diffusers drops this count whatever the tokenizer, and so does paradit.
+# The system turn and "<|im_start|>user\n": 34 of Qwen2.5-VL's tokens, dropped as diffusers does whatever the tokenizer.
 TEMPLATE_PREFIX_TOKENS = 34
 # Qwen-Image-Edit's, its 64 leading tokens dropped; the user turn starts with the input images' markers.
 EDIT_TEMPLATE = (
@@ -61,11 +58,11 @@ def load_qwen25_vl(weights: CheckpointFolder, device: torch.device, dtype: torch
 class QwenPromptEncoder:
     """Qwen2.5-VL's language model alone: text prompts never reach the vision tower or the LM head."""
 
-    def __init__(self, language_model: nn.Module, tokenizer, device: torch.device) -> None:
-        self.language_model, self.tokenizer, self.device = language_model, tokenizer, device
+    def __init__(self, model: nn.Module, tokenizer, device: torch.device, image_processor=None) -> None:
+        self.model, self.tokenizer, self.device, self.image_processor = model, tokenizer, device, image_processor
 
     def modules(self) -> list[nn.Module]:
-        return [self.language_model]
+        return [self.model]
 
     @classmethod
     def from_folder(
@@ -97,7 +94,7 @@ class QwenPromptEncoder:
         length = TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS
         inputs = self.tokenizer(texts, max_length=length, padding=True, truncation=True, return_tensors="pt")
         attention_mask = inputs["attention_mask"].to(self.device)
-        hidden = self.language_model(input_ids=inputs["input_ids"].to(self.device), attention_mask=attention_mask)
+        hidden = self.model(input_ids=inputs["input_ids"].to(self.device), attention_mask=attention_mask)
         hidden = hidden.last_hidden_state
         prompts_hidden = [
             h[m.bool()][TEMPLATE_PREFIX_TOKENS:][:MAX_SEQUENCE_LENGTH].to(dtype) for h, m in zip(hidden, attention_mask)
@@ -114,16 +111,9 @@ def widen_image_markers(text: str, counts) -> str:
     return first + "".join(IMAGE_PAD * next(counts) + part for part in rest)
 
 
-class QwenVisionPromptEncoder:
-    """Qwen-Image-Edit's: Qwen2.5-VL without its LM head, the vision tower reading the input images. The image processor
-    is used directly, not through transformers' Qwen2VLProcessor, which will not load without torchvision's video
-    processor: each image marker is widened to the image's merged patches here, as that processor widens it."""
-
-    def __init__(self, model: nn.Module, tokenizer, image_processor, device: torch.device) -> None:
-        self.model, self.tokenizer, self.image_processor, self.device = model, tokenizer, image_processor, device
-
-    def modules(self) -> list[nn.Module]:
-        return [self.model]
+class QwenVisionPromptEncoder(QwenPromptEncoder):
+    """Qwen-Image-Edit's: Qwen2.5-VL without its LM head, the vision tower reading the input images. Not through
+    Qwen2VLProcessor, which needs torchvision: each image marker is widened here to the image's merged patches."""
 
     @classmethod
     def from_folder(
@@ -134,7 +124,7 @@ class QwenVisionPromptEncoder:
         tokenizer = transformers.AutoTokenizer.from_pretrained(processor)
         image_processor = transformers.AutoImageProcessor.from_pretrained(processor)
         model = place(model.model.eval().requires_grad_(False), placement, device)
-        return cls(model, tokenizer, image_processor, device)
+        return cls(model, tokenizer, device, image_processor)
 
     @classmethod
     def dummy(
@@ -157,7 +147,7 @@ class QwenVisionPromptEncoder:
             temporal_patch_size=vision["temporal_patch_size"],
             merge_size=vision["spatial_merge_size"],
         )
-        return cls(place(model, placement, device), tokenizer, image_processor, device)
+        return cls(place(model, placement, device), tokenizer, device, image_processor)
 
     @torch.no_grad()
     def encode(self, texts: list[str], images: list, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -212,16 +202,14 @@ class QwenImagePipeline(DiffusionPipeline):
         return self.encode_rows(request, edit_rows)
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, QwenLayout]:
-        """Noise drawn as diffusers draws it (in the unpacked (batch, 1, channels, 2 * rows, 2 * cols) layout),
-        packed 2x2 into (batch, rows * cols, 4 * channels); returns it with the token grid and an edit's inputs."""
+        """Noise drawn in diffusers' unpacked layout, then packed; the token grid and an edit's inputs."""
         granularity = pixel_granularity(self.spec.vae)
         rows, cols = request.height // granularity, request.width // granularity
         channels = self.transformer.config.in_channels // 4
         noise = seeded_noise((request.batch, 1, channels, 2 * rows, 2 * cols), request.seed, self.dtype, self.device)
         layout = QwenLayout(rows, cols)
         if self.spec.details is not None and request.mask is not None:
-            # Edit's inpainting conditions on the image's latents its start draws (the request's generator's first
-            # draw: ``ImageToImage``), drawn here alike.
+            # Edit's inpainting conditions on the latents its start draws first (``ImageToImage``), drawn here alike.
             drawn = self.image_latents(request, torch.Generator("cpu").manual_seed(request.seed))
             layout = QwenLayout(rows, cols, self.pack_drawn(drawn, request), ((rows, cols),))
         elif self.spec.details is not None:
@@ -230,8 +218,7 @@ class QwenImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def encode_inputs(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
-        """An edit's input images at their ``input_size``, each latent mode normalised (divided by the std, as
-        diffusers' edit pipelines divide) and packed, in one sequence; and each one's token grid."""
+        """An edit's input images' latent modes normalised (divided by the std, as diffusers does), packed; grids."""
         granularity = pixel_granularity(self.spec.vae)
         tokens, grids = [], []
         for image in request.images:
@@ -244,7 +231,6 @@ class QwenImagePipeline(DiffusionPipeline):
         return torch.cat(tokens, dim=1), tuple(grids)
 
     def latent_distribution(self, image, height: int, width: int):
-        """As a one-frame video."""
         processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(image, height=height, width=width).unsqueeze(2)
         return self.vae_encode(pixels.to(self.device, self.vae.dtype))
@@ -257,8 +243,6 @@ class QwenImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image at the output's size (an edit checkpoint's inpainting: its edit size), a sample of its latent
-        distribution normalised, in the noise's drawn layout."""
         sample = self.latent_distribution(request.images[0], request.height, request.width).sample(generator)
         mean, inverse_std = latent_statistics(self.vae.config, sample)
         return ((sample - mean) * inverse_std).transpose(1, 2)

@@ -8,14 +8,12 @@ from paradit.families.qwen_image.edit import EDIT, EDIT_PLUS
 from paradit.spec import ModelSpec, read_configs
 
 CONFIGS = read_configs(__file__)
-# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
 DEFAULTS = CONFIGS["presets"]
 # Dynamic shifting with mu from the image size (up to 8192 tokens), the sigmas stretched to end at 0.02.
 QWEN_IMAGE_SCHEDULER = CONFIGS["scheduler"]
 # AutoencoderKLQwenImage as published (its defaults, the Wan 2.1 VAE): 16 channels, 8x spatial stride.
 QWEN_IMAGE_VAE = CONFIGS["vae"]
-# Qwen2.5-VL-7B-Instruct (8,292,166,656 parameters with its vision tower). Text-to-image reads only the language
-# model's last hidden states, so its dummy mode builds the text config alone; the edit models read images too.
+# Qwen2.5-VL-7B-Instruct (8,292,166,656 parameters with vision); text-to-image's dummy builds its text config alone.
 QWEN25_VL_7B = CONFIGS["qwen25_vl_7b"]
 _QWEN_IMAGE = CONFIGS["transformer"]
 
@@ -38,7 +36,6 @@ def preset(name: str, **configs: Any) -> ModelSpec:
 
 PRESETS: list[ModelSpec] = [
     preset("qwen-image", transformer=_QWEN_IMAGE),
-    # Edit-2511 modulates its input images' tokens as at timestep 0.
     preset("qwen-image-edit-2511", transformer={**_QWEN_IMAGE, "zero_cond_t": True}, details=EDIT_PLUS),
     preset("qwen-image-edit-2509", transformer=_QWEN_IMAGE, details=EDIT_PLUS),
     preset("qwen-image-edit", transformer=_QWEN_IMAGE, details=EDIT),

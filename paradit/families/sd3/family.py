@@ -22,8 +22,7 @@ PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE = 28, 7.0
 
 
 def published_defaults(transformer: dict) -> tuple[int, float]:
-    """Steps and guidance of the model card when the transformer is a published SD3.5 one (a preset's hub id
-    resolves to its checkpoint folder, and its defaults must survive that); else the diffusers pipeline's."""
+    """A published SD3.5 transformer's model-card steps and guidance (a preset's hub id resolves to a folder)."""
     for preset in PRESETS:
         if preset.hub_id and all(transformer.get(key) == value for key, value in preset.transformer.items()):
             return preset.steps, preset.guidance

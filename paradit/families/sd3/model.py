@@ -47,9 +47,8 @@ class SD3Config(HeadsConfig):
 
 
 def sincos_position_table(dim: int, grid: int, base_size: int) -> torch.Tensor:
-    """(1, grid * grid, dim) 2-D sin-cos embeddings, row-major over (row, column): positions are indices rescaled so
-    ``base_size`` of them span ``grid``; the channels' first half encodes the column, the second the row, each as [sin,
-    cos] of dim / 4 frequencies, with angles in float64 from float32 positions as in the published table."""
+    """(1, grid * grid, dim) row-major 2-D [sin, cos] table, the column in the first half of the channels, the row
+    in the second; positions rescaled so ``base_size`` span ``grid``, float64 angles of float32 ones, as published."""
     positions = torch.arange(grid, dtype=torch.float32) / (grid / base_size)
     exponents = torch.arange(dim // 4, dtype=torch.float64) / (dim / 4)
     angles = torch.outer(positions.double(), 1.0 / 10000**exponents)
@@ -60,8 +59,7 @@ def sincos_position_table(dim: int, grid: int, base_size: int) -> torch.Tensor:
 
 
 class PatchEmbed(nn.Module):
-    """Non-overlapping patch projection plus the centred h x w window of a fixed position table over ``max_size`` x
-    ``max_size`` patches, stored in the checkpoint (buffer ``pos_embed``)."""
+    """Patch projection plus the centred window of a fixed ``max_size`` x ``max_size`` table (``pos_embed``)."""
 
     def __init__(self, config: SD3Config) -> None:
         super().__init__()
@@ -94,8 +92,7 @@ class PatchEmbed(nn.Module):
 
 
 class AdaLayerNormZero(Modulation):
-    """The modulation triples, split, and the LayerNorm they modulate (``norm``): the first triple modulates
-    attention's input, the second the MLP's, a third (dual-attention blocks) the image-only attention's."""
+    """The modulation triples (attention's, the MLP's, dual attention's image-only one) and their LayerNorm."""
 
     def __init__(self, dim: int, sets: int) -> None:
         super().__init__(dim, sets)
@@ -116,7 +113,6 @@ class JointTransformerBlock(nn.Module):
         self.context_pre_only = context_pre_only
         self.norm1 = AdaLayerNormZero(dim, sets=3 if dual_attention else 2)
         self.norm1_context = AdaLayerNormOut(dim, dim, eps=EPS) if context_pre_only else AdaLayerNormZero(dim, sets=2)
-        # In the last block the text is read (keys, values and, as in the reference, queries) but not updated.
         self.attn = JointAttention(dim, head_dim, qk_norm, text_first=False, context_pre_only=context_pre_only)
         self.attn2 = QKVAttention(dim, head_dim, qk_norm, sequence_streams=("img",)) if dual_attention else None
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)

@@ -1,5 +1,4 @@
-"""Stable Diffusion 3 / 3.5 as diffusers' ``StableDiffusion3Pipeline`` and its image-to-image and inpainting pipelines
-run it: same checkpoint and seed, same image."""
+"""Stable Diffusion 3 / 3.5 as ``StableDiffusion3Pipeline`` and its image-to-image and inpainting pipelines run it."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ def pixel_granularity(spec: ModelSpec) -> int:
 
 
 def offline_clip_tokenizer(pad_token: str) -> transformers.CLIPTokenizer:
-    """A CLIP tokenizer built in memory for random-weight runs: byte-level, no merges (every byte a token, with and
-    without CLIP's end-of-word suffix), CLIP's start and end tokens last so the end token has the highest id."""
+    """A byte-level CLIP tokenizer for random-weight runs, start and end tokens last (pooling reads the highest id)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     symbols = [*alphabet, *(symbol + "</w>" for symbol in alphabet), "<|startoftext|>", "<|endoftext|>"]
     vocab = {symbol: i for i, symbol in enumerate(symbols)}
@@ -163,7 +161,6 @@ class SD3Pipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image at the output's size, a sample of its latent distribution, shifted and scaled as decode undoes."""
         processor = VaeImageProcessor(vae_scale_factor=vae_scale_factor(self.spec.vae))
         pixels = processor.preprocess(request.images[0], height=request.height, width=request.width)
         sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)

@@ -1,5 +1,4 @@
-"""Stable Diffusion 3.5 presets: large and medium as published, with their model cards' defaults, and a tiny model for
-the demo and tests."""
+"""Stable Diffusion 3.5 presets: large and medium as published, and a tiny model for the demo and tests."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from paradit.spec import ModelSpec, read_configs
 
 @dataclass(frozen=True)
 class SD3TextEncoders:
-    """The prompt encoders of SD3: two CLIP text towers with projection (``CLIPTextModelWithProjection`` configs) and a
-    T5 encoder (``T5EncoderModel`` config); T5 reads ``max_sequence_length`` tokens, CLIP its tokenizer's length."""
+    """SD3's two ``CLIPTextModelWithProjection`` configs and its ``T5EncoderModel`` one."""
 
     clip_l: dict[str, Any]
     clip_g: dict[str, Any]
@@ -21,7 +19,6 @@ class SD3TextEncoders:
 
 
 CONFIGS = read_configs(__file__)
-# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
 DEFAULTS = CONFIGS["presets"]
 # The published configs keep CLIP's legacy token ids (eos 2: pooling takes the highest token id, which is the eos).
 CLIP_L = CONFIGS["clip_l"]

@@ -18,13 +18,11 @@ from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' WanPipeline.__call__ defaults, for a checkpoint folder.
-DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FRAMES, DEFAULT_FPS = 50, 5.0, 480, 832, 81, 16
+PIPELINE_DEFAULTS = {"steps": 50, "guidance": 5.0, "height": 480, "width": 832, "frames": 81, "fps": 16}
 MAX_FRAMES, MAX_FPS = 1024, 240
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
-    """A ``WanPipeline`` or ``WanImageToVideoPipeline`` checkpoint: one or two experts, the boundary and per-token
-    timesteps from ``model_index.json``."""
     present = {
         name: isinstance(index.get(name), list) and index[name][0] is not None
         for name in ("transformer", "transformer_2", "image_encoder")
@@ -49,12 +47,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         layout,
         text_encoder=WanTextEncoder(component_config(folder, "text_encoder")),
         guidance_mode="cfg",
-        steps=DEFAULT_STEPS,
-        guidance=DEFAULT_GUIDANCE,
-        height=DEFAULT_HEIGHT,
-        width=DEFAULT_WIDTH,
-        frames=DEFAULT_FRAMES,
-        fps=DEFAULT_FPS,
+        **PIPELINE_DEFAULTS,
         experts=experts,
         details=WanDetails(boundary if experts else None, per_token),
     )

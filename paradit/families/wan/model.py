@@ -1,6 +1,5 @@
-"""Wan 2.1 / 2.2 video transformer: diffusers' ``WanTransformer3DModel``. The video is the one stream the runtime
-splits: every rank holds the whole text, so cross-attention runs locally. Numerics follow the reference: layer norms and
-modulation in float32, rounded where it rounds; Q/K RMS norms span all heads (one statistic over heads * head_dim)."""
+"""Wan 2.1 / 2.2 video transformer: diffusers' ``WanTransformer3DModel``; only the video stream is split (every rank
+holds the text). As the reference: norms and modulation in float32, rounded where it rounds; QK norms span all heads."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class WanConfig(HeadsConfig):
 
 
 class FP32LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in float32 (weights too) and returned in the input's dtype. The blocks hand it float32
-    already and round its result themselves, after the modulation, where the reference rounds."""
+    """LayerNorm in float32, weights too (the blocks round after the modulation, where the reference rounds)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = None if self.weight is None else self.weight.float()
@@ -121,8 +119,7 @@ class WanBlock(nn.Module):
 
 
 class ImageEmbedding(nn.Module):
-    """CLIP image features -> model width (Wan 2.1 I2V/FLF2V; no Wan 2.2 checkpoint has it). With ``pos_embed``
-    (FLF2V) the first- and last-frame features, stacked along the batch, are joined into one sequence first."""
+    """CLIP image features (Wan 2.1 I2V/FLF2V); FLF2V's (``pos_embed``) first- and last-frame rows joined first."""
 
     def __init__(self, in_features: int, dim: int, pos_embed_seq_len: int | None) -> None:
         super().__init__()
@@ -165,8 +162,7 @@ class ConditionEmbedder(nn.Module):
 
 @dataclass
 class WanTokens:
-    """Exactly one of ``temb`` / ``token_temb`` (and of the modulations) is set: per token if the timestep came per
-    token (TI2V-5B), else per sample."""
+    """Either ``temb`` and ``modulation`` (one timestep per sample) or their ``token_`` pair (per token: TI2V-5B)."""
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
         "video": ("video", 1),
@@ -215,9 +211,7 @@ class WanTransformer(StagedTransformer):
         encoder_hidden_states: torch.Tensor,
         encoder_hidden_states_image: torch.Tensor | None = None,
     ) -> WanTokens:
-        """``hidden_states``: latents (B, in_channels, F, H, W), for I2V with mask and image latents concatenated;
-        ``timestep``: (B,) in [0, 1000], or (B, video tokens) (TI2V-5B); ``encoder_hidden_states``: text features (B, T,
-        text_dim), zero-padded, unmasked; ``encoder_hidden_states_image``: CLIP features (B, T_img, image_dim)."""
+        """``timestep``: (B,) in [0, 1000], or (B, video tokens); the text features zero-padded, unmasked."""
         config = self.config
         *_, frames, height, width = hidden_states.shape
         if any(n % p for n, p in zip((frames, height, width), config.patch_size)):
@@ -236,9 +230,7 @@ class WanTransformer(StagedTransformer):
             temb, modulation = embedder.time(timestep, dtype)
 
         context_image = None
-        if encoder_hidden_states_image is not None:
-            if embedder.image_embedder is None:
-                raise ValueError("image features given to a checkpoint without an image embedder (image_dim None)")
+        if encoder_hidden_states_image is not None:  # the pipeline never passes it: Wan 2.2 has no CLIP image encoder
             context_image = embedder.image_embedder(encoder_hidden_states_image)
         return WanTokens(
             video=video,

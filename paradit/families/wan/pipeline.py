@@ -1,5 +1,4 @@
-"""Wan 2.2 as diffusers' ``WanPipeline`` (T2V-A14B, TI2V-5B) and ``WanImageToVideoPipeline`` (I2V-A14B, TI2V-5B with an
-image) run it: same checkpoint, image and seed, same frames."""
+"""Wan 2.2 as diffusers' ``WanPipeline`` and ``WanImageToVideoPipeline`` run it, frame for frame."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def image_input(spec: ModelSpec) -> str | None:
 
 @dataclass
 class ImageCondition:
-    """What an image adds: ``latents``, the VAE's normalised float32 latents of the conditioning video (``channels``:
-    the first-frame mask in front); ``keep`` (``first_frame`` only), 1 where the noisy latents are kept, else 0."""
+    """The conditioning video's normalised latents (``channels``: mask first); ``keep``: 1 where noisy latents stay."""
 
     latents: torch.Tensor
     keep: torch.Tensor | None
@@ -122,8 +120,7 @@ class UMT5PromptEncoder:
 
 class WanPipeline(DiffusionPipeline):
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, ImageCondition | None]:
-        """Seeded noise (batch, VAE channels, latent frames, rows, cols), float32 as the reference draws it, and the
-        request's image encoded (by the whole group, when there is one) into what it adds to them."""
+        """Seeded noise, float32 as the reference draws it, and what the request's image adds."""
         temporal, spatial = vae_factors(self.spec.vae)
         frames = (request.frames - 1) // temporal + 1
         shape = (request.batch, self.vae.config.z_dim, frames, request.height // spatial, request.width // spatial)
@@ -132,9 +129,7 @@ class WanPipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_condition(self, request: ResolvedRequest, noise: torch.Tensor) -> ImageCondition:
-        """The reference's conditioning: the image resized by diffusers' video processor, as a one-frame video
-        (``first_frame``) or followed by black frames (``channels``), encoded to its latent mean, normalised by the
-        VAE's statistics; for ``channels``, a mask in front, 1 on the first frame's ``temporal`` slots."""
+        """The image as a one-frame video (``first_frame``) or before black frames (``channels``), as the reference."""
         temporal, spatial = vae_factors(self.spec.vae)
         processor = VideoProcessor(vae_scale_factor=spatial)
         pixels = processor.preprocess(request.images[0], height=request.height, width=request.width).unsqueeze(2)
@@ -194,8 +189,7 @@ class WanPipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, layout: ImageCondition | None) -> torch.Tensor:
-        """Frames (batch, frames, 3, H, W) in [0, 1]: the latents (TI2V's image frame put back) un-normalised by the
-        VAE's mean and std (divided by 1 / std, as the reference computes it), decoded, mapped from [-1, 1]."""
+        """Frames (batch, frames, 3, H, W), TI2V's image frame put back, divided by 1 / std as the reference does."""
         if layout is not None and layout.keep is not None:
             latents = layout.model_latents(latents)
         latents = latents.to(self.vae.dtype)

@@ -10,19 +10,16 @@ from paradit.spec import ModelSpec, read_configs
 
 @dataclass(frozen=True)
 class WanTextEncoder:
-    """umT5 (``UMT5EncoderModel`` config): prompts padded to ``max_length`` tokens (diffusers' max_sequence_length),
-    the features past each prompt's length zeroed."""
+    """umT5's ``UMT5EncoderModel`` config; prompts padded to ``max_length`` (diffusers' max_sequence_length)."""
 
     config: dict[str, Any]
     max_length: int = 512
 
 
 CONFIGS = read_configs(__file__)
-# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
 DEFAULTS = CONFIGS["presets"]
 # google/umt5-xxl's encoder, as the Wan 2.2 checkpoints' text_encoder/config.json holds it.
 UMT5_XXL = CONFIGS["umt5_xxl"]
-UMT5_XXL_PROMPTS = WanTextEncoder(UMT5_XXL)
 # The UniPC flow-matching schedulers of the published checkpoints (flow_shift 3.0 for T2V-A14B, 5.0 for TI2V-5B).
 UNIPC_FLOW = CONFIGS["unipc_flow"]
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers' transformer/config.json (transformer_2 is the same architecture).
@@ -33,8 +30,7 @@ TI2V_5B_TRANSFORMER = {**A14B_TRANSFORMER, **CONFIGS["ti2v_5b_transformer_change
 
 # The Wan 2.1 VAE (4x8x8, 16 channels) with diffusers' defaults, which are its published latents_mean/std.
 WAN21_VAE = CONFIGS["wan21_vae"]
-# The Wan 2.2 VAE (4x16x16, 48 channels, residual, 2x2 pixel patches). Its 48 published latents_mean/std are read
-# from a checkpoint's vae/config.json; a random-weight run takes these neutral ones.
+# The Wan 2.2 VAE (4x16x16, 48 channels); random weights take neutral latents_mean/std (a checkpoint's are read).
 WAN22_VAE = {**CONFIGS["wan22_vae"], "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48}
 
 WAN_TINY_TRANSFORMER = {**A14B_TRANSFORMER, **CONFIGS["tiny_transformer_changes"]}
@@ -42,48 +38,36 @@ WAN_TINY_TRANSFORMER = {**A14B_TRANSFORMER, **CONFIGS["tiny_transformer_changes"
 
 @dataclass(frozen=True)
 class WanDetails:
-    """What only Wan reads: the timestep fraction below which the low-noise expert predicts (None: one
-    transformer), and per-token timesteps (TI2V-5B)."""
+    """The timestep fraction below which the low-noise expert predicts (None: one transformer); TI2V-5B's timesteps."""
 
     boundary_ratio: float | None = None
     expand_timesteps: bool = False
 
 
-def preset(name: str, **configs: Any) -> ModelSpec:
-    return ModelSpec(name=name, family="wan", **{"text_encoder": UMT5_XXL_PROMPTS, **configs}, **DEFAULTS[name])
+def preset(name: str, transformer: dict, flow_shift: float, details: WanDetails, **configs: Any) -> ModelSpec:
+    experts = {"transformer_2": transformer} if details.boundary_ratio is not None else {}
+    return ModelSpec(
+        name=name,
+        family="wan",
+        transformer=transformer,
+        experts=experts,
+        scheduler={**UNIPC_FLOW, "flow_shift": flow_shift},
+        details=details,
+        **{"text_encoder": WanTextEncoder(UMT5_XXL), "vae": WAN21_VAE, **configs},
+        **DEFAULTS[name],
+    )
 
 
 PRESETS: list[ModelSpec] = [
-    preset(
-        "wan2.2-t2v-a14b",
-        transformer=A14B_TRANSFORMER,
-        experts={"transformer_2": A14B_TRANSFORMER},
-        vae=WAN21_VAE,
-        scheduler={**UNIPC_FLOW, "flow_shift": 3.0},
-        details=WanDetails(boundary_ratio=0.875),
-    ),
-    preset(
-        "wan2.2-i2v-a14b",
-        transformer=I2V_A14B_TRANSFORMER,
-        experts={"transformer_2": I2V_A14B_TRANSFORMER},
-        vae=WAN21_VAE,
-        scheduler={**UNIPC_FLOW, "flow_shift": 5.0},
-        details=WanDetails(boundary_ratio=0.9),
-    ),
-    preset(
-        "wan2.2-ti2v-5b",
-        transformer=TI2V_5B_TRANSFORMER,
-        vae=WAN22_VAE,
-        scheduler={**UNIPC_FLOW, "flow_shift": 5.0},
-        details=WanDetails(expand_timesteps=True),
-    ),
+    preset("wan2.2-t2v-a14b", A14B_TRANSFORMER, 3.0, WanDetails(boundary_ratio=0.875)),
+    preset("wan2.2-i2v-a14b", I2V_A14B_TRANSFORMER, 5.0, WanDetails(boundary_ratio=0.9)),
+    preset("wan2.2-ti2v-5b", TI2V_5B_TRANSFORMER, 5.0, WanDetails(expand_timesteps=True), vae=WAN22_VAE),
     preset(
         "wan-tiny",
-        transformer=WAN_TINY_TRANSFORMER,
-        experts={"transformer_2": WAN_TINY_TRANSFORMER},
+        WAN_TINY_TRANSFORMER,
+        3.0,
+        WanDetails(boundary_ratio=0.875),
         text_encoder=WanTextEncoder({**UMT5_XXL, **CONFIGS["tiny_text_encoder_changes"]}, max_length=32),
         vae=CONFIGS["tiny_vae"],
-        scheduler={**UNIPC_FLOW, "flow_shift": 3.0},
-        details=WanDetails(boundary_ratio=0.875),
     ),
 ]

@@ -25,8 +25,8 @@ from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
 # diffusers' ZImagePipeline defaults; a checkpoint scheduled like the published Turbo gets Turbo's instead.
-DEFAULT_STEPS, DEFAULT_GUIDANCE, DEFAULT_SIZE = 50, 5.0, 1024
-TURBO_STEPS = 8
+PIPELINE_DEFAULTS = {"guidance_mode": "cfg", "steps": 50, "guidance": 5.0, "height": 1024, "width": 1024}
+TURBO_DEFAULTS = {**PIPELINE_DEFAULTS, "steps": 8, "guidance": 0.0}
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -43,11 +43,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         "Turbo, step-distilled" if turbo else "true CFG",
         scheduler=scheduler,
         text_encoder=text_encoder,
-        guidance_mode="cfg",
-        steps=TURBO_STEPS if turbo else DEFAULT_STEPS,
-        guidance=0.0 if turbo else DEFAULT_GUIDANCE,
-        height=DEFAULT_SIZE,
-        width=DEFAULT_SIZE,
+        **(TURBO_DEFAULTS if turbo else PIPELINE_DEFAULTS),
     )
 
 
@@ -55,8 +51,7 @@ def is_omni(spec: ModelSpec) -> bool:
     return isinstance(spec.text_encoder, OmniEncoders)
 
 
-# diffusers' pipelines hand the scheduler their own sigmas as a list, which DPMSolverMultistepScheduler takes none of
-# and UniPCMultistepScheduler fails on (it shifts them as an array)
+# diffusers hands the scheduler its own sigmas as a list: DPMSolverMultistep takes none, UniPCMultistep fails on it
 SCHEDULERS = ("flow-euler",)
 
 
@@ -77,7 +72,6 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     if omni:
         resolve_images(resolved, request.height, request.width, (max_rows, max_cols), g)
     elif resolved.images and (request.height is None or request.width is None):
-        # Image-to-image makes the image's size, floored to whole tokens, unless asked otherwise.
         image = resolved.images[0]
         height, width = request.height or image.height // g * g, request.width or image.width // g * g
         if not (g <= height <= max_rows * g and g <= width <= max_cols * g):

@@ -1,9 +1,5 @@
-"""Z-Image transformer (Turbo, base, Omni): diffusers' ``ZImageTransformer2DModel``. A noise refiner over the image
-and a context refiner over the text, then joint blocks over [image, text]. As in the reference, each stream is padded to
-a multiple of 32 tokens with a learnt pad token, a real key every query attends to; only batch padding past a caption's
-own rounded length is masked. The Omni checkpoints (``siglip_feat_dim``) take condition images (``OmniInputs``): their
-latents follow the target's, their SigLIP features form a third stream, and every token before the target's is
-modulated as at timestep 1 (clean)."""
+"""Z-Image transformer (Turbo, base, Omni): diffusers' ``ZImageTransformer2DModel``: refiners over each stream, then
+joint blocks. As the reference, streams are padded to 32 tokens with a learnt pad token, a real key every query sees."""
 
 from __future__ import annotations
 
@@ -113,8 +109,7 @@ def raster_grid(rows: int, cols: int, device: torch.device) -> torch.Tensor:
 
 
 def modulate(layer: nn.Module, temb: torch.Tensor, per_token: tuple[torch.Tensor, torch.Tensor] | None):
-    """``layer(temb)`` as one row for all tokens (B, 1, width); with ``per_token`` (the clean timestep's embedding and
-    which tokens are noisy, (B, S, 1)), a row per token, the clean tokens' from the clean embedding."""
+    """``layer(temb)`` as (B, 1, width); with ``per_token`` (clean embedding, (B, S, 1) True where noisy) per token."""
     rows = layer(temb).unsqueeze(1)
     if per_token is None:
         return rows
@@ -217,8 +212,7 @@ class ZImageTokens:
     txt: torch.Tensor  # (B, longest caption rounded up to 32, dim)
     img_rope: torch.Tensor  # complex (B, image tokens, head_dim / 2): the first axis depends on the caption
     txt_rope: torch.Tensor  # complex (1, text tokens, head_dim / 2)
-    # (B, text tokens) bool, False past a caption's own rounded length; None when no caption is masked (decided
-    # before the split, so every rank agrees), which keeps attention mask-free.
+    # (B, text tokens) False past a caption's own rounded length; None (every rank agrees) when none is: mask-free.
     txt_mask: torch.Tensor | None
     temb: torch.Tensor  # (B, adaln_dim)
 
@@ -254,8 +248,7 @@ class ZImageOmniTokens(ZImageTokens):
 
 @dataclass(frozen=True)
 class OmniInputs:
-    """ZImageOmniPipeline's inputs besides the caption features (each caption's segments one after another, as
-    ``build``'s ``segments`` count them), laid out once per request by ``build``."""
+    """ZImageOmniPipeline's inputs besides the caption features, laid out once per request."""
 
     latents: tuple[torch.Tensor, ...]  # each condition image's latents (1, C, H, W)
     siglip: tuple[torch.Tensor, ...]  # each condition image's SigLIP features (B, h, w, siglip_feat_dim)
@@ -273,9 +266,8 @@ class OmniInputs:
         siglip: tuple[torch.Tensor, ...],
         device: torch.device,
     ) -> OmniInputs:
-        """``segments``: per caption, its segments' token counts, the prompt template split before each image (the
-        condition images', then the target's) and after the last. Each segment is padded to 32 with pad tokens; the
-        segments before the target's are clean."""
+        """``segments``: per caption, the token counts of its template's pieces (``template_segments``), each padded
+        to 32; those before the target's are clean."""
         rows, positions, noisy, starts = [], [], [], []
         for lengths in segments:
             row, position, noise, start, real, at = [], [], [], [], 0, 1
@@ -379,9 +371,7 @@ class ZImageTransformer(StagedTransformer):
         encoder_attention_mask: torch.Tensor | None = None,
         omni: OmniInputs | None = None,
     ) -> ZImageTokens:
-        """``hidden_states``: latents (B, C, H, W); ``timestep``: (B,) 1 - sigma; ``encoder_hidden_states``: captions
-        (B, T, cap_feat_dim), right-padded where ``encoder_attention_mask`` is False (None: all T long); with
-        ``omni``, each caption's segments one after another (``OmniInputs.build`` says where, the mask is unused)."""
+        """``timestep``: (B,) 1 - sigma; captions right-padded where the mask is False; ``omni``'s are its segments."""
         batch, device = hidden_states.shape[0], hidden_states.device
         patch = self.config.patch_size
         rows, cols = hidden_states.shape[2] // patch, hidden_states.shape[3] // patch
@@ -401,7 +391,6 @@ class ZImageTransformer(StagedTransformer):
         txt = torch.where(real[..., None], captions, self.cap_pad_token.to(captions.dtype))
         txt_positions = nn.functional.pad((text_index + 1)[None, :, None], (0, 2))
 
-        # Image positions: (caption length + 1, row, column); the stream's pad tokens sit at (0, 0, 0).
         img_positions = image_positions(caption_lens + 1, raster_grid(rows, cols, device))
         txt_mask = None if encoder_attention_mask is None else text_index < caption_lens[:, None]
         return ZImageTokens(

@@ -1,7 +1,5 @@
-"""Z-Image-Omni, as diffusers' ``ZImageOmniPipeline``: Qwen3 reads each piece of the prompt template cut at the images,
-SigLIP2 and the VAE each condition image (centre-cropped to whole tokens); without images, text-to-image with the Omni
-template and positions. One deliberate difference: diffusers casts the condition images to bfloat16 for the VAE whatever
-its dtype (a float32 VAE then fails); paradit encodes them in the VAE's dtype, which for a bfloat16 run is the same."""
+"""Z-Image-Omni, as diffusers' ``ZImageOmniPipeline``. One deliberate difference: diffusers casts condition images to
+bfloat16 for the VAE (a float32 VAE then fails); paradit uses the VAE's dtype, for a bfloat16 run the same."""
 
 from __future__ import annotations
 
@@ -49,9 +47,8 @@ def template_segments(prompt: str, images: int) -> list[str]:
 def resolve_images(
     request: ResolvedRequest, height: int | None, width: int | None, largest: tuple[int, int], granularity: int
 ) -> None:
-    """The condition images as diffusers takes them (at least 64 pixels a side, an aspect ratio of at most 8; one
-    larger than LARGEST_IMAGE shrunk to it, or to the asked size's area), and by default the last one's size floored
-    to whole tokens. ``largest``: the latent rows and columns the rotary tables reach (SigLIP's positions span them)."""
+    """The condition images as diffusers takes them, and by default the last one's size floored to whole tokens.
+    ``largest``: the latent rows and columns the rotary tables reach (SigLIP's positions span them)."""
     images = []
     for index, image in enumerate(request.images):
         try:
@@ -124,8 +121,7 @@ class OmniPromptEncoder(CaptionEncoder):
 
     @torch.no_grad()
     def read_images(self, images: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Each image's last hidden states over its patch grid (h, w), in raster order, one image after another:
-        (sum of h * w, hidden); and the grids."""
+        """Each image's last hidden states over its (h, w) patch grid, one image after another; and the grids."""
         features, grids = [], []
         for image in images:
             inputs = self.siglip_processor(images=[image], return_tensors="pt").to(self.device)
@@ -140,8 +136,7 @@ class ZImageOmniPipeline(ZImagePipeline):
     CONDITIONING = ("embeds", "segments", "siglip", "siglip_grids")
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        """Per row: its caption's pieces' features one after another (padded to the longest row) and their lengths;
-        the condition images' SigLIP features and grids (the same in every row)."""
+        """Per row: its caption's pieces' features one after another and their lengths; the images' SigLIP features."""
         rows, segments = [], []
         for prompts in self.branch_prompts(request):
             texts = [template_segments(prompt, len(request.images)) for prompt in prompts]
@@ -160,7 +155,6 @@ class ZImageOmniPipeline(ZImagePipeline):
         }
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The noise, and each condition image's latent mode, shifted and scaled, as the layout."""
         noise, _ = super().initial_latents(request)
         return noise, self.encode_conditions(request)
 

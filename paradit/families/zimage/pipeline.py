@@ -1,5 +1,4 @@
-"""Z-Image (Turbo, base) as diffusers' ``ZImagePipeline`` and ``ZImageImg2ImgPipeline`` run it: same checkpoint and
-seed, same image."""
+"""Z-Image (Turbo, base) as diffusers' ``ZImagePipeline`` and ``ZImageImg2ImgPipeline`` run it."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ def pixel_granularity(vae_config: dict) -> int:
 
 
 class CaptionEncoder(DecoderPromptEncoder):
-    """Qwen3 read at one hidden layer, with the Qwen chat template (thinking left on, so no empty think block is
-    appended) and the padding dropped: one (tokens, hidden) tensor per prompt."""
+    """Qwen3 at one hidden layer, the chat template's thinking on (no empty think block), padding dropped."""
 
     thinking = True
 
@@ -44,8 +42,7 @@ class ZImagePipeline(DiffusionPipeline):
         return seeded_noise(shape, request.seed, torch.float32, self.device), None
 
     def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor):
-        # Sigmas as the reference makes them: a float32 linspace, handed over as Python floats. The shift ``mu`` is
-        # unused by the published checkpoints' fixed-shift schedulers.
+        # Sigmas as the reference makes them, a float32 linspace as Python floats; mu: unused by fixed-shift schedulers.
         sigmas = torch.linspace(1.0, 1 / request.steps, request.steps).tolist()
         patch = self.transformer.config.patch_size
         mu = dynamic_shift(latents.shape[2] // patch * (latents.shape[3] // patch), self.spec.scheduler)
@@ -53,8 +50,6 @@ class ZImagePipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
-        """The image at the output's size (by default its own, floored to whole tokens, as diffusers'
-        ``ZImageImg2ImgPipeline`` takes it), a sample of its latent distribution, shifted and scaled."""
         processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(request.images[0], height=request.height, width=request.width)
         sample = self.vae_encode(pixels.to(self.device, self.vae.dtype)).sample(generator)
@@ -73,14 +68,13 @@ class ZImagePipeline(DiffusionPipeline):
 
         def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             rows, cols = (side // patch for side in latents.shape[2:])
-            # The model predicts the velocity towards the image; the scheduler steps along noise minus image (the
-            # sign commutes exactly with the guidance formula).
+            # The model predicts velocity towards the image, the scheduler steps along noise minus image (the sign
+            # commutes exactly with guidance).
             return -unpatchify(transformer(x, timestep, *inputs), rows, cols, patch).float()
 
         return call
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-        """The reference adds ``scale * (cond - uncond)`` to the conditional prediction."""
         return cond + scale * (cond - uncond)
 
     @torch.inference_mode()

@@ -8,7 +8,6 @@ from paradit.families.encoders import QWEN3_4B
 from paradit.spec import ModelSpec, TextEncoderSpec, read_configs
 
 CONFIGS = read_configs(__file__)
-# Each preset's description and model-card defaults (guidance, steps, size, hub id, ...), by name.
 DEFAULTS = CONFIGS["presets"]
 # Both checkpoints use a fixed timestep shift (no dynamic shifting): 3.0 for Turbo, 6.0 for the base model.
 TURBO_SCHEDULER = CONFIGS["turbo_scheduler"]
@@ -19,8 +18,7 @@ _ZIMAGE_TRANSFORMER = CONFIGS["transformer"]
 
 
 def text_encoder_spec(config: dict[str, Any], class_name: str | None = None) -> TextEncoderSpec:
-    """The pipeline reads ``hidden_states[-2]``: the output of the second-to-last decoder layer, so the last layer is
-    never run. Captions are at most 512 tokens (the reference's max_sequence_length)."""
+    """The pipeline reads ``hidden_states[-2]`` (the last layer never runs) of at most 512 tokens, as the reference."""
     return TextEncoderSpec(config, layers=(config["num_hidden_layers"] - 1,), max_length=512, class_name=class_name)
 
 
