@@ -15,9 +15,9 @@ from paradit.errors import InvalidRequest
 from paradit.hub import hub_offline, offline_reason, quiet_retries
 from paradit.lora.refs import LoraRef, locate
 
-# Where diffusers' ``save_lora_weights`` writes the LoraConfig, keys prefixed (``transformer.r``, ...).
+# diffusers' ``save_lora_weights`` writes the LoraConfig under METADATA_KEY and prefixes its keys and the transformer's
+# tensors' with COMPONENT_PREFIX (``transformer.r``, ...); PEFT's own state dict has no prefix.
 METADATA_KEY = "lora_adapter_metadata"
-# What diffusers' ``save_lora_weights`` puts before the transformer's keys; PEFT's own state dict has none.
 COMPONENT_PREFIX = "transformer."
 # LoRA's (PEFT's, with kohya's per-module alpha, which diffusers' FLUX.1 loader keeps) and LoKr's factors.
 FACTOR_KEYS = r"lora_A\.weight|lora_B\.weight|lora_B\.bias|alpha|lokr_w[12](?:_[ab])?"

@@ -112,11 +112,8 @@ class FusedLoraTensors:
 
     def read(self, name: str, full_shape: tuple[int, ...], cut: TensorSlice | None, dtype: torch.dtype | None):
         module, _, leaf = name.rpartition(".")
-        updates = [update for _, update in self.updates.get(module, [])]
-        if leaf == "bias":
-            updates = [update for update in updates if update.up_bias is not None]
-        elif leaf != "weight":
-            updates = []
+        pairs = self.updates.get(module, []) if leaf in ("weight", "bias") else []
+        updates = [update for _, update in pairs if leaf == "weight" or update.up_bias is not None]
         if not updates:
             return self.source.read(name, full_shape, cut, dtype)
         scale = None

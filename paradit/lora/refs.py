@@ -107,9 +107,8 @@ class Location:
 
 
 def locate(source: str) -> Location:
-    """What an adapter's source names. On disk, a path starting with '.', '/' or '~', ``folder/file.safetensors`` or
-    anything not of a hub shape is local (missing, refused without asking the hub); the hub's are ``owner/name`` and
-    ``owner/name/path/in/it.safetensors`` (Wan 2.2's experts' adapters come two to a repository)."""
+    """A path starting with '.', '/' or '~', or not of a hub shape, is local (missing: refused, the hub not asked); the
+    hub's are ``owner/name`` and ``owner/name/path/in/it.safetensors`` (Wan 2.2's experts' adapters share a repo)."""
     path = Path(source).expanduser()
     if path.exists():
         return Location(path=path)

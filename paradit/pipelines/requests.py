@@ -123,9 +123,8 @@ def resolve_common(
 def resolve_scheduler(
     spec: ModelSpec, scheduler: str | None, shift, allowed: tuple[str, ...], from_image: bool
 ) -> tuple[str | None, float | None]:
-    """A scheduler of ``allowed`` and a static shift above 0. Starting ``from_image`` takes flow-euler, whose
-    ``scale_noise`` noises the image (the multistep solvers lack it); dpmpp-2m takes a dynamically shifting checkpoint's
-    ``mu`` only as its dynamic shift."""
+    """Starting ``from_image`` takes flow-euler, whose ``scale_noise`` noises the image (the multistep solvers lack it);
+    dpmpp-2m takes a dynamically shifting checkpoint's ``mu`` only as its dynamic shift."""
     if scheduler is not None:
         if scheduler not in allowed:
             raise InvalidRequest(
@@ -268,12 +267,9 @@ def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
             "requests batched together must share size, steps, guidance, frames, adapters, scheduler, shift and the "
             "use of a negative prompt, and give no image"
         )
-    negatives = parts[0].negative_prompts is not None
-    return dataclasses.replace(
-        parts[0],
-        prompts=[text for p in parts for text in p.prompts for _ in range(p.images_per_prompt)],
-        negative_prompts=[text for p in parts for text in p.negative_prompts for _ in range(p.images_per_prompt)]
-        if negatives
-        else None,
-        images_per_prompt=1,
-    )
+
+    def per_image(field: str) -> list[str]:
+        return [text for part in parts for text in getattr(part, field) for _ in range(part.images_per_prompt)]
+
+    negatives = per_image("negative_prompts") if parts[0].negative_prompts is not None else None
+    return dataclasses.replace(parts[0], prompts=per_image("prompts"), negative_prompts=negatives, images_per_prompt=1)

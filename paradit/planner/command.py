@@ -65,24 +65,13 @@ def plan_text(
 
 
 def run_command(asked: Asked, run: RunSettings) -> str:
-    options, parallel = run.options, run.parallel
     extra = [f"--device {run.device.type}"] if asked.device is not None else []
     extra += [f"--dtype {asked.dtype}"] if isinstance(asked.dtype, str) else []
     extra += [f"--max-gpu-memory {asked.max_gpu_memory}"] if asked.max_gpu_memory is not None else []
     if (request := run.request) is not None:  # the request the plan was sized for
         extra += [f"--height {request.height} --width {request.width} --steps {request.steps}"]
         extra += [f"--frames {request.frames}"] if request.frames else []
-    return generate_command(
-        run.spec.name,
-        parallel.world_size,
-        parallel,
-        options.quantize == "fp8",
-        options.attention == "fp8",
-        bool(options.cuda_graphs),
-        bool(options.swap_experts),
-        run.text_encoder_placement,
-        tuple(extra),
-    )
+    return generate_command(run.spec.name, run.parallel, run.options, run.text_encoder_placement, tuple(extra))
 
 
 def settled_words(run: RunSettings) -> str:

@@ -20,10 +20,7 @@ class Run:
     section: str
     date: str
     where: str
-    commands: dict[str, str]
-
-    def command(self, link: str | None) -> str:
-        return self.commands.get(link or "", self.commands.get("any", next(iter(self.commands.values()))))
+    commands: dict[str, str]  # by link ("" where none), or "any"
 
 
 @dataclass(frozen=True)

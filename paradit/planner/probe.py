@@ -36,15 +36,13 @@ def _seconds(fn: Callable[[], object], device: torch.device, iterations: int = I
 
 
 def matmul_tflops(device: torch.device, size: int = MATMUL_SIZE) -> float:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
     return 2 * size**3 / _seconds(lambda: a @ b, device) / 1e12
 
 
 def attention_tflops(device: torch.device, head_dim: int, tokens: int = SDPA_TOKENS) -> float:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads = SDPA_WIDTH // head_dim
-    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3))
     seconds = _seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), device)
     return 4 * heads * head_dim * tokens**2 / seconds / 1e12
 

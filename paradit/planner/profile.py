@@ -18,8 +18,7 @@ COLLECTIVES = ("all_to_all", "send_recv", "all_reduce", "all_gather")
 class HardwareProfile:
     """``link_gbps``: GB/s a rank sends per collective, as ``parallel/comm.py`` counts; ``linear_efficiency``: the share
     of ``matmul_tflops`` reached absent a model's measurement; ``attention_tflops`` by head size (``fp8_``: paradit's
-    FP8 kernel, empty where never measured); ``host_ms_per_block``: the host's time to launch a compiled block without
-    CUDA graphs; ``predicted``: nothing measured here."""
+    kernel, empty where never measured); ``host_ms_per_block``: launching a compiled block without CUDA graphs."""
 
     name: str
     description: str
@@ -27,7 +26,7 @@ class HardwareProfile:
     device_names: tuple[str, ...]
     link: str
     peer_access: bool
-    predicted: bool
+    predicted: bool  # nothing measured here
     memory_gib: float
     matmul_tflops: dict[str, float]
     linear_efficiency: dict[str, float]
