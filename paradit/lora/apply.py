@@ -13,6 +13,7 @@ from torch import nn
 from paradit.errors import InvalidRequest
 from paradit.lora.adapters import Kronecker, LowRank, read_adapter
 from paradit.lora.refs import LoraRef, LoraSet, adapter_key
+from paradit.pipelines.requests import not_allowed
 from paradit.weights import ModelNames, TensorSlice, TensorSource
 
 # Past the square root of float32's largest number, a scale alone overflows the layer after the update.
@@ -78,11 +79,8 @@ def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
         if name not in known:
             raise InvalidRequest(f"unknown LoRA adapter {name!r}; this server has {', '.join(known)}", param="lora")
         if not abs(scale) <= SCALE_LIMIT:
-            raise InvalidRequest(
-                f"LoRA adapter {name!r}: scale {scale:g} is not allowed; give a finite number within "
-                f"±{SCALE_LIMIT:.3g}",
-                param="lora",
-            )
+            allowed = f"give a finite number within ±{SCALE_LIMIT:.3g}"
+            raise not_allowed(f"LoRA adapter {name!r}: scale", f"{scale:g}", allowed, "lora")
     return tuple(chosen or ())
 
 

@@ -65,8 +65,7 @@ def resolve_common(
     check_text("prompt", prompts)
     height = spec.height if request.height is None else request.height
     width = spec.width if request.width is None else request.width
-    for index, (name, value) in enumerate((("height", height), ("width", width))):
-        limit = largest[index] if largest else MAX_SIDE
+    for name, value, limit in zip(("height", "width"), (height, width), largest or (MAX_SIDE, MAX_SIDE)):
         if value < granularity or value % granularity or value > limit:
             raise not_allowed(
                 name, value, f"this model takes multiples of {granularity} from {granularity} to {limit}", "size"
@@ -148,7 +147,6 @@ def resolve_scheduler(
 
 
 def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
-    """The step cache asked for, its method's threshold filled in."""
     if config is None:
         return None
     if not isinstance(config, StepCacheConfig) or config.method not in CACHE_METHODS:

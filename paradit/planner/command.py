@@ -41,7 +41,6 @@ def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[Hardw
 def plan_text(
     asked: Asked, request: GenerationRequest | None = None, profile_name: str | None = None, link: str | None = None
 ) -> str:
-    """What ``generate`` with the same flags runs, the planner's ranking where it chose, and the command."""
     gpus = asked.gpus or (asked.parallel.world_size if asked.parallel else 1)
     machine, note = Machine.detect(), None
     if profile_name is not None or link is not None:

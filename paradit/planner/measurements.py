@@ -68,16 +68,13 @@ def one_gpu_reference(
     batch: int | None = None,
 ) -> Measurement | None:
     """The latest current one-GPU measurement of ``model`` on the profile's device (within ``run`` and at ``batch``)."""
-    found = [
+    wanted = (model, 1, precision, execution, None)
+    found = (
         m
-        for m in all_measurements()
-        if m.model == model
-        and m.parallel.world_size == 1
-        and m.precision == precision
-        and m.execution == execution
-        and m.superseded is None
+        for m in reversed(all_measurements())
+        if (m.model, m.parallel.world_size, m.precision, m.execution, m.superseded) == wanted
         and m.on(profile)
-        and (run is None or m.run == run)
-        and (batch is None or m.batch == batch)
-    ]
-    return found[-1] if found else None
+        and run in (None, m.run)
+        and batch in (None, m.batch)
+    )
+    return next(found, None)

@@ -139,8 +139,6 @@ class Option:
 
 @dataclass(frozen=True)
 class PlanChoice:
-    """The options that fit, best first, those that do not, and for N > 1 the one-GPU option."""
-
     spec: ModelSpec
     gpus: int
     profile: HardwareProfile

@@ -85,17 +85,10 @@ def _collectives_worker(rank: int, world: int, init_file: str, backend: str, nby
 
 def collective_gbps(world: int, device_type: str = "cuda", nbytes: int = MESSAGE_BYTES) -> dict[str, float]:
     backend = "nccl" if device_type == "cuda" else "gloo"
-    context = mp.get_context("spawn")
-    results = context.Queue()
+    results = mp.get_context("spawn").Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, f"probe-{socket.gethostname()}-{os.getpid()}")
-        mp.start_processes(
-            _collectives_worker,
-            args=(world, init_file, backend, nbytes, results),
-            nprocs=world,
-            join=True,
-            start_method="spawn",
-        )
+        mp.spawn(_collectives_worker, args=(world, init_file, backend, nbytes, results), nprocs=world)
     return results.get()
 
 
