@@ -184,9 +184,8 @@ def add_side_paths(
     scales: dict[str, float],
     switchable: bool,
 ) -> None:
-    """Wraps every linear this rank kept that an adapter updates, before the loader fills it (so FP8 can still swap the
-    linear inside). A column-parallel linear keeps its ``up`` and bias rows, a row-parallel one its ``down`` columns and
-    a share of the bias, as the all-reduce after it sums the ranks."""
+    """Wraps each kept linear an adapter updates before the loader fills it (so FP8 can swap the linear inside); a
+    column-parallel linear keeps its ``up`` and bias rows, a row-parallel one its ``down`` columns and a bias share."""
     for parent in list(model.modules()):
         for leaf, child in list(parent.named_children()):
             name = names.module(child)

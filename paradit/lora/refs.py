@@ -25,9 +25,8 @@ class LoraRef:
 
 @dataclass(frozen=True)
 class LoraSet:
-    """``transformer_2``: the low-noise expert's (Wan 2.2). ``switchable``: a server's named adapters, side paths each
-    batch chooses among. ``cache``: how many of a server's choices are kept fused into weights of their own (0: every
-    choice runs as side paths)."""
+    """``transformer_2``: the low-noise expert's (Wan 2.2); ``switchable``: a server's named adapters, side paths each
+    batch chooses among; ``cache``: how many choices are kept fused into weights of their own (0: side paths only)."""
 
     transformer: tuple[LoraRef, ...] = ()
     transformer_2: tuple[LoraRef, ...] = ()

@@ -246,10 +246,7 @@ class TaylorSeer:
     def head(self, tokens) -> torch.Tensor:
         if not self.computes:
             offset = self.step - self.last_update
-            out = torch.zeros_like(self.factors[0])
-            for order, factor in enumerate(self.factors):
-                out = out + factor * (offset**order / math.factorial(order))
-            return out
+            return sum(factor * (offset**order / math.factorial(order)) for order, factor in enumerate(self.factors))
         out = self.cache.head_all(tokens)
         factors = [out]
         if self.last_update is not None:  # divided differences against the last computed step's, order by order

@@ -148,7 +148,6 @@ class PlanChoice:
     single_gpu: Option | None = None
     fp8_needed: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
-    attention: str = "sdpa"
 
     @property
     def best(self) -> Option:
@@ -285,9 +284,7 @@ def plan(
         notes = [f"no plan fits {gib(profile.memory_bytes)} GiB per GPU in bf16: FP8 halves the weights"] * needed
         swapping = f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"
         notes += [swapping] * best.swap_experts
-        return PlanChoice(
-            spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes), attention
-        )
+        return PlanChoice(spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes))
     if not refused:
         raise InvalidRequest(f"{spec.name} has no plan for {gpus} GPUs")
     smallest = min(refused, key=lambda o: o.memory.total)
