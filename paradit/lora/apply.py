@@ -103,9 +103,8 @@ class FusedLoraTensors:
 
     def __init__(self, source: TensorSource, updates: dict[str, list[tuple[str, LowRank]]]) -> None:
         self.source, self.updates = source, updates
-        self.dtype = source.dtype
 
-    def __getattr__(self, name: str):  # the checkpoint's keys and folder, for the loader's key check
+    def __getattr__(self, name: str):  # the checkpoint's dtype, keys and folder, for the loader
         return getattr(self.source, name)
 
     def read(self, name: str, full_shape: tuple[int, ...], cut: TensorSlice | None, dtype: torch.dtype | None):

@@ -43,11 +43,8 @@ class Measurement:
 
 def parse_plan(text: str) -> ParallelConfig:
     """'ulysses=2,comm_dtype=fp8' -> ParallelConfig; '' is one GPU."""
-    values = {}
-    for item in filter(None, text.split(",")):
-        key, value = item.split("=")
-        values[key] = int(value) if key in _INT_FIELDS else value
-    return ParallelConfig(**values)
+    pairs = (item.split("=") for item in filter(None, text.split(",")))
+    return ParallelConfig(**{key: int(value) if key in _INT_FIELDS else value for key, value in pairs})
 
 
 @cache

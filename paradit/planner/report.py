@@ -1,4 +1,4 @@
-"""A ``PlanChoice`` as text: plan and runners-up (ms/step, sent/step, GPU memory), why the winner won, its command."""
+"""A ``PlanChoice`` as text (plan and runners-up, why the winner won), and a plan's ``paradit generate`` command."""
 
 from __future__ import annotations
 
