@@ -155,11 +155,10 @@ def _factors(
     modules: dict[str, dict[str, torch.Tensor]] = {}
     stray = []
     for key, tensor in state.items():
-        match = re.fullmatch(rf"{prefix}(.+)\.({FACTOR_KEYS})", key)
-        if match is None:
+        if match := re.fullmatch(rf"{prefix}(.+)\.({FACTOR_KEYS})", key):
+            modules.setdefault(match[1], {})[match[2]] = tensor
+        else:
             stray.append(key)
-            continue
-        modules.setdefault(match[1], {})[match[2]] = tensor
     if stray:
         raise refuse(
             f"keys that are not LoRA factors of the {component} (MODULE.lora_A.weight, MODULE.lora_B.weight and "

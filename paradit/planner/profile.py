@@ -33,7 +33,7 @@ class HardwareProfile:
     attention_tflops: dict[int, float]
     link_gbps: dict[str, float]
     host_ms_per_block: float
-    sources: dict[str, str]
+    sources: dict[str, str] = field(default_factory=dict)
     fp8_attention_tflops: dict[int, float] = field(default_factory=dict)
 
     def attention_rate(self, head_dim: int, fp8: bool = False) -> float:
@@ -56,7 +56,6 @@ class HardwareProfile:
             "fp8_attention_tflops": {int(dim): rate for dim, rate in data.get("fp8_attention_tflops", {}).items()},
             "link_gbps": {name: float(data["link_gbps"][name]) for name in COLLECTIVES},
             "host_ms_per_block": float(data["host_ms_per_block"]),
-            "sources": data.get("sources", {}),
         }
         return cls(**{**data, **converted})
 
