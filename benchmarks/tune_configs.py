@@ -57,13 +57,14 @@ def entry(spec: ModelSpec, gpus: int, profile: HardwareProfile, memory: MemoryEs
     source: dict = {"kind": "predicted", "by": "paradit.planner (cost model)", "profile_predicted": profile.predicted}
     found = measured(spec.name, best, wanted.batch, profile)
     if found is not None:
+        commands = found.run.commands  # the link's command, else the one for any link, else the first
         source = {
             "kind": "measured",
             "ms_per_step": found.ms,
             "section": found.run.section,
             "date": found.run.date,
             "where": found.run.where,
-            "command": found.run.command(found.link),
+            "command": commands.get(found.link or "", commands.get("any", next(iter(commands.values())))),
         }
     return TunedEntry(
         spec.name,

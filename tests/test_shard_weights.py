@@ -225,8 +225,9 @@ def test_the_planner_shards_wan_a14b_over_four_32gb_cards_and_the_tuned_entry_ru
     expert = estimate(spec, ParallelConfig(), torch.bfloat16, False, swap_experts=True).transformer
     (gather,) = [t for t in best.cost.transfers if t.strategy == "shard"]
     assert gather.bytes == pytest.approx(expert * 3 / 4) and gather.ms < best.cost.compute_ms
-    flags = (best.parallel, best.fp8, False, best.cuda_graphs, best.swap_experts, best.placement)
-    assert "--shard-weights 4" in generate_command(spec.name, 4, *flags)
+    quantize = "fp8" if best.fp8 else "none"
+    options = ExecutionOptions(quantize=quantize, cuda_graphs=best.cuda_graphs, swap_experts=best.swap_experts)
+    assert "--shard-weights 4" in generate_command(spec.name, best.parallel, options, best.placement)
     assert tuned_entry(spec.name, 4, profile.name).parallel == best.parallel  # what `generate --gpus 4` runs there
     assert settings_for(spec, 4, profile=profile).parallel == best.parallel
 

@@ -15,9 +15,9 @@ from paradit.errors import InvalidRequest
 from paradit.hub import hub_offline, offline_reason, quiet_retries
 from paradit.lora.refs import LoraRef, locate
 
-# Where diffusers' ``save_lora_weights`` writes the LoraConfig, keys prefixed (``transformer.r``, ...).
+# diffusers' ``save_lora_weights`` writes the LoraConfig under METADATA_KEY and prefixes its keys and the transformer's
+# tensors' with COMPONENT_PREFIX (``transformer.r``, ...); PEFT's own state dict has no prefix.
 METADATA_KEY = "lora_adapter_metadata"
-# What diffusers' ``save_lora_weights`` puts before the transformer's keys; PEFT's own state dict has none.
 COMPONENT_PREFIX = "transformer."
 # LoRA's (PEFT's, with kohya's per-module alpha, which diffusers' FLUX.1 loader keeps) and LoKr's factors.
 FACTOR_KEYS = r"lora_A\.weight|lora_B\.weight|lora_B\.bias|alpha|lokr_w[12](?:_[ab])?"
@@ -155,11 +155,10 @@ def _factors(
     modules: dict[str, dict[str, torch.Tensor]] = {}
     stray = []
     for key, tensor in state.items():
-        match = re.fullmatch(rf"{prefix}(.+)\.({FACTOR_KEYS})", key)
-        if match is None:
+        if match := re.fullmatch(rf"{prefix}(.+)\.({FACTOR_KEYS})", key):
+            modules.setdefault(match[1], {})[match[2]] = tensor
+        else:
             stray.append(key)
-            continue
-        modules.setdefault(match[1], {})[match[2]] = tensor
     if stray:
         raise refuse(
             f"keys that are not LoRA factors of the {component} (MODULE.lora_A.weight, MODULE.lora_B.weight and "

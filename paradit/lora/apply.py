@@ -13,6 +13,7 @@ from torch import nn
 from paradit.errors import InvalidRequest
 from paradit.lora.adapters import Kronecker, LowRank, read_adapter
 from paradit.lora.refs import LoraRef, LoraSet, adapter_key
+from paradit.pipelines.requests import not_allowed
 from paradit.weights import ModelNames, TensorSlice, TensorSource
 
 # Past the square root of float32's largest number, a scale alone overflows the layer after the update.
@@ -78,11 +79,8 @@ def check_choice(lora: LoraSet, chosen: tuple | None) -> tuple | None:
         if name not in known:
             raise InvalidRequest(f"unknown LoRA adapter {name!r}; this server has {', '.join(known)}", param="lora")
         if not abs(scale) <= SCALE_LIMIT:
-            raise InvalidRequest(
-                f"LoRA adapter {name!r}: scale {scale:g} is not allowed; give a finite number within "
-                f"±{SCALE_LIMIT:.3g}",
-                param="lora",
-            )
+            allowed = f"give a finite number within ±{SCALE_LIMIT:.3g}"
+            raise not_allowed(f"LoRA adapter {name!r}: scale", f"{scale:g}", allowed, "lora")
     return tuple(chosen or ())
 
 
@@ -105,18 +103,14 @@ class FusedLoraTensors:
 
     def __init__(self, source: TensorSource, updates: dict[str, list[tuple[str, LowRank]]]) -> None:
         self.source, self.updates = source, updates
-        self.dtype = source.dtype
 
-    def __getattr__(self, name: str):  # the checkpoint's keys and folder, for the loader's key check
+    def __getattr__(self, name: str):  # the checkpoint's dtype, keys and folder, for the loader
         return getattr(self.source, name)
 
     def read(self, name: str, full_shape: tuple[int, ...], cut: TensorSlice | None, dtype: torch.dtype | None):
         module, _, leaf = name.rpartition(".")
-        updates = [update for _, update in self.updates.get(module, [])]
-        if leaf == "bias":
-            updates = [update for update in updates if update.up_bias is not None]
-        elif leaf != "weight":
-            updates = []
+        pairs = self.updates.get(module, []) if leaf in ("weight", "bias") else []
+        updates = [update for _, update in pairs if leaf == "weight" or update.up_bias is not None]
         if not updates:
             return self.source.read(name, full_shape, cut, dtype)
         scale = None
@@ -189,9 +183,8 @@ def add_side_paths(
     scales: dict[str, float],
     switchable: bool,
 ) -> None:
-    """Wraps every linear this rank kept that an adapter updates, before the loader fills it (so FP8 can still swap the
-    linear inside). A column-parallel linear keeps its ``up`` and bias rows, a row-parallel one its ``down`` columns and
-    a share of the bias, as the all-reduce after it sums the ranks."""
+    """Wraps each kept linear an adapter updates before the loader fills it (so FP8 can swap the linear inside); a
+    column-parallel linear keeps its ``up`` and bias rows, a row-parallel one its ``down`` columns and a bias share."""
     for parent in list(model.modules()):
         for leaf, child in list(parent.named_children()):
             name = names.module(child)

@@ -25,9 +25,8 @@ class LoraRef:
 
 @dataclass(frozen=True)
 class LoraSet:
-    """``transformer_2``: the low-noise expert's (Wan 2.2). ``switchable``: a server's named adapters, side paths each
-    batch chooses among. ``cache``: how many of a server's choices are kept fused into weights of their own (0: every
-    choice runs as side paths)."""
+    """``transformer_2``: the low-noise expert's (Wan 2.2); ``switchable``: a server's named adapters, side paths each
+    batch chooses among; ``cache``: how many choices are kept fused into weights of their own (0: side paths only)."""
 
     transformer: tuple[LoraRef, ...] = ()
     transformer_2: tuple[LoraRef, ...] = ()
@@ -107,9 +106,8 @@ class Location:
 
 
 def locate(source: str) -> Location:
-    """What an adapter's source names. On disk, a path starting with '.', '/' or '~', ``folder/file.safetensors`` or
-    anything not of a hub shape is local (missing, refused without asking the hub); the hub's are ``owner/name`` and
-    ``owner/name/path/in/it.safetensors`` (Wan 2.2's experts' adapters come two to a repository)."""
+    """A path starting with '.', '/' or '~', or not of a hub shape, is local (missing: refused, the hub not asked); the
+    hub's are ``owner/name`` and ``owner/name/path/in/it.safetensors`` (Wan 2.2's experts' adapters share a repo)."""
     path = Path(source).expanduser()
     if path.exists():
         return Location(path=path)

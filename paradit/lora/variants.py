@@ -40,9 +40,8 @@ def _live(path: LoraSidePath) -> tuple[torch.Tensor, ...]:
 
 
 class FusedVariants:
-    """``choose`` copies the chosen weights into the side paths' linears, merged from a copy of the base weights (the
-    factors are this rank's cut, so a merge matches its weight slice); an adapter's bias stays beside the linear (a
-    row-parallel linear adds its bias only after the all-reduce, so it cannot take a rank's share)."""
+    """``choose`` copies weights merged from a copy of the base ones into the side paths' linears (the factors are this
+    rank's cut); an adapter's bias stays beside the linear (a row-parallel one adds its bias after the all-reduce)."""
 
     def __init__(self, model: nn.Module, size: int) -> None:
         self.paths = [module for module in model.modules() if isinstance(module, LoraSidePath)]

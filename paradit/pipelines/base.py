@@ -143,8 +143,7 @@ class DiffusionPipeline(ABC):
         experts: dict[str, Runtime] | None = None,
         expert_swap: ExpertSwap | None = None,
     ) -> None:
-        """In a group, only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so that the
-        group decodes together. ``experts``: the further transformers of ``spec.experts``, by component."""
+        """Only rank 0 holds the prompt encoder (None elsewhere); every rank holds the VAE, so the group decodes."""
         self.family, self.spec, self.parallel = family, spec, parallel
         self.runtime, self.transformer = transformer, transformer.forward
         self.experts, self.expert_swap = experts or {}, expert_swap
@@ -196,8 +195,7 @@ class DiffusionPipeline(ABC):
         """The diffusers scheduler and its timesteps (``scheduled``)."""
 
     def scheduled(self, scheduler_class, **timesteps) -> tuple[Any, torch.Tensor]:
-        """The spec's ``scheduler_class`` set to ``timesteps``, or the request's scheduler and shift, as
-        diffusers swaps them in."""
+        """``scheduler_class`` set to ``timesteps``, or the request's scheduler and shift as diffusers swaps them."""
         config, request = dict(self.spec.scheduler), self.scheduling
         if request is not None and request.scheduler is not None:
             scheduler_class, overrides = SCHEDULER_CHOICES[request.scheduler]
@@ -258,10 +256,9 @@ class DiffusionPipeline(ABC):
             for name, value in conditioning.items()
         }
         call = self.model_call(request, local, layout)
-        # CFG's branches run apart, each text unpadded and unmasked, where ``encode_rows`` padded the shorter one: the
-        # mask sends attention off its flash kernel, which made Qwen-Image-Edit's batched step 1.45x diffusers' two
-        # with two references, its branches alone at parity (docs/benchmarks.md, issue 51). One batch stays where a
-        # step must be one call: step caching decides per call, PipeFusion's stages buffer one text length.
+        # CFG's branches run apart, each unpadded, where ``encode_rows`` padded one: the mask costs the flash kernel
+        # (Qwen-Image-Edit's batched step was 1.45x diffusers', docs/benchmarks.md, issue 51). Not with step caching
+        # (it decides per call) or PipeFusion (its stages buffer one text length).
         pipefusion = self.parallel is not None and self.parallel.config.pipefusion > 1
         padded = set(local) == {"embeds", "mask"} and local["mask"] is not None
         apart = cfg and isinstance(branches, BatchedBranches) and padded and request.cache is None and not pipefusion
@@ -317,9 +314,8 @@ class DiffusionPipeline(ABC):
     def generate(
         self, requests: list[ResolvedRequest], progress: bool = False, on_step: Callable[[int], None] | None = None
     ) -> list[GenerationResult] | None:
-        """One result per request on rank 0; None on the others. Requests of one ``batch_key`` run as one batch, each
-        its noise from its own seed. ``on_step(k)`` is called when k steps are done; it may raise to stop the request,
-        which in a group every rank must do at the same k."""
+        """One result per request on rank 0, None elsewhere; requests of one ``batch_key`` run as one batch.
+        ``on_step(k)`` runs when k steps are done; it may raise to stop the request (in a group, all at one k)."""
         resolved = one_batch(requests)
         timings = Timings()
         stats = self.parallel.stats if self.parallel else CommStats()  # one process's: sends nothing

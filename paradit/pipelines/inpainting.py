@@ -20,9 +20,8 @@ def latent_mask(request, like: torch.Tensor, mode: str = "nearest") -> torch.Ten
 
 
 class KeepUnmasked:
-    """A scheduler whose every step keeps ``image`` where ``mask`` is 0, noised with ``noise`` to the next step's level
-    (the last step's to the image itself): diffusers' blend, written as its pipelines write it, so that a soft mask's
-    edges mix alike. PipeFusion copies it per band, each copy counting its own steps."""
+    """A scheduler whose steps keep ``image`` where ``mask`` is 0, noised to the next step's level: diffusers' blend as
+    its pipelines write it, so a soft mask's edges mix alike. PipeFusion copies it per band, each counting its steps."""
 
     def __init__(self, scheduler, image: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor) -> None:
         self.scheduler, self.image, self.noise, self.mask = scheduler, image, noise, mask

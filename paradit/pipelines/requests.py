@@ -65,8 +65,7 @@ def resolve_common(
     check_text("prompt", prompts)
     height = spec.height if request.height is None else request.height
     width = spec.width if request.width is None else request.width
-    for index, (name, value) in enumerate((("height", height), ("width", width))):
-        limit = largest[index] if largest else MAX_SIDE
+    for name, value, limit in zip(("height", "width"), (height, width), largest or (MAX_SIDE, MAX_SIDE)):
         if value < granularity or value % granularity or value > limit:
             raise not_allowed(
                 name, value, f"this model takes multiples of {granularity} from {granularity} to {limit}", "size"
@@ -123,9 +122,8 @@ def resolve_common(
 def resolve_scheduler(
     spec: ModelSpec, scheduler: str | None, shift, allowed: tuple[str, ...], from_image: bool
 ) -> tuple[str | None, float | None]:
-    """A scheduler of ``allowed`` and a static shift above 0. Starting ``from_image`` takes flow-euler, whose
-    ``scale_noise`` noises the image (the multistep solvers lack it); dpmpp-2m takes a dynamically shifting checkpoint's
-    ``mu`` only as its dynamic shift."""
+    """Starting ``from_image`` takes flow-euler, whose ``scale_noise`` noises the image (the multistep solvers lack it);
+    dpmpp-2m takes a dynamically shifting checkpoint's ``mu`` only as its dynamic shift."""
     if scheduler is not None:
         if scheduler not in allowed:
             raise InvalidRequest(
@@ -149,7 +147,6 @@ def resolve_scheduler(
 
 
 def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
-    """The step cache asked for, its method's threshold filled in."""
     if config is None:
         return None
     if not isinstance(config, StepCacheConfig) or config.method not in CACHE_METHODS:
@@ -268,12 +265,9 @@ def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
             "requests batched together must share size, steps, guidance, frames, adapters, scheduler, shift and the "
             "use of a negative prompt, and give no image"
         )
-    negatives = parts[0].negative_prompts is not None
-    return dataclasses.replace(
-        parts[0],
-        prompts=[text for p in parts for text in p.prompts for _ in range(p.images_per_prompt)],
-        negative_prompts=[text for p in parts for text in p.negative_prompts for _ in range(p.images_per_prompt)]
-        if negatives
-        else None,
-        images_per_prompt=1,
-    )
+
+    def per_image(field: str) -> list[str]:
+        return [text for part in parts for text in getattr(part, field) for _ in range(part.images_per_prompt)]
+
+    negatives = per_image("negative_prompts") if parts[0].negative_prompts is not None else None
+    return dataclasses.replace(parts[0], prompts=per_image("prompts"), negative_prompts=negatives, images_per_prompt=1)

@@ -1,7 +1,5 @@
 """Step caching: skip the blocks of a denoise step whose result barely changes, as diffusers' FirstBlockCache, MagCache
-and TaylorSeer (lite) hooks decide it. ``StepCache`` hands the model's own ``run_blocks`` a slice of each block list,
-so each family's joins between its lists stay its own. Each guidance branch of each request keeps its own state, as
-diffusers' ``cache_context("cond")`` and ``("uncond")`` do, so a request decides alone whatever it is batched with."""
+and TaylorSeer (lite) hooks decide it, each guidance branch of each request on its own (as ``cache_context``)."""
 
 from __future__ import annotations
 
@@ -62,6 +60,8 @@ class StepCaching(RequestHook):
 
 
 class StepCache:
+    """Hands the model's own ``run_blocks`` a slice of each block list, so each family joins its lists its own way."""
+
     def __init__(self, model: nn.Module, reduce: Reduce) -> None:
         self.model, self.reduce = model, reduce
         self.run_all, self.head_all = model.run_blocks, model.head
@@ -114,8 +114,7 @@ class StepCache:
 
 class FirstBlock:
     """diffusers' FirstBlockCache: the rest of the stack runs when the head block's residual moved by more than
-    ``threshold`` (mean absolute change over mean absolute value) since the last step that ran it; otherwise each
-    stream is the head block's output plus the rest's residual of that step."""
+    ``threshold`` (relative mean absolute change) since it last ran; otherwise each stream adds that run's residual."""
 
     def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
         self.threshold, self.cache = config.threshold, cache
@@ -167,9 +166,8 @@ class FirstBlock:
 
 
 class MagCache:
-    """diffusers' MagCache: past the first ``retention_ratio`` of the steps, a step is skipped while its magnitude
-    ratios' accumulated error stays within ``threshold``, at most ``max_skip_steps`` in a row, adding the residual of
-    the last step that ran; ``calibrate`` runs every step and records each step's ratio of residual norms."""
+    """diffusers' MagCache: past ``retention_ratio`` of the steps, a step is skipped (adding the last residual) while
+    the magnitude ratios' summed error is within ``threshold``, ``max_skip_steps`` in a row; ``calibrate`` records."""
 
     def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
         self.config, self.cache, self.groups = config, cache, cache.groups
@@ -221,9 +219,8 @@ class MagCache:
 
 
 class TaylorSeer:
-    """diffusers' TaylorSeer in its lite mode: the output is computed in the first ``disable_cache_before_step`` steps,
-    every ``cache_interval`` after and from ``disable_cache_after_step`` on; the steps between predict it by a Taylor
-    expansion of order up to ``max_order`` from the divided differences of the computed steps."""
+    """diffusers' TaylorSeer (lite): computed before ``disable_cache_before_step``, every ``cache_interval`` after and
+    from ``disable_cache_after_step`` on; between, predicted from the computed steps' divided differences."""
 
     def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
         self.config, self.cache, self.groups = config, cache, cache.groups
@@ -249,10 +246,7 @@ class TaylorSeer:
     def head(self, tokens) -> torch.Tensor:
         if not self.computes:
             offset = self.step - self.last_update
-            out = torch.zeros_like(self.factors[0])
-            for order, factor in enumerate(self.factors):
-                out = out + factor * (offset**order / math.factorial(order))
-            return out
+            return sum(factor * (offset**order / math.factorial(order)) for order, factor in enumerate(self.factors))
         out = self.cache.head_all(tokens)
         factors = [out]
         if self.last_update is not None:  # divided differences against the last computed step's, order by order

@@ -41,7 +41,6 @@ def choose_profile(name: str | None, gpus: int, link: str | None) -> tuple[Hardw
 def plan_text(
     asked: Asked, request: GenerationRequest | None = None, profile_name: str | None = None, link: str | None = None
 ) -> str:
-    """What ``generate`` with the same flags runs, the planner's ranking where it chose, and the command."""
     gpus = asked.gpus or (asked.parallel.world_size if asked.parallel else 1)
     machine, note = Machine.detect(), None
     if profile_name is not None or link is not None:
@@ -65,24 +64,13 @@ def plan_text(
 
 
 def run_command(asked: Asked, run: RunSettings) -> str:
-    options, parallel = run.options, run.parallel
     extra = [f"--device {run.device.type}"] if asked.device is not None else []
     extra += [f"--dtype {asked.dtype}"] if isinstance(asked.dtype, str) else []
     extra += [f"--max-gpu-memory {asked.max_gpu_memory}"] if asked.max_gpu_memory is not None else []
     if (request := run.request) is not None:  # the request the plan was sized for
         extra += [f"--height {request.height} --width {request.width} --steps {request.steps}"]
         extra += [f"--frames {request.frames}"] if request.frames else []
-    return generate_command(
-        run.spec.name,
-        parallel.world_size,
-        parallel,
-        options.quantize == "fp8",
-        options.attention == "fp8",
-        bool(options.cuda_graphs),
-        bool(options.swap_experts),
-        run.text_encoder_placement,
-        tuple(extra),
-    )
+    return generate_command(run.spec.name, run.parallel, run.options, run.text_encoder_placement, tuple(extra))
 
 
 def settled_words(run: RunSettings) -> str:

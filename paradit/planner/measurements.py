@@ -20,10 +20,7 @@ class Run:
     section: str
     date: str
     where: str
-    commands: dict[str, str]
-
-    def command(self, link: str | None) -> str:
-        return self.commands.get(link or "", self.commands.get("any", next(iter(self.commands.values()))))
+    commands: dict[str, str]  # by link ("" where none), or "any"
 
 
 @dataclass(frozen=True)
@@ -46,11 +43,8 @@ class Measurement:
 
 def parse_plan(text: str) -> ParallelConfig:
     """'ulysses=2,comm_dtype=fp8' -> ParallelConfig; '' is one GPU."""
-    values = {}
-    for item in filter(None, text.split(",")):
-        key, value = item.split("=")
-        values[key] = int(value) if key in _INT_FIELDS else value
-    return ParallelConfig(**values)
+    pairs = (item.split("=") for item in filter(None, text.split(",")))
+    return ParallelConfig(**{key: int(value) if key in _INT_FIELDS else value for key, value in pairs})
 
 
 @cache
@@ -71,16 +65,13 @@ def one_gpu_reference(
     batch: int | None = None,
 ) -> Measurement | None:
     """The latest current one-GPU measurement of ``model`` on the profile's device (within ``run`` and at ``batch``)."""
-    found = [
+    wanted = (model, 1, precision, execution, None)
+    found = (
         m
-        for m in all_measurements()
-        if m.model == model
-        and m.parallel.world_size == 1
-        and m.precision == precision
-        and m.execution == execution
-        and m.superseded is None
+        for m in reversed(all_measurements())
+        if (m.model, m.parallel.world_size, m.precision, m.execution, m.superseded) == wanted
         and m.on(profile)
-        and (run is None or m.run == run)
-        and (batch is None or m.batch == batch)
-    ]
-    return found[-1] if found else None
+        and run in (None, m.run)
+        and batch in (None, m.batch)
+    )
+    return next(found, None)

@@ -47,8 +47,7 @@ class Request:
 
 
 def request_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | None = None) -> Request:
-    """The request as the planner sizes it; a model that animates an image, given none, is planned for a blank
-    first frame."""
+    """A model that animates an image, given none, is planned for a blank first frame."""
     family = FAMILIES[spec.family]
     if isinstance(request, ResolvedRequest):
         resolved = request
@@ -126,6 +125,7 @@ class Option:
     memory: MemoryPlan
     placement: str | None
     calibration: Calibration
+    cuda_graphs: bool
     swap_experts: bool = False  # the experts take turns on the device, the idle one in host memory
     fp8_attention: bool = False  # which CUDA graphs do not combine with
 
@@ -133,18 +133,12 @@ class Option:
     def fits(self) -> bool:
         return self.placement is not None
 
-    @property
-    def cuda_graphs(self) -> bool:
-        return graphs_for(self.parallel, self.swap_experts, self.fp8_attention)
-
     def describe(self) -> str:
         return self.parallel.describe() + " + FP8" * self.fp8 + " + experts swapped" * self.swap_experts
 
 
 @dataclass(frozen=True)
 class PlanChoice:
-    """The options that fit, best first, those that do not, and for N > 1 the one-GPU option."""
-
     spec: ModelSpec
     gpus: int
     profile: HardwareProfile
@@ -154,7 +148,6 @@ class PlanChoice:
     single_gpu: Option | None = None
     fp8_needed: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
-    attention: str = "sdpa"
 
     @property
     def best(self) -> Option:
@@ -211,21 +204,20 @@ def _factorizations(n: int, slots: int) -> list[tuple[int, ...]]:
 
 
 class MemoryEstimates:
-    """``estimates`` per plan shape, the models built on meta once (for each of dozens of plans, building them
-    would be the planner's slowest part)."""
+    """``estimates`` per plan shape, the models built on meta once (built for each of dozens of plans, they would be
+    the planner's slowest part)."""
 
     def __init__(self, spec: ModelSpec, extra_tokens: int = 0, fp8_attention: bool = False) -> None:
-        self.spec, self.extra_tokens, self.fp8_attention = spec, extra_tokens, fp8_attention
+        self.sized_for = (spec, extra_tokens, fp8_attention)
         self._known: dict[tuple, dict[str, MemoryPlan]] = {}
-        # What every plan's estimate shares (compiled: the GPUs' default).
-        built = MetaModels.build(spec, torch.bfloat16)
+        built = MetaModels.build(spec, torch.bfloat16)  # compiled: the GPUs' default
         self._fixed = {"compiled": True, "built": built, "extra_tokens": extra_tokens, "fp8_attention": fp8_attention}
 
     def __call__(self, parallel: ParallelConfig, fp8: bool, swap: bool = False) -> dict[str, MemoryPlan]:
-        shape = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.shard_weights)
-        key = (*shape, fp8, swap)
+        key = (parallel.tensor, parallel.pipefusion, parallel.sequence_degree, parallel.cfg, parallel.shard_weights)
+        key += (fp8, swap)
         if key not in self._known:
-            self._known[key] = estimates(self.spec, parallel, torch.bfloat16, fp8, swap, **self._fixed)
+            self._known[key] = estimates(self.sized_for[0], parallel, torch.bfloat16, fp8, swap, **self._fixed)
         return self._known[key]
 
 
@@ -243,7 +235,7 @@ def plan(
     sized = dataclasses.replace(spec, height=wanted.height, width=wanted.width)
     fp8_attention = attention == "fp8"
     sized_for = (sized, wanted.input_tokens, fp8_attention)
-    if memory is None or (memory.spec, memory.extra_tokens, memory.fp8_attention) != sized_for:
+    if memory is None or memory.sized_for != sized_for:
         memory = MemoryEstimates(*sized_for)
     facts = facts_for(spec)
     workload = facts.workload(wanted.height, wanted.width, wanted.frames)
@@ -272,7 +264,7 @@ def plan(
         # Swapped experts copy one expert in twice a request (to the low-noise one, and back for the next request).
         swap_ms = 2 * chosen.transformer / (SWAP_GBPS * 1e9) * 1e3 if swap else 0.0
         mean_ms = cost.mean_ms(wanted.steps) + swap_ms / wanted.steps
-        return Option(parallel, fp8, cost, mean_ms, chosen, placement, calibrated, swap, fp8_attention)
+        return Option(parallel, fp8, cost, mean_ms, chosen, placement, calibrated, graphs, swap, fp8_attention)
 
     refused: list[Option] = []
     for fp8 in attempts:  # bf16 first: FP8 compute only when nothing else fits
@@ -292,9 +284,7 @@ def plan(
         notes = [f"no plan fits {gib(profile.memory_bytes)} GiB per GPU in bf16: FP8 halves the weights"] * needed
         swapping = f"the experts take turns on each GPU (--swap-experts): {SWAP_GBPS:g} GB/s host copies"
         notes += [swapping] * best.swap_experts
-        return PlanChoice(
-            spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes), attention
-        )
+        return PlanChoice(spec, gpus, profile, wanted, tuple(fitting), tuple(refused), single, needed, tuple(notes))
     if not refused:
         raise InvalidRequest(f"{spec.name} has no plan for {gpus} GPUs")
     smallest = min(refused, key=lambda o: o.memory.total)

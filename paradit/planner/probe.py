@@ -36,15 +36,13 @@ def _seconds(fn: Callable[[], object], device: torch.device, iterations: int = I
 
 
 def matmul_tflops(device: torch.device, size: int = MATMUL_SIZE) -> float:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
     return 2 * size**3 / _seconds(lambda: a @ b, device) / 1e12
 
 
 def attention_tflops(device: torch.device, head_dim: int, tokens: int = SDPA_TOKENS) -> float:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads = SDPA_WIDTH // head_dim
-    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3))
     seconds = _seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), device)
     return 4 * heads * head_dim * tokens**2 / seconds / 1e12
 
@@ -87,17 +85,10 @@ def _collectives_worker(rank: int, world: int, init_file: str, backend: str, nby
 
 def collective_gbps(world: int, device_type: str = "cuda", nbytes: int = MESSAGE_BYTES) -> dict[str, float]:
     backend = "nccl" if device_type == "cuda" else "gloo"
-    context = mp.get_context("spawn")
-    results = context.Queue()
+    results = mp.get_context("spawn").Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, f"probe-{socket.gethostname()}-{os.getpid()}")
-        mp.start_processes(
-            _collectives_worker,
-            args=(world, init_file, backend, nbytes, results),
-            nprocs=world,
-            join=True,
-            start_method="spawn",
-        )
+        mp.spawn(_collectives_worker, args=(world, init_file, backend, nbytes, results), nprocs=world)
     return results.get()
 
 

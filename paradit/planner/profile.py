@@ -18,8 +18,7 @@ COLLECTIVES = ("all_to_all", "send_recv", "all_reduce", "all_gather")
 class HardwareProfile:
     """``link_gbps``: GB/s a rank sends per collective, as ``parallel/comm.py`` counts; ``linear_efficiency``: the share
     of ``matmul_tflops`` reached absent a model's measurement; ``attention_tflops`` by head size (``fp8_``: paradit's
-    FP8 kernel, empty where never measured); ``host_ms_per_block``: the host's time to launch a compiled block without
-    CUDA graphs; ``predicted``: nothing measured here."""
+    kernel, empty where never measured); ``host_ms_per_block``: launching a compiled block without CUDA graphs."""
 
     name: str
     description: str
@@ -27,14 +26,14 @@ class HardwareProfile:
     device_names: tuple[str, ...]
     link: str
     peer_access: bool
-    predicted: bool
+    predicted: bool  # nothing measured here
     memory_gib: float
     matmul_tflops: dict[str, float]
     linear_efficiency: dict[str, float]
     attention_tflops: dict[int, float]
     link_gbps: dict[str, float]
     host_ms_per_block: float
-    sources: dict[str, str]
+    sources: dict[str, str] = field(default_factory=dict)
     fp8_attention_tflops: dict[int, float] = field(default_factory=dict)
 
     def attention_rate(self, head_dim: int, fp8: bool = False) -> float:
@@ -57,7 +56,6 @@ class HardwareProfile:
             "fp8_attention_tflops": {int(dim): rate for dim, rate in data.get("fp8_attention_tflops", {}).items()},
             "link_gbps": {name: float(data["link_gbps"][name]) for name in COLLECTIVES},
             "host_ms_per_block": float(data["host_ms_per_block"]),
-            "sources": data.get("sources", {}),
         }
         return cls(**{**data, **converted})
 

@@ -1,8 +1,9 @@
-"""A ``PlanChoice`` as text: plan and runners-up (ms/step, sent/step, GPU memory), why the winner won, its command."""
+"""A ``PlanChoice`` as text (plan and runners-up, why the winner won), and a plan's ``paradit generate`` command."""
 
 from __future__ import annotations
 
 from paradit.memory import gib
+from paradit.options import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
 from paradit.planner.cost import ms
 from paradit.planner.plan import EXACT_PREMIUM, Option, PlanChoice
@@ -100,27 +101,19 @@ def why(choice: PlanChoice) -> str:
 
 
 def generate_command(
-    model: str,
-    gpus: int,
-    parallel: ParallelConfig,
-    fp8: bool,
-    fp8_attention: bool,
-    cuda_graphs: bool,
-    swap_experts: bool,
-    placement: str | None,
-    extra: tuple[str, ...] = (),
+    model: str, parallel: ParallelConfig, options: ExecutionOptions, placement: str | None, extra: tuple[str, ...] = ()
 ) -> str:
-    flags = [f"--model {model}", f"--gpus {gpus}"]
+    flags = [f"--model {model}", f"--gpus {parallel.world_size}"]
     for name, degree in parallel.degrees():
         if degree > 1:
             flags.append("--cfg-parallel" if name == "cfg" else f"--{name} {degree}")
     optional = [
         (parallel.pipefusion > 1, f"--patches {parallel.patches} --warmup-steps {parallel.warmup_steps}"),
         (parallel.comm_dtype == "fp8", "--comm-dtype fp8"),
-        (fp8, "--quantize fp8"),
-        (fp8_attention, "--attention fp8"),
-        (cuda_graphs, "--cuda-graphs"),
-        (swap_experts, "--swap-experts"),
+        (options.quantize == "fp8", "--quantize fp8"),
+        (options.attention == "fp8", "--attention fp8"),
+        (options.cuda_graphs, "--cuda-graphs"),
+        (options.swap_experts, "--swap-experts"),
         (parallel.shard_weights, f"--shard-weights {parallel.shard_weights}"),
         (placement not in (None, "gpu"), f"--text-encoder-placement {placement}"),
     ]
