@@ -1,5 +1,5 @@
 """paradit: multi-GPU inference for diffusion transformers. The public names are imported on first use, so that the
-command line answers ``--help``, ``models`` and refusals without loading torch."""
+command line answers without loading torch."""
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 PIXELS_PER_IMAGE_TOKEN = 16 * 16  # every image family's latent patch: 1/16 of the pixels per side
-MEMORY_FILE = "memory.json"  # in a family's folder: its working memory measured on the GPU
-FACTS_FILE = "model_facts.json"  # in a family's folder: its transformers' FLOPs and shapes, counted on the meta device
+MEMORY_FILE = "memory.json"  # in a family's folder: working memory measured by benchmarks/memory_estimates.py
+FACTS_FILE = "model_facts.json"  # in a family's folder: FLOPs and shapes counted by benchmarks/model_facts.py
 
 
 def image_tokens(spec: ModelSpec) -> int:
@@ -33,9 +33,8 @@ def image_tokens(spec: ModelSpec) -> int:
 
 @dataclass(frozen=True)
 class Measured:
-    """What was measured of a family's presets, by preset name: working memory (``MEMORY_FILE``, written by
-    ``benchmarks/memory_estimates.py``; ``activations`` by eager or compiled, then bf16 or fp8) and the planner's counts
-    of each transformer (``FACTS_FILE``, by ``benchmarks/model_facts.py``)."""
+    """What was measured of a family's presets, by preset name: working memory (``activations`` by eager or compiled,
+    then bf16 or fp8) and the planner's counts of each transformer."""
 
     folder: Path | None = None
     activations: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
@@ -44,7 +43,7 @@ class Measured:
 
     @classmethod
     def read(cls, folder: Path) -> Measured:
-        """Either file may be missing (a family not yet measured on a GPU has no memory.json)."""
+        """Either file may be missing (a family not yet measured)."""
         memory = json.loads((folder / MEMORY_FILE).read_text()) if (folder / MEMORY_FILE).is_file() else {}
         return cls(
             folder,

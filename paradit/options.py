@@ -34,13 +34,10 @@ LINKS = ("nvlink", "pcie", "measure")
 # of PipeFusion and FP8 transport on the tiny models sit well above it: docs/benchmarks.md).
 LOSSY_PSNR_DB = 30.0
 
-EXECUTION = "how the run executes"
 MEMORY = "memory"
-LORA = "LoRA adapters (applied to the transformer)"
-SERVED_LORA = "LoRA adapters each request may choose (its lora field)"
-execution_option = functools.partial(option, group=EXECUTION)
-lora_option = functools.partial(generate_option, group=LORA)
-served_lora_option = functools.partial(serve_option, group=SERVED_LORA)
+execution_option = functools.partial(option, group="how the run executes")
+lora_option = functools.partial(generate_option, group="LoRA adapters (applied to the transformer)")
+served_lora_option = functools.partial(serve_option, group="LoRA adapters each request may choose (its lora field)")
 
 
 @dataclass(frozen=True)
@@ -180,7 +177,6 @@ class LoraFlags:
 
 
 def group_size(text: str) -> int | str:
-    """GPUs per serving group, or ``auto``."""
     if text == "auto":
         return text
     try:
@@ -234,8 +230,6 @@ class ServeSettings:
 
 @dataclass(frozen=True)
 class GenerateFlags:
-    """``paradit generate``'s own flags."""
-
     out: str | None = generate_option(
         help="image path, its format from the extension (.png, .jpg, .jpeg, .webp); a video's: .mp4 (H.264), or a "
         "folder (or an image extension: x.png -> x/) for one image per frame; with several images or videos, _N is "
@@ -379,7 +373,6 @@ CONFLICTS = (
 def check_conflicts(
     parallel: ParallelConfig, options: ExecutionOptions, device: str, request: ResolvedRequest | None = None
 ) -> None:
-    """Refuse the first row of ``CONFLICTS`` that applies, with its line."""
     for conflict in CONFLICTS:
         if conflict.applies(parallel, options, device, request):
             raise InvalidRequest(conflict.message, param=conflict.param)
