@@ -17,8 +17,7 @@ from paradit.errors import OutOfMemory
 # Any of these set by the user is their allocator configuration, which stands as they wrote it.
 ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
-# Device memory a process holds outside PyTorch's allocator (the CUDA or HIP context and its kernels), which neither a
-# cap nor the estimate counts. Measured by benchmarks/gpu_checks.py (docs/benchmarks.md).
+# Held outside PyTorch's allocator (the CUDA or HIP context, its kernels): benchmarks/gpu_checks.py measured it.
 OUTSIDE_ALLOCATOR_BYTES = 2**30
 
 Result = TypeVar("Result")
@@ -53,8 +52,7 @@ def hold_to_cap(device: torch.device, cap: int | None) -> None:
 
 
 def free_memory(index: int) -> int:
-    """Bytes of GPU ``index`` a new process can give its allocator, through NVML (amdsmi) where torch can: the
-    runtime's own answer creates a context on the device, holding memory the workers need."""
+    """Bytes of GPU ``index`` a new process can give its allocator, through NVML where it can (not a CUDA context)."""
     total = torch.cuda.get_device_properties(index).total_memory
     try:
         free = total - torch.cuda.device_memory_used(index)
@@ -64,14 +62,12 @@ def free_memory(index: int) -> int:
 
 
 def release_cached(device: torch.device) -> None:
-    """Collect the objects only cycles kept, and give the allocator's cached blocks back to the device."""
     gc.collect()
     unmap_free(device)
 
 
 def unmap_free(device: torch.device) -> None:
-    """Give the device back the memory no tensor holds, between phases of a request: blocks one phase freed would
-    otherwise add to the peak a cap bounds (docs/benchmarks.md)."""
+    """Give the device back the memory no tensor holds, between phases of a request (lowers the peak a cap bounds)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

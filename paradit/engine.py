@@ -73,7 +73,6 @@ class Engine:
             vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled,
             budget=settings.memory_budget,
         )
-        # pipeline: the one this process runs (None when the work happens in spawned worker processes)
         self.pipeline = self._group = self._signals = None
         self._closed = False
         if self.parallel.world_size == 1 and not isolate and not self.parallel.shard_weights:
@@ -92,8 +91,7 @@ class Engine:
     def generate(
         self, request: Request | list[Request] | None = None, progress: bool = False
     ) -> GenerationResult | list[GenerationResult] | None:
-        """The request's result; for a list of requests that can share a batch, one batch and a list of results.
-        RequestCancelled when ``cancel`` stopped it."""
+        """The request's result; for a list of requests that can share a batch, one batch and a list of results."""
         # Resolved here once, each seed drawn here: a seed each rank drew for itself would give each rank other noise.
         request = self.settings.request if request is None else request
         if request is None:

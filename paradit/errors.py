@@ -8,8 +8,7 @@ class ParaditError(Exception):
 
 
 class InvalidRequest(ParaditError, ValueError):
-    """A request or setting that cannot be served as given; ``param``: the request's field at fault, for the server's
-    answer."""
+    """A request or setting that cannot be served as given; ``param``: the request's field at fault, if any."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

@@ -1,5 +1,4 @@
-"""Two experts on a card that holds one (Wan 2.2 A14B): the idle expert's tensors wait in pinned host memory, swapped
-in place (``Parameter.data``, buffer slots) so that compiled blocks and wrappers keep their modules."""
+"""Two experts on a card that holds one: the idle one waits in host memory, swapped in place (modules are kept)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str, bool]]:
 
 
 class ExpertSwap:
-    """Experts that take turns on ``device``, which never holds two; an expert added idle leaves the device at once
-    (so load the idle ones first)."""
+    """Experts that take turns on ``device``, which never holds two (so add the idle ones first)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,5 +1,4 @@
-"""Options declared on the fields of the records they set (``option``), and the argparse flags and records derived
-from them; imports none of the records, so each record's module can declare its own fields' flags."""
+"""Options declared on their records' fields (``option``) and the flags derived from them; imports none of them."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ REQUIRED = object()  # ``option``'s default for a field that has none
 
 @dataclass(frozen=True)
 class Flag:
-    """How the command line spells an option (``name`` None: the field's name); ``convert``: the flag's value to the
-    field's, after argparse's ``type``; ``http``: the JSON type and pydantic constraints of the field where the
-    server's bodies (``routes``) take it, which ``generate --server`` sends."""
+    """How the command line spells an option (``name`` None: the field's name); ``http``: the JSON type and pydantic
+    constraints of the field where the server's bodies (``routes``) take it."""
 
     help: str
     name: str | None = None

@@ -49,8 +49,7 @@ def load_pipeline(
     placement: str = "gpu",
     vae_tiled: bool = False,
 ) -> DiffusionPipeline:
-    """This rank's pipeline: its share of the transformers, the prompt encoders on rank 0 alone, the VAE decoding
-    with the group (or, ``vae_tiled``, alone and tile by tile: diffusers' blended seams differ slightly)."""
+    """This rank's pipeline: its share of the transformers, the prompt encoders on rank 0 alone, the VAE."""
     options = options or ExecutionOptions()
     family = FAMILIES[spec.family]
     # Swapped experts load one at a time on the device and leave for host memory, the resident one last.
@@ -79,7 +78,6 @@ def load_pipeline(
 
 
 def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:
-    """Rank ``rank``'s pipeline, its device's allocator set up and held to the cap, in its group if any."""
     device = torch.device("cuda", local_rank) if plan.device_type == "cuda" else torch.device("cpu")
     configure_allocator(device)
     hold_to_cap(device, plan.memory_cap)

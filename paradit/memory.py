@@ -1,5 +1,4 @@
-"""What a plan holds on rank 0 (weights counted on the meta device, working memory as measured, ``family.Measured``),
-and the check that it fits under a cap or the GPU's free memory before anything loads."""
+"""What a plan holds on rank 0 (weights counted on the meta device, working memory as measured), and that it fits."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ VIDEO_FRAMES_MEASURED = 81
 # Over the measured working memory: what the caching allocator holds past it (0.3 to 2.5 GiB on one H100) and what a
 # measurement at other sizes varies by; every peak the allocator held is within it (docs/benchmarks.md, issue 48).
 WORKING_MARGIN = 1.2
-# What a run holds past the counted weights and working sets (the encoders' untied copies, the kernels' workspaces):
-# measured at up to 0.58 GiB (SD3.5's three encoders).
+# Held past the counted weights and working sets (untied encoder copies, kernel workspaces): up to 0.58 GiB (SD3.5).
 RUNTIME_BYTES = 3 * 2**28
 _PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
 _UNITS = {
@@ -77,14 +75,12 @@ def _fp8_saved(linear: nn.Linear, dtype: torch.dtype) -> int:
 
 
 def _fp8_bytes(encoders: list[nn.Module], dtype: torch.dtype) -> int:
-    """Resident encoders with their linears in FP8 (``converts_to_fp8``)."""
     converted = [m for encoder in encoders for name, m in encoder.named_modules() if converts_to_fp8(encoder, name, m)]
     return _bytes(encoders, dtype) - sum(_fp8_saved(linear, dtype) for linear in converted)
 
 
 def _streamed_bytes(encoders: list[nn.Module], dtype: torch.dtype) -> int:
-    """What offloaded encoders keep on the GPU: the largest submodule's own parameters (what one offload hook brings
-    over at a time), and the buffers."""
+    """What offloaded encoders keep on the GPU: the buffers, and the largest module's own parameters (one hook's)."""
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for e in encoders for m in e.modules())
     buffers = sum(b.numel() * b.element_size() for encoder in encoders for b in encoder.buffers())
     return largest * dtype.itemsize + buffers
@@ -134,8 +130,7 @@ def working_units(spec: ModelSpec, table: str, compiled: bool, fp8: bool) -> flo
 def _transformer_bytes(
     model: nn.Module, kept: list[nn.Module], dtype: torch.dtype, fp8: bool, keep: tuple[str, ...], tensor: int
 ) -> tuple[int, list[int]]:
-    """Rank 0's share of a transformer: the bytes outside the blocks, and of each ``kept`` block over tensor
-    parallelism."""
+    """Rank 0's share of a transformer: the bytes outside the blocks, and of each ``kept`` block."""
     names = {id(module): name for name, module in model.named_modules()}
     outside, blocks = 0, [0] * len(kept)
     prefixes = tuple(names[id(block)] + "." for block in model_blocks(model))
@@ -152,8 +147,7 @@ def _transformer_bytes(
 
 
 def _resident_bytes(shares: list[tuple[int, list[int]]], swap_experts: bool, shard: int) -> int:
-    """What the transformers' ``shares`` hold on the device: all, or swapped the largest; sharded, 1/N of each and the
-    active one's gathered copies (outside its blocks, a block and the next one prefetched)."""
+    """All the ``shares``, or swapped the largest; sharded, 1/N of each and the active one's gathered blocks on top."""
     totals = [outside + sum(blocks) for outside, blocks in shares]
     if not shard:
         return max(totals) if swap_experts else sum(totals)
@@ -201,8 +195,7 @@ def estimates(
     extra_tokens: int = 0,
     fp8_attention: bool = False,
 ) -> dict[str, MemoryPlan]:
-    """Rank 0's plan for each prompt encoder placement; ``extra_tokens``: what a request's inputs add to each sample's
-    sequence (FLUX.2's reference images)."""
+    """Rank 0's plan for each prompt encoder placement; ``extra_tokens``: what a request's inputs add to a sample."""
     family = FAMILIES[spec.family]
     built = built or MetaModels.build(spec, dtype)
     models, encoder, vae = built.transformers, built.encoder, built.vae
@@ -272,9 +265,8 @@ def check_fits(
     limit: str | None = None,
     **sizing: Any,
 ) -> MemoryPlan:
-    """The first plan under ``cap``: the encoders placed as asked or (``auto``) resident, in FP8, offloaded; only then
-    with a tiled VAE decode. ``limit``: ``cap`` in words (default: the ``--max-gpu-memory`` it was given as);
-    ``sizing``: the rest of ``estimates``' keywords."""
+    """The first plan under ``cap``: encoders as placed or (``auto``) resident, in FP8, offloaded; then with a tiled VAE
+    decode. ``limit``: ``cap`` in words (default: its ``--max-gpu-memory``); ``sizing``: ``estimates``' keywords."""
     check_placement(placement, fp8)
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []

@@ -1,5 +1,4 @@
-"""What a run, a server and the commands' own flags are asked for, each option declared on its record's field, and
-what does not combine (``CONFLICTS``). Imports nothing heavy: the command line builds its parser before torch loads."""
+"""The records a run, a server and each command take, and ``CONFLICTS``; nothing heavy: parsers come before torch."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ served_lora_option = functools.partial(serve_option, group="LoRA adapters each r
 
 @dataclass(frozen=True)
 class ExecutionOptions:
-    """How the transformers execute. None leaves ``quantize``, ``cuda_graphs`` and ``swap_experts`` to the tuned
-    configuration or the planner, and ``compile`` to the device; ``lora``'s flags are ``LoraFlags``."""
+    """How the transformers execute; None leaves the choice to the tuned configuration, the planner or the device."""
 
     quantize: str | None = execution_option(
         choices=QUANTIZATIONS, help="fp8: e4m3 linears (sm89+, MI300, RDNA 4); default none, or the planner's"
@@ -80,8 +78,7 @@ class ExecutionOptions:
 
 @dataclass(frozen=True)
 class Asked:
-    """What a user asked for; None (and ``auto``) leave the choice to paradit. ``comm_dtype``, ``patches``,
-    ``warmup_steps`` and ``shard_weights`` apply on top of whichever plan runs."""
+    """What a user asked for; None (and ``auto``) leave the choice to paradit."""
 
     model: str | ModelSpec = option(
         DEFAULT_MODEL, help="preset name, checkpoint folder or hub id", absent=DEFAULT_MODEL
@@ -278,8 +275,7 @@ COMMANDS: dict[str, tuple[type, ...]] = {
 
 @dataclass(frozen=True)
 class Conflict:
-    """Options that do not combine: ``applies(parallel, options, device, request)`` (``request``: the resolved
-    request, None where the run's settings are checked alone) and the one line that says so."""
+    """Options that do not combine (``request``: None where the run's settings are checked alone), and the line."""
 
     name: str
     applies: Callable[[ParallelConfig, ExecutionOptions, str, ResolvedRequest | None], bool]
@@ -298,8 +294,7 @@ CONFLICTS = (
         lambda parallel, options, device, request: bool(options.cuda_graphs) and parallel.pipefusion > 1,
         "CUDA graphs do not combine with pipefusion yet; drop --cuda-graphs or --pipefusion",
     ),
-    # A graph replays the addresses it captured, which each gather allocates anew; a swap moves whole tensors, where
-    # sharding keeps 1/N of each expert resident already.
+    # A graph replays the addresses it captured, which each gather allocates anew; sharding keeps 1/N of each expert.
     Conflict(
         "sharded weights with graphs or swapped experts",
         lambda parallel, options, device, request: (
@@ -353,8 +348,7 @@ CONFLICTS = (
         lambda parallel, options, device, request: bool(options.swap_experts and options.lora.cache),
         "--lora-cache does not combine with swapped experts; give --lora-cache 0 (side paths) or drop --swap-experts",
     ),
-    # A decision made at the head block must reach every block of the step before they run: PipeFusion's stages run a
-    # step's blocks patch by patch ahead of it, and a CUDA graph replays one fixed set of blocks.
+    # A skip decided at the head block must reach the step's every block: PipeFusion runs them ahead, a graph fixed.
     Conflict(
         "step caching with pipefusion",
         lambda parallel, options, device, request: _caches(request) and parallel.pipefusion > 1,

@@ -17,8 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 SEED_LIMIT = 2**64  # seeds are torch generators' 64-bit seeds: 0 to 2**64 - 1
-# A server's bounds on one request, so that none holds a shared group for long: a prompt far past what any text encoder
-# reads, steps past any published schedule.
+# A server's bounds on one request, so that none holds a shared group for long (past any encoder's or schedule's).
 MAX_PROMPT_CHARS = 10_000
 SERVED_MAX_STEPS = 500
 CACHE_METHODS = ("first-block", "mag", "taylorseer")
@@ -55,8 +54,7 @@ def seed(text: str) -> int | str:
 
 @dataclass(frozen=True)
 class StepCacheConfig:
-    """Step caching: a method with the parameters of its diffusers config that ``CACHE_PARAMETERS`` lists, by their
-    names and with their defaults."""
+    """Step caching: a method and the parameters of its diffusers config (``CACHE_PARAMETERS``), by their names."""
 
     method: str = cache_option(
         name="--cache",
@@ -184,8 +182,7 @@ class GenerationRequest:
         routes=("videos",),
         help="video models: frames per second of the MP4 (default: the model's)",
     )
-    # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
-    lora: tuple[tuple[str, float], ...] | None = None
+    lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters and scales (None: the engine's; (): none)
     cache: StepCacheConfig | None = None  # step caching (None: every step runs every block)
     scheduler: str | None = generate_option(
         choices=SCHEDULERS,
@@ -257,8 +254,7 @@ class Timings:
 
 @dataclass
 class GenerationResult:
-    """``pixels``: (batch, 3, H, W) float in [0, 1] on the CPU before 8-bit quantisation, (batch, frames, 3, H, W) for
-    video; ``images``: PIL, one per image or all videos' frames in order; ``frames``: each video's PIL frames."""
+    """``pixels``: (batch, 3, H, W) in [0, 1] on the CPU before 8-bit quantising; (batch, frames, 3, H, W): video."""
 
     pixels: torch.Tensor
     seed: int
@@ -277,6 +273,6 @@ class GenerationResult:
 
     @property
     def frames(self) -> list[list[Image.Image]]:
-        """Each video's frames (an image result: each image as a one-frame video)."""
+        """Each video's frames (each image as a one-frame video)."""
         images, count = self.images, self.pixels.shape[1] if self.is_video else 1
         return [images[i : i + count] for i in range(0, len(images), count)]

@@ -13,8 +13,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Denoise:
-    """A batch's denoise loop as its hooks see it before the first step (a hook may replace where it starts);
-    ``guided``: the model sees [conditional; unconditional] rows."""
+    """A batch's denoise loop before its first step (a hook may replace where it starts); ``guided``: [cond; uncond]."""
 
     requests: list[ResolvedRequest]
     request: ResolvedRequest

@@ -1,5 +1,4 @@
-"""The transformer a rank runs, built in one fixed order of steps on the plain model (the order's reasons are
-commented at each step)."""
+"""The transformer a rank runs, built in one fixed order of steps on the plain model (the reasons at each step)."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, TensorS
 
 @dataclass(frozen=True)
 class Runtime:
-    """``forward`` is called in the model's place; ``adapters``: those every request runs with, in words, for the
-    error a NaN prediction becomes."""
+    """``forward`` is called in the model's place; ``adapters``: those every request runs with, in words."""
 
     parallel: Parallelized
     forward: nn.Module
@@ -53,8 +51,7 @@ def load_transformer(
     options: ExecutionOptions | None = None,
     component: str = "transformer",
 ) -> Runtime:
-    """This rank's transformer from ``spec``'s ``component`` (``spec.transformer`` is its config). FP8 support is not
-    checked: converting on the CPU is allowed."""
+    """This rank's transformer from ``spec``'s ``component``; FP8 support is not checked (the CPU may convert)."""
     options = options or ExecutionOptions()
     with torch.device("meta"):
         model = family.build_transformer(spec).eval()
@@ -64,17 +61,14 @@ def load_transformer(
     shard = context if context is not None and context.config.shard_weights else None
     hooks: list[RequestHook] = []
 
-    # Before parallelism wraps each module's kernel.
-    if options.attention == "fp8":
+    if options.attention == "fp8":  # before parallelism wraps each module's kernel
         hooks.append(apply_fp8_attention(model, options.attention_bf16_steps))
-    # On the meta device, so that only the tensors this rank keeps are ever read.
-    parallel = parallelize(model, family.tensor_plan, context)
+    parallel = parallelize(model, family.tensor_plan, context)  # on meta: only the kept tensors are ever read
     # While each linear is still the plain model's. A server's named adapters start unchosen; a run's all apply.
     if updates and not lora.fused:
         scales = {} if lora.switchable else {adapter_key(ref, index): 1.0 for index, ref in enumerate(refs)}
         add_side_paths(model, names, updates, parallel.slices, device, dtype, scales, lora.switchable)
-    # Only the kept tensors, of the ``slices`` their share; an FP8 checkpoint's linears load as FP8 whatever
-    # ``quantize`` says; fused adapters are added as the weights load.
+    # An FP8 checkpoint's linears load as FP8 whatever ``quantize`` says; fused adapters are added as weights load.
     fp8 = fp8_load(model, names, spec.transformer, options.quantize, fp8_dtype(device), family.keep_high_precision)
     with component_tensors(family, spec, component, model, device, dtype) as source:
         source = FusedLoraTensors(source, updates) if updates and lora.fused else source

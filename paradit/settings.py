@@ -1,5 +1,4 @@
-"""``settle``, the one front door: what a user asked (``Asked``) and its request become the checked settings a run
-executes with, before anything loads."""
+"""``settle``, the one front door: what a user asked and its request become the checked settings a run executes with."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ def parse_device(device: str | torch.device | None, machine: Machine) -> torch.d
 
 
 def resolve_model(model: str | ModelSpec, load_format: str = "auto", allow_pickle: bool = False) -> ModelSpec:
-    """The spec of a preset (with a hub id: its checkpoint), checkpoint folder or hub id; ``dummy``: random weights
-    of the same architecture."""
+    """The spec of a preset (with a hub id: its checkpoint), checkpoint folder or hub id; ``dummy``: random weights."""
     if isinstance(model, ModelSpec):
         return model
     path = Path(model).expanduser()
@@ -83,8 +81,7 @@ def launched_by_torchrun() -> bool:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What a run executes with, settled and checked. ``origin``: where a tuned or planned choice came from;
-    ``memory_limit``: what the memory plan was made for, in words."""
+    """What a run executes with, settled and checked; ``memory_limit``: what the memory plan was made for, in words."""
 
     spec: ModelSpec
     device: torch.device
@@ -135,9 +132,8 @@ def default_plan_for(
 def choices(
     asked: Asked, spec: ModelSpec, resolved: ResolvedRequest | None, machine: Machine
 ) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:
-    """What ``asked`` leaves open, chosen for ``resolved`` on ``machine``, unchecked: the plan (on a known hardware
-    profile the planner's; else CFG parallel only when both guidance branches run, the rest Ulysses, then Ring), the
-    execution options, the prompt-encoder placement and where a tuned or planned choice came from."""
+    """What ``asked`` leaves open, chosen for ``resolved`` on ``machine``, unchecked: the plan (on a known profile the
+    planner's, else ``plans_for``' first), the execution options, the encoder placement and the choice's origin."""
     planned = None
     if asked.parallel is not None:
         parallel = asked.parallel
@@ -185,7 +181,7 @@ def check_execution(spec: ModelSpec, options: ExecutionOptions, device: torch.de
                 f"{spec.name} holds an FP8 transformer, which needs a GPU with FP8 kernels (compute capability "
                 "8.9+, MI300 or RDNA 4); on this device run the checkpoint it was quantized from"
             ) from None
-    if options.quantize == "fp8":
+    elif options.quantize == "fp8":
         machine.check_fp8(device)
     if options.attention == "fp8":
         machine.check_fp8_attention(device)
@@ -204,8 +200,7 @@ def available_memory() -> int | None:
 
 
 def check_cpu_group(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype) -> None:
-    """Refuse more CPU processes than ``PROCESSES_PER_CORE`` a core, or a group whose transformer weights alone pass
-    the memory available."""
+    """Refuse more CPU processes than the cores take, or a group whose transformer weights alone pass free memory."""
     processes, cores = parallel.world_size, os.cpu_count() or 1
     if processes > PROCESSES_PER_CORE * cores:
         raise InvalidRequest(
@@ -226,8 +221,7 @@ def check_cpu_group(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtyp
 
 
 def settle(asked: Asked, request: GenerationRequest | None = None, machine: Machine | None = None) -> RunSettings:
-    """The settings for ``asked`` on ``machine`` (default: this one), sized for ``request`` when known, which is
-    resolved here once (``RunSettings.request``)."""
+    """The settings for ``asked`` on ``machine`` (default: this one), sized for ``request``, resolved here once."""
     machine = machine or Machine.detect()
     check_choices(asked)
     check_choices(asked.options)

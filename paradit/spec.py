@@ -13,8 +13,7 @@ GuidanceMode = Literal["embedded", "cfg", "none"]
 
 
 def read_configs(module_file: str, name: str = "configs.json") -> dict[str, Any]:
-    """The model configs shipped beside a preset module (``module_file``: its ``__file__``), by key; a key ending in
-    ``_changes`` holds only what a config changes of another."""
+    """The configs beside a preset module; a key ending in ``_changes`` holds only what it changes of another."""
     return json.loads(Path(module_file).with_name(name).read_text())
 
 

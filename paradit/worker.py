@@ -1,5 +1,4 @@
-"""Worker processes, one per GPU (or CPU process), and ``WorkerGroup``, the engine's side of them. No heavy imports
-at the top: a spawned worker sets up its signals and lifeline before importing torch."""
+"""Worker processes and ``WorkerGroup``, the engine's side; a worker sets up its signals before importing torch."""
 
 from __future__ import annotations
 
@@ -35,18 +34,14 @@ if TYPE_CHECKING:
     from paradit.request import GenerationResult, ResolvedRequest
 
 POLL_S = 0.5
-# How long a failed worker's peers get to report that request's end before the group is taken for stuck.
-FAILURE_GRACE_S = 10
+FAILURE_GRACE_S = 10  # a failed worker's peers get this long to end the request before the group is stuck
 CLOSE_S = 30  # idle workers asked to finish get this long, together, before they are terminated
 STOP_S = 10  # terminated workers get this long, together, before they are killed
-# An orphan's grace to unwind after its SIGTERM (a main thread deep in a collective may never reach the handler).
-ORPHAN_EXIT_S = 3
+ORPHAN_EXIT_S = 3  # an orphan's grace to unwind after its SIGTERM
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "paradit.loader"]
-# A Unix socket's path: sun_path holds 108 bytes on Linux and 104 on macOS, the closing NUL included.
-UNIX_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+UNIX_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107  # sun_path's bytes less the closing NUL
 
-# A spawned child re-running an unguarded main script exits with this, a code worker_main never uses.
-UNGUARDED_MAIN_EXIT = 87
+UNGUARDED_MAIN_EXIT = 87  # a spawned child re-running an unguarded main script exits with this
 UNGUARDED_MAIN = (
     'paradit: error: a script that starts worker processes must guard its entry point with `if __name__ == "__main__":`'
     " (spawned workers import the main module)"
@@ -75,8 +70,7 @@ def reportable(error: BaseException) -> ParaditError:
 
 
 class StepSignals:
-    """Progress and cancellation of numbered runs, in memory the engine shares with its workers. Every rank must stop
-    at the same step, or the others would wait in a collective."""
+    """Progress and cancellation of numbered runs, in memory the engine shares with its workers."""
 
     def __init__(self, world_size: int, context: multiprocessing.context.BaseContext | None = None) -> None:
         # [current run, run to stop, steps at which it stops, then (run, steps done) per rank]
@@ -96,8 +90,8 @@ class StepSignals:
                 raise RequestCancelled(f"the request was cancelled after {steps} denoise steps")
 
     def cancel(self) -> None:
-        """Stop the current run one step past the furthest any rank has reported, which every rank reaches. A stop
-        once set stays: moved, it could let ranks run past those that stopped."""
+        """Stop the current run one step past the furthest any rank has reported, which every rank reaches (ranks
+        stopped at other steps would wait in a collective). A stop once set stays."""
         with self._state.get_lock():
             run = self._state[0]
             if self._state[1] == run:
@@ -124,8 +118,7 @@ def worker_context(device_type: str) -> multiprocessing.context.BaseContext:
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)  # read once, when the forkserver first starts
-    # diffusers asks torch.cuda.is_available() at import, which would initialise CUDA in the forkserver; with this
-    # variable PyTorch answers through NVML instead (the workers get the engine's environment back).
+    # diffusers asks torch.cuda.is_available() at import; answered through NVML, it initialises no CUDA here.
     with mock.patch.dict(os.environ, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}), sigint_ignored_by_children():
         multiprocessing.forkserver.ensure_running()
     return context
@@ -214,8 +207,7 @@ def worker_main(
 
 
 def exit_on_sigterm(signum: int, frame) -> None:
-    """Leave through Python's exit, so that multiprocessing's finalizers unlink this worker's named semaphores and
-    temporary folders. A second SIGTERM kills at once."""
+    """Leave through Python's exit, so that multiprocessing's finalizers unlink this worker's semaphores and files."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(128 + signum)
 
@@ -233,8 +225,7 @@ def exit_with_lifeline(lifeline: Connection, rendezvous: str) -> None:
 
 @contextlib.contextmanager
 def sigint_ignored_by_children():
-    """Processes started inside inherit SIGINT ignored, so a Ctrl-C while they start prints no traceback (only the
-    main thread may set handlers; elsewhere worker_main's own call comes later)."""
+    """Processes started inside inherit SIGINT ignored, so a Ctrl-C while they start prints no traceback."""
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous is None:
         yield
@@ -247,8 +238,7 @@ def sigint_ignored_by_children():
 
 
 def stop_processes(processes: list[BaseProcess], rendezvous: tempfile.TemporaryDirectory, lifeline: Connection) -> None:
-    """Terminate the workers still running, kill those that outlast ``STOP_S``, remove the rendezvous folder. The
-    lifeline closes last: closed first, each worker would send itself a second SIGTERM, which kills outright."""
+    """Terminate the workers, kill those that outlast ``STOP_S``; the lifeline last (first, it would kill outright)."""
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -281,8 +271,7 @@ class WorkerGroup:
         self.results = context.Queue()
         self.signals = StepSignals(self.world_size, context)
         self.processes: list[BaseProcess] = []  # the started ones: stop_processes joins only those
-        # Registered with atexit too, so that at exit it runs before multiprocessing's own handler, which joins the
-        # workers without a time limit.
+        # Also at exit, before multiprocessing's own handler joins the workers without a time limit.
         self._stop = weakref.finalize(self, stop_processes, self.processes, self._rendezvous, self._lifeline)
         atexit.register(self._stop)
         self._in_flight = False  # a request is being served: close() does not wait for it
@@ -328,8 +317,7 @@ class WorkerGroup:
             return kind, rank, payload
 
     def _failure(self, reporter: int | None = None, error: ParaditError | None = None) -> ParaditError | SystemExit:
-        """Stop the group and say why, in one line: a worker that died outright is the cause, its peers' errors
-        consequences; with none dead, the reported error."""
+        """Stop the group and say why: a worker that died is the cause, its peers' errors consequences."""
         deadline = time.monotonic() + 2 * POLL_S
         while time.monotonic() < deadline and not self._dead(reporter):
             time.sleep(0.05)
@@ -349,8 +337,7 @@ class WorkerGroup:
         return [(r, p.exitcode) for r, p in enumerate(self.processes) if p.exitcode is not None and r != exclude]
 
     def generate(self, request: list[ResolvedRequest], progress: bool = False) -> list[GenerationResult]:
-        """Rank 0's results. An error every rank ends with is raised, the group serving on; one that leaves the other
-        ranks silent stops the group."""
+        """Rank 0's results; an error that leaves other ranks silent stops the group."""
         if not self.processes:
             raise WorkerFailure("this engine's worker group was stopped; create a new Engine")
         self._in_flight = True
