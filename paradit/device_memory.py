@@ -14,7 +14,6 @@ import torch
 
 from paradit.errors import OutOfMemory
 
-# Any of these set by the user is their allocator configuration, which stands as they wrote it.
 ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 # Held outside PyTorch's allocator (the CUDA or HIP context, its kernels): benchmarks/gpu_checks.py measured it.
@@ -33,8 +32,7 @@ class MemoryBudget:
 
 
 def configure_allocator(device: torch.device) -> None:
-    """Expandable segments, unless the user configured the allocator. With fixed segments, Wan 2.2 720p under a 32 GiB
-    cap failed its first step holding 7.8 GiB reserved but unallocated (docs/benchmarks.md)."""
+    """Expandable segments unless configured: fixed ones failed Wan 2.2 720p at 32 GiB (docs/benchmarks.md)."""
     if device.type != "cuda" or any(os.environ.get(name) for name in ALLOCATOR_VARIABLES):
         return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
@@ -76,23 +74,19 @@ def reporting_out_of_memory(
     call: Callable[[], Result], stage: Callable[[], str], device: torch.device, budget: MemoryBudget
 ) -> Result:
     """``call()``, its device out-of-memory error raised as ``OutOfMemory``'s one line once its tensors are freed."""
+    gib = 2**30
     try:
         return call()
     except torch.OutOfMemoryError as exc:
-        error = out_of_memory(str(exc), stage(), device, budget)
+        tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", str(exc))
+        figures = [f"{tried[1]} more was asked for"] if tried else []
+        if device.type == "cuda":
+            held, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)
+            figures.append(f"{held / gib:.1f} GiB was held by PyTorch (peak {peak / gib:.1f} GiB)")
+        if budget.estimate is not None:
+            figures.append(f"against the plan's {budget.estimate / gib:.1f} GiB for {budget.limit}")
+        line = f"out of memory on {device} {stage()}: {', '.join(figures) or exc}"
+        error = OutOfMemory(line + (f"; to need less: {budget.advice}" if budget.advice else ""))
     # Past the except block the failed frames (and their tensors) are gone.
     release_cached(device)
     raise error
-
-
-def out_of_memory(message: str, stage: str, device: torch.device, budget: MemoryBudget) -> OutOfMemory:
-    gib = 2**30
-    tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", message)
-    figures = [f"{tried[1]} more was asked for"] if tried else []
-    if device.type == "cuda":
-        held, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)
-        figures.append(f"{held / gib:.1f} GiB was held by PyTorch (peak {peak / gib:.1f} GiB)")
-    if budget.estimate is not None:
-        figures.append(f"against the plan's {budget.estimate / gib:.1f} GiB for {budget.limit}")
-    line = f"out of memory on {device} {stage}: {', '.join(figures) or message}"
-    return OutOfMemory(line + (f"; to need less: {budget.advice}" if budget.advice else ""))

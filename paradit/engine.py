@@ -24,9 +24,8 @@ Request = GenerationRequest | ResolvedRequest
 
 
 class Engine:
-    """``Engine(model="flux2-dev").generate(GenerationRequest(prompt="..."))``: the arguments are ``Asked``'s fields,
-    settled with ``request`` (or ``settings``, ``settle``'s); a worker process per GPU from ``device``'s index on
-    (``isolate``: even for one). Under torchrun each process is one worker, and ``generate`` returns None off rank 0."""
+    """``Engine(model="flux2-dev").generate(GenerationRequest(prompt="..."))``: ``Asked``'s fields, settled with
+    ``request``; a worker process per GPU (``isolate``: even one); under torchrun ``generate`` is None off rank 0."""
 
     def __init__(
         self,

@@ -20,8 +20,7 @@ REQUIRED = object()  # ``option``'s default for a field that has none
 
 @dataclass(frozen=True)
 class Flag:
-    """How the command line spells an option (``name`` None: the field's name); ``http``: the JSON type and pydantic
-    constraints of the field where the server's bodies (``routes``) take it."""
+    """How the command line spells an option; ``http``: the field's JSON type and pydantic constraints (``routes``)."""
 
     help: str
     name: str | None = None
@@ -111,9 +110,6 @@ def check_choices(record: Any) -> None:
         flag, value = flag_of(each), getattr(record, each.name)
         if flag is not None and flag.choices and isinstance(value, str) and value not in flag.choices:
             raise InvalidRequest(f"{flag.name} {value!r} is not allowed; choose one of {', '.join(flag.choices)}")
-
-
-# Readers of the flags' text; argparse shows their refusals as one line (``cli._Parser``).
 
 
 def whole_number(text: str, problem: str) -> int:

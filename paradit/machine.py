@@ -32,9 +32,7 @@ class Machine:
         return self.profile if self.virtual else detect_profile(gpus)
 
     def free_memory(self, index: int) -> int:
-        if self.virtual:
-            return self.profile.memory_bytes
-        return free_memory(index)
+        return self.profile.memory_bytes if self.virtual else free_memory(index)
 
     def memory_words(self, free: int, index: int) -> str:
         where = f"an {self.profile.name} GPU" if self.virtual else f"GPU {index}"

@@ -21,10 +21,8 @@ from paradit.quantize import quantizable
 from paradit.spec import ModelSpec
 from paradit.text_encoder import converts_to_fp8, load_prompt_encoder
 
-TEXT_ENCODER_PLACEMENTS = ("auto", *PLACEMENTS)
 VIDEO_FRAMES_MEASURED = 81
-# Over the measured working memory: what the caching allocator holds past it (0.3 to 2.5 GiB on one H100) and what a
-# measurement at other sizes varies by; every peak the allocator held is within it (docs/benchmarks.md, issue 48).
+# Over measured working memory: the allocator's extra (0.3 to 2.5 GiB on one H100) and sizes' variation (issue 48).
 WORKING_MARGIN = 1.2
 # Held past the counted weights and working sets (untied encoder copies, kernel workspaces): up to 0.58 GiB (SD3.5).
 RUNTIME_BYTES = 3 * 2**28
@@ -57,10 +55,6 @@ def parse_size(text: str | int) -> int:
 
 
 def check_placement(placement: str, fp8: bool) -> None:
-    if placement not in TEXT_ENCODER_PLACEMENTS:
-        raise InvalidRequest(
-            f"text encoder placement {placement!r} is not allowed; choose one of {', '.join(TEXT_ENCODER_PLACEMENTS)}"
-        )
     if placement == "fp8" and not fp8:
         raise InvalidRequest("text encoder placement fp8 needs FP8 execution (--quantize fp8); choose gpu or offload")
 
@@ -114,8 +108,7 @@ class MemoryPlan:
 
 
 def working_units(spec: ModelSpec, table: str, compiled: bool, fp8: bool) -> float:
-    """The measured coefficient ``table`` (``activations`` or ``vae_decode``) of ``spec``'s preset in this mode; a
-    missing figure takes the largest of its preset's, else its family's, else any family's (erring high)."""
+    """The measured ``table`` coefficient of ``spec``'s preset; a missing one takes the largest there is (errs high)."""
     tables = {name: getattr(family.measured, table) for name, family in FAMILIES.items()}
     measured = tables[spec.family]
     preset = measured_preset(spec, measured)
@@ -265,8 +258,7 @@ def check_fits(
     limit: str | None = None,
     **sizing: Any,
 ) -> MemoryPlan:
-    """The first plan under ``cap``: encoders as placed or (``auto``) resident, in FP8, offloaded; then with a tiled VAE
-    decode. ``limit``: ``cap`` in words (default: its ``--max-gpu-memory``); ``sizing``: ``estimates``' keywords."""
+    """The first plan under ``cap`` (``limit``: in words): encoders as asked or resident, FP8, offloaded; then tiled."""
     check_placement(placement, fp8)
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []

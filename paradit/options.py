@@ -29,8 +29,7 @@ ATTENTIONS = ("sdpa", "fp8")
 PLACEMENTS = ("gpu", "fp8", "offload")  # where the prompt encoders live (``text_encoder``)
 LINKS = ("nvlink", "pcie", "measure")
 
-# --verify-serial: the least PSNR against the one-process image that a lossy plan must keep (measured CPU deviations
-# of PipeFusion and FP8 transport on the tiny models sit well above it: docs/benchmarks.md).
+# --verify-serial's least PSNR for lossy plans (tiny models' measured deviations sit well above: docs/benchmarks.md).
 LOSSY_PSNR_DB = 30.0
 
 MEMORY = "memory"

@@ -28,8 +28,7 @@ CACHE_PARAMETERS = {
     "mag": ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios", "calibrate"),
     "taylorseer": ("cache_interval", "disable_cache_before_step", "disable_cache_after_step", "max_order"),
 }
-# diffusers' FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler and DPMSolverMultistepScheduler (DPM-Solver++,
-# second order), the multistep two predicting flow on shifted flow sigmas
+# diffusers' FlowMatchEulerDiscrete, UniPC and DPM-Solver++ 2M schedulers; the multistep two predict flow (shifted)
 SCHEDULERS = ("flow-euler", "unipc", "dpmpp-2m")
 
 

@@ -132,8 +132,7 @@ def default_plan_for(
 def choices(
     asked: Asked, spec: ModelSpec, resolved: ResolvedRequest | None, machine: Machine
 ) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:
-    """What ``asked`` leaves open, chosen for ``resolved`` on ``machine``, unchecked: the plan (on a known profile the
-    planner's, else ``plans_for``' first), the execution options, the encoder placement and the choice's origin."""
+    """What ``asked`` leaves open (plan, execution options, encoder placement, origin), chosen and unchecked."""
     planned = None
     if asked.parallel is not None:
         parallel = asked.parallel
@@ -192,7 +191,6 @@ def check_execution(spec: ModelSpec, options: ExecutionOptions, device: torch.de
 
 
 def available_memory() -> int | None:
-    """Linux's MemAvailable in bytes (None: unknown)."""
     with contextlib.suppress(OSError, StopIteration, ValueError):
         line = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
         return int(line.split()[1]) * 1024
@@ -267,7 +265,6 @@ def settle(asked: Asked, request: GenerationRequest | None = None, machine: Mach
         try:
             memory_plan = fits(swap_experts=options.swap_experts)
         except InvalidRequest:
-            # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
             memory_plan = fits(swap_experts=True)

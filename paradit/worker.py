@@ -83,15 +83,13 @@ class StepSignals:
             return self._state[0]
 
     def check(self, rank: int, run: int, steps: int) -> None:
-        """Raise RequestCancelled if ``run`` stops once ``rank`` has done ``steps`` steps."""
         with self._state.get_lock():
             self._state[3 + 2 * rank], self._state[4 + 2 * rank] = run, steps
             if self._state[1] == run and steps >= self._state[2]:
                 raise RequestCancelled(f"the request was cancelled after {steps} denoise steps")
 
     def cancel(self) -> None:
-        """Stop the current run one step past the furthest any rank has reported, which every rank reaches (ranks
-        stopped at other steps would wait in a collective). A stop once set stays."""
+        """Stop the run one step past the furthest any rank reported, which all ranks reach; a stop once set stays."""
         with self._state.get_lock():
             run = self._state[0]
             if self._state[1] == run:
@@ -105,8 +103,7 @@ class StepSignals:
 
 
 def worker_context(device_type: str) -> multiprocessing.context.BaseContext:
-    """A forkserver that preloaded ``FORKSERVER_PRELOAD`` (not plain fork: this process may hold CUDA state and
-    threads); spawn where it cannot serve, and on ROCm, whose imports may initialise the GPU in the forkserver."""
+    """A forkserver that preloaded ``FORKSERVER_PRELOAD``; spawn where it cannot serve, and on ROCm (CUDA checks)."""
     from unittest import mock
 
     import torch
@@ -213,8 +210,7 @@ def exit_on_sigterm(signum: int, frame) -> None:
 
 
 def exit_with_lifeline(lifeline: Connection, rendezvous: str) -> None:
-    """Once the engine's process is gone, however it died, remove the rendezvous folder and end this worker. The
-    engine holds the lifeline's only write end (not the parent's PID: a forked worker's is the forkserver's)."""
+    """Once the engine's process is gone, however it died (it holds the lifeline's only write end), end this worker."""
     wait([lifeline])
     shutil.rmtree(rendezvous, ignore_errors=True)
     if hasattr(signal, "pthread_kill"):  # POSIX: sent to the main thread, it also interrupts a blocking read there
@@ -257,15 +253,13 @@ class WorkerGroup:
 
     def __init__(self, plan: WorkerPlan, first_device: int = 0, threads: int | None = None) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
-            # A worker re-running a main script that creates an engine at import: the parent reports it (_failure).
-            # Not SystemExit: the forkserver turns any exception during start-up into exit code 1.
+            # A worker re-running an unguarded main script (not SystemExit: the forkserver would make it exit 1).
             os._exit(UNGUARDED_MAIN_EXIT)
         self.world_size = plan.parallel.world_size
         context = worker_context(plan.device_type)
         self._rendezvous = tempfile.TemporaryDirectory(prefix="paradit-")
         # Pickled here, unpickled by each worker once its signal handling is set up (unpickling imports torch).
         plan = pickle.dumps(dataclasses.replace(plan, init_method=f"file://{self._rendezvous.name}/store"))
-        # Each worker gets a copy of the read end; the write end stays here alone, and closes with this process.
         lifeline, self._lifeline = context.Pipe(duplex=False)
         self.requests = [context.Queue() for _ in range(self.world_size)]
         self.results = context.Queue()
