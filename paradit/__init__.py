@@ -1,5 +1,4 @@
-"""paradit: multi-GPU inference for diffusion transformers. The public names are imported on first use, so that the
-command line answers ``--help``, ``models`` and refusals without loading torch."""
+"""paradit: multi-GPU inference for diffusion transformers (names imported on first use: no torch for ``--help``)."""
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version

@@ -15,7 +15,6 @@ from paradit.request import CACHE_PARAMETERS, StepCacheConfig
 
 
 def curve_path(model: str) -> Path:
-    """Where ``model``'s calibrated MagCache curve is kept: under the user's cache folder, by the model's name."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paradit" / "mag_ratios"
     return root / (re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name or model) + ".json")
 
@@ -45,7 +44,6 @@ def cache_config(args: argparse.Namespace) -> StepCacheConfig | None:
 
 
 def kept_curve(model: str) -> tuple[float, ...] | None:
-    """The curve ``--cache-calibrate`` kept for ``model``, None if none was."""
     path = curve_path(model)
     if not path.is_file():
         return None

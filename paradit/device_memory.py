@@ -14,11 +14,9 @@ import torch
 
 from paradit.errors import OutOfMemory
 
-# Any of these set by the user is their allocator configuration, which stands as they wrote it.
 ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
-# Device memory a process holds outside PyTorch's allocator, which neither a cap nor the estimate counts: the CUDA or
-# HIP context and the kernels it loads. Measured by benchmarks/gpu_checks.py (docs/benchmarks.md).
+# Held outside PyTorch's allocator (the CUDA or HIP context, its kernels): benchmarks/gpu_checks.py measured it.
 OUTSIDE_ALLOCATOR_BYTES = 2**30
 
 Result = TypeVar("Result")
@@ -26,7 +24,7 @@ Result = TypeVar("Result")
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """What rank 0 was planned to hold (None: no plan was made), for the line an out-of-memory error becomes."""
+    """What rank 0 was planned to hold (None: no plan was made), for an out-of-memory error's line."""
 
     estimate: int | None = None
     limit: str = ""
@@ -34,9 +32,7 @@ class MemoryBudget:
 
 
 def configure_allocator(device: torch.device) -> None:
-    """Expandable segments, unless the user configured the allocator: memory one phase's tensors free then serves the
-    next phase's tensors of other sizes. With fixed segments, Wan 2.2 720p under a 32 GiB cap failed its first step
-    holding 7.8 GiB reserved but unallocated (docs/benchmarks.md). Applies to the whole process."""
+    """Expandable segments unless configured: fixed ones failed Wan 2.2 720p at 32 GiB (docs/benchmarks.md)."""
     if device.type != "cuda" or any(os.environ.get(name) for name in ALLOCATOR_VARIABLES):
         return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
@@ -54,8 +50,7 @@ def hold_to_cap(device: torch.device, cap: int | None) -> None:
 
 
 def free_memory(index: int) -> int:
-    """Bytes of GPU ``index`` a new process can give its allocator. Read through NVML (amdsmi on ROCm) where torch
-    can: the runtime's own answer creates a context on the device, holding memory on a GPU the workers need."""
+    """Bytes of GPU ``index`` a new process can give its allocator, through NVML where it can (not a CUDA context)."""
     total = torch.cuda.get_device_properties(index).total_memory
     try:
         free = total - torch.cuda.device_memory_used(index)
@@ -65,15 +60,12 @@ def free_memory(index: int) -> int:
 
 
 def release_cached(device: torch.device) -> None:
-    """Collect the objects only cycles kept, and give the allocator's cached blocks back to the device."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    unmap_free(device)
 
 
 def unmap_free(device: torch.device) -> None:
-    """Give the device back the memory no tensor holds, between phases of a request: blocks one phase freed would
-    otherwise stay mapped beside the next phase's, adding to the peak a cap bounds (docs/benchmarks.md)."""
+    """Give the device back the memory no tensor holds, between phases of a request (lowers the peak a cap bounds)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -82,23 +74,19 @@ def reporting_out_of_memory(
     call: Callable[[], Result], stage: Callable[[], str], device: torch.device, budget: MemoryBudget
 ) -> Result:
     """``call()``, its device out-of-memory error raised as ``OutOfMemory``'s one line once its tensors are freed."""
+    gib = 2**30
     try:
         return call()
     except torch.OutOfMemoryError as exc:
-        error = out_of_memory(str(exc), stage(), device, budget)
-    # Past the except block the failed frames (and the tensors they held) are gone.
+        tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", str(exc))
+        figures = [f"{tried[1]} more was asked for"] if tried else []
+        if device.type == "cuda":
+            held, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)
+            figures.append(f"{held / gib:.1f} GiB was held by PyTorch (peak {peak / gib:.1f} GiB)")
+        if budget.estimate is not None:
+            figures.append(f"against the plan's {budget.estimate / gib:.1f} GiB for {budget.limit}")
+        line = f"out of memory on {device} {stage()}: {', '.join(figures) or exc}"
+        error = OutOfMemory(line + (f"; to need less: {budget.advice}" if budget.advice else ""))
+    # Past the except block the failed frames (and their tensors) are gone.
     release_cached(device)
     raise error
-
-
-def out_of_memory(message: str, stage: str, device: torch.device, budget: MemoryBudget) -> OutOfMemory:
-    gib = 2**30
-    tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", message)
-    figures = [f"{tried[1]} more was asked for"] if tried else []
-    if device.type == "cuda":
-        held, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)
-        figures.append(f"{held / gib:.1f} GiB was held by PyTorch (peak {peak / gib:.1f} GiB)")
-    if budget.estimate is not None:
-        figures.append(f"against the plan's {budget.estimate / gib:.1f} GiB for {budget.limit}")
-    line = f"out of memory on {device} {stage}: {', '.join(figures) or message}"
-    return OutOfMemory(line + (f"; to need less: {budget.advice}" if budget.advice else ""))

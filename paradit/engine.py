@@ -1,5 +1,4 @@
-"""The Engine: runs a loaded pipeline, in this process or a group of workers. A request that fails to resolve raises
-``InvalidRequest`` before any worker sees it, leaving the engine ready for the next one."""
+"""The Engine: runs a loaded pipeline, in this process or a group of workers."""
 
 from __future__ import annotations
 
@@ -25,15 +24,8 @@ Request = GenerationRequest | ResolvedRequest
 
 
 class Engine:
-    """``Engine(model="flux2-dev").generate(GenerationRequest(prompt="..."))``.
-
-    The arguments are ``Asked``'s fields (their help: ``paradit generate --help``), settled before anything loads;
-    ``request`` is settled with them (``generate()`` then runs it), and ``settings`` (``settle``'s) replaces them all.
-    A plan of more than one GPU spawns a worker process per GPU of this host, from ``device``'s index on (CPU
-    processes joined by gloo on ``cpu``, ``cpu_threads`` each); ``isolate`` spawns one for a one-GPU plan too, so that
-    a crash of the model code cannot take the caller down. Under torchrun each process is one worker of the group, and
-    ``generate`` returns None off rank 0.
-    """
+    """``Engine(model="flux2-dev").generate(GenerationRequest(prompt="..."))``: ``Asked``'s fields, settled with
+    ``request``; a worker process per GPU (``isolate``: even one); under torchrun ``generate`` is None off rank 0."""
 
     def __init__(
         self,
@@ -69,7 +61,7 @@ class Engine:
         self.parallel, self.options = settings.parallel, settings.options
         self.memory_cap, self.memory_plan = settings.memory_cap, settings.memory_plan
         self.text_encoder_placement = settings.text_encoder_placement
-        plan = WorkerPlan(
+        self._plan = WorkerPlan(
             self.spec,
             self.device.type,
             self.dtype,
@@ -80,17 +72,15 @@ class Engine:
             vae_tiled=self.memory_plan is not None and self.memory_plan.vae_tiled,
             budget=settings.memory_budget,
         )
-        self._plan = plan
-        # pipeline: the one this process runs (None when the work happens in spawned worker processes)
         self.pipeline = self._group = self._signals = None
         self._closed = False
         if self.parallel.world_size == 1 and not isolate and not self.parallel.shard_weights:
-            self.pipeline = build_pipeline(plan, 0, self.device.index or 0)
+            self.pipeline = build_pipeline(self._plan, 0, self.device.index or 0)
             self._signals = StepSignals(1)
         elif launched_by_torchrun():  # each process is its own engine: there is no one to agree a cancellation with
-            self.pipeline = build_pipeline(plan, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
+            self.pipeline = build_pipeline(self._plan, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
         else:
-            self._group = WorkerGroup(plan, self.device.index or 0, cpu_threads)
+            self._group = WorkerGroup(self._plan, self.device.index or 0, cpu_threads)
             self._signals = self._group.signals
 
     def check(self, request: GenerationRequest) -> ResolvedRequest:
@@ -100,10 +90,8 @@ class Engine:
     def generate(
         self, request: Request | list[Request] | None = None, progress: bool = False
     ) -> GenerationResult | list[GenerationResult] | None:
-        """The request's result; for a list of requests that can share a batch, one batch and a list of results, each
-        what its request gives alone. A resolved request runs as it is; RequestCancelled when ``cancel`` stopped it."""
-        # Resolved here once, each seed drawn here: the ranks run what they are sent, and a seed each rank drew for
-        # itself would give each rank other noise, and the result a seed that is not its image's.
+        """The request's result; for a list of requests that can share a batch, one batch and a list of results."""
+        # Resolved here once, each seed drawn here: a seed each rank drew for itself would give each rank other noise.
         request = self.settings.request if request is None else request
         if request is None:
             raise InvalidRequest("generate() needs a request: this engine was settled for none")
@@ -148,7 +136,6 @@ class Engine:
 
     @property
     def worker_pids(self) -> list[int]:
-        """The process ids of the spawned workers (none when the engine runs in this process)."""
         return [] if self._group is None else [process.pid for process in self._group.processes]
 
     @property

@@ -8,8 +8,7 @@ class ParaditError(Exception):
 
 
 class InvalidRequest(ParaditError, ValueError):
-    """A request or setting that cannot be served as given; ``param``: the request's field at fault, where one is
-    (``size`` for a height or width), for the server's answer."""
+    """A request or setting that cannot be served as given; ``param``: the request's field at fault, if any."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -31,7 +30,7 @@ class OutOfMemory(ParaditError):
 
 
 def report_warnings() -> None:
-    """paradit's warnings (a prompt cut short, ...) as one line each on stderr, in every process of a run."""
+    """paradit's warnings as one line each on stderr, in every process of a run."""
     import logging
 
     logging.basicConfig(format="paradit: %(levelname)s: %(message)s", level=logging.WARNING)

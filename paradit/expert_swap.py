@@ -1,7 +1,4 @@
-"""Two experts on a card that holds one (Wan 2.2 A14B): the idle expert's tensors wait in pinned host memory. Not
-accelerate's offloading hooks, which move a module block by block around every forward: an expert serves a run of
-consecutive steps, and one bulk copy per switch costs a fraction of one step. The tensors are swapped in place
-(``Parameter.data``, buffer slots), so compiled blocks, FP8 linears and parallel wrappers keep their modules."""
+"""Two experts on a card that holds one: the idle one waits in host memory, swapped in place (modules are kept)."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from paradit.device_memory import unmap_free
 
 
 def _slots(model: nn.Module) -> list[tuple[nn.Module, str, bool]]:
-    """(module, name, is_parameter) of every tensor ``model`` holds, each once: where it is first found."""
+    """(module, name, is_parameter) of every tensor ``model`` holds, each once."""
     slots = {}
     for module in model.modules():
         for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
@@ -25,8 +22,7 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str, bool]]:
 
 
 class ExpertSwap:
-    """Experts that take turns on ``device``. The leaving one's memory is released before the copy, so the device
-    never holds two; an expert added idle leaves the device at once (so load the idle ones first)."""
+    """Experts that take turns on ``device``, which never holds two (so add the idle ones first)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -47,7 +43,6 @@ class ExpertSwap:
             self._place(name, on_device=False)
 
     def _place(self, name: str, on_device: bool) -> None:
-        """Point ``name``'s tensors at their host copies, or at fresh device copies of them."""
         for (module, leaf, is_parameter), host in zip(self.slots[name], self.host[name]):
             tensor = host.to(self.device, non_blocking=True) if on_device else host
             if is_parameter:

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 PIXELS_PER_IMAGE_TOKEN = 16 * 16  # every image family's latent patch: 1/16 of the pixels per side
-MEMORY_FILE = "memory.json"  # in a family's folder: its working memory measured on the GPU
-FACTS_FILE = "model_facts.json"  # in a family's folder: its transformers' FLOPs and shapes, counted on the meta device
+MEMORY_FILE = "memory.json"  # in a family's folder: working memory measured by benchmarks/memory_estimates.py
+FACTS_FILE = "model_facts.json"  # in a family's folder: FLOPs and shapes counted by benchmarks/model_facts.py
 
 
 def image_tokens(spec: ModelSpec) -> int:
@@ -33,9 +33,7 @@ def image_tokens(spec: ModelSpec) -> int:
 
 @dataclass(frozen=True)
 class Measured:
-    """What was measured of a family's presets, by preset name: working memory (``MEMORY_FILE``, written by
-    ``benchmarks/memory_estimates.py``; ``activations`` by eager or compiled, then bf16 or fp8) and the planner's counts
-    of each transformer (``FACTS_FILE``, by ``benchmarks/model_facts.py``)."""
+    """What was measured of a family's presets, by preset name: working memory and the planner's model facts."""
 
     folder: Path | None = None
     activations: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
@@ -44,7 +42,6 @@ class Measured:
 
     @classmethod
     def read(cls, folder: Path) -> Measured:
-        """Either file may be missing (a family not yet measured on a GPU has no memory.json)."""
         memory = json.loads((folder / MEMORY_FILE).read_text()) if (folder / MEMORY_FILE).is_file() else {}
         return cls(
             folder,
@@ -70,11 +67,9 @@ class SettledRun(Protocol):
 @dataclass(frozen=True)
 class Family:
     name: str
-    # its ``DiffusionPipeline`` class, or a callable choosing by the spec (untyped: the pipeline sits above the record)
-    pipeline: Callable[..., Any]
+    pipeline: Callable[..., Any]  # its DiffusionPipeline class, or a callable choosing by the spec
     diffusers_pipelines: tuple[str, ...]  # the diffusers pipeline classes whose checkpoints it serves
-    # (folder, its model_index.json) -> the ModelSpec: architecture from its configs, defaults from diffusers
-    read_checkpoint: Callable[[Path, dict[str, Any]], ModelSpec]
+    read_checkpoint: Callable[[Path, dict[str, Any]], ModelSpec]  # (folder, its model_index.json) -> its spec
     resolve_request: Callable[[ModelSpec, GenerationRequest], ResolvedRequest]
     uses_cfg: Callable[[ModelSpec, ResolvedRequest], bool]  # two guidance branches a step, by diffusers' rule
     build_transformer: Callable[[ModelSpec], nn.Module]  # the plain transformer (the loader builds it on meta)
@@ -86,6 +81,5 @@ class Family:
     video: bool = False  # whether it makes videos (batch, frames, 3, H, W) rather than images
     sequence_tokens: Callable[[ModelSpec], int] = image_tokens  # tokens a sample's blocks see (memory estimate)
     after_dummy_init: Callable[[nn.Module], None] | None = None  # fills a model's fixed buffers after random init
-    # refuses (InvalidRequest) what the run's plan or options cannot give a request (None: any plan serves any request)
-    check_run: Callable[[SettledRun, ResolvedRequest], None] | None = None
+    check_run: Callable[[SettledRun, ResolvedRequest], None] | None = None  # refuses what a plan cannot give a request
     measured: Measured = Measured()  # what was measured of its presets: ``Measured.read`` of its folder

@@ -1,5 +1,4 @@
-"""Options declared on the fields of the records they set (``option``), and the argparse flags and records derived
-from them. Imports nothing of paradit's records, so that each record's module can declare its own fields' flags."""
+"""Options declared on their records' fields (``option``) and the flags derived from them; imports none of them."""
 
 from __future__ import annotations
 
@@ -21,10 +20,7 @@ REQUIRED = object()  # ``option``'s default for a field that has none
 
 @dataclass(frozen=True)
 class Flag:
-    """How the command line spells an option: ``name`` (None: ``--`` and its field's name, dashes for underscores),
-    ``group``: its heading in the help; ``convert``: the flag's value to the field's (after argparse's ``type``, where a
-    refusal is paradit's own one line); ``http``: the JSON type and pydantic constraints of the field where the
-    server's bodies (``routes``) take it, which ``generate --server`` sends (the server chose the others)."""
+    """How the command line spells an option; ``http``: the field's JSON type and pydantic constraints (``routes``)."""
 
     help: str
     name: str | None = None
@@ -52,7 +48,7 @@ class Flag:
 
 
 def option(default: Any = None, *, factory: Callable[[], Any] | None = None, **flag: Any) -> Any:
-    """A record's field declared as the option ``Flag(**flag)`` (none: a field the Python API sets alone)."""
+    """A record's field declared as the option ``Flag(**flag)`` (no flag: a field the Python API sets alone)."""
     metadata = {OPTION: Flag(**flag)} if flag else {}
     if default is REQUIRED:
         return field(metadata=metadata)
@@ -75,13 +71,11 @@ def flag_of(each: dataclasses.Field) -> Flag | None:
 
 
 def flagged_fields(record: type, command: str) -> list[tuple[dataclasses.Field, Flag]]:
-    """The fields of ``record`` that ``command`` takes as flags, with their flags, in declaration order."""
     found = [(each, flag_of(each)) for each in dataclasses.fields(record)]
     return [(each, flag) for each, flag in found if flag is not None and command in flag.commands]
 
 
 def add_flags(parser: argparse.ArgumentParser, command: str, *records: type) -> None:
-    """The flags of ``records`` that ``command`` takes, each under its group's heading."""
     groups: dict[str | None, Any] = {None: parser}
     for record in records:
         for each, flag in flagged_fields(record, command):
@@ -91,7 +85,6 @@ def add_flags(parser: argparse.ArgumentParser, command: str, *records: type) -> 
 
 
 def from_args(record: type, args: argparse.Namespace, command: str, **fields: Any) -> Any:
-    """A ``record`` of the flags given (absent ones keep the field's default) and ``fields``."""
     given = {}
     for each, flag in flagged_fields(record, command):
         value = getattr(args, each.name, None)
@@ -101,7 +94,7 @@ def from_args(record: type, args: argparse.Namespace, command: str, **fields: An
 
 
 def flags_given(args: argparse.Namespace, command: str, *records: type) -> dict[str, Any]:
-    """Every flag of ``records`` that was given (its value differs from argparse's default), by flag name."""
+    """Every flag of ``records`` whose value differs from argparse's default, by flag name."""
     found = {}
     for record in records:
         for each, flag in flagged_fields(record, command):
@@ -112,14 +105,11 @@ def flags_given(args: argparse.Namespace, command: str, *records: type) -> dict[
 
 
 def check_choices(record: Any) -> None:
-    """Refuse a value set through the Python API (argparse checked nothing) that its field's flag does not allow."""
+    """Refuse a value set through the Python API that its field's flag does not allow."""
     for each in dataclasses.fields(record):
         flag, value = flag_of(each), getattr(record, each.name)
         if flag is not None and flag.choices and isinstance(value, str) and value not in flag.choices:
             raise InvalidRequest(f"{flag.name} {value!r} is not allowed; choose one of {', '.join(flag.choices)}")
-
-
-# Readers of the flags' text; argparse shows their refusals as one line (``cli._Parser``).
 
 
 def whole_number(text: str, problem: str) -> int:
@@ -129,16 +119,14 @@ def whole_number(text: str, problem: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} {problem}") from None
 
 
-def positive(text: str) -> int:
-    if (value := whole_number(text, "is not a whole number")) < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 1 or more")
+def at_least(least: int, text: str) -> int:
+    if (value := whole_number(text, "is not a whole number")) < least:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; give {least} or more")
     return value
 
 
-def nonnegative(text: str) -> int:
-    if (value := whole_number(text, "is not a whole number")) < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; give 0 or more")
-    return value
+positive = functools.partial(at_least, 1)
+nonnegative = functools.partial(at_least, 0)
 
 
 def finite(text: str) -> float:

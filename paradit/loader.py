@@ -26,7 +26,7 @@ from paradit.text_encoder import load_prompt_encoder
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """Everything a rank needs to build its part of the pipeline (picklable, sent to each spawned process)."""
+    """Everything a rank needs to build its part of the pipeline (picklable)."""
 
     spec: ModelSpec
     device_type: str
@@ -37,7 +37,7 @@ class WorkerPlan:
     init_method: str = "env://"
     text_encoder_placement: str = "gpu"
     vae_tiled: bool = False  # the memory plan's last resort: every rank decodes the whole latent tile by tile
-    budget: MemoryBudget = MemoryBudget()  # what rank 0 was planned to hold, for an out-of-memory error's line
+    budget: MemoryBudget = MemoryBudget()
 
 
 def load_pipeline(
@@ -49,13 +49,10 @@ def load_pipeline(
     placement: str = "gpu",
     vae_tiled: bool = False,
 ) -> DiffusionPipeline:
-    """This rank's pipeline: its share of the transformers, the prompt encoders on rank 0 alone, the VAE decoding
-    with the group (or, ``vae_tiled``, alone and tile by tile: diffusers' tiling blends the seams, so it differs
-    slightly from the whole decode)."""
+    """This rank's pipeline: its share of the transformers, the prompt encoders on rank 0 alone, the VAE."""
     options = options or ExecutionOptions()
     family = FAMILIES[spec.family]
-    # Swapped experts load one at a time on the device and leave for host memory, the resident one last: the device
-    # never holds two (and random weights and FP8 conversion run at the device's speed).
+    # Swapped experts load one at a time on the device and leave for host memory, the resident one last.
     experts = {}
     swap = ExpertSwap(device) if options.swap_experts and spec.experts else None
     for component, config in {**spec.experts, "transformer": spec.transformer}.items():
@@ -81,7 +78,6 @@ def load_pipeline(
 
 
 def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:
-    """Rank ``rank``'s pipeline, its device's allocator set up and held to the cap, in its group where there is one."""
     device = torch.device("cuda", local_rank) if plan.device_type == "cuda" else torch.device("cpu")
     configure_allocator(device)
     hold_to_cap(device, plan.memory_cap)
@@ -98,6 +94,6 @@ def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> Diff
 def run_requests(
     pipeline: DiffusionPipeline, plan: WorkerPlan, requests: list[ResolvedRequest], progress: bool = False, on_step=None
 ) -> list[GenerationResult] | None:
-    """``pipeline.generate``; running out of device memory is ``OutOfMemory``'s one line, naming the stage."""
+    """``pipeline.generate``, running out of device memory reported as ``OutOfMemory``."""
     generate = functools.partial(pipeline.generate, requests, progress=progress, on_step=on_step)
     return reporting_out_of_memory(generate, lambda: pipeline.stage, pipeline.device, plan.budget)

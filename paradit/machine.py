@@ -32,16 +32,13 @@ class Machine:
         return self.profile if self.virtual else detect_profile(gpus)
 
     def free_memory(self, index: int) -> int:
-        if self.virtual:
-            return self.profile.memory_bytes
-        return free_memory(index)
+        return self.profile.memory_bytes if self.virtual else free_memory(index)
 
     def memory_words(self, free: int, index: int) -> str:
         where = f"an {self.profile.name} GPU" if self.virtual else f"GPU {index}"
         return f"the {free / 2**30:.1f} GiB free on {where}"
 
     def check_fp8(self, device: torch.device) -> None:
-        """Refuse FP8 linears where the device has no FP8 matrix kernels, naming what would run."""
         if not self.virtual:
             from paradit.layers.fp8 import check_fp8_supported
 
@@ -50,7 +47,6 @@ class Machine:
             raise InvalidRequest(f"{self.profile.name} has no FP8 matrix kernels; run without --quantize fp8 (bf16)")
 
     def check_fp8_attention(self, device: torch.device) -> None:
-        """Refuse the FP8 attention kernel where it cannot run, naming what would."""
         if not self.virtual:
             from paradit.layers.fp8_attention import check_fp8_attention  # imports Triton: only runs that use it
 

@@ -1,6 +1,4 @@
-"""What a plan holds on rank 0 (which carries the prompt encoders and the VAE), and the check that it fits under a cap
-or the GPU's free memory before anything loads. Weights are counted on models built on the meta device; working memory
-is each family's as measured on the GPU (``family.Measured``), scaled to the tokens and pixels each rank holds."""
+"""What a plan holds on rank 0 (weights counted on the meta device, working memory as measured), and that it fits."""
 
 from __future__ import annotations
 
@@ -23,14 +21,10 @@ from paradit.quantize import quantizable
 from paradit.spec import ModelSpec
 from paradit.text_encoder import converts_to_fp8, load_prompt_encoder
 
-TEXT_ENCODER_PLACEMENTS = ("auto", *PLACEMENTS)
 VIDEO_FRAMES_MEASURED = 81
-# Over the measured working memory (max_memory_allocated): what the caching allocator holds past it (with expandable
-# segments: 0.3 to 2.5 GiB on one H100, the most for Wan 2.2 A14B at 720p) and what a measurement at other sizes varies
-# by. Every peak the allocator held is within it (docs/benchmarks.md, issue 48).
+# Over measured working memory: the allocator's extra (0.3 to 2.5 GiB on one H100) and sizes' variation (issue 48).
 WORKING_MARGIN = 1.2
-# What a run holds past the counted weights and working sets (the encoders' untied copies, the kernels' workspaces):
-# measured at up to 0.58 GiB (SD3.5's three encoders).
+# Held past the counted weights and working sets (untied encoder copies, kernel workspaces): up to 0.58 GiB (SD3.5).
 RUNTIME_BYTES = 3 * 2**28
 _PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
 _UNITS = {
@@ -46,7 +40,7 @@ def gib(size: int) -> str:
 
 
 def parse_size(text: str | int) -> int:
-    """'32GiB', '30GB', '512MiB' (text needs its unit: a bare 32 could be bytes or GiB) or a byte count (int)."""
+    """'32GiB', '30GB', '512MiB' (a bare 32 could be bytes or GiB: refused) or a byte count (int)."""
     if isinstance(text, int):
         return text
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
@@ -61,11 +55,6 @@ def parse_size(text: str | int) -> int:
 
 
 def check_placement(placement: str, fp8: bool) -> None:
-    """Refuse an unknown placement, or FP8 prompt encoders in a run that does not execute in FP8."""
-    if placement not in TEXT_ENCODER_PLACEMENTS:
-        raise InvalidRequest(
-            f"text encoder placement {placement!r} is not allowed; choose one of {', '.join(TEXT_ENCODER_PLACEMENTS)}"
-        )
     if placement == "fp8" and not fp8:
         raise InvalidRequest("text encoder placement fp8 needs FP8 execution (--quantize fp8); choose gpu or offload")
 
@@ -74,20 +63,18 @@ def _bytes(modules: list[nn.Module], dtype: torch.dtype) -> int:
     return sum(p.numel() for module in modules for p in module.parameters()) * dtype.itemsize
 
 
+def _fp8_saved(linear: nn.Linear, dtype: torch.dtype) -> int:
+    """What a linear saves in FP8: a byte a weight, but a float32 scale a row."""
+    return linear.weight.numel() * (dtype.itemsize - 1) - linear.out_features * 4
+
+
 def _fp8_bytes(encoders: list[nn.Module], dtype: torch.dtype) -> int:
-    """Resident encoders with their linears in FP8 (``converts_to_fp8``): a byte a weight, a float32 scale a row."""
-    saved = sum(
-        m.weight.numel() * (dtype.itemsize - 1) - m.out_features * 4
-        for encoder in encoders
-        for name, m in encoder.named_modules()
-        if converts_to_fp8(encoder, name, m)
-    )
-    return _bytes(encoders, dtype) - saved
+    converted = [m for encoder in encoders for name, m in encoder.named_modules() if converts_to_fp8(encoder, name, m)]
+    return _bytes(encoders, dtype) - sum(_fp8_saved(linear, dtype) for linear in converted)
 
 
 def _streamed_bytes(encoders: list[nn.Module], dtype: torch.dtype) -> int:
-    """What offloaded encoders keep on the GPU: the most weights one offload hook brings over at a time (one
-    submodule's own parameters), and the buffers, which stay there."""
+    """What offloaded encoders keep on the GPU: the buffers, and the largest module's own parameters (one hook's)."""
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for e in encoders for m in e.modules())
     buffers = sum(b.numel() * b.element_size() for encoder in encoders for b in encoder.buffers())
     return largest * dtype.itemsize + buffers
@@ -102,11 +89,11 @@ class MemoryPlan:
     vae: int
     activations: int
     text_encoder_placement: str = "gpu"
-    vae_tiled: bool = False  # the decode runs tile by tile (diffusers' tiling: bounded memory, blended seams)
+    vae_tiled: bool = False  # the decode runs tile by tile
 
     @property
     def total(self) -> int:
-        """Streamed encoders' working memory comes and goes before the denoise's; the others' weights stay."""
+        """Streamed encoders come and go before the denoise; resident ones stay."""
         streamed = self.text_encoder_placement == "offload"
         working = max(self.activations, self.text_encoders) if streamed else self.activations + self.text_encoders
         return self.transformer + self.vae + working + RUNTIME_BYTES
@@ -121,9 +108,7 @@ class MemoryPlan:
 
 
 def working_units(spec: ModelSpec, table: str, compiled: bool, fp8: bool) -> float:
-    """The measured coefficient ``table`` (``activations`` or ``vae_decode``) of the preset whose architecture ``spec``
-    shares, in this mode. A missing figure takes the largest there is, which errs high: its preset's, else its
-    family's, else any family's."""
+    """The measured ``table`` coefficient of ``spec``'s preset; a missing one takes the largest there is (errs high)."""
     tables = {name: getattr(family.measured, table) for name, family in FAMILIES.items()}
     measured = tables[spec.family]
     preset = measured_preset(spec, measured)
@@ -138,8 +123,7 @@ def working_units(spec: ModelSpec, table: str, compiled: bool, fp8: bool) -> flo
 def _transformer_bytes(
     model: nn.Module, kept: list[nn.Module], dtype: torch.dtype, fp8: bool, keep: tuple[str, ...], tensor: int
 ) -> tuple[int, list[int]]:
-    """Rank 0's share of a transformer: the bytes outside the blocks, and of each ``kept`` block (PipeFusion's first
-    stage) over tensor parallelism; FP8 linears as the conversion makes them."""
+    """Rank 0's share of a transformer: the bytes outside the blocks, and of each ``kept`` block."""
     names = {id(module): name for name, module in model.named_modules()}
     outside, blocks = 0, [0] * len(kept)
     prefixes = tuple(names[id(block)] + "." for block in model_blocks(model))
@@ -147,7 +131,7 @@ def _transformer_bytes(
     for name, module in model.named_modules():
         size = sum(p.numel() for p in module.parameters(recurse=False)) * dtype.itemsize
         if fp8 and quantizable(name, module, keep):
-            size -= module.weight.numel() * (dtype.itemsize - 1) - module.out_features * 4
+            size -= _fp8_saved(module, dtype)
         if not name.startswith(prefixes):
             outside += size
         elif (index := next((i for i, prefix in enumerate(kept_names) if name.startswith(prefix)), None)) is not None:
@@ -156,8 +140,7 @@ def _transformer_bytes(
 
 
 def _resident_bytes(shares: list[tuple[int, list[int]]], swap_experts: bool, shard: int) -> int:
-    """What the transformers' ``shares`` hold on the device: all, or swapped the largest; sharded, 1/N of each and
-    the active one's gathered copies on top: the weights outside its blocks, a block and the next one prefetched."""
+    """All the ``shares``, or swapped the largest; sharded, 1/N of each and the active one's gathered blocks on top."""
     totals = [outside + sum(blocks) for outside, blocks in shares]
     if not shard:
         return max(totals) if swap_experts else sum(totals)
@@ -172,8 +155,6 @@ _BUILT: dict[str, MetaModels] = {}
 
 @dataclass(frozen=True)
 class MetaModels:
-    """A model's transformers, prompt encoder and VAE on the meta device: what an estimate counts."""
-
     transformers: list[nn.Module]
     encoder: Any
     vae: nn.Module
@@ -181,7 +162,6 @@ class MetaModels:
     @classmethod
     def build(cls, spec: ModelSpec, dtype: torch.dtype) -> MetaModels:
         """Built once per architecture and dtype: ``settle`` and the planner estimate the same model many times."""
-        # What the models are built from: their configs and the family's own details, not the sizes or weights.
         key = repr((spec.family, spec.transformer, spec.experts, spec.text_encoder, spec.vae, spec.details, dtype))
         if key not in _BUILT:
             if len(_BUILT) >= BUILT_KEPT:
@@ -208,16 +188,14 @@ def estimates(
     extra_tokens: int = 0,
     fp8_attention: bool = False,
 ) -> dict[str, MemoryPlan]:
-    """Rank 0's plan for each prompt encoder placement. ``compiled``: regional compilation, whose fused blocks hold
-    less working memory; ``adapter_bytes``: LoRA side paths beside the weights; ``extra_tokens``: what a request's
-    inputs add to each sample's sequence (FLUX.2's reference images)."""
+    """Rank 0's plan for each prompt encoder placement; ``extra_tokens``: what a request's inputs add to a sample."""
     family = FAMILIES[spec.family]
     built = built or MetaModels.build(spec, dtype)
     models, encoder, vae = built.transformers, built.encoder, built.vae
     transformer = models[0]
 
     def rank0_blocks(model: nn.Module) -> list[nn.Module]:
-        """PipeFusion keeps only the first stage's blocks on rank 0 (without it, the one stage is every block)."""
+        """PipeFusion's first stage (without it, every block)."""
         blocks = model_blocks(model)
         return [blocks[i] for i in stage_range(len(blocks), parallel.pipefusion, 0)]
 
@@ -234,8 +212,7 @@ def estimates(
     element = dtype.itemsize
     units = working_units(spec, "activations", compiled, fp8)
     block_activations = units * batch * local_tokens * width * element / parallel.tensor
-    # A video decode's working set grows with its frames past the 81 it was measured at, and not below them (its
-    # causal cache holds a few frames at a time).
+    # A video decode's working set grows with its frames past the 81 it was measured at, not below (its causal cache).
     frames = max(1.0, (spec.frames or 1) / VIDEO_FRAMES_MEASURED) if family.video else 1.0
     height, width_px = spec.height, spec.width
     if vae_tiled:  # every rank decodes the whole latent, one tile at a time (its side as diffusers' VAE sets it)
@@ -278,31 +255,15 @@ def check_fits(
     cap: int,
     placement: str = "auto",
     swap_experts: bool = False,
-    compiled: bool = False,
-    adapter_bytes: int = 0,
-    extra_tokens: int = 0,
     limit: str | None = None,
-    fp8_attention: bool = False,
+    **sizing: Any,
 ) -> MemoryPlan:
-    """The first plan that fits rank 0 under ``cap``, the prompt encoders placed as asked or, for ``auto``, resident,
-    else in FP8 (FP8 runs), else offloaded; only then the same with a tiled VAE decode; else an InvalidRequest with
-    the numbers. ``limit``: what ``cap`` is, in words (default: the ``--max-gpu-memory`` it was given as)."""
+    """The first plan under ``cap`` (``limit``: in words): encoders as asked or resident, FP8, offloaded; then tiled."""
     check_placement(placement, fp8)
     candidates = [p for p in PLACEMENTS if p != "fp8" or fp8] if placement == "auto" else [placement]
     tried = []
     for vae_tiled in (False, True):
-        plans = estimates(
-            spec,
-            parallel,
-            dtype,
-            fp8,
-            swap_experts,
-            vae_tiled,
-            compiled,
-            adapter_bytes=adapter_bytes,
-            extra_tokens=extra_tokens,
-            fp8_attention=fp8_attention,
-        )
+        plans = estimates(spec, parallel, dtype, fp8, swap_experts, vae_tiled, **sizing)
         for plan in [plans[p] for p in candidates]:
             if plan.total <= cap:
                 return plan
@@ -323,7 +284,7 @@ def cap_words(cap: int) -> str:
 def lowering_options(
     spec: ModelSpec, parallel: ParallelConfig, fp8: bool, placement: str, swap_experts: bool
 ) -> list[str]:
-    """The options that would make such a run hold less on rank 0, in the order worth trying."""
+    """The options that would make a run hold less on rank 0, in the order worth trying."""
     advice = ["give more GPUs to the plan (--shard-weights or --tensor shards the weights)"]
     advice += [] if fp8 else ["use --quantize fp8"]
     advice += [] if placement == "offload" else ["--text-encoder-placement offload"]

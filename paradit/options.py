@@ -1,5 +1,4 @@
-"""What a run, a server and the commands' own flags are asked for, each option declared on its record's field, and
-what does not combine (``CONFLICTS``). Imports nothing heavy: the command line builds its parser before torch loads."""
+"""The records a run, a server and each command take, and ``CONFLICTS``; nothing heavy: parsers come before torch."""
 
 from __future__ import annotations
 
@@ -30,23 +29,18 @@ ATTENTIONS = ("sdpa", "fp8")
 PLACEMENTS = ("gpu", "fp8", "offload")  # where the prompt encoders live (``text_encoder``)
 LINKS = ("nvlink", "pcie", "measure")
 
-# --verify-serial: the least PSNR against the one-process image that a lossy plan must keep (measured CPU deviations
-# of PipeFusion and FP8 transport on the tiny models sit well above it: docs/benchmarks.md).
+# --verify-serial's least PSNR for lossy plans (tiny models' measured deviations sit well above: docs/benchmarks.md).
 LOSSY_PSNR_DB = 30.0
 
-EXECUTION = "how the run executes"
 MEMORY = "memory"
-LORA = "LoRA adapters (applied to the transformer)"
-SERVED_LORA = "LoRA adapters each request may choose (its lora field)"
-execution_option = functools.partial(option, group=EXECUTION)
-lora_option = functools.partial(generate_option, group=LORA)
-served_lora_option = functools.partial(serve_option, group=SERVED_LORA)
+execution_option = functools.partial(option, group="how the run executes")
+lora_option = functools.partial(generate_option, group="LoRA adapters (applied to the transformer)")
+served_lora_option = functools.partial(serve_option, group="LoRA adapters each request may choose (its lora field)")
 
 
 @dataclass(frozen=True)
 class ExecutionOptions:
-    """How the transformers execute. None leaves ``quantize``, ``cuda_graphs`` and ``swap_experts`` to the tuned
-    configuration or the planner, and ``compile`` to the device; ``lora``'s flags are ``LoraFlags``."""
+    """How the transformers execute; None leaves the choice to the tuned configuration, the planner or the device."""
 
     quantize: str | None = execution_option(
         choices=QUANTIZATIONS, help="fp8: e4m3 linears (sm89+, MI300, RDNA 4); default none, or the planner's"
@@ -83,8 +77,7 @@ class ExecutionOptions:
 
 @dataclass(frozen=True)
 class Asked:
-    """What a user asked for; None (and ``auto``) leave the choice to paradit. ``comm_dtype``, ``patches``,
-    ``warmup_steps`` and ``shard_weights`` apply on top of whichever plan runs."""
+    """What a user asked for; None (and ``auto``) leave the choice to paradit."""
 
     model: str | ModelSpec = option(
         DEFAULT_MODEL, help="preset name, checkpoint folder or hub id", absent=DEFAULT_MODEL
@@ -180,7 +173,6 @@ class LoraFlags:
 
 
 def group_size(text: str) -> int | str:
-    """GPUs per serving group, or ``auto``."""
     if text == "auto":
         return text
     try:
@@ -234,8 +226,6 @@ class ServeSettings:
 
 @dataclass(frozen=True)
 class GenerateFlags:
-    """``paradit generate``'s own flags."""
-
     out: str | None = generate_option(
         help="image path, its format from the extension (.png, .jpg, .jpeg, .webp); a video's: .mp4 (H.264), or a "
         "folder (or an image extension: x.png -> x/) for one image per frame; with several images or videos, _N is "
@@ -284,8 +274,7 @@ COMMANDS: dict[str, tuple[type, ...]] = {
 
 @dataclass(frozen=True)
 class Conflict:
-    """Options that do not combine: ``applies(parallel, options, device, request)`` (``request``: the resolved
-    request, None where the run's settings are checked alone) and the one line that says so."""
+    """Options that do not combine (``request``: None where the run's settings are checked alone), and the line."""
 
     name: str
     applies: Callable[[ParallelConfig, ExecutionOptions, str, ResolvedRequest | None], bool]
@@ -304,8 +293,7 @@ CONFLICTS = (
         lambda parallel, options, device, request: bool(options.cuda_graphs) and parallel.pipefusion > 1,
         "CUDA graphs do not combine with pipefusion yet; drop --cuda-graphs or --pipefusion",
     ),
-    # A graph replays the addresses it captured, which each gather allocates anew; a swap moves whole tensors, where
-    # sharding keeps 1/N of each expert resident already.
+    # A graph replays the addresses it captured, which each gather allocates anew; sharding keeps 1/N of each expert.
     Conflict(
         "sharded weights with graphs or swapped experts",
         lambda parallel, options, device, request: (
@@ -359,8 +347,7 @@ CONFLICTS = (
         lambda parallel, options, device, request: bool(options.swap_experts and options.lora.cache),
         "--lora-cache does not combine with swapped experts; give --lora-cache 0 (side paths) or drop --swap-experts",
     ),
-    # A decision made at the head block must reach every block of the step before they run: PipeFusion's stages run a
-    # step's blocks patch by patch ahead of it, and a CUDA graph replays one fixed set of blocks.
+    # A skip decided at the head block must reach the step's every block: PipeFusion runs them ahead, a graph fixed.
     Conflict(
         "step caching with pipefusion",
         lambda parallel, options, device, request: _caches(request) and parallel.pipefusion > 1,
@@ -379,7 +366,6 @@ CONFLICTS = (
 def check_conflicts(
     parallel: ParallelConfig, options: ExecutionOptions, device: str, request: ResolvedRequest | None = None
 ) -> None:
-    """Refuse the first row of ``CONFLICTS`` that applies, with its line."""
     for conflict in CONFLICTS:
         if conflict.applies(parallel, options, device, request):
             raise InvalidRequest(conflict.message, param=conflict.param)

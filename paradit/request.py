@@ -17,8 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 SEED_LIMIT = 2**64  # seeds are torch generators' 64-bit seeds: 0 to 2**64 - 1
-# A server's bounds on one request, tighter than the engine's own (``pipelines.requests``), so that no one request holds
-# a shared group for long: a prompt far past what any text encoder reads, steps past any published schedule.
+# A server's bounds on one request, so that none holds a shared group for long (past any encoder's or schedule's).
 MAX_PROMPT_CHARS = 10_000
 SERVED_MAX_STEPS = 500
 CACHE_METHODS = ("first-block", "mag", "taylorseer")
@@ -29,17 +28,14 @@ CACHE_PARAMETERS = {
     "mag": ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios", "calibrate"),
     "taylorseer": ("cache_interval", "disable_cache_before_step", "disable_cache_after_step", "max_order"),
 }
-# ``--scheduler``: diffusers' FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler and DPMSolverMultistepScheduler
-# (DPM-Solver++, second order), the multistep two predicting flow on shifted flow sigmas
+# diffusers' FlowMatchEulerDiscrete, UniPC and DPM-Solver++ 2M schedulers; the multistep two predict flow (shifted)
 SCHEDULERS = ("flow-euler", "unipc", "dpmpp-2m")
 
 
-CACHING = "step caching (skip the blocks of steps that barely change)"
-cache_option = functools.partial(generate_option, group=CACHING)
+cache_option = functools.partial(generate_option, group="step caching (skip the blocks of steps that barely change)")
 
 
 def read_ratios(text: str) -> tuple[float, ...]:
-    """``--cache-mag-ratios``: comma-separated numbers."""
     try:
         return tuple(float(part) for part in text.split(","))
     except ValueError:
@@ -55,18 +51,9 @@ def seed(text: str) -> int | str:
     return value
 
 
-def one_or_many(prompts: list[str]) -> str | list[str]:
-    return prompts[0] if len(prompts) == 1 else prompts
-
-
-def read_images(paths: list[str]) -> list[Image.Image]:
-    return [read_image(path) for path in paths]
-
-
 @dataclass(frozen=True)
 class StepCacheConfig:
-    """Step caching: a method with the parameters of diffusers' config of it that ``CACHE_PARAMETERS`` lists, by their
-    names and with their defaults (``threshold`` unset: the method's in ``CACHE_THRESHOLDS``)."""
+    """Step caching: a method and the parameters of its diffusers config (``CACHE_PARAMETERS``), by their names."""
 
     method: str = cache_option(
         name="--cache",
@@ -122,7 +109,7 @@ class GenerationRequest:
         REQUIRED,
         action="append",
         required=True,
-        convert=one_or_many,
+        convert=lambda prompts: prompts[0] if len(prompts) == 1 else prompts,
         help="repeat for several prompts in one batch",
     )
     negative_prompt: str | list[str] | None = generate_option(
@@ -172,7 +159,7 @@ class GenerationRequest:
     )
     image: Image.Image | list[Image.Image] | None = generate_option(
         action="append",
-        convert=read_images,
+        convert=lambda paths: [read_image(path) for path in paths],
         help="an input image, repeatable where the model takes several: image-to-video's first frame, a reference to "
         "edit from, image-to-image's start",
     )
@@ -194,9 +181,8 @@ class GenerationRequest:
         routes=("videos",),
         help="video models: frames per second of the MP4 (default: the model's)",
     )
-    # a server's named LoRA adapters for this request, with their scales (None: the engine's own; () none of them)
-    lora: tuple[tuple[str, float], ...] | None = None
-    cache: StepCacheConfig | None = None  # step caching (None: every step runs every block; its flags: StepCacheConfig)
+    lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters and scales (None: the engine's; (): none)
+    cache: StepCacheConfig | None = None  # step caching (None: every step runs every block)
     scheduler: str | None = generate_option(
         choices=SCHEDULERS,
         http=(Literal[*SCHEDULERS] | None, dict(description="the sampler (default: the model's)")),
@@ -255,9 +241,8 @@ class Timings:
     peak_memory_per_rank: list[int] = field(default_factory=list)  # in a group: every rank's peak, rank order
     comm_bytes_per_step: int = 0  # sent by the rank that reports, per denoise step
     plan: str = "1 GPU"
-    text_encoders: str = "gpu"  # their placement on rank 0 (text_encoder.PLACEMENTS)
-    # what the request's features reported, by name: "step_cache", what step caching skipped (a CacheRecord)
-    features: dict[str, Any] = field(default_factory=dict)
+    text_encoders: str = "gpu"  # their placement on rank 0
+    features: dict[str, Any] = field(default_factory=dict)  # what the request's features reported, by name
 
     @property
     def median_step_ms(self) -> float:
@@ -268,8 +253,7 @@ class Timings:
 
 @dataclass
 class GenerationResult:
-    """``pixels``: (batch, 3, H, W) float in [0, 1] on the CPU before 8-bit quantisation, (batch, frames, 3, H, W) for
-    video; ``images``: PIL, one per image or all videos' frames in order; ``frames``: each video's PIL frames."""
+    """``pixels``: (batch, 3, H, W) in [0, 1] on the CPU before 8-bit quantising; (batch, frames, 3, H, W): video."""
 
     pixels: torch.Tensor
     seed: int
@@ -288,6 +272,6 @@ class GenerationResult:
 
     @property
     def frames(self) -> list[list[Image.Image]]:
-        """Each video's frames (an image result: each image as a one-frame video)."""
+        """Each video's frames (each image as a one-frame video)."""
         images, count = self.images, self.pixels.shape[1] if self.is_video else 1
         return [images[i : i + count] for i in range(0, len(images), count)]

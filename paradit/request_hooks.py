@@ -1,5 +1,4 @@
-"""Per-request features as hooks of the denoise loop, so that ``DiffusionPipeline.generate`` stays the skeleton; here,
-below every module that has a feature, so that any of them can implement the protocol."""
+"""Per-request features as hooks of the denoise loop, so that ``DiffusionPipeline.generate`` stays the skeleton."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Denoise:
-    """A batch's denoise loop as its hooks see it before the first step (a hook may replace where it starts);
-    ``guided``: the model sees [conditional; unconditional] rows; ``features``: ``Timings.features``."""
+    """A batch's denoise loop before its first step (a hook may replace where it starts); ``guided``: [cond; uncond]."""
 
     requests: list[ResolvedRequest]
     request: ResolvedRequest
@@ -31,8 +29,7 @@ class RequestHook:
     """A per-request feature. Each call does nothing unless the feature needs it."""
 
     def begin_request(self, request: ResolvedRequest) -> None:
-        """Before the request's first work, ahead of its clock and of its peak memory's reset (a choice of adapters,
-        whose merge the timings leave out)."""
+        """Before the request's first work, ahead of its clock and of its peak memory's reset."""
 
     def begin_denoise(self, denoise: Denoise) -> None:
         """Once the schedule is set, before the first step."""

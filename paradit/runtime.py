@@ -1,8 +1,4 @@
-"""The transformer a rank runs, built in one fixed order of steps on the plain model. Why this order: the FP8
-attention kernel goes in before parallelism wraps each module's kernel; parallelism runs on the meta device, so only
-the tensors the rank keeps are ever read; LoRA side paths go in while each linear is still the plain model's; with
-sharded weights each block is sharded as soon as it has loaded, so no more than one block is ever whole; CUDA graphs
-wrap whatever the steps before made the forward."""
+"""The transformer a rank runs, built in one fixed order of steps on the plain model (the reasons at each step)."""
 
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ from paradit.cuda_graphs import GraphedModule
 from paradit.family import Family
 from paradit.layers.attention import apply_fp8_attention
 from paradit.layers.fp8 import fp8_dtype
-from paradit.lora.adapters import LowRank
 from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
 from paradit.lora.refs import adapter_key
 from paradit.lora.variants import AdapterChoice
@@ -30,13 +25,12 @@ from paradit.parallel.shard import shard_module, shard_root
 from paradit.quantize import fp8_load
 from paradit.request_hooks import RequestHook
 from paradit.spec import CheckpointFolder, Fp8PresetFolder, ModelSpec
-from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, TensorSlice, TensorSource, materialize
+from paradit.weights import CheckpointTensors, DummyTensors, ModelNames, TensorSource, materialize
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """A transformer as this rank runs it: ``forward`` is called in the model's place; ``adapters``: those every
-    request runs with, in words, for the error a NaN prediction becomes."""
+    """``forward`` is called in the model's place; ``adapters``: those every request runs with, in words."""
 
     parallel: Parallelized
     forward: nn.Module
@@ -57,8 +51,7 @@ def load_transformer(
     options: ExecutionOptions | None = None,
     component: str = "transformer",
 ) -> Runtime:
-    """This rank's transformer from ``spec``'s ``component`` (``spec.transformer`` is its config). FP8 is not checked
-    here: converting on the CPU is allowed (``settings.check_execution`` guards execution)."""
+    """This rank's transformer from ``spec``'s ``component``; FP8 support is not checked (the CPU may convert)."""
     options = options or ExecutionOptions()
     with torch.device("meta"):
         model = family.build_transformer(spec).eval()
@@ -68,48 +61,31 @@ def load_transformer(
     shard = context if context is not None and context.config.shard_weights else None
     hooks: list[RequestHook] = []
 
-    if options.attention == "fp8":
+    if options.attention == "fp8":  # before parallelism wraps each module's kernel
         hooks.append(apply_fp8_attention(model, options.attention_bf16_steps))
-    parallel = parallelize(model, family.tensor_plan, context)
-    if updates and not lora.fused:  # a server's named adapters start unchosen; a run's all apply at their scales
+    parallel = parallelize(model, family.tensor_plan, context)  # on meta: only the kept tensors are ever read
+    # While each linear is still the plain model's. A server's named adapters start unchosen; a run's all apply.
+    if updates and not lora.fused:
         scales = {} if lora.switchable else {adapter_key(ref, index): 1.0 for index, ref in enumerate(refs)}
         add_side_paths(model, names, updates, parallel.slices, device, dtype, scales, lora.switchable)
-    fused = updates if lora.fused else {}
-    load_weights(model, names, family, spec, component, device, dtype, options.quantize, parallel.slices, fused, shard)
+    # An FP8 checkpoint's linears load as FP8 whatever ``quantize`` says; fused adapters are added as weights load.
+    fp8 = fp8_load(model, names, spec.transformer, options.quantize, fp8_dtype(device), family.keep_high_precision)
+    with component_tensors(family, spec, component, model, device, dtype) as source:
+        source = FusedLoraTensors(source, updates) if updates and lora.fused else source
+        if shard is not None:  # each block sharded as soon as it has loaded: no more than one is ever whole
+            for block in model_blocks(model):
+                materialize(block, names, source, parallel.slices, fp8)
+                shard_module(block, shard)
+        materialize(model, names, source, parallel.slices, fp8)
     if updates and lora.switchable:
         hooks.append(AdapterChoice(model, lora.cache))
     forward = parallel.forward if shard is None else shard_root(parallel.forward, model, shard)
     if options.compiles(device):
         compile_blocks(model)
-    if options.cuda_graphs:
+    if options.cuda_graphs:  # last: a graph wraps whatever the steps before made the forward
         forward = GraphedModule(forward)
     applied = () if lora.switchable else tuple(f"{ref.source} at scale {ref.scale:g}" for ref in refs)
     return Runtime(parallel, forward, tuple(hooks), applied)
-
-
-def load_weights(
-    model: nn.Module,
-    names: ModelNames,
-    family: Family,
-    spec: ModelSpec,
-    component: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    quantize: str,
-    slices: dict[str, TensorSlice],
-    fused: dict[str, list[tuple[str, LowRank]]],
-    shard: ParallelContext | None,
-) -> None:
-    """Every tensor the (parallelized, still meta) ``model`` kept, of its ``slices`` only their share; an FP8
-    checkpoint's linears load as FP8 whatever ``quantize`` says; ``fused``: adapters' updates added as weights load."""
-    fp8 = fp8_load(model, names, spec.transformer, quantize, fp8_dtype(device), family.keep_high_precision)
-    with component_tensors(family, spec, component, model, device, dtype) as source:
-        source = FusedLoraTensors(source, fused) if fused else source
-        if shard is not None:
-            for block in model_blocks(model):
-                materialize(block, names, source, slices, fp8)
-                shard_module(block, shard)
-        materialize(model, names, source, slices, fp8)
 
 
 @contextlib.contextmanager

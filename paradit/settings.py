@@ -1,5 +1,4 @@
-"""``settle``, the one front door: what a user asked (``Asked``, from every command and the ``Engine``) and its request
-become the checked settings a run executes with and the request resolved once, before anything loads."""
+"""``settle``, the one front door: what a user asked and its request become the checked settings a run executes with."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
         return dtype
     if dtype is None:
         return torch.bfloat16 if device.type != "cpu" else torch.float32
-    return DTYPES[dtype]  # one ``check_choices`` allowed
+    return DTYPES[dtype]
 
 
 def parse_device(device: str | torch.device | None, machine: Machine) -> torch.device:
@@ -53,9 +52,7 @@ def parse_device(device: str | torch.device | None, machine: Machine) -> torch.d
 
 
 def resolve_model(model: str | ModelSpec, load_format: str = "auto", allow_pickle: bool = False) -> ModelSpec:
-    """The spec of a preset, checkpoint folder or hub id (a ModelSpec is one already): a preset with a hub id resolves
-    to its checkpoint; ``dummy`` (or a preset without a checkpoint) gives random weights of the same architecture.
-    Every caller has checked ``load_format`` against ``options.LOAD_FORMATS`` (argparse or ``check_choices``)."""
+    """The spec of a preset (with a hub id: its checkpoint), checkpoint folder or hub id; ``dummy``: random weights."""
     if isinstance(model, ModelSpec):
         return model
     path = Path(model).expanduser()
@@ -84,8 +81,7 @@ def launched_by_torchrun() -> bool:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What a run executes with, settled and checked. ``memory_plan``: None where none was made (the CPU without a
-    cap); ``origin``: where a tuned or planned choice came from; ``memory_limit``: what it was made for, in words."""
+    """What a run executes with, settled and checked; ``memory_limit``: what the memory plan was made for, in words."""
 
     spec: ModelSpec
     device: torch.device
@@ -97,7 +93,7 @@ class RunSettings:
     text_encoder_placement: str = "gpu"
     origin: str | None = None
     memory_limit: str | None = None
-    request: ResolvedRequest | None = None  # the one request it was settled for, resolved (the command line's)
+    request: ResolvedRequest | None = None  # the one request it was settled for, resolved
 
     @property
     def family(self):
@@ -105,7 +101,6 @@ class RunSettings:
 
     @property
     def memory_budget(self) -> MemoryBudget:
-        """What rank 0 was planned to hold, for the line an out-of-memory error becomes."""
         if self.memory_plan is None:
             return MemoryBudget()
         options = self.options
@@ -116,11 +111,10 @@ class RunSettings:
         return MemoryBudget(self.memory_plan.total, self.memory_limit or "", ", ".join(advice))
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        """The one resolution of a request, wherever it arrives: defaults filled in, checked against this run."""
         return self.checked(self.family.resolve_request(self.spec, request))
 
     def checked(self, resolved: ResolvedRequest) -> ResolvedRequest:
-        """A resolved request checked against this run's plan and options (the family's rules, ``CONFLICTS``)."""
+        """Refuse what this run's plan and options cannot give ``resolved`` (the family's rules, ``CONFLICTS``)."""
         if self.family.check_run is not None:
             self.family.check_run(self, resolved)
         check_conflicts(self.parallel, self.options, self.device.type, resolved)
@@ -130,9 +124,7 @@ class RunSettings:
 def default_plan_for(
     spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None
 ) -> ParallelConfig:
-    """The plan ``--gpus N`` alone gets: on GPUs of a known hardware profile, the planner's; elsewhere CFG parallel
-    only when the request runs both guidance branches (so that no half of the group idles), the rest Ulysses, then
-    Ring."""
+    """The plan ``--gpus N`` alone gets (``choices``)."""
     resolved = None if request is None else FAMILIES[spec.family].resolve_request(spec, request)
     return choices(Asked(spec, device, gpus=gpus), spec, resolved, Machine.detect())[0]
 
@@ -140,9 +132,7 @@ def default_plan_for(
 def choices(
     asked: Asked, spec: ModelSpec, resolved: ResolvedRequest | None, machine: Machine
 ) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:
-    """What ``asked`` leaves open, chosen for ``resolved`` (None: the model's defaults) on ``machine``: the plan, the
-    execution options, the prompt-encoder placement and where a tuned or planned choice came from. Nothing is checked
-    yet."""
+    """What ``asked`` leaves open (plan, execution options, encoder placement, origin), chosen and unchecked."""
     planned = None
     if asked.parallel is not None:
         parallel = asked.parallel
@@ -190,7 +180,7 @@ def check_execution(spec: ModelSpec, options: ExecutionOptions, device: torch.de
                 f"{spec.name} holds an FP8 transformer, which needs a GPU with FP8 kernels (compute capability "
                 "8.9+, MI300 or RDNA 4); on this device run the checkpoint it was quantized from"
             ) from None
-    if options.quantize == "fp8":
+    elif options.quantize == "fp8":
         machine.check_fp8(device)
     if options.attention == "fp8":
         machine.check_fp8_attention(device)
@@ -201,7 +191,6 @@ def check_execution(spec: ModelSpec, options: ExecutionOptions, device: torch.de
 
 
 def available_memory() -> int | None:
-    """Bytes of memory this machine can give without swapping (Linux's MemAvailable); None where that is unknown."""
     with contextlib.suppress(OSError, StopIteration, ValueError):
         line = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
         return int(line.split()[1]) * 1024
@@ -209,8 +198,7 @@ def available_memory() -> int | None:
 
 
 def check_cpu_group(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtype) -> None:
-    """Refuse, before one starts, more CPU processes than ``PROCESSES_PER_CORE`` a core, or a group whose shares of
-    the transformer's weights alone pass the memory available (a bound that errs low: the rest is not counted)."""
+    """Refuse more CPU processes than the cores take, or a group whose transformer weights alone pass free memory."""
     processes, cores = parallel.world_size, os.cpu_count() or 1
     if processes > PROCESSES_PER_CORE * cores:
         raise InvalidRequest(
@@ -231,8 +219,7 @@ def check_cpu_group(spec: ModelSpec, parallel: ParallelConfig, dtype: torch.dtyp
 
 
 def settle(asked: Asked, request: GenerationRequest | None = None, machine: Machine | None = None) -> RunSettings:
-    """The settings for ``asked`` on ``machine`` (default: this one), sized for its one request when known, which is
-    resolved here once (``RunSettings.request``). Every refusal happens here, before anything loads."""
+    """The settings for ``asked`` on ``machine`` (default: this one), sized for ``request``, resolved here once."""
     machine = machine or Machine.detect()
     check_choices(asked)
     check_choices(asked.options)
@@ -252,8 +239,7 @@ def settle(asked: Asked, request: GenerationRequest | None = None, machine: Mach
         raise InvalidRequest(f"{gpus} GPUs{start} asked for, but this machine has {machine.gpus}")
     check_placement(placement, fp8)
     cap = None if asked.max_gpu_memory is None else parse_size(asked.max_gpu_memory)
-    # Uncapped on GPUs, the plan is made for the memory they have free, so that it places, swaps and tiles as a
-    # capped run would; a cap asked for on the CPU is for the GPU plan it would run.
+    # Uncapped on GPUs, the plan is made for the memory they have free; a cap on the CPU is for the GPU plan.
     limit, limit_words = (cap, cap_words(cap)) if cap is not None else free_limit(device, gpus, machine)
     memory_plan = None
     if limit is not None:  # estimated at the request's size when there is one, else the model's
@@ -279,14 +265,13 @@ def settle(asked: Asked, request: GenerationRequest | None = None, machine: Mach
         try:
             memory_plan = fits(swap_experts=options.swap_experts)
         except InvalidRequest:
-            # Experts that do not fit side by side may take turns: the idle one waits in host memory.
             if options.swap_experts or not spec.experts or parallel.shard_weights:
                 raise
             memory_plan = fits(swap_experts=True)
             options = dataclasses.replace(options, swap_experts=True)
             check_conflicts(parallel, options, device.type)
         placement = memory_plan.text_encoder_placement
-    if device.type == "cpu":  # after the cap's check: a cap asked for on the CPU is for the GPU plan it would run
+    if device.type == "cpu":  # after the cap's check
         check_cpu_group(spec, parallel, dtype)
     placement = "gpu" if placement == "auto" else placement
     settings = RunSettings(spec, device, dtype, parallel, options, cap, memory_plan, placement, origin, limit_words)
@@ -294,7 +279,7 @@ def settle(asked: Asked, request: GenerationRequest | None = None, machine: Mach
 
 
 def free_limit(device: torch.device, gpus: int, machine: Machine) -> tuple[int | None, str | None]:
-    """The free memory of the group's least free GPU and its words; under torchrun each process checks its own."""
+    """The free memory of the group's least free GPU, and in words; under torchrun each process checks its own."""
     if device.type != "cuda":
         return None, None
     first = int(os.environ["LOCAL_RANK"]) if launched_by_torchrun() else device.index or 0

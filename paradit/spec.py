@@ -13,15 +13,13 @@ GuidanceMode = Literal["embedded", "cfg", "none"]
 
 
 def read_configs(module_file: str, name: str = "configs.json") -> dict[str, Any]:
-    """The model configs shipped beside a preset module (``module_file``: its ``__file__``), by key; a key ending in
-    ``_changes`` holds only what a config changes of the one the module derives it from."""
+    """The configs beside a preset module; a key ending in ``_changes`` holds only what it changes of another."""
     return json.loads(Path(module_file).with_name(name).read_text())
 
 
 @dataclass(frozen=True)
 class TextEncoderSpec:
-    """A transformers decoder (its ``config``) and how a family reads it: the hidden states of ``layers``,
-    concatenated per token, of prompts of at most ``max_length`` tokens."""
+    """A transformers decoder (its ``config``), read as the hidden states of ``layers`` concatenated per token."""
 
     config: dict[str, Any]
     layers: tuple[int, ...]
@@ -43,7 +41,7 @@ class CheckpointFolder:
 
 @dataclass(frozen=True)
 class RandomWeights:
-    """Seeded random weights (``--load-format dummy``, or a preset without a checkpoint)."""
+    """Seeded random weights."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ class ModelSpec:
 
     @property
     def folder(self) -> Path | None:
-        """The checkpoint folder the prompt encoders and the VAE are read from (None: they are random)."""
+        """Where the prompt encoders and the VAE are read from (None: they are random)."""
         return self.weights.path if isinstance(self.weights, CheckpointFolder) else None
 
     @property

@@ -1,6 +1,4 @@
-"""Worker processes, one per GPU (or CPU process); ``WorkerGroup`` is the engine's side of them. A worker that dies,
-or fails alone and leaves its peers waiting in a collective, stops the group; the group never outlives the engine.
-No heavy imports at the top: a spawned worker sets up its signals and lifeline before importing torch."""
+"""Worker processes and ``WorkerGroup``, the engine's side; a worker sets up its signals before importing torch."""
 
 from __future__ import annotations
 
@@ -36,18 +34,14 @@ if TYPE_CHECKING:
     from paradit.request import GenerationResult, ResolvedRequest
 
 POLL_S = 0.5
-# How long a failed worker's peers get to report that request's end before the group is taken for stuck.
-FAILURE_GRACE_S = 10
+FAILURE_GRACE_S = 10  # a failed worker's peers get this long to end the request before the group is stuck
 CLOSE_S = 30  # idle workers asked to finish get this long, together, before they are terminated
 STOP_S = 10  # terminated workers get this long, together, before they are killed
-# An orphan's grace to unwind after its SIGTERM (a main thread deep in a collective may never reach the handler).
-ORPHAN_EXIT_S = 3
+ORPHAN_EXIT_S = 3  # an orphan's grace to unwind after its SIGTERM
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "paradit.loader"]
-# A Unix socket's path: sun_path holds 108 bytes on Linux and 104 on macOS, the closing NUL included.
-UNIX_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+UNIX_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107  # sun_path's bytes less the closing NUL
 
-# A spawned child re-running an unguarded main script exits with this, a code worker_main never uses.
-UNGUARDED_MAIN_EXIT = 87
+UNGUARDED_MAIN_EXIT = 87  # a spawned child re-running an unguarded main script exits with this
 UNGUARDED_MAIN = (
     'paradit: error: a script that starts worker processes must guard its entry point with `if __name__ == "__main__":`'
     " (spawned workers import the main module)"
@@ -76,9 +70,7 @@ def reportable(error: BaseException) -> ParaditError:
 
 
 class StepSignals:
-    """Progress and cancellation of numbered runs, in memory the engine shares with its workers. The ranks must stop
-    at the same step, or those still running would wait in a collective: ``cancel`` stops one step past the furthest
-    any rank has reported, which no rank has passed and every rank reaches."""
+    """Progress and cancellation of numbered runs, in memory the engine shares with its workers."""
 
     def __init__(self, world_size: int, context: multiprocessing.context.BaseContext | None = None) -> None:
         # [current run, run to stop, steps at which it stops, then (run, steps done) per rank]
@@ -91,15 +83,13 @@ class StepSignals:
             return self._state[0]
 
     def check(self, rank: int, run: int, steps: int) -> None:
-        """Raise RequestCancelled if ``run`` stops once ``rank`` has done ``steps`` steps."""
         with self._state.get_lock():
             self._state[3 + 2 * rank], self._state[4 + 2 * rank] = run, steps
             if self._state[1] == run and steps >= self._state[2]:
                 raise RequestCancelled(f"the request was cancelled after {steps} denoise steps")
 
     def cancel(self) -> None:
-        """Stop the current run at its next step boundary. A stop once set stays: moved, it could let ranks that have
-        not reached it run past those that stopped."""
+        """Stop the run one step past the furthest any rank reported, which all ranks reach; a stop once set stays."""
         with self._state.get_lock():
             run = self._state[0]
             if self._state[1] == run:
@@ -113,10 +103,7 @@ class StepSignals:
 
 
 def worker_context(device_type: str) -> multiprocessing.context.BaseContext:
-    """Forked from a forkserver that preloaded ``FORKSERVER_PRELOAD`` (a group then starts in a fraction of a second),
-    not plain fork: the engine's process may hold CUDA state and threads. Spawned on Windows, under a TMPDIR too deep
-    for the forkserver's socket, and on ROCm, whose imports may initialise the GPU in the forkserver (a child forked
-    after that cannot use it) with no NVML check to steer them off it."""
+    """A forkserver that preloaded ``FORKSERVER_PRELOAD``; spawn where it cannot serve, and on ROCm (CUDA checks)."""
     from unittest import mock
 
     import torch
@@ -128,9 +115,7 @@ def worker_context(device_type: str) -> multiprocessing.context.BaseContext:
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)  # read once, when the forkserver first starts
-    # diffusers asks torch.cuda.is_available() at import, which would initialise CUDA in the forkserver and leave its
-    # children unable to use it; with this variable PyTorch answers through NVML instead (the workers get the engine's
-    # environment back).
+    # diffusers asks torch.cuda.is_available() at import; answered through NVML, it initialises no CUDA here.
     with mock.patch.dict(os.environ, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}), sigint_ignored_by_children():
         multiprocessing.forkserver.ensure_running()
     return context
@@ -168,8 +153,7 @@ def worker_main(
     threads: int | None = None,
 ) -> None:
     """Build this rank's pipeline and serve requests until a None; ``streams``: ``EngineStreams``' descriptors."""
-    # A terminal's Ctrl-C reaches the whole process group; the engine stops the workers, which must not answer it
-    # with a traceback each (WorkerGroup starts them with SIGINT ignored where it can, covering start-up too).
+    # A terminal's Ctrl-C reaches the whole process group; the engine stops the workers, without a traceback each.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     threading.Thread(target=exit_with_lifeline, args=(lifeline, rendezvous), name="lifeline", daemon=True).start()
@@ -186,8 +170,7 @@ def worker_main(
 
     from paradit.loader import build_pipeline, run_requests
 
-    # tqdm's default lock is a named semaphore, which a worker killed inside a step (Engine.abort) would leave for the
-    # resource tracker to warn about; one process's one bar needs only a thread lock.
+    # tqdm's default lock is a named semaphore, which a worker killed inside a step (Engine.abort) would leak.
     tqdm.set_lock(threading.RLock())
 
     plan: WorkerPlan = pickle.loads(pickled_plan)
@@ -221,17 +204,13 @@ def worker_main(
 
 
 def exit_on_sigterm(signum: int, frame) -> None:
-    """Leave through Python's exit, so that multiprocessing's finalizers unlink this worker's named semaphores and
-    temporary folders, which the resource tracker would warn about. A second SIGTERM kills at once."""
+    """Leave through Python's exit, so that multiprocessing's finalizers unlink this worker's semaphores and files."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(128 + signum)
 
 
 def exit_with_lifeline(lifeline: Connection, rendezvous: str) -> None:
-    """Once the engine's process is gone, however it died (SIGKILL, the OOM killer), remove the rendezvous folder
-    and end this worker, which would otherwise hold its GPU for good. The engine holds the lifeline's only write end,
-    so the read end is ready exactly when the kernel closes that. Not the parent's PID (a forked worker's is the
-    forkserver), nor prctl(PR_SET_PDEATHSIG): Linux-only, and it fires when the parent *thread* exits."""
+    """Once the engine's process is gone, however it died (it holds the lifeline's only write end), end this worker."""
     wait([lifeline])
     shutil.rmtree(rendezvous, ignore_errors=True)
     if hasattr(signal, "pthread_kill"):  # POSIX: sent to the main thread, it also interrupts a blocking read there
@@ -242,8 +221,7 @@ def exit_with_lifeline(lifeline: Connection, rendezvous: str) -> None:
 
 @contextlib.contextmanager
 def sigint_ignored_by_children():
-    """Processes started inside inherit SIGINT ignored (Python keeps it so at start-up), so a Ctrl-C while they start
-    prints no traceback. Only the main thread may set handlers; elsewhere worker_main's own call comes later."""
+    """Processes started inside inherit SIGINT ignored, so a Ctrl-C while they start prints no traceback."""
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous is None:
         yield
@@ -256,8 +234,7 @@ def sigint_ignored_by_children():
 
 
 def stop_processes(processes: list[BaseProcess], rendezvous: tempfile.TemporaryDirectory, lifeline: Connection) -> None:
-    """Terminate the workers still running, kill those that outlast ``STOP_S``, and remove the rendezvous folder. The
-    lifeline closes last: closed first, it would make each worker send itself a second SIGTERM, which kills outright."""
+    """Terminate the workers, kill those that outlast ``STOP_S``; the lifeline last (first, it would kill outright)."""
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -276,22 +253,19 @@ class WorkerGroup:
 
     def __init__(self, plan: WorkerPlan, first_device: int = 0, threads: int | None = None) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
-            # A worker re-running a main script that creates an engine at import: the parent reports it once
-            # (_failure). Not SystemExit: the forkserver turns any exception during start-up into exit code 1.
+            # A worker re-running an unguarded main script (not SystemExit: the forkserver would make it exit 1).
             os._exit(UNGUARDED_MAIN_EXIT)
         self.world_size = plan.parallel.world_size
         context = worker_context(plan.device_type)
         self._rendezvous = tempfile.TemporaryDirectory(prefix="paradit-")
         # Pickled here, unpickled by each worker once its signal handling is set up (unpickling imports torch).
         plan = pickle.dumps(dataclasses.replace(plan, init_method=f"file://{self._rendezvous.name}/store"))
-        # Each worker gets a copy of the read end; the write end stays here alone, and closes with this process.
         lifeline, self._lifeline = context.Pipe(duplex=False)
         self.requests = [context.Queue() for _ in range(self.world_size)]
         self.results = context.Queue()
         self.signals = StepSignals(self.world_size, context)
         self.processes: list[BaseProcess] = []  # the started ones: stop_processes joins only those
-        # Runs once: on stop(), when the group is garbage-collected, or at interpreter exit. Registered with atexit too,
-        # so that at exit it runs before multiprocessing's own handler, which joins the workers without a time limit.
+        # Also at exit, before multiprocessing's own handler joins the workers without a time limit.
         self._stop = weakref.finalize(self, stop_processes, self.processes, self._rendezvous, self._lifeline)
         atexit.register(self._stop)
         self._in_flight = False  # a request is being served: close() does not wait for it
@@ -337,8 +311,7 @@ class WorkerGroup:
             return kind, rank, payload
 
     def _failure(self, reporter: int | None = None, error: ParaditError | None = None) -> ParaditError | SystemExit:
-        """Stop the group and say why, in one line. A worker that died outright is the cause, its peers' errors (a
-        collective whose partner vanished) consequences; with none dead, the reported error is the line."""
+        """Stop the group and say why: a worker that died is the cause, its peers' errors consequences."""
         deadline = time.monotonic() + 2 * POLL_S
         while time.monotonic() < deadline and not self._dead(reporter):
             time.sleep(0.05)
@@ -358,8 +331,7 @@ class WorkerGroup:
         return [(r, p.exitcode) for r, p in enumerate(self.processes) if p.exitcode is not None and r != exclude]
 
     def generate(self, request: list[ResolvedRequest], progress: bool = False) -> list[GenerationResult]:
-        """Rank 0's results. An error every rank ends with is raised, the group serving on; one that some ranks fail
-        while the others fall silent stops the group."""
+        """Rank 0's results; an error that leaves other ranks silent stops the group."""
         if not self.processes:
             raise WorkerFailure("this engine's worker group was stopped; create a new Engine")
         self._in_flight = True
