@@ -1,6 +1,5 @@
-"""``paradit`` command line: a thin face over ``paradit.Engine``. An error paradit can name prints one line (exit 2;
-out of device memory 1), an unexpected one a line naming the file that holds its trace (exit 1). Heavy modules are
-imported only by the command that needs them, so that help and refusals answer at once."""
+"""``paradit`` command line over ``paradit.Engine``: a named error prints one line (exit 2; out of device memory 1), an
+unexpected one names the file holding its trace (exit 1). Heavy modules wait for the command needing them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``paradit download`` and ``paradit models --local``. A download fetches only what the loader reads, after checking
-the disk has room: ``model_index.json`` and its components' configs, default-variant safetensors and tokenizer files
-(not root single-file checkpoints, pickle, ONNX/Flax or fp16 copies, often more bytes than the pipeline). No torch."""
+"""``paradit download`` (only the files the loader reads, ``checkpoint.pipeline_patterns``, after checking the disk has
+room) and ``paradit models --local``. No torch."""
 
 from __future__ import annotations
 
@@ -47,11 +46,6 @@ def human_size(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
     return f"{size:.2f} TiB"
-
-
-def free_bytes(folder: Path) -> int:
-    existing = next(path for path in [folder, *folder.parents] if path.exists())
-    return shutil.disk_usage(existing).free
 
 
 @contextmanager
@@ -112,12 +106,10 @@ def download(model: str, local_dir: str | Path | None = None) -> Path:
     reads = {path: size for path, size in sizes.items() if path in selected}
     skips = {path: size for path, size in sizes.items() if path not in selected}
     to_fetch = {file.filename: sizes[file.filename] for file in preview if file.will_download}
-    free = free_bytes(target)
+    free = shutil.disk_usage(next(path for path in [target, *target.parents] if path.exists())).free
     print(f"{repo_id}: {count_files(reads)} the pipeline reads; skipping {count_files(skips)}")
-    if to_fetch:
-        print(f"fetching {count_files(to_fetch)} into {target} ({human_size(free)} free)", flush=True)
-    else:
-        print(f"all of them are already in {target}", flush=True)
+    fetching = f"fetching {count_files(to_fetch)} into {target} ({human_size(free)} free)"
+    print(fetching if to_fetch else f"all of them are already in {target}", flush=True)
     if (needed := sum(to_fetch.values())) > free:
         raise DownloadError(
             f"not enough disk space for {repo_id}: {human_size(needed)} to fetch into {target}, "

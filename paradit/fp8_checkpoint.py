@@ -27,10 +27,8 @@ PRESET_FILE = "paradit_preset.json"  # in an FP8 folder written for a preset: wh
 
 
 def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list[str]:
-    """An FP8 checkpoint folder of ``spec`` at ``out``, its transformer quantized on the CPU; returns the FP8 layers.
-    The other components are hard-linked (copied across file systems); a preset with random weights gets
-    ``PRESET_FILE`` instead, whose encoders and VAE are then drawn at random: a full-size FP8 load path for benchmarks
-    without the real weights. ``dtype``: the layers kept in high precision."""
+    """``spec``'s transformer quantized on the CPU beside its other components, hard-linked (a preset with random
+    weights gets ``PRESET_FILE``, the rest drawn at random when loaded); ``dtype``: the layers kept unquantized."""
     folder = spec.folder
     if folder is None and spec.name not in PRESETS:
         raise InvalidRequest(

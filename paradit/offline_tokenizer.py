@@ -1,6 +1,5 @@
-"""Stand-in tokenizers built in memory, so that a model with random weights (``--load-format dummy``, tiny presets)
-takes a text prompt end to end, offline: byte-level BPE with no merges (every UTF-8 byte a token) plus the chat
-special tokens, and a chat template taking both forms of message content the FLUX.2 pipelines send."""
+"""Stand-in tokenizers built in memory, so that random weights (``--load-format dummy``, tiny presets) take a prompt
+offline: byte-level BPE with no merges plus the chat tokens, and a template taking the FLUX.2 pipelines' messages."""
 
 from __future__ import annotations
 

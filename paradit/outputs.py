@@ -105,25 +105,18 @@ def read_image(path: str, flag: str = "--image"):
             with Image.open(path) as image:  # past PIL's limit (diffusers' too) it raises from the header
                 return rgb_image(image, f"{flag} {path}")
     except Image.DecompressionBombError:
-        width, height = header_size(path)
+        limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # to read the size from the header (one thread)
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
         raise InvalidRequest(
             f"{flag} {path} is {width}x{height} ({width * height:,} pixels), past the {2 * Image.MAX_IMAGE_PIXELS:,} "
             "paradit decodes (PIL's limit, as diffusers' load_image has it); give a smaller image"
         ) from None
     except (OSError, UnidentifiedImageError) as exc:
         raise InvalidRequest(f"{flag} {path} cannot be read as an image ({exc.__class__.__name__}: {exc})") from None
-
-
-def header_size(path: str) -> tuple[int, int]:
-    """An image's size from its header, PIL's pixel limit lifted (the command line reads images on one thread)."""
-    from PIL import Image
-
-    limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-    try:
-        with Image.open(path) as image:
-            return image.size
-    finally:
-        Image.MAX_IMAGE_PIXELS = limit
 
 
 def rgb_image(image, name: str = "image"):

@@ -1,8 +1,5 @@
-"""FP8 linears swapped in from outside the model, and paradit's FP8 checkpoints (``fp8_checkpoint``): a transformer
-whose quantized linears hold an FP8 ``weight`` and a float32 ``weight_scale`` per output channel, marked by a
-``quantization_config`` of its own method, which diffusers refuses rather than read FP8 bytes as weights. The layers
-kept in bf16 (embedders, timestep MLPs, modulation, output) are a small share of the FLOPs but feed every block or the
-prediction directly, so their error is not averaged away: a measured choice."""
+"""FP8 linears swapped in from outside the model, and reading paradit's FP8 checkpoints (FP8 ``weight``, float32
+``weight_scale`` per output channel, a ``quantization_config`` of its own method, which diffusers refuses)."""
 
 from __future__ import annotations
 
@@ -17,6 +14,8 @@ FP8_METHOD = "paradit-fp8"
 CHECKPOINT_FORMAT = torch.float8_e4m3fn  # OCP e4m3, what every FP8 GPU but MI300 multiplies natively
 
 
+# The families' ``keep`` (embedders, timestep MLPs, modulation, output) are few FLOPs but feed every block or the
+# prediction directly, so their FP8 error is not averaged away: a measured choice.
 def quantizable(name: str, module: nn.Module, keep: tuple[str, ...]) -> bool:
     """A linear whose name holds none of the family's ``keep`` fragments, of dimensions the FP8 GEMM takes."""
     if not isinstance(module, nn.Linear) or module.in_features % 16 or module.out_features % 16:
@@ -68,14 +67,12 @@ def fp8_load(
         name = names.module(module)
         if not isinstance(module, nn.Linear) or name is None:
             continue
-        if layers is None:
-            if quantizable(name, module, keep):
-                modules[id(module)] = name
-        elif name in layers:
-            if module.in_features % 16 or module.out_features % 16:
-                raise InvalidRequest(
-                    f"FP8 layer {name} holds {module.out_features} x {module.in_features} features here, which the "
-                    "FP8 GEMM does not take (multiples of 16); choose a smaller tensor degree"
-                )
+        if layers is not None and name in layers and not quantizable(name, module, keep=()):
+            raise InvalidRequest(
+                f"FP8 layer {name} holds {module.out_features} x {module.in_features} features here, which the "
+                "FP8 GEMM does not take (multiples of 16); choose a smaller tensor degree"
+            )
+        wanted = quantizable(name, module, keep) if layers is None else name in layers
+        if wanted:
             modules[id(module)] = name
     return Fp8Load(modules, dtype, frozenset(f"{name}.weight_scale" for name in layers or ()))

@@ -1,6 +1,5 @@
-"""Prompt encoding with a transformers decoder read at chosen hidden layers (only the layers up to the deepest one
-read are built), and the three ways the memory plan places an encoder (``PLACEMENTS``): ``gpu``, resident in the run
-dtype; ``fp8``, resident with FP8 linears; ``offload``, weights in host memory streamed to the device."""
+"""Prompt encoding with a transformers decoder read at chosen hidden layers (built up to the deepest one), and the
+memory plan's placements of an encoder: ``gpu`` (resident), ``fp8`` (resident, FP8 linears), ``offload`` (streamed)."""
 
 from __future__ import annotations
 
@@ -38,10 +37,8 @@ def weights_device(placement: str, device: torch.device) -> torch.device:
 
 
 def random_encoder(build, placement: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """``build()`` (a transformers model) with ``DummyTensors`` weights, loaded where ``placement`` loads weights.
-    transformers' own initialisation draws on the host at ~40M values a second a thread (minutes for FLUX.2-dev's 17B
-    encoder bound for host memory); here each parameter is drawn on ``device`` and moved one at a time, so a memory
-    cap still holds. Buffers (rotary tables) are computed as transformers does; tied weights stay tied."""
+    """``build()`` with ``DummyTensors`` weights, each drawn on ``device`` and moved where ``placement`` loads weights:
+    transformers' init draws ~40M values/s a thread on the host (minutes for FLUX.2-dev's 17B encoder)."""
     if device.type == "meta":  # the memory plan counts tensors: built on meta, transformers initialises nothing
         with init_empty_weights(), torch.device("meta"):
             return build().eval().requires_grad_(False)
@@ -59,10 +56,12 @@ def random_encoder(build, placement: str, device: torch.device, dtype: torch.dty
     return model.to(target).eval().requires_grad_(False)
 
 
-def _move_to_host_buffers(module: nn.Module, pin: bool) -> dict[str, torch.Tensor]:
-    """``module``'s parameters moved one at a time (the peak stays near one encoder) into a few large host buffers,
-    page-locked when ``pin``, by name; the module's left on the meta device. Packed, because PyTorch's pinned allocator
-    rounds each allocation up to a power of two: tensor by tensor, up to twice the encoder's size."""
+def stream_weights(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module``'s weights kept in host memory, each submodule's copied to ``device`` for its forward by accelerate's
+    ``cpu_offload`` hooks: the whole encoder crosses the host link on every encode, with no overlap."""
+    # Moved one at a time (the peak stays near one encoder) into a few large buffers, page-locked on CUDA: PyTorch's
+    # pinned allocator rounds each allocation up to a power of two, tensor by tensor up to twice the encoder's size.
+    pin = device.type == "cuda"
     params = dict(module.named_parameters(remove_duplicate=False))
     size = max(_MIN_HOST_BUFFER, 1 << (max(p.nbytes for p in params.values()) - 1).bit_length())
     moved: dict[str, torch.Tensor] = {}
@@ -78,15 +77,7 @@ def _move_to_host_buffers(module: nn.Module, pin: bool) -> dict[str, torch.Tenso
             used += -(-param.nbytes // 64) * 64  # each tensor starts 64-byte aligned, whatever its dtype
         moved[name] = by_storage[param.data_ptr()]
         set_module_tensor_to_device(module, name, "meta")
-    return moved
-
-
-def stream_weights(module: nn.Module, device: torch.device) -> nn.Module:
-    """``module``'s weights kept in host memory, each submodule's copied to ``device`` for its forward by accelerate's
-    ``cpu_offload`` hooks. The cost: the whole encoder crosses the host link on every encode, with no overlap, and an
-    allocator cache flush per weight (accelerate empties the cache whenever it places a tensor)."""
-    weights = _move_to_host_buffers(module, pin=device.type == "cuda")
-    return cpu_offload(module, execution_device=device, state_dict=weights)
+    return cpu_offload(module, execution_device=device, state_dict=moved)
 
 
 def converts_to_fp8(encoder: nn.Module, name: str, module: nn.Module) -> bool:
@@ -96,21 +87,17 @@ def converts_to_fp8(encoder: nn.Module, name: str, module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def quantize_to(module: nn.Module, device: torch.device) -> nn.Module:
-    """``module`` on ``device``, each linear converted to FP8 as it arrives: never whole there in the run dtype."""
-    dtype = fp8_dtype(device)
-    for name, child in list(module.named_modules()):
-        if converts_to_fp8(module, name, child):
-            owner, _, leaf = name.rpartition(".")  # get_submodule(""): the module itself
-            setattr(module.get_submodule(owner), leaf, Fp8Linear.from_linear(child.to(device), dtype))
-    return module.to(device)
-
-
 def place(module: nn.Module, placement: str, device: torch.device) -> nn.Module:
+    """Under ``fp8``, each linear is converted as it arrives on ``device``: never whole there in the run dtype."""
     if placement == "offload":
         return stream_weights(module, device)
     if placement == "fp8":
-        return quantize_to(module, device)
+        dtype = fp8_dtype(device)
+        for name, child in list(module.named_modules()):
+            if converts_to_fp8(module, name, child):
+                owner, _, leaf = name.rpartition(".")  # get_submodule(""): the module itself
+                setattr(module.get_submodule(owner), leaf, Fp8Linear.from_linear(child.to(device), dtype))
+        return module.to(device)
     return module
 
 

@@ -1,6 +1,5 @@
-"""Weights: the tensors a rank kept after the parallel runtime sharded and pruned the meta-device model, materialised
-one at a time straight into their device and dtype, from memory-mapped safetensors (just a rank's slice) or at random
-(``dummy``): a rank's memory while loading is its share plus at most one full tensor. Keys must match exactly."""
+"""The tensors a rank kept of the meta-device model, materialised one at a time into their device and dtype from
+memory-mapped safetensors (just the rank's slice) or at random (``dummy``): it peaks at its share plus one tensor."""
 
 from __future__ import annotations
 
@@ -89,10 +88,9 @@ class CheckpointTensors(ExitStack):
 
 
 class DummyTensors:
-    """Random weights for speed measurements (vLLM's ``dummy`` format), drawn on the device for a tensor's full shape
-    from a generator seeded by its name, then sliced: every rank holds matching values, whatever else it holds. Std
-    1/sqrt(fan_in) for matrices, 1 for norm weights, 0 for biases and buffers keep activations bounded through deep
-    stacks, so timings are not distorted by inf/NaN arithmetic."""
+    """Random weights (vLLM's ``dummy`` format), drawn whole from a generator seeded by the name, then sliced, so ranks
+    match. Std 1/sqrt(fan_in) for matrices, 1 for norm weights, 0 for biases and buffers keep activations bounded
+    through deep stacks: timings are not distorted by inf/NaN arithmetic."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, buffers: set[str], seed: int = 0) -> None:
         self.device, self.dtype, self.buffers, self.seed = device, dtype, buffers, seed
@@ -161,9 +159,12 @@ def materialize(
     fp8 = fp8 or Fp8Load({}, torch.float8_e4m3fn)
     owners = list(root.modules())
     if hasattr(source, "keys"):  # a checkpoint (random weights have no keys to check)
-        held = [names.tensor(owner, leaf, t)[0] for owner in owners for leaf, t in _own_tensors(owner) if t.is_meta]
-        scales = {scale for name in fp8.modules.values() if (scale := f"{name}.weight_scale") in fp8.scales}
-        _check_keys(source, names.all() | fp8.scales, set(held) | scales)
+        wanted = {names.tensor(owner, leaf, t)[0] for owner in owners for leaf, t in _own_tensors(owner) if t.is_meta}
+        wanted |= {scale for name in fp8.modules.values() if (scale := f"{name}.weight_scale") in fp8.scales}
+        keys = source.keys()
+        mismatches = {"missing": sorted(wanted - keys), "unexpected": sorted(keys - names.all() - fp8.scales)}
+        if parts := [f"{kind} keys {_few(listed)}" for kind, listed in mismatches.items() if listed]:
+            raise CheckpointError(f"checkpoint {source.folder} does not match the model: " + "; ".join(parts))
     done: dict[int, torch.Tensor] = {}
     for owner in owners:
         if id(owner) in fp8.modules:
@@ -206,21 +207,9 @@ def _fp8_linear(
     return Fp8Linear(weight, scale, bias, source.dtype)
 
 
-def _check_keys(source: CheckpointTensors, known: set[str], wanted: set[str]) -> None:
-    keys = source.keys()
-    mismatches = {"missing": sorted(wanted - keys), "unexpected": sorted(keys - known)}
-    if parts := [f"{kind} keys {_few(names)}" for kind, names in mismatches.items() if names]:
-        raise CheckpointError(f"checkpoint {source.folder} does not match the model: " + "; ".join(parts))
-
-
 def _few(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def load_module_weights(module: nn.Module, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
-    with CheckpointTensors(files, device, dtype) as source:
-        materialize(module, ModelNames(module), source)
 
 
 def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:

@@ -17,8 +17,14 @@ from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3
 
 from paradit.families.flux2.presets import FLUX2_SCHEDULER
 from paradit.offline_tokenizer import build_offline_tokenizer
+from paradit.weights import CheckpointTensors, ModelNames, materialize
 
 TEXT_HIDDEN = 16
+
+
+def load_module_weights(module: torch.nn.Module, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
+    with CheckpointTensors(files, device, dtype) as source:
+        materialize(module, ModelNames(module), source)
 
 
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:

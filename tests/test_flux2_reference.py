@@ -10,8 +10,7 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 from paradit import Engine, GenerationRequest
 from paradit.checkpoint import safetensors_files
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
-from paradit.weights import load_module_weights
-from tests.checkpoints import relative_l2
+from tests.checkpoints import load_module_weights, relative_l2
 
 
 def load_ours(folder) -> Flux2Transformer:

@@ -20,9 +20,8 @@ from paradit.families.qwen_image.family import resolve_request, uses_cfg
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
 from paradit.parallel import ParallelConfig
 from paradit.request import StepCacheConfig
-from paradit.weights import load_module_weights
 from tests.checkpoint_cache import cached
-from tests.checkpoints import relative_l2
+from tests.checkpoints import load_module_weights, relative_l2
 from tests.qwen_image_checkpoints import build_qwen_image_checkpoint
 
 CPU = torch.device("cpu")

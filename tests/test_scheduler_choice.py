@@ -250,7 +250,7 @@ def test_the_flags_reach_the_run_and_are_recorded(capsys, tmp_path):
 
 def test_the_http_body_and_the_server_client_carry_the_choice():
     body = ImageGenerationBody(prompt="a fox", scheduler="dpmpp-2m", shift=2)
-    assert (body.request().scheduler, body.request().shift) == ("dpmpp-2m", 2)
+    assert (body.request("flux2-tiny").scheduler, body.request("flux2-tiny").shift) == ("dpmpp-2m", 2)
     for bad in (dict(scheduler="euler"), dict(shift=0), dict(shift=float("inf"))):
         with pytest.raises(pydantic.ValidationError):
             ImageGenerationBody(prompt="a fox", **bad)

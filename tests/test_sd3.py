@@ -17,9 +17,8 @@ from paradit.families.sd3.family import read_checkpoint as spec_from_folder
 from paradit.families.sd3.model import SD3Config, SD3Transformer, sincos_position_table, unpatchify
 from paradit.families.sd3.presets import SD3_TEXT_ENCODERS
 from paradit.parallel import ParallelConfig
-from paradit.weights import load_module_weights
 from tests.checkpoint_cache import cached
-from tests.checkpoints import relative_l2
+from tests.checkpoints import load_module_weights, relative_l2
 from tests.sd3_checkpoints import build_sd3_checkpoint, tiny_transformer
 
 

@@ -15,8 +15,7 @@ from paradit.checkpoint import safetensors_files
 from paradit.families.wan.model import WanConfig, WanTokens, WanTransformer, unpatchify
 from paradit.layers.attention import AttentionDispatch, sdpa_attention
 from paradit.parallel.sequence import narrow_streams
-from paradit.weights import load_module_weights
-from tests.checkpoints import randomize, relative_l2
+from tests.checkpoints import load_module_weights, randomize, relative_l2
 
 TEXT_DIM = 20
 TEXT_TOKENS = 7

@@ -17,7 +17,8 @@ from paradit.checkpoint import INDEX_FILE, SINGLE_FILE, resolve_checkpoint, safe
 from paradit.errors import CheckpointError
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.flux2.presets import FLUX2_TINY_TRANSFORMER
-from paradit.weights import CheckpointTensors, ModelNames, init_dummy_weights, load_module_weights, materialize
+from paradit.weights import CheckpointTensors, ModelNames, init_dummy_weights, materialize
+from tests.checkpoints import load_module_weights
 
 CPU = torch.device("cpu")
 

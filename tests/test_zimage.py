@@ -14,9 +14,8 @@ from paradit.families import PRESETS
 from paradit.families.zimage.family import resolve_request
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer, unpatchify
 from paradit.parallel import ParallelConfig
-from paradit.weights import load_module_weights
 from tests.checkpoint_cache import cached
-from tests.checkpoints import relative_l2
+from tests.checkpoints import load_module_weights, relative_l2
 from tests.zimage_checkpoints import build_zimage_checkpoint
 
 

@@ -10,6 +10,7 @@ from paradit.errors import InvalidRequest
 from paradit.outputs import API_FORMATS, DEFAULT_QUALITY, rgb_image
 from paradit.serving.png import encode_png
 
+MAX_INPUT_PIXELS = 40_000_000  # pixels of one input image: past a 7680x4320 photo, decoding it costs more than it gives
 MEDIA_TYPES = {**{name: f"image/{name}" for name in API_FORMATS}, "mp4": "video/mp4"}
 
 
@@ -22,13 +23,14 @@ def encode_image(image: Image.Image, output_format: str, quality: int | None = N
     return buffer.getvalue()
 
 
-def decode_input(data: bytes, name: str, max_pixels: int, param: str = "image") -> Image.Image:
-    """An uploaded image, its size read before its pixels: one past ``max_pixels`` costs nothing to refuse."""
+def decode_input(data: bytes, name: str, param: str = "image") -> Image.Image:
+    """An uploaded image, its size read before its pixels: one past ``MAX_INPUT_PIXELS`` costs nothing to refuse."""
     try:
         with Image.open(io.BytesIO(data)) as image:
-            if image.width * image.height > max_pixels:
+            if image.width * image.height > MAX_INPUT_PIXELS:
                 raise InvalidRequest(
-                    f"{name} is {image.width}x{image.height}, past this server's {max_pixels} pixels an input image",
+                    f"{name} is {image.width}x{image.height}, past this server's {MAX_INPUT_PIXELS} pixels an input "
+                    "image",
                     param=param,
                 )
             return rgb_image(image, name)

@@ -1,8 +1,5 @@
-"""A request's time on this server: its groups' own fastest measured step, scaled by the planner's FLOP counts.
-Measured, not predicted from a hardware profile, so it holds on any device and for this server's plan. A small step
-uses the device less well than a large one, so scaling from it errs high (2.3x for flux2-tiny on the CPU from 128x128
-to 1024x1024, docs/benchmarks.md): the scheduler refuses a request only when a third of its estimate is past the
-deadline."""
+"""A request's time on this server: its groups' fastest measured step, scaled by the planner's FLOP counts. It errs
+high (2.3x for flux2-tiny on the CPU from 128x128 to 1024x1024, docs/benchmarks.md), hence ``ESTIMATE_MARGIN``."""
 
 from __future__ import annotations
 

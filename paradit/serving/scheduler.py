@@ -1,7 +1,5 @@
-"""The server's bounded job queue and the worker groups that serve it, each one ``Engine`` driven by its own thread:
-batching (equal ``batch_key``, up to ``max_batch`` images, each job its own seed), deadlines (a request the measured
-pace says cannot make its deadline is refused up front), cancellation, timeouts, and rebuilding a group whose worker
-died or whose cancelled run would not stop. Under ``auto``, group 0 spans every GPU and each other group holds one."""
+"""The server's bounded job queue and its worker groups, each an ``Engine`` driven by its own thread: batching,
+deadlines, cancellation, rebuilding dead groups. Under ``auto``, group 0 spans every GPU and each other has one."""
 
 from __future__ import annotations
 
@@ -126,12 +124,11 @@ class Scheduler:
         auto: bool = False,
         pace: Pace | None = None,
     ) -> None:
-        self.metrics, self.pace = metrics, pace
+        self.check, self.metrics, self.pace = check, metrics, pace
         self.max_batch, self.max_queue, self.timeout_s, self.auto = max_batch, max_queue, timeout_s, auto
         self._split: bool | None = None  # under auto: whether the last batch ran split across every GPU
         self.accepting, self.closing = True, False
         self.groups = [Group(index, build, self) for index in range(groups)]
-        self.check = check
         self._queue: list[Job] = []
         self._changed = threading.Condition()
         self._run_seconds: deque[float] = deque(maxlen=20)  # recent batches' run times, for Retry-After
@@ -184,9 +181,8 @@ class Scheduler:
             )
 
     def cancel(self, job: Job, reason: ParaditError) -> None:
-        """End a queued job with ``reason`` now; abandon a running one: once nobody waits for any job of its batch, the
-        engine stops the run at the next step boundary (``Engine.cancel``), and kills its workers (``Engine.abort``,
-        the group rebuilt) if it has not stopped a step's time plus ``STOP_GRACE_S`` later."""
+        """End a queued job with ``reason`` now; abandon a running one: once no job of its batch is waited for, the run
+        stops at a step boundary (``Engine.cancel``), or its workers are killed a step plus ``STOP_GRACE_S`` later."""
         with self._changed:
             self._abandon(job, reason)
 
@@ -270,9 +266,8 @@ class Scheduler:
     # Under the lock.
 
     def _may_take(self, group: Group) -> bool:
-        """Whether ``group`` may take the next batch. Under ``auto``, group 0 (every GPU) takes it while the one-GPU
-        groups are idle and the queue holds at most one batch's images, a one-GPU group while group 0 is idle and the
-        queue holds more or another one is busy; a side not serving (being rebuilt) leaves the queue to the other."""
+        """Under ``auto``, group 0 (every GPU) takes a short queue (one batch's images) while the one-GPU groups are
+        idle, they take the rest while it is; a side not serving (being rebuilt) leaves the queue to the other."""
         if not self._queue:
             return False
         if not self.auto:

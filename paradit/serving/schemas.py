@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from paradit.cache_options import kept_curve
 from paradit.errors import InvalidRequest
 from paradit.flags import GENERATE, flagged_fields
 from paradit.outputs import API_FORMATS
@@ -23,7 +24,6 @@ from paradit.request import (
 
 MAX_IMAGES = 10  # per request, as OpenAI's Images API allows
 MAX_INPUT_IMAGES = 10  # input images one edit may send (as FLUX.2 takes them)
-MAX_INPUT_PIXELS = 40_000_000  # pixels of one input image: past a 7680x4320 photo, decoding it costs more than it gives
 SIZE_PATTERN = r"^(auto|\d{1,5}x\d{1,5})$"
 
 
@@ -35,7 +35,7 @@ class LoraChoice(BaseModel):
 
 
 class CacheChoice(BaseModel):
-    """A request's step cache, by diffusers' names (``StepCacheConfig``); MagCache's curve given, never calibrated."""
+    """A request's step cache, by diffusers' names (``StepCacheConfig``); MagCache's curve is never calibrated here."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -49,7 +49,8 @@ class CacheChoice(BaseModel):
     retention_ratio: float = Field(0.2, ge=0, le=1)
     mag_ratios: list[float] | None = Field(None, min_length=1, max_length=SERVED_MAX_STEPS)
 
-    def config(self) -> StepCacheConfig:
+    def config(self, served: str) -> StepCacheConfig:
+        """MagCache without its curve takes the one kept for the ``served`` model here, as ``generate`` does."""
         stray = sorted(self.model_fields_set - {"method", *CACHE_PARAMETERS[self.method]})
         if stray:
             raise InvalidRequest(
@@ -57,8 +58,14 @@ class CacheChoice(BaseModel):
                 f"{', '.join(CACHE_PARAMETERS[self.method])}",
                 param="cache",
             )
-        fields = self.model_dump()
-        return StepCacheConfig(**{**fields, "mag_ratios": None if self.mag_ratios is None else tuple(self.mag_ratios)})
+        ratios = self.mag_ratios
+        if self.method == "mag" and ratios is None and (ratios := kept_curve(served)) is None:
+            raise InvalidRequest(
+                f"cache: mag needs mag_ratios (positive numbers, one a step); none were calibrated for {served} on "
+                "this server's machine",
+                param="cache",
+            )
+        return StepCacheConfig(**{**self.model_dump(), "mag_ratios": None if ratios is None else tuple(ratios)})
 
 
 def declared(route: str, beyond=()) -> dict[str, tuple[Any, Any]]:
@@ -81,7 +88,7 @@ class Request(BaseModel):
     lora: list[LoraChoice] | None = Field(None, max_length=16, description="the server's adapters to apply")
     cache: CacheChoice | None = Field(None, description="step caching for this request")
 
-    def request(self, **fields) -> GenerationRequest:
+    def request(self, served: str, **fields) -> GenerationRequest:
         width, height = (None, None) if self.size == "auto" else map(int, self.size.split("x"))
         declared = {
             each.name: getattr(self, flag.remote)
@@ -93,7 +100,7 @@ class Request(BaseModel):
             height=height,
             width=width,
             lora=None if self.lora is None else tuple((choice.name, choice.scale) for choice in self.lora),
-            cache=None if self.cache is None else self.cache.config(),
+            cache=None if self.cache is None else self.cache.config(served),
             **declared,
             **fields,
         )

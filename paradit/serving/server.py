@@ -1,6 +1,5 @@
 """The HTTP front end (FastAPI) over a ``Scheduler``: OpenAI's Images API, video jobs, models, health and metrics.
-Handlers never wait on a group: they await the job's future, cancelling it if the client goes away, and encode in the
-thread pool. Every error is an OpenAI-style ``{"error": {"message", "type", "param"}}`` answer (``ERRORS``)."""
+Handlers await the job's future (cancelling it if the client leaves); every error is an OpenAI-style answer."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from paradit import __version__
-from paradit.cache_options import kept_curve
 from paradit.errors import InvalidRequest, OutOfMemory, ParaditError
 from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
@@ -103,16 +101,24 @@ class Gate:
     counted by route and outcome."""
 
     TIMED = {"/v1/images/generations", EDITS, "/v1/videos"}
+    OUTCOMES = {
+        401: "unauthorized",
+        413: "too_large",
+        429: "rejected",
+        CLIENT_GONE: "cancelled",
+        503: "unavailable",
+        504: "timeout",
+    }
 
-    def __init__(self, app, max_bytes: int, edit_bytes: int, metrics: Metrics, api_key: str | None) -> None:
-        self.app, self.max_bytes, self.edit_bytes, self.metrics = app, max_bytes, edit_bytes, metrics
-        self.api_key = None if api_key is None else api_key.encode()
+    def __init__(self, app, config: ServerConfig, metrics: Metrics) -> None:
+        self.app, self.config, self.metrics = app, config, metrics
+        self.api_key = None if config.api_key is None else config.api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start, status, received = time.perf_counter(), None, 0
-        max_bytes = self.edit_bytes if scope["path"] == EDITS else self.max_bytes
+        max_bytes = self.config.max_edit_bytes if scope["path"] == EDITS else self.config.max_body_bytes
 
         async def limited_receive():
             nonlocal received
@@ -148,36 +154,11 @@ class Gate:
                 (r for r in scope["app"].routes if r.matches(scope)[0] is Match.FULL), None
             )
             path = route.path if route is not None else "unmatched"
-            self.metrics.requests.labels(path, outcome(status or 500)).inc()
+            status = status or 500  # nothing answered: the app failed
+            outcome = "ok" if status < 400 else self.OUTCOMES.get(status, "invalid" if status < 500 else "failed")
+            self.metrics.requests.labels(path, outcome).inc()
             if path in self.TIMED and scope["method"] == "POST":
                 self.metrics.latency.labels("total").observe(time.perf_counter() - start)
-
-
-def outcome(status: int) -> str:
-    named = {
-        401: "unauthorized",
-        413: "too_large",
-        429: "rejected",
-        CLIENT_GONE: "cancelled",
-        503: "unavailable",
-        504: "timeout",
-    }
-    return "ok" if status < 400 else named.get(status, "invalid" if status < 500 else "failed")
-
-
-def with_kept_curve(request, model: str):
-    """A MagCache request without its curve takes the one kept for ``model`` on this machine, as ``generate`` does."""
-    cache = request.cache
-    if cache is None or cache.method != "mag" or cache.mag_ratios is not None:
-        return request
-    ratios = kept_curve(model)
-    if ratios is None:
-        raise InvalidRequest(
-            f"cache: mag needs mag_ratios (positive numbers, one a step); none were calibrated for {model} on this "
-            "server's machine",
-            param="cache",
-        )
-    return dataclasses.replace(request, cache=dataclasses.replace(cache, mag_ratios=ratios))
 
 
 def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> FastAPI:
@@ -192,23 +173,20 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             HTTPException: http_error,
         },
     )
-    app.add_middleware(
-        Gate, max_bytes=config.max_body_bytes, edit_bytes=config.max_edit_bytes, metrics=metrics, api_key=config.api_key
-    )
+    app.add_middleware(Gate, config=config, metrics=metrics)
     files = FileStore(config.file_store_bytes)
     videos = VideoJobs(scheduler, files, config.model)
     app.state.videos = videos
 
     def submitted(body: schemas.Body, **fields):
-        """The body's request queued (a video job for a VideoBody). A size refused is said in ``size``'s terms: the
-        engine names height or width, which this API does not have."""
+        """The body's request queued (a video job for a VideoBody), a size refused said in ``size``'s terms."""
         video = isinstance(body, schemas.VideoBody)
         if body.model is not None and body.model != config.model:
             raise InvalidRequest(f"model {body.model!r} is not served here; this server serves {config.model!r}")
         if video != config.video:
             made, route = ("videos", "POST /v1/videos") if config.video else ("images", "POST /v1/images/generations")
             raise InvalidRequest(f"{config.model} makes {made}; use {route}")
-        request = with_kept_curve(body.request(**fields), config.model)
+        request = body.request(config.model, **fields)
         try:
             return (videos.create if video else scheduler.submit)(request)
         except InvalidRequest as refused:
@@ -273,9 +251,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         mask_bytes = None if mask is None else await mask.read()
 
         def decoded():
-            pixels = schemas.MAX_INPUT_PIXELS
-            images = [decode_input(data, f"image {i + 1}", pixels) for i, data in enumerate(contents)]
-            return images, None if mask_bytes is None else decode_input(mask_bytes, "the mask", pixels, "mask")
+            images = [decode_input(data, f"image {i + 1}") for i, data in enumerate(contents)]
+            return images, None if mask_bytes is None else decode_input(mask_bytes, "the mask", "mask")
 
         images, mask = await run_in_threadpool(decoded)
         return await images_answer(body, request, image=images, mask=mask)
