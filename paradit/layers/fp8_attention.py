@@ -1,9 +1,5 @@
-"""FP8 attention: a Triton kernel of our own (SDPA has no FP8 path, and the vendors' FP8 kernels each run on one
-vendor's GPUs only), by SageAttention's method: Q·Kᵀ in INT8 under per-block scales, K smoothed by subtracting its mean
-over the tokens (a constant per query's scores: the softmax is unchanged, the range to cover shrinks, and the
-log-sum-exp gets it back for Ring's merge), P·V in FP8 with V scaled per channel, an fp32 online softmax in base 2.
-A pre-pass (1.5 ms beside 190 ms of attention at Wan 720p) writes K and V in 8 bits. tests/test_fp8_attention.py
-derives the error."""
+"""FP8 attention by SageAttention's method: Q·Kᵀ in INT8, K smoothed by its token mean (a constant per query's scores,
+which the log-sum-exp gets back), P·V in FP8 with V scaled per channel, an fp32 online softmax in base 2."""
 
 from __future__ import annotations
 
@@ -62,9 +58,8 @@ if triton is not None:
 
     @triton.jit
     def _to_8bit(x, DTYPE: tl.constexpr, ROUND: tl.constexpr, TINY: tl.constexpr):
-        """``x`` (already within the format's range) in ``DTYPE``: INT8 rounded half away from zero (the conversion
-        truncates), FP8 to nearest. ``ROUND`` first rounds FP8's values in fp32 arithmetic, for Triton's interpreter,
-        whose own conversion rounds wrongly (125.4 becomes 64); a GPU's conversion instruction rounds to nearest."""
+        """INT8 rounded half away from zero (the conversion truncates), FP8 to nearest. ``ROUND``: in fp32 arithmetic,
+        for Triton's interpreter, whose own conversion rounds wrongly (125.4 becomes 64)."""
         if DTYPE == tl.int8:
             x = tl.where(x >= 0, x + 0.5, x - 0.5)
         elif ROUND:
@@ -102,8 +97,7 @@ if triton is not None:
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        """One block of tokens of one (batch, head): K smoothed and scaled to 8 bits, V by its channel scales and
-        transposed (FP8 tensor cores take the reduced dimension contiguous). Padding rows and channels are zeros."""
+        """V is stored transposed: FP8 tensor cores take the reduced dimension contiguous."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         rows = block * BLOCK + tl.arange(0, BLOCK)
@@ -128,8 +122,7 @@ if triton is not None:
     def _load_tile(
         K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr, DESCRIPTORS: tl.constexpr
     ):
-        """A key tile of K and of V, each (dim, keys): through tensor descriptors (Hopper's TMA copies a tile without
-        the threads computing its addresses: 7% at Wan 720p) or through pointers (ROCm, older GPUs, the interpreter)."""
+        """Each (dim, keys), through TMA descriptors on Hopper (7% at Wan 720p) or through pointers elsewhere."""
         if DESCRIPTORS:
             return tl.trans(K_DESC.load([bh * padded + start, 0])), V_DESC.load([bh * HEAD_DIM, start])
         return tl.load(k_ptrs + start * HEAD_DIM), tl.load(v_ptrs + start)
@@ -153,10 +146,8 @@ if triton is not None:
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        """One key tile folded into the running (acc, max, sum), scores in base 2. The softmax's work per score
-        bounds this kernel (Hopper multiplies 8 bits faster than it converts, exponentiates and adds), so each score
-        costs one fused multiply-add on its way into exp2: ``scale`` (positive) takes the tile's products to scores
-        after the max is taken, and P's scaling to ``2^P_EXPONENT`` rides in the exponent (1.3x at Wan 720p)."""
+        """One key tile folded into the running (acc, max, sum). The softmax's work per score bounds this kernel, so
+        ``scale`` and P's ``2^P_EXPONENT`` ride in the one multiply-add feeding exp2 (1.3x at Wan 720p)."""
         keys = tl.arange(0, k.shape[1])
         if QK_INT8:
             # int32 to fp32 without a conversion instruction: the bits of 1.5 * 2^23 added to a product (|x| < 2^22:
@@ -214,7 +205,6 @@ if triton is not None:
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        """One block of queries of one (batch, head) against every key."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         queries = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -290,8 +280,7 @@ if triton is not None:
 
 
 def _configs(device: torch.device) -> list[tuple[int, int, int, int]]:
-    """(query tile, key tile, warps, stages) to try. Under the interpreter, one, of the largest tiles: its cost is per
-    operation, whatever the tile."""
+    """(query tile, key tile, warps, stages) to try; the interpreter's cost is per operation, whatever the tile."""
     if interpreting() or device.type == "cpu":
         return [(256, KEY_TILE, 4, 1)]
     # On the H200 (64, 128, 4, 3) wins: two blocks of one warpgroup each share an SM, one's softmax beside the
@@ -303,7 +292,7 @@ _CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # (device, head dim, forma
 
 
 def p_exponent(dtype: torch.dtype) -> int:
-    """P is scaled to the largest power of two FP8 format ``dtype`` holds (2^8 in e4m3fn, 2^7 in MI300's e4m3fnuz)."""
+    """P is scaled to the largest power of two ``dtype`` holds (2^8 in e4m3fn, 2^7 in MI300's e4m3fnuz)."""
     return math.floor(math.log2(torch.finfo(dtype).max))
 
 
@@ -312,7 +301,7 @@ def rounding(dtype: torch.dtype) -> dict:
 
 
 def tile_width(dim: int) -> int:
-    """The head dim as tiles hold it: a power of two (Triton's shapes), at least 32 (INT8 tensor cores' depth)."""
+    """A power of two (Triton's shapes), at least 32 (INT8 tensor cores' depth)."""
     return max(32, triton.next_power_of_2(dim))
 
 
@@ -321,8 +310,8 @@ def uses_descriptors(device: torch.device) -> bool:
 
 
 def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype):
-    """The pre-pass: (K in 8 bits (B, H, padded, W), its scales per key tile, K's mean (B, H, W) in fp32, V in FP8
-    transposed (B, H, W, padded), its channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
+    """The pre-pass: (K8 (B, H, padded, W), K's scale per tile, K's mean (B, H, W), V8 transposed (B, H, W, padded),
+    V's channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
     batch, length, heads, dim = key.shape
     padded, width = -(-length // KEY_TILE) * KEY_TILE, tile_width(dim)
     k_mean = F.pad(key.mean(dim=1, dtype=torch.float32), (0, width - dim)).contiguous()  # (B, H, W)
@@ -364,7 +353,6 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
 def fp8_attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``attention_with_lse`` gives, in 8 bits."""
     batch, q_length, heads, dim = query.shape
     k_length = key.shape[1]
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
@@ -444,8 +432,7 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: tor
 
 
 def fastest(launch, configs: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
-    """The config that runs ``launch`` fastest on this GPU (tiles that suit Hopper's tensor cores do not suit RDNA 4's);
-    one the compiler refuses (too much shared memory or too many registers) is skipped."""
+    """Measured, as tiles that suit Hopper do not suit RDNA 4; a config the compiler refuses is skipped."""
     if len(configs) == 1:
         return configs[0]
     timed, refusal = {}, None

@@ -42,7 +42,7 @@ class DenoiseLoop:
         mark_step: Callable[[], None],
         progress: bool,
     ) -> torch.Tensor:
-        """``mark_step`` is called once at the start and once after each step."""
+        """``mark_step`` is called at the start and after each step."""
         self.begin_request()
         mark_step()
         for t in tqdm(timesteps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False):
@@ -105,8 +105,8 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: ParallelContext | None) -> Parallelized:
-    """Without a context (one process), the model runs as it is. Tensor parallelism goes first, so that its slices
-    reach the loader; PipeFusion's stale-K/V attention wraps the sequence group's."""
+    """Tensor parallelism goes first, so that its slices reach the loader; PipeFusion's stale-K/V attention wraps the
+    sequence group's."""
     if context is None:
         return Parallelized(model, model)
     config = context.config

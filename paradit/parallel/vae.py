@@ -1,8 +1,5 @@
-"""Patch-parallel VAE decode and encode for diffusers' autoencoders: each rank runs the VAE's code unchanged on one
-horizontal band of the latent (or image), every rank gets the whole result. For one call, the ``forward`` of each
-module instance that sees several rows at once is swapped: convolutions exchange halo rows with the neighbouring bands,
-group norms combine their statistics over the ranks, attention gathers its keys; the rest is local to a band. Exact up
-to floating-point reassociation (tests/test_parallel_vae.py); tiling, a different computation, is off."""
+"""Patch-parallel VAE decode and encode: each rank runs diffusers' VAE on one horizontal band, the ``forward`` of each
+module that sees several rows swapped for the call (halo rows, combined norm statistics, gathered keys)."""
 
 from __future__ import annotations
 
@@ -351,7 +348,7 @@ def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = No
     missing = object()
     # An instance may carry its own forward already (accelerate's offload hooks do): that one comes back.
     previous = [module.__dict__.get("forward", missing) for module, _ in swaps]
-    tiling = getattr(vae, "use_tiling", None)
+    tiling = getattr(vae, "use_tiling", None)  # off: tiles are a different computation
     try:
         if tiling:
             vae.use_tiling = False
