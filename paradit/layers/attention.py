@@ -192,8 +192,7 @@ class QKVAttention(AttentionDispatch):
 
 
 class JointAttention(QKVAttention):
-    """MMDiT joint text-image attention. ``context_pre_only`` (SD3's last block) drops ``to_add_out``: nothing reads
-    the text output."""
+    """MMDiT joint text-image attention; ``context_pre_only`` (SD3's last block): no text output, no ``to_add_out``."""
 
     def __init__(
         self,

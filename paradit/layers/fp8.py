@@ -84,7 +84,3 @@ class Fp8Linear(nn.Module):
             out_dtype=self.out_dtype,
             use_fast_accum=True,
         )
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """What the GEMM effectively multiplies by, in float32 (for error accounting)."""
-        return self.weight.float() * self.weight_scale

@@ -38,8 +38,7 @@ def split_sizes(total: int, parts: int) -> list[int]:
 def start_all_to_all_uneven(
     send: torch.Tensor, send_numels: list[int], recv_numels: list[int], group: dist.ProcessGroup, stats: CommStats
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Flat ``send`` and the returned receive buffer hold ``*_numels[j]`` elements for group rank j; read it after
-    ``work.wait()``."""
+    """``*_numels[j]``: elements for group rank j of flat ``send`` and the returned buffer (read after the work)."""
     recv = send.new_empty(sum(recv_numels))
     work = dist.all_to_all_single(recv, send, recv_numels, send_numels, group=group, async_op=True)
     me = dist.get_rank(group)

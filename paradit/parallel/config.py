@@ -49,8 +49,7 @@ class ParallelConfig:
 
     @property
     def exact(self) -> bool:
-        """Whether the plan computes what one process does (up to float rounding): not with FP8 on the wire, nor
-        with PipeFusion's patched steps against stale K/V."""
+        """Computes what one process does (up to rounding): not with FP8 on the wire, nor PipeFusion's stale K/V."""
         return self.comm_dtype != "fp8" and not (self.pipefusion > 1 and self.patches > 1)
 
     def describe(self) -> str:

@@ -36,8 +36,6 @@ def _new_subgroup(config: ParallelConfig, dims: tuple[str, ...]) -> dist.Process
 
 @dataclass
 class ParallelContext:
-    """What a parallelised pipeline needs to know about the group it runs in."""
-
     config: ParallelConfig
     device: torch.device
     mesh: DeviceMesh
@@ -70,8 +68,7 @@ class ParallelContext:
         return self.mesh.get_group(dim)
 
     def second_group(self, dim: str) -> dist.ProcessGroup:
-        """Its operations queue apart (their own NCCL stream), so traffic the other way need not wait behind the
-        first's. Every rank must call this, in the same order."""
+        """Its operations queue apart (an NCCL stream of their own); every rank must call this, in the same order."""
         return _new_subgroup(self.config, (dim,))
 
     @property

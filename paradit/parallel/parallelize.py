@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from paradit.parallel.cfg import BatchedBranches, SplitBranches, guidance_branches
+from paradit.parallel.cfg import BatchedBranches, SplitBranches
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.patch_loop import BandMask, denoise_by_patches
 from paradit.parallel.pipefusion import PipeFusion
@@ -118,5 +118,6 @@ def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: Paral
     if config.pipefusion > 1:
         forward = PipeFusion(model, context, sequence)
         loop = PipeFusionLoop(forward)
+    branches = SplitBranches(context) if config.cfg == 2 else BatchedBranches()
     # Every rank ends the loop with the same latents (and has the request's images): the group decodes them together.
-    return Parallelized(model, forward, slices, guidance_branches(context), loop, parallel_decode, parallel_encode)
+    return Parallelized(model, forward, slices, branches, loop, parallel_decode, parallel_encode)

@@ -54,8 +54,7 @@ _WINDOW: ContextVar[Window] = ContextVar("paradit_pipefusion_window")
 
 
 class StaleKVAttention:
-    """One attention layer's K/V buffer over its streams' whole sequence: the tokens in flight write their rows, then
-    attend to every row."""
+    """A K/V buffer over the streams' whole sequence: the tokens in flight write their rows, then attend to all."""
 
     def __init__(self, streams: tuple[str, ...], kernel: AttentionFn = sdpa_attention) -> None:
         self.streams, self.kernel = streams, kernel

@@ -155,13 +155,15 @@ class SequenceParallelAttention:
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
     ) -> torch.Tensor:
-        """A local attention that is not ``blockwise`` gets the ring members' K/V all-gathered: the same bytes,
-        without the overlap."""
+        """A local attention not ``blockwise`` gets the ring's K/V all-gathered: the same bytes, without the overlap."""
         if self.ring == 1:
             return local(q, k, v, key_mask)
         if blockwise(local):
             return self.ring_attention(q, k, v, key_mask, getattr(local, "with_lse", attention_with_lse))
-        return local(q, *self.ring_gather(k, v, key_mask))
+        lengths, group = self._ring_lengths(), self.context.group("ring")
+        gathered = [all_gather_uneven(self._to_wire(t), 1, lengths, group, self.context.stats) for t in (k, v)]
+        key_mask = None if key_mask is None else self._gather_mask(key_mask, lengths, group)
+        return local(q, *(self._from_wire(t, k.dtype) for t in gathered), key_mask)
 
     def ring_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, with_lse
@@ -189,15 +191,6 @@ class SequenceParallelAttention:
                 wire = next_wire
                 kv = [self._from_wire(t, k.dtype) for t in wire]
         return out_acc.to(q.dtype)
-
-    def ring_gather(
-        self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Every ring member's K/V (and key mask) in ring order."""
-        lengths, group, dtype = self._ring_lengths(), self.context.group("ring"), k.dtype
-        gathered = [all_gather_uneven(self._to_wire(t), 1, lengths, group, self.context.stats) for t in (k, v)]
-        k, v = (self._from_wire(t, dtype) for t in gathered)
-        return k, v, None if key_mask is None else self._gather_mask(key_mask, lengths, group)
 
     def _to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return encode_fp8_rows(tensor) if self.fp8_transport else tensor
@@ -260,8 +253,7 @@ def narrow_streams(tokens, ranges: dict[str, tuple[int, int]]):
 
 
 class SequenceParallel(nn.Module):
-    """A plain staged model with its token streams split across the sequence group, the output gathered after
-    ``head``."""
+    """A staged model with its streams split across the sequence group, the output gathered after ``head``."""
 
     def __init__(self, model: nn.Module, context: ParallelContext) -> None:
         super().__init__()

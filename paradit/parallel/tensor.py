@@ -130,8 +130,7 @@ def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) ->
 
 @torch.no_grad()
 def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelContext) -> dict[str, TensorSlice]:
-    """In place, on the meta device (the shapes, for the loader to fill); returns ``tensor_slices``. The head counts
-    attention modules store are divided here."""
+    """In place, on the meta device; returns ``tensor_slices``. The head counts attention modules store are divided."""
     degree = context.config.tensor
     slices = tensor_slices(plan, model, degree, context.local_rank("tensor"))
     attention_width = plan.widths(model)["attention"]  # read before sharding changes the modules it reads
