@@ -111,8 +111,8 @@ def bench_shape(name: str, args) -> list[dict]:
         kernel._CHOSEN.clear()
         kernel._configs = tune if config is None else lambda device, config=config: [config]
         kernel.QK_FORMAT = QK[qk]
-        out = kernel.fp8_attention(q, k, v)
-        ms = time_cuda_ms(lambda: kernel.fp8_attention(q, k, v), warmup=3, iters=iters)
+        out = kernel.fp8_attention_with_lse(q, k, v)[0]
+        ms = time_cuda_ms(lambda: kernel.fp8_attention_with_lse(q, k, v), warmup=3, iters=iters)
         chosen = next(iter(kernel._CHOSEN.values()))
         result.append(
             {

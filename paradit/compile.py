@@ -1,6 +1,5 @@
-"""Regional compilation: each repeated block compiled, sharing one graph with the blocks of its kind, rather than the
-whole model, so that compile time is one block's and the stages between blocks, where the parallel runtime
-communicates, stay eager."""
+"""Regional compilation: each repeated block compiled (one graph per kind of block), so that compile time is one
+block's and the stages between blocks, where the parallel runtime communicates, stay eager."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ RECOMPILE_LIMIT = 64
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a plain model, in run order."""
+    """In run order."""
     return [block for name in type(model).BLOCK_LISTS for block in getattr(model, name)]
 
 

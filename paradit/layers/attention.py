@@ -1,6 +1,5 @@
 """The one attention entry point every model calls, ``self.attend(q, k, v)``, which the parallel runtime swaps from
-outside. Tensors are (batch, sequence, heads, head_dim), as the projections produce them: no transpose is spent before
-the dispatch decides what it needs."""
+outside. Tensors are (batch, sequence, heads, head_dim), as the projections produce them."""
 
 from __future__ import annotations
 
@@ -24,15 +23,15 @@ class AttentionFn(Protocol):
 def sdpa_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``key_mask`` is boolean (batch, k_len), False for padding: the only mask the entry point takes, since text
-    padding needs no other and, unlike a (q, k) mask, the sequence-parallel runtime can split it with the keys."""
+    """``key_mask`` (batch, k_len), False for padding, is the only mask taken: unlike a (q, k) mask, the
+    sequence-parallel runtime can split it with the keys."""
     mask = None if key_mask is None else key_mask[:, None, None, :]
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask)
     return out.transpose(1, 2)
 
 
 def joint_key_mask(txt_mask: torch.Tensor | None, img: torch.Tensor, text_first: bool) -> torch.Tensor | None:
-    """Built once per forward, as the parallel runtime gathers it once per tensor it sees."""
+    # Built once per forward: the parallel runtime gathers it once per tensor it sees.
     if txt_mask is None:
         return None
     image_keys = txt_mask.new_ones(img.shape[:2])
@@ -40,14 +39,12 @@ def joint_key_mask(txt_mask: torch.Tensor | None, img: torch.Tensor, text_first:
 
 
 class AttentionDispatch(torch.nn.Module):
-    """Modules call ``self.attend``, which the runtime replaces through ``set_attention_fn``. ``sequence_streams``
-    names the token streams the module attends over, in its concatenation order (None: all, order unsaid; empty: keys
-    whole on every rank), which the parallel runtime reads for each rank's tokens and PipeFusion's K/V buffer."""
+    """``sequence_streams``: the token streams attended over, in concatenation order (None: all, order unsaid;
+    empty: keys whole on every rank), for each rank's tokens and PipeFusion's K/V buffer."""
 
     def __init__(self, sequence_streams: tuple[str, ...] | None = None) -> None:
         super().__init__()
-        # ``kernel`` attends whole keys on this device (SDPA, or the run's FP8Attention); the parallel runtime wraps
-        # it (``attention_fn``) in what attends across the group.
+        # ``kernel`` attends whole keys on this device; ``attention_fn`` is what the parallel runtime wraps it in.
         self.kernel: AttentionFn = sdpa_attention
         self.attention_fn: AttentionFn = sdpa_attention
         self.sequence_streams = sequence_streams
@@ -67,9 +64,8 @@ FP8_MIN_KEYS = 16384
 
 
 class FP8Attention(RequestHook):
-    """``--attention fp8``: self-attention through the FP8 kernel, except the first and last ``exact_steps`` of a
-    request and calls over fewer than ``FP8_MIN_KEYS`` keys. A request hook; compiled blocks keep a graph for each
-    value of ``fp8_now``, a plain attribute they guard on."""
+    """``--attention fp8``, except the first and last ``exact_steps`` of a request and calls over fewer than
+    ``FP8_MIN_KEYS`` keys. Compiled blocks keep a graph for each value of ``fp8_now``, which they guard on."""
 
     def __init__(self, exact_steps: int = 0) -> None:
         from paradit.layers.fp8_attention import fp8_attention_with_lse  # imports Triton: only runs that use it
@@ -100,8 +96,7 @@ class FP8Attention(RequestHook):
 
 
 def apply_fp8_attention(model: nn.Module, exact_steps: int) -> FP8Attention:
-    """Every self-attention of the plain ``model``, before parallelism wraps it; cross-attention to the text
-    (``sequence_streams`` empty: a few hundred keys) stays on SDPA."""
+    """Before parallelism wraps it; cross-attention to the text (a few hundred keys) stays on SDPA."""
     kernel = FP8Attention(exact_steps)
     for module in model.modules():
         if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
@@ -112,9 +107,8 @@ def apply_fp8_attention(model: nn.Module, exact_steps: int) -> FP8Attention:
 def attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one K/V block, with each query's log-sum-exp, (batch, heads, q_len) in float32, by which Ring
-    merges blocks: the kernels that expose it, else an exact matmul. A query whose keys here are all masked gets
-    output 0 and lse -inf: nothing when merged."""
+    """With each query's log-sum-exp (batch, heads, q_len) in float32, by which Ring merges blocks. A query whose
+    keys here are all masked gets output 0 and lse -inf: nothing when merged."""
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     cuda, half = q.device.type == "cuda", q.dtype in (torch.float16, torch.bfloat16)
     # cuDNN's attention is the fastest on recent NVIDIA GPUs and SDPA picks it there; ROCm builds have none.
@@ -158,8 +152,7 @@ def _masked_attention_with_lse(
 
 
 class QKVAttention(AttentionDispatch):
-    """Attention through ``to_q``/``to_k``/``to_v`` and ``to_out.0``, with ``norm_q``/``norm_k`` on Q and K per head
-    or over all heads (``across_heads``, Wan). Called: self-attention, rotated by ``rope`` (cos, sin) if given."""
+    """``norm_q``/``norm_k`` act per head, or over all heads with ``across_heads`` (Wan). Called: self-attention."""
 
     def __init__(
         self,
@@ -187,7 +180,6 @@ class QKVAttention(AttentionDispatch):
         return x if norm is None else norm(x)
 
     def qkv(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """Q from ``x``; K and V from ``context``, ``x`` itself when None."""
         context = x if context is None else context
         q = self.project(x, self.to_q, self.norm_q)
         return q, self.project(context, self.to_k, self.norm_k), self.project(context, self.to_v)
@@ -200,8 +192,7 @@ class QKVAttention(AttentionDispatch):
 
 
 class JointAttention(QKVAttention):
-    """MMDiT joint text-image attention: the text through ``add_q_proj``/... and ``norm_added_q``/...
-    ``context_pre_only`` (SD3's last block) drops ``to_add_out``: nothing reads the text output."""
+    """MMDiT joint text-image attention; ``context_pre_only`` (SD3's last block): no text output, no ``to_add_out``."""
 
     def __init__(
         self,

@@ -1,6 +1,5 @@
-"""FP8 linears through ``torch._scaled_mm``, PyTorch's one FP8 GEMM on CUDA (sm89+) and ROCm (MI300, RDNA 4): e4m3
-weights scaled per output channel, activations per token on the fly (a tensor-wide scale would let the loudest token
-set everyone's resolution; row-wise, FP8's error stays near 1e-2 relative)."""
+"""FP8 linears through ``torch._scaled_mm``: e4m3 weights scaled per output channel, activations per token on the fly
+(a tensor-wide scale would let the loudest token set everyone's resolution; row-wise the error stays near 1e-2)."""
 
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 
 
 def quantize_weight(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rowwise`` a block of rows at a time (the same bits), so the float32 working copies stay small."""
+    """``quantize_rowwise`` a block of rows at a time, so the float32 working copies stay small."""
     rows = max(1, 2**24 // max(1, weight.shape[1]))
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     scale = torch.empty(weight.shape[0], 1, dtype=torch.float32, device=weight.device)
@@ -77,7 +76,6 @@ class Fp8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def multiply(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        """The GEMM alone, without bias."""
         return torch._scaled_mm(
             x_q,
             self.weight.t(),
@@ -86,7 +84,3 @@ class Fp8Linear(nn.Module):
             out_dtype=self.out_dtype,
             use_fast_accum=True,
         )
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """What the GEMM effectively multiplies by, in float32 (for error accounting)."""
-        return self.weight.float() * self.weight_scale

@@ -1,9 +1,5 @@
-"""FP8 attention: a Triton kernel of our own (SDPA has no FP8 path, and the vendors' FP8 kernels each run on one
-vendor's GPUs only), by SageAttention's method: Q·Kᵀ in INT8 under per-block scales, K smoothed by subtracting its mean
-over the tokens (a constant per query's scores: the softmax is unchanged, the range to cover shrinks, and the
-log-sum-exp gets it back for Ring's merge), P·V in FP8 with V scaled per channel, an fp32 online softmax in base 2.
-A pre-pass (1.5 ms beside 190 ms of attention at Wan 720p) writes K and V in 8 bits. tests/test_fp8_attention.py
-derives the error."""
+"""FP8 attention by SageAttention's method: Q·Kᵀ in INT8, K smoothed by its token mean (a constant per query's scores,
+which the log-sum-exp gets back), P·V in FP8 with V scaled per channel, an fp32 online softmax in base 2."""
 
 from __future__ import annotations
 
@@ -62,9 +58,8 @@ if triton is not None:
 
     @triton.jit
     def _to_8bit(x, DTYPE: tl.constexpr, ROUND: tl.constexpr, TINY: tl.constexpr):
-        """``x`` (already within the format's range) in ``DTYPE``: INT8 rounded half away from zero (the conversion
-        truncates), FP8 to nearest. ``ROUND`` first rounds FP8's values in fp32 arithmetic, for Triton's interpreter,
-        whose own conversion rounds wrongly (125.4 becomes 64); a GPU's conversion instruction rounds to nearest."""
+        """INT8 rounded half away from zero (the conversion truncates), FP8 to nearest. ``ROUND``: in fp32 arithmetic,
+        for Triton's interpreter, whose own conversion rounds wrongly (125.4 becomes 64)."""
         if DTYPE == tl.int8:
             x = tl.where(x >= 0, x + 0.5, x - 0.5)
         elif ROUND:
@@ -102,8 +97,7 @@ if triton is not None:
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        """One block of tokens of one (batch, head): K smoothed and scaled to 8 bits, V by its channel scales and
-        transposed (FP8 tensor cores take the reduced dimension contiguous). Padding rows and channels are zeros."""
+        """V is stored transposed: FP8 tensor cores take the reduced dimension contiguous."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         rows = block * BLOCK + tl.arange(0, BLOCK)
@@ -123,60 +117,6 @@ if triton is not None:
             V_OUT + bh * HEAD_DIM * padded + dims[:, None] * padded + rows[None, :],
             _to_8bit(tl.trans(v), V_OUT.dtype.element_ty, ROUND, TINY),
         )
-
-    @triton.jit
-    def _load_tile(
-        K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr, DESCRIPTORS: tl.constexpr
-    ):
-        """A key tile of K and of V, each (dim, keys): through tensor descriptors (Hopper's TMA copies a tile without
-        the threads computing its addresses: 7% at Wan 720p) or through pointers (ROCm, older GPUs, the interpreter)."""
-        if DESCRIPTORS:
-            return tl.trans(K_DESC.load([bh * padded + start, 0])), V_DESC.load([bh * HEAD_DIM, start])
-        return tl.load(k_ptrs + start * HEAD_DIM), tl.load(v_ptrs + start)
-
-    @triton.jit
-    def _attend_tile(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k,
-        v,
-        scale,
-        key_mask_ptrs,
-        start,
-        valid_length,
-        QK_INT8: tl.constexpr,
-        P_EXPONENT: tl.constexpr,
-        CHECK: tl.constexpr,
-        HAS_MASK: tl.constexpr,
-        ROUND: tl.constexpr,
-        TINY: tl.constexpr,
-    ):
-        """One key tile folded into the running (acc, max, sum), scores in base 2. The softmax's work per score
-        bounds this kernel (Hopper multiplies 8 bits faster than it converts, exponentiates and adds), so each score
-        costs one fused multiply-add on its way into exp2: ``scale`` (positive) takes the tile's products to scores
-        after the max is taken, and P's scaling to ``2^P_EXPONENT`` rides in the exponent (1.3x at Wan 720p)."""
-        keys = tl.arange(0, k.shape[1])
-        if QK_INT8:
-            # int32 to fp32 without a conversion instruction: the bits of 1.5 * 2^23 added to a product (|x| < 2^22:
-            # 127² * 256 at most) give the float 1.5 * 2^23 + x exactly. Subtracted after the scale, the offset's
-            # rounding errs by under one product unit: far below INT8's own error (hundreds of units).
-            raw = (tl.dot(q, k, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
-            offset = 12582912.0
-        else:
-            raw = tl.dot(q, k)
-            offset = 0.0
-        if CHECK:
-            raw = tl.where((start + keys)[None, :] < valid_length, raw, float("-inf"))
-        if HAS_MASK:
-            raw = tl.where(tl.load(key_mask_ptrs + start + keys)[None, :] != 0, raw, float("-inf"))
-        m_new = tl.maximum(m_i, (tl.max(raw, 1) - offset) * scale)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(raw * scale - (offset * scale + m_new - P_EXPONENT)[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(_to_8bit(p, v.dtype, ROUND, TINY), tl.trans(v), acc * alpha[:, None])
-        return acc, m_new, l_i
 
     @triton.jit
     def _fp8_attention_forward(
@@ -214,7 +154,6 @@ if triton is not None:
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        """One block of queries of one (batch, head) against every key."""
         block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         queries = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -237,49 +176,38 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         whole = k_length // BLOCK_N * BLOCK_N  # tiles every key of which is real: no bounds check
-        for start in range(0, whole, BLOCK_N):
-            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
-            # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
-            scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
-            acc, m_i, l_i = _attend_tile(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k,
-                v,
-                scale,
-                key_mask_ptrs,
-                start,
-                k_length,
-                QK_INT8,
-                P_EXPONENT,
-                False,
-                HAS_MASK,
-                ROUND,
-                TINY,
-            )
-        if whole < k_length:
-            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
-            scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + whole // BLOCK_N), 1e-30)
-            acc, m_i, l_i = _attend_tile(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k,
-                v,
-                scale,
-                key_mask_ptrs,
-                whole,
-                k_length,
-                QK_INT8,
-                P_EXPONENT,
-                True,
-                HAS_MASK,
-                ROUND,
-                TINY,
-            )
+        for tail in tl.static_range(2):  # the whole tiles, then the partial one (at most one), checked
+            for start in tl.range(
+                whole if tail else 0, k_length if tail else whole, BLOCK_N, num_stages=1 if tail else None
+            ):
+                if DESCRIPTORS:  # Hopper's TMA copies a tile without the threads computing addresses: 7% at Wan 720p
+                    k = tl.trans(K_DESC.load([bh * padded + start, 0]))
+                    v = V_DESC.load([bh * HEAD_DIM, start])
+                else:
+                    k = tl.load(k_ptrs + start * HEAD_DIM)
+                    v = tl.load(v_ptrs + start)
+                # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
+                scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
+                # The softmax's work per score bounds this kernel, so ``scale`` and P's ``2^P_EXPONENT`` ride in the
+                # one multiply-add feeding exp2 (1.3x at Wan 720p).
+                if QK_INT8:
+                    # int32 to fp32 without a conversion: 1.5 * 2^23's bits added to a product (|x| < 2^22) give the
+                    # float 1.5 * 2^23 + x exactly; the offset, taken off after the scale, errs by under one unit.
+                    raw = (tl.dot(q, k, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+                    offset = 12582912.0
+                else:
+                    raw = tl.dot(q, k)
+                    offset = 0.0
+                if tail:
+                    raw = tl.where((start + keys)[None, :] < k_length, raw, float("-inf"))
+                if HAS_MASK:
+                    raw = tl.where(tl.load(key_mask_ptrs + start + keys)[None, :] != 0, raw, float("-inf"))
+                m_new = tl.maximum(m_i, (tl.max(raw, 1) - offset) * scale)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(raw * scale - (offset * scale + m_new - P_EXPONENT)[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = tl.dot(_to_8bit(p, v.dtype, ROUND, TINY), tl.trans(v), acc * alpha[:, None])
+                m_i = m_new
         v_scale = tl.load(V_SCALE + bh * HEAD_DIM + dims)
         empty = l_i == 0.0  # every key masked: output 0, log-sum-exp -inf (nothing when merged)
         out = acc * v_scale[None, :] / tl.where(empty, 1.0, l_i)[:, None]
@@ -290,8 +218,7 @@ if triton is not None:
 
 
 def _configs(device: torch.device) -> list[tuple[int, int, int, int]]:
-    """(query tile, key tile, warps, stages) to try. Under the interpreter, one, of the largest tiles: its cost is per
-    operation, whatever the tile."""
+    """(query tile, key tile, warps, stages) to try; the interpreter's cost is per operation, whatever the tile."""
     if interpreting() or device.type == "cpu":
         return [(256, KEY_TILE, 4, 1)]
     # On the H200 (64, 128, 4, 3) wins: two blocks of one warpgroup each share an SM, one's softmax beside the
@@ -303,7 +230,7 @@ _CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # (device, head dim, forma
 
 
 def p_exponent(dtype: torch.dtype) -> int:
-    """P is scaled to the largest power of two FP8 format ``dtype`` holds (2^8 in e4m3fn, 2^7 in MI300's e4m3fnuz)."""
+    """P is scaled to the largest power of two ``dtype`` holds (2^8 in e4m3fn, 2^7 in MI300's e4m3fnuz)."""
     return math.floor(math.log2(torch.finfo(dtype).max))
 
 
@@ -312,7 +239,7 @@ def rounding(dtype: torch.dtype) -> dict:
 
 
 def tile_width(dim: int) -> int:
-    """The head dim as tiles hold it: a power of two (Triton's shapes), at least 32 (INT8 tensor cores' depth)."""
+    """A power of two (Triton's shapes), at least 32 (INT8 tensor cores' depth)."""
     return max(32, triton.next_power_of_2(dim))
 
 
@@ -321,8 +248,8 @@ def uses_descriptors(device: torch.device) -> bool:
 
 
 def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype):
-    """The pre-pass: (K in 8 bits (B, H, padded, W), its scales per key tile, K's mean (B, H, W) in fp32, V in FP8
-    transposed (B, H, W, padded), its channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
+    """The pre-pass: (K8 (B, H, padded, W), K's scale per tile, K's mean (B, H, W), V8 transposed (B, H, W, padded),
+    V's channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
     batch, length, heads, dim = key.shape
     padded, width = -(-length // KEY_TILE) * KEY_TILE, tile_width(dim)
     k_mean = F.pad(key.mean(dim=1, dtype=torch.float32), (0, width - dim)).contiguous()  # (B, H, W)
@@ -364,7 +291,6 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
 def fp8_attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``attention_with_lse`` gives, in 8 bits."""
     batch, q_length, heads, dim = query.shape
     k_length = key.shape[1]
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
@@ -416,8 +342,7 @@ def fp8_attention_with_lse(
     }
 
     def launch(config: tuple[int, int, int, int]) -> None:
-        # Fusion asked for, not assumed: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns
-        # fusion off by default.
+        # Asked for: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns fusion off by default.
         block_m, block_n, warps, stages = config
         grid = (triton.cdiv(q_length, block_m), batch * heads)
         _fp8_attention_forward[grid](
@@ -444,8 +369,7 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: tor
 
 
 def fastest(launch, configs: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
-    """The config that runs ``launch`` fastest on this GPU (tiles that suit Hopper's tensor cores do not suit RDNA 4's);
-    one the compiler refuses (too much shared memory or too many registers) is skipped."""
+    """Measured, as tiles that suit Hopper do not suit RDNA 4; a config the compiler refuses is skipped."""
     if len(configs) == 1:
         return configs[0]
     timed, refusal = {}, None
@@ -459,9 +383,3 @@ def fastest(launch, configs: list[tuple[int, int, int, int]]) -> tuple[int, int,
             f"Triton compiled none of the FP8 attention configs {configs}; run with --attention sdpa"
         ) from refusal
     return min(timed, key=timed.get)
-
-
-def fp8_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    return fp8_attention_with_lse(query, key, value, key_mask)[0]

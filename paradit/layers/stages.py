@@ -36,11 +36,9 @@ class HeadsConfig(CheckpointConfig):
 
 
 class StagedTransformer(nn.Module):
-    """``embed`` (inputs -> token state), ``run_blocks`` (through whichever blocks the ``BLOCK_LISTS`` stacks hold)
-    and ``head`` (-> prediction), which the runtime calls one by one. The token state is a dataclass whose
-    ``SEQUENCE_FIELDS`` map each field the runtime may split to (its token stream, its sequence dimension); the
-    prediction comes from its ``OUTPUT_STREAM``. ``stack_runner``, set from outside (a step cache), runs in place of
-    ``run_stack``'s blocks and head."""
+    """``embed`` (inputs -> token state), ``run_blocks`` and ``head`` (-> prediction), which the runtime calls one by
+    one. The token state's ``SEQUENCE_FIELDS`` map each field the runtime may split to (stream, sequence dimension).
+    ``stack_runner``, set from outside (a step cache), runs in place of ``run_stack``'s blocks and head."""
 
     BLOCK_LISTS: ClassVar[tuple[str, ...]]
 

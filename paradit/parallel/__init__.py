@@ -1,5 +1,4 @@
-"""The parallel runtime: applies parallelism to plain single-device models from outside. ``parallelize`` is the one
-entry, with one module per strategy beside it (``docs/architecture.md`` lists them)."""
+"""The parallel runtime: applies parallelism to plain single-device models from outside, through ``parallelize``."""
 
 from paradit.parallel.config import ParallelConfig
 

@@ -31,9 +31,3 @@ class SplitBranches:
     def combine(self, prediction: torch.Tensor) -> torch.Tensor:
         rows = prediction.shape[0]
         return all_gather_uneven(prediction, 0, [rows, rows], self.context.group("cfg"), self.context.stats)
-
-
-def guidance_branches(context) -> BatchedBranches | SplitBranches:
-    if context is not None and context.config.cfg == 2:
-        return SplitBranches(context)
-    return BatchedBranches()

@@ -38,8 +38,7 @@ def split_sizes(total: int, parts: int) -> list[int]:
 def start_all_to_all_uneven(
     send: torch.Tensor, send_numels: list[int], recv_numels: list[int], group: dist.ProcessGroup, stats: CommStats
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Post an all-to-all of uneven parts of flat ``send`` (``send_numels[j]`` elements for group rank j), returning
-    the flat receive buffer (``recv_numels[j]`` from rank j), to read after ``work.wait()``, and ``work``."""
+    """``*_numels[j]``: elements for group rank j of flat ``send`` and the returned buffer (read after the work)."""
     recv = send.new_empty(sum(recv_numels))
     work = dist.all_to_all_single(recv, send, recv_numels, send_numels, group=group, async_op=True)
     me = dist.get_rank(group)
@@ -50,7 +49,7 @@ def start_all_to_all_uneven(
 def all_gather_uneven(
     x: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup | None, stats: CommStats | None = None
 ) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim``, rank j holding ``sizes[j]`` rows; uncounted without ``stats``."""
+    """Rank j holds ``sizes[j]`` rows along ``dim``; uncounted without ``stats``."""
     longest = max(sizes)
     if x.shape[dim] < longest:
         pad_shape = list(x.shape)
@@ -92,7 +91,6 @@ class RingExchange:
         self.prev_rank = ranks[(me - 1) % len(ranks)]
 
     def start(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], list]:
-        """Returns the receive buffers (``recv_shapes``, in ``send``'s dtypes) and the work to wait on."""
         recv = [tensor.new_empty(shape) for tensor, shape in zip(send, recv_shapes)]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next_rank, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group) for t in recv]

@@ -17,10 +17,9 @@ parallel_option = functools.partial(option, commands=(GENERATE, PLAN), group=PAR
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees of each strategy; their product is the number of GPUs (processes) in the group. ``comm_dtype`` "fp8"
-    sends Ulysses' all-to-alls and Ring's K/V as FP8 with scales ("auto": in the model dtype, exact). ``pipefusion``
-    stages run ``warmup_steps`` exact steps, then ``patches`` patches a step against stale K/V. ``shard_weights`` N
-    (0: off) keeps 1/N of every block's weights on each of N neighbouring ranks (FSDP); it multiplies no degree."""
+    """Degrees of each strategy, whose product is the group's size. ``comm_dtype`` "fp8" sends Ulysses' and Ring's
+    traffic as FP8 with scales. ``pipefusion`` stages run ``warmup_steps`` exact steps, then ``patches`` patches a
+    step against stale K/V. ``shard_weights`` N (0: off) keeps 1/N of every block on each of N neighbouring ranks."""
 
     ulysses: int = parallel_option(1, type=positive, help="Ulysses (all-to-all over heads) degree")
     ring: int = parallel_option(1, type=positive, help="Ring attention degree")
@@ -50,8 +49,7 @@ class ParallelConfig:
 
     @property
     def exact(self) -> bool:
-        """Whether the plan computes what one process does (up to float rounding): not with FP8 on the wire, nor
-        with PipeFusion's patched steps against stale K/V."""
+        """Computes what one process does (up to rounding): not with FP8 on the wire, nor PipeFusion's stale K/V."""
         return self.comm_dtype != "fp8" and not (self.pipefusion > 1 and self.patches > 1)
 
     def describe(self) -> str:
@@ -116,9 +114,8 @@ class ParallelConfig:
 
 
 def plans_for(gpus: int, has_cfg: bool, heads: int) -> list[ParallelConfig]:
-    """Every valid plan for ``gpus`` GPUs, best first, which makes the first the default: CFG parallel when the model
-    has two branches (one exchange per step), the rest Ulysses (exact, and the fastest sequence split on fast links);
-    Ring takes over only where the head count runs out."""
+    """Best first (the first is the default): CFG parallel when the model has two branches (one exchange per step),
+    the rest Ulysses (the fastest sequence split on fast links); Ring takes over only where the heads run out."""
     plans = []
     for cfg in (2, 1) if has_cfg else (1,):
         if gpus % cfg:

@@ -26,7 +26,7 @@ def init_process_group(device: torch.device, rank: int, world_size: int, init_me
 
 
 def _new_subgroup(config: ParallelConfig, dims: tuple[str, ...]) -> dist.ProcessGroup:
-    """This rank's group of ranks sharing all mesh coordinates but ``dims`` (last fastest); every rank must call it."""
+    """The ranks sharing this one's mesh coordinates but ``dims`` (last fastest); every rank must call it."""
     shape = tuple(degree for _, degree in config.degrees())
     axes = [MESH_DIMS.index(dim) for dim in dims]
     ranks = torch.arange(config.world_size).reshape(shape).movedim(axes, list(range(-len(axes), 0)))
@@ -36,8 +36,6 @@ def _new_subgroup(config: ParallelConfig, dims: tuple[str, ...]) -> dist.Process
 
 @dataclass
 class ParallelContext:
-    """What a parallelised pipeline needs to know about the group it runs in."""
-
     config: ParallelConfig
     device: torch.device
     mesh: DeviceMesh
@@ -53,8 +51,7 @@ class ParallelContext:
 
     @cached_property
     def shard_mesh(self) -> DeviceMesh:
-        """Groups of ``shard_weights`` consecutive ranks, each holding the whole model between them (FSDP2's hybrid
-        sharding when fewer than the group)."""
+        """Groups of ``shard_weights`` consecutive ranks, each holding the whole model between them."""
         n, world = self.config.shard_weights, self.config.world_size
         if n == world:
             return init_device_mesh(self.device.type, (n,), mesh_dim_names=("shard",))
@@ -71,8 +68,7 @@ class ParallelContext:
         return self.mesh.get_group(dim)
 
     def second_group(self, dim: str) -> dist.ProcessGroup:
-        """A second communicator over this rank's ``dim`` group: its operations queue apart (their own NCCL stream), so
-        traffic the other way need not wait behind the first's. Every rank must call this, in the same order."""
+        """Its operations queue apart (an NCCL stream of their own); every rank must call this, in the same order."""
         return _new_subgroup(self.config, (dim,))
 
     @property
@@ -88,7 +84,7 @@ class ParallelContext:
         return tensor
 
     def share_from_leader(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        """Rank 0's ``tensor`` (any shape) on every rank, the others passing None; bools travel as bytes for gloo."""
+        """The others pass None; bools travel as bytes for gloo."""
         meta = [(tuple(tensor.shape), tensor.dtype) if self.is_leader else None]
         dist.broadcast_object_list(meta, src=0, device=self.device if self.device.type == "cuda" else None)
         shape, dtype = meta[0]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from paradit.parallel.cfg import BatchedBranches, SplitBranches, guidance_branches
+from paradit.parallel.cfg import BatchedBranches, SplitBranches
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.patch_loop import BandMask, denoise_by_patches
 from paradit.parallel.pipefusion import PipeFusion
@@ -42,7 +42,7 @@ class DenoiseLoop:
         mark_step: Callable[[], None],
         progress: bool,
     ) -> torch.Tensor:
-        """``mark_step`` is called once at the start and once after each step."""
+        """``mark_step`` is called at the start and after each step."""
         self.begin_request()
         mark_step()
         for t in tqdm(timesteps, desc="denoise", unit="step", disable=not progress, file=sys.stderr, leave=False):
@@ -105,8 +105,8 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: ParallelContext | None) -> Parallelized:
-    """Without a context (one process), the model runs as it is. Tensor parallelism goes first, so that its slices
-    reach the loader; PipeFusion's stale-K/V attention wraps the sequence group's."""
+    """Tensor parallelism goes first, so that its slices reach the loader; PipeFusion's stale-K/V attention wraps the
+    sequence group's."""
     if context is None:
         return Parallelized(model, model)
     config = context.config
@@ -118,5 +118,6 @@ def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: Paral
     if config.pipefusion > 1:
         forward = PipeFusion(model, context, sequence)
         loop = PipeFusionLoop(forward)
+    branches = SplitBranches(context) if config.cfg == 2 else BatchedBranches()
     # Every rank ends the loop with the same latents (and has the request's images): the group decodes them together.
-    return Parallelized(model, forward, slices, guidance_branches(context), loop, parallel_decode, parallel_encode)
+    return Parallelized(model, forward, slices, branches, loop, parallel_decode, parallel_encode)

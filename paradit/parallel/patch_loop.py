@@ -1,7 +1,5 @@
-"""PipeFusion's denoise loop: the latents advance patch by patch, so the pipeline never drains between steps. A
-flow-matching update is elementwise, so each patch's rows are updated as its prediction lands and the next step's patch
-goes in right behind it: a step costs ``patches`` patch-times, not ``patches + stages - 1``, for the plain loop's
-numbers. ``predict``'s work after the transformer must not depend on row or step: a call may return an earlier step."""
+"""PipeFusion's denoise loop: a flow-matching update is elementwise, so each patch's rows advance as its prediction
+lands and the next step's patch goes in behind it: a step costs ``patches`` patch-times, not ``patches+stages-1``."""
 
 from __future__ import annotations
 
@@ -28,7 +26,8 @@ def denoise_by_patches(
     mark_step: Callable[[], None],
     progress: bool,
 ) -> torch.Tensor:
-    """``mark_step`` is called at the start and as each step's last patch lands."""
+    """``mark_step`` is called at the start and as each step's last patch lands. ``predict``'s work after the
+    transformer must not depend on row or step: a call may return an earlier step."""
     steps = len(timesteps)
     # One scheduler per band of a patched step: each advances its own step count once per step.
     band_schedulers = [copy.deepcopy(scheduler) for _ in range(pipefusion.patches)]

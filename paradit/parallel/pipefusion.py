@@ -1,8 +1,5 @@
-"""PipeFusion: the blocks split into pipeline stages, image patches flowing through them against stale K/V.
-
-Warm-up steps run whole (exact), filling each attention layer's K/V buffer; a patched step sends the image through as
-row bands one after another (the text whole with band 0), each layer attending to its buffer: this step's rows where
-written, the previous step's elsewhere. Inside a stage, sequence and tensor parallelism split each patch as anywhere."""
+"""PipeFusion: the blocks split into pipeline stages, image row bands (the text with band 0) flowing through them, each
+attention layer attending to its K/V buffer: this step's rows where written, the previous step's elsewhere."""
 
 from __future__ import annotations
 
@@ -24,7 +21,7 @@ from paradit.parallel.sequence import SequenceParallel, narrow_streams, scoped, 
 
 @dataclass
 class Window:
-    """Per stream: its first row in flight, the rows each sequence rank holds from there, and its whole length."""
+    """Per stream: its first row in flight, the rows each sequence rank holds from there, its whole length."""
 
     starts: dict[str, int]
     sizes: dict[str, list[int]]
@@ -57,8 +54,7 @@ _WINDOW: ContextVar[Window] = ContextVar("paradit_pipefusion_window")
 
 
 class StaleKVAttention:
-    """One attention layer's K/V buffer over its streams' whole sequence: the tokens in flight write their rows (and
-    the key mask's), then attend to every row."""
+    """A K/V buffer over the streams' whole sequence: the tokens in flight write their rows, then attend to all."""
 
     def __init__(self, streams: tuple[str, ...], kernel: AttentionFn = sdpa_attention) -> None:
         self.streams, self.kernel = streams, kernel
@@ -91,8 +87,8 @@ class StaleKVAttention:
 
 
 def band_rows(length: int, band: int, bands: int, lead: int = 0) -> tuple[int, int]:
-    """The (first, end) output-stream rows of band ``band`` of ``bands``. Band 0 also carries ``lead`` tokens of the
-    other streams, so it gets that many fewer rows: a patch costs in proportion to its tokens, the slowest pacing."""
+    """(first, end) output-stream rows. Band 0 also carries ``lead`` tokens of the other streams, so it gets that many
+    fewer rows: a patch costs in proportion to its tokens, the slowest pacing."""
     if bands == 1:
         return 0, length
     first = split_sizes(length, bands)[0]
@@ -113,7 +109,7 @@ def stage_range(blocks: int, stages: int, stage: int) -> range:
 
 @dataclass(frozen=True)
 class PatchItem:
-    """Patch ``patch`` of the ``patches`` bands of the output stream at denoise step ``step`` (one: the whole step)."""
+    """Band ``patch`` of ``patches`` (one: the whole step) at denoise step ``step``."""
 
     step: int
     patch: int
@@ -132,9 +128,8 @@ class InFlight:
 
 
 class PipeFusion(nn.Module):
-    """Runs a plain model as this rank's pipeline stage. Called like the model, one call is one whole step; the patch
-    loop (``paradit.parallel.patch_loop``) calls ``run``, which submits and collects patches separately, so that the
-    pipeline never drains between steps."""
+    """A plain model as this rank's pipeline stage. A call is one whole step; the patch loop calls ``run``, which
+    submits and collects patches separately, so that the pipeline never drains between steps."""
 
     def __init__(self, model: nn.Module, context: ParallelContext, sequence: SequenceParallel | None = None) -> None:
         super().__init__()
@@ -160,9 +155,7 @@ class PipeFusion(nn.Module):
         self._image: torch.Tensor | None = None  # the last submitted step's embedded output stream
 
         stacks = [(name, list(getattr(self.model, name))) for name in type(self.model).BLOCK_LISTS]
-        total = sum(len(blocks) for _, blocks in stacks)
-        if self.stages > total:
-            raise InvalidRequest(f"pipefusion {self.stages} exceeds the model's {total} blocks")
+        total = sum(len(blocks) for _, blocks in stacks)  # check_plan refused more stages than blocks
         mine = stage_range(total, self.stages, self.stage)
         position = itertools.count()  # of each block in the run order
         for name, blocks in stacks:
@@ -196,7 +189,6 @@ class PipeFusion(nn.Module):
         return 1 if step < self.warmup_steps else self.patches
 
     def band(self, band: int, bands: int) -> tuple[int, int]:
-        """Known once a patch of the request was submitted."""
         return band_rows(self.output_length, band, bands, self._lead)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
@@ -207,7 +199,7 @@ class PipeFusion(nn.Module):
 
     def run(self, submits: list[PatchItem], collect: int, *args, **kwargs) -> tuple[torch.Tensor, list[InFlight]]:
         """Submit ``submits``, then collect the ``collect`` oldest items in flight: a prediction of the whole output
-        stream, valid only on the collected items' rows, and those items."""
+        stream, valid on their rows only, and those items."""
         if submits:
             tokens = self.model.embed(*args, **kwargs)
             for item in submits:

@@ -1,6 +1,5 @@
-"""Sequence parallelism: the token streams split after ``embed`` (any length: ``tensor_split`` sizes), attention
-across the ranks by Ulysses (all-to-all over heads), Ring (K/V blocks passed round, merged by log-sum-exp) or both
-(USP: Ulysses innermost), the output stream gathered before the head."""
+"""Sequence parallelism: the token streams split after ``embed``, attention across the ranks by Ulysses (all-to-all
+over heads), Ring (K/V blocks passed round, merged by log-sum-exp) or both (USP: Ulysses innermost)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,8 @@ def sequence_layout(sizes: dict[str, list[int]]) -> contextlib.AbstractContextMa
 def merge_partials(
     out_acc: torch.Tensor | None, lse_acc: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention over two key blocks from each one's: ``out`` (B, L, H, D) and ``lse`` (B, H, L) of the new block
-    merged into the running fp32 (``out_acc``, ``lse_acc`` (B, L, H, 1); None for the first block)."""
+    """``out`` (B, L, H, D) and ``lse`` (B, H, L) of a new key block merged into the running fp32 (``out_acc``,
+    ``lse_acc`` (B, L, H, 1); None for the first block)."""
     lse = lse.transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1), aligned with out
     if out_acc is None:
         return out.float(), lse
@@ -56,14 +55,14 @@ def merge_partials(
 
 
 def blockwise(local: AttentionFn) -> bool:
-    """Whether ``local`` attends whatever keys it is given (SDPA, the FP8 kernel), so that Ring feeds it one block at a
-    time and Ulysses a chunk of heads; PipeFusion's buffer attention needs the whole sequence at once."""
+    """Whether ``local`` attends whatever keys it is given, so that Ring feeds it one block at a time and Ulysses a
+    chunk of heads; PipeFusion's buffer attention needs the whole sequence at once."""
     return local is sdpa_attention or isinstance(local, FP8Attention)
 
 
 class SequenceParallelAttention:
-    """Attention over a sequence split across the group. A call's streams (its module's ``sequence_streams``; None: all)
-    and the forward's ``sequence_layout`` give every rank's token count without communication."""
+    """A call's streams (its module's ``sequence_streams``; None: all) and the forward's ``sequence_layout`` give
+    every rank's token count without communication."""
 
     def __init__(self, context: ParallelContext) -> None:
         self.context, self.ulysses, self.ring = context, context.config.ulysses, context.config.ring
@@ -81,14 +80,14 @@ class SequenceParallelAttention:
         return [sum(self.local_lengths[r * self.ulysses : (r + 1) * self.ulysses]) for r in range(self.ring)]
 
     def _head_ranges(self, heads: int, chunk: int = 0, chunks: int = 1) -> list[tuple[int, int]]:
-        """(first head, count) each Ulysses rank attends: the ``chunk``-th part of its ``tensor_split`` share."""
+        """(first head, count) each Ulysses rank attends in chunk ``chunk``."""
         owned = split_sizes(heads, self.ulysses)
         parts = [split_sizes(count, chunks) for count in owned]
         return [(sum(owned[:rank]) + sum(share[:chunk]), share[chunk]) for rank, share in enumerate(parts)]
 
     def _post_heads_to_sequence(self, x: torch.Tensor, ranges: list[tuple[int, int]]):
         """Post the exchange giving Ulysses rank j heads ``ranges[j]`` of the group's tokens; the returned function
-        waits, giving (B, L_group, our count, D). One copy packs the send; batch 1 reads the receive buffer as is."""
+        waits, giving (B, L_group, our count, D)."""
         batch, length, _, dim = x.shape
         me = self.context.local_rank("ulysses")
         lengths = self._ulysses_lengths()
@@ -110,8 +109,8 @@ class SequenceParallelAttention:
         return finish
 
     def _post_sequence_to_heads(self, out: torch.Tensor, ranges: list[tuple[int, int]], into: torch.Tensor):
-        """Post the exchange sending ``out`` (B, L_group, heads ``ranges[me]``, D) back to its tokens' ranks; the
-        returned function waits and writes every rank's heads ``ranges[j]`` of ours into ``into`` (B, L_me, H, D)."""
+        """The reverse exchange; the returned function waits and writes rank j's heads ``ranges[j]`` into ``into``
+        (B, L_me, H, D)."""
         batch, _, local_heads, dim = out.shape
         me = self.context.local_rank("ulysses")
         lengths = self._ulysses_lengths()
@@ -133,8 +132,7 @@ class SequenceParallelAttention:
     def ulysses_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
     ) -> torch.Tensor:
-        """(B, L_me, H, D) -> the same: the group's tokens for a share of the heads, attended (``_attend``), sent back.
-        Plain SDPA without Ring runs in overlapped head chunks: exact, heads being independent."""
+        """Without Ring, ``blockwise`` attention runs in overlapped head chunks: exact, heads being independent."""
         heads, dtype = q.shape[2], q.dtype
         count = ULYSSES_CHUNKS if self.ring == 1 and blockwise(local) else 1
         chunks = [self._head_ranges(heads, c, count) for c in range(count)]
@@ -157,25 +155,26 @@ class SequenceParallelAttention:
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
     ) -> torch.Tensor:
-        """``local`` on this rank's heads over the whole sequence. A local attention that is not ``blockwise``
-        (PipeFusion's K/V buffer) gets the ring members' K/V all-gathered: the same bytes, without the overlap."""
+        """A local attention not ``blockwise`` gets the ring's K/V all-gathered: the same bytes, without the overlap."""
         if self.ring == 1:
             return local(q, k, v, key_mask)
         if blockwise(local):
             return self.ring_attention(q, k, v, key_mask, getattr(local, "with_lse", attention_with_lse))
-        return local(q, *self.ring_gather(k, v, key_mask))
+        lengths, group = self._ring_lengths(), self.context.group("ring")
+        gathered = [all_gather_uneven(self._to_wire(t), 1, lengths, group, self.context.stats) for t in (k, v)]
+        key_mask = None if key_mask is None else self._gather_mask(key_mask, lengths, group)
+        return local(q, *(self._from_wire(t, k.dtype) for t in gathered), key_mask)
 
     def ring_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, with_lse
     ) -> torch.Tensor:
-        """Each ring rank's K/V block attended through ``with_lse`` as it arrives; ``key_mask`` is Ulysses-gathered."""
+        """Each K/V block attended as it arrives; ``key_mask`` is Ulysses-gathered."""
         lengths = self._ring_lengths()
         me = self.context.local_rank("ring")
         ring_group = self.context.group("ring")
         masks = None if key_mask is None else self._gather_mask(key_mask, lengths, ring_group).split(lengths, dim=1)
         kv = [k, v]
-        # What travels: K and V themselves, or (with FP8 transport) their FP8 bytes and per-row scales. A rank's
-        # own block is always used as computed; only the copies that cross the wire are quantised.
+        # A rank's own block is used as computed; only the copies that cross the wire are quantised.
         wire = [self._to_wire(t) for t in kv]
         out_acc = lse_acc = None
         for step in range(self.ring):
@@ -192,15 +191,6 @@ class SequenceParallelAttention:
                 wire = next_wire
                 kv = [self._from_wire(t, k.dtype) for t in wire]
         return out_acc.to(q.dtype)
-
-    def ring_gather(
-        self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Every ring member's K/V (and key mask) in ring order: the whole sequence, for this rank's heads."""
-        lengths, group, dtype = self._ring_lengths(), self.context.group("ring"), k.dtype
-        gathered = [all_gather_uneven(self._to_wire(t), 1, lengths, group, self.context.stats) for t in (k, v)]
-        k, v = (self._from_wire(t, dtype) for t in gathered)
-        return k, v, None if key_mask is None else self._gather_mask(key_mask, lengths, group)
 
     def _to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return encode_fp8_rows(tensor) if self.fp8_transport else tensor
@@ -248,13 +238,13 @@ def _narrow(value, dim: int, start: int, length: int):
 
 
 def stream_lengths(tokens) -> dict[str, int]:
-    """The length of each token stream of a model's token state (the ``SEQUENCE_FIELDS`` that are their own stream)."""
+    """Of the ``SEQUENCE_FIELDS`` that are their own stream."""
     fields = type(tokens).SEQUENCE_FIELDS.items()
     return {name: getattr(tokens, name).shape[dim] for name, (stream, dim) in fields if name == stream}
 
 
 def narrow_streams(tokens, ranges: dict[str, tuple[int, int]]):
-    """Every per-token field (stream, rotary rows, mask columns) narrowed to its stream's ``(start, stop)`` rows."""
+    """Every per-token field (stream, rotary rows, mask columns) narrowed to its stream's range."""
     changes = {}
     for name, (stream, dim) in type(tokens).SEQUENCE_FIELDS.items():
         start, stop = ranges[stream]
@@ -263,8 +253,7 @@ def narrow_streams(tokens, ranges: dict[str, tuple[int, int]]):
 
 
 class SequenceParallel(nn.Module):
-    """Wraps a plain model with ``embed`` / ``run_blocks`` / ``head`` stages: the streams its token state names in
-    ``SEQUENCE_FIELDS`` are split across the sequence group, and the output stream is gathered after ``head``."""
+    """A staged model with its streams split across the sequence group, the output gathered after ``head``."""
 
     def __init__(self, model: nn.Module, context: ParallelContext) -> None:
         super().__init__()
@@ -283,7 +272,7 @@ class SequenceParallel(nn.Module):
         module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams, local=local))
 
     def split(self, tokens):
-        """This rank's chunk of each stream, and {stream: per-rank sizes} for the blocks' ``sequence_layout``."""
+        """This rank's chunk of each stream, and {stream: per-rank sizes} for ``sequence_layout``."""
         degree, me = self.context.config.sequence_degree, self.context.sequence_rank
         sizes = {stream: split_sizes(length, degree) for stream, length in stream_lengths(tokens).items()}
         ranges = {stream: (sum(s[:me]), sum(s[: me + 1])) for stream, s in sizes.items()}

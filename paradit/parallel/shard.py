@@ -24,9 +24,8 @@ class ShardRoot(nn.Module):
 
 
 class ShardedForward(nn.Module):
-    """What to call in place of the model: its FSDP root, run outside inference mode (under ``no_grad``), since FSDP2
-    before torch 2.13 reads the version counter of each weight it gathers, which tensors made in inference mode lack.
-    Its inputs may still be inference tensors: they are only read."""
+    """The FSDP root run outside inference mode: FSDP2 before torch 2.13 reads the version counter of each weight it
+    gathers, which tensors made in inference mode lack. Its inputs may be inference tensors: they are only read."""
 
     def __init__(self, root: ShardRoot) -> None:
         super().__init__()
@@ -56,7 +55,7 @@ def shard_module(module: nn.Module, context: ParallelContext) -> None:
 
 
 def shard_root(forward: nn.Module, model: nn.Module, context: ParallelContext) -> ShardedForward:
-    """What to call in place of ``forward`` once every block is sharded, each prefetching the next one's weights."""
+    """Once every block is sharded; each prefetches the next one's weights."""
     root = ShardRoot(forward)
     shard_module(root, context)
     chain = [root, *model_blocks(model)]

@@ -1,7 +1,5 @@
-"""Tensor parallelism, Megatron's pairing applied to every block from outside the model: column-parallel linears (Q/K/V,
-the MLP's input) keep whole heads and hidden units, row-parallel ones (the outputs) the matching input slice, their
-partial outputs summed over the group. Packed layouts (FLUX.2's [q, k, v, gate, up]) are sharded part by part; the rest
-is small and replicated."""
+"""Tensor parallelism, Megatron's pairing applied from outside the model: column-parallel Q/K/V and MLP inputs, row-
+parallel outputs summed over the group; packed layouts (FLUX.2's [q, k, v, gate, up]) sharded part by part."""
 
 from __future__ import annotations
 
@@ -20,8 +18,8 @@ from paradit.weights import TensorSlice
 
 @dataclass(frozen=True)
 class Shard:
-    """``style`` "column" (output features) or "row" (input features); ``parts``: the packed parts along that
-    dimension, in order, by their key in the plan's ``widths``."""
+    """``style`` "column" (output features) or "row" (input features); ``parts``: the packed parts along it, in order,
+    by their key in the plan's ``widths``."""
 
     style: str
     parts: tuple[str, ...] = ("attention",)
@@ -72,7 +70,7 @@ class RowParallelLinear(nn.Module):
 
 class HeadShardedRMSNorm(nn.Module):
     """An RMS norm over the whole attention width (Wan's Q/K norms) on a rank holding some heads: each token's squared
-    sum is added over the group, then ``torch.nn.RMSNorm``'s math. The weight slice stays in ``norm`` for the loader."""
+    sum is added over the group. The weight slice stays in ``norm`` for the loader."""
 
     def __init__(self, norm: nn.RMSNorm, width: int, context: ParallelContext) -> None:
         super().__init__()
@@ -110,7 +108,7 @@ def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
 
 
 def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) -> dict[str, TensorSlice]:
-    """The slice ``rank`` keeps of each sharded tensor of the plain ``model``, by name; the others are replicated."""
+    """By name; tensors not named are replicated."""
     widths = check_tensor_plan(plan, model, degree).widths(model)
     slices = {}
     for pattern, shard in plan.linears.items():
@@ -132,8 +130,7 @@ def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) ->
 
 @torch.no_grad()
 def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelContext) -> dict[str, TensorSlice]:
-    """Shard ``model`` in place (on the meta device: the shapes, for the loader to fill); returns ``tensor_slices``.
-    The models infer head counts from shapes; the counts attention modules store are divided here."""
+    """In place, on the meta device; returns ``tensor_slices``. The head counts attention modules store are divided."""
     degree = context.config.tensor
     slices = tensor_slices(plan, model, degree, context.local_rank("tensor"))
     attention_width = plan.widths(model)["attention"]  # read before sharding changes the modules it reads

@@ -1,7 +1,5 @@
-"""FP8 transport (``--comm-dtype fp8``): each row (one token's one head) crosses the wire as its e4m3 bytes followed by
-its float32 scale's four, so one collective carries both: on a PCIe-like link an extra collective per attention costs
-more latency than its few bytes. On GPUs each direction is one compiled kernel: eager mode reads and writes ~27 bytes
-per value, more time than the halved wire saves."""
+"""FP8 transport (``--comm-dtype fp8``): each row crosses the wire as its e4m3 bytes then its float32 scale's four, so
+one collective carries both (on PCIe a second one costs more latency than its bytes)."""
 
 from __future__ import annotations
 
@@ -32,15 +30,16 @@ def _decode(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (payload.view(TRANSPORT_FP8).float() * bits.view(torch.float32)).to(dtype)
 
 
+# Compiled on GPUs: eager mode reads and writes ~27 bytes per value, more time than the halved wire saves.
 _encode_compiled = torch.compile(_encode, dynamic=False)
 _decode_compiled = torch.compile(_decode, dynamic=False)
 
 
 def encode_fp8_rows(x: torch.Tensor) -> torch.Tensor:
-    """(..., D) floating -> (..., D + 4) uint8: each row's e4m3 values scaled by its absmax, then its scale's bytes."""
+    """(..., D) floating -> (..., D + 4) uint8."""
     return (_encode_compiled if x.is_cuda else _encode)(x.contiguous())
 
 
 def decode_fp8_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of ``encode_fp8_rows``: (..., D + 4) uint8 -> (..., D) in ``dtype``."""
+    """The inverse of ``encode_fp8_rows``."""
     return (_decode_compiled if packed.is_cuda else _decode)(packed.contiguous(), dtype)

@@ -1,15 +1,11 @@
-"""Patch-parallel VAE decode and encode for diffusers' autoencoders: each rank runs the VAE's code unchanged on one
-horizontal band of the latent (or image), every rank gets the whole result. For one call, the ``forward`` of each
-module instance that sees several rows at once is swapped: convolutions exchange halo rows with the neighbouring bands,
-group norms combine their statistics over the ranks, attention gathers its keys; the rest is local to a band. Exact up
-to floating-point reassociation (tests/test_parallel_vae.py); tiling, a different computation, is off."""
+"""Patch-parallel VAE decode and encode: each rank runs diffusers' VAE on one horizontal band, the ``forward`` of each
+module that sees several rows swapped for the call (halo rows, combined norm statistics, gathered keys)."""
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +19,7 @@ from paradit.parallel.comm import all_gather_uneven, split_sizes
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-__all__ = ["banded", "parallel_decode", "parallel_encode"]
+__all__ = ["parallel_decode", "parallel_encode"]
 
 # Low-precision group norms take statistics in float32 chunks of this many elements, keeping the copy small.
 _STATS_CHUNK = 1 << 26
@@ -37,8 +33,7 @@ class _Bands:
     peers: tuple[int, ...]
 
     def scaled(self, local_rows: int) -> tuple[int, ...]:
-        """Rows per rank of a tensor whose band on this rank is ``local_rows`` high: a tensor ``f`` times the latent's
-        height holds ``f`` times each band."""
+        """Rows per rank of a tensor ``f`` times the latent's height, ``local_rows`` high on this rank."""
         factor, rest = divmod(local_rows, self.rows[self.rank])
         if rest or not factor:
             raise RuntimeError(
@@ -47,20 +42,6 @@ class _Bands:
                 "VAE's downsampling?)"
             )
         return tuple(r * factor for r in self.rows)
-
-
-def _bands(rows: list[int], group: dist.ProcessGroup | None) -> _Bands:
-    if not dist.is_available() or not dist.is_initialized():
-        if len(rows) != 1:
-            raise ValueError("no process group: only one band can be decoded")
-        return _Bands(tuple(rows), 0, None, (0,))
-    world = dist.get_world_size(group)
-    if len(rows) != world:
-        raise ValueError(f"{len(rows)} bands for a group of {world}")
-    if min(rows) < 1:
-        raise ValueError(f"every rank needs at least one latent row; bands {rows}")
-    peers = tuple(dist.get_global_rank(group, r) if group is not None else r for r in range(world))
-    return _Bands(tuple(rows), dist.get_rank(group), group, peers)
 
 
 # _exchange_halos, _gather_moments, _gather_rows: the only places ranks talk (tests swap them to prove checks bite).
@@ -343,21 +324,31 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
     return swaps
 
 
-@contextmanager
-def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = None) -> Iterator[_Bands]:
-    """Within the block, ``vae`` runs on this rank's band of ``rows`` (latent rows per rank). Yields the band."""
-    bands = _bands(rows, group)
+def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.ProcessGroup | None, run: Callable):
+    """``run`` on this rank's band of ``x`` (``factor`` rows per latent row), the forward of each module that sees
+    several rows swapped for the call; every rank gets it all."""
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        peers = tuple(dist.get_global_rank(group, r) if group is not None else r for r in range(world))
+    else:
+        world, rank, peers, group = 1, 0, (0,), None
+    height = x.shape[-2] // factor
+    if height < world:
+        raise ValueError(f"a latent of {height} rows cannot give each of {world} ranks a row")
+    rows = split_sizes(height, world)
+    bands = _Bands(tuple(rows), rank, group, peers)
     swaps = _replacements(vae, bands)
     missing = object()
     # An instance may carry its own forward already (accelerate's offload hooks do): that one comes back.
     previous = [module.__dict__.get("forward", missing) for module, _ in swaps]
-    tiling = getattr(vae, "use_tiling", None)
+    tiling = getattr(vae, "use_tiling", None)  # off: tiles are a different computation
     try:
         if tiling:
             vae.use_tiling = False
         for module, forward in swaps:
             module.forward = forward
-        yield bands
+        band = run(x.narrow(-2, sum(rows[:rank]) * factor, rows[rank] * factor))
+        return _gather_rows(band, band.ndim - 2, bands.scaled(band.shape[-2]), bands)
     finally:
         for (module, _), forward in zip(swaps, previous):
             if forward is missing:
@@ -366,18 +357,6 @@ def banded(vae: nn.Module, rows: list[int], group: dist.ProcessGroup | None = No
                 module.forward = forward
         if tiling:
             vae.use_tiling = tiling
-
-
-def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.ProcessGroup | None, run: Callable):
-    """``run`` on this rank's band of ``x`` (``factor`` rows per latent row); every rank gets it all."""
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    height = x.shape[-2] // factor
-    if height < world:
-        raise ValueError(f"a latent of {height} rows cannot give each of {world} ranks a row")
-    rows = split_sizes(height, world)
-    with banded(vae, rows, group) as bands:
-        band = run(x.narrow(-2, sum(rows[: bands.rank]) * factor, rows[bands.rank] * factor))
-        return _gather_rows(band, band.ndim - 2, bands.scaled(band.shape[-2]), bands)
 
 
 @torch.no_grad()

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 
 
 def check_plan(family: Family, spec: ModelSpec, parallel: ParallelConfig) -> None:
-    """Refuse a plan the model cannot run, naming the plans that work."""
     parallel.validate(parallel.world_size, has_cfg=spec.guidance_mode == "cfg", heads=spec.attention_heads)
     if parallel.tensor == 1 and parallel.pipefusion == 1:
         return
