@@ -119,6 +119,57 @@ if triton is not None:
         )
 
     @triton.jit
+    def _load_tile(
+        K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM: tl.constexpr, DESCRIPTORS: tl.constexpr
+    ):
+        """Each (dim, keys), through TMA descriptors on Hopper (7% at Wan 720p) or through pointers elsewhere."""
+        if DESCRIPTORS:
+            return tl.trans(K_DESC.load([bh * padded + start, 0])), V_DESC.load([bh * HEAD_DIM, start])
+        return tl.load(k_ptrs + start * HEAD_DIM), tl.load(v_ptrs + start)
+
+    @triton.jit
+    def _attend_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k,
+        v,
+        scale,
+        key_mask_ptrs,
+        start,
+        valid_length,
+        QK_INT8: tl.constexpr,
+        P_EXPONENT: tl.constexpr,
+        CHECK: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        ROUND: tl.constexpr,
+        TINY: tl.constexpr,
+    ):
+        """One key tile folded into the running (acc, max, sum). The softmax's work per score bounds this kernel, so
+        ``scale`` and P's ``2^P_EXPONENT`` ride in the one multiply-add feeding exp2 (1.3x at Wan 720p)."""
+        keys = tl.arange(0, k.shape[1])
+        if QK_INT8:
+            # int32 to fp32 without a conversion instruction: the bits of 1.5 * 2^23 added to a product (|x| < 2^22:
+            # 127² * 256 at most) give the float 1.5 * 2^23 + x exactly. Subtracted after the scale, the offset's
+            # rounding errs by under one product unit: far below INT8's own error (hundreds of units).
+            raw = (tl.dot(q, k, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+            offset = 12582912.0
+        else:
+            raw = tl.dot(q, k)
+            offset = 0.0
+        if CHECK:
+            raw = tl.where((start + keys)[None, :] < valid_length, raw, float("-inf"))
+        if HAS_MASK:
+            raw = tl.where(tl.load(key_mask_ptrs + start + keys)[None, :] != 0, raw, float("-inf"))
+        m_new = tl.maximum(m_i, (tl.max(raw, 1) - offset) * scale)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(raw * scale - (offset * scale + m_new - P_EXPONENT)[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(_to_8bit(p, v.dtype, ROUND, TINY), tl.trans(v), acc * alpha[:, None])
+        return acc, m_new, l_i
+
+    @triton.jit
     def _fp8_attention_forward(
         Q,
         K8,
@@ -176,38 +227,49 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         whole = k_length // BLOCK_N * BLOCK_N  # tiles every key of which is real: no bounds check
-        for tail in tl.static_range(2):  # the whole tiles, then the partial one (at most one), checked
-            for start in tl.range(
-                whole if tail else 0, k_length if tail else whole, BLOCK_N, num_stages=1 if tail else None
-            ):
-                if DESCRIPTORS:  # Hopper's TMA copies a tile without the threads computing addresses: 7% at Wan 720p
-                    k = tl.trans(K_DESC.load([bh * padded + start, 0]))
-                    v = V_DESC.load([bh * HEAD_DIM, start])
-                else:
-                    k = tl.load(k_ptrs + start * HEAD_DIM)
-                    v = tl.load(v_ptrs + start)
-                # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
-                scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
-                # The softmax's work per score bounds this kernel, so ``scale`` and P's ``2^P_EXPONENT`` ride in the
-                # one multiply-add feeding exp2 (1.3x at Wan 720p).
-                if QK_INT8:
-                    # int32 to fp32 without a conversion: 1.5 * 2^23's bits added to a product (|x| < 2^22) give the
-                    # float 1.5 * 2^23 + x exactly; the offset, taken off after the scale, errs by under one unit.
-                    raw = (tl.dot(q, k, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
-                    offset = 12582912.0
-                else:
-                    raw = tl.dot(q, k)
-                    offset = 0.0
-                if tail:
-                    raw = tl.where((start + keys)[None, :] < k_length, raw, float("-inf"))
-                if HAS_MASK:
-                    raw = tl.where(tl.load(key_mask_ptrs + start + keys)[None, :] != 0, raw, float("-inf"))
-                m_new = tl.maximum(m_i, (tl.max(raw, 1) - offset) * scale)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(raw * scale - (offset * scale + m_new - P_EXPONENT)[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = tl.dot(_to_8bit(p, v.dtype, ROUND, TINY), tl.trans(v), acc * alpha[:, None])
-                m_i = m_new
+        for start in range(0, whole, BLOCK_N):
+            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
+            # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
+            scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k,
+                v,
+                scale,
+                key_mask_ptrs,
+                start,
+                k_length,
+                QK_INT8,
+                P_EXPONENT,
+                False,
+                HAS_MASK,
+                ROUND,
+                TINY,
+            )
+        if whole < k_length:
+            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
+            scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + whole // BLOCK_N), 1e-30)
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k,
+                v,
+                scale,
+                key_mask_ptrs,
+                whole,
+                k_length,
+                QK_INT8,
+                P_EXPONENT,
+                True,
+                HAS_MASK,
+                ROUND,
+                TINY,
+            )
         v_scale = tl.load(V_SCALE + bh * HEAD_DIM + dims)
         empty = l_i == 0.0  # every key masked: output 0, log-sum-exp -inf (nothing when merged)
         out = acc * v_scale[None, :] / tl.where(empty, 1.0, l_i)[:, None]
@@ -342,7 +404,8 @@ def fp8_attention_with_lse(
     }
 
     def launch(config: tuple[int, int, int, int]) -> None:
-        # Asked for: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns fusion off by default.
+        # Fusion asked for, not assumed: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns
+        # fusion off by default.
         block_m, block_n, warps, stages = config
         grid = (triton.cdiv(q_length, block_m), batch * heads)
         _fp8_attention_forward[grid](
