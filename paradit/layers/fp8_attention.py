@@ -300,20 +300,15 @@ def rounding(dtype: torch.dtype) -> dict:
     return {"ROUND": interpreting(), "TINY": torch.finfo(dtype).tiny}
 
 
-def tile_width(dim: int) -> int:
-    """A power of two (Triton's shapes), at least 32 (INT8 tensor cores' depth)."""
-    return max(32, triton.next_power_of_2(dim))
-
-
 def uses_descriptors(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype):
     """The pre-pass: (K8 (B, H, padded, W), K's scale per tile, K's mean (B, H, W), V8 transposed (B, H, W, padded),
-    V's channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
+    V's channel scales (B, H, W)), W the head dim padded to a power of two (Triton) of at least 32 (INT8 MMA depth)."""
     batch, length, heads, dim = key.shape
-    padded, width = -(-length // KEY_TILE) * KEY_TILE, tile_width(dim)
+    padded, width = -(-length // KEY_TILE) * KEY_TILE, max(32, triton.next_power_of_2(dim))
     k_mean = F.pad(key.mean(dim=1, dtype=torch.float32), (0, width - dim)).contiguous()  # (B, H, W)
     vmax = torch.finfo(pv_dtype).max
     # The largest magnitude by one reduction: ``value.abs()`` first wrote a copy of V (0.5 ms at Wan 720p).

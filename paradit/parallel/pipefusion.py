@@ -15,7 +15,7 @@ from torch import nn
 from paradit.errors import InvalidRequest
 from paradit.layers.attention import AttentionDispatch, AttentionFn, sdpa_attention
 from paradit.parallel.comm import broadcast, split_sizes
-from paradit.parallel.mesh import ParallelContext
+from paradit.parallel.mesh import ParallelContext, new_subgroup
 from paradit.parallel.sequence import SequenceParallel, narrow_streams, scoped, sequence_layout, stream_lengths
 
 
@@ -136,8 +136,9 @@ class PipeFusion(nn.Module):
         config = context.config
         self.sequence, self.model, self.context = sequence, model, context
         self.group = context.group("pipefusion")
-        # On one communicator predictions flowing back would queue behind the next patch's activations flowing forward.
-        self.prediction_group = context.second_group("pipefusion")
+        # A second communicator (an NCCL stream of its own): on one, predictions flowing back would queue behind the
+        # next patch's activations flowing forward.
+        self.prediction_group = new_subgroup(config, ("pipefusion",))
         self.stages = config.pipefusion
         self.stage = context.local_rank("pipefusion")
         ranks = dist.get_process_group_ranks(self.group)
@@ -241,7 +242,7 @@ class PipeFusion(nn.Module):
             me = self.context.sequence_rank if self.sequence is not None else 0
             prediction = image.new_empty(image.shape[0], sizes[output][me], self._out_channels)
         else:
-            self.context.stats.add(prediction.numel() * prediction.element_size() * (self.stages - 1))
+            self.context.stats.add(prediction.nbytes * (self.stages - 1))
         work = dist.broadcast(prediction, self.last_rank, group=self.prediction_group, async_op=True)
         self._in_flight.append(InFlight(item, (start, stop), sizes[output], prediction, work))
 
@@ -265,7 +266,7 @@ class PipeFusion(nn.Module):
         # Empty streams (the text of later patches) are not sent; the receiver knows their shapes.
         for tensor in (t.contiguous() for t in tensors if t.numel()):
             self._sends.append((dist.isend(tensor, self.next_rank, group=self.group), tensor))
-            self.context.stats.add(tensor.numel() * tensor.element_size())
+            self.context.stats.add(tensor.nbytes)
 
     def _wait_for_sends(self) -> None:
         for work, _ in self._sends:

@@ -268,7 +268,6 @@ class SequenceParallel(nn.Module):
         return self.model.config
 
     def set_local_attention(self, module: AttentionDispatch, local: AttentionFn) -> None:
-        """Not for modules whose ``sequence_streams`` is empty: their keys are whole on every rank."""
         module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams, local=local))
 
     def split(self, tokens):
