@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
 from paradit.layers.attention import AttentionDispatch, AttentionFn, sdpa_attention
 from paradit.parallel.comm import broadcast, split_sizes
@@ -136,8 +137,7 @@ class PipeFusion(nn.Module):
         config = context.config
         self.sequence, self.model, self.context = sequence, model, context
         self.group = context.group("pipefusion")
-        # A second communicator (an NCCL stream of its own): on one, predictions flowing back would queue behind the
-        # next patch's activations flowing forward.
+        # A communicator (NCCL stream) of its own: predictions flowing back must not queue behind activations.
         self.prediction_group = new_subgroup(config, ("pipefusion",))
         self.stages = config.pipefusion
         self.stage = context.local_rank("pipefusion")
@@ -155,13 +155,11 @@ class PipeFusion(nn.Module):
         self._lead = 0
         self._image: torch.Tensor | None = None  # the last submitted step's embedded output stream
 
-        stacks = [(name, list(getattr(self.model, name))) for name in type(self.model).BLOCK_LISTS]
-        total = sum(len(blocks) for _, blocks in stacks)  # check_plan refused more stages than blocks
-        mine = stage_range(total, self.stages, self.stage)
+        mine = stage_range(len(model_blocks(model)), self.stages, self.stage)  # check_plan: no more stages than blocks
         position = itertools.count()  # of each block in the run order
-        for name, blocks in stacks:
+        for name in type(model).BLOCK_LISTS:
             # The other stages' blocks are dropped, so their weights are freed.
-            setattr(self.model, name, nn.ModuleList([block for block in blocks if next(position) in mine]))
+            setattr(model, name, nn.ModuleList([block for block in getattr(model, name) if next(position) in mine]))
 
         for module in self.model.modules():
             # Keys from no split stream (Wan's text) are whole and fresh on every stage: no stale K/V to buffer.

@@ -19,8 +19,6 @@ from paradit.parallel.comm import all_gather_uneven, split_sizes
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-__all__ = ["parallel_decode", "parallel_encode"]
-
 # Low-precision group norms take statistics in float32 chunks of this many elements, keeping the copy small.
 _STATS_CHUNK = 1 << 26
 
@@ -47,8 +45,7 @@ class _Bands:
 # _exchange_halos, _gather_moments, _gather_rows: the only places ranks talk (tests swap them to prove checks bite).
 @torch.compiler.disable
 def _exchange_halos(x: torch.Tensor, bands: _Bands, plan: _ConvPlan) -> Callable[[], tuple[torch.Tensor | None, ...]]:
-    """Start exchanging the rows above and below the band ``x`` that its convolution windows reach into;
-    ``finish()`` waits and gives (above, below), None where nothing comes."""
+    """Posts the exchange of ``x``'s halo rows; ``finish()`` waits and gives (above, below), None where none come."""
     r, n = bands.rank, x.shape[-2]
     ops, halos = [], []
     up = (r - 1, plan.send_up[r], plan.recv_up[r], 0)
@@ -154,8 +151,7 @@ def _conv_forward(
         n = x.shape[-2]
         (a, b), (lo, hi) = plan.bands[bands.rank], plan.need[bands.rank]
         if stride == 1 and top == bottom and lo == a - top and hi == b + top and n >= 2 * top:
-            # Same-size convolution: run it on the band as the module would while the halos travel, then redo the rows
-            # at an inner edge from a thin strip with the neighbour's. No copy of the band.
+            # Same-size: the band as it is (no copy) while the halos travel, then each inner edge's rows redone.
             out = run(x, top)
             above, below = halos()
             if above is not None:
@@ -325,8 +321,7 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
 
 
 def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.ProcessGroup | None, run: Callable):
-    """``run`` on this rank's band of ``x`` (``factor`` rows per latent row), the forward of each module that sees
-    several rows swapped for the call; every rank gets it all."""
+    """``run`` on this rank's band of ``x`` (``factor`` rows per latent row); every rank gets the bands gathered."""
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         peers = tuple(dist.get_global_rank(group, r) if group is not None else r for r in range(world))
