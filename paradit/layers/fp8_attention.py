@@ -32,10 +32,7 @@ def interpreting() -> bool:
 def check_fp8_attention(device: torch.device) -> None:
     problem = None
     if triton is None:
-        problem = (
-            "FP8 attention needs Triton 3.4 or newer (pip install triton; ROCm builds of PyTorch bring "
-            "pytorch-triton-rocm)"
-        )
+        problem = "FP8 attention needs Triton 3.4 or newer (pip install triton; on ROCm, pytorch-triton-rocm)"
     elif device.type == "cpu" and not interpreting():
         problem = "FP8 attention needs a GPU; on the CPU only Triton's interpreter runs it (TRITON_INTERPRET=1)"
     elif device.type == "cuda" and torch.version.hip is not None:
@@ -317,9 +314,7 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
     k8 = torch.empty(batch, heads, padded, width, dtype=qk_dtype, device=key.device)
     k_scale = torch.empty(batch, heads, padded // KEY_TILE, dtype=torch.float32, device=key.device)
     v8 = torch.empty(batch, heads, width, padded, dtype=pv_dtype, device=key.device)
-    qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
-    grid = (padded // KEY_TILE, batch * heads)
-    _quantize_keys_values[grid](
+    _quantize_keys_values[padded // KEY_TILE, batch * heads](
         key,
         value,
         k_mean,
@@ -333,7 +328,7 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
         *key.stride()[:3],
         *value.stride()[:3],
         padded,
-        QMAX=qmax,
+        QMAX=INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max,
         VMAX=vmax,
         BLOCK=KEY_TILE,
         HEAD_DIM=width,
@@ -359,7 +354,6 @@ def fp8_attention_with_lse(
     mask = k_scale if key_mask is None else F.pad(key_mask.to(torch.uint8), (0, padded - k_length))
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, q_length, dtype=torch.float32, device=query.device)
-    qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
     width = k8.shape[-1]
     descriptors = uses_descriptors(query.device)
     if descriptors:
@@ -389,7 +383,7 @@ def fp8_attention_with_lse(
         dim**-0.5,
     )
     constants = {
-        "QMAX": qmax,
+        "QMAX": INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max,
         "P_EXPONENT": p_exponent(pv_dtype),
         "QK_INT8": qk_dtype == torch.int8,
         "HAS_MASK": key_mask is not None,

@@ -245,8 +245,7 @@ class PipeFusion(nn.Module):
         self._in_flight.append(InFlight(item, (start, stop), sizes[output], prediction, work))
 
     def _collect(self, count: int) -> tuple[torch.Tensor, list[InFlight]]:
-        image = self._image
-        out = image.new_zeros(image.shape[0], self.output_length, self._out_channels)
+        out = self._image.new_zeros(self._image.shape[0], self.output_length, self._out_channels)
         collected = [self._in_flight.popleft() for _ in range(count)]
         for done in collected:
             done.work.wait()

@@ -36,8 +36,7 @@ class _Bands:
         if rest or not factor:
             raise RuntimeError(
                 f"a band of {local_rows} rows is no whole multiple of this rank's {self.rows[self.rank]} latent "
-                "rows: the VAE changed the height by other than whole factors (image size not a multiple of the "
-                "VAE's downsampling?)"
+                "rows (an image size that is no multiple of the VAE's downsampling?)"
             )
         return tuple(r * factor for r in self.rows)
 
@@ -186,9 +185,7 @@ def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
             var, mean = torch.var_mean(x, dim=dims, correction=0)
         else:
             step = max(1, _STATS_CHUNK // max(1, batch * count))
-            pieces = [
-                torch.var_mean(x[:, c : c + step].float(), dim=dims, correction=0) for c in range(0, channels, step)
-            ]
+            pieces = [torch.var_mean(chunk.float(), dim=dims, correction=0) for chunk in x.split(step, dim=1)]
             var, mean = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1)
         mean = mean.double()
         moments = torch.stack([torch.full_like(mean, count), mean, var.double() * count])
@@ -280,24 +277,22 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
     from diffusers.models.downsampling import Downsample2D
 
     swaps: list[tuple[nn.Module, Callable]] = []
-    conv_pads: dict[nn.Module, tuple[int, int, int, int]] = {}  # (left, right, top, bottom) padded in front
-    for module in vae.modules():
+    conv_pads: dict[nn.Module, tuple[int, int]] = {}  # (top, bottom) rows padded in front
+    for module in vae.modules():  # parents before children: a pad is seen before the convolution it feeds
         if isinstance(module, Downsample2D) and module.use_conv and module.padding == 0:
             if module.norm is not None:
                 raise NotImplementedError("Downsample2D with a norm")
-            conv_pads[module.conv] = (0, 1, 0, 1)
+            conv_pads[module.conv] = (0, 1)
             swaps.append((module, _downsample_forward(module)))
-        if isinstance(module, nn.Sequential):
+        elif isinstance(module, nn.Sequential):
             children = list(module)
             for first, second in zip(children, children[1:]):
                 if isinstance(first, nn.ZeroPad2d) and isinstance(second, nn.Conv2d):
-                    conv_pads[second] = tuple(first.padding)
+                    conv_pads[second] = tuple(first.padding[2:])
                     swaps.append((first, functools.partial(F.pad, pad=(*first.padding[:2], 0, 0))))
-    pads_moved = {module for module, _ in swaps}
-    for module in vae.modules():
-        if isinstance(module, nn.ZeroPad2d) and module not in pads_moved:
+        elif isinstance(module, nn.ZeroPad2d) and not any(module is moved for moved, _ in swaps):
             raise NotImplementedError("a ZeroPad2d that does not feed a convolution")
-        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+        elif isinstance(module, (nn.Conv2d, nn.Conv3d)):
             if hasattr(module, "_padding"):  # Wan / Qwen-Image causal conv: (w, w, h, h, 2 t, 0)
                 pad_w, pad_h, temporal = module._padding[0:2], module._padding[2:4], module._padding[4]
             else:
@@ -306,7 +301,7 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
                 pad_w, pad_h, temporal = (module.padding[-1],) * 2, (module.padding[-2],) * 2, 0
                 if module in conv_pads:
                     # The pad in front keeps doing the width (never split); its rows move into the convolution.
-                    _, _, top, bottom = conv_pads[module]
+                    top, bottom = conv_pads[module]
                     pad_h = (pad_h[0] + top, pad_h[1] + bottom)
             swaps.append((module, _conv_forward(module, bands, pad_h, pad_w, temporal)))
         elif isinstance(module, nn.GroupNorm):
@@ -333,9 +328,8 @@ def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.Proces
     rows = split_sizes(height, world)
     bands = _Bands(tuple(rows), rank, group, peers)
     swaps = _replacements(vae, bands)
-    missing = object()
     # An instance may carry its own forward already (accelerate's offload hooks do): that one comes back.
-    previous = [module.__dict__.get("forward", missing) for module, _ in swaps]
+    previous = [module.__dict__.get("forward") for module, _ in swaps]
     tiling = getattr(vae, "use_tiling", None)  # off: tiles are a different computation
     try:
         if tiling:
@@ -346,7 +340,7 @@ def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.Proces
         return _gather_rows(band, band.ndim - 2, bands.scaled(band.shape[-2]), bands)
     finally:
         for (module, _), forward in zip(swaps, previous):
-            if forward is missing:
+            if forward is None:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = forward
