@@ -40,8 +40,6 @@ class _Capture:
 
 
 class GraphedModule(nn.Module):
-    """``module`` with each new input signature captured into a CUDA graph and replayed afterwards."""
-
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module

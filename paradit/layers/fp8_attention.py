@@ -32,10 +32,7 @@ def interpreting() -> bool:
 def check_fp8_attention(device: torch.device) -> None:
     problem = None
     if triton is None:
-        problem = (
-            "FP8 attention needs Triton 3.4 or newer (pip install triton; ROCm builds of PyTorch bring "
-            "pytorch-triton-rocm)"
-        )
+        problem = "FP8 attention needs Triton 3.4 or newer (pip install triton; on ROCm, pytorch-triton-rocm)"
     elif device.type == "cpu" and not interpreting():
         problem = "FP8 attention needs a GPU; on the CPU only Triton's interpreter runs it (TRITON_INTERPRET=1)"
     elif device.type == "cuda" and torch.version.hip is not None:
@@ -300,20 +297,15 @@ def rounding(dtype: torch.dtype) -> dict:
     return {"ROUND": interpreting(), "TINY": torch.finfo(dtype).tiny}
 
 
-def tile_width(dim: int) -> int:
-    """A power of two (Triton's shapes), at least 32 (INT8 tensor cores' depth)."""
-    return max(32, triton.next_power_of_2(dim))
-
-
 def uses_descriptors(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype):
     """The pre-pass: (K8 (B, H, padded, W), K's scale per tile, K's mean (B, H, W), V8 transposed (B, H, W, padded),
-    V's channel scales (B, H, W)), W the head dim padded to ``tile_width``."""
+    V's channel scales (B, H, W)), W the head dim padded to a power of two (Triton) of at least 32 (INT8 MMA depth)."""
     batch, length, heads, dim = key.shape
-    padded, width = -(-length // KEY_TILE) * KEY_TILE, tile_width(dim)
+    padded, width = -(-length // KEY_TILE) * KEY_TILE, max(32, triton.next_power_of_2(dim))
     k_mean = F.pad(key.mean(dim=1, dtype=torch.float32), (0, width - dim)).contiguous()  # (B, H, W)
     vmax = torch.finfo(pv_dtype).max
     # The largest magnitude by one reduction: ``value.abs()`` first wrote a copy of V (0.5 ms at Wan 720p).
@@ -322,9 +314,7 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
     k8 = torch.empty(batch, heads, padded, width, dtype=qk_dtype, device=key.device)
     k_scale = torch.empty(batch, heads, padded // KEY_TILE, dtype=torch.float32, device=key.device)
     v8 = torch.empty(batch, heads, width, padded, dtype=pv_dtype, device=key.device)
-    qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
-    grid = (padded // KEY_TILE, batch * heads)
-    _quantize_keys_values[grid](
+    _quantize_keys_values[padded // KEY_TILE, batch * heads](
         key,
         value,
         k_mean,
@@ -338,7 +328,7 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
         *key.stride()[:3],
         *value.stride()[:3],
         padded,
-        QMAX=qmax,
+        QMAX=INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max,
         VMAX=vmax,
         BLOCK=KEY_TILE,
         HEAD_DIM=width,
@@ -364,7 +354,6 @@ def fp8_attention_with_lse(
     mask = k_scale if key_mask is None else F.pad(key_mask.to(torch.uint8), (0, padded - k_length))
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, q_length, dtype=torch.float32, device=query.device)
-    qmax = INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max
     width = k8.shape[-1]
     descriptors = uses_descriptors(query.device)
     if descriptors:
@@ -394,7 +383,7 @@ def fp8_attention_with_lse(
         dim**-0.5,
     )
     constants = {
-        "QMAX": qmax,
+        "QMAX": INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max,
         "P_EXPONENT": p_exponent(pv_dtype),
         "QK_INT8": qk_dtype == torch.int8,
         "HAS_MASK": key_mask is not None,

@@ -12,13 +12,12 @@ def multi_axis_rope(
     ``dtype``, by default float64 (exact for large positions) where the device has it: MPS has not."""
     pos = ids.float()
     dtype = dtype or (torch.float32 if ids.device.type == "mps" else torch.float64)
-    cos_parts, sin_parts = [], []
+    bands = []
     for axis, dim in enumerate(axes_dim):
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype, device=ids.device) / dim))
-        angles = torch.outer(pos[:, axis].to(dtype), inv_freq)
-        cos_parts.append(angles.cos().repeat_interleave(2, dim=1).float())
-        sin_parts.append(angles.sin().repeat_interleave(2, dim=1).float())
-    return torch.cat(cos_parts, dim=-1), torch.cat(sin_parts, dim=-1)
+        bands.append(torch.outer(pos[:, axis].to(dtype), inv_freq))
+    angles = torch.cat(bands, dim=-1).repeat_interleave(2, dim=1)
+    return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,6 @@ class StagedTransformer(nn.Module):
         return self.head(self.run_blocks(tokens))
 
     def head(self, tokens: Any) -> torch.Tensor:
-        """Where the model has no head of its own."""
         return self.proj_out(self.norm_out(tokens.img, tokens.temb))
 
 

@@ -1,5 +1,4 @@
-"""Classifier-free guidance branches, stacked [conditional; unconditional] along the batch: batched on one rank, or
-split across the two halves of the group (one all-gather a step)."""
+"""Classifier-free guidance's [conditional; unconditional] rows of the batch, on one rank or split (one all-gather)."""
 
 from __future__ import annotations
 

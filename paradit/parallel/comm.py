@@ -25,10 +25,6 @@ class CommStats:
         self.phase = "setup"
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def split_sizes(total: int, parts: int) -> list[int]:
     """torch.tensor_split's sizes: the first ``total % parts`` parts one longer."""
     base, extra = divmod(total, parts)
@@ -59,7 +55,7 @@ def all_gather_uneven(
     parts = [torch.empty_like(x) for _ in sizes]
     dist.all_gather(parts, x, group=group)
     if stats is not None:
-        stats.add(_nbytes(x) * (len(sizes) - 1))
+        stats.add(x.nbytes * (len(sizes) - 1))
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim)
 
 
@@ -68,14 +64,14 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) 
     """In place; counted as NCCL's ring all-reduce sends: 2 (T - 1) / T of ``x`` per rank."""
     dist.all_reduce(x, group=group)
     degree = dist.get_world_size(group)
-    stats.add(2 * (degree - 1) * x.numel() * x.element_size() // degree)
+    stats.add(2 * (degree - 1) * x.nbytes // degree)
     return x
 
 
 def broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None, stats: CommStats) -> torch.Tensor:
     dist.broadcast(x, src=src, group=group)
     if dist.get_rank() == src:
-        stats.add(_nbytes(x) * (dist.get_world_size(group) - 1))
+        stats.add(x.nbytes * (dist.get_world_size(group) - 1))
     return x
 
 
@@ -94,5 +90,5 @@ class RingExchange:
         recv = [tensor.new_empty(shape) for tensor, shape in zip(send, recv_shapes)]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next_rank, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev_rank, self.group) for t in recv]
-        self.stats.add(sum(_nbytes(t) for t in send))
+        self.stats.add(sum(t.nbytes for t in send))
         return recv, dist.batch_isend_irecv(ops)

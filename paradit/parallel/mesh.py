@@ -25,7 +25,7 @@ def init_process_group(device: torch.device, rank: int, world_size: int, init_me
     )
 
 
-def _new_subgroup(config: ParallelConfig, dims: tuple[str, ...]) -> dist.ProcessGroup:
+def new_subgroup(config: ParallelConfig, dims: tuple[str, ...]) -> dist.ProcessGroup:
     """The ranks sharing this one's mesh coordinates but ``dims`` (last fastest); every rank must call it."""
     shape = tuple(degree for _, degree in config.degrees())
     axes = [MESH_DIMS.index(dim) for dim in dims]
@@ -47,7 +47,7 @@ class ParallelContext:
         shape = tuple(degree for _, degree in config.degrees())
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         # A sequence group is the ring x ulysses ranks sharing every other coordinate, in chunk order (ring-major).
-        return cls(config, device, mesh, _new_subgroup(config, ("ring", "ulysses")))
+        return cls(config, device, mesh, new_subgroup(config, ("ring", "ulysses")))
 
     @cached_property
     def shard_mesh(self) -> DeviceMesh:
@@ -66,10 +66,6 @@ class ParallelContext:
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.mesh.get_group(dim)
-
-    def second_group(self, dim: str) -> dist.ProcessGroup:
-        """Its operations queue apart (an NCCL stream of their own); every rank must call this, in the same order."""
-        return _new_subgroup(self.config, (dim,))
 
     @property
     def sequence_rank(self) -> int:

@@ -17,7 +17,7 @@ from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.patch_loop import BandMask, denoise_by_patches
 from paradit.parallel.pipefusion import PipeFusion
 from paradit.parallel.sequence import SequenceParallel
-from paradit.parallel.tensor import TensorPlan, check_tensor_plan, parallelize_tensor
+from paradit.parallel.tensor import TensorPlan, parallelize_tensor
 from paradit.parallel.vae import parallel_decode, parallel_encode
 from paradit.weights import TensorSlice
 
@@ -112,7 +112,7 @@ def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: Paral
     config = context.config
     slices = {}
     if config.tensor > 1:
-        slices = parallelize_tensor(model, check_tensor_plan(tensor_plan, model, config.tensor), context)
+        slices = parallelize_tensor(model, tensor_plan, context)  # its ``tensor_slices`` checks the plan
     sequence = SequenceParallel(model, context) if config.sequence_degree > 1 else None
     forward, loop = sequence or model, DenoiseLoop()
     if config.pipefusion > 1:

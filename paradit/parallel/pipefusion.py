@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
 from paradit.layers.attention import AttentionDispatch, AttentionFn, sdpa_attention
 from paradit.parallel.comm import broadcast, split_sizes
-from paradit.parallel.mesh import ParallelContext
+from paradit.parallel.mesh import ParallelContext, new_subgroup
 from paradit.parallel.sequence import SequenceParallel, narrow_streams, scoped, sequence_layout, stream_lengths
 
 
@@ -136,8 +137,8 @@ class PipeFusion(nn.Module):
         config = context.config
         self.sequence, self.model, self.context = sequence, model, context
         self.group = context.group("pipefusion")
-        # On one communicator predictions flowing back would queue behind the next patch's activations flowing forward.
-        self.prediction_group = context.second_group("pipefusion")
+        # A communicator (NCCL stream) of its own: predictions flowing back must not queue behind activations.
+        self.prediction_group = new_subgroup(config, ("pipefusion",))
         self.stages = config.pipefusion
         self.stage = context.local_rank("pipefusion")
         ranks = dist.get_process_group_ranks(self.group)
@@ -154,13 +155,11 @@ class PipeFusion(nn.Module):
         self._lead = 0
         self._image: torch.Tensor | None = None  # the last submitted step's embedded output stream
 
-        stacks = [(name, list(getattr(self.model, name))) for name in type(self.model).BLOCK_LISTS]
-        total = sum(len(blocks) for _, blocks in stacks)  # check_plan refused more stages than blocks
-        mine = stage_range(total, self.stages, self.stage)
+        mine = stage_range(len(model_blocks(model)), self.stages, self.stage)  # check_plan: no more stages than blocks
         position = itertools.count()  # of each block in the run order
-        for name, blocks in stacks:
+        for name in type(model).BLOCK_LISTS:
             # The other stages' blocks are dropped, so their weights are freed.
-            setattr(self.model, name, nn.ModuleList([block for block in blocks if next(position) in mine]))
+            setattr(model, name, nn.ModuleList([block for block in getattr(model, name) if next(position) in mine]))
 
         for module in self.model.modules():
             # Keys from no split stream (Wan's text) are whole and fresh on every stage: no stale K/V to buffer.
@@ -241,13 +240,12 @@ class PipeFusion(nn.Module):
             me = self.context.sequence_rank if self.sequence is not None else 0
             prediction = image.new_empty(image.shape[0], sizes[output][me], self._out_channels)
         else:
-            self.context.stats.add(prediction.numel() * prediction.element_size() * (self.stages - 1))
+            self.context.stats.add(prediction.nbytes * (self.stages - 1))
         work = dist.broadcast(prediction, self.last_rank, group=self.prediction_group, async_op=True)
         self._in_flight.append(InFlight(item, (start, stop), sizes[output], prediction, work))
 
     def _collect(self, count: int) -> tuple[torch.Tensor, list[InFlight]]:
-        image = self._image
-        out = image.new_zeros(image.shape[0], self.output_length, self._out_channels)
+        out = self._image.new_zeros(self._image.shape[0], self.output_length, self._out_channels)
         collected = [self._in_flight.popleft() for _ in range(count)]
         for done in collected:
             done.work.wait()
@@ -265,7 +263,7 @@ class PipeFusion(nn.Module):
         # Empty streams (the text of later patches) are not sent; the receiver knows their shapes.
         for tensor in (t.contiguous() for t in tensors if t.numel()):
             self._sends.append((dist.isend(tensor, self.next_rank, group=self.group), tensor))
-            self.context.stats.add(tensor.numel() * tensor.element_size())
+            self.context.stats.add(tensor.nbytes)
 
     def _wait_for_sends(self) -> None:
         for work, _ in self._sends:

@@ -86,8 +86,7 @@ class SequenceParallelAttention:
         return [(sum(owned[:rank]) + sum(share[:chunk]), share[chunk]) for rank, share in enumerate(parts)]
 
     def _post_heads_to_sequence(self, x: torch.Tensor, ranges: list[tuple[int, int]]):
-        """Post the exchange giving Ulysses rank j heads ``ranges[j]`` of the group's tokens; the returned function
-        waits, giving (B, L_group, our count, D)."""
+        """Posts the exchange giving Ulysses rank j heads ``ranges[j]``; its wait returns (B, L_group, ours, D)."""
         batch, length, _, dim = x.shape
         me = self.context.local_rank("ulysses")
         lengths = self._ulysses_lengths()
@@ -109,8 +108,7 @@ class SequenceParallelAttention:
         return finish
 
     def _post_sequence_to_heads(self, out: torch.Tensor, ranges: list[tuple[int, int]], into: torch.Tensor):
-        """The reverse exchange; the returned function waits and writes rank j's heads ``ranges[j]`` into ``into``
-        (B, L_me, H, D)."""
+        """The reverse exchange; its wait writes rank j's heads ``ranges[j]`` into ``into`` (B, L_me, H, D)."""
         batch, _, local_heads, dim = out.shape
         me = self.context.local_rank("ulysses")
         lengths = self._ulysses_lengths()
@@ -268,7 +266,6 @@ class SequenceParallel(nn.Module):
         return self.model.config
 
     def set_local_attention(self, module: AttentionDispatch, local: AttentionFn) -> None:
-        """Not for modules whose ``sequence_streams`` is empty: their keys are whole on every rank."""
         module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams, local=local))
 
     def split(self, tokens):

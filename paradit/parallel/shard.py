@@ -19,25 +19,18 @@ class ShardRoot(nn.Module):
         super().__init__()
         self.inner = forward
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.inner(*args, **kwargs)
-
-
-class ShardedForward(nn.Module):
-    """The FSDP root run outside inference mode: FSDP2 before torch 2.13 reads the version counter of each weight it
-    gathers, which tensors made in inference mode lack. Its inputs may be inference tensors: they are only read."""
-
-    def __init__(self, root: ShardRoot) -> None:
-        super().__init__()
-        self.root = root
-
     @property
     def config(self):
-        return self.root.inner.config
+        return self.inner.config
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        # Outside inference mode, FSDP's hooks included: FSDP2 before torch 2.13 reads the version counter of each
+        # weight it gathers, which inference tensors lack. The inputs may be inference tensors: they are only read.
+        with torch.inference_mode(False), torch.no_grad():
+            return super().__call__(*args, **kwargs)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        with torch.inference_mode(False), torch.no_grad():
-            return self.root(*args, **kwargs)
+        return self.inner(*args, **kwargs)
 
 
 def shard_module(module: nn.Module, context: ParallelContext) -> None:
@@ -54,11 +47,11 @@ def shard_module(module: nn.Module, context: ParallelContext) -> None:
     module.register_forward_pre_hook(count)
 
 
-def shard_root(forward: nn.Module, model: nn.Module, context: ParallelContext) -> ShardedForward:
+def shard_root(forward: nn.Module, model: nn.Module, context: ParallelContext) -> ShardRoot:
     """Once every block is sharded; each prefetches the next one's weights."""
     root = ShardRoot(forward)
     shard_module(root, context)
     chain = [root, *model_blocks(model)]
     for current, following in zip(chain, chain[1:]):
         current.set_modules_to_forward_prefetch([following])
-    return ShardedForward(root)
+    return root

@@ -107,7 +107,7 @@ def _matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) -> dict[str, TensorSlice]:
+def tensor_slices(plan: TensorPlan | None, model: nn.Module, degree: int, rank: int) -> dict[str, TensorSlice]:
     """By name; tensors not named are replicated."""
     widths = check_tensor_plan(plan, model, degree).widths(model)
     slices = {}
@@ -129,7 +129,7 @@ def tensor_slices(plan: TensorPlan, model: nn.Module, degree: int, rank: int) ->
 
 
 @torch.no_grad()
-def parallelize_tensor(model: nn.Module, plan: TensorPlan, context: ParallelContext) -> dict[str, TensorSlice]:
+def parallelize_tensor(model: nn.Module, plan: TensorPlan | None, context: ParallelContext) -> dict[str, TensorSlice]:
     """In place, on the meta device; returns ``tensor_slices``. The head counts attention modules store are divided."""
     degree = context.config.tensor
     slices = tensor_slices(plan, model, degree, context.local_rank("tensor"))

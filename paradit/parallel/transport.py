@@ -41,5 +41,4 @@ def encode_fp8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_fp8_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of ``encode_fp8_rows``."""
     return (_decode_compiled if packed.is_cuda else _decode)(packed.contiguous(), dtype)

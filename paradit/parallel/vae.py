@@ -19,8 +19,6 @@ from paradit.parallel.comm import all_gather_uneven, split_sizes
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-__all__ = ["parallel_decode", "parallel_encode"]
-
 # Low-precision group norms take statistics in float32 chunks of this many elements, keeping the copy small.
 _STATS_CHUNK = 1 << 26
 
@@ -38,8 +36,7 @@ class _Bands:
         if rest or not factor:
             raise RuntimeError(
                 f"a band of {local_rows} rows is no whole multiple of this rank's {self.rows[self.rank]} latent "
-                "rows: the VAE changed the height by other than whole factors (image size not a multiple of the "
-                "VAE's downsampling?)"
+                "rows (an image size that is no multiple of the VAE's downsampling?)"
             )
         return tuple(r * factor for r in self.rows)
 
@@ -47,8 +44,7 @@ class _Bands:
 # _exchange_halos, _gather_moments, _gather_rows: the only places ranks talk (tests swap them to prove checks bite).
 @torch.compiler.disable
 def _exchange_halos(x: torch.Tensor, bands: _Bands, plan: _ConvPlan) -> Callable[[], tuple[torch.Tensor | None, ...]]:
-    """Start exchanging the rows above and below the band ``x`` that its convolution windows reach into;
-    ``finish()`` waits and gives (above, below), None where nothing comes."""
+    """Posts the exchange of ``x``'s halo rows; ``finish()`` waits and gives (above, below), None where none come."""
     r, n = bands.rank, x.shape[-2]
     ops, halos = [], []
     up = (r - 1, plan.send_up[r], plan.recv_up[r], 0)
@@ -154,8 +150,7 @@ def _conv_forward(
         n = x.shape[-2]
         (a, b), (lo, hi) = plan.bands[bands.rank], plan.need[bands.rank]
         if stride == 1 and top == bottom and lo == a - top and hi == b + top and n >= 2 * top:
-            # Same-size convolution: run it on the band as the module would while the halos travel, then redo the rows
-            # at an inner edge from a thin strip with the neighbour's. No copy of the band.
+            # Same-size: the band as it is (no copy) while the halos travel, then each inner edge's rows redone.
             out = run(x, top)
             above, below = halos()
             if above is not None:
@@ -190,9 +185,7 @@ def _group_norm_forward(module: nn.GroupNorm, bands: _Bands) -> Callable:
             var, mean = torch.var_mean(x, dim=dims, correction=0)
         else:
             step = max(1, _STATS_CHUNK // max(1, batch * count))
-            pieces = [
-                torch.var_mean(x[:, c : c + step].float(), dim=dims, correction=0) for c in range(0, channels, step)
-            ]
+            pieces = [torch.var_mean(chunk.float(), dim=dims, correction=0) for chunk in x.split(step, dim=1)]
             var, mean = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1)
         mean = mean.double()
         moments = torch.stack([torch.full_like(mean, count), mean, var.double() * count])
@@ -284,24 +277,22 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
     from diffusers.models.downsampling import Downsample2D
 
     swaps: list[tuple[nn.Module, Callable]] = []
-    conv_pads: dict[nn.Module, tuple[int, int, int, int]] = {}  # (left, right, top, bottom) padded in front
-    for module in vae.modules():
+    conv_pads: dict[nn.Module, tuple[int, int]] = {}  # (top, bottom) rows padded in front
+    for module in vae.modules():  # parents before children: a pad is seen before the convolution it feeds
         if isinstance(module, Downsample2D) and module.use_conv and module.padding == 0:
             if module.norm is not None:
                 raise NotImplementedError("Downsample2D with a norm")
-            conv_pads[module.conv] = (0, 1, 0, 1)
+            conv_pads[module.conv] = (0, 1)
             swaps.append((module, _downsample_forward(module)))
-        if isinstance(module, nn.Sequential):
+        elif isinstance(module, nn.Sequential):
             children = list(module)
             for first, second in zip(children, children[1:]):
                 if isinstance(first, nn.ZeroPad2d) and isinstance(second, nn.Conv2d):
-                    conv_pads[second] = tuple(first.padding)
+                    conv_pads[second] = tuple(first.padding[2:])
                     swaps.append((first, functools.partial(F.pad, pad=(*first.padding[:2], 0, 0))))
-    pads_moved = {module for module, _ in swaps}
-    for module in vae.modules():
-        if isinstance(module, nn.ZeroPad2d) and module not in pads_moved:
+        elif isinstance(module, nn.ZeroPad2d) and not any(module is moved for moved, _ in swaps):
             raise NotImplementedError("a ZeroPad2d that does not feed a convolution")
-        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+        elif isinstance(module, (nn.Conv2d, nn.Conv3d)):
             if hasattr(module, "_padding"):  # Wan / Qwen-Image causal conv: (w, w, h, h, 2 t, 0)
                 pad_w, pad_h, temporal = module._padding[0:2], module._padding[2:4], module._padding[4]
             else:
@@ -310,7 +301,7 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
                 pad_w, pad_h, temporal = (module.padding[-1],) * 2, (module.padding[-2],) * 2, 0
                 if module in conv_pads:
                     # The pad in front keeps doing the width (never split); its rows move into the convolution.
-                    _, _, top, bottom = conv_pads[module]
+                    top, bottom = conv_pads[module]
                     pad_h = (pad_h[0] + top, pad_h[1] + bottom)
             swaps.append((module, _conv_forward(module, bands, pad_h, pad_w, temporal)))
         elif isinstance(module, nn.GroupNorm):
@@ -325,8 +316,7 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
 
 
 def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.ProcessGroup | None, run: Callable):
-    """``run`` on this rank's band of ``x`` (``factor`` rows per latent row), the forward of each module that sees
-    several rows swapped for the call; every rank gets it all."""
+    """``run`` on this rank's band of ``x`` (``factor`` rows per latent row); every rank gets the bands gathered."""
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         peers = tuple(dist.get_global_rank(group, r) if group is not None else r for r in range(world))
@@ -338,9 +328,8 @@ def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.Proces
     rows = split_sizes(height, world)
     bands = _Bands(tuple(rows), rank, group, peers)
     swaps = _replacements(vae, bands)
-    missing = object()
     # An instance may carry its own forward already (accelerate's offload hooks do): that one comes back.
-    previous = [module.__dict__.get("forward", missing) for module, _ in swaps]
+    previous = [module.__dict__.get("forward") for module, _ in swaps]
     tiling = getattr(vae, "use_tiling", None)  # off: tiles are a different computation
     try:
         if tiling:
@@ -351,7 +340,7 @@ def _run_banded(vae: nn.Module, x: torch.Tensor, factor: int, group: dist.Proces
         return _gather_rows(band, band.ndim - 2, bands.scaled(band.shape[-2]), bands)
     finally:
         for (module, _), forward in zip(swaps, previous):
-            if forward is missing:
+            if forward is None:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = forward
