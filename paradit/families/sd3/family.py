@@ -17,16 +17,13 @@ from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
-# diffusers' StableDiffusion3Pipeline.__call__ defaults, for checkpoints that are not a published SD3.5.
-PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE = 28, 7.0
-
 
 def published_defaults(transformer: dict) -> tuple[int, float]:
     """A published SD3.5 transformer's model-card steps and guidance (a preset's hub id resolves to a folder)."""
     for preset in PRESETS:
         if preset.hub_id and all(transformer.get(key) == value for key, value in preset.transformer.items()):
             return preset.steps, preset.guidance
-    return PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE
+    return 28, 7.0  # diffusers' StableDiffusion3Pipeline.__call__ defaults, for any other checkpoint
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:

@@ -143,12 +143,12 @@ class SD3Pipeline(DiffusionPipeline):
     CONDITIONING = ("embeds", "pooled")
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        prompts = request.prompts + (request.negative_prompts if self.uses_cfg(request) else [])
-        embeds, pooled = self.prompt_encoder.encode(prompts, self.dtype)
+        prompts = [prompt for branch in self.branch_prompts(request) for prompt in branch]  # one encoder call
+        encoded = self.prompt_encoder.encode(prompts, self.dtype)
         repeat = request.images_per_prompt
         return {
-            "embeds": embeds.to(self.device).repeat_interleave(repeat, dim=0),
-            "pooled": pooled.to(self.device).repeat_interleave(repeat, dim=0),
+            name: tensor.to(self.device).repeat_interleave(repeat, dim=0)
+            for name, tensor in zip(self.CONDITIONING, encoded)
         }
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, None]:

@@ -31,9 +31,8 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         raise CheckpointError(f"{folder} has no transformer/ (a low-noise expert alone is not served)")
     if present["image_encoder"]:
         raise CheckpointError(
-            f"{folder} is a Wan 2.1 image-to-video checkpoint (a CLIP image encoder), which paradit "
-            "does not run; its Wan 2.2 checkpoints (I2V-A14B, TI2V-5B) encode the image with the "
-            "VAE alone and do run"
+            f"{folder} is a Wan 2.1 image-to-video checkpoint (a CLIP image encoder), which paradit does not run; its "
+            "Wan 2.2 checkpoints (I2V-A14B, TI2V-5B) encode the image with the VAE alone and do run"
         )
     boundary = index.get("boundary_ratio")
     two_experts = present["transformer_2"] and boundary is not None
