@@ -124,8 +124,7 @@ class DiffusionPipeline(ABC):
     """A family implements the abstract hooks and names in ``CONDITIONING`` the tensors its encoding makes."""
 
     CONDITIONING: ClassVar[tuple[str, ...]] = ("embeds",)
-    # Whether the family's diffusers pipeline drops the sigmas it passes for a scheduler of flow sigmas (as
-    # ``--scheduler unipc`` and ``dpmpp-2m`` make them), which then spaces its own (diffusers' Flux pipelines do).
+    # Whether the diffusers pipeline drops its sigmas for a flow-sigmas scheduler (unipc, dpmpp-2m), as Flux's do.
     FLOW_SIGMAS_SPACE_THEMSELVES: ClassVar[bool] = False
 
     def __init__(

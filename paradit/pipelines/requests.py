@@ -57,8 +57,7 @@ def resolve_common(
     inpainting_strength: float | None = None,
     schedulers: tuple[str, ...] = SCHEDULERS,
 ) -> ResolvedRequest:
-    """The checks every family makes, raising InvalidRequest with the allowed values; ``largest``: (height, width);
-    ``inpainting_strength``: the default strength where a mask is given."""
+    """The checks every family makes; ``inpainting_strength``: the default strength where a mask is given."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")

@@ -108,14 +108,12 @@ FAMILY = Family(
         heads=lambda model: model.config.num_attention_heads,
         widths=lambda model: {"attention": model.config.inner_dim, "MLP hidden": model.config.ffn_dim},
         linears={
-            **{f"blocks.*.{attn}.{name}": COLUMN for attn in ("attn1", "attn2") for name in ("to_q", "to_k", "to_v")},
-            **{f"blocks.*.{attn}.to_out.0": ROW for attn in ("attn1", "attn2")},
+            "blocks.*.attn[12].to_[qkv]": COLUMN,
+            "blocks.*.attn[12].to_out.0": ROW,
             "blocks.*.ffn.net.0.proj": COLUMN_MLP,
             "blocks.*.ffn.net.2": ROW_MLP,
         },
-        norms_across_heads=tuple(
-            f"blocks.*.{attn}.{norm}" for attn in ("attn1", "attn2") for norm in ("norm_q", "norm_k")
-        ),
+        norms_across_heads=("blocks.*.attn[12].norm_[qk]",),
     ),
     # The embedders, every ``scale_shift_table`` (parameters, named for completeness) and the output projection.
     keep_high_precision=("patch_embedding", "condition_embedder", "scale_shift_table", "proj_out"),
