@@ -290,7 +290,6 @@ class DiffusionPipeline(ABC):
         return latent_mask(request, image)
 
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Pixels in [0, 1], decoded by the whole group when there is one."""
         return (self.runtime.parallel.vae_decode(self.vae, latents) / 2 + 0.5).clamp(0, 1)
 
     def vae_encode(self, images: torch.Tensor):

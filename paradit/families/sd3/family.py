@@ -90,8 +90,8 @@ FAMILY = Family(
             # SD3.5-medium's image-only attention (attn2) in its first blocks.
             "transformer_blocks.*.attn2.to_[qkv]": COLUMN,
             "transformer_blocks.*.attn2.to_out.0": ROW,
-            **{f"transformer_blocks.*.{ff}.net.0.proj": COLUMN_MLP for ff in ("ff", "ff_context")},
-            **{f"transformer_blocks.*.{ff}.net.2": ROW_MLP for ff in ("ff", "ff_context")},
+            "transformer_blocks.*.ff*.net.0.proj": COLUMN_MLP,  # ff and ff_context
+            "transformer_blocks.*.ff*.net.2": ROW_MLP,
         },
     ),
     # The embedders, the AdaLN modulation (under "norm" names: norm1.linear, norm1_context.linear, norm_out), proj_out.

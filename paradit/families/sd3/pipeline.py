@@ -27,7 +27,6 @@ def vae_scale_factor(vae_config: dict) -> int:
 
 
 def pixel_granularity(spec: ModelSpec) -> int:
-    """Pixels per image token side: the VAE's stride times the transformer's patch size."""
     return vae_scale_factor(spec.vae) * spec.transformer["patch_size"]
 
 

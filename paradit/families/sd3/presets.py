@@ -10,8 +10,6 @@ from paradit.spec import ModelSpec, read_configs
 
 @dataclass(frozen=True)
 class SD3TextEncoders:
-    """SD3's two ``CLIPTextModelWithProjection`` configs and its ``T5EncoderModel`` one."""
-
     clip_l: dict[str, Any]
     clip_g: dict[str, Any]
     t5: dict[str, Any]

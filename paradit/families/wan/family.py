@@ -13,7 +13,7 @@ from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
 from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
-from paradit.pipelines.requests import check_guidance, resolve_common
+from paradit.pipelines.requests import check_guidance, not_allowed, resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
@@ -65,10 +65,8 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
         raise InvalidRequest(f"{spec.name} animates an image; give the first frame (--image PATH)")
     frames = spec.frames if request.frames is None else int(request.frames)
     if frames < 1 or frames % temporal != 1 % temporal or frames > MAX_FRAMES:
-        raise InvalidRequest(
-            f"frames {frames} is not allowed; this model takes {temporal}k+1 frames (1, "
-            f"{temporal + 1}, {2 * temporal + 1}, ...) up to {MAX_FRAMES}"
-        )
+        takes = f"this model takes {temporal}k+1 frames (1, {temporal + 1}, {2 * temporal + 1}, ...) up to {MAX_FRAMES}"
+        raise not_allowed("frames", frames, takes)
     guidance_2 = request.guidance_2
     if guidance_2 is not None and not spec.experts:
         raise InvalidRequest("guidance_2 is for models with a low-noise expert; this one has one transformer")
@@ -79,7 +77,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     resolved.frames, resolved.guidance_2 = frames, guidance_2
     resolved.fps = spec.fps if request.fps is None else request.fps
     if not isinstance(resolved.fps, int) or not 1 <= resolved.fps <= MAX_FPS:
-        raise InvalidRequest(f"fps {resolved.fps} is not allowed; give a whole number from 1 to {MAX_FPS}")
+        raise not_allowed("fps", resolved.fps, f"give a whole number from 1 to {MAX_FPS}")
     return resolved
 
 
