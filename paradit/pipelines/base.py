@@ -86,7 +86,7 @@ def dynamic_shift(image_tokens: int, scheduler_config: dict) -> float:
 
 
 def latent_statistics(vae_config, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``latents_mean`` and ``1 / latents_std`` in ``like``'s dtype: the reference's rounding (it divides by it too)."""
+    """``latents_mean`` and ``1 / latents_std`` in ``like``'s dtype, rounded as the reference (which divides by it)."""
     shape = (1, -1) + (1,) * (like.ndim - 2)
     mean = torch.tensor(vae_config.latents_mean).view(shape).to(like.device, like.dtype)
     return mean, 1.0 / torch.tensor(vae_config.latents_std).view(shape).to(like.device, like.dtype)
@@ -156,7 +156,7 @@ class DiffusionPipeline(ABC):
             StepCaching([runtime.model for runtime in runtimes], reduce, transformer.parallel.branches),
         ]
         self.stage = "before its first request"  # where ``generate`` is, in words (an out-of-memory error names it)
-        self.scheduling: ResolvedRequest | None = None  # the request ``scheduled`` applies the scheduler and shift of
+        self.scheduling: ResolvedRequest | None = None  # set by generate: ``scheduled`` applies its scheduler and shift
 
     def request_hooks(self) -> list[RequestHook]:
         return []
