@@ -32,7 +32,6 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         raise CheckpointError(
             f"{folder}: a scheduler with use_dynamic_shifting is not supported; SD3.5 uses a fixed shift"
         )
-    encoders = SD3TextEncoders(*(component_config(folder, f"text_encoder{n}") for n in ("", "_2", "_3")))
     vae = component_config(folder, "vae")
     steps, guidance = published_defaults(transformer)
     size = transformer.get("sample_size", 128) * vae_scale_factor(vae)
@@ -41,7 +40,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         index,
         "sd3",
         transformer=transformer,
-        text_encoder=encoders,
+        text_encoder=SD3TextEncoders(*(component_config(folder, f"text_encoder{n}") for n in ("", "_2", "_3"))),
         vae=vae,
         scheduler=scheduler,
         guidance_mode="cfg",

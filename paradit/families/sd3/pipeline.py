@@ -109,13 +109,12 @@ class SD3PromptEncoder:
 
     def _clip(self, which: int, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(penultimate hidden states, pooled projection) of CLIP encoder ``which``."""
-        encoder = self.clip_encoders[which]
         if which == 0:  # both CLIPs read the same 77 tokens: said once
             warn_if_truncated(self.clip_tokenizers[0], prompts, self.clip_length, "CLIP")
         ids = self.clip_tokenizers[which](
             prompts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
         ).input_ids
-        output = encoder(ids.to(self.device), output_hidden_states=True)
+        output = self.clip_encoders[which](ids.to(self.device), output_hidden_states=True)
         return output.hidden_states[-2], output.text_embeds
 
     @torch.no_grad()
