@@ -1,4 +1,3 @@
-"""The model a run gets when none is named: the demo's, a tiny random model that runs anywhere. A module of its own,
-with no imports, so that the option records (``options.Asked``) can name it without importing the registry."""
+"""The model a run gets when none is named; no imports, so the option records name it without the registry."""
 
 DEFAULT_MODEL = "flux2-tiny"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,9 +24,7 @@ class AdapterChoice(RequestHook):
     """Each batch's choice (name -> scale), on side paths (``cache`` 0) or fused; None keeps the engine's."""
 
     def __init__(self, model: nn.Module, cache: int) -> None:
-        self.choose: Callable[[dict[str, float]], None] = (
-            functools.partial(select_adapters, model) if cache == 0 else FusedVariants(model, cache).choose
-        )
+        self.choose = functools.partial(select_adapters, model) if cache == 0 else FusedVariants(model, cache).choose
 
     def begin_request(self, request: ResolvedRequest) -> None:
         if request.lora is not None:

@@ -78,8 +78,7 @@ def seeded_noise(shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: 
 
 
 def dynamic_shift(image_tokens: int, scheduler_config: dict) -> float:
-    """diffusers' ``calculate_shift``, its intercept computed first, as there (adding the two terms one at a time
-    differs in the last bit for some token counts)."""
+    """diffusers' ``calculate_shift``, its intercept first as there (the other order differs in the last bit)."""
     base_len, max_len = scheduler_config.get("base_image_seq_len", 256), scheduler_config.get("max_image_seq_len", 4096)
     base_shift = scheduler_config.get("base_shift", 0.5)
     slope = (scheduler_config.get("max_shift", 1.15) - base_shift) / (max_len - base_len)
@@ -87,8 +86,7 @@ def dynamic_shift(image_tokens: int, scheduler_config: dict) -> float:
 
 
 def latent_statistics(vae_config, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE's ``latents_mean`` and ``1 / latents_std`` over ``like``'s channels: the reference normalises by the
-    reciprocal computed in the latent dtype, and un-normalises by dividing by it; the same rounding keeps it exact."""
+    """``latents_mean`` and ``1 / latents_std`` in ``like``'s dtype, rounded as the reference (which divides by it)."""
     shape = (1, -1) + (1,) * (like.ndim - 2)
     mean = torch.tensor(vae_config.latents_mean).view(shape).to(like.device, like.dtype)
     return mean, 1.0 / torch.tensor(vae_config.latents_std).view(shape).to(like.device, like.dtype)
@@ -126,8 +124,7 @@ class DiffusionPipeline(ABC):
     """A family implements the abstract hooks and names in ``CONDITIONING`` the tensors its encoding makes."""
 
     CONDITIONING: ClassVar[tuple[str, ...]] = ("embeds",)
-    # Whether the family's diffusers pipeline drops the sigmas it passes for a scheduler of flow sigmas (as
-    # ``--scheduler unipc`` and ``dpmpp-2m`` make them), which then spaces its own (diffusers' Flux pipelines do).
+    # Whether the diffusers pipeline drops its sigmas for a flow-sigmas scheduler (unipc, dpmpp-2m), as Flux's do.
     FLOW_SIGMAS_SPACE_THEMSELVES: ClassVar[bool] = False
 
     def __init__(
@@ -159,8 +156,7 @@ class DiffusionPipeline(ABC):
             StepCaching([runtime.model for runtime in runtimes], reduce, transformer.parallel.branches),
         ]
         self.stage = "before its first request"  # where ``generate`` is, in words (an out-of-memory error names it)
-        # the request ``make_scheduler`` schedules, set by ``generate``: ``scheduled`` applies its scheduler and shift
-        self.scheduling: ResolvedRequest | None = None
+        self.scheduling: ResolvedRequest | None = None  # set by generate: ``scheduled`` applies its scheduler and shift
 
     def request_hooks(self) -> list[RequestHook]:
         return []
@@ -199,10 +195,8 @@ class DiffusionPipeline(ABC):
         config, request = dict(self.spec.scheduler), self.scheduling
         if request is not None and request.scheduler is not None:
             scheduler_class, overrides = SCHEDULER_CHOICES[request.scheduler]
-            # the checkpoint's static shift carried over, under the name the chosen class reads it by
-            config.update(
-                overrides, **{shift_name(scheduler_class): config.get("shift", config.get("flow_shift", 1.0))}
-            )
+            shift = config.get("shift", config.get("flow_shift", 1.0))  # the checkpoint's, as the chosen class names it
+            config.update(overrides, **{shift_name(scheduler_class): shift})
         if request is not None and request.shift is not None:
             config.update({shift_name(scheduler_class): request.shift, "use_dynamic_shifting": False})
         # Only the keys the class takes: diffusers would drop another scheduler's with a warning, each request.
@@ -217,8 +211,7 @@ class DiffusionPipeline(ABC):
     def model_inputs(
         self, request: ResolvedRequest, latents: torch.Tensor, t: torch.Tensor, layout
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One branch's model input and timestep(s): by default t cast to the latent dtype before dividing by 1000, as
-        the reference does (which keeps bf16 runs bit-faithful)."""
+        """By default t cast to the latent dtype, then / 1000, as the reference does (bf16 stays bit-faithful)."""
         return latents.to(self.dtype), t.expand(latents.shape[0]).to(latents.dtype) / 1000
 
     @abstractmethod
@@ -227,7 +220,6 @@ class DiffusionPipeline(ABC):
         the rows of ``conditioning`` this rank computes, rows independent after the transformer (PipeFusion's loop)."""
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-        """Classifier-free guidance as diffusers' pipelines write it."""
         return uncond + scale * (cond - uncond)
 
     def expert_at(self, request: ResolvedRequest, t: torch.Tensor) -> tuple[str, float | None]:
@@ -256,9 +248,8 @@ class DiffusionPipeline(ABC):
             for name, value in conditioning.items()
         }
         call = self.model_call(request, local, layout)
-        # CFG's branches run apart, each unpadded, where ``encode_rows`` padded one: the mask costs the flash kernel
-        # (Qwen-Image-Edit's batched step was 1.45x diffusers', docs/benchmarks.md, issue 51). Not with step caching
-        # (it decides per call) or PipeFusion (its stages buffer one text length).
+        # CFG's branches run apart, unpadded: a mask costs the flash kernel (Qwen-Image-Edit's batched step was 1.45x
+        # diffusers', docs/benchmarks.md, issue 51). Not with step caching (per call) or PipeFusion (one text length).
         pipefusion = self.parallel is not None and self.parallel.config.pipefusion > 1
         padded = set(local) == {"embeds", "mask"} and local["mask"] is not None
         apart = cfg and isinstance(branches, BatchedBranches) and padded and request.cache is None and not pipefusion
@@ -299,7 +290,6 @@ class DiffusionPipeline(ABC):
         return latent_mask(request, image)
 
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Pixels in [0, 1], decoded by the whole group when there is one."""
         return (self.runtime.parallel.vae_decode(self.vae, latents) / 2 + 0.5).clamp(0, 1)
 
     def vae_encode(self, images: torch.Tensor):

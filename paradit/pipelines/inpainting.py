@@ -36,8 +36,7 @@ class KeepUnmasked:
 
 
 class ImageToImage(RequestHook):
-    """Image-to-image as diffusers starts it: the steps from ``first_step`` on, the image's latents noised to the first.
-    One generator, seeded as the request, draws the latents from the VAE's distribution, then the noise."""
+    """diffusers' image-to-image start: the steps from ``first_step`` on, the image's latents noised to the first."""
 
     def __init__(self, pipeline) -> None:  # the DiffusionPipeline, which imports this module
         self.pipeline = pipeline

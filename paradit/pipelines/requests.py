@@ -57,8 +57,7 @@ def resolve_common(
     inpainting_strength: float | None = None,
     schedulers: tuple[str, ...] = SCHEDULERS,
 ) -> ResolvedRequest:
-    """The checks every family makes, raising InvalidRequest with the allowed values; ``largest``: (height, width);
-    ``inpainting_strength``: the default strength where a mask is given."""
+    """The checks every family makes; ``inpainting_strength``: the default strength where a mask is given."""
     prompts = request.prompts
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise InvalidRequest("prompt is empty; give at least one non-empty prompt")
@@ -126,9 +125,7 @@ def resolve_scheduler(
     dpmpp-2m takes a dynamically shifting checkpoint's ``mu`` only as its dynamic shift."""
     if scheduler is not None:
         if scheduler not in allowed:
-            raise InvalidRequest(
-                f"scheduler {scheduler!r} is not allowed; {spec.name} takes {', '.join(allowed)}", param="scheduler"
-            )
+            raise not_allowed("scheduler", repr(scheduler), f"{spec.name} takes {', '.join(allowed)}", "scheduler")
         if from_image and scheduler != "flow-euler":
             raise InvalidRequest(
                 f"scheduler {scheduler!r} does no image-to-image or inpainting; give flow-euler", param="scheduler"
@@ -204,7 +201,6 @@ def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
 
 
 def resolve_strength(spec: ModelSpec, strength, images: tuple, image_to_image: bool, default: float) -> float | None:
-    """diffusers' image-to-image strength, ``default`` unless given; refused without an image."""
     if not image_to_image or not images:
         if strength is not None:
             takes = "an image (--image) to start from" if image_to_image else "no strength: it does no image-to-image"

@@ -46,7 +46,7 @@ class StepCaching(RequestHook):
         config = denoise.request.cache
         if config is None:
             for cache in self.caches:
-                cache.end()
+                cache.model.stack_runner = None
             return
         parts = torch.tensor([part.batch for part in denoise.requests])
         rows = torch.repeat_interleave(torch.arange(len(denoise.requests)), parts).to(denoise.latents.device)
@@ -80,9 +80,6 @@ class StepCache:
         self.method = METHODS[config.method](config, self)
         self.model.stack_runner = self.run_stack
 
-    def end(self) -> None:
-        self.model.stack_runner = None
-
     def run_stack(self, tokens) -> torch.Tensor:
         return self.method.head(self.method.run_blocks(tokens))
 
@@ -113,8 +110,7 @@ class StepCache:
 
 
 class FirstBlock:
-    """diffusers' FirstBlockCache: the rest of the stack runs when the head block's residual moved by more than
-    ``threshold`` (relative mean absolute change) since it last ran; otherwise each stream adds that run's residual."""
+    """diffusers' FirstBlockCache: the rest runs once the head block's residual moved past ``threshold``."""
 
     def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
         self.threshold, self.cache = config.threshold, cache
@@ -166,8 +162,7 @@ class FirstBlock:
 
 
 class MagCache:
-    """diffusers' MagCache: past ``retention_ratio`` of the steps, a step is skipped (adding the last residual) while
-    the magnitude ratios' summed error is within ``threshold``, ``max_skip_steps`` in a row; ``calibrate`` records."""
+    """diffusers' MagCache: past ``retention_ratio``, steps skip while the ratios' summed error is in ``threshold``."""
 
     def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
         self.config, self.cache, self.groups = config, cache, cache.groups
@@ -219,8 +214,7 @@ class MagCache:
 
 
 class TaylorSeer:
-    """diffusers' TaylorSeer (lite): computed before ``disable_cache_before_step``, every ``cache_interval`` after and
-    from ``disable_cache_after_step`` on; between, predicted from the computed steps' divided differences."""
+    """diffusers' TaylorSeer (lite): the steps between computed ones predicted from their divided differences."""
 
     def __init__(self, config: StepCacheConfig, cache: StepCache) -> None:
         self.config, self.cache, self.groups = config, cache, cache.groups

@@ -17,16 +17,13 @@ from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
-# diffusers' StableDiffusion3Pipeline.__call__ defaults, for checkpoints that are not a published SD3.5.
-PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE = 28, 7.0
-
 
 def published_defaults(transformer: dict) -> tuple[int, float]:
     """A published SD3.5 transformer's model-card steps and guidance (a preset's hub id resolves to a folder)."""
     for preset in PRESETS:
         if preset.hub_id and all(transformer.get(key) == value for key, value in preset.transformer.items()):
             return preset.steps, preset.guidance
-    return PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_GUIDANCE
+    return 28, 7.0  # diffusers' StableDiffusion3Pipeline.__call__ defaults, for any other checkpoint
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -35,7 +32,6 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         raise CheckpointError(
             f"{folder}: a scheduler with use_dynamic_shifting is not supported; SD3.5 uses a fixed shift"
         )
-    encoders = SD3TextEncoders(*(component_config(folder, f"text_encoder{n}") for n in ("", "_2", "_3")))
     vae = component_config(folder, "vae")
     steps, guidance = published_defaults(transformer)
     size = transformer.get("sample_size", 128) * vae_scale_factor(vae)
@@ -44,7 +40,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         index,
         "sd3",
         transformer=transformer,
-        text_encoder=encoders,
+        text_encoder=SD3TextEncoders(*(component_config(folder, f"text_encoder{n}") for n in ("", "_2", "_3"))),
         vae=vae,
         scheduler=scheduler,
         guidance_mode="cfg",
@@ -93,8 +89,8 @@ FAMILY = Family(
             # SD3.5-medium's image-only attention (attn2) in its first blocks.
             "transformer_blocks.*.attn2.to_[qkv]": COLUMN,
             "transformer_blocks.*.attn2.to_out.0": ROW,
-            **{f"transformer_blocks.*.{ff}.net.0.proj": COLUMN_MLP for ff in ("ff", "ff_context")},
-            **{f"transformer_blocks.*.{ff}.net.2": ROW_MLP for ff in ("ff", "ff_context")},
+            "transformer_blocks.*.ff*.net.0.proj": COLUMN_MLP,  # ff and ff_context
+            "transformer_blocks.*.ff*.net.2": ROW_MLP,
         },
     ),
     # The embedders, the AdaLN modulation (under "norm" names: norm1.linear, norm1_context.linear, norm_out), proj_out.

@@ -78,8 +78,6 @@ class PatchEmbed(nn.Module):
         self.pos_embed.copy_(table.to(self.pos_embed.device, self.pos_embed.dtype))
 
     def cropped_table(self, rows: int, cols: int) -> torch.Tensor:
-        if rows > self.max_size or cols > self.max_size:
-            raise ValueError(f"{rows} x {cols} patches exceed the position table's {self.max_size} x {self.max_size}")
         top, left = (self.max_size - rows) // 2, (self.max_size - cols) // 2
         table = self.pos_embed.view(self.max_size, self.max_size, -1)
         return table[top : top + rows, left : left + cols].reshape(1, rows * cols, -1)

@@ -27,7 +27,6 @@ def vae_scale_factor(vae_config: dict) -> int:
 
 
 def pixel_granularity(spec: ModelSpec) -> int:
-    """Pixels per image token side: the VAE's stride times the transformer's patch size."""
     return vae_scale_factor(spec.vae) * spec.transformer["patch_size"]
 
 
@@ -110,13 +109,12 @@ class SD3PromptEncoder:
 
     def _clip(self, which: int, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(penultimate hidden states, pooled projection) of CLIP encoder ``which``."""
-        encoder = self.clip_encoders[which]
         if which == 0:  # both CLIPs read the same 77 tokens: said once
             warn_if_truncated(self.clip_tokenizers[0], prompts, self.clip_length, "CLIP")
         ids = self.clip_tokenizers[which](
             prompts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
         ).input_ids
-        output = encoder(ids.to(self.device), output_hidden_states=True)
+        output = self.clip_encoders[which](ids.to(self.device), output_hidden_states=True)
         return output.hidden_states[-2], output.text_embeds
 
     @torch.no_grad()
@@ -143,12 +141,12 @@ class SD3Pipeline(DiffusionPipeline):
     CONDITIONING = ("embeds", "pooled")
 
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
-        prompts = request.prompts + (request.negative_prompts if self.uses_cfg(request) else [])
-        embeds, pooled = self.prompt_encoder.encode(prompts, self.dtype)
+        prompts = [prompt for branch in self.branch_prompts(request) for prompt in branch]  # one encoder call
+        encoded = self.prompt_encoder.encode(prompts, self.dtype)
         repeat = request.images_per_prompt
         return {
-            "embeds": embeds.to(self.device).repeat_interleave(repeat, dim=0),
-            "pooled": pooled.to(self.device).repeat_interleave(repeat, dim=0),
+            name: tensor.to(self.device).repeat_interleave(repeat, dim=0)
+            for name, tensor in zip(self.CONDITIONING, encoded)
         }
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, None]:

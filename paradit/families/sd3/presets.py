@@ -10,8 +10,6 @@ from paradit.spec import ModelSpec, read_configs
 
 @dataclass(frozen=True)
 class SD3TextEncoders:
-    """SD3's two ``CLIPTextModelWithProjection`` configs and its ``T5EncoderModel`` one."""
-
     clip_l: dict[str, Any]
     clip_g: dict[str, Any]
     t5: dict[str, Any]
@@ -33,9 +31,6 @@ SD35_LARGE = CONFIGS["sd35_large"]
 SD35_MEDIUM = {**SD35_LARGE, **CONFIGS["sd35_medium_changes"]}
 
 _TINY_CLIP = CONFIGS["tiny_clip"]
-SD35_TINY_TEXT_ENCODERS = SD3TextEncoders(
-    clip_l=_TINY_CLIP, clip_g={**_TINY_CLIP, "hidden_size": 24, "hidden_act": "gelu"}, t5=CONFIGS["tiny_t5"]
-)
 
 
 def preset(name: str, **configs: Any) -> ModelSpec:
@@ -49,7 +44,9 @@ PRESETS: list[ModelSpec] = [
     preset(
         "sd3.5-tiny",
         transformer={**SD35_MEDIUM, **CONFIGS["tiny_transformer_changes"]},
-        text_encoder=SD35_TINY_TEXT_ENCODERS,
+        text_encoder=SD3TextEncoders(
+            clip_l=_TINY_CLIP, clip_g={**_TINY_CLIP, "hidden_size": 24, "hidden_act": "gelu"}, t5=CONFIGS["tiny_t5"]
+        ),
         vae={**SD3_VAE, **CONFIGS["tiny_vae_changes"]},
     ),
 ]

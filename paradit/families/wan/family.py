@@ -13,7 +13,7 @@ from paradit.families.wan.pipeline import UMT5PromptEncoder, WanPipeline, image_
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
 from paradit.family import Family, Measured
 from paradit.parallel.tensor import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
-from paradit.pipelines.requests import check_guidance, resolve_common
+from paradit.pipelines.requests import check_guidance, not_allowed, resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
@@ -31,9 +31,8 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         raise CheckpointError(f"{folder} has no transformer/ (a low-noise expert alone is not served)")
     if present["image_encoder"]:
         raise CheckpointError(
-            f"{folder} is a Wan 2.1 image-to-video checkpoint (a CLIP image encoder), which paradit "
-            "does not run; its Wan 2.2 checkpoints (I2V-A14B, TI2V-5B) encode the image with the "
-            "VAE alone and do run"
+            f"{folder} is a Wan 2.1 image-to-video checkpoint (a CLIP image encoder), which paradit does not run; its "
+            "Wan 2.2 checkpoints (I2V-A14B, TI2V-5B) encode the image with the VAE alone and do run"
         )
     boundary = index.get("boundary_ratio")
     two_experts = present["transformer_2"] and boundary is not None
@@ -66,10 +65,8 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
         raise InvalidRequest(f"{spec.name} animates an image; give the first frame (--image PATH)")
     frames = spec.frames if request.frames is None else int(request.frames)
     if frames < 1 or frames % temporal != 1 % temporal or frames > MAX_FRAMES:
-        raise InvalidRequest(
-            f"frames {frames} is not allowed; this model takes {temporal}k+1 frames (1, "
-            f"{temporal + 1}, {2 * temporal + 1}, ...) up to {MAX_FRAMES}"
-        )
+        takes = f"this model takes {temporal}k+1 frames (1, {temporal + 1}, {2 * temporal + 1}, ...) up to {MAX_FRAMES}"
+        raise not_allowed("frames", frames, takes)
     guidance_2 = request.guidance_2
     if guidance_2 is not None and not spec.experts:
         raise InvalidRequest("guidance_2 is for models with a low-noise expert; this one has one transformer")
@@ -80,7 +77,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     resolved.frames, resolved.guidance_2 = frames, guidance_2
     resolved.fps = spec.fps if request.fps is None else request.fps
     if not isinstance(resolved.fps, int) or not 1 <= resolved.fps <= MAX_FPS:
-        raise InvalidRequest(f"fps {resolved.fps} is not allowed; give a whole number from 1 to {MAX_FPS}")
+        raise not_allowed("fps", resolved.fps, f"give a whole number from 1 to {MAX_FPS}")
     return resolved
 
 
@@ -109,14 +106,12 @@ FAMILY = Family(
         heads=lambda model: model.config.num_attention_heads,
         widths=lambda model: {"attention": model.config.inner_dim, "MLP hidden": model.config.ffn_dim},
         linears={
-            **{f"blocks.*.{attn}.{name}": COLUMN for attn in ("attn1", "attn2") for name in ("to_q", "to_k", "to_v")},
-            **{f"blocks.*.{attn}.to_out.0": ROW for attn in ("attn1", "attn2")},
+            "blocks.*.attn[12].to_[qkv]": COLUMN,
+            "blocks.*.attn[12].to_out.0": ROW,
             "blocks.*.ffn.net.0.proj": COLUMN_MLP,
             "blocks.*.ffn.net.2": ROW_MLP,
         },
-        norms_across_heads=tuple(
-            f"blocks.*.{attn}.{norm}" for attn in ("attn1", "attn2") for norm in ("norm_q", "norm_k")
-        ),
+        norms_across_heads=("blocks.*.attn[12].norm_[qk]",),
     ),
     # The embedders, every ``scale_shift_table`` (parameters, named for completeness) and the output projection.
     keep_high_precision=("patch_embedding", "condition_embedder", "scale_shift_table", "proj_out"),

@@ -33,8 +33,6 @@ WAN21_VAE = CONFIGS["wan21_vae"]
 # The Wan 2.2 VAE (4x16x16, 48 channels); random weights take neutral latents_mean/std (a checkpoint's are read).
 WAN22_VAE = {**CONFIGS["wan22_vae"], "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48}
 
-WAN_TINY_TRANSFORMER = {**A14B_TRANSFORMER, **CONFIGS["tiny_transformer_changes"]}
-
 
 @dataclass(frozen=True)
 class WanDetails:
@@ -64,7 +62,7 @@ PRESETS: list[ModelSpec] = [
     preset("wan2.2-ti2v-5b", TI2V_5B_TRANSFORMER, 5.0, WanDetails(expand_timesteps=True), vae=WAN22_VAE),
     preset(
         "wan-tiny",
-        WAN_TINY_TRANSFORMER,
+        {**A14B_TRANSFORMER, **CONFIGS["tiny_transformer_changes"]},
         3.0,
         WanDetails(boundary_ratio=0.875),
         text_encoder=WanTextEncoder({**UMT5_XXL, **CONFIGS["tiny_text_encoder_changes"]}, max_length=32),
