@@ -28,7 +28,6 @@ class Machine:
         return cls(gpus, profile, virtual=True)
 
     def profile_for(self, gpus: int) -> HardwareProfile | None:
-        """On this machine: detected, the links by peer access."""
         return self.profile if self.virtual else detect_profile(gpus)
 
     def free_memory(self, index: int) -> int:
