@@ -23,10 +23,6 @@ class Machine:
     def detect(cls) -> Machine:
         return cls(torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
-    @classmethod
-    def of_profile(cls, profile: HardwareProfile, gpus: int) -> Machine:
-        return cls(gpus, profile, virtual=True)
-
     def profile_for(self, gpus: int) -> HardwareProfile | None:
         return self.profile if self.virtual else detect_profile(gpus)
 
