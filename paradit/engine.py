@@ -24,8 +24,7 @@ Request = GenerationRequest | ResolvedRequest
 
 
 class Engine:
-    """``Engine(model="flux2-dev").generate(GenerationRequest(prompt="..."))``: ``Asked``'s fields, settled with
-    ``request``; a worker process per GPU (``isolate``: even one); under torchrun ``generate`` is None off rank 0."""
+    """``Asked`` settled with ``request``; a worker per GPU (``isolate``: even one); torchrun's ranks but 0 get None."""
 
     def __init__(
         self,
@@ -144,7 +143,6 @@ class Engine:
         return 0 if self._signals is None else self._signals.steps_done()
 
     def close(self) -> None:
-        """Stop the workers, or free this process's pipeline and its device memory; the engine serves no more."""
         if self._group is not None:
             self._group.close()
         if self.pipeline is not None:

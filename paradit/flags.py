@@ -94,7 +94,6 @@ def from_args(record: type, args: argparse.Namespace, command: str, **fields: An
 
 
 def flags_given(args: argparse.Namespace, command: str, *records: type) -> dict[str, Any]:
-    """Every flag of ``records`` whose value differs from argparse's default, by flag name."""
     found = {}
     for record in records:
         for each, flag in flagged_fields(record, command):

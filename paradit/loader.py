@@ -26,8 +26,6 @@ from paradit.text_encoder import load_prompt_encoder
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """Everything a rank needs to build its part of the pipeline (picklable)."""
-
     spec: ModelSpec
     device_type: str
     dtype: torch.dtype
@@ -94,6 +92,5 @@ def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> Diff
 def run_requests(
     pipeline: DiffusionPipeline, plan: WorkerPlan, requests: list[ResolvedRequest], progress: bool = False, on_step=None
 ) -> list[GenerationResult] | None:
-    """``pipeline.generate``, running out of device memory reported as ``OutOfMemory``."""
     generate = functools.partial(pipeline.generate, requests, progress=progress, on_step=on_step)
     return reporting_out_of_memory(generate, lambda: pipeline.stage, pipeline.device, plan.budget)

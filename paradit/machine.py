@@ -23,12 +23,7 @@ class Machine:
     def detect(cls) -> Machine:
         return cls(torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
-    @classmethod
-    def of_profile(cls, profile: HardwareProfile, gpus: int) -> Machine:
-        return cls(gpus, profile, virtual=True)
-
     def profile_for(self, gpus: int) -> HardwareProfile | None:
-        """On this machine: detected, the links by peer access."""
         return self.profile if self.virtual else detect_profile(gpus)
 
     def free_memory(self, index: int) -> int:

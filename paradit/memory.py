@@ -284,7 +284,6 @@ def cap_words(cap: int) -> str:
 def lowering_options(
     spec: ModelSpec, parallel: ParallelConfig, fp8: bool, placement: str, swap_experts: bool
 ) -> list[str]:
-    """The options that would make a run hold less on rank 0, in the order worth trying."""
     advice = ["give more GPUs to the plan (--shard-weights or --tensor shards the weights)"]
     advice += [] if fp8 else ["use --quantize fp8"]
     advice += [] if placement == "offload" else ["--text-encoder-placement offload"]

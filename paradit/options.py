@@ -251,8 +251,6 @@ class GenerateFlags:
 
 @dataclass(frozen=True)
 class PlanFlags:
-    """``paradit plan``'s own flags: the hardware to plan for, when not this machine's."""
-
     profile: str | None = option(
         commands=(PLAN,),
         help="plan for this hardware profile's GPUs instead of this machine (see paradit/planner/profiles/)",
@@ -369,8 +367,3 @@ def check_conflicts(
     for conflict in CONFLICTS:
         if conflict.applies(parallel, options, device, request):
             raise InvalidRequest(conflict.message, param=conflict.param)
-
-
-def conflicts(parallel: ParallelConfig, options: ExecutionOptions, device: str) -> bool:
-    """Whether any row of ``CONFLICTS`` refuses these settings (the planner asks before it proposes them)."""
-    return any(conflict.applies(parallel, options, device, None) for conflict in CONFLICTS)

@@ -56,8 +56,6 @@ WeightSource = CheckpointFolder | RandomWeights | Fp8PresetFolder
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model's architecture, components and defaults: a preset, or read from a checkpoint folder's configs."""
-
     name: str
     family: str
     description: str

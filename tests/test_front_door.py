@@ -27,7 +27,7 @@ from tests.test_flux2_klein_kv import folder as kv_folder
 from tests.test_flux2_klein_kv import picture
 from tests.test_serving import live_server
 
-EIGHT_GPUS = Machine.of_profile(load_profile("h200-nvlink"), 8)
+EIGHT_GPUS = Machine(8, load_profile("h200-nvlink"), virtual=True)
 TINY = ["--model", "flux2-tiny", "--prompt", "a fox", "--height", "32", "--width", "32", "--steps", "1"]
 # A command line that meets each row of CONFLICTS, on a machine of eight H200s (``no_workers``).
 CONFLICTING = {
@@ -190,7 +190,7 @@ def test_plan_prints_the_command_that_runs_what_it_settled(profile, gpus):
     settles to the plan, options and placement ``plan`` settled (or both refuse it alike)."""
     from paradit.cli import asked_for, build_parser
 
-    machine = Machine.of_profile(load_profile(profile), gpus) if profile else Machine.detect()
+    machine = Machine(gpus, load_profile(profile), virtual=True) if profile else Machine.detect()
     device = "cpu" if profile is None else None
     for preset in PRESETS:
         asked = Asked(preset, device=device, load_format="dummy", gpus=gpus)

@@ -1,5 +1,4 @@
-"""What ``--gpus N`` alone runs: the tuned entry planned for this request, else the planner's choice; None where
-the planner knows no GPU here or has not counted the architecture."""
+"""What ``--gpus N`` alone runs: the tuned entry for the request, else the planner's (None: GPU or model unknown)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def plan_text(
     machine, note = Machine.detect(), None
     if profile_name is not None or link is not None:
         profile, note = choose_profile(profile_name, gpus, link)
-        machine = Machine.of_profile(profile, gpus)
+        machine = Machine(gpus, profile, virtual=True)
     run = settle(asked, request, machine)
     options, parallel = run.options, run.parallel
     where = f"{parallel.world_size} CPU process(es)" if run.device.type == "cpu" else f"{gpus} GPU(s)"

@@ -13,7 +13,7 @@ import torch
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, PRESETS, find_facts
 from paradit.memory import MemoryPlan, MetaModels, estimates, gib
-from paradit.options import ExecutionOptions, conflicts
+from paradit.options import CONFLICTS, PLACEMENTS, ExecutionOptions
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.validate import check_plan
 from paradit.planner.cost import StepCost, linear_efficiency, step_cost
@@ -26,7 +26,6 @@ from paradit.spec import ModelSpec
 SAME_SPEED = 0.02
 EXACT_PREMIUM = 0.10
 T = TypeVar("T")
-PLACEMENT_ORDER = ("gpu", "fp8", "offload")
 # Host-to-device copies of a swapped expert: measured on the H200 machine (docs/benchmarks.md, "Wan 2.2 A14B experts
 # taking turns"); PCIe 5 x16, as the profiles' other cards have.
 SWAP_GBPS = 53.6
@@ -161,8 +160,7 @@ def approximation(parallel: ParallelConfig) -> tuple[int, int]:
 
 
 def rank(items: list[T], ms: Callable[[T], float], parallel: Callable[[T], ParallelConfig]) -> list[T]:
-    """Best first by predicted ms, approximate plans (FP8 transport, PipeFusion's stale patches) charged
-    ``EXACT_PREMIUM``; within ``SAME_SPEED`` of the best (the model cannot tell them apart), the least approximate."""
+    """Best first by ms, approximate plans charged ``EXACT_PREMIUM``; within ``SAME_SPEED``, the least approximate."""
 
     def charged(item: T) -> float:
         return ms(item) * (1 if parallel(item).exact else 1 + EXACT_PREMIUM)
@@ -204,8 +202,7 @@ def _factorizations(n: int, slots: int) -> list[tuple[int, ...]]:
 
 
 class MemoryEstimates:
-    """``estimates`` per plan shape, the models built on meta once (built for each of dozens of plans, they would be
-    the planner's slowest part)."""
+    """``estimates`` per plan shape, the meta models built once (per plan, they were the planner's slowest part)."""
 
     def __init__(self, spec: ModelSpec, extra_tokens: int = 0, fp8_attention: bool = False) -> None:
         self.sized_for = (spec, extra_tokens, fp8_attention)
@@ -257,7 +254,7 @@ def plan(
         cost = step_cost(
             facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs, weights, fp8_attention
         )
-        tried = [memory(parallel, fp8, swap)[p] for p in PLACEMENT_ORDER if fp8 or p != "fp8"]
+        tried = [memory(parallel, fp8, swap)[p] for p in PLACEMENTS if fp8 or p != "fp8"]
         fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)
         chosen = fitting or min(tried, key=lambda m: m.total)
         placement = fitting.text_encoder_placement if fitting else None
@@ -299,4 +296,4 @@ def graphs_for(parallel: ParallelConfig, swap_experts: bool, fp8_attention: bool
     """CUDA graphs where ``CONFLICTS`` allows them and they were measured with the plan (not tensor parallelism)."""
     attention = "fp8" if fp8_attention else "sdpa"
     options = ExecutionOptions(cuda_graphs=True, swap_experts=swap_experts, attention=attention)
-    return parallel.tensor == 1 and not conflicts(parallel, options, "cuda")
+    return parallel.tensor == 1 and not any(conflict.applies(parallel, options, "cuda", None) for conflict in CONFLICTS)

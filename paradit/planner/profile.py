@@ -39,9 +39,7 @@ class HardwareProfile:
     def attention_rate(self, head_dim: int, fp8: bool = False) -> float:
         """The rate of the largest listed head size not above ``head_dim``, else the smallest's."""
         rates = self.fp8_attention_tflops if fp8 else self.attention_tflops
-        listed = sorted(rates)
-        below = [d for d in listed if d <= head_dim]
-        return rates[below[-1] if below else listed[0]]
+        return rates[max((dim for dim in rates if dim <= head_dim), default=min(rates))]
 
     @property
     def memory_bytes(self) -> int:
