@@ -1,5 +1,4 @@
-"""FLUX.2 transformer (dev, klein): diffusers' ``Flux2Transformer2DModel``. klein KV's references attend only to
-themselves, so their keys and values are computed once per request (``cache_references``) and attended to every step."""
+"""FLUX.2's transformer, diffusers' ``Flux2Transformer2DModel``; klein KV caches its references' keys and values."""
 
 from __future__ import annotations
 
@@ -87,14 +86,12 @@ class ParallelSelfAttention(AttentionDispatch):
         reference: KeyValue | None = None,
         text_tokens: int = 0,
     ) -> torch.Tensor:
-        """``reference``: keys and values the text (``text_tokens`` at the front) and the image attend to besides."""
         q, k, v, mlp = self.project(x, rope)
         if reference is not None:
             k, v = join_reference(k, v, reference, text_tokens)
         return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp)
 
     def attend_references(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """References attending only to themselves: the output, and their keys and values."""
         q, k, v, mlp = self.project(x, rope)
         # A copy: the slice would keep the whole projection (the MLP's input too) alive as long as the cache.
         return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp), (k, v.contiguous())
@@ -147,7 +144,6 @@ def _after_attention(
     norm: nn.Module,
     ff: nn.Module,
 ) -> torch.Tensor:
-    """One stream's gated residuals in a double-stream block: its attention's, then its MLP's (shift, scale, gate)."""
     shift, scale, mlp_gate = mlp
     x = x + gate * attn
     return x + mlp_gate * ff(norm(x) * (1 + scale) + shift)

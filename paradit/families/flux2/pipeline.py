@@ -103,7 +103,6 @@ class CachedReferences(RequestHook):
 
 
 def reference_size(image, granularity: int) -> tuple[int, int]:
-    """(height, width) a reference is encoded at: its sides floored to whole latent tokens (``pixel_granularity``)."""
     return image.height // granularity * granularity, image.width // granularity * granularity
 
 

@@ -116,7 +116,6 @@ FAMILY = Family(
         },
         local_attributes={"transformer_blocks.*.attn": ("heads",)},
     ),
-    # The embedders (img_in, txt_in, the timestep MLP), the per-block modulation (img_mod, txt_mod), the output layers.
     keep_high_precision=("img_in", "txt_in", "time_text_embed", "_mod.", "norm_out", "proj_out"),
     lora_loader="QwenImageLoraLoaderMixin",
     measured=Measured.read(Path(__file__).parent),

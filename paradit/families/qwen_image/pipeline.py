@@ -112,8 +112,7 @@ def widen_image_markers(text: str, counts) -> str:
 
 
 class QwenVisionPromptEncoder(QwenPromptEncoder):
-    """Qwen-Image-Edit's: Qwen2.5-VL without its LM head, the vision tower reading the input images. Not through
-    Qwen2VLProcessor, which needs torchvision: each image marker is widened here to the image's merged patches."""
+    """Qwen-Image-Edit's Qwen2.5-VL and vision tower; markers widened here (Qwen2VLProcessor needs torchvision)."""
 
     @classmethod
     def from_folder(
@@ -202,7 +201,6 @@ class QwenImagePipeline(DiffusionPipeline):
         return self.encode_rows(request, edit_rows)
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, QwenLayout]:
-        """Noise drawn in diffusers' unpacked layout, then packed; the token grid and an edit's inputs."""
         granularity = pixel_granularity(self.spec.vae)
         rows, cols = request.height // granularity, request.width // granularity
         channels = self.transformer.config.in_channels // 4

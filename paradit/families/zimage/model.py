@@ -90,7 +90,6 @@ class RMSNorm(nn.Module):
 
 
 def with_pad_tokens(x: torch.Tensor, pad_token: torch.Tensor) -> torch.Tensor:
-    """(B, n, dim) followed by ``pad_token`` rows up to a multiple of SEQUENCE_MULTIPLE."""
     n = x.shape[1]
     return torch.cat([x, pad_token.to(x.dtype).expand(x.shape[0], round_up(n) - n, -1)], dim=1)
 
@@ -199,12 +198,9 @@ class TimestepEmbedder(nn.Module):
 
 @dataclass
 class ZImageTokens:
+    # Each field along dim 1 of the stream its name starts with.
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
-        "img": ("img", 1),
-        "txt": ("txt", 1),
-        "img_rope": ("img", 1),
-        "txt_rope": ("txt", 1),
-        "txt_mask": ("txt", 1),
+        name: (name.split("_")[0], 1) for name in ("img", "txt", "img_rope", "txt_rope", "txt_mask")
     }
     OUTPUT_STREAM: ClassVar[str] = "img"
 
@@ -228,11 +224,7 @@ class ZImageOmniTokens(ZImageTokens):
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
         **ZImageTokens.SEQUENCE_FIELDS,
-        "sig": ("sig", 1),
-        "sig_rope": ("sig", 1),
-        "img_noisy": ("img", 1),
-        "txt_noisy": ("txt", 1),
-        "sig_noisy": ("sig", 1),
+        **{name: (name.split("_")[0], 1) for name in ("sig", "sig_rope", "img_noisy", "txt_noisy", "sig_noisy")},
     }
 
     sig: torch.Tensor  # (B, SigLIP tokens, dim)
@@ -373,8 +365,7 @@ class ZImageTransformer(StagedTransformer):
     ) -> ZImageTokens:
         """``timestep``: (B,) 1 - sigma; captions right-padded where the mask is False; ``omni``'s are its segments."""
         batch, device = hidden_states.shape[0], hidden_states.device
-        patch = self.config.patch_size
-        rows, cols = hidden_states.shape[2] // patch, hidden_states.shape[3] // patch
+        rows, cols = (side // self.config.patch_size for side in hidden_states.shape[2:])
         temb = self.t_embedder(timestep * self.config.t_scale).to(hidden_states.dtype)
         if omni is not None:
             return self.embed_omni(hidden_states, timestep, temb, encoder_hidden_states, omni)
