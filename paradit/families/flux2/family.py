@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 REFERENCE_LIMIT = 10  # reference images a request may give: Black Forest Labs' stated maximum for FLUX.2
 REFERENCE_AREA = 1024 * 1024  # pixels diffusers shrinks a larger reference to
 KLEIN_INPAINTING_STRENGTH = 0.8  # Flux2KleinInpaintPipeline's default
+GATE_UP = Shard("column", ("MLP hidden", "MLP hidden"))  # the MLPs' input projection: [gate, up]
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -156,10 +157,8 @@ FAMILY = Family(
         },
         linears={
             **joint_attention("transformer_blocks.*.attn"),
-            "transformer_blocks.*.ff.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),  # [gate, up]
-            "transformer_blocks.*.ff.linear_out": ROW_MLP,
-            "transformer_blocks.*.ff_context.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),
-            "transformer_blocks.*.ff_context.linear_out": ROW_MLP,
+            **{f"transformer_blocks.*.{ff}.linear_in": GATE_UP for ff in ("ff", "ff_context")},
+            **{f"transformer_blocks.*.{ff}.linear_out": ROW_MLP for ff in ("ff", "ff_context")},
             # The single blocks pack [q, k, v, MLP gate, MLP up] into one projection and read [attention, MLP] back.
             "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Shard(
                 "column", ("attention", "attention", "attention", "MLP hidden", "MLP hidden")

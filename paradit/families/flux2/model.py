@@ -109,8 +109,6 @@ class ParallelSelfAttention(AttentionDispatch):
 
 
 class Flux2Attention(JointAttention):
-    """Joint attention, text first, whose keys and values may take a KV checkpoint's cached references' besides."""
-
     def forward(
         self,
         img: torch.Tensor,
@@ -130,7 +128,6 @@ class Flux2Attention(JointAttention):
         return self.to_out[0](img_out), self.to_add_out(txt_out)
 
     def attend_references(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """References (the image stream's weights) attending only to themselves: the output, their keys and values."""
         q, k, v = self.qkv(x)
         q, k = rotate_qk(q, k, rope)
         return self.to_out[0](self.attend(q, k, v).flatten(2).to(q.dtype)), (k, v)
@@ -273,8 +270,7 @@ class Flux2Transformer(StagedTransformer):
 
     def cache_references(self, latents: torch.Tensor, ids: torch.Tensor) -> ReferenceKV:
         """Each block's keys and values of the references (1, tokens, channels), run alone at REFERENCE_TIMESTEP."""
-        dtype = latents.dtype
-        temb = self.time_guidance_embed(latents.new_full((1,), REFERENCE_TIMESTEP * 1000), dtype)
+        temb = self.time_guidance_embed(latents.new_full((1,), REFERENCE_TIMESTEP * 1000), latents.dtype)
         mod_double, mod_single = self.double_stream_modulation_img(temb), self.single_stream_modulation(temb)
         x, rope, cached = self.x_embedder(latents), self.rope(ids), {}
         for block in self.transformer_blocks:

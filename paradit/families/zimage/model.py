@@ -1,5 +1,4 @@
-"""Z-Image transformer (Turbo, base, Omni): diffusers' ``ZImageTransformer2DModel``: refiners over each stream, then
-joint blocks. As the reference, streams are padded to 32 tokens with a learnt pad token, a real key every query sees."""
+"""Z-Image's transformer (Turbo, base, Omni), diffusers' ``ZImageTransformer2DModel``: stream refiners, joint blocks."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from paradit.layers.attention import QKVAttention
 from paradit.layers.embeddings import sinusoidal_embedding
 from paradit.layers.stages import CheckpointConfig, StagedTransformer
 
-SEQUENCE_MULTIPLE = 32  # every stream is padded to a multiple of this many tokens
+SEQUENCE_MULTIPLE = 32  # as the reference, streams are padded to a multiple of 32 with a learnt pad token (a real key)
 ADALN_DIM = 256  # width of the timestep vector, capped by the model width
 TIMESTEP_FREQUENCIES = 256
 TIMESTEP_HIDDEN = 1024
