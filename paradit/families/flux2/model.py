@@ -198,8 +198,7 @@ class Flux2SingleTransformerBlock(nn.Module):
         text_tokens: int = 0,
     ) -> torch.Tensor:
         ((shift, scale, gate),) = split_modulation(mod, 1)
-        x = x + gate * self.attn((1 + scale) * self.norm(x) + shift, rope, reference, text_tokens)
-        return clip_fp16(x)
+        return clip_fp16(x + gate * self.attn((1 + scale) * self.norm(x) + shift, rope, reference, text_tokens))
 
     def run_references(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         ((shift, scale, gate),) = split_modulation(mod, 1)

@@ -111,8 +111,7 @@ class QwenVisionPromptEncoder(QwenPromptEncoder):
         model = place(load_qwen25_vl(weights, device, dtype, placement), placement, device)
         processor = component_dir(weights.path, "processor")
         tokenizer = transformers.AutoTokenizer.from_pretrained(processor)
-        image_processor = transformers.AutoImageProcessor.from_pretrained(processor)
-        return cls(model, tokenizer, device, image_processor)
+        return cls(model, tokenizer, device, transformers.AutoImageProcessor.from_pretrained(processor))
 
     @classmethod
     def dummy(
@@ -260,8 +259,7 @@ class QwenImagePipeline(DiffusionPipeline):
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, layout: QwenLayout) -> torch.Tensor:
         rows, cols = layout.rows, layout.cols
-        batch, _, packed_channels = latents.shape
-        channels = packed_channels // 4
+        batch, channels = latents.shape[0], latents.shape[2] // 4
         latents = latents.view(batch, rows, cols, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
         latents = latents.reshape(batch, channels, 1, 2 * rows, 2 * cols).to(self.vae.dtype)
         mean, inverse_std = latent_statistics(self.vae.config, latents)

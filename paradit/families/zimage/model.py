@@ -379,15 +379,12 @@ class ZImageTransformer(StagedTransformer):
         caption_lens = round_up(real.sum(dim=1))  # each caption's length in the reference, pads included
         captions = self.cap_embedder(nn.functional.pad(encoder_hidden_states, (0, 0, 0, text_stream - text_len)))
         txt = torch.where(real[..., None], captions, self.cap_pad_token.to(captions.dtype))
-        txt_positions = nn.functional.pad((text_index + 1)[None, :, None], (0, 2))
-
-        img_positions = image_positions(caption_lens + 1, raster_grid(rows, cols, device))
         txt_mask = None if encoder_attention_mask is None else text_index < caption_lens[:, None]
         return ZImageTokens(
             img=self.embed_image(hidden_states),
             txt=txt,
-            img_rope=self.rope(img_positions),
-            txt_rope=self.rope(txt_positions),
+            img_rope=self.rope(image_positions(caption_lens + 1, raster_grid(rows, cols, device))),
+            txt_rope=self.rope(nn.functional.pad((text_index + 1)[None, :, None], (0, 2))),
             txt_mask=txt_mask,
             temb=temb,
         )
