@@ -183,9 +183,7 @@ class QwenImagePipeline(DiffusionPipeline):
             return self.encode_rows(request, rows)
         processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         images = [processor.resize(image, *edit.condition_size(image)) for image in request.images]
-        markers = IMAGE_MARKER
-        if edit.plus:
-            markers = "".join(f"Picture {i + 1}: {IMAGE_MARKER}" for i in range(len(images)))
+        markers = "".join(f"Picture {i + 1}: {IMAGE_MARKER}" for i in range(len(images))) if edit.plus else IMAGE_MARKER
         return self.encode_rows(request, edit_rows)
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, QwenLayout]:
