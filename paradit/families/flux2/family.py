@@ -21,6 +21,7 @@ from paradit.families.flux2.pipeline import (
     pixel_granularity,
     reference_size,
 )
+from paradit.families.flux2.presets import DEV_LAYERS, KLEIN_LAYERS
 from paradit.family import Family, Measured, SettledRun
 from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
@@ -33,19 +34,19 @@ logger = logging.getLogger(__name__)
 REFERENCE_LIMIT = 10  # reference images a request may give: Black Forest Labs' stated maximum for FLUX.2
 REFERENCE_AREA = 1024 * 1024  # pixels diffusers shrinks a larger reference to
 KLEIN_INPAINTING_STRENGTH = 0.8  # Flux2KleinInpaintPipeline's default
+GATE_UP = Shard("column", ("MLP hidden", "MLP hidden"))  # the MLPs' input projection: [gate, up]
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
     """klein KV runs as distilled klein whatever its index says: its pipeline never guides."""
-    details = None
-    if index["_class_name"] == "Flux2Pipeline":
-        layers, mode, steps, guidance = (10, 20, 30), "embedded", 50, 4.0
-    elif index["_class_name"] == "Flux2KleinKVPipeline":
-        layers, mode, steps, guidance = (9, 18, 27), "none", 4, None
-        details = Flux2Details(cached_references=True)
+    name = index["_class_name"]
+    if name == "Flux2Pipeline":
+        mode, steps, guidance = "embedded", 50, 4.0
+    elif name == "Flux2KleinKVPipeline" or index.get("is_distilled", False):
+        mode, steps, guidance = "none", 4, None
     else:
-        distilled = bool(index.get("is_distilled", False))
-        layers, (mode, steps, guidance) = (9, 18, 27), ("none", 4, None) if distilled else ("cfg", 50, 4.0)
+        mode, steps, guidance = "cfg", 50, 4.0
+    layers = DEV_LAYERS if name == "Flux2Pipeline" else KLEIN_LAYERS
     # The encoder's own config too: memory estimates (and random weights) build it without reading its weights.
     encoder_config = component_config(folder, "text_encoder")
     encoder = TextEncoderSpec(encoder_config, layers=layers, class_name=index.get("text_encoder", [None, None])[1])
@@ -59,7 +60,7 @@ def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
         guidance=guidance,
         height=1024,
         width=1024,
-        details=details,
+        details=Flux2Details(cached_references=True) if name == "Flux2KleinKVPipeline" else None,
     )
 
 
@@ -96,7 +97,6 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 def resolve_reference(image, index: int, checked: bool = True):
-    """A reference as diffusers' FLUX.2 pipelines take it: ``checked`` (inpainting's not), shrunk to REFERENCE_AREA."""
     try:
         if checked:
             Flux2ImageProcessor.check_image_input(image)
@@ -108,8 +108,7 @@ def resolve_reference(image, index: int, checked: bool = True):
 
 
 def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
-    """KV's cached references are every block's keys and values, whole on each rank, computed outside the forward: plans
-    splitting the sequence or blocks (or weights) would need them split alike; a CUDA graph captures only its inputs."""
+    """KV's cached references, whole on each rank and made outside the forward, fit no split plan and no CUDA graph."""
     if not request.images or not caches_references(settings.spec):
         return
     parallel = settings.parallel
@@ -143,7 +142,6 @@ FAMILY = Family(
     check_run=check_run,
     uses_cfg=uses_cfg,
     build_transformer=lambda spec: Flux2Transformer(Flux2Config.from_dict(spec.transformer)),
-    # dev's Mistral gets diffusers' system turn; klein's Qwen3 a plain user turn.
     prompt_encoder=lambda spec: (
         MistralPromptEncoder
         if spec.text_encoder.config.get("model_type", "").startswith("mistral")
@@ -159,10 +157,8 @@ FAMILY = Family(
         },
         linears={
             **joint_attention("transformer_blocks.*.attn"),
-            "transformer_blocks.*.ff.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),  # [gate, up]
-            "transformer_blocks.*.ff.linear_out": ROW_MLP,
-            "transformer_blocks.*.ff_context.linear_in": Shard("column", ("MLP hidden", "MLP hidden")),
-            "transformer_blocks.*.ff_context.linear_out": ROW_MLP,
+            **{f"transformer_blocks.*.{ff}.linear_in": GATE_UP for ff in ("ff", "ff_context")},
+            **{f"transformer_blocks.*.{ff}.linear_out": ROW_MLP for ff in ("ff", "ff_context")},
             # The single blocks pack [q, k, v, MLP gate, MLP up] into one projection and read [attention, MLP] back.
             "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Shard(
                 "column", ("attention", "attention", "attention", "MLP hidden", "MLP hidden")

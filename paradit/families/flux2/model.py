@@ -1,5 +1,4 @@
-"""FLUX.2 transformer (dev, klein): diffusers' ``Flux2Transformer2DModel``. klein KV's references attend only to
-themselves, so their keys and values are computed once per request (``cache_references``) and attended to every step."""
+"""FLUX.2's transformer, diffusers' ``Flux2Transformer2DModel``; klein KV caches its references' keys and values."""
 
 from __future__ import annotations
 
@@ -87,14 +86,12 @@ class ParallelSelfAttention(AttentionDispatch):
         reference: KeyValue | None = None,
         text_tokens: int = 0,
     ) -> torch.Tensor:
-        """``reference``: keys and values the text (``text_tokens`` at the front) and the image attend to besides."""
         q, k, v, mlp = self.project(x, rope)
         if reference is not None:
             k, v = join_reference(k, v, reference, text_tokens)
         return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp)
 
     def attend_references(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """References attending only to themselves: the output, and their keys and values."""
         q, k, v, mlp = self.project(x, rope)
         # A copy: the slice would keep the whole projection (the MLP's input too) alive as long as the cache.
         return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp), (k, v.contiguous())
@@ -112,8 +109,6 @@ class ParallelSelfAttention(AttentionDispatch):
 
 
 class Flux2Attention(JointAttention):
-    """Joint attention, text first, whose keys and values may take a KV checkpoint's cached references' besides."""
-
     def forward(
         self,
         img: torch.Tensor,
@@ -133,7 +128,6 @@ class Flux2Attention(JointAttention):
         return self.to_out[0](img_out), self.to_add_out(txt_out)
 
     def attend_references(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """References (the image stream's weights) attending only to themselves: the output, their keys and values."""
         q, k, v = self.qkv(x)
         q, k = rotate_qk(q, k, rope)
         return self.to_out[0](self.attend(q, k, v).flatten(2).to(q.dtype)), (k, v)
@@ -147,7 +141,6 @@ def _after_attention(
     norm: nn.Module,
     ff: nn.Module,
 ) -> torch.Tensor:
-    """One stream's gated residuals in a double-stream block: its attention's, then its MLP's (shift, scale, gate)."""
     shift, scale, mlp_gate = mlp
     x = x + gate * attn
     return x + mlp_gate * ff(norm(x) * (1 + scale) + shift)
@@ -205,8 +198,7 @@ class Flux2SingleTransformerBlock(nn.Module):
         text_tokens: int = 0,
     ) -> torch.Tensor:
         ((shift, scale, gate),) = split_modulation(mod, 1)
-        x = x + gate * self.attn((1 + scale) * self.norm(x) + shift, rope, reference, text_tokens)
-        return clip_fp16(x)
+        return clip_fp16(x + gate * self.attn((1 + scale) * self.norm(x) + shift, rope, reference, text_tokens))
 
     def run_references(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         ((shift, scale, gate),) = split_modulation(mod, 1)
@@ -277,8 +269,7 @@ class Flux2Transformer(StagedTransformer):
 
     def cache_references(self, latents: torch.Tensor, ids: torch.Tensor) -> ReferenceKV:
         """Each block's keys and values of the references (1, tokens, channels), run alone at REFERENCE_TIMESTEP."""
-        dtype = latents.dtype
-        temb = self.time_guidance_embed(latents.new_full((1,), REFERENCE_TIMESTEP * 1000), dtype)
+        temb = self.time_guidance_embed(latents.new_full((1,), REFERENCE_TIMESTEP * 1000), latents.dtype)
         mod_double, mod_single = self.double_stream_modulation_img(temb), self.single_stream_modulation(temb)
         x, rope, cached = self.x_embedder(latents), self.rope(ids), {}
         for block in self.transformer_blocks:

@@ -103,7 +103,6 @@ class CachedReferences(RequestHook):
 
 
 def reference_size(image, granularity: int) -> tuple[int, int]:
-    """(height, width) a reference is encoded at: its sides floored to whole latent tokens (``pixel_granularity``)."""
     return image.height // granularity * granularity, image.width // granularity * granularity
 
 
@@ -198,5 +197,4 @@ class Flux2Pipeline(DiffusionPipeline):
         latents = latents * std + mean
         batch, channels = latents.shape[:2]
         latents = latents.reshape(batch, channels // 4, 2, 2, rows, cols).permute(0, 1, 4, 2, 5, 3)
-        latents = latents.reshape(batch, channels // 4, rows * 2, cols * 2)
-        return self.vae_decode(latents.to(self.vae.dtype))
+        return self.vae_decode(latents.reshape(batch, channels // 4, rows * 2, cols * 2).to(self.vae.dtype))

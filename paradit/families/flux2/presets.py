@@ -7,7 +7,6 @@ from paradit.spec import ModelSpec, TextEncoderSpec, read_configs
 
 CONFIGS = read_configs(__file__)
 DEFAULTS = CONFIGS["presets"]
-# The scheduler config FLUX.2 ships: dynamic shifting, with mu computed by the pipeline from the image size.
 FLUX2_SCHEDULER = CONFIGS["scheduler"]
 # The published VAE is AutoencoderKLFlux2's default; the stride is stated because requests are checked against it.
 FLUX2_VAE = CONFIGS["vae"]
@@ -19,12 +18,11 @@ DEV_LAYERS, KLEIN_LAYERS = (10, 20, 30), (9, 18, 27)
 
 
 def preset(name: str, transformer: dict, encoder: dict, layers=KLEIN_LAYERS, vae: dict = FLUX2_VAE) -> ModelSpec:
-    text_encoder = TextEncoderSpec(encoder, layers=layers)
     return ModelSpec(
         name=name,
         family="flux2",
         transformer=transformer,
-        text_encoder=text_encoder,
+        text_encoder=TextEncoderSpec(encoder, layers=layers),
         vae=vae,
         scheduler=FLUX2_SCHEDULER,
         **DEFAULTS[name],

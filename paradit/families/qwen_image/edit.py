@@ -15,8 +15,7 @@ def area_dimensions(area: int, image) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class EditInputs:
-    """How a Qwen-Image-Edit checkpoint takes its input images (its ``ModelSpec.details``; None: text-to-image), at
-    diffusers' areas: about 1024x1024 pixels for the transformer, 384x384 for Edit-Plus's encoder."""
+    """A Qwen-Image-Edit checkpoint's ``ModelSpec.details``: the pixel areas diffusers resizes its input images to."""
 
     plus: bool  # Edit-Plus (2509, 2511): several images, each numbered in the prompt ("Picture N: ")
     input_area: int = 1024 * 1024

@@ -75,10 +75,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     if inpainting and (request.height, request.width) not in ((None, None), (height, width)):
         # Its image is the target too: the two token grids must match.
         logger.warning(
-            "inpainting with %s makes its image's %dx%d; the size asked is ignored, as diffusers ignores it",
-            spec.name,
-            width,
-            height,
+            "%s inpaints at its image's %dx%d, ignoring the size asked as diffusers does", spec.name, width, height
         )
         resolved.height, resolved.width = height, width
     resolved.height = resolved.height if request.height is not None else height
@@ -116,7 +113,6 @@ FAMILY = Family(
         },
         local_attributes={"transformer_blocks.*.attn": ("heads",)},
     ),
-    # The embedders (img_in, txt_in, the timestep MLP), the per-block modulation (img_mod, txt_mod), the output layers.
     keep_high_precision=("img_in", "txt_in", "time_text_embed", "_mod.", "norm_out", "proj_out"),
     lora_loader="QwenImageLoraLoaderMixin",
     measured=Measured.read(Path(__file__).parent),

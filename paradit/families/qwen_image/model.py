@@ -48,7 +48,7 @@ class QwenImageConfig(HeadsConfig):
         return super().from_dict(config)
 
 
-def image_positions(grids: tuple[tuple[int, int], ...], device: torch.device | None = None) -> torch.Tensor:
+def image_positions(grids: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
     """(sum of rows * cols, 3) row-major (frame, row, column) positions of each (rows, cols) grid in turn, grid i at
     frame i (the target, then the edit's input images), centred: side n spans -(n - n // 2) .. n // 2 - 1."""
     positions = []
@@ -59,9 +59,7 @@ def image_positions(grids: tuple[tuple[int, int], ...], device: torch.device | N
     return torch.cat(positions)
 
 
-def text_positions(
-    grids: tuple[tuple[int, int], ...], text_len: int, device: torch.device | None = None
-) -> torch.Tensor:
+def text_positions(grids: tuple[tuple[int, int], ...], text_len: int, device: torch.device) -> torch.Tensor:
     """(text_len, 3) positions of the text tokens, counting on from the largest half-side of any grid on every axis."""
     start = max(max(rows // 2, cols // 2) for rows, cols in grids)
     return torch.arange(start, start + text_len, device=device)[:, None].expand(-1, 3)

@@ -17,23 +17,15 @@ from paradit.families.qwen_image.edit import EditInputs
 from paradit.offline_tokenizer import VISION_TOKENS, build_offline_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, latent_statistics, pad_rows, seeded_noise
 from paradit.request import ResolvedRequest
-from paradit.spec import CheckpointFolder
+from paradit.spec import CheckpointFolder, read_configs
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 
-PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
-    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-# The system turn and "<|im_start|>user\n": 34 of Qwen2.5-VL's tokens, dropped as diffusers does whatever the tokenizer.
+_CONFIGS = read_configs(__file__)
+# diffusers' prompt templates. Their system turn and "<|im_start|>user\n" are dropped as diffusers drops them, whatever
+# the tokenizer: 34 of Qwen2.5-VL's tokens, 64 of Edit's (whose user turn then starts with the input images' markers).
+PROMPT_TEMPLATE = _CONFIGS["prompt_template"]
 TEMPLATE_PREFIX_TOKENS = 34
-# Qwen-Image-Edit's, its 64 leading tokens dropped; the user turn starts with the input images' markers.
-EDIT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
-    "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "
-    "that meets the user's requirements while maintaining consistency with the original input where appropriate."
-    "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-)
+EDIT_TEMPLATE = _CONFIGS["edit_template"]
 EDIT_PREFIX_TOKENS = 64
 IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 # Tokenizer limit past the prefix; embeddings are cut to MAX_SEQUENCE_LENGTH (diffusers' ``max_sequence_length``).
@@ -47,16 +39,18 @@ def pixel_granularity(vae_config: dict) -> int:
 
 
 def load_qwen25_vl(weights: CheckpointFolder, device: torch.device, dtype: torch.dtype, placement: str) -> nn.Module:
-    return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+    """Qwen2.5-VL without its LM head."""
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         component_dir(weights.path, "text_encoder"),
         dtype=dtype,
         device_map=weights_device(placement, device),
         use_safetensors=weights.use_safetensors("text_encoder"),
     )
+    return model.model.eval().requires_grad_(False)
 
 
 class QwenPromptEncoder:
-    """Qwen2.5-VL's language model alone: text prompts never reach the vision tower or the LM head."""
+    """Qwen2.5-VL's language model alone: its vision tower and LM head are freed once loading returns."""
 
     def __init__(self, model: nn.Module, tokenizer, device: torch.device, image_processor=None) -> None:
         self.model, self.tokenizer, self.device, self.image_processor = model, tokenizer, device, image_processor
@@ -69,10 +63,8 @@ class QwenPromptEncoder:
         cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
     ) -> QwenPromptEncoder:
         """``config`` is the folder's own, which transformers reads again."""
-        model = load_qwen25_vl(weights, device, dtype, placement)
+        language_model = load_qwen25_vl(weights, device, dtype, placement).language_model
         tokenizer = transformers.AutoTokenizer.from_pretrained(component_dir(weights.path, "tokenizer"))
-        # Keeping only the language model frees the vision tower and the LM head once loading returns.
-        language_model = model.model.language_model.eval().requires_grad_(False)
         return cls(place(language_model, placement, device), tokenizer, device)
 
     @classmethod
@@ -93,13 +85,11 @@ class QwenPromptEncoder:
         warn_if_truncated(self.tokenizer, texts, MAX_SEQUENCE_LENGTH + TEMPLATE_PREFIX_TOKENS)
         length = TOKENIZER_MAX_LENGTH + TEMPLATE_PREFIX_TOKENS
         inputs = self.tokenizer(texts, max_length=length, padding=True, truncation=True, return_tensors="pt")
-        attention_mask = inputs["attention_mask"].to(self.device)
-        hidden = self.model(input_ids=inputs["input_ids"].to(self.device), attention_mask=attention_mask)
-        hidden = hidden.last_hidden_state
-        prompts_hidden = [
-            h[m.bool()][TEMPLATE_PREFIX_TOKENS:][:MAX_SEQUENCE_LENGTH].to(dtype) for h, m in zip(hidden, attention_mask)
-        ]
-        return pad_rows(prompts_hidden)
+        mask = inputs["attention_mask"].to(self.device)
+        hidden = self.model(input_ids=inputs["input_ids"].to(self.device), attention_mask=mask).last_hidden_state
+        return pad_rows(
+            [h[m.bool()][TEMPLATE_PREFIX_TOKENS:][:MAX_SEQUENCE_LENGTH].to(dtype) for h, m in zip(hidden, mask)]
+        )
 
 
 IMAGE_PAD = "<|image_pad|>"
@@ -112,19 +102,16 @@ def widen_image_markers(text: str, counts) -> str:
 
 
 class QwenVisionPromptEncoder(QwenPromptEncoder):
-    """Qwen-Image-Edit's: Qwen2.5-VL without its LM head, the vision tower reading the input images. Not through
-    Qwen2VLProcessor, which needs torchvision: each image marker is widened here to the image's merged patches."""
+    """Qwen-Image-Edit's Qwen2.5-VL and vision tower; markers widened here (Qwen2VLProcessor needs torchvision)."""
 
     @classmethod
     def from_folder(
         cls, weights: CheckpointFolder, config: dict, device: torch.device, dtype: torch.dtype, placement: str = "gpu"
     ) -> QwenVisionPromptEncoder:
-        model = load_qwen25_vl(weights, device, dtype, placement)
+        model = place(load_qwen25_vl(weights, device, dtype, placement), placement, device)
         processor = component_dir(weights.path, "processor")
         tokenizer = transformers.AutoTokenizer.from_pretrained(processor)
-        image_processor = transformers.AutoImageProcessor.from_pretrained(processor)
-        model = place(model.model.eval().requires_grad_(False), placement, device)
-        return cls(model, tokenizer, device, image_processor)
+        return cls(model, tokenizer, device, transformers.AutoImageProcessor.from_pretrained(processor))
 
     @classmethod
     def dummy(
@@ -196,13 +183,10 @@ class QwenImagePipeline(DiffusionPipeline):
             return self.encode_rows(request, rows)
         processor = VaeImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         images = [processor.resize(image, *edit.condition_size(image)) for image in request.images]
-        markers = IMAGE_MARKER
-        if edit.plus:
-            markers = "".join(f"Picture {i + 1}: {IMAGE_MARKER}" for i in range(len(images)))
+        markers = "".join(f"Picture {i + 1}: {IMAGE_MARKER}" for i in range(len(images))) if edit.plus else IMAGE_MARKER
         return self.encode_rows(request, edit_rows)
 
     def initial_latents(self, request: ResolvedRequest) -> tuple[torch.Tensor, QwenLayout]:
-        """Noise drawn in diffusers' unpacked layout, then packed; the token grid and an edit's inputs."""
         granularity = pixel_granularity(self.spec.vae)
         rows, cols = request.height // granularity, request.width // granularity
         channels = self.transformer.config.in_channels // 4
@@ -273,8 +257,7 @@ class QwenImagePipeline(DiffusionPipeline):
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, layout: QwenLayout) -> torch.Tensor:
         rows, cols = layout.rows, layout.cols
-        batch, _, packed_channels = latents.shape
-        channels = packed_channels // 4
+        batch, channels = latents.shape[0], latents.shape[2] // 4
         latents = latents.view(batch, rows, cols, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
         latents = latents.reshape(batch, channels, 1, 2 * rows, 2 * cols).to(self.vae.dtype)
         mean, inverse_std = latent_statistics(self.vae.config, latents)

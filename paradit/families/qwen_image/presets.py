@@ -18,11 +18,9 @@ QWEN25_VL_7B = CONFIGS["qwen25_vl_7b"]
 _QWEN_IMAGE = CONFIGS["transformer"]
 
 QWEN_IMAGE_TINY_TRANSFORMER = {**_QWEN_IMAGE, **CONFIGS["tiny_transformer_changes"]}
-_TINY_TOWERS = CONFIGS["tiny_text_encoder_changes"]  # of the 7B's text and vision configs
 QWEN_IMAGE_TINY_TEXT_ENCODER = {
     "model_type": "qwen2_5_vl",
-    "text_config": {**QWEN25_VL_7B["text_config"], **_TINY_TOWERS["text_config"]},
-    "vision_config": {**QWEN25_VL_7B["vision_config"], **_TINY_TOWERS["vision_config"]},
+    **{tower: {**QWEN25_VL_7B[tower], **changes} for tower, changes in CONFIGS["tiny_text_encoder_changes"].items()},
     "tie_word_embeddings": False,
 }
 

@@ -112,7 +112,6 @@ FAMILY = Family(
             "*.feed_forward.w2": ROW_MLP,
         },
     ),
-    # The embedders (all_x_embedder, cap_embedder, t_embedder), the per-block adaLN modulation, the output layer.
     keep_high_precision=("embedder", "adaLN", "final_layer"),
     lora_loader="ZImageLoraLoaderMixin",
     measured=Measured.read(Path(__file__).parent),

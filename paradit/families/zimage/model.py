@@ -1,5 +1,4 @@
-"""Z-Image transformer (Turbo, base, Omni): diffusers' ``ZImageTransformer2DModel``: refiners over each stream, then
-joint blocks. As the reference, streams are padded to 32 tokens with a learnt pad token, a real key every query sees."""
+"""Z-Image's transformer (Turbo, base, Omni), diffusers' ``ZImageTransformer2DModel``: stream refiners, joint blocks."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from paradit.layers.attention import QKVAttention
 from paradit.layers.embeddings import sinusoidal_embedding
 from paradit.layers.stages import CheckpointConfig, StagedTransformer
 
-SEQUENCE_MULTIPLE = 32  # every stream is padded to a multiple of this many tokens
+SEQUENCE_MULTIPLE = 32  # as the reference, streams are padded to a multiple of 32 with a learnt pad token (a real key)
 ADALN_DIM = 256  # width of the timestep vector, capped by the model width
 TIMESTEP_FREQUENCIES = 256
 TIMESTEP_HIDDEN = 1024
@@ -90,7 +89,6 @@ class RMSNorm(nn.Module):
 
 
 def with_pad_tokens(x: torch.Tensor, pad_token: torch.Tensor) -> torch.Tensor:
-    """(B, n, dim) followed by ``pad_token`` rows up to a multiple of SEQUENCE_MULTIPLE."""
     n = x.shape[1]
     return torch.cat([x, pad_token.to(x.dtype).expand(x.shape[0], round_up(n) - n, -1)], dim=1)
 
@@ -199,12 +197,9 @@ class TimestepEmbedder(nn.Module):
 
 @dataclass
 class ZImageTokens:
+    # Each field along dim 1 of the stream its name starts with.
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
-        "img": ("img", 1),
-        "txt": ("txt", 1),
-        "img_rope": ("img", 1),
-        "txt_rope": ("txt", 1),
-        "txt_mask": ("txt", 1),
+        name: (name.split("_")[0], 1) for name in ("img", "txt", "img_rope", "txt_rope", "txt_mask")
     }
     OUTPUT_STREAM: ClassVar[str] = "img"
 
@@ -228,11 +223,7 @@ class ZImageOmniTokens(ZImageTokens):
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
         **ZImageTokens.SEQUENCE_FIELDS,
-        "sig": ("sig", 1),
-        "sig_rope": ("sig", 1),
-        "img_noisy": ("img", 1),
-        "txt_noisy": ("txt", 1),
-        "sig_noisy": ("sig", 1),
+        **{name: (name.split("_")[0], 1) for name in ("sig", "sig_rope", "img_noisy", "txt_noisy", "sig_noisy")},
     }
 
     sig: torch.Tensor  # (B, SigLIP tokens, dim)
@@ -373,8 +364,7 @@ class ZImageTransformer(StagedTransformer):
     ) -> ZImageTokens:
         """``timestep``: (B,) 1 - sigma; captions right-padded where the mask is False; ``omni``'s are its segments."""
         batch, device = hidden_states.shape[0], hidden_states.device
-        patch = self.config.patch_size
-        rows, cols = hidden_states.shape[2] // patch, hidden_states.shape[3] // patch
+        rows, cols = (side // self.config.patch_size for side in hidden_states.shape[2:])
         temb = self.t_embedder(timestep * self.config.t_scale).to(hidden_states.dtype)
         if omni is not None:
             return self.embed_omni(hidden_states, timestep, temb, encoder_hidden_states, omni)
@@ -389,15 +379,12 @@ class ZImageTransformer(StagedTransformer):
         caption_lens = round_up(real.sum(dim=1))  # each caption's length in the reference, pads included
         captions = self.cap_embedder(nn.functional.pad(encoder_hidden_states, (0, 0, 0, text_stream - text_len)))
         txt = torch.where(real[..., None], captions, self.cap_pad_token.to(captions.dtype))
-        txt_positions = nn.functional.pad((text_index + 1)[None, :, None], (0, 2))
-
-        img_positions = image_positions(caption_lens + 1, raster_grid(rows, cols, device))
         txt_mask = None if encoder_attention_mask is None else text_index < caption_lens[:, None]
         return ZImageTokens(
             img=self.embed_image(hidden_states),
             txt=txt,
-            img_rope=self.rope(img_positions),
-            txt_rope=self.rope(txt_positions),
+            img_rope=self.rope(image_positions(caption_lens + 1, raster_grid(rows, cols, device))),
+            txt_rope=self.rope(nn.functional.pad((text_index + 1)[None, :, None], (0, 2))),
             txt_mask=txt_mask,
             temb=temb,
         )

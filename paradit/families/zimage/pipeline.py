@@ -68,8 +68,7 @@ class ZImagePipeline(DiffusionPipeline):
 
         def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             rows, cols = (side // patch for side in latents.shape[2:])
-            # The model predicts velocity towards the image, the scheduler steps along noise minus image (the sign
-            # commutes exactly with guidance).
+            # The model predicts velocity towards the image; the scheduler steps along noise minus image.
             return -unpatchify(transformer(x, timestep, *inputs), rows, cols, patch).float()
 
         return call
