@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from paradit.layers.attention import AttentionDispatch, sdpa_attention
+from paradit.layers.fp8 import check_fp8_supported, fp8_dtype
+from paradit.quantize import convert_fp8
 
 # The noise level every single-step measurement runs at (the middle of a flow-matching schedule).
 MID_SIGMA = 0.5
@@ -50,6 +52,12 @@ def local_attention_again(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, AttentionDispatch):
             module.set_attention_fn(sdpa_attention)
+
+
+def quantize_fp8(model: nn.Module, device: torch.device, keep: tuple[str, ...]) -> list[str]:
+    """``convert_fp8`` into the format ``device`` multiplies (a loaded model)."""
+    check_fp8_supported(device)
+    return convert_fp8(model, fp8_dtype(device), keep)
 
 
 def measured_bf16_matmul_tflops(size: int = 8192, iters: int = 10) -> float:

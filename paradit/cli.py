@@ -1,5 +1,4 @@
-"""``paradit`` command line over ``paradit.Engine``: a named error prints one line (exit 2; out of device memory 1), an
-unexpected one names the file holding its trace (exit 1). Heavy modules wait for the command needing them."""
+"""``paradit`` command line: a named error prints one line (exit 2; out of memory 1), another names its trace file."""
 
 from __future__ import annotations
 
@@ -88,7 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def format_table(result) -> str:
     t = result.timings
-    # What the allocator held at most beside what tensors took, and the memory plan's estimate, where known.
     details = [f"{t.peak_reserved_bytes / 2**30:.2f} held by the allocator"] if t.peak_reserved_bytes else []
     details += [f"planned {t.memory_estimate_bytes / 2**30:.2f}"] if t.memory_estimate_bytes else []
     peak = f"{t.peak_memory_bytes / 2**30:.2f} GiB" + (f" ({', '.join(details)})" if details else "")
@@ -253,8 +251,7 @@ def lora_record(lora) -> dict:
 
 
 def serial_comparison(parallel, serial, exact: bool) -> tuple[int, str]:
-    """The exit code (3: an exact plan off by more than one 8-bit level, a lossy one under ``LOSSY_PSNR_DB``) and
-    a line saying how far the parallel images are from the one-process ones."""
+    """The exit code (3: an exact plan off by over one 8-bit level, a lossy one under ``LOSSY_PSNR_DB``) and a line."""
     diff = parallel.pixels - serial.pixels
     float_diff, mse = diff.abs().max().item(), diff.square().mean().item()
     psnr = 10 * math.log10(1 / mse) if mse > 0 else float("inf")

@@ -1,5 +1,4 @@
-"""``paradit download`` (only the files the loader reads, ``checkpoint.pipeline_patterns``, after checking the disk has
-room) and ``paradit models --local``. No torch."""
+"""``paradit download`` (only the files the loader reads, if the disk has room) and ``paradit models --local``."""
 
 from __future__ import annotations
 

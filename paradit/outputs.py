@@ -1,5 +1,4 @@
-"""Output files: image formats, ``--out``'s paths, images, frames and MP4s (H.264: PyAV's libx264) written whole, and
-input images read as diffusers reads them. The server (``serving.media``) encodes the same formats."""
+"""Output files (images, frames, H.264 MP4s) written whole, ``--out``'s paths; input images read as diffusers does."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ def writable_folder(flag: str, out: str | Path, folder: Path | None = None) -> P
 
 @contextmanager
 def replaced(path: Path, errors: tuple[type[Exception], ...] = (OSError,)) -> Iterator[Path]:
-    """A name in a hidden folder beside ``path`` to write at, renamed to ``path`` once whole: a failure (a full disk,
-    Ctrl-C) leaves nothing half-written. ``errors``: the writer's, said in one line."""
+    """A name beside ``path``, renamed to it whole: a failure leaves nothing half-written (``errors``: one line)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as folder:

@@ -1,5 +1,4 @@
-"""Prompt encoding with a transformers decoder read at chosen hidden layers (built up to the deepest one), and the
-memory plan's placements of an encoder: ``gpu`` (resident), ``fp8`` (resident, FP8 linears), ``offload`` (streamed)."""
+"""Prompt encoding by a transformers decoder built up to the deepest layer read; its placements: gpu, fp8 or offload."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ def random_encoder(build, placement: str, device: torch.device, dtype: torch.dty
 
 
 def stream_weights(module: nn.Module, device: torch.device) -> nn.Module:
-    """``module``'s weights kept in host memory, each submodule's copied to ``device`` for its forward by accelerate's
-    ``cpu_offload`` hooks: the whole encoder crosses the host link on every encode, with no overlap."""
+    """Weights in host memory copied to ``device`` for each forward by ``cpu_offload`` hooks (all of it, per encode)."""
     # Moved one at a time (the peak stays near one encoder) into a few large buffers, page-locked on CUDA: PyTorch's
     # pinned allocator rounds each allocation up to a power of two, tensor by tensor up to twice the encoder's size.
     pin = device.type == "cuda"

@@ -1,5 +1,4 @@
-"""``paradit generate --server URL``: the request sent to a running ``paradit serve``, the files written where ``--out``
-says (an ``--out`` ending in .mp4 makes a video job, and waits for it). Standard library only: it answers at once."""
+"""``paradit generate --server URL``: a request to ``paradit serve``; standard library only, so it starts at once."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The server's Prometheus metrics (``GET /metrics``), in a registry of their own: several servers in one process
-(tests) do not collide."""
+"""The server's Prometheus metrics, in a registry of their own: servers in one process (tests) do not collide."""
 
 from __future__ import annotations
 

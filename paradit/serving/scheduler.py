@@ -1,5 +1,4 @@
-"""The server's bounded job queue and its worker groups, each an ``Engine`` driven by its own thread: batching,
-deadlines, cancellation, rebuilding dead groups. Under ``auto``, group 0 spans every GPU and each other has one."""
+"""The server's bounded job queue and its groups (an ``Engine`` and a thread each): batching, deadlines, rebuilds."""
 
 from __future__ import annotations
 
@@ -181,8 +180,7 @@ class Scheduler:
             )
 
     def cancel(self, job: Job, reason: ParaditError) -> None:
-        """End a queued job with ``reason`` now; abandon a running one: once no job of its batch is waited for, the run
-        stops at a step boundary (``Engine.cancel``), or its workers are killed a step plus ``STOP_GRACE_S`` later."""
+        """End a queued job with ``reason`` now; a running batch stops once no job of it is waited for."""
         with self._changed:
             self._abandon(job, reason)
 

@@ -1,5 +1,4 @@
-"""The HTTP front end (FastAPI) over a ``Scheduler``: OpenAI's Images API, video jobs, models, health and metrics.
-Handlers await the job's future (cancelling it if the client leaves); every error is an OpenAI-style answer."""
+"""The HTTP front end (FastAPI) over a ``Scheduler``: OpenAI's Images API, video jobs, models, health and metrics."""
 
 from __future__ import annotations
 
@@ -96,9 +95,8 @@ class BodyTooLarge(Exception):
 
 
 class Gate:
-    """ASGI middleware: without ``api_key`` 401 on every route but /health (the docs pages too, which no router
-    dependency reaches); a body past ``max_bytes``, declared or streamed, 413 before anything parses it; every answer
-    counted by route and outcome."""
+    """ASGI middleware: 401 without the key but on /health (the docs too, which router dependencies miss), 413 for a
+    body past the limit before anything parses it; every answer counted."""
 
     TIMED = {"/v1/images/generations", EDITS, "/v1/videos"}
     OUTCOMES = {
