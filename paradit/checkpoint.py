@@ -106,13 +106,10 @@ def check_safetensors(file: Path) -> None:
                 raise ValueError("its header is cut short")
             header = json.loads(handle.read(length))
         end = 8 + length + max((e["data_offsets"][1] for n, e in header.items() if n != "__metadata__"), default=0)
+        if end > size:
+            raise ValueError(f"cut short: its header declares {end:,} bytes, the file has {size:,}")
     except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as exc:
         raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); download it again") from None
-    if end > size:
-        raise CheckpointError(
-            f"{file} is not a readable safetensors file (cut short: its header declares {end:,} bytes, the file has "
-            f"{size:,}); download it again"
-        )
 
 
 def component_dir(folder: Path, name: str) -> Path:

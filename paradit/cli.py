@@ -21,7 +21,7 @@ from paradit.families import PRESETS
 from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flagged_fields, flags_given, from_args
 from paradit.lora.refs import LoraSet
 from paradit.options import COMMANDS, LOSSY_PSNR_DB, Asked, ExecutionOptions, LoraFlags, ServeSettings
-from paradit.outputs import output_paths, save_images, save_videos
+from paradit.outputs import output_paths, replaced, save_images, save_videos, writable_folder
 from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
 from paradit.worker import start_worker_server
@@ -146,7 +146,6 @@ def run_generate(args: argparse.Namespace) -> int:
     if asked.gpus not in (None, 1) or asked.shard_weights or (asked.parallel and asked.parallel.world_size > 1):
         start_worker_server(args.device)  # its imports overlap this process's, below
     from paradit.engine import Engine
-    from paradit.outputs import replaced, writable_folder
     from paradit.settings import settle
 
     if args.no_progress:  # this process imported them already

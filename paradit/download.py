@@ -22,7 +22,6 @@ class DownloadError(ParaditError):
 
 
 def hub_id(model: str) -> str:
-    """The hub repository of a preset, or ``model`` itself when it is a hub id (org/name)."""
     if model in PRESETS:
         if PRESETS[model].hub_id is None:
             raise DownloadError(f"{model} has random weights only: there is no checkpoint to download")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,8 +95,6 @@ def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: list[
 
 
 def read_image(path: str, flag: str = "--image"):
-    import warnings
-
     from PIL import Image, UnidentifiedImageError
 
     try:

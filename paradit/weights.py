@@ -1,5 +1,4 @@
-"""The tensors a rank kept of the meta-device model, materialised one at a time into their device and dtype from
-memory-mapped safetensors (just the rank's slice) or at random (``dummy``): it peaks at its share plus one tensor."""
+"""A rank's share of a meta-device model, materialised tensor by tensor from memory-mapped safetensors or at random."""
 
 from __future__ import annotations
 

@@ -25,8 +25,7 @@ from paradit.settings import settle
 logger = logging.getLogger(__name__)
 
 
-# A request's pixels at most, by default, against the model's default size: a larger request costs the square of
-# its tokens in attention, and holds every request behind it.
+# A request's pixels at most, by default, against the model's default size: attention costs the square of its tokens.
 MAX_PIXELS_FACTOR = 4
 
 

@@ -245,14 +245,12 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             body = schemas.ImageEditBody.model_validate(fields)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
-        contents = [await upload.read() for upload in uploads]
-        mask_bytes = None if mask is None else await mask.read()
-
-        def decoded():
-            images = [decode_input(data, f"image {i + 1}") for i, data in enumerate(contents)]
-            return images, None if mask_bytes is None else decode_input(mask_bytes, "the mask", "mask")
-
-        images, mask = await run_in_threadpool(decoded)
+        images = [
+            await run_in_threadpool(decode_input, await upload.read(), f"image {i + 1}")
+            for i, upload in enumerate(uploads)
+        ]
+        if mask is not None:
+            mask = await run_in_threadpool(decode_input, await mask.read(), "the mask", "mask")
         return await images_answer(body, request, image=images, mask=mask)
 
     async def images_answer(body: schemas.ImageGenerationBody, request: Request, **fields):
