@@ -21,7 +21,6 @@ def listed_components(model_index: dict) -> list[str]:
 
 
 def pipeline_patterns(model_index: dict) -> dict[str, list[str]]:
-    """huggingface_hub's ``allow_patterns`` and ``ignore_patterns`` for the files the loader reads."""
     allow = [MODEL_INDEX, *(f"{name}/*{suffix}" for name in listed_components(model_index) for suffix in READ_SUFFIXES)]
     return {"allow_patterns": allow, "ignore_patterns": NOT_READ}
 

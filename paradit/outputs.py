@@ -14,8 +14,7 @@ from paradit.errors import InvalidRequest, ParaditError
 
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}  # extension -> PIL's format
 VIDEO_SUFFIX = ".mp4"
-# The HTTP API's names for them (OpenAI's ``output_format``): PIL's, lower-cased.
-API_FORMATS = {kind.lower(): kind for kind in IMAGE_FORMATS.values()}
+API_FORMATS = {kind.lower(): kind for kind in IMAGE_FORMATS.values()}  # the HTTP API's (OpenAI's output_format)
 DEFAULT_QUALITY = 95  # JPEG and WebP: PIL's default (75) visibly blurs generated detail
 # x264's constant-quality setting: 18 is visually near-lossless, and generated detail is what the user came for.
 CRF = 18

@@ -185,7 +185,6 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _fp8_linear(
     linear: nn.Linear, name: str, names: ModelNames, source: TensorSource, slices: dict[str, TensorSlice], fp8: Fp8Load
 ) -> Fp8Linear:
-    """An FP8 checkpoint's weight and scale as stored, else the high-precision weight converted."""
 
     def read(key: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
         return source.read(key, shape, slices.get(key), dtype)
@@ -204,11 +203,6 @@ def _fp8_linear(
 def _few(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
-    buffers = {name for name, _ in module.named_buffers()}
-    materialize(module, ModelNames(module), DummyTensors(device, dtype, buffers, seed))
 
 
 def save_component(state: dict[str, torch.Tensor], config: dict, folder: Path, max_shard_bytes: int) -> None:

@@ -145,8 +145,6 @@ class Scheduler:
             self.close()
             raise failed
 
-    # The front end's side.
-
     def submit(self, request: GenerationRequest, video: bool = False) -> Job:
         """Queue a request, its seed drawn now if it has none; raises InvalidRequest, QueueFull or Draining."""
         resolved = self.check(request)
@@ -198,7 +196,6 @@ class Scheduler:
             return status if self.accepting else "draining", len(self._queue), list(self.groups)
 
     def drain(self) -> None:
-        """Refuse new jobs, then wait until the queued and running ones have ended."""
         with self._changed:
             self.accepting = False
             self._changed.wait_for(lambda: not self._queue and not any(group.batch for group in self.groups))
@@ -218,8 +215,6 @@ class Scheduler:
                 group.thread.join(CLOSE_S)
             if group.thread.is_alive() and group.engine is not None:  # still in a run that would not stop
                 group.engine.close()
-
-    # The groups' side.
 
     def take(self, group: Group) -> list[Job] | None:
         """The next batch for ``group`` (waiting for one), or None when the server closes."""

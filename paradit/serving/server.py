@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -331,8 +332,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
 
     @app.get("/metrics")
     async def get_metrics():
-        body, content_type = metrics.exposition()
-        return Response(body, media_type=content_type)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", response_model=schemas.Health)
     async def health():
