@@ -56,7 +56,7 @@ def random_encoder(build, placement: str, device: torch.device, dtype: torch.dty
 
 
 def stream_weights(module: nn.Module, device: torch.device) -> nn.Module:
-    """Weights in host memory copied to ``device`` for each forward by ``cpu_offload`` hooks (all of it, per encode)."""
+    """Weights in host memory, copied to ``device`` for each submodule's forward by ``cpu_offload``'s hooks."""
     # Moved one at a time (the peak stays near one encoder) into a few large buffers, page-locked on CUDA: PyTorch's
     # pinned allocator rounds each allocation up to a power of two, tensor by tensor up to twice the encoder's size.
     pin = device.type == "cuda"

@@ -1,4 +1,4 @@
-"""A rank's share of a meta-device model, materialised tensor by tensor from memory-mapped safetensors or at random."""
+"""A rank's share of a meta model, made tensor by tensor (peak: its share plus one) from safetensors or random."""
 
 from __future__ import annotations
 
