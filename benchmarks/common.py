@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 from paradit.layers.attention import AttentionDispatch, sdpa_attention
+from paradit.layers.fp8 import check_fp8_supported, fp8_dtype
+from paradit.quantize import convert_fp8
+from paradit.weights import DummyTensors, ModelNames, materialize
 
 # The noise level every single-step measurement runs at (the middle of a flow-matching schedule).
 MID_SIGMA = 0.5
@@ -50,6 +53,18 @@ def local_attention_again(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, AttentionDispatch):
             module.set_attention_fn(sdpa_attention)
+
+
+def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+    """Random weights (``DummyTensors``) for a plain module: the same on every rank for the same seed."""
+    buffers = {name for name, _ in module.named_buffers()}
+    materialize(module, ModelNames(module), DummyTensors(device, dtype, buffers, seed))
+
+
+def quantize_fp8(model: nn.Module, device: torch.device, keep: tuple[str, ...]) -> list[str]:
+    """``convert_fp8`` into the format ``device`` multiplies (a loaded model)."""
+    check_fp8_supported(device)
+    return convert_fp8(model, fp8_dtype(device), keep)
 
 
 def measured_bf16_matmul_tflops(size: int = 8192, iters: int = 10) -> float:

@@ -22,11 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, write_json  # noqa: E402
+from benchmarks.common import environment, init_dummy_weights, write_json  # noqa: E402
 from paradit.expert_swap import ExpertSwap  # noqa: E402
 from paradit.families import PRESETS  # noqa: E402
 from paradit.families.wan.model import WanConfig, WanTransformer  # noqa: E402
-from paradit.weights import init_dummy_weights  # noqa: E402
 
 
 def switch_costs(repeats: int) -> dict:

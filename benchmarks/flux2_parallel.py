@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     environment,
+    init_dummy_weights,
     local_attention_again,  # noqa: E402
     print_table,
     time_cuda_ms,
@@ -33,7 +34,6 @@ from paradit.families.flux2.model import Flux2Config, Flux2Transformer  # noqa: 
 from paradit.parallel import ParallelConfig  # noqa: E402
 from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
 from paradit.parallel.parallelize import parallelize  # noqa: E402
-from paradit.weights import init_dummy_weights  # noqa: E402
 
 
 def timed(run, args) -> float:

@@ -18,13 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import environment, print_table, quantize_fp8, time_cuda_ms, write_json  # noqa: E402
 from benchmarks.wan_step import WORKLOADS, build_paradit  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES  # noqa: E402
 from paradit.layers.attention import apply_fp8_attention  # noqa: E402
 from paradit.layers.fp8 import Fp8Linear, fp8_dtype, quantize_rowwise  # noqa: E402
-from paradit.quantize import quantize_fp8  # noqa: E402
 
 # The first pattern a kernel's name matches names its kind.
 KINDS = [

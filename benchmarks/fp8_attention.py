@@ -24,14 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import environment, print_table, quantize_fp8, time_cuda_ms, write_json  # noqa: E402
 from benchmarks.wan_step import build_paradit, forward_inputs  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES  # noqa: E402
 from paradit.families.wan.model import unpatchify  # noqa: E402
 from paradit.layers import fp8_attention as kernel  # noqa: E402
 from paradit.layers.attention import apply_fp8_attention, sdpa_attention  # noqa: E402
-from paradit.quantize import quantize_fp8  # noqa: E402
 
 # name -> (tokens, heads, head_dim): Wan 2.2 A14B at 1280×720×81 and 832×480×81, TI2V-5B at 1280×704×121, FLUX.2-dev
 # at 1024² (4096 image tokens and 512 of text), Qwen-Image at 1024² (4096 image tokens and a 256-token prompt).

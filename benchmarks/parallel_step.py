@@ -28,9 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     environment,
+    init_dummy_weights,
     kernel_ms,
     local_attention_again,  # noqa: E402
     print_table,
+    quantize_fp8,
     time_cuda_ms,
     write_json,
 )
@@ -41,8 +43,6 @@ from paradit.parallel import ParallelConfig  # noqa: E402
 from paradit.parallel.cfg import SplitBranches  # noqa: E402
 from paradit.parallel.mesh import ParallelContext, init_process_group  # noqa: E402
 from paradit.parallel.parallelize import parallelize  # noqa: E402
-from paradit.quantize import quantize_fp8  # noqa: E402
-from paradit.weights import init_dummy_weights  # noqa: E402
 
 # preset family -> (benchmark module with step_inputs, text tokens)
 BENCHES = {

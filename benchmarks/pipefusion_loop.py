@@ -27,7 +27,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, print_table, write_json  # noqa: E402
+from benchmarks.common import environment, init_dummy_weights, print_table, write_json  # noqa: E402
 from benchmarks.flux2_step import step_inputs  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import PRESETS  # noqa: E402
@@ -41,7 +41,6 @@ from paradit.pipelines.base import (
     StepClock,  # noqa: E402
     token_band_mask,  # noqa: E402
 )
-from paradit.weights import init_dummy_weights  # noqa: E402
 
 
 def model_config(args) -> Flux2Config:

@@ -17,10 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ModelPair, step_benchmark_main  # noqa: E402
+from benchmarks.common import ModelPair, init_dummy_weights, step_benchmark_main  # noqa: E402
 from paradit.families import PRESETS  # noqa: E402
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer  # noqa: E402
-from paradit.weights import init_dummy_weights  # noqa: E402
 
 # Exact FLOPs of one forward at 1024x1024 (4096 image + 256 text tokens), counted with FlopCounterMode over the
 # diffusers model on the meta device (shared/models/configs.json).

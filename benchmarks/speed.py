@@ -28,6 +28,7 @@ from benchmarks.common import (  # noqa: E402
     announce_device,
     kernel_ms,
     print_table,
+    quantize_fp8,
     single_gpu_parser,
     time_cuda_ms,
     write_json,
@@ -35,7 +36,6 @@ from benchmarks.common import (  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.cuda_graphs import GraphedModule  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
-from paradit.quantize import quantize_fp8  # noqa: E402
 
 # family -> (module with model_pair, text tokens of the reference workload)
 FAMILY_BENCHES = {

@@ -22,13 +22,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import announce_device, print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    announce_device,
+    init_dummy_weights,
+    print_table,
+    quantize_fp8,
+    time_cuda_ms,
+    write_json,
+)
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.families.wan.model import WanConfig, WanTransformer, unpatchify  # noqa: E402
 from paradit.families.wan.pipeline import vae_factors  # noqa: E402
-from paradit.quantize import quantize_fp8  # noqa: E402
-from paradit.weights import init_dummy_weights  # noqa: E402
 
 TEXT_TOKENS = 512  # umT5's padded prompt
 # name -> (preset, height, width, frames, exact TFLOP of one forward counted with FlopCounterMode over diffusers'

@@ -8,11 +8,9 @@ from pathlib import Path
 from paradit.errors import CheckpointError
 
 MODEL_INDEX = "model_index.json"
-# What the loader opens in a component folder: configs and weight indexes (.json), weights (.safetensors), and the
-# tokenizers' vocabularies and merges (.txt), SentencePiece models (.model) and chat templates (.jinja).
+# What the loader opens in a component folder (the tokenizers' vocabularies, SentencePiece models and templates too).
 READ_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja")
-# Not read even so: files in sub-folders of a component (onnx/, ...), weight variants (``name.fp16.safetensors``,
-# ``name.fp16-00001-of-00002.safetensors``, ``name.safetensors.index.fp16.json``) and indexes of pickle weights.
+# Not read even so: a component's sub-folders (onnx/), weight variants (``name.fp16.safetensors``), pickle indexes.
 NOT_READ = ["*/*/*", "*.*.safetensors", "*.index.*.json", "*.bin.index.json"]
 
 
@@ -23,7 +21,6 @@ def listed_components(model_index: dict) -> list[str]:
 
 
 def pipeline_patterns(model_index: dict) -> dict[str, list[str]]:
-    """huggingface_hub's ``allow_patterns`` and ``ignore_patterns`` for the files the loader reads."""
     allow = [MODEL_INDEX, *(f"{name}/*{suffix}" for name in listed_components(model_index) for suffix in READ_SUFFIXES)]
     return {"allow_patterns": allow, "ignore_patterns": NOT_READ}
 
@@ -37,8 +34,7 @@ PICKLE_WEIGHTS = ("diffusion_pytorch_model.bin", "pytorch_model.bin")
 
 
 def resolve_checkpoint(model: str, allow_pickle: bool = False) -> Path:
-    """A local folder, or a hub id's files the loader reads fetched (or found in the cache), and with ``allow_pickle``
-    the pickle weights of components that have no others."""
+    """A local folder, or a hub id's files the loader reads (``allow_pickle``: pickle weights where none are safe)."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / MODEL_INDEX).is_file():
@@ -109,13 +105,10 @@ def check_safetensors(file: Path) -> None:
                 raise ValueError("its header is cut short")
             header = json.loads(handle.read(length))
         end = 8 + length + max((e["data_offsets"][1] for n, e in header.items() if n != "__metadata__"), default=0)
+        if end > size:
+            raise ValueError(f"cut short: its header declares {end:,} bytes, the file has {size:,}")
     except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError) as exc:
         raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); download it again") from None
-    if end > size:
-        raise CheckpointError(
-            f"{file} is not a readable safetensors file (cut short: its header declares {end:,} bytes, the file has "
-            f"{size:,}); download it again"
-        )
 
 
 def component_dir(folder: Path, name: str) -> Path:

@@ -1,5 +1,4 @@
-"""``paradit`` command line over ``paradit.Engine``: a named error prints one line (exit 2; out of device memory 1), an
-unexpected one names the file holding its trace (exit 1). Heavy modules wait for the command needing them."""
+"""``paradit`` command line: a named error prints one line (exit 2; out of memory 1), another names its trace file."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from paradit.families import PRESETS
 from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flagged_fields, flags_given, from_args
 from paradit.lora.refs import LoraSet
 from paradit.options import COMMANDS, LOSSY_PSNR_DB, Asked, ExecutionOptions, LoraFlags, ServeSettings
-from paradit.outputs import output_paths, save_images, save_videos
+from paradit.outputs import output_paths, replaced, save_images, save_videos, writable_folder
 from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
 from paradit.worker import start_worker_server
@@ -88,7 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def format_table(result) -> str:
     t = result.timings
-    # What the allocator held at most beside what tensors took, and the memory plan's estimate, where known.
     details = [f"{t.peak_reserved_bytes / 2**30:.2f} held by the allocator"] if t.peak_reserved_bytes else []
     details += [f"planned {t.memory_estimate_bytes / 2**30:.2f}"] if t.memory_estimate_bytes else []
     peak = f"{t.peak_memory_bytes / 2**30:.2f} GiB" + (f" ({', '.join(details)})" if details else "")
@@ -148,7 +146,6 @@ def run_generate(args: argparse.Namespace) -> int:
     if asked.gpus not in (None, 1) or asked.shard_weights or (asked.parallel and asked.parallel.world_size > 1):
         start_worker_server(args.device)  # its imports overlap this process's, below
     from paradit.engine import Engine
-    from paradit.outputs import replaced, writable_folder
     from paradit.settings import settle
 
     if args.no_progress:  # this process imported them already
@@ -253,8 +250,7 @@ def lora_record(lora) -> dict:
 
 
 def serial_comparison(parallel, serial, exact: bool) -> tuple[int, str]:
-    """The exit code (3: an exact plan off by more than one 8-bit level, a lossy one under ``LOSSY_PSNR_DB``) and
-    a line saying how far the parallel images are from the one-process ones."""
+    """The exit code (3: an exact plan off by over one 8-bit level, a lossy one under ``LOSSY_PSNR_DB``) and a line."""
     diff = parallel.pixels - serial.pixels
     float_diff, mse = diff.abs().max().item(), diff.square().mean().item()
     psnr = 10 * math.log10(1 / mse) if mse > 0 else float("inf")

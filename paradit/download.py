@@ -1,5 +1,4 @@
-"""``paradit download`` (only the files the loader reads, ``checkpoint.pipeline_patterns``, after checking the disk has
-room) and ``paradit models --local``. No torch."""
+"""``paradit download`` (only the files the loader reads, if the disk has room) and ``paradit models --local``."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ class DownloadError(ParaditError):
 
 
 def hub_id(model: str) -> str:
-    """The hub repository of a preset, or ``model`` itself when it is a hub id (org/name)."""
     if model in PRESETS:
         if PRESETS[model].hub_id is None:
             raise DownloadError(f"{model} has random weights only: there is no checkpoint to download")

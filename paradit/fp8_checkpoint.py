@@ -27,8 +27,7 @@ PRESET_FILE = "paradit_preset.json"  # in an FP8 folder written for a preset: wh
 
 
 def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list[str]:
-    """``spec``'s transformer quantized on the CPU beside its other components, hard-linked (a preset with random
-    weights gets ``PRESET_FILE``, the rest drawn at random when loaded); ``dtype``: the layers kept unquantized."""
+    """``spec``'s transformer quantized on the CPU, the rest hard-linked (random weights: ``PRESET_FILE`` names it)."""
     folder = spec.folder
     if folder is None and spec.name not in PRESETS:
         raise InvalidRequest(

@@ -1,5 +1,4 @@
-"""Whether the hub can be reached, asked once in a short request: unreachable, huggingface_hub retries each request
-five times over half a minute, warning twice a retry, before it falls back to its cache. No torch."""
+"""Whether the hub answers, asked once, quickly: unreachable, huggingface_hub retries each request for half a minute."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Stand-in tokenizers built in memory, so that random weights (``--load-format dummy``, tiny presets) take a prompt
-offline: byte-level BPE with no merges plus the chat tokens, and a template taking the FLUX.2 pipelines' messages."""
+"""Tokenizers built in memory, so that random weights take a prompt offline: byte-level BPE and chat tokens."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def build_offline_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerF
 
 
 def offline_t5_tokenizer() -> transformers.T5Tokenizer:
-    """A T5 (unigram) tokenizer of printable ASCII characters, with and without the word-start marker; pad, end and
-    unknown take ids 0, 1 and 2, as in T5's published vocabulary."""
+    """A T5 (unigram) tokenizer of printable ASCII; pad, end and unknown take ids 0, 1 and 2, as in T5's vocabulary."""
     characters = string.ascii_letters + string.digits + string.punctuation
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     pieces += [("▁" + c, -3.0) for c in characters] + [(c, -4.0) for c in characters]

@@ -1,11 +1,11 @@
-"""Output files: image formats, ``--out``'s paths, images, frames and MP4s (H.264: PyAV's libx264) written whole, and
-input images read as diffusers reads them. The server (``serving.media``) encodes the same formats."""
+"""Output files (images, frames, H.264 MP4s) written whole, ``--out``'s paths; input images read as diffusers does."""
 
 from __future__ import annotations
 
 import io
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,8 +14,7 @@ from paradit.errors import InvalidRequest, ParaditError
 
 IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}  # extension -> PIL's format
 VIDEO_SUFFIX = ".mp4"
-# The HTTP API's names for them (OpenAI's ``output_format``): PIL's, lower-cased.
-API_FORMATS = {kind.lower(): kind for kind in IMAGE_FORMATS.values()}
+API_FORMATS = {kind.lower(): kind for kind in IMAGE_FORMATS.values()}  # the HTTP API's (OpenAI's output_format)
 DEFAULT_QUALITY = 95  # JPEG and WebP: PIL's default (75) visibly blurs generated detail
 # x264's constant-quality setting: 18 is visually near-lossless, and generated detail is what the user came for.
 CRF = 18
@@ -56,8 +55,7 @@ def writable_folder(flag: str, out: str | Path, folder: Path | None = None) -> P
 
 @contextmanager
 def replaced(path: Path, errors: tuple[type[Exception], ...] = (OSError,)) -> Iterator[Path]:
-    """A name in a hidden folder beside ``path`` to write at, renamed to ``path`` once whole: a failure (a full disk,
-    Ctrl-C) leaves nothing half-written. ``errors``: the writer's, said in one line."""
+    """A name beside ``path``, renamed to it whole: a failure leaves nothing half-written (``errors``: one line)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as folder:
@@ -96,8 +94,6 @@ def save_videos(videos: list[list], paths: list[Path], fps: int, metadata: list[
 
 
 def read_image(path: str, flag: str = "--image"):
-    import warnings
-
     from PIL import Image, UnidentifiedImageError
 
     try:

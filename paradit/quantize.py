@@ -1,5 +1,4 @@
-"""FP8 linears swapped in from outside the model, and reading paradit's FP8 checkpoints (FP8 ``weight``, float32
-``weight_scale`` per output channel, a ``quantization_config`` of its own method, which diffusers refuses)."""
+"""FP8 linears swapped in from outside the model, and reading paradit's own FP8 checkpoints (diffusers refuses them)."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import torch
 from torch import nn
 
 from paradit.errors import CheckpointError, InvalidRequest
-from paradit.layers.fp8 import Fp8Linear, check_fp8_supported, fp8_dtype
+from paradit.layers.fp8 import Fp8Linear
 from paradit.weights import Fp8Load, ModelNames
 
 FP8_METHOD = "paradit-fp8"
@@ -35,12 +34,6 @@ def convert_fp8(model: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> 
     return replaced
 
 
-def quantize_fp8(model: nn.Module, device: torch.device, keep: tuple[str, ...]) -> list[str]:
-    """``convert_fp8`` into the format ``device`` multiplies (a loaded model, for benchmarks)."""
-    check_fp8_supported(device)
-    return convert_fp8(model, fp8_dtype(device), keep)
-
-
 def fp8_checkpoint_layers(config: dict) -> list[str] | None:
     quantization = config.get("quantization_config")
     if quantization is None:
@@ -57,8 +50,7 @@ def fp8_checkpoint_layers(config: dict) -> list[str] | None:
 def fp8_load(
     model: nn.Module, names: ModelNames, config: dict, quantize: str, dtype: torch.dtype, keep: tuple[str, ...]
 ) -> Fp8Load | None:
-    """The linears of the parallelized meta ``model`` to load as FP8: an FP8 checkpoint's, else with ``quantize="fp8"``
-    the quantizable ones at their sharded sizes; None when nothing loads as FP8."""
+    """The parallelized meta ``model``'s linears to load as FP8 (an FP8 checkpoint's or the quantizable), or None."""
     layers = fp8_checkpoint_layers(config)
     if layers is None and quantize != "fp8":
         return None

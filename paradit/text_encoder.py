@@ -1,5 +1,4 @@
-"""Prompt encoding with a transformers decoder read at chosen hidden layers (built up to the deepest one), and the
-memory plan's placements of an encoder: ``gpu`` (resident), ``fp8`` (resident, FP8 linears), ``offload`` (streamed)."""
+"""Prompt encoding by a transformers decoder built up to the deepest layer read; its placements: gpu, fp8 or offload."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ def random_encoder(build, placement: str, device: torch.device, dtype: torch.dty
 
 
 def stream_weights(module: nn.Module, device: torch.device) -> nn.Module:
-    """``module``'s weights kept in host memory, each submodule's copied to ``device`` for its forward by accelerate's
-    ``cpu_offload`` hooks: the whole encoder crosses the host link on every encode, with no overlap."""
+    """Weights in host memory, copied to ``device`` for each submodule's forward by ``cpu_offload``'s hooks."""
     # Moved one at a time (the peak stays near one encoder) into a few large buffers, page-locked on CUDA: PyTorch's
     # pinned allocator rounds each allocation up to a power of two, tensor by tensor up to twice the encoder's size.
     pin = device.type == "cuda"
@@ -108,11 +106,11 @@ def _truncate_config(config: transformers.PretrainedConfig, num_layers: int) -> 
         text_config.layer_types = text_config.layer_types[:num_layers]
 
 
-def _decoder_without_final_norm(model: nn.Module) -> nn.Module:
-    """The last kept layer then gives the raw hidden state that the full model reports at that layer."""
+def _placed_decoder(model: nn.Module, placement: str, device: torch.device) -> nn.Module:
+    """Without its final norm, so that the last kept layer gives the raw hidden state the full model reports there."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     decoder.norm = nn.Identity()
-    return decoder.eval().requires_grad_(False)
+    return place(decoder.eval().requires_grad_(False), placement, device)
 
 
 class PromptEncoder(Protocol):
@@ -147,12 +145,7 @@ class DecoderPromptEncoder:
 
     @classmethod
     def from_folder(
-        cls,
-        weights: CheckpointFolder,
-        spec: TextEncoderSpec,
-        device: torch.device,
-        dtype: torch.dtype,
-        placement: str = "gpu",
+        cls, weights: CheckpointFolder, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str
     ) -> DecoderPromptEncoder:
         config = transformers.AutoConfig.from_pretrained(weights.path / "text_encoder")
         _truncate_config(config, max(spec.layers))
@@ -171,7 +164,7 @@ class DecoderPromptEncoder:
         finally:
             transformers.logging.set_verbosity(verbosity)
         tokenizer = transformers.AutoProcessor.from_pretrained(weights.path / "tokenizer")
-        return cls(place(_decoder_without_final_norm(model), placement, device), tokenizer, spec, device)
+        return cls(_placed_decoder(model, placement, device), tokenizer, spec, device)
 
     @classmethod
     def dummy(
@@ -182,8 +175,7 @@ class DecoderPromptEncoder:
         model = random_encoder(
             lambda: transformers.AutoModel.from_config(config, dtype=dtype), placement, device, dtype, seed
         )
-        decoder = place(_decoder_without_final_norm(model), placement, device)
-        return cls(decoder, build_offline_tokenizer(spec.max_length), spec, device)
+        return cls(_placed_decoder(model, placement, device), build_offline_tokenizer(spec.max_length), spec, device)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each prompt as one user turn of the chat template (if ``templated``), padded to ``max_length``."""

@@ -1,5 +1,4 @@
-"""The tensors a rank kept of the meta-device model, materialised one at a time into their device and dtype from
-memory-mapped safetensors (just the rank's slice) or at random (``dummy``): it peaks at its share plus one tensor."""
+"""A rank's share of a meta model, made tensor by tensor (peak: its share plus one) from safetensors or random."""
 
 from __future__ import annotations
 
@@ -23,15 +22,13 @@ from paradit.layers.fp8 import Fp8Linear, quantize_weight
 
 @dataclass(frozen=True)
 class TensorSlice:
-    """The part of a full tensor one rank keeps: the ``ranges`` [start, stop) along ``dim`` (``size`` long in the full
-    tensor), concatenated (one range per packed part, so every rank holds matching shares of each part)."""
+    """A rank's part of a full tensor (``size`` along ``dim``): its ``ranges`` [start, stop), one per packed part."""
 
     dim: int
     size: int
     ranges: tuple[tuple[int, int], ...]
 
     def indices(self, ndim: int) -> list[tuple[slice, ...]]:
-        """One index per range, for a tensor or a safetensors slice."""
         before = (slice(None),) * self.dim
         return [(*before, slice(start, stop), *(slice(None),) * (ndim - self.dim - 1)) for start, stop in self.ranges]
 
@@ -88,9 +85,8 @@ class CheckpointTensors(ExitStack):
 
 
 class DummyTensors:
-    """Random weights (vLLM's ``dummy`` format), drawn whole from a generator seeded by the name, then sliced, so ranks
-    match. Std 1/sqrt(fan_in) for matrices, 1 for norm weights, 0 for biases and buffers keep activations bounded
-    through deep stacks: timings are not distorted by inf/NaN arithmetic."""
+    """Random weights (vLLM's ``dummy``), drawn whole seeded by the name, then sliced, so ranks match; std
+    1/sqrt(fan_in) for matrices, 1 for norms, 0 for biases: no inf/NaN arithmetic distorts timings."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, buffers: set[str], seed: int = 0) -> None:
         self.device, self.dtype, self.buffers, self.seed = device, dtype, buffers, seed
@@ -111,9 +107,8 @@ TensorSource = CheckpointTensors | DummyTensors
 
 
 class ModelNames:
-    """The names (diffusers') and full shapes of a plain model's modules and tensors, taken before the parallel runtime
-    shards, prunes and wraps it. A tensor is found by identity, or where tensor parallelism replaced it by its slice,
-    by the module and attribute holding it; all are kept referenced, so no identity is reused while this lives."""
+    """The names and full shapes of a plain model's tensors, taken before it is parallelized; found by identity, or by
+    module and attribute where tensor parallelism sliced one (all kept referenced, so no identity is reused)."""
 
     def __init__(self, model: nn.Module) -> None:
         self._modules = {id(module): (name, module) for name, module in model.named_modules(remove_duplicate=False)}
@@ -153,8 +148,7 @@ def materialize(
     slices: dict[str, TensorSlice] | None = None,
     fp8: Fp8Load | None = None,
 ) -> None:
-    """Fill every meta tensor still reachable from ``root`` from ``source``, each sharded one's slice only (``slices``).
-    The linears in ``fp8`` become ``Fp8Linear`` as they are read, one high-precision weight at a time."""
+    """Fill every meta tensor reachable from ``root`` (a sharded one's slice), ``fp8``'s linears converted as read."""
     slices = slices or {}
     fp8 = fp8 or Fp8Load({}, torch.float8_e4m3fn)
     owners = list(root.modules())
@@ -191,7 +185,6 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _fp8_linear(
     linear: nn.Linear, name: str, names: ModelNames, source: TensorSource, slices: dict[str, TensorSlice], fp8: Fp8Load
 ) -> Fp8Linear:
-    """An FP8 checkpoint's weight and scale as stored, else the high-precision weight converted."""
 
     def read(key: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
         return source.read(key, shape, slices.get(key), dtype)
@@ -210,11 +203,6 @@ def _fp8_linear(
 def _few(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def init_dummy_weights(module: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
-    buffers = {name for name, _ in module.named_buffers()}
-    materialize(module, ModelNames(module), DummyTensors(device, dtype, buffers, seed))
 
 
 def save_component(state: dict[str, torch.Tensor], config: dict, folder: Path, max_shard_bytes: int) -> None:

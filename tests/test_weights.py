@@ -12,12 +12,13 @@ from huggingface_hub import errors as hf_errors
 from safetensors.torch import save_file
 from torch import nn
 
+from benchmarks.common import init_dummy_weights
 from paradit import Engine, GenerationRequest
 from paradit.checkpoint import INDEX_FILE, SINGLE_FILE, resolve_checkpoint, safetensors_files
 from paradit.errors import CheckpointError
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.flux2.presets import FLUX2_TINY_TRANSFORMER
-from paradit.weights import CheckpointTensors, ModelNames, init_dummy_weights, materialize
+from paradit.weights import CheckpointTensors, ModelNames, materialize
 from tests.checkpoints import load_module_weights
 
 CPU = torch.device("cpu")

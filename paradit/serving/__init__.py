@@ -1,2 +1,1 @@
-"""``paradit serve``: ``launch`` -> ``server`` (the FastAPI app) -> ``scheduler`` -> ``paradit.Engine`` per group.
-Nothing here imports torch.distributed; only ``launch`` imports the engine."""
+"""``paradit serve``: ``launch`` -> ``server`` (FastAPI) -> ``scheduler`` -> ``Engine``; only ``launch`` imports it."""

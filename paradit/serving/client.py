@@ -1,5 +1,4 @@
-"""``paradit generate --server URL``: the request sent to a running ``paradit serve``, the files written where ``--out``
-says (an ``--out`` ending in .mp4 makes a video job, and waits for it). Standard library only: it answers at once."""
+"""``paradit generate --server URL``: a request to ``paradit serve``; standard library only, so it starts at once."""
 
 from __future__ import annotations
 
@@ -25,14 +24,15 @@ from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
 
 POLL_S = 0.5
+Files = list[tuple[str, Path]]  # (part name, path)
 
 
 class ServerError(ParaditError):
     """The server refused or failed the request (its message)."""
 
 
-def multipart(fields: dict, files: list[tuple[str, Path]]) -> tuple[bytes, str]:
-    """A multipart form of ``fields`` (lists as JSON) and ``files`` (part name, path), and its type: urllib has none."""
+def multipart(fields: dict, files: Files) -> tuple[bytes, str]:
+    """A multipart form of ``fields`` (lists as JSON) and ``files``, and its type: urllib has none."""
     boundary = secrets.token_hex(16)
     parts = []
     for name, value in fields.items():
@@ -50,12 +50,7 @@ def multipart(fields: dict, files: list[tuple[str, Path]]) -> tuple[bytes, str]:
 
 
 def call(
-    server: str,
-    method: str,
-    path: str,
-    api_key: str | None,
-    body: dict | None = None,
-    files: list[tuple[str, Path]] | None = None,
+    server: str, method: str, path: str, api_key: str | None, body: dict | None = None, files: Files | None = None
 ) -> bytes:
     """The answer's body (with ``files``, ``body`` is sent as a multipart form); an error answer raises ServerError."""
     content_type, data = "application/json", None if body is None else json.dumps(body).encode()

@@ -1,5 +1,4 @@
-"""``paradit serve``: its socket, the groups' engines, the scheduler, the app, and uvicorn, which on the first SIGTERM,
-SIGINT or SIGHUP (the command line's SIGTERM for a closed terminal) drains first; a second signal exits at once."""
+"""``paradit serve``: engines, scheduler, app, uvicorn; a first SIGTERM, SIGINT or SIGHUP drains, a second exits."""
 
 from __future__ import annotations
 
@@ -26,14 +25,12 @@ from paradit.settings import settle
 logger = logging.getLogger(__name__)
 
 
-# A request's pixels at most, by default, against the model's default size: a larger request costs the square of
-# its tokens in attention, and holds every request behind it.
+# A request's pixels at most, by default, against the model's default size: attention costs the square of its tokens.
 MAX_PIXELS_FACTOR = 4
 
 
 def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Scheduler, ServerConfig]:
-    """The scheduler (not started) over ``gpus / group_size`` groups, each an engine warmed up on its own devices with
-    the settings ``generate`` would settle for ``group_size`` GPUs; ``auto``: a group over every GPU, then one each."""
+    """The scheduler (not started) over groups of warmed-up engines; ``auto``: a group over every GPU, then one each."""
     auto = settings.group_size == "auto"
     if auto and settings.gpus < 2:
         raise InvalidRequest("--group-size auto needs --gpus 2 or more (it chooses between splitting and not)")
@@ -75,8 +72,7 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
             raise InvalidRequest(
                 f"{size} is past this server's {max_pixels} pixels a request (--max-pixels)", param="size"
             )
-        # Input images' tokens (references, an edit's inputs) count as the pixels that many target tokens cover:
-        # each lengthens every block's sequence as much.
+        # Input images' tokens count as the pixels that many target tokens cover: each lengthens every block as much.
         inputs = resolved.reference_tokens * PIXELS_PER_IMAGE_TOKEN
         if resolved.width * resolved.height + inputs > max_pixels:
             raise InvalidRequest(

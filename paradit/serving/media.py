@@ -15,7 +15,6 @@ MEDIA_TYPES = {**{name: f"image/{name}" for name in API_FORMATS}, "mp4": "video/
 
 
 def encode_image(image: Image.Image, output_format: str, quality: int | None = None) -> bytes:
-    """``output_format``: png (lossless), jpeg or webp at ``quality`` (0-100, default 95)."""
     if output_format == "png":
         return encode_png(image)
     buffer = io.BytesIO()

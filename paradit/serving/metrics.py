@@ -1,11 +1,10 @@
-"""The server's Prometheus metrics (``GET /metrics``), in a registry of their own: several servers in one process
-(tests) do not collide."""
+"""The server's Prometheus metrics, in a registry of their own: servers in one process (tests) do not collide."""
 
 from __future__ import annotations
 
 from functools import partial
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # From a tiny model's step on a CPU to a long video on a loaded server.
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 600, 1800)
@@ -64,6 +63,3 @@ class Metrics:
             self.steps_per_second.labels(str(group)).set(len(timings.step_ms) / denoise_s)
         for rank, peak in enumerate(timings.peak_memory_per_rank or [timings.peak_memory_bytes]):
             self.peak_memory.labels(str(group), str(rank)).set(peak)
-
-    def exposition(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,5 +1,4 @@
-"""The server's bounded job queue and its worker groups, each an ``Engine`` driven by its own thread: batching,
-deadlines, cancellation, rebuilding dead groups. Under ``auto``, group 0 spans every GPU and each other has one."""
+"""The server's bounded job queue and its groups (an ``Engine`` and a thread each): batching, deadlines, rebuilds."""
 
 from __future__ import annotations
 
@@ -146,8 +145,6 @@ class Scheduler:
             self.close()
             raise failed
 
-    # The front end's side.
-
     def submit(self, request: GenerationRequest, video: bool = False) -> Job:
         """Queue a request, its seed drawn now if it has none; raises InvalidRequest, QueueFull or Draining."""
         resolved = self.check(request)
@@ -181,8 +178,7 @@ class Scheduler:
             )
 
     def cancel(self, job: Job, reason: ParaditError) -> None:
-        """End a queued job with ``reason`` now; abandon a running one: once no job of its batch is waited for, the run
-        stops at a step boundary (``Engine.cancel``), or its workers are killed a step plus ``STOP_GRACE_S`` later."""
+        """End a queued job with ``reason`` now; a running batch stops once no job of it is waited for."""
         with self._changed:
             self._abandon(job, reason)
 
@@ -200,7 +196,6 @@ class Scheduler:
             return status if self.accepting else "draining", len(self._queue), list(self.groups)
 
     def drain(self) -> None:
-        """Refuse new jobs, then wait until the queued and running ones have ended."""
         with self._changed:
             self.accepting = False
             self._changed.wait_for(lambda: not self._queue and not any(group.batch for group in self.groups))
@@ -220,8 +215,6 @@ class Scheduler:
                 group.thread.join(CLOSE_S)
             if group.thread.is_alive() and group.engine is not None:  # still in a run that would not stop
                 group.engine.close()
-
-    # The groups' side.
 
     def take(self, group: Group) -> list[Job] | None:
         """The next batch for ``group`` (waiting for one), or None when the server closes."""

@@ -1,5 +1,4 @@
-"""The HTTP API's bodies and answers (pydantic). Bodies refuse unknown fields and values of the wrong JSON type ("2"
-for 2); the model's own limits (sizes, frames) are checked by the engine, which knows them."""
+"""The HTTP API's bodies (no unknown fields, no "2" for 2) and answers; the engine checks the model's own limits."""
 
 from __future__ import annotations
 

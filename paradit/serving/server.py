@@ -1,5 +1,4 @@
-"""The HTTP front end (FastAPI) over a ``Scheduler``: OpenAI's Images API, video jobs, models, health and metrics.
-Handlers await the job's future (cancelling it if the client leaves); every error is an OpenAI-style answer."""
+"""The HTTP front end (FastAPI) over a ``Scheduler``: OpenAI's Images API, video jobs, models, health and metrics."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -96,9 +96,8 @@ class BodyTooLarge(Exception):
 
 
 class Gate:
-    """ASGI middleware: without ``api_key`` 401 on every route but /health (the docs pages too, which no router
-    dependency reaches); a body past ``max_bytes``, declared or streamed, 413 before anything parses it; every answer
-    counted by route and outcome."""
+    """ASGI middleware: 401 without the key but on /health (the docs too, which router dependencies miss), 413 for a
+    body past the limit before anything parses it; every answer counted."""
 
     TIMED = {"/v1/images/generations", EDITS, "/v1/videos"}
     OUTCOMES = {
@@ -247,14 +246,12 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             body = schemas.ImageEditBody.model_validate(fields)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
-        contents = [await upload.read() for upload in uploads]
-        mask_bytes = None if mask is None else await mask.read()
-
-        def decoded():
-            images = [decode_input(data, f"image {i + 1}") for i, data in enumerate(contents)]
-            return images, None if mask_bytes is None else decode_input(mask_bytes, "the mask", "mask")
-
-        images, mask = await run_in_threadpool(decoded)
+        images = [
+            await run_in_threadpool(decode_input, await upload.read(), f"image {i + 1}")
+            for i, upload in enumerate(uploads)
+        ]
+        if mask is not None:
+            mask = await run_in_threadpool(decode_input, await mask.read(), "the mask", "mask")
         return await images_answer(body, request, image=images, mask=mask)
 
     async def images_answer(body: schemas.ImageGenerationBody, request: Request, **fields):
@@ -335,8 +332,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
 
     @app.get("/metrics")
     async def get_metrics():
-        body, content_type = metrics.exposition()
-        return Response(body, media_type=content_type)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", response_model=schemas.Health)
     async def health():

@@ -1,5 +1,4 @@
-"""Video jobs (``/v1/videos``), the last ``keep`` kept: each MP4 is encoded in a thread pool, so that the group goes on
-to the next job at once."""
+"""Video jobs (``/v1/videos``), the last ``keep`` kept; MP4s are encoded in a thread pool, not in a group's thread."""
 
 from __future__ import annotations
 
