@@ -14,9 +14,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from paradit.families import FAMILIES
 from paradit.layers.attention import AttentionDispatch, sdpa_attention
 from paradit.layers.fp8 import check_fp8_supported, fp8_dtype
+from paradit.machine import Machine
+from paradit.memory import MemoryPlan, estimates
+from paradit.parallel import ParallelConfig
 from paradit.quantize import convert_fp8
+from paradit.request import GenerationRequest
+from paradit.settings import Asked, choices
+from paradit.spec import ModelSpec
 from paradit.weights import DummyTensors, ModelNames, materialize
 
 # The noise level every single-step measurement runs at (the middle of a flow-matching schedule).
@@ -216,3 +223,24 @@ def step_benchmark_main(description: str, model_pair, models: list[str], text_le
         ],
     )
     write_json(args.out_dir, json_name, {"env": env, "matmul_tflops": matmul, "args": vars(args), "rows": rows})
+
+
+def estimate(
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    fp8: bool,
+    placement: str = "gpu",
+    swap_experts: bool = False,
+    compiled: bool = False,
+) -> MemoryPlan:
+    """One placement's ``memory.estimates``."""
+    return estimates(spec, parallel, dtype, fp8, swap_experts, compiled=compiled)[placement]
+
+
+def default_plan_for(
+    spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None
+) -> ParallelConfig:
+    """The plan ``--gpus N`` alone gets (``settings.choices``)."""
+    resolved = None if request is None else FAMILIES[spec.family].resolve_request(spec, request)
+    return choices(Asked(spec, device, gpus=gpus), spec, resolved, Machine.detect())[0]

@@ -182,8 +182,8 @@ def child_oom(model: str, device: str, out: Path) -> dict:
     import torch
 
     import paradit.settings
+    from benchmarks.common import estimate
     from paradit.cli import main
-    from paradit.memory import estimate
     from paradit.parallel import ParallelConfig
     from paradit.settings import resolve_model
 

@@ -24,10 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, print_table, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    environment,
+    estimate,  # noqa: E402
+    print_table,
+    write_json,
+)
 from paradit import Engine, GenerationRequest  # noqa: E402
 from paradit.errors import ParaditError  # noqa: E402
-from paradit.memory import estimate  # noqa: E402
 from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 

@@ -166,11 +166,12 @@ def unloaded_latency(url: str, args: argparse.Namespace) -> float:
 def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, float]:
     """Median seconds of ``Engine.generate`` (the same plan and request as the server's, no HTTP), measured
     before any server starts so that the two never share a GPU; and of encoding its image as the server does."""
+    from benchmarks.common import default_plan_for
     from paradit import Engine, GenerationRequest
     from paradit.cli import build_parser
     from paradit.options import ExecutionOptions
     from paradit.serving.media import encode_image
-    from paradit.settings import default_plan_for, resolve_model
+    from paradit.settings import resolve_model
 
     spec = resolve_model(args.model, args.load_format)
     served = build_parser().parse_args(["serve", *args.server_args.split()])  # the server's execution options

@@ -235,18 +235,6 @@ def estimates(
     }
 
 
-def estimate(
-    spec: ModelSpec,
-    parallel: ParallelConfig,
-    dtype: torch.dtype,
-    fp8: bool,
-    placement: str = "gpu",
-    swap_experts: bool = False,
-    compiled: bool = False,
-) -> MemoryPlan:
-    return estimates(spec, parallel, dtype, fp8, swap_experts, compiled=compiled)[placement]
-
-
 def check_fits(
     spec: ModelSpec,
     parallel: ParallelConfig,

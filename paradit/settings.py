@@ -121,14 +121,6 @@ class RunSettings:
         return dataclasses.replace(resolved, lora=check_choice(self.options.lora, resolved.lora))
 
 
-def default_plan_for(
-    spec: ModelSpec, gpus: int, request: GenerationRequest | None = None, device: str | torch.device | None = None
-) -> ParallelConfig:
-    """The plan ``--gpus N`` alone gets (``choices``)."""
-    resolved = None if request is None else FAMILIES[spec.family].resolve_request(spec, request)
-    return choices(Asked(spec, device, gpus=gpus), spec, resolved, Machine.detect())[0]
-
-
 def choices(
     asked: Asked, spec: ModelSpec, resolved: ResolvedRequest | None, machine: Machine
 ) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:

@@ -9,9 +9,10 @@ import dataclasses
 import pytest
 import torch
 
+from benchmarks.common import estimate
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.families import PRESETS
-from paradit.memory import estimate, gib
+from paradit.memory import gib
 from paradit.options import ExecutionOptions, check_conflicts
 from paradit.parallel import ParallelConfig
 

@@ -19,11 +19,12 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import paradit.loader
+from benchmarks.common import default_plan_for
 from paradit.cli import main, serial_comparison
 from paradit.errors import CheckpointError
 from paradit.families import PRESETS
 from paradit.request import GenerationRequest, GenerationResult, Timings
-from paradit.settings import default_plan_for, resolve_model
+from paradit.settings import resolve_model
 from paradit.text_encoder import DecoderPromptEncoder
 from tests.test_cli import assert_one_line_error, run_cli
 

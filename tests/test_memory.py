@@ -10,12 +10,13 @@ import time
 import pytest
 import torch
 
+from benchmarks.common import estimate
 from paradit import Engine, InvalidRequest
 from paradit.cli import main
 from paradit.families import FAMILIES, PRESETS
 from paradit.families.flux2.family import FAMILY as FLUX2
 from paradit.family import Measured
-from paradit.memory import WORKING_MARGIN, check_fits, estimate, estimates, parse_size, working_units
+from paradit.memory import WORKING_MARGIN, check_fits, estimates, parse_size, working_units
 from paradit.parallel import ParallelConfig
 
 CAP_32 = 32 * 2**30

@@ -13,6 +13,7 @@ from functools import cache
 import pytest
 
 from benchmarks import tune_configs, validate_planner
+from benchmarks.common import default_plan_for
 from benchmarks.model_facts import preset_facts
 from paradit import cli, machine
 from paradit.errors import InvalidRequest
@@ -29,7 +30,7 @@ from paradit.planner.probe import collective_gbps
 from paradit.planner.profile import all_profiles, load_profile
 from paradit.planner.tuned import GPU_COUNTS, tuned_entry
 from paradit.request import GenerationRequest
-from paradit.settings import choices, default_plan_for
+from paradit.settings import choices
 from tests.checkpoint_cache import cached, copy_of
 from tests.checkpoints import build_klein_checkpoint
 from tests.test_cli import assert_one_line_error, run_cli

@@ -27,12 +27,13 @@ import pytest
 import torch
 from PIL import Image
 
+from benchmarks.common import default_plan_for
 from paradit import Engine, GenerationRequest, ParallelConfig
 from paradit.request import SEED_LIMIT
 from paradit.serving.launch import ServeSettings, build_scheduler
 from paradit.serving.metrics import Metrics
 from paradit.serving.server import create_app
-from paradit.settings import Asked, default_plan_for, resolve_model
+from paradit.settings import Asked, resolve_model
 from paradit.worker import RequestCancelled
 from tests.test_serving_scheduler import app_in_thread
 

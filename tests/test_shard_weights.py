@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from benchmarks.common import estimate
 from paradit import InvalidRequest
 from paradit.cli import main
 from paradit.compile import model_blocks
 from paradit.families import FAMILIES, PRESETS, spec_from_folder
 from paradit.layers.fp8 import Fp8Linear
-from paradit.memory import estimate
 from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.common import estimate
 from paradit import Engine, GenerationRequest
 from paradit.cli import main
 from paradit.families import FAMILIES, PRESETS
 from paradit.layers.fp8 import Fp8Linear
-from paradit.memory import estimate
 from paradit.parallel import ParallelConfig
 from paradit.text_encoder import converts_to_fp8, load_prompt_encoder, stream_weights
 
