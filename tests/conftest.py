@@ -27,12 +27,12 @@ torch.set_num_threads(1)
 # short files to even out the processes' ends.
 SLOWEST_FILES = [
     "test_serving.py",  # 169
+    "test_hardening_server.py",  # 73 (its SIGHUP test alone: 14 s quiet, 102 s beside two other processes)
     "test_processes.py",  # 124
     "test_device_memory.py",  # 110
     "test_parallel_engine.py",  # 91
     "test_lora.py",  # 86
     "test_editing.py",  # 80
-    "test_hardening_server.py",  # 73
     "test_checkpoint_options.py",  # 55
     "test_step_cache.py",  # 55
     "test_fp8_attention.py",  # 47
