@@ -13,7 +13,7 @@ GuidanceMode = Literal["embedded", "cfg", "none"]
 
 
 def read_configs(module_file: str, name: str = "configs.json") -> dict[str, Any]:
-    """The configs beside a preset module; a key ending in ``_changes`` holds only what it changes of another."""
+    """The configs and ``presets`` beside a preset module; a ``_changes`` key holds only what it changes of another."""
     return json.loads(Path(module_file).with_name(name).read_text())
 
 
