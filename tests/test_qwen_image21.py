@@ -158,3 +158,18 @@ def test_images_equal_diffusers(reference, engine, conditions):
     got = ours(engine, prompt, images, **sizes) * 255
     assert got.shape == expected.shape and got.shape[-1] == 4
     assert np.abs(got.round() - expected.round()).max() <= 1
+
+
+def test_guided_edit_equals_diffusers(reference, engine):
+    """A negative prompt of another length and a scale above 1: each branch's prefix padded on its own, as diffusers
+    encodes them apart."""
+    images = [picture(60, 40, 3)]
+    expected = diffusers_images(
+        reference, "a red fox in the snow", images, negative_prompt="blurry", true_cfg_scale=3.0
+    )
+    request = GenerationRequest(
+        prompt="a red fox in the snow", negative_prompt="blurry", guidance=3.0, image=images, steps=STEPS, seed=SEED
+    )
+    got = engine.generate(request).pixels.permute(0, 2, 3, 1).numpy()
+    assert got.shape == expected.shape
+    assert np.abs((got * 255).round() - (expected * 255).round()).max() <= 1
