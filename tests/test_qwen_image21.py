@@ -173,3 +173,27 @@ def test_guided_edit_equals_diffusers(reference, engine):
     got = engine.generate(request).pixels.permute(0, 2, 3, 1).numpy()
     assert got.shape == expected.shape
     assert np.abs((got * 255).round() - (expected * 255).round()).max() <= 1
+
+
+TURBO_SIGMAS = (1.0, 0.9, 0.5)
+
+
+def test_turbo_schedule_equals_diffusers():
+    """A checkpoint's ``sample_sigmas`` (Turbo's model_index.json) set its default steps and its schedule."""
+    folder = cached(build_qwen_image21_checkpoint, TURBO_SIGMAS)
+    spec = spec_from_folder(folder)
+    assert spec.steps == len(TURBO_SIGMAS) and spec.details.sample_sigmas == TURBO_SIGMAS
+    reference = QwenImage21Pipeline.from_pretrained(folder, processor=processor(folder), dtype=torch.float32)
+    expected = reference(
+        prompt="a fox",
+        height=64,
+        width=64,
+        output_type="np",
+        generator=torch.Generator("cpu").manual_seed(SEED),
+    ).images
+    got = Engine(spec, device="cpu", dtype="fp32").generate(
+        GenerationRequest(prompt="a fox", height=64, width=64, seed=SEED)
+    )
+    assert len(got.timings.step_ms) == len(TURBO_SIGMAS)
+    pixels = got.pixels.permute(0, 2, 3, 1).numpy()
+    assert np.abs((pixels * 255).round() - (expected * 255).round()).max() <= 1
