@@ -1,0 +1,331 @@
+"""Kernels that fuse a block's memory-bound steps where the data already is: the modulated LayerNorm, or the bias and
+the tanh GELU, with the FP8 activation quantization of the linears they feed (one pass: the op, its absolute maximum
+per row, the scale and the cast), and Wan's Q/K RMS norm with the rotary embedding. Each replaces several kernels
+that each read and write the activations (Inductor's measured 1.6-4.4x their memory traffic at Wan 720p).
+
+Each follows the unfused torch path's roundings (the activations rounded to their dtype where the model rounds, the
+scale as ``quantize_rowwise`` divides it, the cast to nearest); only reductions' order and a few fp32 ulps of the
+transcendental functions differ, so an activation's bf16 rounding, and then its FP8 code, moves by one step in a rare
+element. The torch path stays the CPU's and every case a kernel does not take (tensor-parallel norms, LoRA side paths,
+an erf GELU). Imports no ``torch.distributed``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paradit.layers.fp8 import QuantizedRows
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path
+    triton = None
+
+if triton is not None:
+    from paradit.layers.fp8_attention import _to_8bit, interpreting, rounding
+
+FUSIONS = ("norm_quantize", "gelu_quantize", "qk_norm_rope")
+# The fusions a GPU runs unless a module is given its own choice (``choose_fusions``): those benchmarks/wan_fusions.py
+# measured faster than the compiled torch path on the Wan 2.2 A14B expert's blocks at 1280x720x81.
+MEASURED_FASTER = frozenset(FUSIONS)
+
+
+def uses_fusion(device: torch.device, fusion: str, chosen: frozenset[str] | None) -> bool:
+    """``chosen`` None: a GPU's measured choice (the CPU runs the torch path); a set: those, on a GPU or in Triton's
+    interpreter (the tests)."""
+    if triton is None:
+        return False
+    if chosen is None:
+        return device.type == "cuda" and fusion in MEASURED_FASTER
+    return fusion in chosen and (device.type == "cuda" or interpreting())
+
+
+def choose_fusions(model: nn.Module, chosen: frozenset[str] | None) -> None:
+    """Every module of ``model`` that offers fusions runs ``chosen`` (None: the measured choice); for benchmarks and
+    tests, which run each with and without."""
+    unknown = set(chosen or ()) - set(FUSIONS)
+    if unknown:
+        raise ValueError(f"unknown fusions {sorted(unknown)}; the fusions are {', '.join(FUSIONS)}")
+    for module in model.modules():
+        if hasattr(module, "fusions"):
+            module.fusions = chosen
+
+
+def _launch_shape(width: int) -> tuple[int, int]:
+    """A whole row per program (one read, one write): its power-of-two block and warps for 16 to 32 values a lane."""
+    block = triton.next_power_of_2(width)
+    return block, max(1, min(16, block // 512))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rounded(x, DTYPE: tl.constexpr, ROUND: tl.constexpr):
+        """fp32 ``x`` rounded to nearest in ``DTYPE`` (bf16, fp16 or fp32), still fp32. ``ROUND``: in fp32
+        arithmetic, for Triton's interpreter, whose own conversion truncates; Veltkamp's split by 2^s + 1 keeps
+        fp32's 24 - s leading bits, to nearest (fp16's subnormals aside)."""
+        if ROUND and DTYPE == tl.bfloat16:
+            split = x * 65537.0
+            x = split - (split - x)
+        elif ROUND and DTYPE == tl.float16:
+            split = x * 8193.0
+            x = split - (split - x)
+        return x.to(DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _store_quantized(y, real, OUT, OUT_SCALE, row, width, cols, FMAX: tl.constexpr, ROUND, TINY):
+        """``quantize_rowwise`` of one row ``y`` (fp32 holding values of the activations' dtype): the scale divided
+        as torch divides (to nearest), each value divided by it, clamped and cast to nearest."""
+        y = tl.where(real, y, 0.0)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), 0), 1e-12), FMAX)
+        q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -FMAX), FMAX)
+        tl.store(OUT + row * width + cols, _to_8bit(q, OUT.dtype.element_ty, ROUND, TINY), mask=real)
+        tl.store(OUT_SCALE + row, scale)
+
+    @triton.jit
+    def _layer_norm_modulate_quantize(
+        X,
+        SHIFT,
+        SCALE,
+        OUT,
+        OUT_SCALE,
+        width,
+        tokens,
+        stride_x,
+        stride_shift_b,
+        stride_shift_t,
+        stride_scale_b,
+        stride_scale_t,
+        eps,
+        FMAX: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ROUND: tl.constexpr,
+        TINY: tl.constexpr,
+    ):
+        """``layer_norm(x) * (1 + scale) + shift`` in fp32 (no affine), rounded to x's dtype, then quantized."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        real = cols < width
+        x = tl.load(X + row * stride_x + cols, mask=real, other=0.0).to(tl.float32)
+        mean = tl.sum(x, 0) / width
+        centered = tl.where(real, x - mean, 0.0)
+        normed = centered * tl.math.rsqrt(tl.sum(centered * centered, 0) / width + eps)
+        b, t = row // tokens, row % tokens
+        scale = tl.load(SCALE + b * stride_scale_b + t * stride_scale_t + cols, mask=real, other=0.0)
+        shift = tl.load(SHIFT + b * stride_shift_b + t * stride_shift_t + cols, mask=real, other=0.0)
+        y = _rounded(normed * (1.0 + scale) + shift, X.dtype.element_ty, ROUND)
+        _store_quantized(y, real, OUT, OUT_SCALE, row, width, cols, FMAX, ROUND, TINY)
+
+    @triton.jit
+    def _gelu_quantize(
+        H,
+        BIAS,
+        OUT,
+        OUT_SCALE,
+        width,
+        stride_h,
+        HAS_BIAS: tl.constexpr,
+        FMAX: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ROUND: tl.constexpr,
+        TINY: tl.constexpr,
+    ):
+        """A GEMM's output plus its bias (rounded, as the linear returns it), the tanh GELU (rounded), quantized.
+        ``0.5 (1 + tanh(u))`` is ``sigmoid(2u)``: one exp, the same on every vendor (libdevice's tanh is not in
+        Triton's interpreter)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        real = cols < width
+        h = tl.load(H + row * stride_h + cols, mask=real, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(BIAS + cols, mask=real, other=0.0).to(tl.float32)
+            h = _rounded(h + bias, H.dtype.element_ty, ROUND)
+        inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
+        y = _rounded(h / (1.0 + tl.exp(-2.0 * inner)), H.dtype.element_ty, ROUND)
+        _store_quantized(y, real, OUT, OUT_SCALE, row, width, cols, FMAX, ROUND, TINY)
+
+    @triton.jit
+    def _rms_norm_rope(
+        X,
+        WEIGHT,
+        COS,
+        SIN,
+        OUT,
+        tokens,
+        heads,
+        stride_x,
+        stride_rope,
+        eps,
+        HAS_WEIGHT: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEADS_BLOCK: tl.constexpr,
+        HALF_BLOCK: tl.constexpr,
+        ROUND: tl.constexpr,
+    ):
+        """One token's row of every head: the RMS norm over all of them, times the weight, rounded once to the
+        activations' dtype (as torch's ``rms_norm``), then each pair (2i, 2i+1) rotated by the token's angles in
+        fp32 and rounded."""
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.arange(0, HEADS_BLOCK)[:, None]
+        pair = tl.arange(0, HALF_BLOCK)[None, :]
+        real = (head < heads) & (pair < HEAD_DIM // 2)
+        even = head * HEAD_DIM + 2 * pair
+        x_even = tl.load(X + row * stride_x + even, mask=real, other=0.0).to(tl.float32)
+        x_odd = tl.load(X + row * stride_x + even + 1, mask=real, other=0.0).to(tl.float32)
+        squares = tl.sum(tl.sum(x_even * x_even + x_odd * x_odd, 1), 0)
+        inverse = tl.math.rsqrt(squares / (heads * HEAD_DIM) + eps)
+        dtype = X.dtype.element_ty
+        if HAS_WEIGHT:
+            x_even *= tl.load(WEIGHT + even, mask=real, other=0.0).to(tl.float32)
+            x_odd *= tl.load(WEIGHT + even + 1, mask=real, other=0.0).to(tl.float32)
+        n_even = _rounded(x_even * inverse, dtype, ROUND)
+        n_odd = _rounded(x_odd * inverse, dtype, ROUND)
+        angles = (row % tokens) * stride_rope + 2 * pair
+        in_head = pair < HEAD_DIM // 2
+        cos_even = tl.load(COS + angles, mask=in_head, other=0.0)
+        cos_odd = tl.load(COS + angles + 1, mask=in_head, other=0.0)
+        sin_even = tl.load(SIN + angles, mask=in_head, other=0.0)
+        sin_odd = tl.load(SIN + angles + 1, mask=in_head, other=0.0)
+        out = OUT + row * heads * HEAD_DIM + even
+        tl.store(out, _rounded(n_even * cos_even - n_odd * sin_even, dtype, ROUND).to(dtype), mask=real)
+        tl.store(out + 1, _rounded(n_odd * cos_odd + n_even * sin_odd, dtype, ROUND).to(dtype), mask=real)
+
+
+def _quantized_outputs(rows: int, width: int, dtype: torch.dtype, device: torch.device):
+    return (
+        torch.empty(rows, width, dtype=dtype, device=device),
+        torch.empty(rows, 1, dtype=torch.float32, device=device),
+    )
+
+
+def _rowwise(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+# Operators of their own, so that compiled blocks call each kernel as one opaque step (Dynamo cannot trace a launch);
+# the fakes give the shapes for tracing. Exact float rounding wants no fused multiply-adds: fp fusion stays off.
+@torch.library.custom_op("paradit::layer_norm_modulate_fp8", mutates_args=())
+def layer_norm_modulate_fp8(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, T, W); shift and scale (B, 1 or T, W) float32 -> FP8 (B * T, W) and float32 scales (B * T, 1)."""
+    batch, tokens, width = x.shape
+    rows = _rowwise(x)
+    out, out_scale = _quantized_outputs(rows.shape[0], width, dtype, x.device)
+    block, warps = _launch_shape(width)
+    per_token = [t.stride(1) if t.shape[1] > 1 else 0 for t in (shift, scale)]
+    _layer_norm_modulate_quantize[(rows.shape[0],)](
+        rows,
+        shift,
+        scale,
+        out,
+        out_scale,
+        width,
+        tokens,
+        rows.stride(0),
+        shift.stride(0) if shift.shape[0] > 1 else 0,
+        per_token[0],
+        scale.stride(0) if scale.shape[0] > 1 else 0,
+        per_token[1],
+        eps,
+        FMAX=torch.finfo(dtype).max,
+        BLOCK=block,
+        **rounding(dtype),
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+    return out, out_scale
+
+
+@layer_norm_modulate_fp8.register_fake
+def _(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype):
+    return _quantized_outputs(x.shape[0] * x.shape[1], x.shape[2], dtype, x.device)
+
+
+@torch.library.custom_op("paradit::gelu_fp8", mutates_args=())
+def gelu_fp8(hidden: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (rows, W), a GEMM's output before its bias -> FP8 gelu(hidden + bias) (rows, W), scales (rows, 1)."""
+    hidden = _rowwise(hidden)
+    out, out_scale = _quantized_outputs(*hidden.shape, dtype, hidden.device)
+    block, warps = _launch_shape(hidden.shape[1])
+    _gelu_quantize[(hidden.shape[0],)](
+        hidden,
+        hidden if bias is None else bias,  # never read without a bias
+        out,
+        out_scale,
+        hidden.shape[1],
+        hidden.stride(0),
+        HAS_BIAS=bias is not None,
+        FMAX=torch.finfo(dtype).max,
+        BLOCK=block,
+        **rounding(dtype),
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+    return out, out_scale
+
+
+@gelu_fp8.register_fake
+def _(hidden: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    return _quantized_outputs(*hidden.shape, dtype, hidden.device)
+
+
+@torch.library.custom_op("paradit::rms_norm_rope", mutates_args=())
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, eps: float
+) -> torch.Tensor:
+    """x (B, T, heads * head_dim), normed over its last dim; cos, sin (T, head_dim) float32, pairs interleaved ->
+    (B, T, heads, head_dim)."""
+    batch, tokens, width = x.shape
+    rows = _rowwise(x)
+    out = torch.empty(batch, tokens, width // head_dim, head_dim, dtype=x.dtype, device=x.device)
+    heads_block, half_block = triton.next_power_of_2(width // head_dim), triton.next_power_of_2(head_dim // 2)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _rms_norm_rope[(rows.shape[0],)](
+        rows,
+        rows if weight is None else weight,  # never read without a weight
+        cos,
+        sin,
+        out,
+        tokens,
+        width // head_dim,
+        rows.stride(0),
+        cos.stride(0),
+        eps,
+        HAS_WEIGHT=weight is not None,
+        HEAD_DIM=head_dim,
+        HEADS_BLOCK=heads_block,
+        HALF_BLOCK=half_block,
+        ROUND=interpreting(),
+        num_warps=max(1, min(16, heads_block * half_block // 256)),
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+@rms_norm_rope.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, eps: float):
+    return x.new_empty(*x.shape[:2], x.shape[2] // head_dim, head_dim)
+
+
+def modulated_layer_norm_fp8(
+    x: torch.Tensor, norm: nn.LayerNorm, shift: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> QuantizedRows:
+    """``(norm(x.float()) * (1 + scale) + shift).to(x.dtype)``, quantized row-wise to ``dtype``, in one pass."""
+    values, row_scale = layer_norm_modulate_fp8(x, shift, scale, norm.eps, dtype)
+    return QuantizedRows(values, row_scale, tuple(x.shape[:-1]))
+
+
+def gelu_quantized(hidden: torch.Tensor, bias: torch.Tensor | None, leading, dtype: torch.dtype) -> QuantizedRows:
+    values, row_scale = gelu_fp8(hidden, bias, dtype)
+    return QuantizedRows(values, row_scale, tuple(leading))
+
+
+def normed_rotated(
+    x: torch.Tensor, norm: nn.RMSNorm, rope: tuple[torch.Tensor, torch.Tensor], head_dim: int
+) -> torch.Tensor:
+    """``apply_rope_interleaved(norm(x).unflatten(-1, (-1, head_dim)), *rope)`` in one pass."""
+    eps = torch.finfo(x.dtype).eps if norm.eps is None else norm.eps
+    return rms_norm_rope(x, norm.weight, *rope, head_dim, eps)
