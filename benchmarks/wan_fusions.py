@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import init_dummy_weights, print_table, write_json  # noqa: E402
+from benchmarks.forward_profile import kind_of  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.families.wan.model import WanConfig, WanTransformer  # noqa: E402
@@ -42,17 +42,6 @@ EXPERT_BLOCKS = 40
 # height, width, frames of the latents' video, and the umT5 prompt's padded tokens
 SIZE, TINY_SIZE, TEXT_TOKENS = (720, 1280, 81), (16, 16, 5), 512
 TINY_CONFIG = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32, freq_dim=32)
-# The first pattern a kernel's (or on the CPU an operator's) name matches names its kind.
-KINDS = [
-    ("fused: norm + modulate + FP8 quantize", r"layer_norm_modulate"),
-    ("fused: bias + GELU + FP8 quantize", r"gelu_quantize|gelu_fp8"),
-    ("fused: Q/K RMS norm + rotary", r"rms_norm_rope"),
-    ("self-attention, FP8 kernel", r"_fp8_attention_forward"),
-    ("self-attention pre-pass", r"_quantize_keys_values|reduce_kernel"),
-    ("Inductor fused", r"^triton_"),
-    ("FP8 GEMM", r"f8f8|cutlass|gemm|sm90_xmma|nvjet|_scaled_mm"),
-    ("SDPA (cuDNN or flash)", r"fmha|flash|cudnn|sdpa|scaled_dot_product"),
-]
 TOP_KERNELS = 12
 
 
@@ -63,10 +52,6 @@ def variants(names: list[str]) -> dict[str, frozenset[str]]:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(table)}")
     return {name: table[name] for name in names}
-
-
-def kind_of(name: str) -> str:
-    return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
 def build(blocks: int, tiny: bool, device: torch.device):

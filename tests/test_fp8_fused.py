@@ -167,7 +167,7 @@ def test_the_gelu_mlp_quantizes_its_hidden_activations_in_the_fused_kernel(monke
 def test_the_benchmark_runs_each_fusion_on_and_off_in_one_call(tmp_path, monkeypatch):
     """benchmarks/wan_fusions.py --tiny: the fused kernels appear in the fused variant's kernels only, its output
     equal to the unfused variant's within the stated error."""
-    from benchmarks import wan_fusions
+    from benchmarks import forward_profile, wan_fusions
 
     argv = ["wan_fusions.py", "--tiny", "--blocks", "1", "--variants", "none", "all", "--iters", "1"]
     monkeypatch.setattr("sys.argv", [*argv, "--out-dir", str(tmp_path)])
@@ -175,7 +175,7 @@ def test_the_benchmark_runs_each_fusion_on_and_off_in_one_call(tmp_path, monkeyp
     result = json.loads((tmp_path / "wan_fusions.json").read_text())
     assert [row["variant"] for row in result["rows"]] == ["none", "all"] and not result["skipped"]
     assert result["rows"][1]["rel_l2_vs_first"] < 1e-2
-    fused_kinds = {kind for kind, _ in wan_fusions.KINDS if kind.startswith("fused")}
+    fused_kinds = {kind for kind, _ in forward_profile.KINDS if kind.startswith("fused")}
     calls = {(row["variant"], row["kind"]): row["calls"] for row in result["kernels"] if row["what"] == row["kind"]}
     assert {kind for variant, kind in calls if variant == "none"}.isdisjoint(fused_kinds)
     assert sorted(calls[("all", kind)] for kind in fused_kinds) == [1, 2, 2]
