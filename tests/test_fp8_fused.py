@@ -179,3 +179,21 @@ def test_the_benchmark_runs_each_fusion_on_and_off_in_one_call(tmp_path, monkeyp
     calls = {(row["variant"], row["kind"]): row["calls"] for row in result["kernels"] if row["what"] == row["kind"]}
     assert {kind for variant, kind in calls if variant == "none"}.isdisjoint(fused_kinds)
     assert sorted(calls[("all", kind)] for kind in fused_kinds) == [1, 2, 2]
+
+
+def test_a_kernel_runs_with_the_warps_measured_fastest_on_its_first_call(monkeypatch):
+    import triton
+
+    from paradit.layers import fp8_fused
+
+    times = {4: 3.0, 8: 1.0, 16: 2.0}
+    launched = []
+    monkeypatch.setattr(fp8_fused, "interpreting", lambda: False)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda run, **_: run() or times[launched[-1]])
+    monkeypatch.setattr(fp8_fused, "_CHOSEN", {})
+    fp8_fused._run_fastest(("kernel", 5120), 8192, launched.append)
+    assert launched == [4, 8, 16, 8]  # each timed, then the fastest
+    fp8_fused._run_fastest(("kernel", 5120), 8192, launched.append)
+    assert launched[4:] == [8]  # measured once per key
+    fp8_fused._run_fastest(("kernel", 24), 32, launched.append)
+    assert launched[5:] == [1]  # a block too short for 4 warps: one, untimed

@@ -11,6 +11,8 @@ an erf GELU). Imports no ``torch.distributed``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -26,8 +28,10 @@ if triton is not None:
     from paradit.layers.fp8_attention import _to_8bit, interpreting, rounding
 
 FUSIONS = ("norm_quantize", "gelu_quantize", "qk_norm_rope")
-# The fusions a GPU runs unless a module is given its own choice (``choose_fusions``): those benchmarks/wan_fusions.py
-# measured faster than the compiled torch path on the Wan 2.2 A14B expert's blocks at 1280x720x81.
+# The fusions a GPU runs unless a module is given its own choice (``choose_fusions``). All three, by their memory
+# traffic (one read and one write of the activations, against the several of Inductor's kernels), until measured:
+# benchmarks/wan_fusions.py times each on and off on the Wan 2.2 A14B expert's blocks at 1280x720x81, and one that
+# is not faster there leaves this set.
 MEASURED_FASTER = frozenset(FUSIONS)
 
 
@@ -52,10 +56,26 @@ def choose_fusions(model: nn.Module, chosen: frozenset[str] | None) -> None:
             module.fusions = chosen
 
 
-def _launch_shape(width: int) -> tuple[int, int]:
-    """A whole row per program (one read, one write): its power-of-two block and warps for 16 to 32 values a lane."""
-    block = triton.next_power_of_2(width)
-    return block, max(1, min(16, block // 512))
+# The warps a row kernel may run with, measured on its first call (``_run_fastest``).
+WARPS = (4, 8, 16)
+_CHOSEN: dict[tuple, int] = {}
+
+
+def _run_fastest(key: tuple, block: int, launch: Callable[[int], None]) -> None:
+    """``launch(num_warps)`` with the warps measured fastest for ``key`` (the kernel, its shape, the device) the first
+    time: how many lanes share a row's reductions pays differently on each GPU (warps of 32 or 64 lanes). Triton's
+    interpreter runs the fewest."""
+    candidates = [warps for warps in WARPS if warps * 32 <= block] or [1]
+    if interpreting() or len(candidates) == 1:
+        launch(candidates[0])
+        return
+    warps = _CHOSEN.get(key)
+    if warps is None:
+        timed = {
+            warps: triton.testing.do_bench(lambda warps=warps: launch(warps), warmup=5, rep=20) for warps in candidates
+        }
+        warps = _CHOSEN[key] = min(timed, key=timed.get)
+    launch(warps)
 
 
 if triton is not None:
@@ -215,28 +235,32 @@ def layer_norm_modulate_fp8(
     batch, tokens, width = x.shape
     rows = _rowwise(x)
     out, out_scale = _quantized_outputs(rows.shape[0], width, dtype, x.device)
-    block, warps = _launch_shape(width)
-    per_token = [t.stride(1) if t.shape[1] > 1 else 0 for t in (shift, scale)]
-    _layer_norm_modulate_quantize[(rows.shape[0],)](
-        rows,
-        shift,
-        scale,
-        out,
-        out_scale,
-        width,
-        tokens,
-        rows.stride(0),
-        shift.stride(0) if shift.shape[0] > 1 else 0,
-        per_token[0],
-        scale.stride(0) if scale.shape[0] > 1 else 0,
-        per_token[1],
-        eps,
-        FMAX=torch.finfo(dtype).max,
-        BLOCK=block,
-        **rounding(dtype),
-        num_warps=warps,
-        enable_fp_fusion=False,
-    )
+    block = triton.next_power_of_2(width)
+    modulation_strides = [
+        (t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0) for t in (shift, scale)
+    ]
+
+    def launch(warps: int) -> None:
+        _layer_norm_modulate_quantize[(rows.shape[0],)](
+            rows,
+            shift,
+            scale,
+            out,
+            out_scale,
+            width,
+            tokens,
+            rows.stride(0),
+            *modulation_strides[0],
+            *modulation_strides[1],
+            eps,
+            FMAX=torch.finfo(dtype).max,
+            BLOCK=block,
+            **rounding(dtype),
+            num_warps=warps,
+            enable_fp_fusion=False,
+        )
+
+    _run_fastest(("layer_norm_modulate", x.device, width, x.dtype, dtype), block, launch)
     return out, out_scale
 
 
@@ -250,21 +274,25 @@ def gelu_fp8(hidden: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
     """hidden (rows, W), a GEMM's output before its bias -> FP8 gelu(hidden + bias) (rows, W), scales (rows, 1)."""
     hidden = _rowwise(hidden)
     out, out_scale = _quantized_outputs(*hidden.shape, dtype, hidden.device)
-    block, warps = _launch_shape(hidden.shape[1])
-    _gelu_quantize[(hidden.shape[0],)](
-        hidden,
-        hidden if bias is None else bias,  # never read without a bias
-        out,
-        out_scale,
-        hidden.shape[1],
-        hidden.stride(0),
-        HAS_BIAS=bias is not None,
-        FMAX=torch.finfo(dtype).max,
-        BLOCK=block,
-        **rounding(dtype),
-        num_warps=warps,
-        enable_fp_fusion=False,
-    )
+    block = triton.next_power_of_2(hidden.shape[1])
+
+    def launch(warps: int) -> None:
+        _gelu_quantize[(hidden.shape[0],)](
+            hidden,
+            hidden if bias is None else bias,  # never read without a bias
+            out,
+            out_scale,
+            hidden.shape[1],
+            hidden.stride(0),
+            HAS_BIAS=bias is not None,
+            FMAX=torch.finfo(dtype).max,
+            BLOCK=block,
+            **rounding(dtype),
+            num_warps=warps,
+            enable_fp_fusion=False,
+        )
+
+    _run_fastest(("gelu", hidden.device, hidden.shape[1], hidden.dtype, dtype, bias is None), block, launch)
     return out, out_scale
 
 
@@ -282,27 +310,34 @@ def rms_norm_rope(
     batch, tokens, width = x.shape
     rows = _rowwise(x)
     out = torch.empty(batch, tokens, width // head_dim, head_dim, dtype=x.dtype, device=x.device)
+    if cos.shape != (tokens, head_dim) or sin.shape != (tokens, head_dim):
+        raise ValueError(f"rotary tables {tuple(cos.shape)} for {tokens} tokens of head dim {head_dim}")
     heads_block, half_block = triton.next_power_of_2(width // head_dim), triton.next_power_of_2(head_dim // 2)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _rms_norm_rope[(rows.shape[0],)](
-        rows,
-        rows if weight is None else weight,  # never read without a weight
-        cos,
-        sin,
-        out,
-        tokens,
-        width // head_dim,
-        rows.stride(0),
-        cos.stride(0),
-        eps,
-        HAS_WEIGHT=weight is not None,
-        HEAD_DIM=head_dim,
-        HEADS_BLOCK=heads_block,
-        HALF_BLOCK=half_block,
-        ROUND=interpreting(),
-        num_warps=max(1, min(16, heads_block * half_block // 256)),
-        enable_fp_fusion=False,
-    )
+
+    def launch(warps: int) -> None:
+        _rms_norm_rope[(rows.shape[0],)](
+            rows,
+            rows if weight is None else weight,  # never read without a weight
+            cos,
+            sin,
+            out,
+            tokens,
+            width // head_dim,
+            rows.stride(0),
+            cos.stride(0),
+            eps,
+            HAS_WEIGHT=weight is not None,
+            HEAD_DIM=head_dim,
+            HEADS_BLOCK=heads_block,
+            HALF_BLOCK=half_block,
+            ROUND=interpreting(),
+            num_warps=warps,
+            enable_fp_fusion=False,
+        )
+
+    key = ("rms_norm_rope", x.device, width, head_dim, x.dtype, weight is None)
+    _run_fastest(key, 2 * heads_block * half_block, launch)
     return out
 
 
