@@ -71,9 +71,11 @@ class WanSelfAttention(QKVAttention):
         super().__init__(dim, head_dim, qk_norm, across_heads=True, sequence_streams=("video",))
         self.fusions: frozenset[str] | None = None  # fp8_fused's choice (None: the measured one)
 
-    def forward(self, x: torch.Tensor | QuantizedRows, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | QuantizedRows, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         plain = type(self.norm_q) is nn.RMSNorm and type(self.norm_k) is nn.RMSNorm
-        if not (plain and uses_fusion(rope[0].device, "qk_norm_rope", self.fusions)):
+        if rope is None or not (plain and uses_fusion(rope[0].device, "qk_norm_rope", self.fusions)):
             return super().forward(x, rope)
         q = normed_rotated(self.to_q(x), self.norm_q, rope, self.head_dim)
         k = normed_rotated(self.to_k(x), self.norm_k, rope, self.head_dim)
@@ -131,10 +133,8 @@ class WanBlock(nn.Module):
         # float32 whatever the parameters' dtype: the reference keeps the table in float32 and adds in float32.
         mod = self.scale_shift_table.float() + modulation.float()
         shift, scale, gate, mlp_shift, mlp_scale, mlp_gate = mod.unbind(2)
-        attention = self.attn1
-        attn = self.attn1(
-            self.modulated(self.norm1, x, shift, scale, attention.to_q, attention.to_k, attention.to_v), rope
-        )
+        projections = (self.attn1.to_q, self.attn1.to_k, self.attn1.to_v)
+        attn = self.attn1(self.modulated(self.norm1, x, shift, scale, *projections), rope)
         x = (x.float() + attn * gate).to(x.dtype)
         x = x + self.attn2(self.norm2(x.float()).to(x.dtype), context, context_image)
         mlp = self.ffn(self.modulated(self.norm3, x, mlp_shift, mlp_scale, self.ffn.net[0].proj))
