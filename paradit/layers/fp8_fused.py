@@ -186,31 +186,25 @@ if triton is not None:
     ):
         """One token's row of every head: the RMS norm over all of them, times the weight, rounded once to the
         activations' dtype (as torch's ``rms_norm``), then each pair (2i, 2i+1) rotated by the token's angles in
-        fp32 and rounded."""
+        fp32 and rounded. Read and written contiguously (pairs split and joined in registers): vector accesses."""
         row = tl.program_id(0).to(tl.int64)
         head = tl.arange(0, HEADS_BLOCK)[:, None]
-        pair = tl.arange(0, HALF_BLOCK)[None, :]
-        real = (head < heads) & (pair < HEAD_DIM // 2)
-        even = head * HEAD_DIM + 2 * pair
-        x_even = tl.load(X + row * stride_x + even, mask=real, other=0.0).to(tl.float32)
-        x_odd = tl.load(X + row * stride_x + even + 1, mask=real, other=0.0).to(tl.float32)
-        squares = tl.sum(tl.sum(x_even * x_even + x_odd * x_odd, 1), 0)
-        inverse = tl.math.rsqrt(squares / (heads * HEAD_DIM) + eps)
-        dtype = X.dtype.element_ty
+        channel = tl.arange(0, 2 * HALF_BLOCK)[None, :]
+        real = (head < heads) & (channel < HEAD_DIM)
+        offsets = head * HEAD_DIM + channel
+        x = tl.load(X + row * stride_x + offsets, mask=real, other=0.0).to(tl.float32)
+        inverse = tl.math.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / (heads * HEAD_DIM) + eps)
         if HAS_WEIGHT:
-            x_even *= tl.load(WEIGHT + even, mask=real, other=0.0).to(tl.float32)
-            x_odd *= tl.load(WEIGHT + even + 1, mask=real, other=0.0).to(tl.float32)
-        n_even = _rounded(x_even * inverse, dtype, ROUND)
-        n_odd = _rounded(x_odd * inverse, dtype, ROUND)
-        angles = (row % tokens) * stride_rope + 2 * pair
-        in_head = pair < HEAD_DIM // 2
-        cos_even = tl.load(COS + angles, mask=in_head, other=0.0)
-        cos_odd = tl.load(COS + angles + 1, mask=in_head, other=0.0)
-        sin_even = tl.load(SIN + angles, mask=in_head, other=0.0)
-        sin_odd = tl.load(SIN + angles + 1, mask=in_head, other=0.0)
-        out = OUT + row * heads * HEAD_DIM + even
-        tl.store(out, _rounded(n_even * cos_even - n_odd * sin_even, dtype, ROUND).to(dtype), mask=real)
-        tl.store(out + 1, _rounded(n_odd * cos_odd + n_even * sin_odd, dtype, ROUND).to(dtype), mask=real)
+            x *= tl.load(WEIGHT + offsets, mask=real, other=0.0).to(tl.float32)
+        dtype = X.dtype.element_ty
+        n_even, n_odd = tl.split(tl.reshape(_rounded(x * inverse, dtype, ROUND), [HEADS_BLOCK, HALF_BLOCK, 2]))
+        angles = (row % tokens) * stride_rope + channel
+        in_head = channel < HEAD_DIM
+        cos_even, cos_odd = tl.split(tl.reshape(tl.load(COS + angles, mask=in_head, other=0.0), [1, HALF_BLOCK, 2]))
+        sin_even, sin_odd = tl.split(tl.reshape(tl.load(SIN + angles, mask=in_head, other=0.0), [1, HALF_BLOCK, 2]))
+        rotated = tl.join(n_even * cos_even - n_odd * sin_even, n_odd * cos_odd + n_even * sin_odd)
+        rotated = tl.reshape(rotated, [HEADS_BLOCK, 2 * HALF_BLOCK])
+        tl.store(OUT + row * heads * HEAD_DIM + offsets, _rounded(rotated, dtype, ROUND).to(dtype), mask=real)
 
 
 def _quantized_outputs(rows: int, width: int, dtype: torch.dtype, device: torch.device):
