@@ -228,6 +228,7 @@ def layer_norm_modulate_fp8(
     """x (B, T, W); shift and scale (B, 1 or T, W) float32 -> FP8 (B * T, W) and float32 scales (B * T, 1)."""
     batch, tokens, width = x.shape
     rows = _rowwise(x)
+    shift, scale = (t if t.stride(-1) == 1 else t.contiguous() for t in (shift, scale))
     out, out_scale = _quantized_outputs(rows.shape[0], width, dtype, x.device)
     block = triton.next_power_of_2(width)
     modulation_strides = [
