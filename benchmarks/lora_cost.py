@@ -218,7 +218,7 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
     if spec.family == "wan" and not args.wan_forwards:
         return rows
     outputs = {}
-    for mode, quantize in (MODES[name] for name in args.modes):
+    for mode, quantize in (MODES[chosen] for chosen in args.modes):
         precision = quantize.replace("none", "bf16")
         base = record(
             kind="forward",
