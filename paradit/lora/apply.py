@@ -26,6 +26,9 @@ SCALE_LIMIT = math.sqrt(torch.finfo(torch.float32).max)
 FOLD_WIDTH_RATIO = 1.0
 # FP8 GEMMs take a reduced dimension of whole multiples of 16: a folded FP8 path pads its rank with zeros.
 FP8_DEPTH = 16
+# An FP8 fold whose ``up`` outgrows the weights' row scales shrinks it by ``c`` < 1 and enlarges the low-rank product
+# by 1 / c, which may then set its rows' FP8 scale; past 16x that costs the input too much of its range: unfolded.
+MIN_FP8_FOLD = 1 / 16
 
 
 def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -> int:
@@ -189,32 +192,38 @@ class LoraSidePath(nn.Module):
 
     def folds(self) -> bool:
         """Fixed adapters (a server's choices change the rank) by a plain or FP8 linear of this process, where the
-        width pays (``FOLD_WIDTH_RATIO``)."""
+        width pays (``FOLD_WIDTH_RATIO``) and, in FP8, ``up`` fits the weights' row scales (``MIN_FP8_FOLD``)."""
         linear = self.linear
         if self.factors or self.down is None or self.folded_scale is not None:
             return False
         if not isinstance(linear, (nn.Linear, Fp8Linear)) or linear.weight.is_meta:
             return False
+        if isinstance(linear, Fp8Linear) and self.fp8_fold_factor() < MIN_FP8_FOLD:
+            return False
         return linear.weight.shape[1] <= FOLD_WIDTH_RATIO * linear.weight.shape[0]
+
+    def fp8_fold_factor(self) -> float:
+        """The largest power of two ``c`` by which ``up`` over the FP8 weights' row scales stays within the format."""
+        fmax = torch.finfo(self.linear.weight.dtype).max
+        largest = (self.up.float() / self.linear.weight_scale).abs().max().item()
+        return 2.0 ** math.floor(math.log2(fmax / largest)) if largest > 0 else 1.0
 
     @torch.no_grad()
     def fold(self) -> None:
         """The up projection folded into the base GEMM: its weight becomes ``[W, up]`` along the reduced dimension
         and its input ``[x, x @ down.T]``, so one GEMM writes ``W x + up (down x)`` and no up output is written and
-        summed. An FP8 weight keeps its codes and row scales: ``up`` is quantized over those scales, times the
-        largest power of two ``c`` that keeps it within the format, and the low-rank product is divided by ``c``
-        (exact). Where ``up`` is small beside the weights (``c`` > 1, as trained adapters are), the product divided
-        by ``c`` mostly stays within the input's range, and the input then quantizes as before: only the update
-        errs more, by FP8's rounding instead of bf16's."""
+        summed. An FP8 weight keeps its codes and row scales: ``up`` is quantized over those scales, times
+        ``fp8_fold_factor`` ``c``, and the low-rank product is divided by ``c`` (exact). Where ``up`` is small beside
+        the weights (``c`` > 1, as trained adapters are), the product divided by ``c`` mostly stays within the input's
+        range, and the input then quantizes as before: only the update errs more, by FP8's rounding instead of
+        bf16's."""
         linear, down, up = self.linear, self.down, self.up
         if isinstance(linear, Fp8Linear):
+            c = self.fp8_fold_factor()
             pad = -down.shape[0] % FP8_DEPTH
             down, up = nn.functional.pad(down, (0, 0, 0, pad)), nn.functional.pad(up, (0, pad))
             fmax = torch.finfo(linear.weight.dtype).max
-            over_scales = up.float() / linear.weight_scale
-            largest = over_scales.abs().max().item()
-            c = 2.0 ** math.floor(math.log2(fmax / largest)) if largest > 0 else 1.0
-            columns = (over_scales * c).clamp(-fmax, fmax).to(linear.weight.dtype)
+            columns = (up.float() / linear.weight_scale * c).clamp(-fmax, fmax).to(linear.weight.dtype)
             self.folded_scale = 1.0 / c
         else:
             columns = up.to(linear.weight.dtype)
