@@ -3,10 +3,11 @@ path they replace: the modulated LayerNorm and the bias + tanh GELU each quantiz
 norm with the rotary embedding; then a Wan block and a GELU MLP with FP8 linears, fused against unfused.
 
 The stated error. The kernels round where the torch path rounds, but reduce in another order (a row's mean, variance,
-mean square) and compute exp where torch computes tanh, so an activation's fp32 value moves by a few ulps; where that
-moves its bf16 rounding, the activation moves by one bf16 step, and its FP8 code by at most one step (e4m3 steps are
-32 times bf16's). So: every FP8 code equal or one step apart, almost all equal, the row scales within a bf16 step;
-the rotated Q/K within one bf16 step of each value."""
+mean square), compute exp where torch computes tanh and multiply by the scale's reciprocal where torch divides by it,
+so an activation's fp32 value moves by a few ulps; where that moves its bf16 rounding, the activation moves by one
+bf16 step, and its FP8 code by at most one step (e4m3 steps are 16 times bf16's). So: every FP8 code equal or one
+step apart, almost all equal (0.07% apart at widths 5120 and 13824 here), the row scales within a bf16 step; the
+rotated Q/K within one bf16 step of each value."""
 
 from __future__ import annotations
 
