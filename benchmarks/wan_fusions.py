@@ -123,6 +123,15 @@ def breakdown(variant: str, kernels: list[tuple[str, float, int]], scale: float)
     return rows
 
 
+def side_by_side(kernel_rows: list[dict], variants: list[str]) -> list[dict]:
+    """One row per kind of kernel, its scaled milliseconds under each variant: the breakdown before and after."""
+    table: dict[str, dict] = {}
+    for row in kernel_rows:
+        if row["what"] == row["kind"]:
+            table.setdefault(row["kind"], {"kind": row["kind"]})[row["variant"]] = row["expert_ms"]
+    return sorted(table.values(), key=lambda row: -max(row.get(variant) or 0.0 for variant in variants))
+
+
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -212,6 +221,11 @@ def main() -> None:
             ("calls", "calls", "d"),
             ("share", "share", ".3f"),
         ],
+    )
+    print_table(
+        side_by_side(kernel_rows, list(chosen)),
+        [("kind", "kind (ms, scaled)", "s")]
+        + [(variant, variant, ".1f") for variant in chosen if variant not in skipped],
     )
     print_table(
         rows,
