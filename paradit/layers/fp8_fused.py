@@ -58,6 +58,9 @@ def choose_fusions(model: nn.Module, chosen: frozenset[str] | None) -> None:
 
 # The warps a row kernel may run with, measured on its first call (``_run_fastest``).
 WARPS = (4, 8, 16)
+# Rows a program of the quantizing kernels takes in turn: what every row shares (a sample's modulation, the bias; each
+# as many bytes as a row or more) is read from L2 once for them.
+ROWS = 4
 _CHOSEN: dict[tuple, int] = {}
 
 
@@ -94,15 +97,15 @@ if triton is not None:
         return x.to(DTYPE).to(tl.float32)
 
     @triton.jit
-    def _store_quantized(y, real, OUT, OUT_SCALE, row, width, cols, FMAX: tl.constexpr, ROUND, TINY):
-        """``quantize_rowwise`` of one row ``y`` (fp32 holding values of the activations' dtype): the scale divided
-        as torch divides it (to nearest), each value multiplied by its reciprocal (within an fp32 ulp of torch's
-        quotient: a different FP8 code only at a tie's ulp), clamped and cast to nearest."""
+    def _store_quantized(y, real, valid, OUT, OUT_SCALE, row, width, cols, FMAX: tl.constexpr, ROUND, TINY):
+        """``quantize_rowwise`` of one row ``y`` (fp32 holding values of the activations' dtype; ``valid``: a row
+        there is): the scale divided as torch divides it (to nearest), each value multiplied by its reciprocal (within
+        an fp32 ulp of torch's quotient: a different FP8 code only at a tie's ulp), clamped and cast to nearest."""
         y = tl.where(real, y, 0.0)
         scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), 0), 1e-12), FMAX)
         q = tl.minimum(tl.maximum(y * tl.div_rn(1.0, scale), -FMAX), FMAX)
         tl.store(OUT + row * width + cols, _to_8bit(q, OUT.dtype.element_ty, ROUND, TINY), mask=real)
-        tl.store(OUT_SCALE + row, scale)
+        tl.store(OUT_SCALE + row, scale, mask=valid)
 
     @triton.jit
     def _layer_norm_modulate_quantize(
@@ -119,24 +122,34 @@ if triton is not None:
         stride_scale_b,
         stride_scale_t,
         eps,
+        PER_TOKEN: tl.constexpr,
+        ROWS: tl.constexpr,
         FMAX: tl.constexpr,
         BLOCK: tl.constexpr,
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        """``layer_norm(x) * (1 + scale) + shift`` in fp32 (no affine), rounded to x's dtype, then quantized."""
-        row = tl.program_id(0).to(tl.int64)
+        """``layer_norm(x) * (1 + scale) + shift`` in fp32 (no affine), rounded to x's dtype, then quantized: ``ROWS``
+        tokens of one sample a program, whose modulation (one per sample) is read once for all of them."""
+        first, b = tl.program_id(0) * ROWS, tl.program_id(1).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        real = cols < width
-        x = tl.load(X + row * stride_x + cols, mask=real, other=0.0).to(tl.float32)
-        mean = tl.sum(x, 0) / width
-        centered = tl.where(real, x - mean, 0.0)
-        normed = centered * tl.math.rsqrt(tl.sum(centered * centered, 0) / width + eps)
-        b, t = row // tokens, row % tokens
-        scale = tl.load(SCALE + b * stride_scale_b + t * stride_scale_t + cols, mask=real, other=0.0)
-        shift = tl.load(SHIFT + b * stride_shift_b + t * stride_shift_t + cols, mask=real, other=0.0)
-        y = _rounded(normed * (1.0 + scale) + shift, X.dtype.element_ty, ROUND)
-        _store_quantized(y, real, OUT, OUT_SCALE, row, width, cols, FMAX, ROUND, TINY)
+        in_row = cols < width
+        scale = tl.load(SCALE + b * stride_scale_b + first * stride_scale_t + cols, mask=in_row, other=0.0)
+        shift = tl.load(SHIFT + b * stride_shift_b + first * stride_shift_t + cols, mask=in_row, other=0.0)
+        for step in range(ROWS):
+            t = first + step
+            valid = t < tokens
+            real = cols < tl.where(valid, width, 0)  # (a scalar's & with a block is not the interpreter's)
+            row = b * tokens + t
+            if PER_TOKEN:
+                scale = tl.load(SCALE + b * stride_scale_b + t * stride_scale_t + cols, mask=real, other=0.0)
+                shift = tl.load(SHIFT + b * stride_shift_b + t * stride_shift_t + cols, mask=real, other=0.0)
+            x = tl.load(X + row * stride_x + cols, mask=real, other=0.0).to(tl.float32)
+            mean = tl.sum(x, 0) / width
+            centered = tl.where(real, x - mean, 0.0)
+            normed = centered * tl.math.rsqrt(tl.sum(centered * centered, 0) / width + eps)
+            y = _rounded(normed * (1.0 + scale) + shift, X.dtype.element_ty, ROUND)
+            _store_quantized(y, real, valid, OUT, OUT_SCALE, row, width, cols, FMAX, ROUND, TINY)
 
     @triton.jit
     def _gelu_quantize(
@@ -144,27 +157,34 @@ if triton is not None:
         BIAS,
         OUT,
         OUT_SCALE,
+        rows,
         width,
         stride_h,
         HAS_BIAS: tl.constexpr,
+        ROWS: tl.constexpr,
         FMAX: tl.constexpr,
         BLOCK: tl.constexpr,
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        """A GEMM's output plus its bias (rounded, as the linear returns it), the tanh GELU (rounded), quantized.
-        ``0.5 (1 + tanh(u))`` is ``sigmoid(2u)``: one exp, the same on every vendor (libdevice's tanh is not in
-        Triton's interpreter)."""
-        row = tl.program_id(0).to(tl.int64)
+        """A GEMM's output plus its bias (rounded, as the linear returns it), the tanh GELU (rounded), quantized;
+        ``ROWS`` rows a program, the bias read once for them. ``0.5 (1 + tanh(u))`` is ``sigmoid(2u)``: one exp, the
+        same on every vendor (libdevice's tanh is not in Triton's interpreter)."""
+        first = tl.program_id(0).to(tl.int64) * ROWS
         cols = tl.arange(0, BLOCK)
-        real = cols < width
-        h = tl.load(H + row * stride_h + cols, mask=real, other=0.0).to(tl.float32)
+        in_row = cols < width
         if HAS_BIAS:
-            bias = tl.load(BIAS + cols, mask=real, other=0.0).to(tl.float32)
-            h = _rounded(h + bias, H.dtype.element_ty, ROUND)
-        inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
-        y = _rounded(h / (1.0 + tl.exp(-2.0 * inner)), H.dtype.element_ty, ROUND)
-        _store_quantized(y, real, OUT, OUT_SCALE, row, width, cols, FMAX, ROUND, TINY)
+            bias = tl.load(BIAS + cols, mask=in_row, other=0.0).to(tl.float32)
+        for step in range(ROWS):
+            row = first + step
+            valid = row < rows
+            real = cols < tl.where(valid, width, 0)
+            h = tl.load(H + row * stride_h + cols, mask=real, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                h = _rounded(h + bias, H.dtype.element_ty, ROUND)
+            inner = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
+            y = _rounded(h / (1.0 + tl.exp(-2.0 * inner)), H.dtype.element_ty, ROUND)
+            _store_quantized(y, real, valid, OUT, OUT_SCALE, row, width, cols, FMAX, ROUND, TINY)
 
     @triton.jit
     def _rms_norm_rope(
@@ -236,7 +256,7 @@ def layer_norm_modulate_fp8(
     ]
 
     def launch(warps: int) -> None:
-        _layer_norm_modulate_quantize[(rows.shape[0],)](
+        _layer_norm_modulate_quantize[(triton.cdiv(tokens, ROWS), batch)](
             rows,
             shift,
             scale,
@@ -248,6 +268,8 @@ def layer_norm_modulate_fp8(
             *modulation_strides[0],
             *modulation_strides[1],
             eps,
+            PER_TOKEN=shift.shape[1] > 1 or scale.shape[1] > 1,
+            ROWS=ROWS,
             FMAX=torch.finfo(dtype).max,
             BLOCK=block,
             **rounding(dtype),
@@ -272,14 +294,16 @@ def gelu_fp8(hidden: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
     block = triton.next_power_of_2(hidden.shape[1])
 
     def launch(warps: int) -> None:
-        _gelu_quantize[(hidden.shape[0],)](
+        _gelu_quantize[(triton.cdiv(hidden.shape[0], ROWS),)](
             hidden,
             hidden if bias is None else bias,  # never read without a bias
             out,
             out_scale,
+            hidden.shape[0],
             hidden.shape[1],
             hidden.stride(0),
             HAS_BIAS=bias is not None,
+            ROWS=ROWS,
             FMAX=torch.finfo(dtype).max,
             BLOCK=block,
             **rounding(dtype),
