@@ -16,10 +16,14 @@ import torch
 from diffusers import QwenImage21Pipeline
 
 from paradit import Engine, GenerationRequest
-from paradit.families import FAMILIES, spec_from_folder
+from paradit.families import FAMILIES, PRESETS, spec_from_folder
 from paradit.families.qwen_image21.model import PrefixAttention, QwenImage21Config, QwenImage21Transformer
 from paradit.lora import LoraRef, LoraSet
 from paradit.options import ExecutionOptions
+from paradit.parallel import ParallelConfig
+from paradit.planner.plan import plan
+from paradit.planner.profile import all_profiles, load_profile
+from paradit.planner.tuned import GPU_COUNTS, tuned_entry
 from paradit.quantize import convert_fp8
 from paradit.request import StepCacheConfig
 from tests.checkpoint_cache import cached
@@ -204,3 +208,16 @@ def test_the_denoise_step_attends_over_the_prefix_without_a_mask(engine, monkeyp
     monkeypatch.setattr(PrefixAttention, "attend", recorded)
     engine.generate(edit_request(2))
     assert masks and all(mask is None for mask in masks)
+
+
+@pytest.mark.parametrize("profile", list(all_profiles()))
+def test_the_tuned_entries_and_the_planner_propose_only_plans_the_family_takes(profile):
+    """Until the prefix fits split plans, one GPU or tensor parallelism, no CUDA graphs; each entry the planner's."""
+    for preset in ("qwen-image-2.1", "qwen-image-2.1-turbo"):
+        for gpus in GPU_COUNTS:
+            entry = tuned_entry(preset, gpus, profile)
+            assert entry is not None and entry.refused is None, (preset, gpus)
+            assert entry.parallel == ParallelConfig(tensor=gpus) and not entry.cuda_graphs, (preset, gpus)
+    choice = plan(PRESETS["qwen-image-2.1"], 4, load_profile(profile))
+    assert {option.parallel for option in choice.ranked} == {ParallelConfig(tensor=4)}
+    assert not any(option.cuda_graphs for option in choice.ranked)
