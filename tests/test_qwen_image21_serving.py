@@ -8,16 +8,24 @@ The condition images are read at ``output_resolution`` 64 on both sides, as in `
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import functools
+import io
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
 from diffusers import QwenImage21Pipeline
+from PIL import Image
 
 from paradit import Engine, GenerationRequest
 from paradit.families import FAMILIES, PRESETS, spec_from_folder
+from paradit.families.qwen_image21 import family as qwen_image21_family
 from paradit.families.qwen_image21.model import PrefixAttention, QwenImage21Config, QwenImage21Transformer
+from paradit.families.qwen_image21.presets import QwenImage21Inputs
 from paradit.lora import LoraRef, LoraSet
 from paradit.options import ExecutionOptions
 from paradit.parallel import ParallelConfig
@@ -26,12 +34,18 @@ from paradit.planner.profile import all_profiles, load_profile
 from paradit.planner.tuned import GPU_COUNTS, tuned_entry
 from paradit.quantize import convert_fp8
 from paradit.request import StepCacheConfig
+from paradit.serving.launch import ServeSettings, build_scheduler
+from paradit.serving.metrics import Metrics
+from paradit.serving.server import create_app
+from paradit.settings import Asked
 from tests.checkpoint_cache import cached
 from tests.checkpoints import relative_l2
 from tests.qwen_image21_checkpoints import build_qwen_image21_checkpoint, processor, tiny_transformer
+from tests.test_checkpoint_options import assert_one_line_error, generate, run_cli
 from tests.test_editing import picture
 from tests.test_lora import diffusers_layout, levels, write_diffusers_lora
 from tests.test_qwen_image21 import COLS, ROWS, inputs
+from tests.test_serving_scheduler import app_in_thread
 
 OUTPUT_RESOLUTION, SEED = 64, 11
 PROMPT = "a red fox in the snow, picture 1's light"
@@ -210,14 +224,146 @@ def test_the_denoise_step_attends_over_the_prefix_without_a_mask(engine, monkeyp
     assert masks and all(mask is None for mask in masks)
 
 
-@pytest.mark.parametrize("profile", list(all_profiles()))
-def test_the_tuned_entries_and_the_planner_propose_only_plans_the_family_takes(profile):
-    """Until the prefix fits split plans, one GPU or tensor parallelism, no CUDA graphs; each entry the planner's."""
-    for preset in ("qwen-image-2.1", "qwen-image-2.1-turbo"):
-        for gpus in GPU_COUNTS:
-            entry = tuned_entry(preset, gpus, profile)
-            assert entry is not None and entry.refused is None, (preset, gpus)
-            assert entry.parallel == ParallelConfig(tensor=gpus) and not entry.cuda_graphs, (preset, gpus)
-    choice = plan(PRESETS["qwen-image-2.1"], 4, load_profile(profile))
+def test_the_tuned_entries_and_the_planner_propose_only_plans_the_family_takes():
+    """Until the prefix fits split plans: one GPU or tensor parallelism, no CUDA graphs, on every profile; the
+    planner ranks no other plan."""
+    for profile in all_profiles():
+        for preset in ("qwen-image-2.1", "qwen-image-2.1-turbo"):
+            for gpus in GPU_COUNTS:
+                entry = tuned_entry(preset, gpus, profile)
+                assert entry is not None and entry.refused is None, (profile, preset, gpus)
+                assert entry.parallel == ParallelConfig(tensor=gpus) and not entry.cuda_graphs, (profile, preset, gpus)
+    choice = plan(PRESETS["qwen-image-2.1"], 4, load_profile("h200-nvlink"))
     assert {option.parallel for option in choice.ranked} == {ParallelConfig(tensor=4)}
     assert not any(option.cuda_graphs for option in choice.ranked)
+
+
+CONDITIONS = [(60, 40), (40, 52), (48, 48)]  # (width, height): the last one's aspect sizes the output
+
+
+@pytest.fixture(scope="module")
+def small_resolution():
+    """Checkpoint folders read with ``output_resolution`` 64 on the command line's and the server's paths, where
+    no spec can be handed in (diffusers takes it as a call argument), and a default size of 64x64 (the server's
+    warm-up runs it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        small = functools.partial(QwenImage21Inputs, output_resolution=OUTPUT_RESOLUTION)
+        patch.setattr(qwen_image21_family, "QwenImage21Inputs", small)
+        defaults = dict(qwen_image21_family.PIPELINE_DEFAULTS, height=64, width=64)
+        patch.setattr(qwen_image21_family, "PIPELINE_DEFAULTS", defaults)
+        yield
+
+
+@pytest.fixture(scope="module")
+def condition_files(tmp_path_factory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("qwen21_conditions")
+    paths = [folder / f"condition_{index}.png" for index in range(len(CONDITIONS))]
+    for seed, (path, (width, height)) in enumerate(zip(paths, CONDITIONS), start=3):
+        picture(width, height, seed).save(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def diffusers_edits(folder) -> dict[int, np.ndarray]:
+    """diffusers' RGBA images of 1 and 3 condition images, 0..255 rounded."""
+    pipeline = QwenImage21Pipeline.from_pretrained(folder, processor=processor(folder), dtype=torch.float32)
+    images = {}
+    for count in (1, 3):
+        output = pipeline(
+            prompt=PROMPT,
+            image=[picture(w, h, seed) for seed, (w, h) in enumerate(CONDITIONS[:count], start=3)],
+            num_inference_steps=2,
+            output_resolution=OUTPUT_RESOLUTION,
+            output_type="np",
+            generator=torch.Generator("cpu").manual_seed(SEED),
+        )
+        images[count] = (output.images[0] * 255).round()
+    return images
+
+
+def cli_edit(folder, paths: list[Path], out: Path, *extra: str) -> list[str]:
+    images = [arg for path in paths for arg in ("--image", str(path))]
+    return [
+        "generate",
+        "--model",
+        str(folder),
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--prompt",
+        PROMPT,
+        "--steps",
+        "2",
+        "--seed",
+        str(SEED),
+        "--no-progress",
+        "--out",
+        str(out),
+        *images,
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_the_command_line_edits_as_diffusers(
+    folder, small_resolution, condition_files, diffusers_edits, count, tmp_path, capfd
+):
+    out = tmp_path / "edit.png"
+    generate(cli_edit(folder, condition_files[:count], out), capfd)
+    with Image.open(out) as image:
+        assert image.mode == "RGBA"
+        got = np.asarray(image, dtype=np.float64)
+    assert got.shape == diffusers_edits[count].shape
+    assert np.abs(got - diffusers_edits[count]).max() <= 1
+
+
+def test_the_server_edits_as_diffusers_and_refuses_what_the_model_cannot_take(
+    folder, small_resolution, condition_files, diffusers_edits
+):
+    """``/v1/images/edits`` with three images gives diffusers' image; eleven images, or a mask, get a 400 naming the
+    field, and the server serves on."""
+    scheduler, config = build_scheduler(ServeSettings(Asked(model=str(folder), device="cpu", dtype="fp32")), Metrics())
+    scheduler.start()
+    try:
+        with app_in_thread(create_app(scheduler, config, Metrics())) as url:
+            form = {"prompt": PROMPT, "steps": "2", "seed": str(SEED)}
+            uploads = [("image[]", (path.name, path.read_bytes())) for path in condition_files]
+            refused = {
+                "11 images": (uploads[:1] * 11, "image", "11 images sent; this server takes at most 10"),
+                "a mask": (
+                    uploads[:1] + [("mask", ("m.png", condition_files[0].read_bytes()))],
+                    "mask",
+                    "takes no mask",
+                ),
+            }
+            for case, (files, param, message) in refused.items():
+                response = httpx.post(url + "/v1/images/edits", data=form, files=files, timeout=60)
+                assert response.status_code == 400, (case, response.text)
+                error = response.json()["error"]
+                assert error["param"] == param and message in error["message"], (case, error)
+            response = httpx.post(url + "/v1/images/edits", data=form, files=uploads, timeout=60)
+            assert response.status_code == 200, response.text
+            with Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))) as image:
+                got = np.asarray(image, dtype=np.float64)
+            assert got.shape == diffusers_edits[3].shape
+            assert np.abs(got - diffusers_edits[3]).max() <= 1
+    finally:
+        scheduler.close()
+
+
+def test_the_command_line_refuses_eleven_images_or_a_mask_before_anything_loads(
+    folder, condition_files, tmp_path, capfd, monkeypatch
+):
+    def started(*args, **kwargs):
+        raise AssertionError("a worker or pipeline started before the refusal")
+
+    for name in ("paradit.engine.WorkerGroup", "paradit.engine.build_pipeline"):
+        monkeypatch.setattr(name, started)
+    monkeypatch.setattr("paradit.cli.start_worker_server", lambda device: None)
+    out = tmp_path / "x.png"
+    code, _, err = run_cli(cli_edit(folder, condition_files[:1] * 11, out), capfd)
+    assert_one_line_error(code, err, "takes at most 10 input images; 11 given")
+    code, _, err = run_cli(cli_edit(folder, condition_files[:1], out, "--mask", str(condition_files[0])), capfd)
+    assert_one_line_error(code, err, "takes no mask")
+    assert not out.exists()
