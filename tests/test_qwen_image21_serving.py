@@ -20,6 +20,7 @@ import pytest
 import torch
 from diffusers import QwenImage21Pipeline
 from PIL import Image
+from safetensors.torch import save_file
 
 from paradit import Engine, GenerationRequest, InvalidRequest
 from paradit.families import FAMILIES, PRESETS, spec_from_folder
@@ -43,7 +44,7 @@ from tests.checkpoints import relative_l2
 from tests.qwen_image21_checkpoints import build_qwen_image21_checkpoint, processor, tiny_transformer
 from tests.test_checkpoint_options import assert_one_line_error, generate, run_cli
 from tests.test_editing import picture
-from tests.test_lora import diffusers_layout, levels, write_diffusers_lora
+from tests.test_lora import comfy_layout, diffusers_layout, levels, write_diffusers_lora
 from tests.test_qwen_image21 import COLS, ROWS, inputs
 from tests.test_serving_scheduler import app_in_thread
 
@@ -114,6 +115,19 @@ def test_adapters_fused_and_unfused_equal_diffusers(folder, adapters):
             options = ExecutionOptions(lora=LoraSet(refs, (), mode))
             engine = Engine(small_spec(folder), device="cpu", dtype="fp32", options=options)
             assert levels(pixels(engine.generate(edit_request(2))), expected) <= 1, (mode, len(refs))
+
+
+def test_a_comfyui_layout_equals_diffusers(folder, tmp_path):
+    """ComfyUI's layout (``diffusion_model.`` keys, kohya's down/up, alpha 2 over rank 4) of the attention's
+    adapters, converted by diffusers' loader for this family, ``QwenImageLoraLoaderMixin``."""
+    factors = {key: value for key, value in diffusers_layout(tiny_transformer(0), 5).items() if ".attn." in key}
+    path = tmp_path / "comfy.safetensors"
+    save_file(comfy_layout(factors, 2.0), str(path))
+    expected = diffusers_edit(folder, [(path, 0.8)], 2)
+    options = ExecutionOptions(lora=LoraSet((LoraRef(str(path), 0.8),)))
+    ours = pixels(Engine(small_spec(folder), device="cpu", dtype="fp32", options=options).generate(edit_request(2)))
+    plain = pixels(Engine(small_spec(folder), device="cpu", dtype="fp32").generate(edit_request(2)))
+    assert levels(plain, expected) > 3 and levels(ours, expected) <= 1, levels(ours, expected)
 
 
 CACHE_STEPS = 6
