@@ -195,6 +195,13 @@ def test_a_cache_that_skips_steps_stays_near_the_uncached_image(engine, uncached
     assert 1e-3 < error < 0.3
 
 
+def test_a_cache_with_guidance_is_refused_naming_it(engine):
+    """Guided, the pipeline calls the model once per branch (each its own prefix): a cache would count two steps."""
+    with pytest.raises(InvalidRequest, match="runs each guidance branch apart") as refused:
+        engine.generate(edit_request(2, negative_prompt="blurry", guidance=3.0, cache=SKIPPING["mag"][0]))
+    assert refused.value.param == "cache"
+
+
 BLOCK_LINEARS = (
     "attn.to_q",
     "attn.to_k",

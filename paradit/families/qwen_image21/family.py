@@ -61,6 +61,13 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
             param="cache",
         )
     resolved = resolve_common(spec, request, SIDE_MULTIPLE, image_limit=CONDITION_IMAGE_LIMIT, schedulers=SCHEDULERS)
+    if request.cache is not None and uses_cfg(spec, resolved):
+        # Each branch runs its own call over its own prefix: a cache would take the two calls for two steps.
+        raise InvalidRequest(
+            f"{spec.name} runs each guidance branch apart (their prefixes differ), which --cache cannot follow yet; "
+            "drop --cache, or the negative prompt or a --guidance above 1",
+            param="cache",
+        )
     if not resolved.images:
         return resolved
     inputs: QwenImage21Inputs = spec.details or QwenImage21Inputs()
