@@ -1,8 +1,9 @@
 """Qwen-Image 2.1 served as the other families are, on the tiny ``save_pretrained`` folder of
-``tests/test_qwen_image21.py`` (fp32, CPU): LoRA adapters in diffusers' layout fused and unfused equal diffusers'
-``load_lora_weights``; step caching keeps the prefix's keys and values of every block and skips what the uncached run
-computes, near its image; FP8 linears stay within FP8's error of the model dtype; the denoise step attends without a
-mask.
+``tests/test_qwen_image21.py`` (fp32, CPU): LoRA adapters in diffusers' layout (fused and unfused) and in ComfyUI's
+equal diffusers' ``load_lora_weights``; step caching keeps each block's prefix keys and values (first-block and a
+guided request refused for now); FP8 linears stay within FP8's error of bf16; the denoise step attends without a mask;
+the planner proposes only plans the family takes; ``paradit generate --image`` and ``/v1/images/edits`` with 1 and 3
+condition images equal ``QwenImage21Pipeline``, and 11 images or a mask are refused naming the field.
 
 The condition images are read at ``output_resolution`` 64 on both sides, as in ``tests/test_qwen_image21.py``."""
 
