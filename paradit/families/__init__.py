@@ -10,7 +10,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from paradit.checkpoint import check_components, read_json
+from paradit.checkpoint import check_components, index_file, read_json
 from paradit.errors import CheckpointError
 from paradit.spec import CheckpointFolder, ModelSpec
 
@@ -43,7 +43,7 @@ def __getattr__(name: str):
 
 
 def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
-    index = read_json(folder / "model_index.json")
+    index = read_json(index_file(folder))
     check_components(folder, index, allow_pickle)
     pipeline_class = index.get("_class_name")
     for family in _registry().values():
