@@ -23,8 +23,13 @@ def index_file(folder: Path) -> Path:
 
 
 def listed_components(model_index: dict) -> list[str]:
-    """Not the metadata (``_name``) nor the components the pipeline declares absent (``[null, null]``)."""
-    listed = [name for name, entry in model_index.items() if isinstance(entry, list) and None not in entry]
+    """Not the metadata (``_name``), the components the pipeline declares absent (``[null, null]``), nor a pipeline
+    setting that is a list (Qwen-Image 2.1 Turbo's ``sample_sigmas``): a component is a (library, class) pair."""
+    listed = [
+        name
+        for name, entry in model_index.items()
+        if isinstance(entry, list) and len(entry) == 2 and all(isinstance(part, str) for part in entry)
+    ]
     return [name for name in listed if not name.startswith("_")]
 
 

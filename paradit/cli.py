@@ -9,9 +9,7 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
-import traceback
 from pathlib import Path
 
 from paradit import __version__
@@ -20,11 +18,11 @@ from paradit.errors import ParaditError, report_warnings
 from paradit.families import PRESETS
 from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flagged_fields, flags_given, from_args
 from paradit.lora.refs import LoraSet
-from paradit.options import COMMANDS, LOSSY_PSNR_DB, Asked, ExecutionOptions, LoraFlags, ServeSettings
+from paradit.options import COMMANDS, LOAD_FORMATS, LOSSY_PSNR_DB, Asked, ExecutionOptions, LoraFlags, ServeSettings
 from paradit.outputs import output_paths, replaced, save_images, save_videos, writable_folder
 from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
-from paradit.worker import start_worker_server
+from paradit.worker import reportable, start_worker_server
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,8 +32,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown in --help, except where there is none to show."""
-
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default in (None, False) or action.default is argparse.SUPPRESS:
             return action.help or ""
@@ -63,9 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quant.add_argument("--model", required=True, help="preset name, checkpoint folder or hub id")
     quant.add_argument("--out", required=True, help="a new folder for the FP8 checkpoint")
-    quant.add_argument(
-        "--load-format", choices=["auto", "dummy"], default="auto", help="dummy: quantize random weights"
-    )
+    quant.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: quantize random weights")
     quant.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the layers kept unquantized")
     quant.set_defaults(run=run_quantize)
 
@@ -358,9 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paradit: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)  # the shell's code for death by that signal
     except Exception as exc:  # noqa: BLE001 - a user sees one line; the trace goes to a file for the bug report
-        with tempfile.NamedTemporaryFile("w", prefix="paradit-error-", suffix=".log", delete=False) as log:
-            traceback.print_exc(file=log)
-        print(f"paradit: internal error: {type(exc).__name__}: {exc}; full trace in {log.name}", file=sys.stderr)
+        print(f"paradit: internal error: {reportable(exc)}", file=sys.stderr)
         return 1
     finally:
         if forwarder.is_alive():

@@ -17,7 +17,6 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def compile_blocks(model: nn.Module, mode: str | None = None) -> int:
-    """Returns how many blocks were compiled."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     blocks = model_blocks(model)
     for block in blocks:

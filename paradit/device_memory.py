@@ -36,8 +36,7 @@ def configure_allocator(device: torch.device) -> None:
     if device.type != "cuda" or any(os.environ.get(name) for name in ALLOCATOR_VARIABLES):
         return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    with warnings.catch_warnings():  # a build without them says so once and keeps fixed segments
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(action="ignore"):  # a build without them says so once and keeps fixed segments
         setter(EXPANDABLE_SEGMENTS)
 
 

@@ -85,20 +85,17 @@ def add_flags(parser: argparse.ArgumentParser, command: str, *records: type) -> 
 
 
 def from_args(record: type, args: argparse.Namespace, command: str, **fields: Any) -> Any:
-    given = {}
     for each, flag in flagged_fields(record, command):
-        value = getattr(args, each.name, None)
-        if value is not None and each.name not in fields:
-            given[each.name] = flag.convert(value) if flag.convert else value
-    return record(**given, **fields)
+        if (value := getattr(args, each.name, None)) is not None and each.name not in fields:
+            fields[each.name] = flag.convert(value) if flag.convert else value
+    return record(**fields)
 
 
 def flags_given(args: argparse.Namespace, command: str, *records: type) -> dict[str, Any]:
     found = {}
     for record in records:
         for each, flag in flagged_fields(record, command):
-            value = getattr(args, each.name, None)
-            if value is not None and value != flag.absent:
+            if (value := getattr(args, each.name, None)) is not None and value != flag.absent:
                 found[flag.name] = value
     return found
 

@@ -140,8 +140,7 @@ def encode_mp4(frames: list, fps: int, metadata: dict[str, str] | None = None) -
 
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format="mp4") as container:
-        for key, value in (metadata or {}).items():
-            container.metadata[key] = value
+        container.metadata.update(metadata or {})
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height = frames[0].size
         stream.pix_fmt = "yuv420p"  # what players expect of H.264; the sizes paradit makes are even

@@ -28,8 +28,7 @@ def convert_fp8(model: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> 
     replaced = []
     for name, module in list(model.named_modules()):
         if quantizable(name, module, keep):
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, Fp8Linear.from_linear(module, dtype))  # "": the model itself
+            model.set_submodule(name, Fp8Linear.from_linear(module, dtype))
             replaced.append(name)
     return replaced
 

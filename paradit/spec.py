@@ -88,8 +88,6 @@ class ModelSpec:
 
 def checkpoint_spec(folder: Path, index: dict, family: str, detail: str | None = None, **fields) -> ModelSpec:
     """A checkpoint folder's ModelSpec: ``fields`` as the family reads them, other configs as the folder holds them."""
-    for component in ("transformer", "vae", "scheduler"):
-        if component not in fields:
-            fields[component] = component_config(folder, component)
+    read = {name: component_config(folder, name) for name in ("transformer", "vae", "scheduler") if name not in fields}
     description = f"{index['_class_name']} checkpoint" + (f" ({detail})" if detail else "")
-    return ModelSpec(str(folder), family, description, weights=CheckpointFolder(folder), **fields)
+    return ModelSpec(str(folder), family, description, weights=CheckpointFolder(folder), **read, **fields)

@@ -93,17 +93,17 @@ def place(module: nn.Module, placement: str, device: torch.device) -> nn.Module:
         dtype = fp8_dtype(device)
         for name, child in list(module.named_modules()):
             if converts_to_fp8(module, name, child):
-                owner, _, leaf = name.rpartition(".")  # get_submodule(""): the module itself
-                setattr(module.get_submodule(owner), leaf, Fp8Linear.from_linear(child.to(device), dtype))
+                module.set_submodule(name, Fp8Linear.from_linear(child.to(device), dtype))
         return module.to(device)
     return module
 
 
-def _truncate_config(config: transformers.PretrainedConfig, num_layers: int) -> None:
+def _truncated(config: transformers.PretrainedConfig, num_layers: int) -> transformers.PretrainedConfig:
     text_config = config.get_text_config()
     text_config.num_hidden_layers = num_layers
     if getattr(text_config, "layer_types", None) is not None:
         text_config.layer_types = text_config.layer_types[:num_layers]
+    return config
 
 
 def _placed_decoder(model: nn.Module, placement: str, device: torch.device) -> nn.Module:
@@ -147,8 +147,7 @@ class DecoderPromptEncoder:
     def from_folder(
         cls, weights: CheckpointFolder, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str
     ) -> DecoderPromptEncoder:
-        config = transformers.AutoConfig.from_pretrained(weights.path / "text_encoder")
-        _truncate_config(config, max(spec.layers))
+        config = _truncated(transformers.AutoConfig.from_pretrained(weights.path / "text_encoder"), max(spec.layers))
         model_cls = getattr(transformers, spec.class_name)
         verbosity = transformers.logging.get_verbosity()
         # The dropped layers' weights are reported as unexpected keys; that is the point, so keep the log quiet.
@@ -170,8 +169,7 @@ class DecoderPromptEncoder:
     def dummy(
         cls, spec: TextEncoderSpec, device: torch.device, dtype: torch.dtype, placement: str = "gpu", seed: int = 0
     ) -> DecoderPromptEncoder:
-        config = transformers.AutoConfig.for_model(**spec.config)
-        _truncate_config(config, max(spec.layers))
+        config = _truncated(transformers.AutoConfig.for_model(**spec.config), max(spec.layers))
         model = random_encoder(
             lambda: transformers.AutoModel.from_config(config, dtype=dtype), placement, device, dtype, seed
         )

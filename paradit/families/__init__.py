@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 PACKAGES = (
     "paradit.families.flux2",
     "paradit.families.qwen_image",
+    "paradit.families.qwen_image21",
     "paradit.families.sd3",
     "paradit.families.wan",
     "paradit.families.zimage",

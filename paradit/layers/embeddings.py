@@ -9,22 +9,14 @@ import torch
 from torch import nn
 
 
-def sinusoidal_embedding(
-    timesteps: torch.Tensor,
-    dim: int,
-    flip_sin_to_cos: bool = True,
-    downscale_freq_shift: float = 0.0,
-    max_period: float = 10000.0,
-    scale: float = 1.0,
-) -> torch.Tensor:
+def sinusoidal_embedding(timesteps: torch.Tensor, dim: int, scale: float = 1.0) -> torch.Tensor:
     """(N, dim) float32 sin/cos features, diffusers' layout. ``scale`` multiplies the angles, where Qwen-Image's
     reference applies its 1000: scaling timesteps first rounds the fastest angles differently (up to 6e-5 rad)."""
     half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timesteps.device)
-    freqs = torch.exp(exponent / (half - downscale_freq_shift))
+    exponent = -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timesteps.device)
+    freqs = torch.exp(exponent / half)
     angles = scale * (timesteps[:, None].float() * freqs[None, :])
-    parts = [torch.cos(angles), torch.sin(angles)]
-    emb = torch.cat(parts if flip_sin_to_cos else parts[::-1], dim=-1)
+    emb = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
     if dim % 2 == 1:
         emb = nn.functional.pad(emb, (0, 1))
     return emb

@@ -361,36 +361,6 @@ def fp8_attention_with_lse(
         v_desc = TensorDescriptor.from_tensor(v8.view(-1, padded), [width, KEY_TILE])
     else:
         k_desc = v_desc = k_scale  # never read: the kernel loads through pointers
-    args = (
-        query,
-        k8,
-        k_scale,
-        v8,
-        v_scale,
-        k_mean,
-        mask,
-        out,
-        lse,
-        k_desc,
-        v_desc,
-        q_length,
-        k_length,
-        heads,
-        dim,
-        padded,
-        *query.stride()[:3],
-        *out.stride()[:3],
-        dim**-0.5,
-    )
-    constants = {
-        "QMAX": INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max,
-        "P_EXPONENT": p_exponent(pv_dtype),
-        "QK_INT8": qk_dtype == torch.int8,
-        "HAS_MASK": key_mask is not None,
-        **rounding(pv_dtype),
-        "HEAD_DIM": width,
-        "DESCRIPTORS": descriptors,
-    }
 
     def launch(config: tuple[int, int, int, int]) -> None:
         # Fusion asked for, not assumed: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns
@@ -398,8 +368,32 @@ def fp8_attention_with_lse(
         block_m, block_n, warps, stages = config
         grid = (triton.cdiv(q_length, block_m), batch * heads)
         _fp8_attention_forward[grid](
-            *args,
-            **constants,
+            query,
+            k8,
+            k_scale,
+            v8,
+            v_scale,
+            k_mean,
+            mask,
+            out,
+            lse,
+            k_desc,
+            v_desc,
+            q_length,
+            k_length,
+            heads,
+            dim,
+            padded,
+            *query.stride()[:3],
+            *out.stride()[:3],
+            dim**-0.5,
+            QMAX=INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max,
+            P_EXPONENT=p_exponent(pv_dtype),
+            QK_INT8=qk_dtype == torch.int8,
+            HAS_MASK=key_mask is not None,
+            **rounding(pv_dtype),
+            HEAD_DIM=width,
+            DESCRIPTORS=descriptors,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=warps,

@@ -110,9 +110,8 @@ def parallelize(model: nn.Module, tensor_plan: TensorPlan | None, context: Paral
     if context is None:
         return Parallelized(model, model)
     config = context.config
-    slices = {}
-    if config.tensor > 1:
-        slices = parallelize_tensor(model, tensor_plan, context)  # its ``tensor_slices`` checks the plan
+    # parallelize_tensor's ``tensor_slices`` checks the plan.
+    slices = parallelize_tensor(model, tensor_plan, context) if config.tensor > 1 else {}
     sequence = SequenceParallel(model, context) if config.sequence_degree > 1 else None
     forward, loop = sequence or model, DenoiseLoop()
     if config.pipefusion > 1:

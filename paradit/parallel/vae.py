@@ -133,6 +133,10 @@ def _conv_forward(
         padding = (0, rows_pad, left) if three_d else (rows_pad, left)
         return conv(x, weight, module.bias, module.stride, padding, 1, module.groups)
 
+    def zeros(x: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """Where the band's input reaches past the image: the convolution's zero padding."""
+        return x.new_zeros(*x.shape[:-2], rows, x.shape[-1]) if rows > 0 else None
+
     def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
         if three_d:
             # Wan's causal time axis, as the module itself does it: cached frames first, then zeros for the rest.
@@ -159,16 +163,8 @@ def _conv_forward(
                 out[..., n - top :, :] = run(torch.cat([x[..., n - 2 * top :, :], below], dim=-2), 0)
             return out
         above, below = halos()
-        pieces = []
-        if lo < 0:
-            pieces.append(x.new_zeros(*x.shape[:-2], -lo, x.shape[-1]))
-        if above is not None:
-            pieces.append(above)
-        pieces.append(x[..., max(lo - a, 0) : n - max(b - hi, 0), :])
-        if below is not None:
-            pieces.append(below)
-        if hi > max(plan.height, b):
-            pieces.append(x.new_zeros(*x.shape[:-2], hi - max(plan.height, b), x.shape[-1]))
+        middle = x[..., max(lo - a, 0) : n - max(b - hi, 0), :]
+        pieces = [p for p in (zeros(x, -lo), above, middle, below, zeros(x, hi - max(plan.height, b))) if p is not None]
         return run(torch.cat(pieces, dim=-2) if len(pieces) > 1 else pieces[0], 0)
 
     return forward

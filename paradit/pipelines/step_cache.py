@@ -77,11 +77,7 @@ class StepCache:
     ) -> None:
         """``row_groups``: each of this rank's rows' global branch-and-request index, of ``groups``."""
         self.steps, self.row_groups, self.groups, self.record = steps, row_groups, groups, record
-        self.method = METHODS[config.method](config, self)
-        self.model.stack_runner = self.run_stack
-
-    def run_stack(self, tokens) -> torch.Tensor:
-        return self.method.head(self.method.run_blocks(tokens))
+        self.model.stack_runner = METHODS[config.method](config, self).run_stack
 
     def run_range(self, tokens, start: int, stop: int):
         if start >= stop:
@@ -131,7 +127,7 @@ class FirstBlock:
         sums = self.cache.reduce(sums)
         return (sums[:, 0] / sums[:, 1] > self.threshold).tolist()
 
-    def run_blocks(self, tokens):
+    def run_stack(self, tokens) -> torch.Tensor:
         cache = self.cache
         tokens = cache.run_range(tokens, 0, cache.first)
         before = cache.statistic_streams(tokens)
@@ -145,7 +141,7 @@ class FirstBlock:
             cache.record.blocks_skipped += cache.count - cache.first - 1
             # The streams the last block returns (SD3.5's drops its text): what the head reads is among them.
             cached = {name: residual + head[name] for name, residual in self.tail_residual.items()}
-            return dataclasses.replace(tokens, **cached)
+            return cache.head_all(dataclasses.replace(tokens, **cached))
         tokens = cache.run_range(tokens, cache.first + 1, cache.count)
         out = cache.streams(tokens)
         tail = {name: out[name] - head[name] for name in out}
@@ -155,10 +151,7 @@ class FirstBlock:
             tail = {name: torch.where(keep, value, self.tail_residual[name]) for name, value in tail.items()}
             residual = {name: torch.where(keep, value, self.head_residual[name]) for name, value in residual.items()}
         self.tail_residual, self.head_residual = tail, residual
-        return dataclasses.replace(tokens, **out)
-
-    def head(self, tokens) -> torch.Tensor:
-        return self.cache.head_all(tokens)
+        return cache.head_all(dataclasses.replace(tokens, **out))
 
 
 class MagCache:
@@ -183,7 +176,7 @@ class MagCache:
         self.ratio, self.error, self.skips = 1.0, 0.0, 0
         return False
 
-    def run_blocks(self, tokens):
+    def run_stack(self, tokens) -> torch.Tensor:
         cache = self.cache
         tokens = cache.run_range(tokens, 0, cache.first)
         before = cache.statistic_streams(tokens)
@@ -192,13 +185,14 @@ class MagCache:
         cache.record.skipped.append((skip,) * self.groups)
         if skip:
             cache.record.blocks_skipped += cache.count - cache.first
-            return dataclasses.replace(tokens, **{name: value + self.residual[name] for name, value in before.items()})
+            skipped = {name: value + self.residual[name] for name, value in before.items()}
+            return cache.head_all(dataclasses.replace(tokens, **skipped))
         tokens = cache.run_range(tokens, cache.first, cache.count)
         residual = {name: value - before[name] for name, value in cache.statistic_streams(tokens).items()}
         if self.config.calibrate:
             cache.record.mag_ratios.append(1.0 if self.residual is None else self.norm_ratio(residual))
         self.residual = residual
-        return tokens
+        return cache.head_all(tokens)
 
     def norm_ratio(self, residual: Streams) -> float:
         ratios = [
@@ -209,9 +203,6 @@ class MagCache:
         sums = self.cache.reduce(torch.stack([sum(r.sum() for r in ratios), count]))
         return float(sums[0] / sums[1])
 
-    def head(self, tokens) -> torch.Tensor:
-        return self.cache.head_all(tokens)
-
 
 class TaylorSeer:
     """diffusers' TaylorSeer (lite): the steps between computed ones predicted from their divided differences."""
@@ -220,32 +211,26 @@ class TaylorSeer:
         self.config, self.cache, self.groups = config, cache, cache.groups
         self.step, self.last_update = -1, None
         self.factors: list[torch.Tensor] = []
-        self.computes = True
 
-    def run_blocks(self, tokens):
+    def run_stack(self, tokens) -> torch.Tensor:
         config, cache = self.config, self.cache
         self.step += 1
         after = config.disable_cache_after_step
-        self.computes = (
+        computes = (
             self.step < config.disable_cache_before_step
             or (self.step - config.disable_cache_before_step - 1) % config.cache_interval == 0
             or (after is not None and self.step >= after)
         )
-        cache.record.skipped.append((not self.computes,) * self.groups)
-        if not self.computes:
+        cache.record.skipped.append((not computes,) * self.groups)
+        if not computes:
             cache.record.blocks_skipped += cache.count
-            return tokens
-        return cache.run_all(tokens)
-
-    def head(self, tokens) -> torch.Tensor:
-        if not self.computes:
             offset = self.step - self.last_update
             return sum(factor * (offset**order / math.factorial(order)) for order, factor in enumerate(self.factors))
-        out = self.cache.head_all(tokens)
+        out = cache.head_all(cache.run_all(tokens))
         factors = [out]
         if self.last_update is not None:  # divided differences against the last computed step's, order by order
             delta = self.step - self.last_update
-            for previous in self.factors[: self.config.max_order]:
+            for previous in self.factors[: config.max_order]:
                 factors.append((factors[-1] - previous) / delta)
         self.factors, self.last_update = factors, self.step
         return out

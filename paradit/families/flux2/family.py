@@ -119,18 +119,13 @@ def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
         "--shard-weights": bool(parallel.shard_weights),
         "--cuda-graphs": settings.options.cuda_graphs,
     }
-    refused = [flag for flag, used in asked.items() if used]
-    if refused:
-        flags = " and ".join(refused)
+    flags = " and ".join(flag for flag, used in asked.items() if used)
+    if flags:
         raise InvalidRequest(
             f"{settings.spec.name} caches its reference images' keys and values, which {flags} "
             f"cannot take yet; drop {flags} (one GPU and --tensor take references) or the images",
             param="image",
         )
-
-
-def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
-    return spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
 
 
 FAMILY = Family(
@@ -140,7 +135,9 @@ FAMILY = Family(
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
     check_run=check_run,
-    uses_cfg=uses_cfg,
+    uses_cfg=lambda spec, request: (
+        spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
+    ),
     build_transformer=lambda spec: Flux2Transformer(Flux2Config.from_dict(spec.transformer)),
     prompt_encoder=lambda spec: (
         MistralPromptEncoder

@@ -43,10 +43,9 @@ ReferenceKV = dict[nn.Module, KeyValue]  # per block, as ``cache_references`` ma
 
 def join_reference(key: torch.Tensor, value: torch.Tensor, reference: KeyValue, text_tokens: int) -> KeyValue:
     """Keys and values as [text, references, image], the order diffusers' KV attention sums them in."""
-    key_ref, value_ref = (cached.expand(key.shape[0], -1, -1, -1) for cached in reference)
-    return (
-        torch.cat([key[:, :text_tokens], key_ref, key[:, text_tokens:]], dim=1),
-        torch.cat([value[:, :text_tokens], value_ref, value[:, text_tokens:]], dim=1),
+    return tuple(
+        torch.cat([x[:, :text_tokens], cached.expand(x.shape[0], -1, -1, -1), x[:, text_tokens:]], dim=1)
+        for x, cached in zip((key, value), reference)
     )
 
 
@@ -252,8 +251,7 @@ class Flux2Transformer(StagedTransformer):
         """``timestep``, ``guidance``: sigma in [0, 1] per sample; ``reference_kv``: ``cache_references``' output."""
         dtype = hidden_states.dtype
         timestep = timestep.to(dtype) * 1000
-        if guidance is not None:
-            guidance = guidance.to(dtype) * 1000
+        guidance = None if guidance is None else guidance.to(dtype) * 1000
         temb = self.time_guidance_embed(timestep, dtype, guidance)
         return Flux2Tokens(
             img=self.x_embedder(hidden_states),

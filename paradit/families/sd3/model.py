@@ -77,16 +77,13 @@ class PatchEmbed(nn.Module):
         table = sincos_position_table(self.pos_embed.shape[-1], self.max_size, self.base_size)
         self.pos_embed.copy_(table.to(self.pos_embed.device, self.pos_embed.dtype))
 
-    def cropped_table(self, rows: int, cols: int) -> torch.Tensor:
-        top, left = (self.max_size - rows) // 2, (self.max_size - cols) // 2
-        table = self.pos_embed.view(self.max_size, self.max_size, -1)
-        return table[top : top + rows, left : left + cols].reshape(1, rows * cols, -1)
-
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         rows, cols = latents.shape[-2] // self.patch_size, latents.shape[-1] // self.patch_size
         tokens = self.proj(latents).flatten(2).transpose(1, 2)
+        top, left = (self.max_size - rows) // 2, (self.max_size - cols) // 2
+        table = self.pos_embed.view(self.max_size, self.max_size, -1)[top : top + rows, left : left + cols]
         # The sum is formed in the table's precision (float32 for a float32 table), then cast, as the reference does.
-        return (tokens + self.cropped_table(rows, cols)).to(tokens.dtype)
+        return (tokens + table.reshape(1, rows * cols, -1)).to(tokens.dtype)
 
 
 class AdaLayerNormZero(Modulation):

@@ -109,8 +109,6 @@ class SD3PromptEncoder:
 
     def _clip(self, which: int, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(penultimate hidden states, pooled projection) of CLIP encoder ``which``."""
-        if which == 0:  # both CLIPs read the same 77 tokens: said once
-            warn_if_truncated(self.clip_tokenizers[0], prompts, self.clip_length, "CLIP")
         ids = self.clip_tokenizers[which](
             prompts, padding="max_length", max_length=self.clip_length, truncation=True, return_tensors="pt"
         ).input_ids
@@ -120,6 +118,7 @@ class SD3PromptEncoder:
     @torch.no_grad()
     def encode(self, prompts: list[str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch, clip length + max_sequence_length, T5 width) embeddings and (batch, pooled width) vectors."""
+        warn_if_truncated(self.clip_tokenizers[0], prompts, self.clip_length, "CLIP")  # once: both CLIPs read them
         (hidden_l, pooled_l), (hidden_g, pooled_g) = self._clip(0, prompts), self._clip(1, prompts)
         warn_if_truncated(self.t5_tokenizer, prompts, self.max_sequence_length, "T5")
         ids = self.t5_tokenizer(
@@ -143,9 +142,8 @@ class SD3Pipeline(DiffusionPipeline):
     def encode(self, request: ResolvedRequest) -> dict[str, torch.Tensor]:
         prompts = [prompt for branch in self.branch_prompts(request) for prompt in branch]  # one encoder call
         encoded = self.prompt_encoder.encode(prompts, self.dtype)
-        repeat = request.images_per_prompt
         return {
-            name: tensor.to(self.device).repeat_interleave(repeat, dim=0)
+            name: tensor.to(self.device).repeat_interleave(request.images_per_prompt, dim=0)
             for name, tensor in zip(self.CONDITIONING, encoded)
         }
 

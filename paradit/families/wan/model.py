@@ -57,8 +57,7 @@ class FP32LayerNorm(nn.LayerNorm):
     """LayerNorm in float32, weights too (the blocks round after the modulation, where the reference rounds)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.float()
-        bias = None if self.bias is None else self.bias.float()
+        weight, bias = (None if parameter is None else parameter.float() for parameter in (self.weight, self.bias))
         return nn.functional.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 

@@ -143,11 +143,9 @@ class WanPipeline(DiffusionPipeline):
             keep = torch.ones(1, 1, *noise.shape[2:], device=self.device)
             keep[:, :, 0] = 0
             return ImageCondition(latents, keep)
-        frames = torch.zeros(noise.shape[0], 1, request.frames, *noise.shape[3:], device=self.device)
-        frames[:, :, 0] = 1
-        # The first frame's latent stands for ``temporal`` pixel frames; each gets its own mask channel.
-        mask = torch.cat([frames[:, :, :1].repeat_interleave(temporal, dim=2), frames[:, :, 1:]], dim=2)
-        mask = mask.view(noise.shape[0], -1, temporal, *noise.shape[3:]).transpose(1, 2)
+        # The first frame's latent stands for ``temporal`` pixel frames; each gets its own mask channel, all 1.
+        mask = torch.zeros(noise.shape[0], temporal, *noise.shape[2:], device=self.device)
+        mask[:, :, 0] = 1
         return ImageCondition(torch.cat([mask, latents], dim=1), None)
 
     def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor):

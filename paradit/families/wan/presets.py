@@ -43,12 +43,11 @@ class WanDetails:
 
 
 def preset(name: str, transformer: dict, flow_shift: float, details: WanDetails, **configs: Any) -> ModelSpec:
-    experts = {"transformer_2": transformer} if details.boundary_ratio is not None else {}
     return ModelSpec(
         name=name,
         family="wan",
         transformer=transformer,
-        experts=experts,
+        experts={"transformer_2": transformer} if details.boundary_ratio is not None else {},
         scheduler={**UNIPC_FLOW, "flow_shift": flow_shift},
         details=details,
         **{"text_encoder": WanTextEncoder(UMT5_XXL), "vae": WAN21_VAE, **configs},

@@ -302,13 +302,11 @@ class ZImageTransformer(StagedTransformer):
 
     def __init__(self, config: ZImageConfig) -> None:
         super().__init__(config)
-        dim, patch = config.dim, config.patch_size
+        dim, patch_features = config.dim, config.patch_size**2 * config.in_channels
         if config.head_dim != sum(config.axes_dims):
             raise ValueError(f"head dim {config.head_dim} != sum of rotary axes_dims {config.axes_dims}")
-        self.all_x_embedder = nn.ModuleDict({config.patch_key: nn.Linear(patch * patch * config.in_channels, dim)})
-        self.all_final_layer = nn.ModuleDict(
-            {config.patch_key: FinalLayer(dim, config.adaln_dim, patch * patch * config.in_channels)}
-        )
+        self.all_x_embedder = nn.ModuleDict({config.patch_key: nn.Linear(patch_features, dim)})
+        self.all_final_layer = nn.ModuleDict({config.patch_key: FinalLayer(dim, config.adaln_dim, patch_features)})
 
         def refiner(modulated: bool, stream: str) -> nn.ModuleList:
             return nn.ModuleList(ZImageBlock(config, modulated, (stream,)) for _ in range(config.n_refiner_layers))
