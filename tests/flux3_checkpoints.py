@@ -16,7 +16,8 @@ from paradit.offline_tokenizer import build_offline_tokenizer
 from tests.checkpoints import randomize, tiny_vae
 
 TEXT_HIDDEN = 16
-TEXT_LAYERS = 32  # the recipe stacks hidden states 4, 8, ..., 32
+# Qwen3-VL-4B's 36: the recipe stacks hidden states 4, 8, ..., 32, none of them the last (normed) one.
+TEXT_LAYERS = 36
 
 
 def tiny_transformer_config(flow_map: bool, heads: int = 3) -> dict:
@@ -43,7 +44,7 @@ def tiny_transformer(flow_map: bool, seed: int = 0, heads: int = 3) -> Flux3Tran
 
 
 def tiny_text_encoder() -> Qwen3VLForConditionalGeneration:
-    """Qwen3-VL with a 32-layer, 16-wide language model and a one-block vision tower (prompts never show it)."""
+    """Qwen3-VL with a 36-layer, 16-wide language model and a one-block vision tower (prompts never show it)."""
     config = Qwen3VLConfig(
         text_config={
             "vocab_size": 320,

@@ -3,15 +3,21 @@ tiny random checkpoint folders (fp32, CPU)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from diffusers import Flux3Transformer2DModel
+from diffusers.modular_pipelines import Flux3AutoBlocks, Flux3DistilledAutoBlocks
+from PIL import Image
 
+from paradit import Engine, GenerationRequest
 from paradit.checkpoint import safetensors_files
+from paradit.errors import InvalidRequest
+from paradit.families import spec_from_folder
 from paradit.families.flux3.model import Flux3Config, Flux3Transformer
 from tests.checkpoint_cache import cached
 from tests.checkpoints import load_module_weights, relative_l2
-from tests.flux3_checkpoints import build_flux3_checkpoint
+from tests.flux3_checkpoints import build_flux3_checkpoint, tiny_processor
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +80,91 @@ def test_transformer_matches_diffusers(request, checkpoint, batch, grid, text_le
         got = load_ours(folder)(**inputs)
     assert got.shape == expected.shape
     assert relative_l2(got, expected) <= 1e-5
+
+
+def reference_pipeline(folder, flow_map: bool):
+    """diffusers' modular pipeline from the folder, its prompt upsampler (a separate model) popped, as paradit runs."""
+    blocks = Flux3DistilledAutoBlocks() if flow_map else Flux3AutoBlocks()
+    blocks.sub_blocks.pop("prompt_upsampler")
+    pipe = blocks.init_pipeline(str(folder))
+    pipe.load_components(torch_dtype=torch.float32)
+    # The folder's processor loads as its tokenizer here (no torchvision for Qwen3-VL's video processor).
+    pipe.update_components(tokenizer=tiny_processor())
+    return pipe
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    """Smooth random structure (a VAE of random weights sees gradients, not only noise)."""
+    coarse = np.random.default_rng(seed).integers(0, 256, (max(2, height // 16), max(2, width // 16), 3), np.uint8)
+    return Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC)
+
+
+# Text alone, non-square; one reference of 50x70 (padded to its 64x80 canvas, the output cropped back to 50x70); three
+# of different sizes, each cropped to the token grid, for a 48x64 image.
+CASES = {
+    "text": dict(height=64, width=96),
+    "one reference": dict(image=[picture(50, 70, 0)]),
+    "three references": dict(image=[picture(40, 56, 1), picture(64, 36, 2), picture(33, 33, 3)], height=48, width=64),
+}
+SHAPES = {"text": (1, 64, 96, 3), "one reference": (1, 70, 50, 3), "three references": (1, 48, 64, 3)}
+
+
+@pytest.fixture(scope="module")
+def engines(base_checkpoint, distilled_checkpoint):
+    return {
+        flow_map: Engine(str(folder), device="cpu", dtype="fp32")
+        for flow_map, folder in ((False, base_checkpoint), (True, distilled_checkpoint))
+    }
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("checkpoint,flow_map", [("base_checkpoint", False), ("distilled_checkpoint", True)])
+def test_images_match_diffusers(request, engines, checkpoint, flow_map, case):
+    """The base model with true CFG (empty negative prompt), the flow map with its step targets; text alone and
+    editing from one and three references, as diffusers' modular pipeline makes them."""
+    asked = CASES[case]
+    folder = request.getfixturevalue(checkpoint)
+    expected = reference_pipeline(folder, flow_map)(
+        prompt="a red fox",
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(3),
+        output="images",
+        output_type="np",
+        **asked,
+    )
+    guidance = None if flow_map else 3.5
+    result = engines[flow_map].generate(
+        GenerationRequest(prompt="a red fox", steps=2, seed=3, guidance=guidance, **asked)
+    )
+    got = result.pixels.permute(0, 2, 3, 1).numpy()
+    assert got.shape == expected.shape == SHAPES[case]
+    assert np.abs(got - expected).max() <= 1 / 255
+    # The references matter: others of the same sizes make an image further off than the tolerance above.
+    if "image" in asked:
+        others = [picture(*image.size, seed=10 + n) for n, image in enumerate(asked["image"])]
+        changed = dict(asked, image=others)
+        other = engines[flow_map].generate(GenerationRequest(prompt="a red fox", steps=2, seed=3, **changed))
+        assert (other.pixels - result.pixels).abs().max() > 1 / 255
+
+
+def test_a_folder_reads_as_its_variant(base_checkpoint, distilled_checkpoint):
+    """The modular index's pipeline class names the variant: its defaults, diffusers' blocks' own."""
+    base, distilled = spec_from_folder(base_checkpoint), spec_from_folder(distilled_checkpoint)
+    assert (base.family, base.guidance_mode, base.steps, base.guidance) == ("flux3", "cfg", 50, 3.5)
+    assert (distilled.guidance_mode, distilled.steps, distilled.guidance) == ("none", 16, None)
+    assert distilled.transformer["flow_map"] and not base.transformer["flow_map"]
+    assert base.text_encoder.layers == (4, 8, 12, 16, 20, 24, 28, 32)
+
+
+@pytest.mark.parametrize(
+    "flow_map,changes,refusal",
+    [
+        (True, dict(negative_prompt="blurry"), "does not use classifier-free guidance, so it takes no negative"),
+        (False, dict(image=[picture(32, 32, n) for n in range(11)]), "takes at most 10 input images; 11 given"),
+        (False, dict(image=[picture(32, 32, 0)], mask=Image.new("L", (32, 32))), "does no inpainting; drop the mask"),
+    ],
+)
+def test_what_it_does_not_take_is_refused_in_one_line(engines, flow_map, changes, refusal):
+    with pytest.raises(InvalidRequest, match=refusal) as refused:
+        engines[flow_map].check(GenerationRequest(prompt="a red fox", **changes))
+    assert "\n" not in str(refused.value)

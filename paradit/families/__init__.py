@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 PACKAGES = (
     "paradit.families.flux2",
+    "paradit.families.flux3",
     "paradit.families.qwen_image",
     "paradit.families.qwen_image21",
     "paradit.families.sd3",

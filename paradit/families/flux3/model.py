@@ -63,11 +63,13 @@ class Flux3Attention(AttentionDispatch):
         self.norm_k = nn.RMSNorm(self.head_dim, eps=config.eps)
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         q, k, v = (linear(x).unflatten(-1, (-1, self.head_dim)) for linear in (self.to_q, self.to_k, self.to_v))
         # Rotated in float32 too, then one cast back.
         q, k = rotate_qk(fp32_rms_norm(self.norm_q, q), fp32_rms_norm(self.norm_k, k), rope)
-        out = self.attend(q.to(v.dtype), k.to(v.dtype), v)
+        out = self.attend(q.to(v.dtype), k.to(v.dtype), v, key_mask)
         return self.to_out[0](out.flatten(2).to(v.dtype))
 
 
@@ -81,10 +83,16 @@ class Flux3ModeBlock(nn.Module):
         self.attn = Flux3Attention(config, (stream,))
         self.ff = FeedForward(dim, config.mlp_ratio)
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mod: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         ((shift, scale, gate),) = split_modulation(mod, 1)
         normed = (1 + scale) * self.norm(x) + shift
-        return x + gate * (self.attn(normed, rope) + self.ff(normed))
+        return x + gate * (self.attn(normed, rope, key_mask) + self.ff(normed))
 
 
 class ModeBlocks(nn.Module):
@@ -118,12 +126,16 @@ class Flux3SingleBlock(nn.Module):
         self.ff = FeedForward(dim, config.mlp_ratio)
 
     def forward(
-        self, streams: list[torch.Tensor], mods: list[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        streams: list[torch.Tensor],
+        mods: list[torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """``streams`` and ``mods`` in ``JOINT_STREAMS`` order, ``rope`` over their concatenation."""
+        """``streams`` and ``mods`` in ``JOINT_STREAMS`` order, ``rope`` and ``key_mask`` over their concatenation."""
         triples = [split_modulation(mod, 1)[0] for mod in mods]
         normed = torch.cat([(1 + scale) * self.norm(x) + shift for x, (shift, scale, _) in zip(streams, triples)], 1)
-        out = (self.attn(normed, rope) + self.ff(normed)).split([x.shape[1] for x in streams], dim=1)
+        out = (self.attn(normed, rope, key_mask) + self.ff(normed)).split([x.shape[1] for x in streams], dim=1)
         return [x + gate * part for x, part, (_, _, gate) in zip(streams, out, triples)]
 
 
@@ -135,6 +147,7 @@ class Flux3Tokens(JointTokens):
         **JointTokens.SEQUENCE_FIELDS,
         "cond": ("cond", 1),
         "cond_rope": ("cond", 0),
+        "txt_mask": ("txt", 1),
     }
 
     cond: torch.Tensor
@@ -142,6 +155,8 @@ class Flux3Tokens(JointTokens):
     temb: torch.Tensor  # the image tokens' embedding (B, dim), which the output layer reads
     early_mods: dict[str, torch.Tensor]  # stream -> the per-mode blocks' modulation
     single_mods: dict[str, torch.Tensor]  # stream -> the joint blocks' modulation
+    # (B, text tokens) False for a shorter prompt's padding in a batch (diffusers runs one prompt a call); None: none.
+    txt_mask: torch.Tensor | None = None
 
 
 class Flux3Transformer(StagedTransformer):
@@ -196,9 +211,11 @@ class Flux3Transformer(StagedTransformer):
         image_cond_hidden_states: torch.Tensor | None = None,
         image_cond_ids: torch.Tensor | None = None,
         target_timestep: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
     ) -> Flux3Tokens:
         """diffusers' forward arguments. The image tokens sit at ``timestep``, the text and the references at 0; a flow
-        map adds the embedding of ``target_timestep`` (the step's destination) to every mode's."""
+        map adds the embedding of ``target_timestep`` (the step's destination) to every mode's. The mask (not
+        diffusers') hides the padding of the shorter prompts in a batch, which then equal their own calls."""
         if (target_timestep is not None) != self.config.flow_map:
             raise ValueError("target_timestep is what a flow-map transformer, and only one, takes")
         batch, dtype = hidden_states.shape[0], hidden_states.dtype
@@ -221,18 +238,24 @@ class Flux3Transformer(StagedTransformer):
             temb=image_temb,
             early_mods={STREAMS[m]: self.early_stream_modulations[m](temb) for m, temb in tembs.items()},
             single_mods={STREAMS[m]: self.single_stream_modulations[m](temb) for m, temb in tembs.items()},
+            txt_mask=encoder_attention_mask,
         )
 
     def run_blocks(self, tokens: Flux3Tokens) -> Flux3Tokens:
         for block in itertools.chain(self.txt_mode_blocks, self.mode_blocks):
             stream = block.stream
             x, rope = getattr(tokens, stream), getattr(tokens, f"{stream}_rope")
-            setattr(tokens, stream, block(x, tokens.early_mods[stream], rope))
+            setattr(
+                tokens, stream, block(x, tokens.early_mods[stream], rope, tokens.txt_mask if stream == "txt" else None)
+            )
         streams = [getattr(tokens, name) for name in JOINT_STREAMS]
         mods = [tokens.single_mods[name] for name in JOINT_STREAMS]
         ropes = [getattr(tokens, f"{name}_rope") for name in JOINT_STREAMS]
         rope = tuple(torch.cat(tables, dim=0) for tables in zip(*ropes))
+        mask = tokens.txt_mask
+        if mask is not None:  # built once per forward: the parallel runtime gathers it once per tensor it sees
+            mask = torch.cat([mask, *(mask.new_ones(x.shape[:2]) for x in streams[1:])], dim=1)
         for block in self.single_transformer_blocks:
-            streams = block(streams, mods, rope)
+            streams = block(streams, mods, rope, mask)
         tokens.txt, tokens.img, tokens.cond = streams
         return tokens
