@@ -13,10 +13,15 @@ from PIL import Image
 from paradit import Engine, GenerationRequest
 from paradit.checkpoint import safetensors_files
 from paradit.errors import InvalidRequest
-from paradit.families import spec_from_folder
+from paradit.families import FAMILIES, spec_from_folder
 from paradit.families.flux3.model import Flux3Config, Flux3Transformer
+from paradit.loader import load_pipeline
+from paradit.parallel import ParallelConfig
+from paradit.parallel.mesh import ParallelContext
+from paradit.pipelines.base import seeded_noise
 from tests.checkpoint_cache import cached
 from tests.checkpoints import load_module_weights, relative_l2
+from tests.distributed import run_on_processes
 from tests.flux3_checkpoints import build_flux3_checkpoint, tiny_processor
 
 
@@ -168,3 +173,77 @@ def test_what_it_does_not_take_is_refused_in_one_line(engines, flow_map, changes
     with pytest.raises(InvalidRequest, match=refusal) as refused:
         engines[flow_map].check(GenerationRequest(prompt="a red fox", **changes))
     assert "\n" not in str(refused.value)
+
+
+def plan_checkpoint(flow_map: bool):
+    """Four heads, which degrees of 2 divide."""
+    return cached(build_flux3_checkpoint, flow_map, 0, 4)
+
+
+# Prompts of different windows (80 and 160 tokens): the shorter one's padding masked in the batch.
+PLAN_REQUEST = dict(
+    prompt=["a red fox", "two cats asleep on a mat " * 12], image=[picture(40, 56, 1), picture(64, 36, 2)]
+)
+
+
+def generated_pixels(plan: ParallelConfig | None, flow_map: bool) -> torch.Tensor | None:
+    spec, device = spec_from_folder(plan_checkpoint(flow_map)), torch.device("cpu")
+    pipeline = load_pipeline(spec, device, torch.float32, None if plan is None else ParallelContext.build(plan, device))
+    guidance = None if flow_map else 3.5
+    request = GenerationRequest(**PLAN_REQUEST, height=48, width=64, steps=2, seed=3, guidance=guidance)
+    results = pipeline.generate([FAMILIES["flux3"].resolve_request(spec, request)])
+    return None if results is None else results[0].pixels
+
+
+@pytest.mark.parametrize(
+    "world,plan,flow_map",
+    [
+        (2, ParallelConfig(tensor=2), False),
+        (2, ParallelConfig(cfg=2), False),
+        (3, ParallelConfig(ring=3), False),
+        (2, ParallelConfig(ulysses=2, shard_weights=2), False),
+        (2, ParallelConfig(pipefusion=2), True),
+        (2, ParallelConfig(ulysses=2), True),
+    ],
+    ids=["tensor 2", "cfg 2", "ring 3", "ulysses 2 sharded", "pipefusion 2 flow map", "ulysses 2 flow map"],
+)
+def test_plans_equal_one_process(world, plan, flow_map):
+    """Two prompts of different lengths and two references, where the prefix runs once (tensor, CFG parallel) and
+    where it runs each step (split tokens, sharded weights, stages); Ring over 3 splits every stream unevenly."""
+    plan_checkpoint(flow_map)  # built here, not by each process
+    expected = generated_pixels(None, flow_map)
+    assert relative_l2(run_on_processes(world, generated_pixels, plan, flow_map), expected) <= 1e-5
+
+
+@pytest.mark.parametrize("flow_map", [False, True])
+def test_the_prefix_runs_once_per_request_without_a_flow_map(flow_map):
+    """The text's and the references' per-mode blocks run once per request (base), or at every step (flow map, its
+    target embedding reaching them); the image's at every step."""
+    spec = spec_from_folder(plan_checkpoint(flow_map))
+    pipeline = load_pipeline(spec, torch.device("cpu"), torch.float32, None)
+    model, calls = pipeline.runtime.model, []
+    for stream, block in (("txt", model.txt_mode_blocks[0]), ("cond", model.mode_blocks.image_cond[0])):
+        block.register_forward_hook(lambda *_, stream=stream: calls.append(stream))
+    request = GenerationRequest(prompt="a red fox", image=[picture(32, 32, 0)], steps=3, seed=3)
+    pipeline.generate([FAMILIES["flux3"].resolve_request(spec, request)])
+    assert calls.count("txt") == calls.count("cond") == (3 if flow_map else 1)
+
+
+def test_a_batch_of_prompts_of_different_windows_equals_diffusers_one_by_one(engines, base_checkpoint):
+    """diffusers takes one prompt a call; in a batch the shorter prompt's padding is masked, so each image is its own
+    call's (a window of 80 tokens beside one of 320; CFG, the prefix run once)."""
+    prompts = PLAN_REQUEST["prompt"]
+    reference = reference_pipeline(base_checkpoint, flow_map=False)
+    got = engines[False].generate(GenerationRequest(prompt=prompts, height=32, width=48, steps=2, seed=3))
+    for index, prompt in enumerate(prompts):
+        expected = reference(
+            prompt=prompt,
+            height=32,
+            width=48,
+            num_inference_steps=2,
+            # paradit seeds a batch's noise in one draw; each of diffusers' calls draws its own rows
+            latents=seeded_noise((2, 16, 2, 3), 3, torch.float32, torch.device("cpu"))[index : index + 1],
+            output="images",
+            output_type="np",
+        )
+        assert np.abs(got.pixels[index].permute(1, 2, 0).numpy() - expected[0]).max() <= 1 / 255

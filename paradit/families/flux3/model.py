@@ -157,6 +157,7 @@ class Flux3Tokens(JointTokens):
     single_mods: dict[str, torch.Tensor]  # stream -> the joint blocks' modulation
     # (B, text tokens) False for a shorter prompt's padding in a batch (diffusers runs one prompt a call); None: none.
     txt_mask: torch.Tensor | None = None
+    prefixed: bool = False  # the text and references come through their per-mode blocks already (``encode_prefix``)
 
 
 class Flux3Transformer(StagedTransformer):
@@ -212,10 +213,12 @@ class Flux3Transformer(StagedTransformer):
         image_cond_ids: torch.Tensor | None = None,
         target_timestep: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
+        prefixed: bool = False,
     ) -> Flux3Tokens:
         """diffusers' forward arguments. The image tokens sit at ``timestep``, the text and the references at 0; a flow
         map adds the embedding of ``target_timestep`` (the step's destination) to every mode's. The mask (not
-        diffusers') hides the padding of the shorter prompts in a batch, which then equal their own calls."""
+        diffusers') hides the padding of the shorter prompts in a batch, which then equal their own calls.
+        ``prefixed``: the text and references given are ``encode_prefix``'s, their per-mode blocks run already."""
         if (target_timestep is not None) != self.config.flow_map:
             raise ValueError("target_timestep is what a flow-map transformer, and only one, takes")
         batch, dtype = hidden_states.shape[0], hidden_states.dtype
@@ -224,26 +227,67 @@ class Flux3Transformer(StagedTransformer):
         if target_timestep is not None:
             target_temb = self.time_embedding(self.target_timestep_embedder, target_timestep, dtype)
             image_temb, clean_temb = image_temb + target_temb, clean_temb + target_temb
-        if image_cond_hidden_states is None:  # an empty reference stream: every plan sees the same three streams
-            image_cond_hidden_states = hidden_states.new_zeros(batch, 0, self.config.cond_in_channels)
-            image_cond_ids = img_ids.new_zeros(0, img_ids.shape[-1])
         tembs = {IMAGE: image_temb, REFERENCE: clean_temb, TEXT: clean_temb}
+        if prefixed:
+            txt, cond = encoder_hidden_states, image_cond_hidden_states
+            if cond is None:
+                cond = hidden_states.new_zeros(batch, 0, self.config.inner_dim)
+        else:
+            txt, cond = self.embed_clean(encoder_hidden_states, image_cond_hidden_states)
+        if image_cond_ids is None:  # an empty reference stream: every plan sees the same three streams
+            image_cond_ids = img_ids.new_zeros(0, img_ids.shape[-1])
         return Flux3Tokens(
             img=self.x_embedders[IMAGE](hidden_states),
-            txt=self.context_embedder(encoder_hidden_states),
+            txt=txt,
             img_rope=self.rope(img_ids),
             txt_rope=self.rope(txt_ids),
-            cond=self.x_embedders[REFERENCE](image_cond_hidden_states),
+            cond=cond.expand(batch, -1, -1),
             cond_rope=self.rope(image_cond_ids),
             temb=image_temb,
             early_mods={STREAMS[m]: self.early_stream_modulations[m](temb) for m, temb in tembs.items()},
             single_mods={STREAMS[m]: self.single_stream_modulations[m](temb) for m, temb in tembs.items()},
             txt_mask=encoder_attention_mask,
+            prefixed=prefixed,
         )
+
+    def embed_clean(
+        self, encoder_hidden_states: torch.Tensor, image_cond_hidden_states: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The text and the references (an empty stream without any) projected to the model's width."""
+        if image_cond_hidden_states is None:
+            image_cond_hidden_states = encoder_hidden_states.new_zeros(1, 0, self.config.cond_in_channels)
+        return self.context_embedder(encoder_hidden_states), self.x_embedders[REFERENCE](image_cond_hidden_states)
+
+    def encode_prefix(
+        self,
+        encoder_hidden_states: torch.Tensor,
+        txt_ids: torch.Tensor,
+        image_cond_hidden_states: torch.Tensor | None = None,
+        image_cond_ids: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The text and the references through their per-mode blocks, for ``embed(..., prefixed=True)``. Without a
+        flow map they are modulated at t = 0 whatever the step and attend to themselves only: what every step of a
+        request would compute again. The references' rows (one) stand for every sample's."""
+        if self.config.flow_map:
+            raise ValueError("a flow map's text and references are modulated by each step's target: no prefix")
+        txt, cond = self.embed_clean(encoder_hidden_states, image_cond_hidden_states)
+        if image_cond_ids is None:
+            image_cond_ids = txt_ids.new_zeros(0, txt_ids.shape[-1])
+        clean_temb = self.time_embedding(self.timestep_embedder, txt.new_zeros(txt.shape[0]), txt.dtype)
+        txt_mod, txt_rope = self.early_stream_modulations[TEXT](clean_temb), self.rope(txt_ids)
+        for block in self.txt_mode_blocks:
+            txt = block(txt, txt_mod, txt_rope, encoder_attention_mask)
+        cond_mod, cond_rope = self.early_stream_modulations[REFERENCE](clean_temb[:1]), self.rope(image_cond_ids)
+        for block in getattr(self.mode_blocks, REFERENCE):
+            cond = block(cond, cond_mod, cond_rope)
+        return txt, cond
 
     def run_blocks(self, tokens: Flux3Tokens) -> Flux3Tokens:
         for block in itertools.chain(self.txt_mode_blocks, self.mode_blocks):
             stream = block.stream
+            if tokens.prefixed and stream != "img":
+                continue
             x, rope = getattr(tokens, stream), getattr(tokens, f"{stream}_rope")
             setattr(
                 tokens, stream, block(x, tokens.early_mods[stream], rope, tokens.txt_mask if stream == "txt" else None)

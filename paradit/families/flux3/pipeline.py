@@ -160,19 +160,43 @@ class Flux3Pipeline(DiffusionPipeline):
         target = schedule[index + 1] if index + 1 < len(schedule) else torch.zeros_like(t)
         return model_input, torch.stack([timestep, super().model_inputs(request, latents, target, layout)[1]], -1)
 
+    def runs_prefix_once(self) -> bool:
+        """Where the text and references go through their per-mode blocks once per request, not at every step: a model
+        without a flow map (whose target embedding reaches them each step), on a plan that keeps those blocks whole and
+        the tokens unsplit on each rank (one GPU, --tensor, --cfg-parallel). Elsewhere they run each step, as diffusers
+        runs them: the same numbers."""
+        if self.runtime.model.config.flow_map:
+            return False
+        plan = None if self.parallel is None else self.parallel.config
+        return plan is None or (plan.sequence_degree == 1 and plan.pipefusion == 1 and not plan.shard_weights)
+
     def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: Flux3Layout):
         embeds, mask = conditioning["embeds"], conditioning.get("mask")
         img_ids = image_ids(layout.rows, layout.cols, 0, self.device)
         txt_ids = text_ids(embeds.shape[1], self.device)
-        references = layout.references
+        references = None if layout.references is None else layout.references.to(self.dtype)
+        prefixed = self.runs_prefix_once()
+        if prefixed:
+            with torch.inference_mode():
+                embeds, references = self.runtime.model.encode_prefix(
+                    embeds.to(self.dtype), txt_ids, references, layout.reference_ids, mask
+                )
 
         def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
             target = None
             if timestep.ndim == 2:
                 timestep, target = timestep.unbind(-1)
-            cond = None if references is None else references.to(x.dtype).expand(x.shape[0], -1, -1)
             return transformer(
-                x, embeds, timestep, img_ids, txt_ids, cond, layout.reference_ids, target, encoder_attention_mask=mask
+                x,
+                embeds,
+                timestep,
+                img_ids,
+                txt_ids,
+                references,
+                layout.reference_ids,
+                target,
+                encoder_attention_mask=mask,
+                prefixed=prefixed,
             )
 
         return call
