@@ -3,6 +3,8 @@ tiny random checkpoint folders (fp32, CPU)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -281,3 +283,16 @@ def test_an_adapter_in_diffusers_layout_equals_load_lora_weights(engines, distil
         engine = Engine(str(distilled_checkpoint), device="cpu", dtype="fp32", options=options)
         got = engine.generate(GenerationRequest(**asked, steps=2, seed=3)).pixels.permute(0, 2, 3, 1).numpy()
         assert np.abs(got - expected).max() <= 1 / 255, mode
+
+
+def test_the_step_benchmark_runs_tiny_and_its_steps_equal_diffusers(monkeypatch, tmp_path):
+    """benchmarks/flux3_step.py --tiny: paradit's step (on the prefix for the base model) is diffusers' step."""
+    from benchmarks import flux3_step
+
+    argv = ["flux3_step.py", "--tiny", "--refs", "0", "1", "--text-len", "16", "--warmup", "0", "--iters", "1"]
+    monkeypatch.setattr("sys.argv", [*argv, "--out-dir", str(tmp_path)])
+    flux3_step.main()
+    rows = json.loads((tmp_path / "flux3_step.json").read_text())["rows"]
+    ours = [row for row in rows if row["impl"] == "paradit"]
+    assert {(row["model"], row["refs"]) for row in ours} == {(m, r) for m in flux3_step.MODELS for r in (0, 1)}
+    assert all(row["rel_l2_vs_diffusers"] <= 1e-5 and row["ms_per_step"] > 0 for row in ours)
