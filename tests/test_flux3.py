@@ -171,6 +171,8 @@ def test_a_folder_reads_as_its_variant(base_checkpoint, distilled_checkpoint):
         (True, dict(negative_prompt="blurry"), "does not use classifier-free guidance, so it takes no negative"),
         (False, dict(image=[picture(32, 32, n) for n in range(11)]), "takes at most 10 input images; 11 given"),
         (False, dict(image=[picture(32, 32, 0)], mask=Image.new("L", (32, 32))), "does no inpainting; drop the mask"),
+        (False, dict(image=[picture(32, 32, 0)], strength=0.5), "strength"),
+        (True, dict(scheduler="dpmpp-2m"), "dpmpp-2m"),
     ],
 )
 def test_what_it_does_not_take_is_refused_in_one_line(engines, flow_map, changes, refusal):

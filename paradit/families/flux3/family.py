@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 REFERENCE_LIMIT = 10  # reference images a request may give: diffusers' FLUX.3 prompt upsampler's stated maximum
 GATE_UP = Shard("column", ("MLP hidden", "MLP hidden"))  # the MLPs' input projection: [gate, up]
+# diffusers hands the scheduler its own sigmas, which DPMSolverMultistepScheduler takes none of
+SCHEDULERS = ("flow-euler", "unipc")
 
 
 def read_checkpoint(folder: Path, index: dict) -> ModelSpec:
@@ -53,7 +55,7 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     if request.negative_prompt is not None and spec.guidance_mode != "cfg":
         raise InvalidRequest(f"{spec.name} does not use classifier-free guidance, so it takes no negative prompt")
     granularity = pixel_granularity(spec.vae)
-    resolved = resolve_common(spec, request, granularity, image_limit=REFERENCE_LIMIT)
+    resolved = resolve_common(spec, request, granularity, image_limit=REFERENCE_LIMIT, schedulers=SCHEDULERS)
     if not resolved.images:
         return resolved
     # diffusers' own sizing (its processor: one reference padded to the token grid, several each cropped to it).
