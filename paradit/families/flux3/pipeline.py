@@ -45,7 +45,9 @@ class Qwen3VLPromptEncoder(DecoderPromptEncoder):
 
     @torch.no_grad()
     def encode(self, prompts: list[str], dtype: torch.dtype) -> list[torch.Tensor]:
-        """One (tokens, len(layers) * hidden) row per prompt."""
+        """One (tokens, len(layers) * hidden) row per prompt. The decoder is cut after the last layer read (32 of
+        Qwen3-VL-4B's 36) and its final norm dropped: the states it gives are the whole model's there, unnormed, as
+        diffusers reads them (only a model's last layer comes out normed)."""
         rows = []
         for prompt in prompts:
             input_ids, mask = (t.to(self.device) for t in self.tokenize_one(prompt))
