@@ -27,6 +27,7 @@ from tests.checkpoint_cache import cached
 from tests.checkpoints import load_module_weights, relative_l2
 from tests.distributed import run_on_processes
 from tests.flux3_checkpoints import build_flux3_checkpoint, tiny_processor
+from tests.test_checkpoint_options import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +299,25 @@ def test_the_step_benchmark_runs_tiny_and_its_steps_equal_diffusers(monkeypatch,
     ours = [row for row in rows if row["impl"] == "paradit"]
     assert {(row["model"], row["refs"]) for row in ours} == {(m, r) for m in flux3_step.MODELS for r in (0, 1)}
     assert all(row["rel_l2_vs_diffusers"] <= 1e-5 and row["ms_per_step"] > 0 for row in ours)
+
+
+def test_paradit_generate_edits_as_diffusers(base_checkpoint, tmp_path, capfd):
+    """``paradit generate --image`` on the folder: the written PNG is diffusers' image, cropped back to the single
+    reference's own 50x70, to one 8-bit level."""
+    reference_file, out = tmp_path / "reference.png", tmp_path / "out.png"
+    picture(50, 70, 0).save(reference_file)
+    argv = ["generate", "--model", str(base_checkpoint), "--device", "cpu", "--dtype", "fp32", "--prompt", "a red fox"]
+    argv += ["--image", str(reference_file), "--steps", "2", "--seed", "3", "--out", str(out)]
+    code, _, err = run_cli(argv, capfd)
+    assert code == 0, err
+    expected = reference_pipeline(base_checkpoint, flow_map=False)(
+        prompt="a red fox",
+        image=Image.open(reference_file),
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(3),
+        output="images",
+        output_type="np",
+    )
+    written = np.asarray(Image.open(out).convert("RGB"), dtype=np.float32)
+    assert written.shape == expected.shape[1:] == (70, 50, 3)
+    assert np.abs(written - (expected[0] * 255).round()).max() <= 1
