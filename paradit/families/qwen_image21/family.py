@@ -66,13 +66,10 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
-    """The prefix's keys and values, whole on each rank and made outside the forward, fit no split plan yet."""
-    parallel = settings.parallel
+    """The prefix's keys and values are made once per request, outside any captured graph, and PipeFusion's stages
+    do not yet pass the prefix on."""
     asked = {
-        "--ulysses": parallel.ulysses > 1,
-        "--ring": parallel.ring > 1,
-        "--pipefusion": parallel.pipefusion > 1,
-        "--shard-weights": bool(parallel.shard_weights),
+        "--pipefusion": settings.parallel.pipefusion > 1,
         "--cuda-graphs": settings.options.cuda_graphs,
     }
     refused = [flag for flag, used in asked.items() if used]
@@ -80,7 +77,7 @@ def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
         flags = " and ".join(refused)
         raise InvalidRequest(
             f"{settings.spec.name} runs its prompt and condition images once as a cached prefix, which {flags} "
-            f"cannot take yet; drop {flags} (one GPU, --tensor and CFG parallel take it)"
+            f"cannot take yet; drop {flags} (--ulysses, --ring, --tensor, --shard-weights and CFG parallel take it)"
         )
 
 
