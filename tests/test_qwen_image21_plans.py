@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from paradit import Engine, GenerationRequest
+from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, spec_from_folder
 from paradit.layers.prefix_attention import CachedPrefix
 from paradit.loader import load_pipeline
 from paradit.parallel import ParallelConfig
 from paradit.parallel.mesh import ParallelContext
+from paradit.settings import Asked, settle
 from paradit.spec import ModelSpec
 from tests.checkpoint_cache import cached
 from tests.checkpoints import relative_l2
@@ -87,16 +89,20 @@ PLANS = [
         ParallelConfig(ring=3),
         ParallelConfig(ulysses=2, ring=2),
         ParallelConfig(ulysses=2, shard_weights=2),
+        ParallelConfig(cfg=2, pipefusion=2),  # a whole step a call: exact (patched steps attend stale K/V)
     )
 ]
 
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_plan_equals_one_process(plan, one_process):
-    """Rank 0 keeps its Ulysses rank's heads and its ring rank's first share of the prefix's tokens."""
+    """Rank 0 keeps its Ulysses rank's heads and its ring rank's first share of the prefix's tokens, for its
+    PipeFusion stage's blocks (one of the two), for each guidance branch it computes."""
     small_spec()  # the folder built here, not by each process
     pixels, kept = run_on_processes(plan.world_size, _pixels_and_prefix, plan)
     assert relative_l2(pixels[0], one_process[0]) <= 1e-5
+    branches = 1 if plan.cfg == 2 else 2
+    assert len(kept) == 2 // plan.pipefusion * branches
     for whole, share in kept:
         batch, tokens, heads, dim = whole
         assert share == (batch, -(-tokens // plan.ring), heads // plan.ulysses, dim)
@@ -108,3 +114,19 @@ def test_consecutive_requests_through_one_engine_under_ulysses_each_use_their_ow
         pixels = [engine.generate(request(seed)).pixels for seed in (3, 7)]
     assert relative_l2(one_process[1], one_process[0]) > 1e-3  # a hundred times the tolerance
     assert max(relative_l2(ours, serial) for ours, serial in zip(pixels, one_process)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "plan,guidance,flag",
+    [
+        (ParallelConfig(pipefusion=2, ulysses=2), None, "--pipefusion with --ulysses or --ring"),
+        (ParallelConfig(pipefusion=2), 3.0, "--pipefusion with guidance but without --cfg 2"),
+    ],
+)
+def test_pipefusion_refuses_what_its_stages_cannot_take_in_one_line(plan, guidance, flag):
+    settings = settle(Asked(str(cached(build_qwen_image21_checkpoint)), device="cpu", dtype="fp32", parallel=plan))
+    with pytest.raises(InvalidRequest) as refused:
+        settings.resolve(dataclasses.replace(request(), guidance=guidance))
+    assert "\n" not in str(refused.value) and f"which {flag} cannot take yet; drop {flag} (" in str(refused.value)
+    if guidance is not None:  # unguided, the stages take it
+        assert settings.resolve(dataclasses.replace(request(), guidance=None)).images

@@ -3,9 +3,11 @@ and condition images modulated at t = 0) and reused at every step. A model marks
 ``PrefixCaching``; which share of the prefix a rank keeps, and how its queries attend it, the parallel runtime sets
 from outside (``paradit/parallel/sequence.py``). Plain single-device code: no ``torch.distributed`` here.
 
-A prefix-caching model runs its prefix by ``encode_prefix``, each block's part by the block's ``run_prefix``, and
-hands every attention layer's keys and values to that layer's ``keep_prefix``; the parallel wrappers forward
-``encode_prefix`` and gather sharded weights around ``run_prefix``."""
+A prefix-caching model runs its prefix by ``encode_prefix``: ``embed_prefix`` (a token state whose ``hidden`` field is
+what passes from block to block), ``run_prefix_blocks`` (each block's ``run_prefix``, every attention layer's keys and
+values handed to that layer's ``keep_prefix``) and ``cached_prefix`` (what its forward takes). The parallel wrappers
+forward ``encode_prefix``, gather sharded weights around ``run_prefix``, and run PipeFusion's stages one after
+another on the ``hidden`` states."""
 
 from __future__ import annotations
 

@@ -66,10 +66,13 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
-    """The prefix's keys and values are made once per request, outside any captured graph, and PipeFusion's stages
-    do not yet pass the prefix on."""
+    """The prefix's keys and values are made once per request, outside any captured graph; PipeFusion's stages keep
+    theirs whole, not split over a sequence group, and run one prefix a step (each guidance branch has its own)."""
+    parallel = settings.parallel
+    guided_on_one_rank = uses_cfg(settings.spec, request) and parallel.cfg == 1
     asked = {
-        "--pipefusion": settings.parallel.pipefusion > 1,
+        "--pipefusion with --ulysses or --ring": parallel.pipefusion > 1 and parallel.sequence_degree > 1,
+        "--pipefusion with guidance but without --cfg 2": parallel.pipefusion > 1 and guided_on_one_rank,
         "--cuda-graphs": settings.options.cuda_graphs,
     }
     refused = [flag for flag, used in asked.items() if used]
@@ -77,7 +80,8 @@ def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
         flags = " and ".join(refused)
         raise InvalidRequest(
             f"{settings.spec.name} runs its prompt and condition images once as a cached prefix, which {flags} "
-            f"cannot take yet; drop {flags} (--ulysses, --ring, --tensor, --shard-weights and CFG parallel take it)"
+            f"cannot take yet; drop {flags} (--ulysses, --ring, --tensor, --pipefusion, --shard-weights and CFG "
+            "parallel take it)"
         )
 
 

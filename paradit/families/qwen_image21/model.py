@@ -233,6 +233,21 @@ class QwenImage21Prefix:
 
 
 @dataclass
+class QwenImage21PrefixTokens:
+    """The prefix on its way through the blocks at t = 0: its ``hidden`` states (what a pipeline stage passes on),
+    what every block reads (the block-causal ``mask``; ``key_mask`` (batch, prefix) False at padding, None: none),
+    and each block's keys and values as kept so far."""
+
+    hidden: torch.Tensor
+    modulation: Modulation
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor
+    key_mask: torch.Tensor | None
+    target_frame: int
+    kept: list[CachedPrefix]
+
+
+@dataclass
 class QwenImage21Tokens:
     """The target's tokens; the prefix rides along as kept (every target token attends to all of it)."""
 
@@ -281,6 +296,18 @@ class QwenImage21Transformer(StagedTransformer):
         """The prompt encoder's (batch, slots, channels) states, ``image_slots`` (slots,) True where a condition
         image's 2x2 token groups go (filled with ``condition_latents`` (1 or batch, tokens, channels), raster order
         image by image), the mask (batch, slots) True at real tokens; run through every block at t = 0."""
+        args = (encoder_hidden_states, image_slots, encoder_hidden_states_mask, condition_latents, condition_grids)
+        return self.cached_prefix(self.run_prefix_blocks(self.embed_prefix(*args)))
+
+    def embed_prefix(
+        self,
+        encoder_hidden_states: torch.Tensor,
+        image_slots: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        condition_latents: torch.Tensor | None = None,
+        condition_grids: tuple[tuple[int, int], ...] = (),
+    ) -> QwenImage21PrefixTokens:
+        """``encode_prefix``'s inputs, before the blocks."""
         batch, device = encoder_hidden_states.shape[0], encoder_hidden_states.device
         layout = prefix_layout(image_slots.tolist(), condition_grids, device)
         repeats = torch.where(image_slots, TOKENS_PER_SLOT, 1)
@@ -293,11 +320,18 @@ class QwenImage21Transformer(StagedTransformer):
             key_mask = encoder_hidden_states_mask.to(torch.bool).repeat_interleave(repeats, dim=1) | is_image
         mask = block_causal_mask(layout.image_index, key_mask)
         _, modulation = self.conditioning(torch.zeros(1, device=device), x.dtype)
-        rope, kv = self.rope(layout.positions), []
+        return QwenImage21PrefixTokens(
+            x, modulation, self.rope(layout.positions), mask, key_mask, layout.target_frame, []
+        )
+
+    def run_prefix_blocks(self, tokens: QwenImage21PrefixTokens) -> QwenImage21PrefixTokens:
         for block in self.transformer_blocks:
-            x, (key, value) = block.run_prefix(x, modulation, rope, mask)
-            kv.append(block.attn.keep_prefix(key, value, key_mask))
-        return QwenImage21Prefix(tuple(kv), layout.target_frame)
+            tokens.hidden, (key, value) = block.run_prefix(tokens.hidden, tokens.modulation, tokens.rope, tokens.mask)
+            tokens.kept.append(block.attn.keep_prefix(key, value, tokens.key_mask))
+        return tokens
+
+    def cached_prefix(self, tokens: QwenImage21PrefixTokens) -> QwenImage21Prefix:
+        return QwenImage21Prefix(tuple(tokens.kept), tokens.target_frame)
 
     def embed(
         self, hidden_states: torch.Tensor, timestep: torch.Tensor, rows: int, cols: int, prefix: QwenImage21Prefix
