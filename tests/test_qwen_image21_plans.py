@@ -1,7 +1,7 @@
 """Qwen-Image 2.1 under every parallel plan equals one process (fp32, CPU, gloo): a guided edit of two prompts of
 different lengths (so the prefix carries padding) from one condition image, each rank keeping only its share of the
 cached prefix (Ulysses: its heads; Ring: its tokens, travelling round the ring). A 64x64 target is 16 tokens, 6/5/5
-over three ring ranks; the prefix's length splits unevenly over two."""
+over three ring ranks; the two branches' prefixes (66 and 69 tokens, padded) split 33/33 and 35/34 over two."""
 
 from __future__ import annotations
 
