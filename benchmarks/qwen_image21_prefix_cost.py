@@ -1,8 +1,8 @@
 """What Qwen-Image 2.1's prefix encode (its prompt and condition images through every block at t = 0, once per
 request) costs beside a denoise step, with random weights: the transformer alone, at one output size with 0, 1 and 3
-condition images of the same size. Under Ring and USP each rank runs the prefix encode whole (it is once per request),
-while its step is about 1 / degree of the one-process step: the table gives the encode against one process's step
-and against a ring rank's share of it.
+condition images of the same size. Under Ulysses and USP each rank runs the prefix encode whole (it is once per
+request; Ring alone splits it), while its step is about 1 / degree of the one-process step: the table gives the
+encode against one process's step and against a sequence rank's share of it (``--degree``).
 
     python benchmarks/qwen_image21_prefix_cost.py --out-dir $OUT                 # full size, bf16, on the GPU
     python benchmarks/qwen_image21_prefix_cost.py --tiny --device cpu --size 256  # the tiny shape, on the CPU
@@ -41,7 +41,7 @@ COLUMNS = [
     ("prefix_ms", "prefix encode ms", ".1f"),
     ("step_ms", "step ms", ".1f"),
     ("prefix_per_step", "encode / step", ".2f"),
-    ("prefix_per_ring_step", "encode / ring-rank step", ".2f"),
+    ("prefix_per_rank_step", "encode / a rank's step", ".2f"),
     ("share_of_request", "encode's share of a request", ".1%"),
 ]
 
@@ -84,8 +84,8 @@ def measure(model: QwenImage21Transformer, references: int, args, device: torch.
         prefix_ms=prefix_ms,
         step_ms=step_ms,
         prefix_per_step=prefix_ms / step_ms,
-        prefix_per_ring_step=prefix_ms / (step_ms / args.ring),
-        share_of_request=prefix_ms / (prefix_ms + args.steps * step_ms / args.ring),
+        prefix_per_rank_step=prefix_ms / (step_ms / args.degree),
+        share_of_request=prefix_ms / (prefix_ms + args.steps * step_ms / args.degree),
     )
 
 
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", type=int, default=1024, help="the output's and each condition image's side")
     parser.add_argument("--references", nargs="+", type=int, default=[0, 1, 3])
-    parser.add_argument("--ring", type=int, default=2, help="the ring degree a rank's step share is taken at")
+    parser.add_argument("--degree", type=int, default=2, help="the sequence degree a rank's step share is taken at")
     parser.add_argument("--steps", type=int, default=40, help="steps of a request (the base model's default)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out-dir")

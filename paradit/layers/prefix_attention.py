@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ def with_prefix_mask(prefix_mask: torch.Tensor | None, keys: int) -> torch.Tenso
     return torch.cat([prefix_mask, prefix_mask.new_ones(prefix_mask.shape[0], keys)], dim=1)
 
 
+def masked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask)
+    return out.transpose(1, 2)
+
+
 class PrefixAttentionFn(Protocol):
     def __call__(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: CachedPrefix
@@ -55,6 +61,11 @@ class PrefixCaching:
     # through ``attend``): set per module by the parallel runtime.
     keep_prefix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], CachedPrefix] = staticmethod(keep_whole)
     prefix_attention_fn: PrefixAttentionFn | None = None
+    # The prefix's own attention under its (batch or 1, 1, queries, keys) mask, once per request: one masked SDPA
+    # call here, the ring's tiles under Ring.
+    masked_attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
+        staticmethod(masked_sdpa)
+    )
 
     def attend_after(
         self, prefix: CachedPrefix, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

@@ -3,7 +3,8 @@ over heads), Ring (K/V blocks passed round, merged by log-sum-exp) or both (USP:
 
 A cached prefix (``layers/prefix_attention.py``) is not exchanged at each step: each rank keeps, of every layer's
 prefix, the heads its Ulysses rank attends and its Ring rank's share of the tokens, which travels round the ring
-ahead of that rank's own keys."""
+ahead of that rank's own keys. Under Ring alone the prefix encode is split too: each rank runs its share, the
+block-causal mask applied tile by tile round the ring, fully masked tiles skipped."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from paradit.layers.attention import AttentionDispatch, AttentionFn, FP8Attention, attention_with_lse, sdpa_attention
-from paradit.layers.prefix_attention import CachedPrefix, PrefixCaching
+from paradit.layers.prefix_attention import CachedPrefix, PrefixCaching, masked_sdpa
 from paradit.parallel.comm import RingExchange, all_gather_uneven, split_sizes, start_all_to_all_uneven
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.transport import decode_fp8_rows, encode_fp8_rows
@@ -43,6 +44,10 @@ def scoped(var: ContextVar, value) -> Iterator[None]:
 
 def sequence_layout(sizes: dict[str, list[int]]) -> contextlib.AbstractContextManager[None]:
     return scoped(_LAYOUT, sizes)
+
+
+# While a prefix encode runs split over the ring: the prefix tokens each ring rank runs, in ring order.
+_PREFIX_SHARES: ContextVar[tuple[int, ...]] = ContextVar("paradit_prefix_shares")
 
 
 def merge_partials(
@@ -76,6 +81,7 @@ class SequenceParallelAttention:
         self.fp8_transport = context.config.comm_dtype == "fp8"
         self.local_lengths: list[int] = []  # tokens per sequence rank in this call, in chunk order
         self._mask_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask passed, mask gathered)
+        self._tile_cache: tuple[torch.Tensor, list[tuple[bool, bool]]] | None = None  # (mask, each tile's kind)
 
     def _ulysses_lengths(self) -> list[int]:
         row = self.context.local_rank("ring") * self.ulysses
@@ -90,7 +96,11 @@ class SequenceParallelAttention:
 
     def keep_prefix(self, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None) -> CachedPrefix:
         """Of a layer's whole prefix, the heads this Ulysses rank attends and this Ring rank's tokens (the padding
-        mask, a bit a token, stays whole: every rank of the ring reads each share's)."""
+        mask, a bit a token, stays whole: every rank of the ring reads each share's). A split encode's keys and
+        values are this rank's share already."""
+        shares = _PREFIX_SHARES.get(None)
+        if shares is not None:
+            return CachedPrefix(key, value, key_mask, shares)
         lengths = split_sizes(key.shape[1], self.ring)
         ring_rank = self.context.local_rank("ring")
         start = sum(lengths[:ring_rank])
@@ -234,8 +244,35 @@ class SequenceParallelAttention:
         """Each K/V block attended as it arrives; ``key_mask`` is Ulysses-gathered. With a ``prefix``, each rank's
         block is [its prefix share | its tokens]."""
         lengths = self._ring_lengths(prefix)
-        me = self.context.local_rank("ring")
         masks = self._block_masks(key_mask, prefix, lengths, q)
+        return self._around_the_ring(q, k, v, lengths, lambda source, *kv: with_lse(q, *kv, masks[source]))
+
+    def prefix_tile_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """A prefix encode's attention under its (batch or 1, 1, queries, keys) mask: split over the ring (``mask``:
+        this rank's query rows, every key), each source's tile attended unmasked where all of it is seen, masked
+        where some is, and not at all where none is; whole on this rank otherwise."""
+        shares = _PREFIX_SHARES.get(None)
+        if shares is None:
+            return masked_sdpa(q, k, v, mask)
+        tiles = mask.split(shares, dim=-1)
+        if self._tile_cache is None or self._tile_cache[0] is not mask:  # every layer passes the same mask
+            self._tile_cache = mask, [(bool(tile.any()), bool(tile.all())) for tile in tiles]
+        kinds = self._tile_cache[1]
+
+        def attend(source: int, key: torch.Tensor, value: torch.Tensor):
+            seen, whole = kinds[source]
+            if not seen:
+                return None
+            return attention_with_lse(q, key, value, None if whole else tiles[source])
+
+        return self._around_the_ring(q, k, v, list(shares), attend)
+
+    def _around_the_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], attend):
+        """``attend(source, key, value)`` (its output and lse, or None: nothing seen) for each ring rank's block
+        ``lengths[source]`` long, merged as the blocks arrive."""
+        me = self.context.local_rank("ring")
         kv = [k, v]
         # A rank's own block is used as computed; only the copies that cross the wire are quantised.
         wire = [self._to_wire(t) for t in kv]
@@ -246,8 +283,9 @@ class SequenceParallelAttention:
                 length = lengths[(source - 1) % self.ring]
                 shapes = [(t.shape[0], length, *t.shape[2:]) for t in wire]
                 next_wire, pending = self.ring_exchange.start(wire, shapes)
-            out, lse = with_lse(q, *kv, masks[source])
-            out_acc, lse_acc = merge_partials(out_acc, lse_acc, out, lse)
+            attended = attend(source, *kv)
+            if attended is not None:
+                out_acc, lse_acc = merge_partials(out_acc, lse_acc, *attended)
             if step + 1 < self.ring:
                 for work in pending:
                     work.wait()
@@ -342,6 +380,7 @@ class SequenceParallel(nn.Module):
         if isinstance(module, PrefixCaching):
             module.keep_prefix = self.attention.keep_prefix
             module.prefix_attention_fn = module.attention_fn
+            module.masked_attention_fn = self.attention.prefix_tile_attention
 
     def split(self, tokens):
         """This rank's chunk of each stream, and {stream: per-rank sizes} for ``sequence_layout``."""
@@ -351,8 +390,19 @@ class SequenceParallel(nn.Module):
         return narrow_streams(tokens, ranges), sizes
 
     def encode_prefix(self, *args, **kwargs):
-        """A prefix-caching model's prefix, run whole on every rank (once per request); each layer keeps its share."""
-        return self.model.encode_prefix(*args, **kwargs)
+        """A prefix-caching model's prefix, once per request; each layer keeps its share. Under Ring alone each rank
+        runs its share of the tokens; with Ulysses every rank runs it whole (a split encode would need its heads
+        exchanged twice a layer, for keys each rank then throws most of away)."""
+        if self.context.config.ulysses > 1:
+            return self.model.encode_prefix(*args, **kwargs)
+        tokens = self.model.embed_prefix(*args, **kwargs)
+        (stream, length), *_ = stream_lengths(tokens).items()
+        shares = split_sizes(length, self.context.config.ring)
+        start = sum(shares[: self.context.local_rank("ring")])
+        tokens = narrow_streams(tokens, {stream: (start, start + shares[self.context.local_rank("ring")])})
+        with scoped(_PREFIX_SHARES, tuple(shares)):
+            tokens = self.model.run_prefix_blocks(tokens)
+        return self.model.cached_prefix(tokens)
 
     def gather(self, out: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return all_gather_uneven(out, 1, sizes, self.context.sequence_group, self.context.stats)

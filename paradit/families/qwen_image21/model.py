@@ -179,11 +179,10 @@ class PrefixAttention(PrefixCaching, QKVAttention):
     def attend_prefix(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
     ) -> tuple[torch.Tensor, KeyValue]:
-        """The prefix under its block-causal ``mask`` ((batch or 1, 1, q, k) bool), once per request, so one masked
-        SDPA call; its keys and values for the steps."""
+        """The prefix under its block-causal ``mask`` ((batch or 1, 1, q, k) bool), once per request; its keys and
+        values for the steps."""
         q, k, v = self.rotated_qkv(x, rope)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.to_out[0](out.transpose(1, 2).flatten(2).to(q.dtype)), (k, v)
+        return self.to_out[0](self.masked_attention_fn(q, k, v, mask).flatten(2).to(q.dtype)), (k, v)
 
 
 Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # attention's scale, gate; MLP's, (B, 1, D)
@@ -236,7 +235,14 @@ class QwenImage21Prefix:
 class QwenImage21PrefixTokens:
     """The prefix on its way through the blocks at t = 0: its ``hidden`` states (what a pipeline stage passes on),
     what every block reads (the block-causal ``mask``; ``key_mask`` (batch, prefix) False at padding, None: none),
-    and each block's keys and values as kept so far."""
+    and each block's keys and values as kept so far. A ring splits its ``hidden`` rows, their rotary rows and the
+    mask's query rows."""
+
+    SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
+        "hidden": ("hidden", 1),
+        "rope": ("hidden", 0),
+        "mask": ("hidden", 2),
+    }
 
     hidden: torch.Tensor
     modulation: Modulation
