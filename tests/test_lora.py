@@ -232,7 +232,7 @@ def test_a_fixed_adapters_side_paths_fold_into_their_gemms_where_the_width_pays(
     folded = side_paths()
     monkeypatch.setattr(runtime, "fold_side_paths", lambda model: 0)
     unfolded = side_paths()
-    kinds = [(path.folded_scale is not None, path.linear.out_features >= path.down.shape[1]) for path in folded]
+    kinds = [(path.folded, path.linear.out_features >= path.down.shape[1]) for path in folded]
     assert all(folds == widening for folds, widening in kinds) and 0 < sum(folds for folds, _ in kinds) < len(kinds)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

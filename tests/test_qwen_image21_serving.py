@@ -1,7 +1,7 @@
 """Qwen-Image 2.1 served as the other families are, on the tiny ``save_pretrained`` folder of
 ``tests/test_qwen_image21.py`` (fp32, CPU): LoRA adapters in diffusers' layout (fused and unfused) and in ComfyUI's
-equal diffusers' ``load_lora_weights``; step caching keeps each block's prefix keys and values (first-block and a
-guided request refused for now); FP8 linears stay within FP8's error of bf16; the denoise step attends without a mask;
+equal diffusers' ``load_lora_weights``; step caching keeps each block's prefix keys and values (a guided request
+refused for now); FP8 linears stay within FP8's error of bf16; the denoise step attends without a mask;
 the planner proposes only plans the family takes; ``paradit generate --image`` and ``/v1/images/edits`` with 1 and 3
 condition images equal ``QwenImage21Pipeline``, and 11 images or a mask are refused naming the field.
 
@@ -132,14 +132,6 @@ def test_a_comfyui_layout_equals_diffusers(folder, tmp_path):
 
 
 CACHE_STEPS = 6
-# First-block runs the stack in two slices (the head block, then the rest); the model's ``run_blocks`` reads each
-# block's prefix keys and values by its place in the list it is handed, so the second slice would read block 0's
-# onwards: refused until ``run_blocks`` reads them by block.
-SLICED_STACK = pytest.mark.xfail(
-    raises=InvalidRequest,
-    strict=True,
-    reason="model.py: QwenImage21Transformer.run_blocks indexes the prefix by the slice's position",
-)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +147,7 @@ def uncached(engine):
 @pytest.mark.parametrize(
     "cache",
     [
-        pytest.param(StepCacheConfig("first-block", threshold=0.0), marks=SLICED_STACK),
+        StepCacheConfig("first-block", threshold=0.0),
         StepCacheConfig("mag", mag_ratios=(1.0,) * CACHE_STEPS, retention_ratio=1.0),
         StepCacheConfig("taylorseer", cache_interval=1, disable_cache_before_step=CACHE_STEPS),
     ],
@@ -181,7 +173,7 @@ SKIPPING = {
 }
 
 
-@pytest.mark.parametrize("method", [pytest.param("first-block", marks=SLICED_STACK), "mag", "taylorseer"])
+@pytest.mark.parametrize("method", ["first-block", "mag", "taylorseer"])
 def test_a_cache_that_skips_steps_stays_near_the_uncached_image(engine, uncached, method):
     """The steps diffusers' rules skip (its hooks have no metadata for this model's blocks, so they cannot be the
     reference) replay a computed step's residual: the image moves, within 0.3 relative L2 of the uncached one (on

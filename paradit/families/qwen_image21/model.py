@@ -224,10 +224,11 @@ class QwenImage21TransformerBlock(nn.Module):
 
 @dataclass(frozen=True)
 class QwenImage21Prefix:
-    """A request's text and condition images, run once: each block's keys and values as this rank keeps them (its
-    ``kv`` at the block's index, with the prompt's padding), and the target's frame position."""
+    """A request's text and condition images, run once: each block's keys and values as this rank keeps them (``kv``
+    keyed by the block, so a step cache's or a pipeline stage's slice of the blocks reads its own), with the prompt's
+    padding, and the target's frame position."""
 
-    kv: tuple[CachedPrefix, ...]
+    kv: dict[nn.Module, CachedPrefix]
     target_frame: int
 
 
@@ -250,7 +251,7 @@ class QwenImage21PrefixTokens:
     mask: torch.Tensor
     key_mask: torch.Tensor | None
     target_frame: int
-    kept: list[CachedPrefix]
+    kept: dict[nn.Module, CachedPrefix]
 
 
 @dataclass
@@ -327,17 +328,17 @@ class QwenImage21Transformer(StagedTransformer):
         mask = block_causal_mask(layout.image_index, key_mask)
         _, modulation = self.conditioning(torch.zeros(1, device=device), x.dtype)
         return QwenImage21PrefixTokens(
-            x, modulation, self.rope(layout.positions), mask, key_mask, layout.target_frame, []
+            x, modulation, self.rope(layout.positions), mask, key_mask, layout.target_frame, {}
         )
 
     def run_prefix_blocks(self, tokens: QwenImage21PrefixTokens) -> QwenImage21PrefixTokens:
         for block in self.transformer_blocks:
             tokens.hidden, (key, value) = block.run_prefix(tokens.hidden, tokens.modulation, tokens.rope, tokens.mask)
-            tokens.kept.append(block.attn.keep_prefix(key, value, tokens.key_mask))
+            tokens.kept[block] = block.attn.keep_prefix(key, value, tokens.key_mask)
         return tokens
 
     def cached_prefix(self, tokens: QwenImage21PrefixTokens) -> QwenImage21Prefix:
-        return QwenImage21Prefix(tuple(tokens.kept), tokens.target_frame)
+        return QwenImage21Prefix(dict(tokens.kept), tokens.target_frame)
 
     def embed(
         self, hidden_states: torch.Tensor, timestep: torch.Tensor, rows: int, cols: int, prefix: QwenImage21Prefix
@@ -349,8 +350,8 @@ class QwenImage21Transformer(StagedTransformer):
         return QwenImage21Tokens(img, self.rope(positions), temb, modulation, prefix)
 
     def run_blocks(self, tokens: QwenImage21Tokens) -> QwenImage21Tokens:
-        for index, block in enumerate(self.transformer_blocks):
-            tokens.img = block(tokens.img, tokens.modulation, tokens.img_rope, tokens.prefix.kv[index])
+        for block in self.transformer_blocks:
+            tokens.img = block(tokens.img, tokens.modulation, tokens.img_rope, tokens.prefix.kv[block])
         return tokens
 
 
