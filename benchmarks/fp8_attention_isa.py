@@ -44,9 +44,16 @@ TRITON_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"
 MATRIX = re.compile(r"\b(wgmma\.mma_async[\w.]*|v_mfma\w*|v_wmma\w*|v_swmmac\w*)")
 
 
-def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim: int = 128, masked: bool = True):
+def compile_forward(
+    target: Target,
+    config: tuple[int, int, int, int],
+    head_dim: int = 128,
+    masked: bool = True,
+    sparse: bool = False,
+):
     """The attention kernel compiled for ``target`` with ``config`` (query tile, key tile, warps, stages), INT8 Q·Kᵀ,
-    the constants ``fp8_attention_with_lse`` passes there."""
+    the constants ``fp8_attention_with_lse`` passes there; ``sparse``: with a block mask's kept tiles (dense: None,
+    a constant, so the dense kernel compiles as it did before the block mask existed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -64,6 +71,8 @@ def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim:
         "OUT": "*bf16",
         "LSE": "*fp32",
     }
+    if sparse:
+        pointers["KEPT_TILES"] = "*i32"
     if target.descriptors:
         pointers |= {
             "K_DESC": f"tensordesc<i8[{block_n}, {head_dim}]>",
@@ -82,6 +91,8 @@ def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim:
         "DESCRIPTORS": target.descriptors,
         **kernel.rounding(target.fp8),
     }
+    if not sparse:
+        constants["KEPT_TILES"] = None
     names = list(inspect.signature(kernel._fp8_attention_forward.fn).parameters)
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "fp32" if name == "sm_scale" else "i32")
