@@ -46,6 +46,20 @@ from paradit.layers.sparse_masks import (
 from paradit.request_hooks import RequestHook
 
 SPARSE_METHODS = ("radial", "svg2")
+# The settings each method reads, as its record names them.
+RECORDED = {
+    "radial": ("dense_steps", "dense_blocks", "decay_factor"),
+    "svg2": (
+        "dense_steps",
+        "dense_blocks",
+        "query_clusters",
+        "key_clusters",
+        "top_p",
+        "min_key_share",
+        "first_iterations",
+        "iterations",
+    ),
+}
 
 # The video's token grid (frames, rows, columns) of the forward in flight, set by the model around its blocks: a
 # context variable, as the sequence layout is, so that no state outlives its forward.
@@ -128,32 +142,65 @@ def balanced_head_order(kept: list[float], sizes: list[int]) -> list[int]:
     return [head for rank in members for head in sorted(rank)]
 
 
+@dataclass
+class SparseRecord:
+    """What a request's sparse attention did, for the closing table, ``--json`` and the files' metadata: the method
+    and its settings, the mean share of (query, key) pairs its sparse calls' masks kept (``density``: the whole
+    mask's for radial, rank 0's heads' for SVG2 under Ulysses), and that share over every video self-attention call,
+    the dense warm-up's counted whole (``attended``)."""
+
+    method: str
+    settings: dict
+    density: float | None = None
+    attended: float | None = None
+
+    def line(self) -> str:
+        measured = "no sparse call" if self.density is None else f"density {self.density:.2f}"
+        return f"sparse attention ({self.method}), {measured}, {self.attended or 1.0:.2f} of all pairs attended"
+
+
 class SparseRun(RequestHook):
-    """The run's shared state: whether this step is sparse, the density the sparse calls kept (reported), and per
-    block what SVG2 carries from step to step (each head's centroids and kept tiles), reset per request."""
+    """The run's shared state: whether this step is sparse, what the calls kept (``SparseRecord``), and per block
+    what SVG2 carries from step to step (each head's centroids and kept tiles), reset per request."""
 
     def __init__(self, settings: SparseSettings) -> None:
         self.settings, self.sparse_now = settings, settings.dense_steps_of(1) == 0
-        self.kept = self.calls = 0.0
-        self.per_block: dict[int, dict[str, dict]] = {}
+        self.kept = self.sparse_calls = self.dense_calls = 0.0
+        self.per_block: dict[int, dict] = {}
+        self.record_: SparseRecord | None = None
 
     def begin_request(self, request) -> None:
-        self.kept = self.calls = 0.0
+        self.kept = self.sparse_calls = self.dense_calls = 0.0
         self.per_block = {}
+
+    def begin_denoise(self, denoise) -> None:
+        settings = {name: getattr(self.settings, name) for name in RECORDED[self.settings.method]}
+        settings["dense_steps"] = self.settings.dense_steps_of(len(denoise.timesteps))
+        self.record_ = denoise.features["sparse_attention"] = SparseRecord(self.settings.method, settings)
 
     def at_step(self, done: int, steps: int) -> None:
         self.sparse_now = done >= self.settings.dense_steps_of(steps)
+        if self.record_ is not None:
+            self.record_.density, self.record_.attended = self.density, self.attended
 
     def record(self, block_mask: torch.Tensor, q_length: int, k_length: int) -> None:
         self.kept += density(block_mask, q_length, k_length)
-        self.calls += 1
+        self.sparse_calls += 1
+
+    def record_dense(self) -> None:
+        self.dense_calls += 1
 
     @property
     def density(self) -> float | None:
         """The mean share of (query, key) pairs the sparse calls attended (None: none ran sparse)."""
-        return self.kept / self.calls if self.calls else None
+        return self.kept / self.sparse_calls if self.sparse_calls else None
 
-    def block_state(self, block: int) -> dict[str, dict]:
+    @property
+    def attended(self) -> float | None:
+        calls = self.sparse_calls + self.dense_calls
+        return (self.kept + self.dense_calls) / calls if calls else None
+
+    def block_state(self, block: int) -> dict:
         return self.per_block.setdefault(block, {"centroids": {}, "kept": {}})
 
 
@@ -215,6 +262,7 @@ class SparseSelfAttention:
 
     def __call__(self, query, key, value, key_mask=None):
         if not self.active:
+            self.run.record_dense()
             return (self.dense or sdpa_attention)(query, key, value, key_mask)
         return self.with_lse(query, key, value, key_mask)[0]
 
@@ -224,13 +272,16 @@ class SparseSelfAttention:
             lse = torch.full(query.shape[:1] + query.shape[2:3] + query.shape[1:2], float("-inf"))
             return torch.zeros_like(query), lse.to(query.device)
         if not self.active:
+            self.run.record_dense()
             return getattr(self.dense, "with_lse", attention_with_lse)(query, key, value, key_mask)
         if self.run.settings.method == "svg2":
             return self._svg2(query, key, value, key_mask)
-        mask = radial_block_mask(_GRID.get(), self.run.settings.decay_factor).to(query.device)
+        whole = radial_block_mask(_GRID.get(), self.run.settings.decay_factor)
+        length = math.prod(_GRID.get())
+        self.run.record(whole, length, length)  # the whole mask's, whichever Ring block this is
         rows, columns = query_start // TILE, key_start // TILE
-        mask = mask[rows : rows + tiles(query.shape[1]), columns : columns + tiles(key.shape[1])][None, None]
-        self.run.record(mask, query.shape[1], key.shape[1])
+        mask = whole.to(query.device)[rows : rows + tiles(query.shape[1]), columns : columns + tiles(key.shape[1])]
+        mask = mask[None, None]
         return self._attend(query, key, value, mask, key_mask)
 
     with_lse.takes_offsets = True
