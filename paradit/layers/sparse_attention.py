@@ -38,7 +38,7 @@ from paradit.layers.sparse_masks import (
     RADIAL_DENSE_BLOCKS,
     RADIAL_DENSE_STEPS,
     TILE,
-    density,
+    kept_share,
     radial_block_mask,
     tiles,
     token_mask,
@@ -180,11 +180,12 @@ class SparseRun(RequestHook):
 
     def at_step(self, done: int, steps: int) -> None:
         self.sparse_now = done >= self.settings.dense_steps_of(steps)
-        if self.record_ is not None:
+        if self.record_ is not None:  # once a step: the shares kept on the device until now
+            self.kept = float(self.kept)
             self.record_.density, self.record_.attended = self.density, self.attended
 
     def record(self, block_mask: torch.Tensor, q_length: int, k_length: int) -> None:
-        self.kept += density(block_mask, q_length, k_length)
+        self.kept = self.kept + kept_share(block_mask, q_length, k_length)
         self.sparse_calls += 1
 
     def record_dense(self) -> None:
@@ -260,12 +261,15 @@ class SparseSelfAttention:
         state["order"] = order
         return order
 
+    # Compiled blocks call it as one opaque step: its masks, tile lists and records are host-side bookkeeping.
+    @torch.compiler.disable
     def __call__(self, query, key, value, key_mask=None):
         if not self.active:
             self.run.record_dense()
             return (self.dense or sdpa_attention)(query, key, value, key_mask)
         return self.with_lse(query, key, value, key_mask)[0]
 
+    @torch.compiler.disable
     def with_lse(self, query, key, value, key_mask=None, query_start: int = 0, key_start: int = 0):
         """``query_start``/``key_start``: the tokens' offsets in the sequence (Ring's blocks), whole tiles."""
         if query.numel() == 0:  # a Ulysses rank's empty chunk of heads (CPU kernels fault on none)
@@ -276,11 +280,11 @@ class SparseSelfAttention:
             return getattr(self.dense, "with_lse", attention_with_lse)(query, key, value, key_mask)
         if self.run.settings.method == "svg2":
             return self._svg2(query, key, value, key_mask)
-        whole = radial_block_mask(_GRID.get(), self.run.settings.decay_factor)
+        whole = radial_block_mask(_GRID.get(), self.run.settings.decay_factor, query.device)
         length = math.prod(_GRID.get())
         self.run.record(whole, length, length)  # the whole mask's, whichever Ring block this is
         rows, columns = query_start // TILE, key_start // TILE
-        mask = whole.to(query.device)[rows : rows + tiles(query.shape[1]), columns : columns + tiles(key.shape[1])]
+        mask = whole[rows : rows + tiles(query.shape[1]), columns : columns + tiles(key.shape[1])]
         mask = mask[None, None]
         return self._attend(query, key, value, mask, key_mask)
 
@@ -309,7 +313,7 @@ class SparseSelfAttention:
         batch = query.shape[0]
         for index, head in enumerate(heads):  # each head's own, so that a head keeps them whichever rank it moves to
             state["centroids"][head] = tuple(side.unflatten(0, (batch, -1))[:, index] for side in centroids)
-            state["kept"][head] = layout.block_mask[:, index].sum().item()
+            state["kept"][head] = layout.block_mask[:, index].sum()
         self.run.record(layout.block_mask, query.shape[1], key.shape[1])
         q = permute_tokens(query, layout.query_order)
         k, v = permute_tokens(key, layout.key_order), permute_tokens(value, layout.key_order)

@@ -25,10 +25,15 @@ def token_mask(block_mask: torch.Tensor, q_length: int, k_length: int) -> torch.
 
 def density(block_mask: torch.Tensor, q_length: int, k_length: int) -> float:
     """The share of (query, key) pairs attended, counting each tile by the tokens it holds."""
+    return kept_share(block_mask, q_length, k_length).item()
+
+
+def kept_share(block_mask: torch.Tensor, q_length: int, k_length: int) -> torch.Tensor:
+    """``density`` as a tensor on the mask's device (no wait for the device)."""
     q_sizes = _tile_sizes(q_length, block_mask.device)
     k_sizes = _tile_sizes(k_length, block_mask.device)
     per_tile = block_mask.reshape(-1, *block_mask.shape[-2:]).float().mean(dim=0)
-    return ((per_tile * q_sizes[:, None] * k_sizes[None, :]).sum() / (q_length * k_length)).item()
+    return (per_tile * q_sizes[:, None] * k_sizes[None, :]).sum() / (q_length * k_length)
 
 
 def _tile_sizes(length: int, device: torch.device) -> torch.Tensor:
@@ -65,33 +70,37 @@ def _band(distance: int, frame_tokens: int, decay_factor: float) -> tuple[float,
 
 
 @functools.lru_cache(maxsize=8)
-def radial_block_mask(grid: tuple[int, int, int], decay_factor: float = RADIAL_DECAY_FACTOR) -> torch.Tensor:
-    """(tiles, tiles) bool on the CPU for a video of ``grid`` tokens (frames, rows, columns) in raster order; the
-    same for every head. Cached: a run's videos share a few grids."""
+def radial_block_mask(
+    grid: tuple[int, int, int], decay_factor: float = RADIAL_DECAY_FACTOR, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """(tiles, tiles) bool on ``device`` for a video of ``grid`` tokens (frames, rows, columns) in raster order; the
+    same for every head. Built there (seconds on a CPU at 720p, milliseconds on a GPU) and cached: a run's videos
+    share a few grids."""
     frames, rows, columns = grid
     per_frame, length = rows * columns, frames * rows * columns
-    mask = torch.zeros(tiles(length), tiles(length), dtype=torch.bool)
-    positions = torch.arange(per_frame)
+    mask = torch.zeros(tiles(length), tiles(length), dtype=torch.bool, device=device)
+    positions = torch.arange(per_frame, device=device)
+    key_tiles = (torch.arange(frames, device=device)[:, None] * per_frame + positions) // TILE  # (frames, per_frame)
     for i in range(frames):
         first_tile, last_tile = i * per_frame // TILE, ((i + 1) * per_frame - 1) // TILE
-        query_tiles = torch.arange(first_tile, last_tile + 1)
+        query_tiles = torch.arange(first_tile, last_tile + 1, device=device)
         # Each query tile's rows within frame i, as positions in the frame: [start, stop).
         start = (query_tiles * TILE).clamp(min=i * per_frame) - i * per_frame
         stop = ((query_tiles + 1) * TILE).clamp(max=(i + 1) * per_frame) - i * per_frame
-        for j in range(frames):
-            key_tiles = (j * per_frame + positions) // TILE
-            if j == 0:
-                counts = (stop - start)[:, None].expand(-1, per_frame)
-            else:
-                width, attended = _band(abs(i - j), per_frame, decay_factor)
-                if not attended:
-                    continue
-                low = torch.maximum(start[:, None], (positions[None, :] - width).ceil().long())
-                high = torch.minimum(stop[:, None] - 1, (positions[None, :] + width).floor().long())
-                counts = (high - low + 1).clamp(min=0)
-            nonzero = torch.zeros(len(query_tiles), mask.shape[1]).index_add_(1, key_tiles, (counts > 0).float())
-            dense = torch.zeros(len(query_tiles), mask.shape[1]).index_add_(1, key_tiles, (counts > TILE / 3).float())
-            kept = dense > 0.6 * nonzero
-            mask[first_tile : last_tile + 1] |= kept & (nonzero > 0)
+        bands = [_band(abs(i - j), per_frame, decay_factor) for j in range(frames)]
+        attended = torch.tensor([j == 0 or keep for j, (_, keep) in enumerate(bands)], device=device)
+        # Frame 0, the sink, whole: a band wider than any frame.
+        widths = [float(2 * per_frame) if j == 0 else band for j, (band, _) in enumerate(bands)]
+        width = torch.tensor(widths, device=device)
+        low = torch.maximum(start[None, :, None], (positions - width[:, None]).ceil().long()[:, None, :])
+        high = torch.minimum(stop[None, :, None] - 1, (positions + width[:, None]).floor().long()[:, None, :])
+        counts = (high - low + 1).clamp(min=0) * attended[:, None, None]  # (frames j, query tiles, positions)
+        # Per frame pair, as the paper reduces each pair's mask to tiles and ORs the pairs' tiles.
+        index = key_tiles[:, None, :].expand_as(counts)
+        seen = torch.zeros(frames, len(query_tiles), mask.shape[1], device=device).scatter_add_(
+            2, index, (counts > 0).float()
+        )
+        dense = torch.zeros_like(seen).scatter_add_(2, index, (counts > TILE / 3).float())
+        mask[first_tile : last_tile + 1] |= ((dense > 0.6 * seen) & (seen > 0)).any(dim=0)
     # Each query tile keeps its own tile, so that no query is left without keys (frames smaller than a tile).
-    return mask | torch.eye(len(mask), dtype=torch.bool)
+    return mask | torch.eye(len(mask), dtype=torch.bool, device=device)
