@@ -29,7 +29,20 @@ from tests.test_serving import live_server
 
 EIGHT_GPUS = Machine(8, load_profile("h200-nvlink"), virtual=True)
 TINY = ["--model", "flux2-tiny", "--prompt", "a fox", "--height", "32", "--width", "32", "--steps", "1"]
-VIDEO = ["--model", "wan-tiny", "--prompt", "a boat", "--height", "32", "--width", "32", "--frames", "5", "--steps", "1"]
+VIDEO = [
+    "--model",
+    "wan-tiny",
+    "--prompt",
+    "a boat",
+    "--height",
+    "32",
+    "--width",
+    "32",
+    "--frames",
+    "5",
+    "--steps",
+    "1",
+]
 # A command line that meets each row of CONFLICTS, on a machine of eight H200s (``no_workers``).
 CONFLICTING = {
     "graphs with pipefusion": ["generate", *TINY, "--cuda-graphs", "--pipefusion", "2"],

@@ -221,3 +221,18 @@ def test_what_sparse_attention_does_not_combine_with_is_refused(options, plan, f
     request = SimpleNamespace(frames=frames, cache=None)
     with pytest.raises(InvalidRequest, match=message):
         check_conflicts(plan, options, "cuda", request)
+
+
+def test_the_benchmarks_tiny_mode_prints_and_writes_its_rows(tmp_path, monkeypatch, capsys):
+    """benchmarks/sparse_attention.py --tiny on the CPU (the masked reference: the GPU's figures need the GPU)."""
+    import json
+
+    from benchmarks import sparse_attention as benchmark
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    benchmark.main(["--tiny", "--methods", "radial", "--warmup", "0", "--iters", "1", "--out-dir", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "sparse_attention.json").read_text())["rows"]
+    assert row["method"] == "radial" and row["tokens"] == 768
+    assert 0.5 < row["density"] < 1.0  # the tiny grid's radial mask: frames of one tile, distance 3 dropped
+    assert 0.0 < row["rel_l2_vs_sdpa"] < 0.5 and row["forward_ms"] > 0
+    assert "rel L2 vs fp8" in capsys.readouterr().out

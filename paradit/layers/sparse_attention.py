@@ -167,6 +167,7 @@ class SparseRun(RequestHook):
         self.settings, self.sparse_now = settings, settings.dense_steps_of(1) == 0
         self.kept = self.sparse_calls = self.dense_calls = 0.0
         self.per_block: dict[int, dict] = {}
+        self.static_rows: dict[tuple, torch.Tensor] = {}  # radial's kernel rows, by grid, place and shape
         self.record_: SparseRecord | None = None
 
     def begin_request(self, request) -> None:
@@ -285,8 +286,17 @@ class SparseSelfAttention:
         self.run.record(whole, length, length)  # the whole mask's, whichever Ring block this is
         rows, columns = query_start // TILE, key_start // TILE
         mask = whole[rows : rows + tiles(query.shape[1]), columns : columns + tiles(key.shape[1])]
-        mask = mask[None, None]
-        return self._attend(query, key, value, mask, key_mask)
+        # The same tiles at every block and step: their kernel rows made once.
+        static = (
+            _GRID.get(),
+            self.run.settings.decay_factor,
+            rows,
+            columns,
+            *query.shape[:3],
+            key.shape[1],
+            query.device,
+        )
+        return self._attend(query, key, value, mask[None, None], key_mask, static)
 
     with_lse.takes_offsets = True
 
@@ -320,16 +330,22 @@ class SparseSelfAttention:
         out, lse = self._attend(q, k, v, layout.block_mask, None)
         return unpermute_tokens(out, layout.query_order), torch.empty_like(lse).scatter_(2, layout.query_order, lse)
 
-    def _attend(self, query, key, value, block_mask, key_mask):
+    def _attend(self, query, key, value, block_mask, key_mask, static: tuple | None = None):
         """``block_mask`` (B or 1, H or 1, tiles, tiles) of this call's tokens and heads: the kernel the run has, or
-        the reference on a CPU outside Triton's interpreter."""
+        the reference on a CPU outside Triton's interpreter. ``static``: a key under which the kernel's rows of kept
+        tiles are kept for the next call (None: made anew)."""
         batch, _, heads, _ = query.shape
         kernel = _sparse_kernel(query, self.dense)
         if kernel is None:
             return block_masked_attention_with_lse(query, key, value, block_mask, key_mask)
         from paradit.layers.fp8_attention import kept_tile_rows
 
-        return kernel(query, key, value, key_mask, kept_tile_rows(block_mask.expand(batch, heads, -1, -1)))
+        rows = self.run.static_rows.get(static) if static is not None else None
+        if rows is None:
+            rows = kept_tile_rows(block_mask.expand(batch, heads, -1, -1))
+            if static is not None:
+                self.run.static_rows[static] = rows
+        return kernel(query, key, value, key_mask, rows)
 
 
 def _sparse_kernel(query: torch.Tensor, dense):
