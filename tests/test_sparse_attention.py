@@ -236,3 +236,24 @@ def test_the_benchmarks_tiny_mode_prints_and_writes_its_rows(tmp_path, monkeypat
     assert 0.5 < row["density"] < 1.0  # the tiny grid's radial mask: frames of one tile, distance 3 dropped
     assert 0.0 < row["rel_l2_vs_sdpa"] < 0.5 and row["forward_ms"] > 0
     assert "rel L2 vs fp8" in capsys.readouterr().out
+
+
+def test_the_engine_runs_the_asked_mask_and_reports_it_lossy(tmp_path):
+    """Through the front door: the option reaches Wan's self-attention, the run records its mask and density, the
+    closing table says it is lossy; a run that did not ask has none (nothing chooses it unasked)."""
+    from paradit.cli import format_table, sparse_record
+    from paradit.engine import Engine
+    from paradit.request import GenerationRequest
+
+    request = GenerationRequest(prompt="a boat", steps=2, height=32, width=32, frames=5, seed=0)
+    options = ExecutionOptions(sparse_attention="radial", sparse_dense_steps=1, sparse_dense_blocks=0)
+    with Engine("wan-tiny", device="cpu", options=options) as engine:
+        result = engine.generate(request)
+    record = result.timings.features["sparse_attention"]
+    assert record.method == "radial" and record.settings == {"dense_steps": 1, "dense_blocks": 0, "decay_factor": 1.0}
+    assert record.density == 1.0 and record.attended == 1.0  # 8 tokens: one tile, kept
+    (row,) = [line.split(None, 1) for line in format_table(result).splitlines() if line.startswith("lossy")]
+    assert row[1] == "sparse attention (radial), density 1.00, 1.00 of all pairs attended"
+    assert sparse_record(result.timings)["sparse_attention"]["density"] == 1.0
+    with Engine("wan-tiny", device="cpu") as engine:
+        assert "sparse_attention" not in engine.generate(request).timings.features
