@@ -153,7 +153,8 @@ def choices(
     options = dataclasses.replace(
         wanted,
         quantize=wanted.quantize or (planned.quantize if planned else "none"),
-        cuda_graphs=bool(wanted.cuda_graphs or (planned and planned.cuda_graphs)),
+        # A planned graph would replay one step's mask and dense/sparse choice (the conflicts refuse it when asked).
+        cuda_graphs=bool(wanted.cuda_graphs or (planned and planned.cuda_graphs and not wanted.sparse_attention)),
         swap_experts=bool(wanted.swap_experts or (planned and planned.swap_experts)),
         attention=wanted.attention or "sdpa",
     )
