@@ -24,6 +24,8 @@ from paradit.text_encoder import converts_to_fp8, load_prompt_encoder
 VIDEO_FRAMES_MEASURED = 81
 # Over measured working memory: the allocator's extra (0.3 to 2.5 GiB on one H100) and sizes' variation (issue 48).
 WORKING_MARGIN = 1.2
+# SVG2's k-means distances computed at once at most (``semantic_permutation.KMEANS_ELEMENTS``), float32.
+KMEANS_ELEMENTS = 2**28
 # Held past the counted weights and working sets (untied encoder copies, kernel workspaces): up to 0.58 GiB (SD3.5).
 RUNTIME_BYTES = 3 * 2**28
 _PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
@@ -187,6 +189,7 @@ def estimates(
     adapter_bytes: int = 0,
     extra_tokens: int = 0,
     fp8_attention: bool = False,
+    sparse_attention: str | None = None,
 ) -> dict[str, MemoryPlan]:
     """Rank 0's plan for each prompt encoder placement; ``extra_tokens``: what a request's inputs add to a sample."""
     family = FAMILIES[spec.family]
@@ -223,6 +226,8 @@ def estimates(
         vae_activations /= parallel.world_size  # a band per rank
     if fp8_attention:  # K and V in 8 bits beside their bf16 originals while the kernel runs
         block_activations += 2 * batch * local_tokens * width / parallel.tensor
+    if sparse_attention == "svg2":  # Q, K, V permuted and the output unpermuted, and one group's k-means distances
+        block_activations += 4 * batch * local_tokens * width * element / parallel.tensor + 4 * KMEANS_ELEMENTS
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
         activations += len(rank0_blocks(transformer)) * 2 * batch * local_tokens * width * element / parallel.tensor

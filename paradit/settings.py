@@ -254,6 +254,7 @@ def settle(asked: Asked, request: GenerationRequest | None = None, machine: Mach
             extra_tokens=extra_tokens,
             limit=None if cap is not None else limit_words,
             fp8_attention=options.attention == "fp8",
+            sparse_attention=options.sparse_attention,
         )
         try:
             memory_plan = fits(swap_experts=options.swap_experts)

@@ -23,6 +23,9 @@ SVG2_FIRST_ITERATIONS = 50
 SVG2_ITERATIONS = 2
 SVG2_DENSE_STEP_SHARE = 0.2
 SVG2_DENSE_BLOCK_SHARE = 0.03
+# Distances computed at once, at most (rows x tokens x clusters): a head's 75,600 tokens x 1,000 key clusters at 720p
+# is 0.3 GB in float32, all 40 heads 12 GB; the rows go through in groups under this.
+KMEANS_ELEMENTS = 2**28
 
 
 def kmeans(
@@ -44,6 +47,13 @@ def kmeans(
         sums = torch.zeros_like(centroids).scatter_add_(1, labels[..., None].expand(-1, -1, width), points)
         centroids = torch.where(sizes[..., None] > 0, sums / sizes.clamp(min=1)[..., None], centroids)
     return labels, centroids, sizes
+
+
+def grouped_kmeans(points: torch.Tensor, centroids: torch.Tensor, iterations: int):
+    """``kmeans`` over groups of rows, so that no group's distances pass ``KMEANS_ELEMENTS``."""
+    rows = max(1, KMEANS_ELEMENTS // (points.shape[1] * centroids.shape[1]))
+    parts = [kmeans(p, c, iterations) for p, c in zip(points.split(rows), centroids.split(rows), strict=True)]
+    return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
 def spread_centroids(points: torch.Tensor, clusters: int) -> torch.Tensor:
@@ -105,8 +115,8 @@ def semantic_layout(
     query_clusters, key_clusters = min(query_clusters, length), min(key_clusters, key.shape[1])
     if centroids is None or centroids[0].shape[:2] != (batch * heads, query_clusters):
         centroids = spread_centroids(q_points, query_clusters), spread_centroids(k_points, key_clusters)
-    q_labels, q_centroids, _ = kmeans(q_points, centroids[0], iterations)
-    k_labels, k_centroids, k_sizes = kmeans(k_points, centroids[1], iterations)
+    q_labels, q_centroids, _ = grouped_kmeans(q_points, centroids[0], iterations)
+    k_labels, k_centroids, k_sizes = grouped_kmeans(k_points, centroids[1], iterations)
     clusters = top_p_clusters(q_centroids, k_centroids, k_sizes, top_p, min_key_share)
     q_sorted, query_order = q_labels.sort(dim=-1, stable=True)
     k_sorted, key_order = k_labels.sort(dim=-1, stable=True)
