@@ -153,6 +153,19 @@ class SparseRecord:
     settings: dict
     density: float | None = None
     attended: float | None = None
+    kept: float = 0.0  # the sums behind them, over every transformer (a model's two experts add theirs up)
+    sparse_calls: int = 0
+    dense_calls: int = 0
+
+    def add(self, kept: float, sparse_calls: int, dense_calls: int) -> None:
+        self.kept, self.sparse_calls, self.dense_calls = (
+            self.kept + kept,
+            self.sparse_calls + sparse_calls,
+            self.dense_calls + dense_calls,
+        )
+        calls = self.sparse_calls + self.dense_calls
+        self.density = self.kept / self.sparse_calls if self.sparse_calls else None
+        self.attended = (self.kept + self.dense_calls) / calls if calls else None
 
     def line(self) -> str:
         measured = "no sparse call" if self.density is None else f"density {self.density:.2f}"
@@ -175,15 +188,16 @@ class SparseRun(RequestHook):
         self.per_block = {}
 
     def begin_denoise(self, denoise) -> None:
+        """One record for the request, which each transformer's run (each expert's) adds its calls to."""
         settings = {name: getattr(self.settings, name) for name in RECORDED[self.settings.method]}
         settings["dense_steps"] = self.settings.dense_steps_of(len(denoise.timesteps))
-        self.record_ = denoise.features["sparse_attention"] = SparseRecord(self.settings.method, settings)
+        self.record_ = denoise.features.setdefault("sparse_attention", SparseRecord(self.settings.method, settings))
 
     def at_step(self, done: int, steps: int) -> None:
         self.sparse_now = done >= self.settings.dense_steps_of(steps)
-        if self.record_ is not None:  # once a step: the shares kept on the device until now
-            self.kept = float(self.kept)
-            self.record_.density, self.record_.attended = self.density, self.attended
+        if self.record_ is not None:  # once a step: the shares kept on the device until now, handed to the record
+            self.record_.add(float(self.kept), int(self.sparse_calls), int(self.dense_calls))
+            self.kept = self.sparse_calls = self.dense_calls = 0.0
 
     def record(self, block_mask: torch.Tensor, q_length: int, k_length: int) -> None:
         self.kept = self.kept + kept_share(block_mask, q_length, k_length)
