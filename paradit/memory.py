@@ -13,6 +13,7 @@ from torch import nn
 from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, measured_preset
+from paradit.layers.semantic_permutation import KMEANS_ELEMENTS, SVG2_KEY_CLUSTERS, SVG2_QUERY_CLUSTERS
 from paradit.options import PLACEMENTS
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.pipefusion import stage_range
@@ -24,8 +25,6 @@ from paradit.text_encoder import converts_to_fp8, load_prompt_encoder
 VIDEO_FRAMES_MEASURED = 81
 # Over measured working memory: the allocator's extra (0.3 to 2.5 GiB on one H100) and sizes' variation (issue 48).
 WORKING_MARGIN = 1.2
-# SVG2's k-means distances computed at once at most (``semantic_permutation.KMEANS_ELEMENTS``), float32.
-KMEANS_ELEMENTS = 2**28
 # Held past the counted weights and working sets (untied encoder copies, kernel workspaces): up to 0.58 GiB (SD3.5).
 RUNTIME_BYTES = 3 * 2**28
 _PLACEMENT_NOTES = {"gpu": "resident", "fp8": "resident in FP8", "offload": "streamed from CPU memory"}
@@ -228,6 +227,9 @@ def estimates(
         block_activations += 2 * batch * local_tokens * width / parallel.tensor
     if sparse_attention == "svg2":  # Q, K, V permuted and the output unpermuted, and one group's k-means distances
         block_activations += 4 * batch * local_tokens * width * element / parallel.tensor + 4 * KMEANS_ELEMENTS
+        # Every block's centroids, kept from step to step (float32, each head's, this rank's heads).
+        clusters = SVG2_QUERY_CLUSTERS + SVG2_KEY_CLUSTERS
+        transformer_bytes += 4 * batch * clusters * width / parallel.sequence_degree * len(model_blocks(transformer))
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
         activations += len(rank0_blocks(transformer)) * 2 * batch * local_tokens * width * element / parallel.tensor
