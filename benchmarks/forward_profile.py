@@ -25,16 +25,19 @@ from paradit.families import FAMILIES  # noqa: E402
 from paradit.layers.attention import apply_fp8_attention  # noqa: E402
 from paradit.layers.fp8 import Fp8Linear, fp8_dtype, quantize_rowwise  # noqa: E402
 
-# The first pattern a kernel's name matches names its kind.
+# The first pattern a kernel's name (on the CPU, an operator's) matches names its kind.
 KINDS = [
+    ("fused: norm + modulate + FP8 quantize", r"layer_norm_modulate"),  # paradit.layers.fp8_fused
+    ("fused: bias + GELU + FP8 quantize", r"gelu_quantize|gelu_fp8"),
+    ("fused: Q/K RMS norm + rotary", r"rms_norm_rope"),
     ("self-attention, FP8 kernel", r"_fp8_attention_forward"),
     # The pre-pass's torch reductions (K's mean, V's maxima) are the forward's only eager ones: compiled blocks reduce
     # in Inductor's kernels.
     ("self-attention pre-pass", r"_quantize_keys_values|reduce_kernel"),
     # Inductor names a kernel after the operations it fused (``_scaled_mm`` where it quantizes a GEMM's input).
     ("Inductor fused", r"^triton_"),
-    ("FP8 GEMM", r"f8f8|cutlass|gemm|sm90_xmma|nvjet"),
-    ("SDPA (cuDNN or flash)", r"fmha|flash|cudnn|sdpa"),
+    ("FP8 GEMM", r"f8f8|cutlass|gemm|sm90_xmma|nvjet|_scaled_mm"),
+    ("SDPA (cuDNN or flash)", r"fmha|flash|cudnn|sdpa|scaled_dot_product"),
 ]
 TOP_KERNELS = 25
 

@@ -1,18 +1,22 @@
 """What LoRA adapters cost on one GPU, with random full-size weights and a random adapter on every block linear
 (diffusers' layout, bf16 factors): the transformer's load time with the adapter fused against without it, and one
 forward's time with the adapter unfused (side paths at rank 32 and 64) against the plain transformer, eager and
-compiled, bf16 and FP8 (fused weights cost nothing per step: they are the plain transformer's shape). Also the FP8
+compiled, bf16 and FP8 (fused weights cost nothing per step: they are the plain transformer's shape), each side path
+folded into its base GEMM where the runtime folds it and, in the same call, left beside it (``--fold``). Also the FP8
 run's relative L2 against bf16 with the same adapter fused, beside the same figure without an adapter, and a
 server's switches between named adapters: side paths in bf16, and a cache of fused choices in FP8.
 
     python benchmarks/lora_cost.py --out-dir $OUT
     python benchmarks/lora_cost.py --models flux2-klein-4b --ranks 32 --out-dir $OUT
+    python benchmarks/lora_cost.py --models flux2-dev --ranks 32 --modes compiled-bf16 compiled-fp8 --no-switches \
+        --out-dir $OUT
     python benchmarks/lora_cost.py --models flux2-dev --switch-only --out-dir $OUT
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -20,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import save_file
@@ -38,6 +43,9 @@ from paradit.runtime import load_transformer  # noqa: E402
 from paradit.spec import RandomWeights  # noqa: E402
 
 WAN_INPUTS = (480, 832, 81, 512)  # height, width, frames, text tokens
+# ``--fold``: the side paths as the runtime builds them (folded where ``LoraSidePath.folds``), left unfolded, or both
+FOLDS = {"both": (False, True), "on": (True,), "off": (False,)}
+MODES = {"eager-bf16": ("eager", "none"), "compiled-bf16": ("compiled", "none"), "compiled-fp8": ("compiled", "fp8")}
 
 
 def write_adapter(model: nn.Module, rank: int, path: Path) -> int:
@@ -97,8 +105,11 @@ def measure(spec, lora: LoraSet | None, mode: str, quantize: str, device: torch.
     return row
 
 
-def measured(spec, lora, mode, quantize, device, iters) -> dict:
-    row = measure(spec, lora, mode, quantize, device, iters)
+def measured(spec, lora, mode, quantize, device, iters, fold: bool = True) -> dict:
+    """``fold`` False: every side path left beside its linear (``fold_side_paths`` skipped), to time the fold."""
+    unfolded = mock.patch("paradit.runtime.fold_side_paths", lambda model: 0)
+    with contextlib.nullcontext() if fold else unfolded:
+        row = measure(spec, lora, mode, quantize, device, iters)
     gc.collect()
     torch.cuda.empty_cache()
     torch._dynamo.reset()
@@ -207,7 +218,7 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
     if spec.family == "wan" and not args.wan_forwards:
         return rows
     outputs = {}
-    for mode, quantize in (("eager", "none"), ("compiled", "none"), ("compiled", "fp8")):
+    for mode, quantize in (MODES[chosen] for chosen in args.modes):
         precision = quantize.replace("none", "bf16")
         base = record(
             kind="forward",
@@ -218,17 +229,19 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
         )
         outputs[(mode, precision, "none")] = base["output"]
         for rank in args.ranks:
-            unfused = measured(
-                spec, LoraSet((LoraRef(str(adapters[rank])),), (), "unfused"), mode, quantize, device, args.iters
-            )
-            record(
-                kind="forward",
-                mode=mode,
-                precision=precision,
-                adapter=f"unfused r{rank}",
-                overhead=unfused["ms"] / base["ms"] - 1,
-                **unfused,
-            )
+            side_paths, unfolded = LoraSet((LoraRef(str(adapters[rank])),), (), "unfused"), None
+            for fold in FOLDS[args.fold]:
+                unfused = measured(spec, side_paths, mode, quantize, device, args.iters, fold)
+                record(
+                    kind="forward",
+                    mode=mode,
+                    precision=precision,
+                    adapter=f"unfused r{rank}" + ("" if fold else ", unfolded"),
+                    overhead=unfused["ms"] / base["ms"] - 1,
+                    rel_l2_vs_unfolded=None if unfolded is None else relative_l2(unfused["output"], unfolded),
+                    **unfused,
+                )
+                unfolded = unfused["output"] if not fold else unfolded
         if mode == "compiled":
             row = record(
                 kind="forward",
@@ -238,9 +251,10 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
                 **measured(spec, fused, mode, quantize, device, args.iters),
             )
             outputs[(mode, precision, "fused")] = row["output"]
-    rows += switch_rows(name, spec, adapters, device, args.iters, 0, "none")
-    rows += switch_rows(name, spec, adapters, device, args.iters, args.lora_cache, "fp8")
-    for adapter in ("none", "fused"):
+    if not args.no_switches:
+        rows += switch_rows(name, spec, adapters, device, args.iters, 0, "none")
+        rows += switch_rows(name, spec, adapters, device, args.iters, args.lora_cache, "fp8")
+    for adapter in ("none", "fused") if {"compiled-bf16", "compiled-fp8"} <= set(args.modes) else ():
         error = relative_l2(outputs[("compiled", "fp8", adapter)], outputs[("compiled", "bf16", adapter)])
         record(kind="fp8 error", adapter=adapter if adapter == "none" else f"fused r{top}", fp8_rel_l2=error)
     return rows
@@ -256,6 +270,7 @@ COLUMNS = [
     ("fuse_s", "fuse s", ".2f"),
     ("ms", "ms/forward", ".1f"),
     ("overhead", "overhead", "+.1%"),
+    ("rel_l2_vs_unfolded", "rel L2 vs unfolded", ".2e"),
     ("resident_gib", "resident GiB", ".2f"),
     ("fp8_rel_l2", "FP8 rel L2", ".2e"),
 ]
@@ -289,6 +304,15 @@ def main() -> None:
         "them hold the weights the adapters change N+1 times: FLUX.2-dev FP8 fits one)",
     )
     parser.add_argument("--switch-only", action="store_true", help="the server's switches alone")
+    parser.add_argument("--no-switches", action="store_true", help="without the server's switches")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="forward rows timed")
+    parser.add_argument(
+        "--fold",
+        default="both",
+        choices=list(FOLDS),
+        help="unfused rows with the side paths folded into the base GEMMs where they pay (on), beside them (off), "
+        "or both in the same call",
+    )
     parser.add_argument("--out-dir")
     args = parser.parse_args()
     device = torch.device("cuda", 0)

@@ -35,7 +35,16 @@ from paradit.errors import ParaditError  # noqa: E402
 from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.parallel import ParallelConfig  # noqa: E402
 
-IMAGES = ["flux2-dev", "flux2-klein-4b", "flux2-klein-9b", "qwen-image", "sd3.5-large", "sd3.5-medium", "z-image"]
+IMAGES = [
+    "flux2-dev",
+    "flux2-klein-4b",
+    "flux2-klein-9b",
+    "qwen-image",
+    "qwen-image-2.1",
+    "sd3.5-large",
+    "sd3.5-medium",
+    "z-image",
+]
 # (preset, quantize, swap experts, prompt-encoder placement, sizes as (width, height, frames))
 CASES = [
     *[(name, quantize, False, "gpu", [(1024, 1024, None)]) for name in IMAGES for quantize in ("none", "fp8")],

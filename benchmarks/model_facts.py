@@ -12,6 +12,7 @@ model's code changes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -40,7 +41,16 @@ IMAGE_TOKEN_SIDE = 16
 
 
 def on_meta(value):
-    return value.to(META) if isinstance(value, torch.Tensor) else value
+    """Tensors moved to the meta device, also inside tuples and records (Qwen-Image 2.1's cached prefix)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(META)
+    if isinstance(value, tuple):
+        return tuple(on_meta(item) for item in value)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(
+            value, **{f.name: on_meta(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        )
+    return value
 
 
 def image_call(spec: ModelSpec, model, size: tuple[int, int], text_tokens: int):

@@ -48,6 +48,7 @@ from paradit.parallel.parallelize import parallelize  # noqa: E402
 BENCHES = {
     "flux2": ("benchmarks.flux2_step", 512),
     "qwen_image": ("benchmarks.qwen_image_step", 256),
+    "qwen_image21": ("benchmarks.qwen_image21_step", 32),
     "zimage": ("benchmarks.zimage_step", 256),
     "sd3": ("benchmarks.sd3_step", 333),
 }

@@ -16,7 +16,7 @@ from paradit.family import Family
 from paradit.layers.attention import apply_fp8_attention
 from paradit.layers.fp8 import fp8_dtype
 from paradit.layers.sparse_attention import SparseSettings, apply_sparse_attention
-from paradit.lora.apply import FusedLoraTensors, add_side_paths, read_updates
+from paradit.lora.apply import FusedLoraTensors, add_side_paths, fold_side_paths, read_updates
 from paradit.lora.refs import adapter_key
 from paradit.lora.variants import AdapterChoice
 from paradit.options import ExecutionOptions
@@ -82,6 +82,8 @@ def load_transformer(
                 materialize(block, names, source, parallel.slices, fp8)
                 shard_module(block, shard)
         materialize(model, names, source, parallel.slices, fp8)
+    if updates and not lora.fused and shard is None:  # a sharded weight is not this process's to widen
+        fold_side_paths(model)
     if updates and lora.switchable:
         hooks.append(AdapterChoice(model, lora.cache))
     forward = parallel.forward if shard is None else shard_root(parallel.forward, model, shard)

@@ -27,10 +27,12 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from paradit import runtime
 from paradit.engine import Engine
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, spec_from_folder
 from paradit.lora import LoraRef, LoraSet
+from paradit.lora.apply import LoraSidePath
 from paradit.options import ExecutionOptions, check_conflicts
 from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
@@ -215,6 +217,28 @@ def kohya_flux2_layout(transformer: nn.Module, seed: int, alpha: float) -> dict:
             converted[f"{key}.lora_up.weight"] = torch.randn(out_features, RANK, generator=generator)
             converted[f"{key}.alpha"] = torch.tensor(alpha)
     return converted
+
+
+def test_a_fixed_adapters_side_paths_fold_into_their_gemms_where_the_width_pays(adapters, monkeypatch):
+    """As the runtime loads a run's adapter unfused, the side paths of the linears no narrower than their input fold
+    (``[W, up]`` times ``[x, x @ down.T]``), each equal to its unfolded side path on the loaded weights."""
+    spec = spec_from_folder(folder_of("flux2"))
+    options = ExecutionOptions(lora=LoraSet((LoraRef(str(adapters["flux2"][0])),), (), "unfused"))
+
+    def side_paths() -> list[LoraSidePath]:
+        loaded = runtime.load_transformer(FAMILIES["flux2"], spec, torch.device("cpu"), torch.float32, None, options)
+        return [module for module in loaded.model.modules() if isinstance(module, LoraSidePath)]
+
+    folded = side_paths()
+    monkeypatch.setattr(runtime, "fold_side_paths", lambda model: 0)
+    unfolded = side_paths()
+    kinds = [(path.folded_scale is not None, path.linear.out_features >= path.down.shape[1]) for path in folded]
+    assert all(folds == widening for folds, widening in kinds) and 0 < sum(folds for folds, _ in kinds) < len(kinds)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for ours, theirs in zip(folded, unfolded, strict=True):
+            x = torch.randn(2, 3, theirs.linear.in_features, generator=generator)
+            assert torch.allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["flux2", "qwen_image", "zimage", "wan"])

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -49,6 +51,15 @@ def quantize_weight(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
     return out, scale
 
 
+class QuantizedRows(NamedTuple):
+    """Activations quantized row-wise where they were made (``fp8_fused``'s kernels): (rows, width) FP8, their
+    (rows, 1) float32 scales, and the leading shape the rows flatten. ``Fp8Linear`` takes them for a tensor."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    leading: tuple[int, ...]
+
+
 class Fp8Linear(nn.Module):
     """Drop-in for ``nn.Linear`` at inference: ``weight`` is FP8 (out, in), ``weight_scale`` float32 (out, 1)."""
 
@@ -68,12 +79,17 @@ class Fp8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(weight, scale, bias, linear.weight.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = self.multiply(*quantize_rowwise(x.reshape(-1, shape[-1]), self.weight.dtype))
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        out, leading = self.unbiased(x)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
+        return out.reshape(*leading, self.out_features)
+
+    def unbiased(self, x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """The GEMM's (rows, out) output before the bias, and the leading shape its rows flatten."""
+        if isinstance(x, QuantizedRows):
+            return self.multiply(x.values, x.scale), x.leading
+        return self.multiply(*quantize_rowwise(x.reshape(-1, x.shape[-1]), self.weight.dtype)), tuple(x.shape[:-1])
 
     def multiply(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         return torch._scaled_mm(

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from paradit.errors import InvalidRequest
+from paradit.layers.fp8 import Fp8Linear
 from paradit.lora.adapters import Kronecker, LowRank, read_adapter
 from paradit.lora.refs import LoraRef, LoraSet, adapter_key
 from paradit.pipelines.requests import not_allowed
@@ -18,6 +19,16 @@ from paradit.weights import ModelNames, TensorSlice, TensorSource
 
 # Past the square root of float32's largest number, a scale alone overflows the layer after the update.
 SCALE_LIMIT = math.sqrt(torch.finfo(torch.float32).max)
+# A folded side path writes its input again, beside the low-rank product (``[x, x @ down.T]``: in + rank columns a
+# row); an unfolded one writes the up projection's output and reads it back for the sum (out columns, twice). So it
+# folds where in <= FOLD_WIDTH_RATIO * out: FLUX.2's fused single-block projection (6144 -> 55296) folds, its output
+# projection (24576 -> 6144) does not; square attention projections break even on traffic and save a GEMM's launch.
+FOLD_WIDTH_RATIO = 1.0
+# FP8 GEMMs take a reduced dimension of whole multiples of 16: a folded FP8 path pads its rank with zeros.
+FP8_DEPTH = 16
+# An FP8 fold whose ``up`` outgrows the weights' row scales shrinks it by ``c`` < 1 and enlarges the low-rank product
+# by 1 / c, which may then set its rows' FP8 scale; past 16x that costs the input too much of its range: unfolded.
+MIN_FP8_FOLD = 1 / 16
 
 
 def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -> int:
@@ -136,6 +147,7 @@ class LoraSidePath(nn.Module):
         self.linear, self.factors = linear, factors
         self.chosen: tuple = ()
         self.down = self.up = self.up_bias = None
+        self.folded_scale: float | None = None  # once folded (``fold``): what the low-rank product is scaled by
 
     @property
     def weight(self) -> torch.Tensor:  # the models read a linear's weight for its dtype
@@ -165,12 +177,60 @@ class LoraSidePath(nn.Module):
         self.down, self.up, self.up_bias = self.combined(scales) or (None, None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear(x)
-        if self.down is not None:
-            # A plain sum: accumulating into the base output inside the up GEMM (addmm, beta 1) measured slower on an
-            # H200 (FLUX.2-dev: +8.5% a forward against +6.7%, docs/benchmarks.md).
-            out = out + (x.to(self.down.dtype) @ self.down.T) @ self.up.T
+        if self.folded_scale is not None:
+            low_rank = x.to(self.down.dtype) @ self.down.T
+            if self.folded_scale != 1.0:
+                low_rank = low_rank * self.folded_scale
+            out = self.linear(torch.cat([x, low_rank.to(x.dtype)], dim=-1))
+        else:
+            out = self.linear(x)
+            if self.down is not None:
+                # A plain sum: accumulating into the base output inside the up GEMM (addmm, beta 1) measured slower on
+                # an H200 (FLUX.2-dev: +8.5% a forward against +6.7%, docs/benchmarks.md).
+                out = out + (x.to(self.down.dtype) @ self.down.T) @ self.up.T
         return out if self.up_bias is None else out + self.up_bias
+
+    def folds(self) -> bool:
+        """Fixed adapters (a server's choices change the rank) by a plain or FP8 linear of this process, where the
+        width pays (``FOLD_WIDTH_RATIO``) and, in FP8, ``up`` fits the weights' row scales (``MIN_FP8_FOLD``)."""
+        linear = self.linear
+        if self.factors or self.down is None or self.folded_scale is not None:
+            return False
+        if not isinstance(linear, (nn.Linear, Fp8Linear)) or linear.weight.is_meta:
+            return False
+        if isinstance(linear, Fp8Linear) and self.fp8_fold_factor() < MIN_FP8_FOLD:
+            return False
+        return linear.weight.shape[1] <= FOLD_WIDTH_RATIO * linear.weight.shape[0]
+
+    def fp8_fold_factor(self) -> float:
+        """The largest power of two ``c`` by which ``up`` over the FP8 weights' row scales stays within the format."""
+        fmax = torch.finfo(self.linear.weight.dtype).max
+        largest = (self.up.float() / self.linear.weight_scale).abs().max().item()
+        return 2.0 ** math.floor(math.log2(fmax / largest)) if largest > 0 else 1.0
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """The up projection folded into the base GEMM: its weight becomes ``[W, up]`` along the reduced dimension
+        and its input ``[x, x @ down.T]``, so one GEMM writes ``W x + up (down x)`` and no up output is written and
+        summed. An FP8 weight keeps its codes and row scales: ``up`` is quantized over those scales, times
+        ``fp8_fold_factor`` ``c``, and the low-rank product is divided by ``c`` (exact). Where ``up`` is small beside
+        the weights (``c`` > 1, as trained adapters are), the product divided by ``c`` mostly stays within the input's
+        range, and the input then quantizes as before: only the update errs more, by FP8's rounding instead of
+        bf16's."""
+        linear, down, up = self.linear, self.down, self.up
+        if isinstance(linear, Fp8Linear):
+            c = self.fp8_fold_factor()
+            pad = -down.shape[0] % FP8_DEPTH
+            down, up = nn.functional.pad(down, (0, 0, 0, pad)), nn.functional.pad(up, (0, pad))
+            fmax = torch.finfo(linear.weight.dtype).max
+            columns = (up.float() / linear.weight_scale * c).clamp(-fmax, fmax).to(linear.weight.dtype)
+            self.folded_scale = 1.0 / c
+        else:
+            columns = up.to(linear.weight.dtype)
+            self.folded_scale = 1.0
+        linear.weight = nn.Parameter(torch.cat([linear.weight, columns], dim=1), requires_grad=False)
+        linear.in_features = linear.weight.shape[1]
+        self.down, self.up = down, None
 
 
 def add_side_paths(
@@ -206,6 +266,15 @@ def add_side_paths(
             if not switchable:  # the chosen factors are all it will run: no second copy of them
                 side_path.factors = {}
             setattr(parent, leaf, side_path)
+
+
+def fold_side_paths(model: nn.Module) -> int:
+    """Every side path of ``model`` that folds (``LoraSidePath.folds``) folded, once its weights have loaded (before
+    compilation); how many."""
+    folding = [module for module in model.modules() if isinstance(module, LoraSidePath) and module.folds()]
+    for side_path in folding:
+        side_path.fold()
+    return len(folding)
 
 
 def select_adapters(model: nn.Module, scales: dict[str, float]) -> None:

@@ -45,26 +45,51 @@ class Request:
         return self.batch == 2
 
 
-def request_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | None = None) -> Request:
+def resolved_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | None = None) -> ResolvedRequest:
     """A model that animates an image, given none, is planned for a blank first frame."""
-    family = FAMILIES[spec.family]
     if isinstance(request, ResolvedRequest):
-        resolved = request
-    else:
-        request = request or GenerationRequest(prompt="a")
-        try:
-            resolved = family.resolve_request(spec, request)
-        except InvalidRequest:
-            if request.image is not None:
-                raise
-            from PIL import Image
+        return request
+    family = FAMILIES[spec.family]
+    request = request or GenerationRequest(prompt="a")
+    try:
+        return family.resolve_request(spec, request)
+    except InvalidRequest:
+        if request.image is not None:
+            raise
+        from PIL import Image
 
-            blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
-            resolved = family.resolve_request(spec, dataclasses.replace(request, image=blank))
-    guides = spec.guidance_mode == "cfg" and family.uses_cfg(spec, resolved)
+        blank = Image.new("RGB", (request.width or spec.width, request.height or spec.height))
+        return family.resolve_request(spec, dataclasses.replace(request, image=blank))
+
+
+def request_for(spec: ModelSpec, request: GenerationRequest | ResolvedRequest | None = None) -> Request:
+    resolved = resolved_for(spec, request)
+    guides = spec.guidance_mode == "cfg" and FAMILIES[spec.family].uses_cfg(spec, resolved)
     return Request(
         resolved.height, resolved.width, resolved.frames, resolved.steps, 2 if guides else 1, resolved.reference_tokens
     )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan as a family's ``check_run`` reads a settled run (``family.SettledRun``)."""
+
+    spec: ModelSpec
+    parallel: ParallelConfig
+    options: ExecutionOptions
+
+
+def family_takes(spec: ModelSpec, resolved: ResolvedRequest, parallel: ParallelConfig, cuda_graphs: bool) -> bool:
+    """Whether the family's rules (``check_run``) let ``resolved`` run under ``parallel``: a plan ``settle`` would
+    refuse is never proposed."""
+    check = FAMILIES[spec.family].check_run
+    if check is None:
+        return True
+    try:
+        check(Candidate(spec, parallel, ExecutionOptions(cuda_graphs=cuda_graphs)), resolved)
+    except InvalidRequest:
+        return False
+    return True
 
 
 def facts_for(spec: ModelSpec) -> ModelFacts:
@@ -230,7 +255,8 @@ def plan(
 ) -> PlanChoice:
     """``quantize`` None tries bf16, then FP8 compute where nothing fits; ``attention_density``: the share of a
     video's self-attention a sparse mask keeps, where one was asked for (the planner never chooses one)."""
-    wanted = request_for(spec, request)
+    resolved = resolved_for(spec, request)
+    wanted = request_for(spec, resolved)
     sized = dataclasses.replace(spec, height=wanted.height, width=wanted.width)
     fp8_attention = attention == "fp8"
     sized_for = (sized, wanted.input_tokens, fp8_attention)
@@ -250,7 +276,7 @@ def plan(
         )
 
     def option(parallel: ParallelConfig, fp8: bool, swap: bool) -> Option:
-        graphs = graphs_for(parallel, swap, fp8_attention)
+        graphs = graphs_for(parallel, swap, fp8_attention) and family_takes(spec, resolved, parallel, True)
         calibrated = calibration(facts, profile, fp8, graphs)
         weights = memory(ParallelConfig(), fp8, swap=True)["gpu"].transformer if parallel.shard_weights else 0.0
         cost = step_cost(
@@ -281,6 +307,7 @@ def plan(
         options = [
             option(parallel, fp8, swap)
             for parallel in parallel_candidates(spec, gpus, wanted.uses_cfg, fp8)
+            if family_takes(spec, resolved, parallel, False)
             for swap in ((False, True) if spec.experts and not parallel.shard_weights else (False,))
         ]
         refused += [o for o in options if not o.fits]

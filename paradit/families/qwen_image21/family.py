@@ -53,7 +53,21 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     about ``output_resolution`` squared pixels, as diffusers makes it."""
     if request.mask is not None:
         raise InvalidRequest(f"{spec.name} takes no mask: its pipeline edits from condition images", param="mask")
+    if request.cache is not None and request.cache.method == "first-block":
+        # First-block runs the stack in two slices; the model reads each block's prefix by its place in the slice.
+        raise InvalidRequest(
+            f"{spec.name} cannot take --cache first-block yet (its second slice of blocks would read the first "
+            "blocks' cached prefix); use --cache mag or --cache taylorseer",
+            param="cache",
+        )
     resolved = resolve_common(spec, request, SIDE_MULTIPLE, image_limit=CONDITION_IMAGE_LIMIT, schedulers=SCHEDULERS)
+    if request.cache is not None and uses_cfg(spec, resolved):
+        # Each branch runs its own call over its own prefix: a cache would take the two calls for two steps.
+        raise InvalidRequest(
+            f"{spec.name} runs each guidance branch apart (their prefixes differ), which --cache cannot follow yet; "
+            "drop --cache, or the negative prompt or a --guidance above 1",
+            param="cache",
+        )
     if not resolved.images:
         return resolved
     inputs: QwenImage21Inputs = spec.details or QwenImage21Inputs()

@@ -16,6 +16,8 @@ from torch import nn
 from paradit.layers.attention import QKVAttention
 from paradit.layers.embeddings import EmbeddingMLP, sinusoidal_embedding
 from paradit.layers.feedforward import GeluFeedForward
+from paradit.layers.fp8 import Fp8Linear, QuantizedRows
+from paradit.layers.fp8_fused import modulated_layer_norm_fp8, normed_rotated, uses_fusion
 from paradit.layers.rotary import multi_axis_rope
 from paradit.layers.sparse_attention import video_grid
 from paradit.layers.stages import HeadsConfig, StagedTransformer
@@ -62,6 +64,26 @@ class FP32LayerNorm(nn.LayerNorm):
         return nn.functional.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
+class WanSelfAttention(QKVAttention):
+    """Self-attention over the video tokens, whose Q/K norms (over all heads) and rotary embedding run as one kernel
+    where ``fp8_fused`` runs (not a tensor-parallel shard's norm, which sums its squares over the group)."""
+
+    def __init__(self, dim: int, head_dim: int, qk_norm: Callable[[int], nn.Module]) -> None:
+        super().__init__(dim, head_dim, qk_norm, across_heads=True, sequence_streams=("video",))
+        self.fusions: frozenset[str] | None = None  # fp8_fused's choice (None: the measured one)
+
+    def forward(
+        self, x: torch.Tensor | QuantizedRows, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        plain = type(self.norm_q) is nn.RMSNorm and type(self.norm_k) is nn.RMSNorm
+        if rope is None or not (plain and uses_fusion(rope[0].device, "qk_norm_rope", self.fusions)):
+            return super().forward(x, rope)
+        q = normed_rotated(self.to_q(x), self.norm_q, rope, self.head_dim)
+        k = normed_rotated(self.to_k(x), self.norm_k, rope, self.head_dim)
+        v = self.project(x, self.to_v)
+        return self.to_out[0](self.attend(q, k, v).flatten(2).to(q.dtype))
+
+
 class WanCrossAttention(QKVAttention):
     """Attention from the video tokens to the text, plus (with ``add_k_proj``) one to image features; no rotary."""
 
@@ -92,12 +114,13 @@ class WanBlock(nn.Module):
         # The reference's RMS norms on Q and K span all heads at once, whatever its config's qk_norm says.
         qk_norm = functools.partial(nn.RMSNorm, eps=eps)
         self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
-        self.attn1 = QKVAttention(dim, head_dim, qk_norm, across_heads=True, sequence_streams=("video",))
+        self.attn1 = WanSelfAttention(dim, head_dim, qk_norm)
         self.attn2 = WanCrossAttention(dim, head_dim, qk_norm, config.added_kv_proj_dim)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
         self.ffn = GeluFeedForward(dim, config.ffn_dim, dim)
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.empty(1, MODULATION_SETS, dim))
+        self.fusions: frozenset[str] | None = None  # fp8_fused's choice (None: the measured one)
 
     def forward(
         self,
@@ -111,11 +134,23 @@ class WanBlock(nn.Module):
         # float32 whatever the parameters' dtype: the reference keeps the table in float32 and adds in float32.
         mod = self.scale_shift_table.float() + modulation.float()
         shift, scale, gate, mlp_shift, mlp_scale, mlp_gate = mod.unbind(2)
-        attn = self.attn1((self.norm1(x.float()) * (1 + scale) + shift).to(x.dtype), rope)
+        projections = (self.attn1.to_q, self.attn1.to_k, self.attn1.to_v)
+        attn = self.attn1(self.modulated(self.norm1, x, shift, scale, *projections), rope)
         x = (x.float() + attn * gate).to(x.dtype)
         x = x + self.attn2(self.norm2(x.float()).to(x.dtype), context, context_image)
-        mlp = self.ffn((self.norm3(x.float()) * (1 + mlp_scale) + mlp_shift).to(x.dtype))
+        mlp = self.ffn(self.modulated(self.norm3, x, mlp_shift, mlp_scale, self.ffn.net[0].proj))
         return (x.float() + mlp.float() * mlp_gate).to(x.dtype)
+
+    def modulated(
+        self, norm: nn.Module, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, *linears: nn.Module
+    ) -> torch.Tensor | QuantizedRows:
+        """``norm(x) * (1 + scale) + shift`` in float32, rounded to x's dtype; already quantized for ``linears``
+        where they are all FP8 and ``fp8_fused`` runs (the one activation read once, not once per linear)."""
+        if all(isinstance(linear, Fp8Linear) for linear in linears) and uses_fusion(
+            x.device, "norm_quantize", self.fusions
+        ):
+            return modulated_layer_norm_fp8(x, norm, shift, scale, linears[0].weight.dtype)
+        return (norm(x.float()) * (1 + scale) + shift).to(x.dtype)
 
 
 class ImageEmbedding(nn.Module):
