@@ -44,6 +44,20 @@ LINKS = ("nvlink", "pcie", "measure")
 LOSSY_PSNR_DB = 30.0
 
 MEMORY = "memory"
+
+
+def above_zero(text: str) -> float:
+    if (value := finite(text)) <= 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not allowed; give a number above 0")
+    return value
+
+
+def share(text: str) -> float:
+    if not 0 < (value := finite(text)) <= 1:
+        raise argparse.ArgumentTypeError(f"{value:g} is not allowed; give a share above 0 and at most 1")
+    return value
+
+
 execution_option = functools.partial(option, group="how the run executes")
 sparse_option = functools.partial(option, group="sparse attention (video self-attention; lossy)")
 lora_option = functools.partial(generate_option, group="LoRA adapters (applied to the transformer)")
@@ -101,7 +115,7 @@ class ExecutionOptions:
         help="the first N blocks dense at every step (default: radial 1, the paper's; svg2 3 in 100, rounded up)",
     )
     sparse_decay_factor: float | None = sparse_option(
-        type=finite, help="radial: scales the window of frames 2 or more apart (default 1, the paper's)"
+        type=above_zero, help="radial: scales the window of frames 2 or more apart (default 1, the paper's)"
     )
     sparse_query_clusters: int | None = sparse_option(
         type=positive, metavar="N", help="svg2: k-means clusters of each head's queries (default 300)"
@@ -110,7 +124,7 @@ class ExecutionOptions:
         type=positive, metavar="N", help="svg2: k-means clusters of each head's keys (default 1000)"
     )
     sparse_top_p: float | None = sparse_option(
-        type=finite,
+        type=share,
         help="svg2: each query cluster attends the key clusters holding this share of its attention (default 0.9)",
     )
 

@@ -203,6 +203,17 @@ def test_balanced_heads_keep_every_rank_within_a_tenth_of_the_mean():
     assert max(abs(load - mean) for load in contiguous) > 0.3 * mean
 
 
+def test_bad_sparse_parameters_are_refused_naming_what_is_allowed():
+    import argparse
+
+    from paradit.options import above_zero, share
+
+    for parse, text, allowed in ((share, "1.5", "a share above 0 and at most 1"), (above_zero, "0", "above 0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=allowed):
+            parse(text)
+    assert share("0.9") == 0.9 and above_zero("0.5") == 0.5
+
+
 @pytest.mark.parametrize(
     "options, plan, frames, message",
     [
