@@ -8,10 +8,18 @@ from pathlib import Path
 from paradit.errors import CheckpointError
 
 MODEL_INDEX = "model_index.json"
+# A modular pipeline's index (FLUX.3's: diffusers has no other pipeline for it), read where no MODEL_INDEX is.
+MODULAR_INDEX = "modular_model_index.json"
 # What the loader opens in a component folder (the tokenizers' vocabularies, SentencePiece models and templates too).
 READ_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja")
 # Not read even so: a component's sub-folders (onnx/), weight variants (``name.fp16.safetensors``), pickle indexes.
 NOT_READ = ["*/*/*", "*.*.safetensors", "*.index.*.json", "*.bin.index.json"]
+
+
+def index_file(folder: Path) -> Path:
+    """The folder's pipeline index: MODEL_INDEX, else MODULAR_INDEX (whose components read the same way)."""
+    modular = folder / MODULAR_INDEX
+    return modular if modular.is_file() and not (folder / MODEL_INDEX).is_file() else folder / MODEL_INDEX
 
 
 def listed_components(model_index: dict) -> list[str]:
@@ -42,7 +50,7 @@ def resolve_checkpoint(model: str, allow_pickle: bool = False) -> Path:
     """A local folder, or a hub id's files the loader reads (``allow_pickle``: pickle weights where none are safe)."""
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / MODEL_INDEX).is_file():
+        if not index_file(path).is_file():
             raise CheckpointError(f"{path} has no {MODEL_INDEX}; expected a diffusers-layout checkpoint folder")
         return path
     if model.count("/") != 1 or path.exists() or model.startswith((".", "/", "~")):

@@ -222,6 +222,8 @@ class ResolvedRequest:
     cache: StepCacheConfig | None = None  # step caching, its threshold set
     scheduler: str | None = None  # one of SCHEDULERS (None: the checkpoint's own scheduler)
     shift: float | None = None  # the static timestep shift (None: the checkpoint's shift, static or dynamic)
+    # (left, top, right, bottom) of the decoded image kept: FLUX.3's single reference, padded to the grid, cut back
+    output_crop: tuple[int, ...] | None = None
 
     @property
     def batch(self) -> int:

@@ -10,7 +10,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from paradit.checkpoint import check_components, read_json
+from paradit.checkpoint import check_components, index_file, read_json
 from paradit.errors import CheckpointError
 from paradit.spec import CheckpointFolder, ModelSpec
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 PACKAGES = (
     "paradit.families.flux2",
+    "paradit.families.flux3",
     "paradit.families.qwen_image",
     "paradit.families.qwen_image21",
     "paradit.families.sd3",
@@ -44,7 +45,7 @@ def __getattr__(name: str):
 
 
 def spec_from_folder(folder: Path, allow_pickle: bool = False) -> ModelSpec:
-    index = read_json(folder / "model_index.json")
+    index = read_json(index_file(folder))
     check_components(folder, index, allow_pickle)
     pipeline_class = index.get("_class_name")
     for family in _registry().values():

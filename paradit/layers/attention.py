@@ -108,7 +108,8 @@ def attention_with_lse(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """With each query's log-sum-exp (batch, heads, q_len) in float32, by which Ring merges blocks. A query whose
-    keys here are all masked gets output 0 and lse -inf: nothing when merged."""
+    keys here are all masked gets output 0 and lse -inf: nothing when merged. ``key_mask``: (batch, k_len), or a
+    (batch or 1, 1, q_len, k_len) mask per query (a tile of a cached prefix's block-causal mask)."""
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     cuda, half = q.device.type == "cuda", q.dtype in (torch.float16, torch.bfloat16)
     # cuDNN's attention is the fastest on recent NVIDIA GPUs and SDPA picks it there; ROCm builds have none.
@@ -134,17 +135,19 @@ def _masked_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, L, D) layout. On CUDA the memory-efficient kernel takes the mask as a bias; elsewhere, exact scores."""
+    if key_mask is not None and key_mask.ndim == 2:
+        key_mask = key_mask[:, None, None, :]
     if q.device.type == "cuda" and key_mask is not None:
-        # The kernel wants the bias's batch stride a multiple of 8: its rows are allocated padded, the keys a view.
-        keys = key_mask.shape[1]
-        bias = torch.zeros(key_mask.shape[0], -(-keys // 8) * 8, dtype=q.dtype, device=q.device)[:, :keys]
-        bias = bias.masked_fill_(~key_mask, float("-inf"))[:, None, None, :].expand(*q.shape[:3], keys)
+        # The kernel wants the bias's row stride a multiple of 8: its rows are allocated padded, the keys a view.
+        keys = key_mask.shape[-1]
+        padded = torch.zeros(*key_mask.shape[:-1], -(-keys // 8) * 8, dtype=q.dtype, device=q.device)
+        bias = padded[..., :keys].masked_fill_(~key_mask, float("-inf")).expand(*q.shape[:3], keys)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)[:2]
         lse = lse[..., : q.shape[2]]  # the kernel rounds the query length up to 32
     else:
         scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
         if key_mask is not None:
-            scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+            scores = scores.masked_fill(~key_mask, float("-inf"))
         lse = scores.logsumexp(dim=-1)
         out = (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
     empty = torch.isinf(lse) & (lse < 0)

@@ -1,5 +1,7 @@
 """PipeFusion: the blocks split into pipeline stages, image row bands (the text with band 0) flowing through them, each
-attention layer attending to its K/V buffer: this step's rows where written, the previous step's elsewhere."""
+attention layer attending to its K/V buffer: this step's rows where written, the previous step's elsewhere. A cached
+prefix (``layers/prefix_attention.py``) runs through the stages once per request, each stage keeping its own blocks'
+keys and values, which lead its buffers."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
 from paradit.layers.attention import AttentionDispatch, AttentionFn, sdpa_attention
+from paradit.layers.prefix_attention import CachedPrefix, PrefixCaching, with_prefix_mask
 from paradit.parallel.comm import broadcast, split_sizes
 from paradit.parallel.mesh import ParallelContext, new_subgroup
 from paradit.parallel.sequence import SequenceParallel, narrow_streams, scoped, sequence_layout, stream_lengths
@@ -70,21 +73,41 @@ class StaleKVAttention:
     ) -> torch.Tensor:
         if key.shape[1] == 0:  # a patch without tokens of these streams: nothing to write or attend
             return query
+        self._write(key, value, key_mask, None)
+        return self.kernel(query, self.key, self.value, self.mask)
+
+    @torch.compiler.disable
+    def attend_after_prefix(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: CachedPrefix
+    ) -> torch.Tensor:
+        """The buffer's first rows hold the prefix, copied in at a request's whole steps; its own keys are unpadded."""
+        if key.shape[1] == 0:
+            return query
+        self._write(key, value, None, prefix)
+        return self.kernel(query, self.key, self.value, self.mask)
+
+    def _write(
+        self, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None, prefix: CachedPrefix | None
+    ) -> None:
         window = _WINDOW.get()
-        shape = (key.shape[0], sum(window.lengths[s] for s in self.streams), *key.shape[2:])
+        lead = 0 if prefix is None else prefix.key.shape[1]
+        own = sum(window.lengths[s] for s in self.streams)
+        shape = (key.shape[0], lead + own, *key.shape[2:])
         if window.whole:
             if self.key is None or self.key.shape != shape:
                 self.key, self.value = key.new_empty(shape), value.new_empty(shape)
             # A whole-sequence step sets the mask for the request: None (nothing padded) or every row rewritten.
             self.mask = None if key_mask is None else key_mask.new_ones(shape[:2])
+            if prefix is not None:
+                self.key[:, :lead], self.value[:, :lead] = prefix.key, prefix.value
+                self.mask = with_prefix_mask(prefix.key_mask, own)
         elif self.key is None or self.key.shape != shape:
             raise RuntimeError("PipeFusion patched step without a filled K/V buffer; run a warm-up step first")
         for source, target, count in window.copies(self.streams):
-            self.key[:, target : target + count] = key[:, source : source + count]
-            self.value[:, target : target + count] = value[:, source : source + count]
+            self.key[:, lead + target : lead + target + count] = key[:, source : source + count]
+            self.value[:, lead + target : lead + target + count] = value[:, source : source + count]
             if key_mask is not None and self.mask is not None:
-                self.mask[:, target : target + count] = key_mask[:, source : source + count]
-        return self.kernel(query, self.key, self.value, self.mask)
+                self.mask[:, lead + target : lead + target + count] = key_mask[:, source : source + count]
 
 
 def band_rows(length: int, band: int, bands: int, lead: int = 0) -> tuple[int, int]:
@@ -171,10 +194,29 @@ class PipeFusion(nn.Module):
                     self.sequence.set_local_attention(module, stale)
                 else:
                     module.set_attention_fn(stale)
+                if isinstance(module, PrefixCaching):
+                    if self.sequence is not None:  # the family's check_run refuses it first
+                        raise InvalidRequest("pipefusion with a sequence group cannot attend a cached prefix yet")
+                    module.prefix_attention_fn = stale.attend_after_prefix
 
     @property
     def config(self):
         return self.model.config
+
+    def encode_prefix(self, *args, **kwargs):
+        """A prefix-caching model's prefix, stage after stage (once per request): each stage runs its blocks on the
+        previous stage's hidden states and keeps its own blocks' keys and values."""
+        tokens = self.model.embed_prefix(*args, **kwargs)
+        if self.prev_rank is not None:
+            received = torch.empty_like(tokens.hidden)
+            dist.recv(received, self.prev_rank, group=self.group)
+            tokens.hidden = received
+        tokens = self.model.run_prefix_blocks(tokens)
+        if self.next_rank is not None:
+            hidden = tokens.hidden.contiguous()
+            dist.send(hidden, self.next_rank, group=self.group)
+            self.context.stats.add(hidden.nbytes)
+        return self.model.cached_prefix(tokens)
 
     def begin_request(self) -> None:
         self.step = 0

@@ -1,5 +1,10 @@
 """Sequence parallelism: the token streams split after ``embed``, attention across the ranks by Ulysses (all-to-all
-over heads), Ring (K/V blocks passed round, merged by log-sum-exp) or both (USP: Ulysses innermost)."""
+over heads), Ring (K/V blocks passed round, merged by log-sum-exp) or both (USP: Ulysses innermost).
+
+A cached prefix (``layers/prefix_attention.py``) is not exchanged at each step: each rank keeps, of every layer's
+prefix, the heads its Ulysses rank attends and its Ring rank's share of the tokens, which travels round the ring
+ahead of that rank's own keys. Under Ring alone the prefix encode is split too: each rank runs its share, the
+block-causal mask applied tile by tile round the ring, fully masked tiles skipped."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import torch
 from torch import nn
 
 from paradit.layers.attention import AttentionDispatch, AttentionFn, FP8Attention, attention_with_lse, sdpa_attention
+from paradit.layers.prefix_attention import CachedPrefix, PrefixCaching, masked_sdpa
 from paradit.parallel.comm import (
     RingExchange,
     all_gather_uneven,
@@ -44,6 +50,10 @@ def scoped(var: ContextVar, value) -> Iterator[None]:
 
 def sequence_layout(sizes: dict[str, list[int]]) -> contextlib.AbstractContextManager[None]:
     return scoped(_LAYOUT, sizes)
+
+
+# While a prefix encode runs split over the ring: the prefix tokens each ring rank runs, in ring order.
+_PREFIX_SHARES: ContextVar[tuple[int, ...]] = ContextVar("paradit_prefix_shares")
 
 
 def merge_partials(
@@ -87,13 +97,33 @@ class SequenceParallelAttention:
         self.fp8_transport = context.config.comm_dtype == "fp8"
         self.local_lengths: list[int] = []  # tokens per sequence rank in this call, in chunk order
         self._mask_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask passed, mask gathered)
+        self._tile_cache: tuple[torch.Tensor, list[tuple[bool, bool]]] | None = None  # (mask, each tile's kind)
 
     def _ulysses_lengths(self) -> list[int]:
         row = self.context.local_rank("ring") * self.ulysses
         return self.local_lengths[row : row + self.ulysses]
 
-    def _ring_lengths(self) -> list[int]:
-        return [sum(self.local_lengths[r * self.ulysses : (r + 1) * self.ulysses]) for r in range(self.ring)]
+    def _ring_lengths(self, prefix: CachedPrefix | None = None) -> list[int]:
+        """Keys each ring rank's block holds: its ranks' tokens, after its share of a ``prefix``."""
+        shares = [0] * self.ring if prefix is None else prefix.lengths
+        return [
+            shares[r] + sum(self.local_lengths[r * self.ulysses : (r + 1) * self.ulysses]) for r in range(self.ring)
+        ]
+
+    def keep_prefix(self, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None) -> CachedPrefix:
+        """Of a layer's whole prefix, the heads this Ulysses rank attends and this Ring rank's tokens (the padding
+        mask, a bit a token, stays whole: every rank of the ring reads each share's). A split encode's keys and
+        values are this rank's share already."""
+        shares = _PREFIX_SHARES.get(None)
+        if shares is not None:
+            return CachedPrefix(key, value, key_mask, shares)
+        lengths = split_sizes(key.shape[1], self.ring)
+        ring_rank = self.context.local_rank("ring")
+        start = sum(lengths[:ring_rank])
+        first, count = self._head_ranges(key.shape[2])[self.context.local_rank("ulysses")]
+        # Copies, so that the whole prefix is freed once every layer has kept its share.
+        key, value = (t[:, start : start + lengths[ring_rank], first : first + count].clone() for t in (key, value))
+        return CachedPrefix(key, value, key_mask, tuple(lengths))
 
     def _head_ranges(self, heads: int, chunk: int = 0, chunks: int = 1) -> list[tuple[int, int]]:
         """(first head, count) each Ulysses rank attends in chunk ``chunk``."""
@@ -144,9 +174,16 @@ class SequenceParallelAttention:
         return finish
 
     def ulysses_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        local: AttentionFn,
+        prefix: CachedPrefix | None = None,
     ) -> torch.Tensor:
-        """Without Ring, ``blockwise`` attention runs in overlapped head chunks: exact, heads being independent."""
+        """Without Ring, ``blockwise`` attention runs in overlapped head chunks: exact, heads being independent. A
+        ``prefix`` holds this rank's heads: each chunk's go before the gathered keys."""
         heads, dtype = q.shape[2], q.dtype
         order = None
         if hasattr(local, "head_order"):  # sparse attention keeps a different share of tiles per head
@@ -159,6 +196,7 @@ class SequenceParallelAttention:
         chunks = [self._head_ranges(heads, c, count) for c in range(count)]
         chunks = [ranges for ranges in chunks if any(n for _, n in ranges)]
         key_mask = None if key_mask is None else self.gather_key_mask(key_mask)
+        owned_first = self._head_ranges(heads)[self.context.local_rank("ulysses")][0]
         wire = [self._to_wire(t) for t in (q, k, v)]
         batch, length, _, width = wire[0].shape
         into = wire[0].new_empty(batch, length, heads, width)  # the output, in the wire's form
@@ -172,7 +210,11 @@ class SequenceParallelAttention:
             if hasattr(local, "for_heads"):  # a kernel whose mask is per head learns which of the model's it has
                 first, mine = ranges[me]
                 placed = local.for_heads((order or range(heads))[first : first + mine])
-            out = self._to_wire(self._attend(*gathered, key_mask, placed))
+            chunk_prefix = None
+            if prefix is not None:
+                first, count = ranges[me]
+                chunk_prefix = narrow_heads(prefix, first - owned_first, count)
+            out = self._to_wire(self._attend(*gathered, key_mask, placed, chunk_prefix))
             returning.append(self._post_sequence_to_heads(out, ranges, into))
         for finish in returning:
             finish()
@@ -183,29 +225,94 @@ class SequenceParallelAttention:
         return all_reduce_sum(tensor, self.ulysses_group, self.context.stats)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, local: AttentionFn
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        local: AttentionFn,
+        prefix: CachedPrefix | None = None,
     ) -> torch.Tensor:
-        """A local attention not ``blockwise`` gets the ring's K/V all-gathered: the same bytes, without the overlap."""
+        """A local attention not ``blockwise`` gets the ring's K/V all-gathered: the same bytes, without the overlap.
+        ``prefix``: this rank's share, in its heads, attended before ``k``."""
+        if prefix is not None:
+            k, v = torch.cat([prefix.key, k], dim=1), torch.cat([prefix.value, v], dim=1)
         if self.ring == 1:
-            return local(q, k, v, key_mask)
+            return local(q, k, v, self._block_masks(key_mask, prefix, [k.shape[1]], q)[0])
         if blockwise(local):
-            return self.ring_attention(q, k, v, key_mask, getattr(local, "with_lse", attention_with_lse))
-        lengths, group = self._ring_lengths(), self.context.group("ring")
+            return self.ring_attention(q, k, v, key_mask, getattr(local, "with_lse", attention_with_lse), prefix)
+        lengths, group = self._ring_lengths(prefix), self.context.group("ring")
         gathered = [all_gather_uneven(self._to_wire(t), 1, lengths, group, self.context.stats) for t in (k, v)]
-        key_mask = None if key_mask is None else self._gather_mask(key_mask, lengths, group)
+        masks = self._block_masks(key_mask, prefix, lengths, q)
+        key_mask = None if masks[0] is None else torch.cat(masks, dim=1)
         return local(q, *(self._from_wire(t, k.dtype) for t in gathered), key_mask)
 
+    def _block_masks(
+        self, key_mask: torch.Tensor | None, prefix: CachedPrefix | None, lengths: list[int], q: torch.Tensor
+    ) -> list[torch.Tensor | None]:
+        """Each ring rank's keys' mask ([its prefix share | its tokens], ``lengths`` long; None: nothing padded);
+        ``key_mask`` is Ulysses-gathered (the ring's are gathered here)."""
+        shares = [0] * len(lengths) if prefix is None else list(prefix.lengths)
+        own = [length - share for length, share in zip(lengths, shares)]
+        prefix_mask = None if prefix is None else prefix.key_mask
+        if key_mask is None and prefix_mask is None:
+            return [None] * len(lengths)
+        if key_mask is not None and self.ring > 1:
+            key_mask = self._gather_mask(key_mask, own, self.context.group("ring"))
+        ones = functools.partial(torch.ones, dtype=torch.bool, device=q.device)
+        prefix_parts = (prefix_mask if prefix_mask is not None else ones(q.shape[0], sum(shares))).split(shares, dim=1)
+        own_parts = (key_mask if key_mask is not None else ones(q.shape[0], sum(own))).split(own, dim=1)
+        return [torch.cat(pair, dim=1) for pair in zip(prefix_parts, own_parts)]
+
     def ring_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, with_lse
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        with_lse,
+        prefix: CachedPrefix | None = None,
     ) -> torch.Tensor:
-        """Each K/V block attended as it arrives; ``key_mask`` is Ulysses-gathered."""
-        lengths = self._ring_lengths()
+        """Each K/V block attended as it arrives; ``key_mask`` is Ulysses-gathered. With a ``prefix``, each rank's
+        block is [its prefix share | its tokens]."""
+        lengths = self._ring_lengths(prefix)
+        masks = self._block_masks(key_mask, prefix, lengths, q)
+        if getattr(with_lse, "takes_offsets", False):  # a block-sparse kernel's mask is by token position
+            starts, me = [sum(lengths[:rank]) for rank in range(self.ring)], self.context.local_rank("ring")
+
+            def attend(source: int, *kv: torch.Tensor):
+                return with_lse(q, *kv, masks[source], query_start=starts[me], key_start=starts[source])
+
+            return self._around_the_ring(q, k, v, lengths, attend)
+        return self._around_the_ring(q, k, v, lengths, lambda source, *kv: with_lse(q, *kv, masks[source]))
+
+    def prefix_tile_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """A prefix encode's attention under its (batch or 1, 1, queries, keys) mask: split over the ring (``mask``:
+        this rank's query rows, every key), each source's tile attended unmasked where all of it is seen, masked
+        where some is, and not at all where none is; whole on this rank otherwise."""
+        shares = _PREFIX_SHARES.get(None)
+        if shares is None:
+            return masked_sdpa(q, k, v, mask)
+        tiles = mask.split(shares, dim=-1)
+        if self._tile_cache is None or self._tile_cache[0] is not mask:  # every layer passes the same mask
+            self._tile_cache = mask, [(bool(tile.any()), bool(tile.all())) for tile in tiles]
+        kinds = self._tile_cache[1]
+
+        def attend(source: int, key: torch.Tensor, value: torch.Tensor):
+            seen, whole = kinds[source]
+            if not seen:
+                return None
+            return attention_with_lse(q, key, value, None if whole else tiles[source])
+
+        return self._around_the_ring(q, k, v, list(shares), attend)
+
+    def _around_the_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], attend):
+        """``attend(source, key, value)`` (its output and lse, or None: nothing seen) for each ring rank's block
+        ``lengths[source]`` long, merged as the blocks arrive."""
         me = self.context.local_rank("ring")
-        ring_group = self.context.group("ring")
-        masks = None if key_mask is None else self._gather_mask(key_mask, lengths, ring_group).split(lengths, dim=1)
         kv = [k, v]
-        placed = getattr(with_lse, "takes_offsets", False)  # a block-sparse kernel's mask is by token position
-        starts = [sum(lengths[:rank]) for rank in range(self.ring)]
         # A rank's own block is used as computed; only the copies that cross the wire are quantised.
         wire = [self._to_wire(t) for t in kv]
         out_acc = lse_acc = None
@@ -215,9 +322,9 @@ class SequenceParallelAttention:
                 length = lengths[(source - 1) % self.ring]
                 shapes = [(t.shape[0], length, *t.shape[2:]) for t in wire]
                 next_wire, pending = self.ring_exchange.start(wire, shapes)
-            offsets = {"query_start": starts[me], "key_start": starts[source]} if placed else {}
-            out, lse = with_lse(q, *kv, masks[source] if masks else None, **offsets)
-            out_acc, lse_acc = merge_partials(out_acc, lse_acc, out, lse)
+            attended = attend(source, *kv)
+            if attended is not None:
+                out_acc, lse_acc = merge_partials(out_acc, lse_acc, *attended)
             if step + 1 < self.ring:
                 for work in pending:
                     work.wait()
@@ -251,15 +358,22 @@ class SequenceParallelAttention:
         key_mask: torch.Tensor | None = None,
         streams: tuple[str, ...] | None = None,
         local: AttentionFn = sdpa_attention,
+        prefix: CachedPrefix | None = None,
     ) -> torch.Tensor:
+        """``prefix``: this rank's share of a cached prefix, attended before the keys (which are then unpadded)."""
         layout = _LAYOUT.get()
         sizes = [layout[name] for name in (streams or layout)]
         self.local_lengths = [sum(column) for column in zip(*sizes)]
         if not any(self.local_lengths):  # no rank holds a token of these streams (PipeFusion's text-less patches)
             return query
         if self.ulysses > 1:
-            return self.ulysses_attention(query, key, value, key_mask, local)
-        return self._attend(query, key, value, key_mask, local)
+            return self.ulysses_attention(query, key, value, key_mask, local, prefix)
+        return self._attend(query, key, value, key_mask, local, prefix)
+
+
+def narrow_heads(prefix: CachedPrefix, first: int, count: int) -> CachedPrefix:
+    key, value = (t.narrow(2, first, count) for t in (prefix.key, prefix.value))
+    return dataclasses.replace(prefix, key=key, value=value)
 
 
 def _narrow(value, dim: int, start: int, length: int):
@@ -304,6 +418,10 @@ class SequenceParallel(nn.Module):
 
     def set_local_attention(self, module: AttentionDispatch, local: AttentionFn) -> None:
         module.set_attention_fn(functools.partial(self.attention, streams=module.sequence_streams, local=local))
+        if isinstance(module, PrefixCaching):
+            module.keep_prefix = self.attention.keep_prefix
+            module.prefix_attention_fn = module.attention_fn
+            module.masked_attention_fn = self.attention.prefix_tile_attention
 
     def split(self, tokens):
         """This rank's chunk of each stream, and {stream: per-rank sizes} for ``sequence_layout``."""
@@ -314,6 +432,21 @@ class SequenceParallel(nn.Module):
         }
         ranges = {stream: (sum(s[:me]), sum(s[: me + 1])) for stream, s in sizes.items()}
         return narrow_streams(tokens, ranges), sizes
+
+    def encode_prefix(self, *args, **kwargs):
+        """A prefix-caching model's prefix, once per request; each layer keeps its share. Under Ring alone each rank
+        runs its share of the tokens; with Ulysses every rank runs it whole (a split encode would need its heads
+        exchanged twice a layer, for keys each rank then throws most of away)."""
+        if self.context.config.ulysses > 1:
+            return self.model.encode_prefix(*args, **kwargs)
+        tokens = self.model.embed_prefix(*args, **kwargs)
+        (stream, length), *_ = stream_lengths(tokens).items()
+        shares = split_sizes(length, self.context.config.ring)
+        start = sum(shares[: self.context.local_rank("ring")])
+        tokens = narrow_streams(tokens, {stream: (start, start + shares[self.context.local_rank("ring")])})
+        with scoped(_PREFIX_SHARES, tuple(shares)):
+            tokens = self.model.run_prefix_blocks(tokens)
+        return self.model.cached_prefix(tokens)
 
     def gather(self, out: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return all_gather_uneven(out, 1, sizes, self.context.sequence_group, self.context.stats)

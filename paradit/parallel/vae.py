@@ -257,6 +257,13 @@ def _causal_attention_forward(block: nn.Module, bands: _Bands) -> Callable:
     return forward
 
 
+def _over_one_frame(banded: Callable, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """The module's own forward, banded: it takes a feature cache argument and, having no time axis, refuses one."""
+    if cache_x is not None:
+        raise ValueError("a causal convolution over one frame takes no feature cache")
+    return banded(x.squeeze(2)).unsqueeze(2)
+
+
 def _downsample_forward(block: nn.Module) -> Callable:
     """``Downsample2D`` with ``padding=0``: its bottom pad belongs to the image, not the band, so it moves into the
     banded convolution (as does the bottom of Wan's ``ZeroPad2d``: only the last band pads)."""
@@ -288,6 +295,10 @@ def _replacements(vae: nn.Module, bands: _Bands) -> list[tuple[nn.Module, Callab
                     swaps.append((first, functools.partial(F.pad, pad=(*first.padding[:2], 0, 0))))
         elif isinstance(module, nn.ZeroPad2d) and not any(module is moved for moved, _ in swaps):
             raise NotImplementedError("a ZeroPad2d that does not feed a convolution")
+        elif isinstance(module, nn.Conv2d) and len(getattr(module, "_padding", ())) == 4:
+            # Qwen-Image 2.1's causal conv, a Conv2d over (batch, channels, 1 frame, H, W) padded (w, w, h, h).
+            banded = _conv_forward(module, bands, module._padding[2:4], module._padding[0:2], 0)
+            swaps.append((module, functools.partial(_over_one_frame, banded)))
         elif isinstance(module, (nn.Conv2d, nn.Conv3d)):
             if hasattr(module, "_padding"):  # Wan / Qwen-Image causal conv: (w, w, h, h, 2 t, 0)
                 pad_w, pad_h, temporal = module._padding[0:2], module._padding[2:4], module._padding[4]

@@ -80,13 +80,13 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
-    """The prefix's keys and values, whole on each rank and made outside the forward, fit no split plan yet."""
+    """The prefix's keys and values are made once per request, outside any captured graph; PipeFusion's stages keep
+    theirs whole, not split over a sequence group, and run one prefix a step (each guidance branch has its own)."""
     parallel = settings.parallel
+    guided_on_one_rank = uses_cfg(settings.spec, request) and parallel.cfg == 1
     asked = {
-        "--ulysses": parallel.ulysses > 1,
-        "--ring": parallel.ring > 1,
-        "--pipefusion": parallel.pipefusion > 1,
-        "--shard-weights": bool(parallel.shard_weights),
+        "--pipefusion with --ulysses or --ring": parallel.pipefusion > 1 and parallel.sequence_degree > 1,
+        "--pipefusion with guidance but without --cfg 2": parallel.pipefusion > 1 and guided_on_one_rank,
         "--cuda-graphs": settings.options.cuda_graphs,
     }
     refused = [flag for flag, used in asked.items() if used]
@@ -94,7 +94,8 @@ def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
         flags = " and ".join(refused)
         raise InvalidRequest(
             f"{settings.spec.name} runs its prompt and condition images once as a cached prefix, which {flags} "
-            f"cannot take yet; drop {flags} (one GPU, --tensor and CFG parallel take it)"
+            f"cannot take yet; drop {flags} (--ulysses, --ring, --tensor, --pipefusion, --shard-weights and CFG "
+            "parallel take it)"
         )
 
 

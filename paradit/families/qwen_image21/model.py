@@ -5,7 +5,9 @@ Its sequence is [text | condition images | target], text and condition images in
 placed them. Attention is block-causal: a token sees every earlier token and, in an image, its own image whole. Text
 and condition images are modulated at t = 0, so nothing of theirs depends on the step: ``encode_prefix`` runs them
 once per request and keeps each block's keys and values, and the denoise steps run the target's tokens alone, which
-see the whole prefix (the block-causal mask is all ones for them), as diffusers' cached mode does."""
+see the whole prefix (the block-causal mask is all ones for them), as diffusers' cached mode does. What a rank keeps
+of the prefix, and how its queries attend it, the parallel runtime sets on each ``PrefixAttention``
+(``layers/prefix_attention.py``)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from paradit.errors import CheckpointError
 from paradit.layers.attention import QKVAttention
 from paradit.layers.embeddings import TimestepEmbed
 from paradit.layers.modulation import clip_fp16
+from paradit.layers.prefix_attention import CachedPrefix, PrefixCaching
 from paradit.layers.rotary import multi_axis_rope, rotate_qk
 from paradit.layers.stages import HeadsConfig, StagedTransformer
 
@@ -155,11 +158,13 @@ class SwiGLU(nn.Module):
         return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
 
 
-class PrefixAttention(QKVAttention):
-    """Self-attention whose keys and values start with the prefix's, kept from ``encode_prefix``."""
+class PrefixAttention(PrefixCaching, QKVAttention):
+    """Self-attention whose keys and values start with the prefix's, kept from ``encode_prefix``; the target's own
+    tokens are its one split stream."""
 
     def __init__(self, dim: int, head_dim: int, eps: float) -> None:
-        super().__init__(dim, head_dim, functools.partial(nn.RMSNorm, eps=eps), bias=False)
+        norm = functools.partial(nn.RMSNorm, eps=eps)
+        super().__init__(dim, head_dim, norm, bias=False, sequence_streams=("img",))
         self.heads = dim // head_dim  # the tensor plan divides it by its degree (local_attributes)
 
     def rotated_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -167,26 +172,17 @@ class PrefixAttention(QKVAttention):
         q, k = rotate_qk(q, k, rope)
         return q, k, v
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        prefix: KeyValue,
-        key_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``key_mask`` (batch, prefix + tokens), False at the prompt's padding; None where nothing is padded."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], prefix: CachedPrefix) -> torch.Tensor:
         q, k, v = self.rotated_qkv(x, rope)
-        k, v = torch.cat([prefix[0], k], dim=1), torch.cat([prefix[1], v], dim=1)
-        return self.to_out[0](self.attend(q, k, v, key_mask).flatten(2).to(q.dtype))
+        return self.to_out[0](self.attend_after(prefix, q, k, v).flatten(2).to(q.dtype))
 
     def attend_prefix(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
     ) -> tuple[torch.Tensor, KeyValue]:
-        """The prefix under its block-causal ``mask`` ((batch or 1, 1, q, k) bool), once per request, so one masked
-        SDPA call; its keys and values for the steps."""
+        """The prefix under its block-causal ``mask`` ((batch or 1, 1, q, k) bool), once per request; its keys and
+        values for the steps."""
         q, k, v = self.rotated_qkv(x, rope)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.to_out[0](out.transpose(1, 2).flatten(2).to(q.dtype)), (k, v)
+        return self.to_out[0](self.masked_attention_fn(q, k, v, mask).flatten(2).to(q.dtype)), (k, v)
 
 
 Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # attention's scale, gate; MLP's, (B, 1, D)
@@ -214,10 +210,9 @@ class QwenImage21TransformerBlock(nn.Module):
         x: torch.Tensor,
         modulation: Modulation,
         rope: tuple[torch.Tensor, torch.Tensor],
-        prefix: KeyValue,
-        key_mask: torch.Tensor | None,
+        prefix: CachedPrefix,
     ) -> torch.Tensor:
-        attn = self.attn(self.img_norm1(x) * (1 + modulation[0]), rope, prefix, key_mask)
+        attn = self.attn(self.img_norm1(x) * (1 + modulation[0]), rope, prefix)
         return self.finish(x, attn, modulation)
 
     def run_prefix(
@@ -229,17 +224,38 @@ class QwenImage21TransformerBlock(nn.Module):
 
 @dataclass(frozen=True)
 class QwenImage21Prefix:
-    """A request's text and condition images, run once: each block's keys and values (its ``kv`` at the block's
-    index), the prompt's padding as keys ((batch, prefix) bool; None: none), and the target's frame position."""
+    """A request's text and condition images, run once: each block's keys and values as this rank keeps them (its
+    ``kv`` at the block's index, with the prompt's padding), and the target's frame position."""
 
-    kv: tuple[KeyValue, ...]
-    key_mask: torch.Tensor | None
+    kv: tuple[CachedPrefix, ...]
     target_frame: int
 
 
 @dataclass
+class QwenImage21PrefixTokens:
+    """The prefix on its way through the blocks at t = 0: its ``hidden`` states (what a pipeline stage passes on),
+    what every block reads (the block-causal ``mask``; ``key_mask`` (batch, prefix) False at padding, None: none),
+    and each block's keys and values as kept so far. A ring splits its ``hidden`` rows, their rotary rows and the
+    mask's query rows."""
+
+    SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {
+        "hidden": ("hidden", 1),
+        "rope": ("hidden", 0),
+        "mask": ("hidden", 2),
+    }
+
+    hidden: torch.Tensor
+    modulation: Modulation
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor
+    key_mask: torch.Tensor | None
+    target_frame: int
+    kept: list[CachedPrefix]
+
+
+@dataclass
 class QwenImage21Tokens:
-    """The target's tokens; the prefix rides along whole (every target token attends to all of it)."""
+    """The target's tokens; the prefix rides along as kept (every target token attends to all of it)."""
 
     SEQUENCE_FIELDS: ClassVar[dict[str, tuple[str, int]]] = {"img": ("img", 1), "img_rope": ("img", 0)}
     OUTPUT_STREAM: ClassVar[str] = "img"
@@ -249,7 +265,6 @@ class QwenImage21Tokens:
     temb: torch.Tensor
     modulation: Modulation
     prefix: QwenImage21Prefix
-    key_mask: torch.Tensor | None  # (batch, prefix + target), or None where nothing is padded
 
 
 class QwenImage21Transformer(StagedTransformer):
@@ -287,6 +302,18 @@ class QwenImage21Transformer(StagedTransformer):
         """The prompt encoder's (batch, slots, channels) states, ``image_slots`` (slots,) True where a condition
         image's 2x2 token groups go (filled with ``condition_latents`` (1 or batch, tokens, channels), raster order
         image by image), the mask (batch, slots) True at real tokens; run through every block at t = 0."""
+        args = (encoder_hidden_states, image_slots, encoder_hidden_states_mask, condition_latents, condition_grids)
+        return self.cached_prefix(self.run_prefix_blocks(self.embed_prefix(*args)))
+
+    def embed_prefix(
+        self,
+        encoder_hidden_states: torch.Tensor,
+        image_slots: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        condition_latents: torch.Tensor | None = None,
+        condition_grids: tuple[tuple[int, int], ...] = (),
+    ) -> QwenImage21PrefixTokens:
+        """``encode_prefix``'s inputs, before the blocks."""
         batch, device = encoder_hidden_states.shape[0], encoder_hidden_states.device
         layout = prefix_layout(image_slots.tolist(), condition_grids, device)
         repeats = torch.where(image_slots, TOKENS_PER_SLOT, 1)
@@ -299,11 +326,18 @@ class QwenImage21Transformer(StagedTransformer):
             key_mask = encoder_hidden_states_mask.to(torch.bool).repeat_interleave(repeats, dim=1) | is_image
         mask = block_causal_mask(layout.image_index, key_mask)
         _, modulation = self.conditioning(torch.zeros(1, device=device), x.dtype)
-        rope, kv = self.rope(layout.positions), []
+        return QwenImage21PrefixTokens(
+            x, modulation, self.rope(layout.positions), mask, key_mask, layout.target_frame, []
+        )
+
+    def run_prefix_blocks(self, tokens: QwenImage21PrefixTokens) -> QwenImage21PrefixTokens:
         for block in self.transformer_blocks:
-            x, block_kv = block.run_prefix(x, modulation, rope, mask)
-            kv.append(block_kv)
-        return QwenImage21Prefix(tuple(kv), key_mask, layout.target_frame)
+            tokens.hidden, (key, value) = block.run_prefix(tokens.hidden, tokens.modulation, tokens.rope, tokens.mask)
+            tokens.kept.append(block.attn.keep_prefix(key, value, tokens.key_mask))
+        return tokens
+
+    def cached_prefix(self, tokens: QwenImage21PrefixTokens) -> QwenImage21Prefix:
+        return QwenImage21Prefix(tuple(tokens.kept), tokens.target_frame)
 
     def embed(
         self, hidden_states: torch.Tensor, timestep: torch.Tensor, rows: int, cols: int, prefix: QwenImage21Prefix
@@ -312,14 +346,11 @@ class QwenImage21Transformer(StagedTransformer):
         img = self.img_in(hidden_states)
         temb, modulation = self.conditioning(timestep, img.dtype)
         positions = torch.tensor(centred_grid(prefix.target_frame, rows, cols), device=img.device)
-        key_mask = None
-        if prefix.key_mask is not None:
-            key_mask = torch.cat([prefix.key_mask, prefix.key_mask.new_ones(img.shape[:2])], dim=1)
-        return QwenImage21Tokens(img, self.rope(positions), temb, modulation, prefix, key_mask)
+        return QwenImage21Tokens(img, self.rope(positions), temb, modulation, prefix)
 
     def run_blocks(self, tokens: QwenImage21Tokens) -> QwenImage21Tokens:
         for index, block in enumerate(self.transformer_blocks):
-            tokens.img = block(tokens.img, tokens.modulation, tokens.img_rope, tokens.prefix.kv[index], tokens.key_mask)
+            tokens.img = block(tokens.img, tokens.modulation, tokens.img_rope, tokens.prefix.kv[index])
         return tokens
 
 

@@ -228,7 +228,7 @@ class QwenImage21Pipeline(DiffusionPipeline):
         mask = None if mask is None else mask[rows, :length]
         condition = None if layout.condition is None else layout.condition.to(self.dtype)
         with torch.inference_mode():
-            return self.runtime.model.encode_prefix(
+            return self.runtime.forward.encode_prefix(
                 conditioning["embeds"][rows, :length],
                 conditioning["slots"][0, :length],
                 mask,
