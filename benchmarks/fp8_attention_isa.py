@@ -5,6 +5,7 @@ It proves the ROCm path compiles and multiplies in 8 bits on the matrix cores; i
 
     python benchmarks/fp8_attention_isa.py --out-dir out/isa
     python benchmarks/fp8_attention_isa.py --targets mi300 rdna4 --configs 64,128,4,3 32,128,4,3 --masked
+    python benchmarks/fp8_attention_isa.py --targets hopper --configs 64,128,4,3 --sparse
 """
 
 from __future__ import annotations
@@ -44,9 +45,16 @@ TRITON_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"
 MATRIX = re.compile(r"\b(wgmma\.mma_async[\w.]*|v_mfma\w*|v_wmma\w*|v_swmmac\w*)")
 
 
-def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim: int = 128, masked: bool = True):
+def compile_forward(
+    target: Target,
+    config: tuple[int, int, int, int],
+    head_dim: int = 128,
+    masked: bool = True,
+    sparse: bool = False,
+):
     """The attention kernel compiled for ``target`` with ``config`` (query tile, key tile, warps, stages), INT8 Q·Kᵀ,
-    the constants ``fp8_attention_with_lse`` passes there."""
+    the constants ``fp8_attention_with_lse`` passes there; ``sparse``: with a block mask's kept tiles (dense: None,
+    a constant, so the dense kernel compiles as it did before the block mask existed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -64,6 +72,8 @@ def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim:
         "OUT": "*bf16",
         "LSE": "*fp32",
     }
+    if sparse:
+        pointers["KEPT_TILES"] = "*i32"
     if target.descriptors:
         pointers |= {
             "K_DESC": f"tensordesc<i8[{block_n}, {head_dim}]>",
@@ -82,6 +92,8 @@ def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim:
         "DESCRIPTORS": target.descriptors,
         **kernel.rounding(target.fp8),
     }
+    if not sparse:
+        constants["KEPT_TILES"] = None
     names = list(inspect.signature(kernel._fp8_attention_forward.fn).parameters)
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "fp32" if name == "sm_scale" else "i32")
@@ -96,15 +108,16 @@ def compile_forward(target: Target, config: tuple[int, int, int, int], head_dim:
     )
 
 
-def describe(name: str, target: Target, config: tuple[int, int, int, int], masked: bool) -> dict:
+def describe(name: str, target: Target, config: tuple[int, int, int, int], masked: bool, sparse: bool = False) -> dict:
     started = time.perf_counter()
-    compiled = compile_forward(target, config, masked=masked)
+    compiled = compile_forward(target, config, masked=masked, sparse=sparse)
     assembly = compiled.asm["ptx" if target.backend == "cuda" else "amdgcn"]
     row = {
         "target": name,
         "arch": str(target.arch),
         "config": ",".join(map(str, config)),
         "masked": masked,
+        "sparse": sparse,
         "compile_s": time.perf_counter() - started,
         "shared_bytes": compiled.metadata.shared,
         "matrix": " ".join(sorted(set(MATRIX.findall(assembly)))),
@@ -124,6 +137,7 @@ def main() -> None:
     # Default: the configs the runtime times on a GPU (``_configs``), to see which of them fit each target.
     parser.add_argument("--configs", nargs="*", default=None, help="query tile,key tile,warps,stages")
     parser.add_argument("--masked", action="store_true", help="with a key mask (padded text), as joint attention runs")
+    parser.add_argument("--sparse", action="store_true", help="the block-sparse path (--sparse-attention's kept tiles)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     if args.configs is None:
@@ -132,7 +146,9 @@ def main() -> None:
         configs = [tuple(int(part) for part in text.split(",")) for text in args.configs]
     import triton
 
-    rows = [describe(name, TARGETS[name], config, args.masked) for name in args.targets for config in configs]
+    rows = [
+        describe(name, TARGETS[name], config, args.masked, args.sparse) for name in args.targets for config in configs
+    ]
     print_table(
         rows,
         [
@@ -140,6 +156,7 @@ def main() -> None:
             ("arch", "arch", "s"),
             ("config", "config", "s"),
             ("masked", "mask", ""),
+            ("sparse", "sparse", ""),
             ("compile_s", "compile s", ".1f"),
             ("shared_bytes", "shared B", "d"),
             ("vgprs", "VGPRs", "d"),

@@ -102,6 +102,8 @@ def format_table(result) -> str:
     if (cache := t.features.get("step_cache")) is not None:
         steps = f"{cache.skipped_steps} of {len(cache.skipped)} steps skipped"
         rows.append(("step cache", f"{steps}, {cache.blocks_skipped} block evaluations skipped"))
+    if (sparse := t.features.get("sparse_attention")) is not None:
+        rows.append(("lossy", sparse.line()))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -173,6 +175,7 @@ def run_generate(args: argparse.Namespace) -> int:
         **({"image": args.image} if args.image else {}),
         **({"mask": args.mask} if args.mask else {}),
         **({"cache": resolved.cache.record()} if resolved.cache is not None else {}),
+        **sparse_record(result.timings),
     }
     made = file_records(resolved, result.seed)
     metadata = [
@@ -234,6 +237,12 @@ def file_records(resolved, seed: int) -> list[dict]:
         }
         for index in range(resolved.batch)
     ]
+
+
+def sparse_record(timings) -> dict:
+    """The sparse attention a run chose, its settings and the density it ran at: the files say they are lossy."""
+    sparse = timings.features.get("sparse_attention")
+    return {} if sparse is None else {"sparse_attention": dataclasses.asdict(sparse)}
 
 
 def lora_record(lora) -> dict:

@@ -13,6 +13,7 @@ from torch import nn
 from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, measured_preset
+from paradit.layers.semantic_permutation import KMEANS_ELEMENTS, SVG2_KEY_CLUSTERS, SVG2_QUERY_CLUSTERS
 from paradit.options import PLACEMENTS
 from paradit.parallel.config import ParallelConfig
 from paradit.parallel.pipefusion import stage_range
@@ -187,6 +188,7 @@ def estimates(
     adapter_bytes: int = 0,
     extra_tokens: int = 0,
     fp8_attention: bool = False,
+    sparse_attention: str | None = None,
 ) -> dict[str, MemoryPlan]:
     """Rank 0's plan for each prompt encoder placement; ``extra_tokens``: what a request's inputs add to a sample."""
     family = FAMILIES[spec.family]
@@ -223,6 +225,11 @@ def estimates(
         vae_activations /= parallel.world_size  # a band per rank
     if fp8_attention:  # K and V in 8 bits beside their bf16 originals while the kernel runs
         block_activations += 2 * batch * local_tokens * width / parallel.tensor
+    if sparse_attention == "svg2":  # Q, K, V permuted and the output unpermuted, and one group's k-means distances
+        block_activations += 4 * batch * local_tokens * width * element / parallel.tensor + 4 * KMEANS_ELEMENTS
+        # Every block's centroids, kept from step to step (float32, each head's, this rank's heads).
+        clusters = SVG2_QUERY_CLUSTERS + SVG2_KEY_CLUSTERS
+        transformer_bytes += 4 * batch * clusters * width / parallel.sequence_degree * len(model_blocks(transformer))
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
         activations += len(rank0_blocks(transformer)) * 2 * batch * local_tokens * width * element / parallel.tensor

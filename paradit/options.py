@@ -10,7 +10,17 @@ from typing import TYPE_CHECKING
 
 from paradit.errors import InvalidRequest
 from paradit.families.default import DEFAULT_MODEL
-from paradit.flags import GENERATE, PLAN, SERVE, generate_option, nonnegative, option, positive, serve_option
+from paradit.flags import (
+    GENERATE,
+    PLAN,
+    SERVE,
+    finite,
+    generate_option,
+    nonnegative,
+    option,
+    positive,
+    serve_option,
+)
 from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_adapter
 from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig, parallel_option
 from paradit.request import GenerationRequest, StepCacheConfig
@@ -26,6 +36,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("none", "fp8")
 ATTENTIONS = ("sdpa", "fp8")
+SPARSE_ATTENTIONS = ("radial", "svg2")  # paradit.layers.sparse_attention.SPARSE_METHODS, without importing torch
 PLACEMENTS = ("gpu", "fp8", "offload")  # where the prompt encoders live (``text_encoder``)
 LINKS = ("nvlink", "pcie", "measure")
 
@@ -33,7 +44,22 @@ LINKS = ("nvlink", "pcie", "measure")
 LOSSY_PSNR_DB = 30.0
 
 MEMORY = "memory"
+
+
+def above_zero(text: str) -> float:
+    if (value := finite(text)) <= 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not allowed; give a number above 0")
+    return value
+
+
+def share(text: str) -> float:
+    if not 0 < (value := finite(text)) <= 1:
+        raise argparse.ArgumentTypeError(f"{value:g} is not allowed; give a share above 0 and at most 1")
+    return value
+
+
 execution_option = functools.partial(option, group="how the run executes")
+sparse_option = functools.partial(option, group="sparse attention (video self-attention; lossy)")
 lora_option = functools.partial(generate_option, group="LoRA adapters (applied to the transformer)")
 served_lora_option = functools.partial(serve_option, group="LoRA adapters each request may choose (its lora field)")
 
@@ -71,8 +97,44 @@ class ExecutionOptions:
         help="with --attention fp8: the first and last N steps attend exactly, in the run's dtype",
     )
 
+    sparse_attention: str | None = sparse_option(
+        choices=SPARSE_ATTENTIONS,
+        help="LOSSY: a video's self-attention attends only the 128x128 tiles a block mask keeps (skipping the rest): "
+        "radial, the static mask of Radial attention (Li et al. 2025; its spatial window shrinks with temporal "
+        "distance), or svg2, per-head k-means clusters of the queries and keys and each query cluster's top-p key "
+        "clusters (Sparse VideoGen2); the density it ran at is reported; never chosen unasked",
+    )
+    sparse_dense_steps: int | None = sparse_option(
+        type=nonnegative,
+        metavar="N",
+        help="the first N steps dense (default: radial 12, the paper's; svg2 a fifth of the steps, SVG2's)",
+    )
+    sparse_dense_blocks: int | None = sparse_option(
+        type=nonnegative,
+        metavar="N",
+        help="the first N blocks dense at every step (default: radial 1, the paper's; svg2 3 in 100, rounded up)",
+    )
+    sparse_decay_factor: float | None = sparse_option(
+        type=above_zero, help="radial: scales the window of frames 2 or more apart (default 1, the paper's)"
+    )
+    sparse_query_clusters: int | None = sparse_option(
+        type=positive, metavar="N", help="svg2: k-means clusters of each head's queries (default 300)"
+    )
+    sparse_key_clusters: int | None = sparse_option(
+        type=positive, metavar="N", help="svg2: k-means clusters of each head's keys (default 1000)"
+    )
+    sparse_top_p: float | None = sparse_option(
+        type=share,
+        help="svg2: each query cluster attends the key clusters holding this share of its attention (default 0.9)",
+    )
+
     def compiles(self, device) -> bool:
         return device.type == "cuda" if self.compile is None else self.compile
+
+    def sparse_parameters(self) -> dict[str, object]:
+        """The sparse-attention parameters given, by name: for their refusals and the run's record."""
+        names = ("dense_steps", "dense_blocks", "decay_factor", "query_clusters", "key_clusters", "top_p")
+        return {name: value for name in names if (value := getattr(self, f"sparse_{name}")) is not None}
 
 
 @dataclass(frozen=True)
@@ -280,6 +342,18 @@ class Conflict:
     param: str | None = None
 
 
+# The parameters each sparse method reads; another's is refused, never silently ignored.
+SPARSE_PARAMETERS = {
+    "radial": ("dense_steps", "dense_blocks", "decay_factor"),
+    "svg2": ("dense_steps", "dense_blocks", "query_clusters", "key_clusters", "top_p"),
+}
+
+
+def _sparse_parameter_unread(options: ExecutionOptions) -> bool:
+    given = options.sparse_parameters()
+    return bool(given) and not set(given) <= set(SPARSE_PARAMETERS.get(options.sparse_attention, ()))
+
+
 def _caches(request: ResolvedRequest | None) -> bool:
     return request is not None and request.cache is not None
 
@@ -357,6 +431,45 @@ CONFLICTS = (
         lambda parallel, options, device, request: _caches(request) and bool(options.cuda_graphs),
         "step caching does not combine with CUDA graphs; drop the cache or --cuda-graphs",
         param="cache",
+    ),
+    Conflict(
+        "sparse attention parameters it does not read",
+        lambda parallel, options, device, request: _sparse_parameter_unread(options),
+        "a --sparse-* parameter is given that the run's --sparse-attention does not read (radial: "
+        "--sparse-dense-steps, --sparse-dense-blocks, --sparse-decay-factor; svg2: --sparse-dense-steps, "
+        "--sparse-dense-blocks, --sparse-query-clusters, --sparse-key-clusters, --sparse-top-p); give the "
+        "--sparse-attention that reads it, or drop it",
+        param="sparse_attention",
+    ),
+    # The mask is a video's: its (frames, rows, columns) grid; images have none.
+    Conflict(
+        "sparse attention on images",
+        lambda parallel, options, device, request: (
+            bool(options.sparse_attention) and request is not None and request.frames is None
+        ),
+        "--sparse-attention masks a video's self-attention; this model makes images: drop it",
+        param="sparse_attention",
+    ),
+    # PipeFusion's patches attend a K/V buffer of the whole sequence, not tiles in place.
+    Conflict(
+        "sparse attention with pipefusion",
+        lambda parallel, options, device, request: bool(options.sparse_attention) and parallel.pipefusion > 1,
+        "--sparse-attention does not combine with --pipefusion; use ulysses or ring",
+        param="sparse_attention",
+    ),
+    # SVG2 clusters every token of a head; Ring splits a head's tokens over its ranks.
+    Conflict(
+        "svg2 with ring",
+        lambda parallel, options, device, request: options.sparse_attention == "svg2" and parallel.ring > 1,
+        "--sparse-attention svg2 clusters every token of a head, which Ring splits: use ulysses, or radial",
+        param="sparse_attention",
+    ),
+    # A replay would keep the mask and the dense/sparse choice of its capture.
+    Conflict(
+        "sparse attention with graphs",
+        lambda parallel, options, device, request: bool(options.sparse_attention and options.cuda_graphs),
+        "--sparse-attention does not combine with CUDA graphs yet; drop --cuda-graphs",
+        param="sparse_attention",
     ),
 )
 

@@ -15,6 +15,7 @@ from paradit.cuda_graphs import GraphedModule
 from paradit.family import Family
 from paradit.layers.attention import apply_fp8_attention
 from paradit.layers.fp8 import fp8_dtype
+from paradit.layers.sparse_attention import SparseSettings, apply_sparse_attention
 from paradit.lora.apply import FusedLoraTensors, add_side_paths, fold_side_paths, read_updates
 from paradit.lora.refs import adapter_key
 from paradit.lora.variants import AdapterChoice
@@ -63,6 +64,10 @@ def load_transformer(
 
     if options.attention == "fp8":  # before parallelism wraps each module's kernel
         hooks.append(apply_fp8_attention(model, options.attention_bf16_steps))
+    if options.sparse_attention:  # around the kernel FP8 attention chose, before parallelism wraps it
+        blocks = len(model_blocks(model))
+        settings = SparseSettings.of(options.sparse_attention, blocks, **options.sparse_parameters())
+        hooks.append(apply_sparse_attention(model, settings))
     parallel = parallelize(model, family.tensor_plan, context)  # on meta: only the kept tensors are ever read
     # While each linear is still the plain model's. A server's named adapters start unchosen; a run's all apply.
     if updates and not lora.fused:

@@ -153,7 +153,8 @@ def choices(
     options = dataclasses.replace(
         wanted,
         quantize=wanted.quantize or (planned.quantize if planned else "none"),
-        cuda_graphs=bool(wanted.cuda_graphs or (planned and planned.cuda_graphs)),
+        # A planned graph would replay one step's mask and dense/sparse choice (the conflicts refuse it when asked).
+        cuda_graphs=bool(wanted.cuda_graphs or (planned and planned.cuda_graphs and not wanted.sparse_attention)),
         swap_experts=bool(wanted.swap_experts or (planned and planned.swap_experts)),
         attention=wanted.attention or "sdpa",
     )
@@ -253,6 +254,7 @@ def settle(asked: Asked, request: GenerationRequest | None = None, machine: Mach
             extra_tokens=extra_tokens,
             limit=None if cap is not None else limit_words,
             fp8_attention=options.attention == "fp8",
+            sparse_attention=options.sparse_attention,
         )
         try:
             memory_plan = fits(swap_experts=options.swap_experts)

@@ -29,6 +29,20 @@ from tests.test_serving import live_server
 
 EIGHT_GPUS = Machine(8, load_profile("h200-nvlink"), virtual=True)
 TINY = ["--model", "flux2-tiny", "--prompt", "a fox", "--height", "32", "--width", "32", "--steps", "1"]
+VIDEO = [
+    "--model",
+    "wan-tiny",
+    "--prompt",
+    "a boat",
+    "--height",
+    "32",
+    "--width",
+    "32",
+    "--frames",
+    "5",
+    "--steps",
+    "1",
+]
 # A command line that meets each row of CONFLICTS, on a machine of eight H200s (``no_workers``).
 CONFLICTING = {
     "graphs with pipefusion": ["generate", *TINY, "--cuda-graphs", "--pipefusion", "2"],
@@ -69,6 +83,11 @@ CONFLICTING = {
     ],
     "step caching with pipefusion": ["generate", *TINY, "--cache", "first-block", "--pipefusion", "2"],
     "step caching with graphs": ["generate", *TINY, "--cache", "first-block", "--cuda-graphs"],
+    "sparse attention parameters it does not read": ["generate", *VIDEO, "--sparse-decay-factor", "0.5"],
+    "sparse attention on images": ["generate", *TINY, "--sparse-attention", "radial"],
+    "sparse attention with pipefusion": ["generate", *VIDEO, "--sparse-attention", "radial", "--pipefusion", "2"],
+    "svg2 with ring": ["generate", *VIDEO, "--sparse-attention", "svg2", "--ring", "2"],
+    "sparse attention with graphs": ["generate", *VIDEO, "--sparse-attention", "radial", "--cuda-graphs"],
 }
 # Rows no command line meets (a server takes no parallel flags): asked through the Python API.
 SERVED = LoraSet((LoraRef("style.safetensors", name="style"),), (), "unfused", switchable=True, cache=2)

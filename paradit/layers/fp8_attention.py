@@ -177,6 +177,7 @@ if triton is not None:
         KEY_MASK,
         OUT,
         LSE,
+        KEPT_TILES,
         K_DESC,
         V_DESC,
         q_length,
@@ -223,50 +224,104 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], -1e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        whole = k_length // BLOCK_N * BLOCK_N  # tiles every key of which is real: no bounds check
-        for start in range(0, whole, BLOCK_N):
-            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
-            # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
-            scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
-            acc, m_i, l_i = _attend_tile(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k,
-                v,
-                scale,
-                key_mask_ptrs,
-                start,
-                k_length,
-                QK_INT8,
-                P_EXPONENT,
-                False,
-                HAS_MASK,
-                ROUND,
-                TINY,
-            )
-        if whole < k_length:
-            k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
-            scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + whole // BLOCK_N), 1e-30)
-            acc, m_i, l_i = _attend_tile(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k,
-                v,
-                scale,
-                key_mask_ptrs,
-                whole,
-                k_length,
-                QK_INT8,
-                P_EXPONENT,
-                True,
-                HAS_MASK,
-                ROUND,
-                TINY,
-            )
+        if KEPT_TILES is None:
+            whole = k_length // BLOCK_N * BLOCK_N  # tiles every key of which is real: no bounds check
+            for start in range(0, whole, BLOCK_N):
+                k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
+                # Positive even where Q or K is all zeros, so that masked scores stay -inf, not NaN.
+                scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
+                acc, m_i, l_i = _attend_tile(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    k,
+                    v,
+                    scale,
+                    key_mask_ptrs,
+                    start,
+                    k_length,
+                    QK_INT8,
+                    P_EXPONENT,
+                    False,
+                    HAS_MASK,
+                    ROUND,
+                    TINY,
+                )
+            if whole < k_length:
+                k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, whole, HEAD_DIM, DESCRIPTORS)
+                scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + whole // BLOCK_N), 1e-30)
+                acc, m_i, l_i = _attend_tile(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    k,
+                    v,
+                    scale,
+                    key_mask_ptrs,
+                    whole,
+                    k_length,
+                    QK_INT8,
+                    P_EXPONENT,
+                    True,
+                    HAS_MASK,
+                    ROUND,
+                    TINY,
+                )
+        else:
+            # Block-sparse: this query tile's row of kept key tiles, (count, ascending tile indices), the mask's
+            # query tiles being BLOCK_N queries (BLOCK_M divides it). Only a kept tile past the last whole one (the
+            # keys' end) needs the bounds check, and it is the row's last.
+            key_tiles = padded // BLOCK_N
+            row = KEPT_TILES + (bh * tl.cdiv(q_length, BLOCK_N) + block * BLOCK_M // BLOCK_N) * (key_tiles + 1)
+            kept = tl.load(row)
+            last = tl.load(row + tl.maximum(kept, 1))
+            ragged = (kept > 0) & ((last + 1) * BLOCK_N > k_length)
+            for index in range(kept - ragged.to(tl.int32)):
+                start = tl.load(row + 1 + index) * BLOCK_N
+                k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
+                scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + start // BLOCK_N), 1e-30)
+                acc, m_i, l_i = _attend_tile(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    k,
+                    v,
+                    scale,
+                    key_mask_ptrs,
+                    start,
+                    k_length,
+                    QK_INT8,
+                    P_EXPONENT,
+                    False,
+                    HAS_MASK,
+                    ROUND,
+                    TINY,
+                )
+            if ragged:
+                start = last * BLOCK_N
+                k, v = _load_tile(K_DESC, V_DESC, k_ptrs, v_ptrs, bh, padded, start, HEAD_DIM, DESCRIPTORS)
+                scale = tl.maximum(qk_scale * tl.load(k_scale_ptrs + last), 1e-30)
+                acc, m_i, l_i = _attend_tile(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    k,
+                    v,
+                    scale,
+                    key_mask_ptrs,
+                    start,
+                    k_length,
+                    QK_INT8,
+                    P_EXPONENT,
+                    True,
+                    HAS_MASK,
+                    ROUND,
+                    TINY,
+                )
         v_scale = tl.load(V_SCALE + bh * HEAD_DIM + dims)
         empty = l_i == 0.0  # every key masked: output 0, log-sum-exp -inf (nothing when merged)
         out = acc * v_scale[None, :] / tl.where(empty, 1.0, l_i)[:, None]
@@ -276,16 +331,17 @@ if triton is not None:
         tl.store(LSE + bh * q_length + queries, tl.where(empty, float("-inf"), lse), mask=queries < q_length)
 
 
-def _configs(device: torch.device) -> list[tuple[int, int, int, int]]:
-    """(query tile, key tile, warps, stages) to try; the interpreter's cost is per operation, whatever the tile."""
+def _configs(device: torch.device, sparse: bool = False) -> list[tuple[int, int, int, int]]:
+    """(query tile, key tile, warps, stages) to try; the interpreter's cost is per operation, whatever the tile. A
+    block mask's query tiles are ``KEY_TILE`` queries, which the kernel's query tile must divide."""
     if interpreting() or device.type == "cpu":
-        return [(256, KEY_TILE, 4, 1)]
+        return [(KEY_TILE if sparse else 256, KEY_TILE, 4, 1)]
     # On the H200 (64, 128, 4, 3) wins: two blocks of one warpgroup each share an SM, one's softmax beside the
     # other's matrix products. The others are there for GPUs that differ (RDNA 4).
     return [(64, KEY_TILE, 4, 3), (128, KEY_TILE, 8, 3), (64, KEY_TILE, 4, 2), (32, KEY_TILE, 4, 3)]
 
 
-_CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # (device, head dim, formats) -> the fastest config measured
+_CHOSEN: dict[tuple, tuple[int, int, int, int]] = {}  # (device, head dim, formats, sparse) -> the fastest config
 
 
 def p_exponent(dtype: torch.dtype) -> int:
@@ -301,13 +357,30 @@ def uses_descriptors(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def eight_bit(dtype: torch.dtype) -> bool:
+    return dtype.itemsize == 1
+
+
+def format_limits(qk_dtype: torch.dtype, pv_dtype: torch.dtype) -> dict:
+    """The kernel's constants for its formats. In the input's own precision (the kernel without FP8: bf16 on GPUs
+    that lack it, fp32 in the interpreter) nothing is rounded to 8 bits: values scaled to [-1, 1], P not scaled."""
+    if qk_dtype == torch.int8:
+        qmax = INT8_MAX
+    else:
+        qmax = torch.finfo(qk_dtype).max if eight_bit(qk_dtype) else 1.0
+    exact = not eight_bit(pv_dtype)
+    rounding_ = {"ROUND": False, "TINY": 0.0} if exact else rounding(pv_dtype)
+    return {"QMAX": qmax, "P_EXPONENT": 0 if exact else p_exponent(pv_dtype), **rounding_}
+
+
 def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch.dtype, pv_dtype: torch.dtype):
     """The pre-pass: (K8 (B, H, padded, W), K's scale per tile, K's mean (B, H, W), V8 transposed (B, H, W, padded),
     V's channel scales (B, H, W)), W the head dim padded to a power of two (Triton) of at least 32 (INT8 MMA depth)."""
     batch, length, heads, dim = key.shape
     padded, width = -(-length // KEY_TILE) * KEY_TILE, max(32, triton.next_power_of_2(dim))
     k_mean = F.pad(key.mean(dim=1, dtype=torch.float32), (0, width - dim)).contiguous()  # (B, H, W)
-    vmax = torch.finfo(pv_dtype).max
+    limits = format_limits(qk_dtype, pv_dtype)
+    vmax = torch.finfo(pv_dtype).max if eight_bit(pv_dtype) else 1.0
     # The largest magnitude by one reduction: ``value.abs()`` first wrote a copy of V (0.5 ms at Wan 720p).
     v_scale = torch.linalg.vector_norm(value, ord=math.inf, dim=1).float().clamp(min=1e-30) / vmax
     v_scale = F.pad(v_scale, (0, width - dim), value=1.0).contiguous()
@@ -328,28 +401,49 @@ def quantize_keys_values(key: torch.Tensor, value: torch.Tensor, qk_dtype: torch
         *key.stride()[:3],
         *value.stride()[:3],
         padded,
-        QMAX=INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max,
+        QMAX=limits["QMAX"],
         VMAX=vmax,
         BLOCK=KEY_TILE,
         HEAD_DIM=width,
-        **rounding(pv_dtype),
+        ROUND=limits["ROUND"],
+        TINY=limits["TINY"],
     )
     return k8, k_scale, k_mean, v8, v_scale
 
 
-# An operator of its own, so that compiled blocks call the kernel as one opaque step instead of breaking their graph
-# (Dynamo cannot trace the tuning and the launch); the fake gives the shapes for tracing.
-@torch.library.custom_op("paradit::fp8_attention", mutates_args=())
-def fp8_attention_with_lse(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
+def kept_tile_rows(block_mask: torch.Tensor) -> torch.Tensor:
+    """A block mask (B, H, query tiles, key tiles), True where a tile is attended, as the kernel reads it: per
+    (batch, head, query tile) the count of kept key tiles, then their indices ascending (int32)."""
+    counts = block_mask.sum(dim=-1, dtype=torch.int32)
+    # A stable sort of "dropped" puts the kept tiles first, in their order.
+    order = torch.argsort((~block_mask).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    return torch.cat([counts[..., None], order], dim=-1).flatten(0, 2).contiguous()
+
+
+def attention_with_lse_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    kept_tiles: torch.Tensor | None,
+    qk_dtype: torch.dtype,
+    pv_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel in the given formats; ``kept_tiles`` (``kept_tile_rows``) skips the key tiles a block mask
+    excludes, None attends every tile (the dense kernel, compiled as before the mask existed)."""
     batch, q_length, heads, dim = query.shape
     k_length = key.shape[1]
+    if query.numel() == 0 or key.numel() == 0:  # a Ulysses rank's empty chunk of heads: no launch (a grid of 0)
+        lse = torch.full((batch, heads, q_length), float("-inf"), device=query.device)
+        return torch.zeros_like(query, memory_format=torch.contiguous_format), lse
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    pv_dtype, qk_dtype = fp8_dtype(query.device), QK_FORMAT
     k8, k_scale, k_mean, v8, v_scale = quantize_keys_values(key, value, qk_dtype, pv_dtype)
     padded = k8.shape[2]
+    if kept_tiles is not None:
+        expected = (batch * heads * -(-q_length // KEY_TILE), padded // KEY_TILE + 1)
+        if tuple(kept_tiles.shape) != expected:
+            raise ValueError(f"kept tiles {tuple(kept_tiles.shape)} do not match the inputs' tiles {expected}")
     # Without a mask, k_scale stands in: never read, HAS_MASK is off.
     mask = k_scale if key_mask is None else F.pad(key_mask.to(torch.uint8), (0, padded - k_length))
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -361,6 +455,7 @@ def fp8_attention_with_lse(
         v_desc = TensorDescriptor.from_tensor(v8.view(-1, padded), [width, KEY_TILE])
     else:
         k_desc = v_desc = k_scale  # never read: the kernel loads through pointers
+    limits = format_limits(qk_dtype, pv_dtype)
 
     def launch(config: tuple[int, int, int, int]) -> None:
         # Fusion asked for, not assumed: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns
@@ -377,6 +472,7 @@ def fp8_attention_with_lse(
             mask,
             out,
             lse,
+            kept_tiles,
             k_desc,
             v_desc,
             q_length,
@@ -387,11 +483,12 @@ def fp8_attention_with_lse(
             *query.stride()[:3],
             *out.stride()[:3],
             dim**-0.5,
-            QMAX=INT8_MAX if qk_dtype == torch.int8 else torch.finfo(qk_dtype).max,
-            P_EXPONENT=p_exponent(pv_dtype),
+            QMAX=limits["QMAX"],
+            P_EXPONENT=limits["P_EXPONENT"],
             QK_INT8=qk_dtype == torch.int8,
             HAS_MASK=key_mask is not None,
-            **rounding(pv_dtype),
+            ROUND=limits["ROUND"],
+            TINY=limits["TINY"],
             HEAD_DIM=width,
             DESCRIPTORS=descriptors,
             BLOCK_M=block_m,
@@ -401,17 +498,47 @@ def fp8_attention_with_lse(
             enable_fp_fusion=True,
         )
 
-    chosen = _CHOSEN.get(tuning_key := (query.device, dim, qk_dtype, pv_dtype))
+    sparse = kept_tiles is not None
+    chosen = _CHOSEN.get(tuning_key := (query.device, dim, qk_dtype, pv_dtype, sparse))
     if chosen is None:
-        chosen = _CHOSEN[tuning_key] = fastest(launch, _configs(query.device))
+        chosen = _CHOSEN[tuning_key] = fastest(launch, _configs(query.device, sparse))
     launch(chosen)
     return out, lse
 
 
-@fp8_attention_with_lse.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None):
+# Operators of their own, so that compiled blocks call the kernel as one opaque step instead of breaking their graph
+# (Dynamo cannot trace the tuning and the launch); the fakes give the shapes for tracing.
+@torch.library.custom_op("paradit::fp8_attention", mutates_args=())
+def fp8_attention_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    kept_tiles: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_with_lse_triton(query, key, value, key_mask, kept_tiles, QK_FORMAT, fp8_dtype(query.device))
+
+
+@torch.library.custom_op("paradit::exact_triton_attention", mutates_args=())
+def exact_triton_attention_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    kept_tiles: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same kernel in the inputs' precision (bf16: GPUs without FP8; fp32 in the interpreter): the block-sparse
+    path where FP8 is not asked for, or not there."""
+    return attention_with_lse_triton(query, key, value, key_mask, kept_tiles, query.dtype, query.dtype)
+
+
+def _fake(query, key, value, key_mask=None, kept_tiles=None):
     lse = query.new_empty(query.shape[0], query.shape[2], query.shape[1], dtype=torch.float32)
     return torch.empty_like(query, memory_format=torch.contiguous_format), lse
+
+
+fp8_attention_with_lse.register_fake(_fake)
+exact_triton_attention_with_lse.register_fake(_fake)
 
 
 def fastest(launch, configs: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:

@@ -19,7 +19,13 @@ from torch import nn
 
 from paradit.layers.attention import AttentionDispatch, AttentionFn, FP8Attention, attention_with_lse, sdpa_attention
 from paradit.layers.prefix_attention import CachedPrefix, PrefixCaching, masked_sdpa
-from paradit.parallel.comm import RingExchange, all_gather_uneven, split_sizes, start_all_to_all_uneven
+from paradit.parallel.comm import (
+    RingExchange,
+    all_gather_uneven,
+    all_reduce_sum,
+    split_sizes,
+    start_all_to_all_uneven,
+)
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.transport import decode_fp8_rows, encode_fp8_rows
 
@@ -67,7 +73,17 @@ def merge_partials(
 def blockwise(local: AttentionFn) -> bool:
     """Whether ``local`` attends whatever keys it is given, so that Ring feeds it one block at a time and Ulysses a
     chunk of heads; PipeFusion's buffer attention needs the whole sequence at once."""
-    return local is sdpa_attention or isinstance(local, FP8Attention)
+    return local is sdpa_attention or isinstance(local, FP8Attention) or getattr(local, "blockwise", False)
+
+
+def aligned_split_sizes(total: int, parts: int, alignment: int) -> list[int]:
+    """``split_sizes`` in whole units of ``alignment`` tokens (the last rank's ends with the sequence's remainder), so
+    that every rank's tokens start at a unit: block-sparse attention's tiles."""
+    units = split_sizes(-(-total // alignment), parts)
+    sizes = [count * alignment for count in units]
+    last = max((rank for rank, count in enumerate(units) if count), default=0)
+    sizes[last] -= sum(sizes) - total
+    return sizes
 
 
 class SequenceParallelAttention:
@@ -169,6 +185,13 @@ class SequenceParallelAttention:
         """Without Ring, ``blockwise`` attention runs in overlapped head chunks: exact, heads being independent. A
         ``prefix`` holds this rank's heads: each chunk's go before the gathered keys."""
         heads, dtype = q.shape[2], q.dtype
+        order = None
+        if hasattr(local, "head_order"):  # sparse attention keeps a different share of tiles per head
+            sizes = split_sizes(heads, self.ulysses)
+            me, length = self.context.local_rank("ulysses"), sum(self._ulysses_lengths())
+            order = local.head_order(q, length, sizes, me, self._add_up)
+        if order is not None:
+            q, k, v = (t[:, :, order] for t in (q, k, v))
         count = ULYSSES_CHUNKS if self.ring == 1 and blockwise(local) else 1
         chunks = [self._head_ranges(heads, c, count) for c in range(count)]
         chunks = [ranges for ranges in chunks if any(n for _, n in ranges)]
@@ -178,19 +201,28 @@ class SequenceParallelAttention:
         batch, length, _, width = wire[0].shape
         into = wire[0].new_empty(batch, length, heads, width)  # the output, in the wire's form
         pending, returning = [self._post_heads_to_sequence(t, chunks[0]) for t in wire], []
+        me = self.context.local_rank("ulysses")
         for index, ranges in enumerate(chunks):
             gathered = [self._from_wire(finish(), dtype) for finish in pending]
             if index + 1 < len(chunks):
                 pending = [self._post_heads_to_sequence(t, chunks[index + 1]) for t in wire]
+            placed = local
+            if hasattr(local, "for_heads"):  # a kernel whose mask is per head learns which of the model's it has
+                first, mine = ranges[me]
+                placed = local.for_heads((order or range(heads))[first : first + mine])
             chunk_prefix = None
             if prefix is not None:
-                first, count = ranges[self.context.local_rank("ulysses")]
+                first, count = ranges[me]
                 chunk_prefix = narrow_heads(prefix, first - owned_first, count)
-            out = self._to_wire(self._attend(*gathered, key_mask, local, chunk_prefix))
+            out = self._to_wire(self._attend(*gathered, key_mask, placed, chunk_prefix))
             returning.append(self._post_sequence_to_heads(out, ranges, into))
         for finish in returning:
             finish()
-        return self._from_wire(into, dtype)
+        out = self._from_wire(into, dtype)
+        return out if order is None else out[:, :, torch.tensor(order, device=out.device).argsort()]
+
+    def _add_up(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(tensor, self.ulysses_group, self.context.stats)
 
     def _attend(
         self,
@@ -245,6 +277,13 @@ class SequenceParallelAttention:
         block is [its prefix share | its tokens]."""
         lengths = self._ring_lengths(prefix)
         masks = self._block_masks(key_mask, prefix, lengths, q)
+        if getattr(with_lse, "takes_offsets", False):  # a block-sparse kernel's mask is by token position
+            starts, me = [sum(lengths[:rank]) for rank in range(self.ring)], self.context.local_rank("ring")
+
+            def attend(source: int, *kv: torch.Tensor):
+                return with_lse(q, *kv, masks[source], query_start=starts[me], key_start=starts[source])
+
+            return self._around_the_ring(q, k, v, lengths, attend)
         return self._around_the_ring(q, k, v, lengths, lambda source, *kv: with_lse(q, *kv, masks[source]))
 
     def prefix_tile_attention(
@@ -367,9 +406,11 @@ class SequenceParallel(nn.Module):
         super().__init__()
         self.model, self.context = model, context
         self.attention = SequenceParallelAttention(context)
+        self.token_alignment = 1
         for module in model.modules():
             if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
                 self.set_local_attention(module, module.kernel)
+                self.token_alignment = max(self.token_alignment, getattr(module.kernel, "token_alignment", 1))
 
     @property
     def config(self):
@@ -385,7 +426,10 @@ class SequenceParallel(nn.Module):
     def split(self, tokens):
         """This rank's chunk of each stream, and {stream: per-rank sizes} for ``sequence_layout``."""
         degree, me = self.context.config.sequence_degree, self.context.sequence_rank
-        sizes = {stream: split_sizes(length, degree) for stream, length in stream_lengths(tokens).items()}
+        sizes = {
+            stream: aligned_split_sizes(length, degree, self.token_alignment)
+            for stream, length in stream_lengths(tokens).items()
+        }
         ranges = {stream: (sum(s[:me]), sum(s[: me + 1])) for stream, s in sizes.items()}
         return narrow_streams(tokens, ranges), sizes
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from paradit.errors import InvalidRequest
 from paradit.machine import Machine
 from paradit.memory import gib, parse_size
 from paradit.options import Asked
-from paradit.planner.plan import plan
+from paradit.planner.plan import facts_for, plan
 from paradit.planner.profile import HardwareProfile, detect_profile, load_profile, with_link
 from paradit.planner.report import generate_command, render
 from paradit.request import GenerationRequest
@@ -59,7 +60,22 @@ def plan_text(
         if asked.max_gpu_memory is not None:  # the ranking is made for the cap's GPUs
             profile = dataclasses.replace(profile, memory_gib=parse_size(asked.max_gpu_memory) / 2**30)
         quantize = asked.options.quantize
-        lines += ["", render(plan(run.spec, gpus, profile, run.request, quantize, attention=options.attention))]
+        density = sparse_density(run)
+        if density is not None:
+            lines.append(
+                f"(sparse attention: the steps past its dense warm-up at its mask's density {density:.2f}, at the "
+                "dense kernels' rate)"
+            )
+        chosen = plan(
+            run.spec,
+            gpus,
+            profile,
+            run.request,
+            quantize,
+            attention=options.attention,
+            **({} if density is None else {"attention_density": density}),
+        )
+        lines += ["", render(chosen)]
     return "\n".join([*lines, "", f"Run it: {run_command(asked, run)}"])
 
 
@@ -73,12 +89,27 @@ def run_command(asked: Asked, run: RunSettings) -> str:
     return generate_command(run.spec.name, run.parallel, run.options, run.text_encoder_placement, tuple(extra))
 
 
+def sparse_density(run: RunSettings) -> float | None:
+    """Radial's mask is static: its density for the request's token grid. SVG2's is known once it runs (None)."""
+    request = run.request
+    if run.options.sparse_attention != "radial" or request is None or request.frames is None:
+        return None
+    from paradit.layers.sparse_masks import density, radial_block_mask
+
+    facts = facts_for(run.spec)
+    side = facts.token_side
+    grid = ((request.frames - 1) // facts.frame_stride + 1, request.height // side, request.width // side)
+    decay = run.options.sparse_decay_factor or 1.0
+    return density(radial_block_mask(grid, decay), math.prod(grid), math.prod(grid))
+
+
 def settled_words(run: RunSettings) -> str:
     options = run.options
     parts = [
         run.parallel.describe().replace("1 GPU", "one process" if run.device.type == "cpu" else "1 GPU"),
         "FP8 linears" if options.quantize == "fp8" else str(run.dtype).removeprefix("torch."),
         *(["FP8 attention"] if options.attention == "fp8" else []),
+        *([f"sparse attention {options.sparse_attention} (lossy)"] if options.sparse_attention else []),
         *(["CUDA graphs"] if options.cuda_graphs else []),
         *(["experts swapped"] if options.swap_experts else []),
         f"text encoders {run.text_encoder_placement}",

@@ -51,13 +51,17 @@ def attention_ms(
     profile: HardwareProfile,
     fp8_attention: bool = False,
     ring: int = 1,
+    density: float = 1.0,
 ) -> float:
-    """With ``fp8_attention``, the calls the runtime gives the FP8 kernel at its rate, the rest at SDPA's."""
+    """With ``fp8_attention``, the calls the runtime gives the FP8 kernel at its rate, the rest at SDPA's;
+    ``density``: the share of pairs block-sparse attention keeps in the attention the sequence ranks exchange (a
+    video's self-attention), at the dense rate (an estimate until benchmarks/sparse_attention.py measures it)."""
     total = 0.0
     for group in facts.attention:
         keys = group.key_tokens.at(workload.image_tokens, workload.text_tokens) / ring
         fp8 = fp8_attention and keys >= FP8_MIN_KEYS
-        total += group.flops(workload) * batch / (profile.attention_rate(group.head_dim, fp8) * 1e9)
+        kept = density if group.exchanged else 1.0
+        total += kept * group.flops(workload) * batch / (profile.attention_rate(group.head_dim, fp8) * 1e9)
     return total
 
 
@@ -86,8 +90,10 @@ def step_cost(
     cuda_graphs: bool,
     weight_bytes: float = 0.0,
     fp8_attention: bool = False,
+    attention_density: float = 1.0,
 ) -> StepCost:
-    """``weight_bytes``: the transformer's (one expert's), which sharded weights gather once a step."""
+    """``weight_bytes``: the transformer's (one expert's), which sharded weights gather once a step;
+    ``attention_density``: sparse attention's kept share (``attention_ms``)."""
     image, text = workload.image_tokens, workload.text_tokens
     local_batch = batch / parallel.cfg
     sequence, tensor, stages = parallel.sequence_degree, parallel.tensor, parallel.pipefusion
@@ -99,7 +105,7 @@ def step_cost(
         if group.kind.in_blocks:  # the split happens after the embedders and is undone before the head
             token_flops /= sequence * stages * (tensor if group.kind.sharded else 1)
         compute += (token_flops + group.flops.fixed) * local_batch / (rate * 1e9)
-    attention = attention_ms(facts, workload, local_batch, profile, fp8_attention, parallel.ring)
+    attention = attention_ms(facts, workload, local_batch, profile, fp8_attention, parallel.ring, attention_density)
     compute += attention / (sequence * tensor * stages)
     compute += facts.other_flops.at(image, text) * local_batch / (profile.matmul_tflops["bf16"] * efficiency * 1e9)
 

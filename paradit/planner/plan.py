@@ -251,8 +251,10 @@ def plan(
     quantize: str | None = None,
     memory: MemoryEstimates | None = None,
     attention: str = "sdpa",
+    attention_density: float = 1.0,
 ) -> PlanChoice:
-    """``quantize`` None tries bf16, then FP8 compute where nothing fits."""
+    """``quantize`` None tries bf16, then FP8 compute where nothing fits; ``attention_density``: the share of a
+    video's self-attention a sparse mask keeps, where one was asked for (the planner never chooses one)."""
     resolved = resolved_for(spec, request)
     wanted = request_for(spec, resolved)
     sized = dataclasses.replace(spec, height=wanted.height, width=wanted.width)
@@ -278,7 +280,17 @@ def plan(
         calibrated = calibration(facts, profile, fp8, graphs)
         weights = memory(ParallelConfig(), fp8, swap=True)["gpu"].transformer if parallel.shard_weights else 0.0
         cost = step_cost(
-            facts, workload, wanted.batch, parallel, fp8, profile, calibrated.efficiency, graphs, weights, fp8_attention
+            facts,
+            workload,
+            wanted.batch,
+            parallel,
+            fp8,
+            profile,
+            calibrated.efficiency,
+            graphs,
+            weights,
+            fp8_attention,
+            attention_density,
         )
         tried = [memory(parallel, fp8, swap)[p] for p in PLACEMENTS if fp8 or p != "fp8"]
         fitting = next((m for m in tried if m.total <= profile.memory_bytes), None)

@@ -112,6 +112,8 @@ def generate_command(
         (parallel.comm_dtype == "fp8", "--comm-dtype fp8"),
         (options.quantize == "fp8", "--quantize fp8"),
         (options.attention == "fp8", "--attention fp8"),
+        (options.sparse_attention, f"--sparse-attention {options.sparse_attention}"),
+        *((True, f"--sparse-{name.replace('_', '-')} {value}") for name, value in options.sparse_parameters().items()),
         (options.cuda_graphs, "--cuda-graphs"),
         (options.swap_experts, "--swap-experts"),
         (parallel.shard_weights, f"--shard-weights {parallel.shard_weights}"),

@@ -19,6 +19,7 @@ from paradit.layers.feedforward import GeluFeedForward
 from paradit.layers.fp8 import Fp8Linear, QuantizedRows
 from paradit.layers.fp8_fused import modulated_layer_norm_fp8, normed_rotated, uses_fusion
 from paradit.layers.rotary import multi_axis_rope
+from paradit.layers.sparse_attention import video_grid
 from paradit.layers.stages import HeadsConfig, StagedTransformer
 from paradit.layers.stages import unpatchify as unpatchify  # (tokens, grid, patch), re-exported for the pipeline
 
@@ -214,6 +215,7 @@ class WanTokens:
     modulation: torch.Tensor | None  # (B, 6, dim)
     token_temb: torch.Tensor | None  # (B, video tokens, dim), one timestep per token
     token_modulation: torch.Tensor | None  # (B, video tokens, 6, dim)
+    grid: tuple[int, int, int]  # the video's tokens (frames, rows, columns): sparse self-attention's mask reads it
 
 
 class WanTransformer(StagedTransformer):
@@ -275,13 +277,15 @@ class WanTransformer(StagedTransformer):
             modulation=modulation,
             token_temb=token_temb,
             token_modulation=token_modulation,
+            grid=grid,
         )
 
     def run_blocks(self, tokens: WanTokens) -> WanTokens:
         modulation = tokens.modulation[:, None] if tokens.token_modulation is None else tokens.token_modulation
         x = tokens.video
-        for block in self.blocks:
-            x = block(x, tokens.context, tokens.context_image, modulation, tokens.rope)
+        with video_grid(tokens.grid):
+            for block in self.blocks:
+                x = block(x, tokens.context, tokens.context_image, modulation, tokens.rope)
         return dataclasses.replace(tokens, video=x)
 
     def head(self, tokens: WanTokens) -> torch.Tensor:
