@@ -278,12 +278,22 @@ def run_download(args: argparse.Namespace) -> None:
     download(args.model, args.dir)
 
 
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
+    return from_args(ServeSettings, args, SERVE, asked=asked_for(args, SERVE), api_key=api_key)
+
+
 def run_serve(args: argparse.Namespace) -> None:
+    settings = serve_settings(args)
+    settings.check_replicas()  # before Ray or any worker starts
+    if settings.ray is not None:  # the groups run in Ray Serve's replicas, not here
+        from paradit.serving.ray_launch import serve_on_ray
+
+        return serve_on_ray(settings)
     start_worker_server(args.device)  # every group runs in workers; the forkserver's imports overlap this process's
     from paradit.serving.launch import serve
 
-    api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
-    serve(from_args(ServeSettings, args, SERVE, asked=asked_for(args, SERVE), api_key=api_key))
+    serve(settings)
 
 
 def run_plan(args: argparse.Namespace) -> None:

@@ -204,6 +204,8 @@ IMPORT_RULES: dict[str, tuple[str, ...]] = {
     "paradit.serving.media": (TORCH, DISTRIBUTED),
     "paradit.serving.metrics": (TORCH, DISTRIBUTED),
     "paradit.serving.pace": (DISTRIBUTED,),
+    "paradit.serving.ray_launch": (DISTRIBUTED,),
+    "paradit.serving.ray_serve": (DISTRIBUTED,),
     "paradit.serving.scheduler": (DISTRIBUTED,),
     "paradit.serving.schemas": (TORCH, DISTRIBUTED),
     "paradit.serving.server": (DISTRIBUTED,),
