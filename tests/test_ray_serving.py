@@ -1,10 +1,11 @@
-"""paradit's server as Ray Serve replicas, on one local Ray instance on the CPU (tiny models, 2 steps, 64x64): two
-replicas of tiny FLUX.2 (``paradit.serving.ray_app``, one CPU process each) answer 40 concurrent requests, 10 of them
-malformed, with the images ``Engine.generate`` gives for their seeds and JSON 400s, both replicas serving; a
-replica's process killed mid-load is replaced, every request answered (an image, or a 503 with ``Retry-After``), the
-next 10 all images. ``paradit serve --ray ADDRESS`` (tiny Wan, one replica) on the same instance: a video job made by
-its replica is fetched through the front after that replica is gone; SIGTERM drains (the job in flight finishes, new
-ones get 503), the command exits 0 and its replicas' processes are gone."""
+"""paradit's server as Ray Serve replicas, on one local Ray instance on the CPU (tiny models, 2 steps, 64x64).
+``paradit serve --ray ADDRESS`` joined to it serves two replicas of tiny FLUX.2 (one CPU process each): 40 concurrent
+requests, 10 of them malformed, give the images ``Engine.generate`` gives for their seeds and 10 JSON 400s, both
+replicas serving and no malformed one reaching them; a replica's process killed mid-load is replaced, every request
+answered (an image, or a 503 with ``Retry-After``), the next 10 all images; SIGTERM drains (the request in flight
+answered, a new one 503), the command exits 0, its application deleted and its replicas' processes gone.
+``paradit.serving.ray_app`` serves tiny Wan (one replica) beside it: a video job made by that replica is fetched
+through the front after the replica is gone. Ray's options are refused in one line before Ray starts."""
 
 from __future__ import annotations
 

@@ -12,10 +12,12 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
+import torch
 from ray import serve
 from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
 
@@ -82,6 +84,17 @@ class Ran:
     replica: ReplicaReport
 
 
+def eight_bit(result: GenerationResult) -> GenerationResult:
+    """``result`` with its pixels as the 8-bit levels every answer is made of (``GenerationResult.images``' rounding):
+    a quarter of the bytes to send from replica to front, which a long video's frames make worth it."""
+    return dataclasses.replace(result, pixels=(result.pixels * 255).round().to(torch.uint8))
+
+
+def from_eight_bit(result: GenerationResult) -> GenerationResult:
+    """Pixels in [0, 1] again, whose rounding gives back exactly the levels sent."""
+    return dataclasses.replace(result, pixels=result.pixels.float() / 255)
+
+
 class GroupReplica:
     """One paradit group in a Ray Serve replica: ``paradit serve``'s scheduler over the GPUs Ray reserved for it."""
 
@@ -101,7 +114,7 @@ class GroupReplica:
         try:
             job = self.scheduler.submit(request, video=video)
             try:
-                outcome = await asyncio.wrap_future(job.future)
+                outcome = eight_bit(await asyncio.wrap_future(job.future))
             except asyncio.CancelledError:  # the front cancelled the call: its client left, or DELETE
                 self.scheduler.cancel(job, JobCancelled("the request was cancelled"))
                 raise
@@ -148,6 +161,7 @@ class ReplicaScheduler:
         self._calls: dict[Job, DeploymentResponse | None] = {}  # every job not ended, and its call to a replica
         self._replicas: dict[str, ReplicaRow] = {}  # by actor id, as they answered
         self._start_s = 1.0  # a replica's start time, as the last one to answer measured it
+        self._run_seconds: deque[float] = deque(maxlen=20)  # recent requests' times, sent to answered
 
     def submit(self, request: GenerationRequest, video: bool = False) -> Job:
         """Check and queue ``request`` (on the event loop's thread, as the app's handlers run); its seed drawn here."""
@@ -156,7 +170,7 @@ class ReplicaScheduler:
             raise Draining("the server is shutting down and takes no new requests")
         if len(self._calls) >= self.max_queue + len(self._replicas):
             message = f"the queue is full ({self.max_queue} requests waiting); retry later"
-            raise QueueFull(message, math.ceil(self._start_s))
+            raise QueueFull(message, self._retry_after())
         job = Job(resolved, None, deadline=time.monotonic() + self.timeout_s)
         self._calls[job] = None
         self.metrics.queue_depth.set(len(self._calls))
@@ -202,7 +216,8 @@ class ReplicaScheduler:
         if isinstance(ran.outcome, Refusal):
             return self._end(job, ran.outcome.error())
         self.metrics.record_run(row.index, ran.outcome.timings, job.images)
-        self._end(job, ran.outcome)
+        self._run_seconds.append(time.monotonic() - job.started_at)
+        self._end(job, from_eight_bit(ran.outcome))
 
     def _end(self, job: Job, outcome: GenerationResult | ParaditError) -> None:
         self._calls.pop(job, None)
@@ -216,6 +231,11 @@ class ReplicaScheduler:
         else:
             job.state, job.steps_done = jobs.COMPLETED, job.resolved.steps
             job.future.set_result(outcome)
+
+    def _retry_after(self) -> int:
+        """Seconds until the queue has room, from recent requests' times (as ``Scheduler``'s estimate)."""
+        run_s = sum(self._run_seconds) / len(self._run_seconds) if self._run_seconds else 1.0
+        return max(1, math.ceil(run_s * len(self._calls) / max(1, len(self._replicas))))
 
     def cancel(self, job: Job, reason: ParaditError) -> None:
         """End ``job`` with ``reason`` now; its replica stops the run at the next step (the call cancelled)."""
