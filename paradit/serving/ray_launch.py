@@ -16,7 +16,6 @@ from ray import serve
 
 from paradit.errors import InvalidRequest
 from paradit.options import RAY_LOCAL, ServeSettings
-from paradit.serving.launch import listen
 from paradit.serving.ray_serve import APP_NAME, application
 
 logger = logging.getLogger(__name__)
@@ -24,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 def free_port(host: str, port: int) -> int:
     """``port``, refused at once when in use (Ray Serve would only log it), or for 0 a free one (Serve takes none)."""
+    from paradit.serving.launch import listen  # with the engine: a Ray started here settles the replicas' run first
+
     with listen(host, port) as listening:
         return listening.getsockname()[1]
 

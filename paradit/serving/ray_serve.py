@@ -2,7 +2,8 @@
 scheduler over one group, its GPUs reserved through Ray), behind one front replica running ``create_app``'s FastAPI app
 over them. The front checks every request with its replica's settled run before sending it on, draws its seed there
 (so a request is idempotent: one lost with its replica is sent once more), and keeps the video jobs and files, which
-outlive any replica. What a replica does not answer (its process died twice) is a 503 with ``Retry-After``."""
+outlive any replica. What a replica does not answer (its process died twice) is a 503 with ``Retry-After``. The
+engine, the app and torch are imported where a replica builds them: the command that deploys needs none of them."""
 
 from __future__ import annotations
 
@@ -13,27 +14,26 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 from ray import serve
 from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
 
 from paradit.errors import ParaditError
 from paradit.serving import jobs
 from paradit.serving.jobs import Draining, GroupLost, Job, JobCancelled, JobTimeout, QueueFull
-from paradit.serving.launch import build_scheduler
 from paradit.serving.metrics import Metrics
-from paradit.serving.server import create_app
 from paradit.worker import RequestFailed, start_worker_server
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
     from paradit.options import ServeSettings
-    from paradit.request import GenerationRequest, GenerationResult
+    from paradit.request import GenerationRequest, GenerationResult, ResolvedRequest
+    from paradit.serving.server import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ class Ran:
 def eight_bit(result: GenerationResult) -> GenerationResult:
     """``result`` with its pixels as the 8-bit levels every answer is made of (``GenerationResult.images``' rounding):
     a quarter of the bytes to send from replica to front, which a long video's frames make worth it."""
+    import torch
+
     return dataclasses.replace(result, pixels=(result.pixels * 255).round().to(torch.uint8))
 
 
@@ -101,12 +103,14 @@ class GroupReplica:
     def __init__(self, settings: ServeSettings) -> None:
         started = time.monotonic()
         start_worker_server(settings.asked.device)
+        from paradit.serving.launch import build_scheduler
+
         self.scheduler, self.config = build_scheduler(settings, Metrics())
         self.scheduler.start()
         self.start_s = time.monotonic() - started
         self.actor_id = ray.get_runtime_context().get_actor_id()
 
-    def settled(self):
+    def settled(self) -> tuple[Callable[[GenerationRequest], ResolvedRequest], ServerConfig]:
         """The request check of this replica's settled run (a partial of ``check_request``) and the app's config."""
         return self.scheduler.check, self.config
 
@@ -270,6 +274,8 @@ class Front:
         self.scheduler: ReplicaScheduler | None = None
 
     async def __serve_build_asgi_app__(self):
+        from paradit.serving.server import create_app
+
         check, config = await self.groups.settled.remote()
         metrics = Metrics()
         self.scheduler = ReplicaScheduler(self.groups, check, metrics, self.max_queue, self.timeout_s)
