@@ -43,23 +43,32 @@ def transformer_config(name: str, tiny: bool) -> dict:
     return {**PRESETS[name].transformer, **(TINY if tiny else {})}
 
 
-def step_inputs(config: Flux3Config, refs: int, side: int, text_len: int, device, dtype) -> dict:
-    """diffusers' forward arguments for a batch of 1: the target and each reference ``side`` pixels square."""
-    grid, gen = side // 16, torch.Generator(device).manual_seed(0)
+def step_inputs(
+    config: Flux3Config,
+    height: int,
+    width: int,
+    text_len: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    refs: int = 0,
+) -> dict:
+    """diffusers' forward arguments for a batch of 1: the target and each of ``refs`` references ``height`` x ``width``
+    pixels (the planner's model facts count text-to-image's)."""
+    rows, cols, gen = height // 16, width // 16, torch.Generator(device).manual_seed(0)
 
     def noise(*shape):
         return torch.randn(*shape, device=device, generator=gen).to(dtype)
 
     inputs = dict(
-        hidden_states=noise(1, grid * grid, config.in_channels),
+        hidden_states=noise(1, rows * cols, config.in_channels),
         encoder_hidden_states=noise(1, text_len, config.joint_attention_dim),
         timestep=torch.full((1,), SIGMA, device=device, dtype=dtype),
-        img_ids=image_ids(grid, grid, 0, device),
+        img_ids=image_ids(rows, cols, 0, device),
         txt_ids=text_ids(text_len, device),
     )
     if refs:
-        inputs["image_cond_hidden_states"] = noise(1, refs * grid * grid, config.cond_in_channels)
-        inputs["image_cond_ids"] = torch.cat([image_ids(grid, grid, n + 1, device) for n in range(refs)])
+        inputs["image_cond_hidden_states"] = noise(1, refs * rows * cols, config.cond_in_channels)
+        inputs["image_cond_ids"] = torch.cat([image_ids(rows, cols, n + 1, device) for n in range(refs)])
     if config.flow_map:
         inputs["target_timestep"] = torch.full((1,), TARGET, device=device, dtype=dtype)
     return inputs
@@ -109,7 +118,7 @@ def bench_model(name: str, args, device: torch.device, dtype: torch.dtype) -> li
     ours, reference = ours.eval(), reference.eval()
     if args.compile:
         reference.compile_repeated_blocks(dynamic=False)
-    inputs = {refs: step_inputs(config, refs, args.size, args.text_len, device, dtype) for refs in args.refs}
+    inputs = {refs: step_inputs(config, args.size, args.size, args.text_len, device, dtype, refs) for refs in args.refs}
     rows, expected = [], {}
     with torch.inference_mode():
         for refs in args.refs:

@@ -41,11 +41,13 @@ IMAGE_TOKEN_SIDE = 16
 
 
 def on_meta(value):
-    """Tensors moved to the meta device, also inside tuples and records (Qwen-Image 2.1's cached prefix)."""
+    """Tensors moved to the meta device, also inside tuples, dicts and records (Qwen-Image 2.1's cached prefix)."""
     if isinstance(value, torch.Tensor):
         return value.to(META)
     if isinstance(value, tuple):
         return tuple(on_meta(item) for item in value)
+    if isinstance(value, dict):
+        return {key: on_meta(item) for key, item in value.items()}
     if dataclasses.is_dataclass(value):
         return dataclasses.replace(
             value, **{f.name: on_meta(getattr(value, f.name)) for f in dataclasses.fields(value)}

@@ -47,6 +47,7 @@ from paradit.parallel.parallelize import parallelize  # noqa: E402
 # preset family -> (benchmark module with step_inputs, text tokens)
 BENCHES = {
     "flux2": ("benchmarks.flux2_step", 512),
+    "flux3": ("benchmarks.flux3_step", 160),
     "qwen_image": ("benchmarks.qwen_image_step", 256),
     "qwen_image21": ("benchmarks.qwen_image21_step", 32),
     "zimage": ("benchmarks.zimage_step", 256),

@@ -42,6 +42,7 @@ from paradit.families.qwen_image21.model import (  # noqa: E402
     QwenImage21Prefix,
     QwenImage21Transformer,
 )
+from paradit.layers.prefix_attention import keep_whole  # noqa: E402
 
 PRESET = "qwen-image-2.1"
 CASES = [(1024, 0), (1024, 1), (1024, 3), (2048, 0)]
@@ -126,7 +127,9 @@ def step_inputs(config: QwenImage21Config, height: int, width: int, text_len: in
         timestep=torch.full((1,), MID_SIGMA, device=device, dtype=torch.bfloat16),
         rows=rows,
         cols=cols,
-        prefix=QwenImage21Prefix(((zeros, zeros),) * config.num_layers, None, text_len),
+        prefix=QwenImage21Prefix(
+            {index: keep_whole(zeros, zeros, None) for index in range(config.num_layers)}, text_len
+        ),
     )
 
 
@@ -191,7 +194,7 @@ def run_case(ours, reference, size: int, refs: int, precision: str, args, device
 
         prefix = prefix_ours()
         row = dict(size=size, refs=refs, precision=precision, target_tokens=given["target"].shape[1])
-        row["prefix_tokens"] = prefix.kv[0][0].shape[1]
+        row["prefix_tokens"] = prefix.kv[0].key.shape[1]
         row["paradit_ms"] = timed(
             lambda: ours(given["target"], sigma, given["rows"], given["cols"], prefix), args, device
         )

@@ -191,9 +191,10 @@ Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # at
 class QwenImage21TransformerBlock(nn.Module):
     """No modulation of its own: every block reads the model's one shared (scale, gate) pairs, without shifts."""
 
-    def __init__(self, config: QwenImage21Config) -> None:
+    def __init__(self, config: QwenImage21Config, index: int) -> None:
         super().__init__()
         dim = config.inner_dim
+        self.index = index  # its place in the whole stack, which keys its cached prefix in any slice of the stack
         self.img_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=config.eps)
         self.attn = PrefixAttention(dim, config.attention_head_dim, config.eps)
         self.img_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=config.eps)
@@ -224,11 +225,11 @@ class QwenImage21TransformerBlock(nn.Module):
 
 @dataclass(frozen=True)
 class QwenImage21Prefix:
-    """A request's text and condition images, run once: each block's keys and values as this rank keeps them (``kv``
-    keyed by the block, so a step cache's or a pipeline stage's slice of the blocks reads its own), with the prompt's
-    padding, and the target's frame position."""
+    """A request's text and condition images, run once: each block's keys and values as this rank keeps them, with
+    the prompt's padding (``kv`` keyed by the block's index, so that a step cache's or a pipeline stage's slice of the
+    blocks reads its own), and the target's frame position."""
 
-    kv: dict[nn.Module, CachedPrefix]
+    kv: dict[int, CachedPrefix]
     target_frame: int
 
 
@@ -251,7 +252,7 @@ class QwenImage21PrefixTokens:
     mask: torch.Tensor
     key_mask: torch.Tensor | None
     target_frame: int
-    kept: dict[nn.Module, CachedPrefix]
+    kept: dict[int, CachedPrefix]
 
 
 @dataclass
@@ -278,7 +279,9 @@ class QwenImage21Transformer(StagedTransformer):
         self.txt_in = TextProjection(config.context_in_dim, dim, config.eps)
         self.img_in = nn.Linear(config.in_channels * config.patch_size**2, dim, bias=False)
         self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 4 * dim, bias=False))
-        self.transformer_blocks = nn.ModuleList(QwenImage21TransformerBlock(config) for _ in range(config.num_layers))
+        self.transformer_blocks = nn.ModuleList(
+            QwenImage21TransformerBlock(config, index) for index in range(config.num_layers)
+        )
         self.norm_out = ScaleOnlyNormOut(dim, config.eps)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.output_channels, bias=False)
 
@@ -334,7 +337,7 @@ class QwenImage21Transformer(StagedTransformer):
     def run_prefix_blocks(self, tokens: QwenImage21PrefixTokens) -> QwenImage21PrefixTokens:
         for block in self.transformer_blocks:
             tokens.hidden, (key, value) = block.run_prefix(tokens.hidden, tokens.modulation, tokens.rope, tokens.mask)
-            tokens.kept[block] = block.attn.keep_prefix(key, value, tokens.key_mask)
+            tokens.kept[block.index] = block.attn.keep_prefix(key, value, tokens.key_mask)
         return tokens
 
     def cached_prefix(self, tokens: QwenImage21PrefixTokens) -> QwenImage21Prefix:
@@ -351,7 +354,7 @@ class QwenImage21Transformer(StagedTransformer):
 
     def run_blocks(self, tokens: QwenImage21Tokens) -> QwenImage21Tokens:
         for block in self.transformer_blocks:
-            tokens.img = block(tokens.img, tokens.modulation, tokens.img_rope, tokens.prefix.kv[block])
+            tokens.img = block(tokens.img, tokens.modulation, tokens.img_rope, tokens.prefix.kv[block.index])
         return tokens
 
 
