@@ -14,7 +14,7 @@ from pathlib import Path
 
 from paradit import __version__
 from paradit.cache_options import cache_config, keep_curve
-from paradit.errors import InvalidRequest, ParaditError, report_warnings
+from paradit.errors import ParaditError, report_warnings
 from paradit.families import PRESETS
 from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flagged_fields, flags_given, from_args
 from paradit.lora.refs import LoraSet
@@ -287,28 +287,12 @@ def run_download(args: argparse.Namespace) -> None:
     download(args.model, args.dir)
 
 
-def serve_settings(args: argparse.Namespace) -> ServeSettings:
-    api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
-    return from_args(ServeSettings, args, SERVE, asked=asked_for(args, SERVE), api_key=api_key)
-
-
 def run_serve(args: argparse.Namespace) -> None:
-    settings = serve_settings(args)
-    settings.check_replicas()  # before Ray or any worker starts
-    if settings.ray is not None:  # the groups run in Ray Serve's replicas, not here
-        try:
-            from paradit.serving.ray_launch import serve_on_ray
-        except ModuleNotFoundError as missing:
-            if missing.name != "ray":
-                raise
-            raise InvalidRequest(
-                '--ray runs on Ray Serve, which is not installed: pip install "paradit[ray]"'
-            ) from None
-        return serve_on_ray(settings)
     start_worker_server(args.device)  # every group runs in workers; the forkserver's imports overlap this process's
     from paradit.serving.launch import serve
 
-    serve(settings)
+    api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
+    serve(from_args(ServeSettings, args, SERVE, asked=asked_for(args, SERVE), api_key=api_key))
 
 
 def run_plan(args: argparse.Namespace) -> None:

@@ -62,8 +62,6 @@ execution_option = functools.partial(option, group="how the run executes")
 sparse_option = functools.partial(option, group="sparse attention (video self-attention; lossy)")
 lora_option = functools.partial(generate_option, group="LoRA adapters (applied to the transformer)")
 served_lora_option = functools.partial(serve_option, group="LoRA adapters each request may choose (its lora field)")
-ray_option = functools.partial(serve_option, group="Ray Serve replicas (--ray)")
-RAY_LOCAL = "local"  # Ray's own address for a new instance on this host, stopped when the server stops
 
 
 @dataclass(frozen=True)
@@ -245,16 +243,6 @@ def group_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; give 1 or more, or auto") from None
 
 
-class OptionalAddress(argparse.Action):
-    """``--ray`` alone (a Ray instance started here) or ``--ray ADDRESS``."""
-
-    def __init__(self, option_strings, dest, **keywords) -> None:
-        super().__init__(option_strings, dest, nargs="?", const=RAY_LOCAL, **keywords)
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values)
-
-
 @dataclass(frozen=True)
 class ServeSettings:
     """What ``paradit serve`` was asked for; ``asked``'s unset options follow the tuned choice for a group's size."""
@@ -296,67 +284,6 @@ class ServeSettings:
     max_pixels: int | None = serve_option(
         type=positive, help="width x height a request may ask for (default 4x the model's default size)"
     )
-    ray: str | None = ray_option(
-        action=OptionalAddress,
-        metavar="ADDRESS",
-        help="serve as Ray Serve replicas, each one group of --gpus-per-replica GPUs behind one front with this API: "
-        "on the Ray cluster at ADDRESS (auto: the one this host joined; ray://host:port), or with no ADDRESS on a Ray "
-        "instance started here and stopped on exit",
-    )
-    replicas: int | None = ray_option(type=positive, metavar="N", help="replicas, each a group (default 1)")
-    gpus_per_replica: int = ray_option(
-        1,
-        type=positive,
-        metavar="G",
-        absent=1,
-        help="GPUs each replica reserves from Ray (CPU processes with --device cpu)",
-    )
-    min_replicas: int | None = ray_option(
-        type=positive, metavar="N", help="autoscaling: the fewest replicas (default 1)"
-    )
-    max_replicas: int | None = ray_option(
-        type=positive,
-        metavar="N",
-        help="autoscale between --min-replicas and this many replicas, by the requests each holds",
-    )
-    target_queue: int = ray_option(
-        2,
-        type=positive,
-        metavar="N",
-        absent=2,
-        help="autoscaling: the requests in flight per replica (running and waiting) that it scales to keep",
-    )
-
-    def check_replicas(self) -> None:
-        """Refuse Ray's options without ``--ray``, and under it the one-host ways of sizing groups."""
-        set_here = {
-            "--replicas": self.replicas is not None,
-            "--gpus-per-replica": self.gpus_per_replica != 1,
-            "--min-replicas": self.min_replicas is not None,
-            "--max-replicas": self.max_replicas is not None,
-            "--target-queue": self.target_queue != 2,
-        }
-        given = [flag for flag, is_set in set_here.items() if is_set]
-        if self.ray is None:
-            if given:
-                raise InvalidRequest(f"{', '.join(given)} size Ray Serve replicas; add --ray [ADDRESS], or drop them")
-            return
-        if self.gpus != 1 or self.group_size is not None:
-            raise InvalidRequest(
-                "under --ray each replica is one group: give --gpus-per-replica G and --replicas N (or --min-replicas "
-                "and --max-replicas) instead of --gpus and --group-size"
-            )
-        autoscaled = self.min_replicas is not None or self.max_replicas is not None
-        if self.replicas is not None and autoscaled:
-            raise InvalidRequest("give --replicas N (a fixed count) or --min-replicas/--max-replicas, not both")
-        if self.min_replicas is not None and self.max_replicas is None:
-            raise InvalidRequest("--min-replicas autoscales up to --max-replicas: give --max-replicas too")
-        if autoscaled and (self.min_replicas or 1) > self.max_replicas:
-            raise InvalidRequest(
-                f"--min-replicas {self.min_replicas} is more than --max-replicas {self.max_replicas}; give at most that"
-            )
-        if not autoscaled and self.target_queue != 2:
-            raise InvalidRequest("--target-queue steers autoscaling: give --max-replicas with it, or drop it")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ torch.set_num_threads(1)
 # turn off xdist's reordering by test count, which put these few-test files last): started first, they leave the
 # short files to even out the processes' ends.
 SLOWEST_FILES = [
-    "test_ray_serving.py",  # 126 alone on 2 busy cores: a Ray instance and three replicas start, one is replaced
     "test_serving.py",  # 169
     "test_hardening_server.py",  # 73 (its SIGHUP test alone: 14 s quiet, 102 s beside two other processes)
     "test_processes.py",  # 124

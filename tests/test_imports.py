@@ -207,8 +207,6 @@ IMPORT_RULES: dict[str, tuple[str, ...]] = {
     "paradit.serving.media": (TORCH, DISTRIBUTED),
     "paradit.serving.metrics": (TORCH, DISTRIBUTED),
     "paradit.serving.pace": (DISTRIBUTED,),
-    "paradit.serving.ray_launch": (TORCH, DISTRIBUTED),  # the command deploys; the replicas load the engine
-    "paradit.serving.ray_serve": (TORCH, DISTRIBUTED),
     "paradit.serving.scheduler": (DISTRIBUTED,),
     "paradit.serving.schemas": (TORCH, DISTRIBUTED),
     "paradit.serving.server": (DISTRIBUTED,),

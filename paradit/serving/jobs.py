@@ -29,14 +29,6 @@ class Draining(ParaditError):
     """The server is shutting down: it finishes the work it accepted and takes no more."""
 
 
-class GroupLost(ParaditError):
-    """The group running the request died with its process (a Ray Serve replica lost); ``retry_after`` in seconds."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 class JobTimeout(ParaditError):
     """The request outlived the server's ``--timeout``."""
 

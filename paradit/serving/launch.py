@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import socket
@@ -21,7 +20,7 @@ from paradit.serving.metrics import Metrics
 from paradit.serving.pace import Pace
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.server import ServerConfig, create_app
-from paradit.settings import RunSettings, settle
+from paradit.settings import settle
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +64,23 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
         return engine
 
     max_pixels = settings.max_pixels or MAX_PIXELS_FACTOR * spec.height * spec.width
-    # A partial of a module's function, not a closure: a Ray Serve front checks requests with its replica's (ray_serve).
-    check = functools.partial(check_request, grouped, max_pixels)
+
+    def check(request: GenerationRequest) -> ResolvedRequest:
+        resolved = grouped.resolve(request)
+        size = f"{resolved.width}x{resolved.height}"
+        if resolved.width * resolved.height > max_pixels:
+            raise InvalidRequest(
+                f"{size} is past this server's {max_pixels} pixels a request (--max-pixels)", param="size"
+            )
+        # Input images' tokens count as the pixels that many target tokens cover: each lengthens every block as much.
+        inputs = resolved.reference_tokens * PIXELS_PER_IMAGE_TOKEN
+        if resolved.width * resolved.height + inputs > max_pixels:
+            raise InvalidRequest(
+                f"{size} with input images of {inputs} pixels (as the transformer sees them) is past this server's "
+                f"{max_pixels} pixels a request (--max-pixels); send fewer or smaller images",
+                param="image",
+            )
+        return resolved
 
     scheduler = Scheduler(
         build,
@@ -81,23 +95,6 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
     )
     names = tuple(grouped.options.lora.names())
     return scheduler, ServerConfig(spec.name, video=family.video, api_key=settings.api_key, lora=names)
-
-
-def check_request(grouped: RunSettings, max_pixels: int, request: GenerationRequest) -> ResolvedRequest:
-    """``request`` resolved for the group's settled run, its pixels (input images' included) within ``max_pixels``."""
-    resolved = grouped.resolve(request)
-    size = f"{resolved.width}x{resolved.height}"
-    if resolved.width * resolved.height > max_pixels:
-        raise InvalidRequest(f"{size} is past this server's {max_pixels} pixels a request (--max-pixels)", param="size")
-    # Input images' tokens count as the pixels that many target tokens cover: each lengthens every block as much.
-    inputs = resolved.reference_tokens * PIXELS_PER_IMAGE_TOKEN
-    if resolved.width * resolved.height + inputs > max_pixels:
-        raise InvalidRequest(
-            f"{size} with input images of {inputs} pixels (as the transformer sees them) is past this server's "
-            f"{max_pixels} pixels a request (--max-pixels); send fewer or smaller images",
-            param="image",
-        )
-    return resolved
 
 
 class DrainingServer(uvicorn.Server):

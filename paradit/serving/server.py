@@ -22,7 +22,7 @@ from starlette.routing import Match
 from paradit import __version__
 from paradit.errors import InvalidRequest, OutOfMemory, ParaditError
 from paradit.serving import schemas
-from paradit.serving.jobs import Draining, GroupLost, Job, JobCancelled, JobTimeout, QueueFull
+from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
 from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image
 from paradit.serving.metrics import Metrics
 from paradit.serving.scheduler import Scheduler
@@ -58,7 +58,6 @@ ERRORS: dict[type[ParaditError], tuple[int, str]] = {
     QueueFull: (429, "rate_limit_error"),
     Draining: (503, "server_shutting_down"),
     OutOfMemory: (503, "out_of_memory"),  # the server's capacity, not the client's input: it serves on
-    GroupLost: (503, "unavailable"),
     JobTimeout: (504, "timeout"),
     JobCancelled: (409, "cancelled"),
 }
@@ -66,8 +65,7 @@ ERRORS: dict[type[ParaditError], tuple[int, str]] = {
 
 def paradit_error(request: Request, exc: ParaditError) -> JSONResponse:
     status, kind = next(((s, k) for t, (s, k) in ERRORS.items() if isinstance(exc, t)), (500, "server_error"))
-    retry_after = getattr(exc, "retry_after", None)  # QueueFull's, GroupLost's
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
     # A failure in the workers carries their traces for the server's log; the client gets its first line.
     return error_response(status, str(exc).splitlines()[0], kind, getattr(exc, "param", None), headers)
 
@@ -119,9 +117,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start, status, received = time.perf_counter(), None, 0
-        # The route's own path: under a prefix (a Ray Serve application's route_prefix) the scope's path includes it.
-        own_path = scope["path"].removeprefix(scope.get("root_path", ""))
-        max_bytes = self.config.max_edit_bytes if own_path == EDITS else self.config.max_body_bytes
+        max_bytes = self.config.max_edit_bytes if scope["path"] == EDITS else self.config.max_body_bytes
 
         async def limited_receive():
             nonlocal received
@@ -141,7 +137,7 @@ class Gate:
         scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
         keyed = scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), self.api_key or b"")
         try:
-            if self.api_key is not None and own_path != "/health" and not keyed:
+            if self.api_key is not None and scope["path"] != "/health" and not keyed:
                 answer = error_response(401, NO_KEY, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
                 return await answer(scope, receive, recording_send)
             if int(headers.get(b"content-length", 0)) > max_bytes:
