@@ -30,7 +30,6 @@ from paradit.families.qwen_image21.model import PrefixAttention, QwenImage21Conf
 from paradit.families.qwen_image21.presets import QwenImage21Inputs
 from paradit.lora import LoraRef, LoraSet
 from paradit.options import ExecutionOptions
-from paradit.parallel import ParallelConfig
 from paradit.planner.plan import plan
 from paradit.planner.profile import all_profiles, load_profile
 from paradit.planner.tuned import GPU_COUNTS, tuned_entry
@@ -161,7 +160,9 @@ def test_a_cache_that_skips_nothing_gives_the_uncached_image(engine, uncached, c
 
 
 SKIPPING = {
-    "first-block": (StepCacheConfig("first-block", threshold=0.5), None),
+    # On random tiny weights the head block's residual moves by more than itself from step to step: only a threshold
+    # above 1 lets first-block skip (at 1 it skips nothing in 6 steps).
+    "first-block": (StepCacheConfig("first-block", threshold=2.0), None),
     "mag": (
         StepCacheConfig("mag", threshold=0.2, mag_ratios=(1.0, 1.1, 1.05, 0.98, 1.0, 1.02)),
         [False, True, False, True, True, True],
@@ -242,17 +243,22 @@ def test_the_denoise_step_attends_over_the_prefix_without_a_mask(engine, monkeyp
 
 
 def test_the_tuned_entries_and_the_planner_propose_only_plans_the_family_takes():
-    """Until the prefix fits split plans: one GPU or tensor parallelism, no CUDA graphs, on every profile; the
-    planner ranks no other plan."""
+    """The plans the family refuses (CUDA graphs, PipeFusion inside a sequence group) are in no tuned entry on any
+    profile, and the planner ranks none of them; split plans are among what it ranks."""
+
+    def refused(option) -> bool:
+        parallel = option.parallel
+        return option.cuda_graphs or (parallel.pipefusion > 1 and parallel.sequence_degree > 1)
+
     for profile in all_profiles():
         for preset in ("qwen-image-2.1", "qwen-image-2.1-turbo"):
             for gpus in GPU_COUNTS:
                 entry = tuned_entry(preset, gpus, profile)
                 assert entry is not None and entry.refused is None, (profile, preset, gpus)
-                assert entry.parallel == ParallelConfig(tensor=gpus) and not entry.cuda_graphs, (profile, preset, gpus)
+                assert not refused(entry), (profile, preset, gpus)
     choice = plan(PRESETS["qwen-image-2.1"], 4, load_profile("h200-nvlink"))
-    assert {option.parallel for option in choice.ranked} == {ParallelConfig(tensor=4)}
-    assert not any(option.cuda_graphs for option in choice.ranked)
+    assert choice.ranked and not any(refused(option) for option in choice.ranked)
+    assert any(option.parallel.sequence_degree > 1 for option in choice.ranked)
 
 
 CONDITIONS = [(60, 40), (40, 52), (48, 48)]  # (width, height): the last one's aspect sizes the output

@@ -48,6 +48,11 @@ class ParallelConfig:
         return self.ulysses * self.ring
 
     @property
+    def keeps_sequence_and_stack_whole(self) -> bool:
+        """Every rank runs every block over every token, its weights gathered at no step: one GPU, tensor, CFG."""
+        return self.sequence_degree == 1 and self.pipefusion == 1 and not self.shard_weights
+
+    @property
     def exact(self) -> bool:
         """Computes what one process does (up to rounding): not with FP8 on the wire, nor PipeFusion's stale K/V."""
         return self.comm_dtype != "fp8" and not (self.pipefusion > 1 and self.patches > 1)

@@ -170,7 +170,7 @@ class Flux3Pipeline(DiffusionPipeline):
         if self.runtime.model.config.flow_map:
             return False
         plan = None if self.parallel is None else self.parallel.config
-        return plan is None or (plan.sequence_degree == 1 and plan.pipefusion == 1 and not plan.shard_weights)
+        return plan is None or plan.keeps_sequence_and_stack_whole
 
     def model_call(self, request: ResolvedRequest, conditioning: dict[str, torch.Tensor], layout: Flux3Layout):
         embeds, mask = conditioning["embeds"], conditioning.get("mask")
