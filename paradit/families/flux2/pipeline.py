@@ -40,6 +40,33 @@ def pixel_granularity(vae_config) -> int:
     return 2 ** len(vae_config["block_out_channels"])
 
 
+def batch_norm_statistics(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FLUX VAE's batch-norm mean and std over patchified latents, as (1, channels, 1, 1) like ``like``."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(like)
+    return mean, std
+
+
+def packed_latents(vae, mode: torch.Tensor) -> torch.Tensor:
+    """A latent mode (batch, channels, rows, cols) patchified 2x2 and normalised by the VAE's batch-norm statistics:
+    (batch, channels * 4, rows / 2, cols / 2)."""
+    batch, channels, rows, cols = mode.shape
+    latents = mode.view(batch, channels, rows // 2, 2, cols // 2, 2).permute(0, 1, 3, 5, 2, 4)
+    latents = latents.reshape(batch, channels * 4, rows // 2, cols // 2)
+    mean, std = batch_norm_statistics(vae, latents)
+    return (latents - mean) / std
+
+
+def unpacked_latents(vae, latents: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``packed_latents`` undone for (batch, rows * cols, channels) tokens: what the VAE decodes, in its dtype."""
+    latents = latents.transpose(1, 2).unflatten(2, (rows, cols))
+    mean, std = batch_norm_statistics(vae, latents)
+    latents = latents * std + mean
+    batch, channels = latents.shape[:2]
+    latents = latents.reshape(batch, channels // 4, 2, 2, rows, cols).permute(0, 1, 4, 2, 5, 3)
+    return latents.reshape(batch, channels // 4, rows * 2, cols * 2).to(vae.dtype)
+
+
 class MistralPromptEncoder(DecoderPromptEncoder):
     """FLUX.2-dev's prompts: diffusers' system turn, then the prompt (image tokens removed), parts-list contents."""
 
@@ -143,12 +170,7 @@ class Flux2Pipeline(DiffusionPipeline):
         """Its latent mode, patchified 2x2, normalised by the VAE's batch-norm statistics: (1, channels, rows, cols)."""
         processor = Flux2ImageProcessor(vae_scale_factor=pixel_granularity(self.spec.vae))
         pixels = processor.preprocess(image, height=height, width=width, resize_mode=resize_mode)
-        latents = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode()
-        batch, channels, rows, cols = latents.shape
-        latents = latents.view(batch, channels, rows // 2, 2, cols // 2, 2).permute(0, 1, 3, 5, 2, 4)
-        latents = latents.reshape(batch, channels * 4, rows // 2, cols // 2)
-        mean, std = self.latent_statistics(latents)
-        return (latents - mean) / std
+        return packed_latents(self.vae, self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode())
 
     def image_latents(self, request: ResolvedRequest, generator: torch.Generator) -> torch.Tensor:
         """Inpainting (klein): the image to repaint at the output's size, its latent mode; nothing is drawn."""
@@ -157,11 +179,6 @@ class Flux2Pipeline(DiffusionPipeline):
     def latent_mask(self, request: ResolvedRequest, image: torch.Tensor) -> torch.Tensor:
         """klein resizes the mask to the token grid bilinearly: its edges blend."""
         return latent_mask(request, image, mode="bilinear")
-
-    def latent_statistics(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean = self.vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
-        std = torch.sqrt(self.vae.bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
-        return mean, std
 
     def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor):
         sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
@@ -191,10 +208,4 @@ class Flux2Pipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, layout: Flux2Layout) -> torch.Tensor:
-        rows, cols = layout.rows, layout.cols
-        latents = latents.transpose(1, 2).unflatten(2, (rows, cols))
-        mean, std = self.latent_statistics(latents)
-        latents = latents * std + mean
-        batch, channels = latents.shape[:2]
-        latents = latents.reshape(batch, channels // 4, 2, 2, rows, cols).permute(0, 1, 4, 2, 5, 3)
-        return self.vae_decode(latents.reshape(batch, channels // 4, rows * 2, cols * 2).to(self.vae.dtype))
+        return self.vae_decode(unpacked_latents(self.vae, latents, layout.rows, layout.cols))

@@ -13,7 +13,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
 from PIL import Image
 
-from paradit.families.flux2.pipeline import pixel_granularity
+from paradit.families.flux2.pipeline import packed_latents, pixel_granularity, unpacked_latents
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
 from paradit.request import ResolvedRequest
 from paradit.request_hooks import Denoise, RequestHook
@@ -137,13 +137,9 @@ class Flux3Pipeline(DiffusionPipeline):
         tokens, ids = [], []
         for index, image in enumerate(request.images):
             pixels, _ = prepare_reference(self.spec.vae, image, len(request.images))
-            latents = self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode()
-            batch, channels, rows, cols = latents.shape
-            latents = latents.view(batch, channels, rows // 2, 2, cols // 2, 2).permute(0, 1, 3, 5, 2, 4)
-            latents = latents.reshape(batch, channels * 4, rows // 2, cols // 2)
-            mean, std = self.latent_statistics(latents)
-            tokens.append(((latents - mean) / std).flatten(2).transpose(1, 2))
-            ids.append(image_ids(rows // 2, cols // 2, index + 1, self.device))
+            latents = packed_latents(self.vae, self.vae_encode(pixels.to(self.device, self.vae.dtype)).mode())
+            tokens.append(latents.flatten(2).transpose(1, 2))
+            ids.append(image_ids(*latents.shape[2:], index + 1, self.device))
         return torch.cat(tokens, dim=1), torch.cat(ids)
 
     def make_scheduler(self, request: ResolvedRequest, latents: torch.Tensor):
@@ -205,19 +201,8 @@ class Flux3Pipeline(DiffusionPipeline):
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor, layout: Flux3Layout) -> torch.Tensor:
-        rows, cols = layout.rows, layout.cols
-        latents = latents.transpose(1, 2).unflatten(2, (rows, cols))
-        mean, std = self.latent_statistics(latents)
-        latents = latents * std + mean
-        batch, channels = latents.shape[:2]
-        latents = latents.reshape(batch, channels // 4, 2, 2, rows, cols).permute(0, 1, 4, 2, 5, 3)
-        pixels = self.vae_decode(latents.reshape(batch, channels // 4, rows * 2, cols * 2).to(self.vae.dtype))
+        pixels = self.vae_decode(unpacked_latents(self.vae, latents, layout.rows, layout.cols))
         if layout.crop is None:
             return pixels
         left, top, right, bottom = layout.crop
         return pixels[..., top:bottom, left:right]
-
-    def latent_statistics(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean = self.vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
-        std = torch.sqrt(self.vae.bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
-        return mean, std
