@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,20 @@ def time_cuda_ms(fn, warmup: int, iters: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """``time_cuda_ms`` on a GPU; on the CPU the median of ``iters`` wall-clock runs after ``warmup`` runs."""
+    if device.type == "cuda":
+        return time_cuda_ms(fn, warmup, iters)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
     return sorted(times)[len(times) // 2]
 
 

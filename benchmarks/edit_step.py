@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import print_table, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import median_ms, print_table, write_json  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.families.flux2.pipeline import Flux2Layout  # noqa: E402
 from paradit.families.flux2.presets import FLUX2_TINY_TRANSFORMER  # noqa: E402
@@ -317,27 +317,13 @@ def diffusers_model(spec, paradit_model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-def timed_ms(fn, args, device) -> float:
-    with torch.inference_mode():
-        if device.type == "cuda":
-            return time_cuda_ms(fn, warmup=args.warmup, iters=args.iters)
-        for _ in range(args.warmup):
-            fn()
-        times = []
-        for _ in range(args.iters):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1000)
-        return sorted(times)[len(times) // 2]
-
-
 def measure(fn, args, device, label: str) -> tuple[float, float | None]:
     """(median ms, peak GiB during the runs)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    ms = timed_ms(fn, args, device)
+    ms = median_ms(fn, device, args.warmup, args.iters)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     log(f"  {label}: {ms:.1f} ms (measured in {time.perf_counter() - start:.0f} s incl. compile)")
     return ms, peak

@@ -17,16 +17,14 @@ predictions, and writes flux3_step.json under ``--out-dir``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import init_dummy_weights, print_table, quantize_fp8, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import init_dummy_weights, median_ms, print_table, quantize_fp8, write_json  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.families.flux3.model import Flux3Config, Flux3Transformer  # noqa: E402
@@ -93,19 +91,6 @@ def diffusers_step(reference, inputs: dict):
     return lambda: reference(**inputs, return_dict=False)[0]
 
 
-def timed_ms(run, device: torch.device, warmup: int, iters: int) -> float:
-    if device.type == "cuda":
-        return time_cuda_ms(run, warmup, iters)
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def bench_model(name: str, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     from diffusers import Flux3Transformer2DModel
 
@@ -124,7 +109,7 @@ def bench_model(name: str, args, device: torch.device, dtype: torch.dtype) -> li
         for refs in args.refs:
             run = diffusers_step(reference, inputs[refs])
             expected[refs] = run().float()
-            ms = timed_ms(run, device, args.warmup, args.iters)
+            ms = median_ms(run, device, args.warmup, args.iters)
             rows.append(dict(model=name, refs=refs, impl="diffusers", dtype=str(dtype).split(".")[-1], ms_per_step=ms))
         for linears in args.linears:
             if linears == "fp8":
@@ -135,7 +120,7 @@ def bench_model(name: str, args, device: torch.device, dtype: torch.dtype) -> li
             for refs in args.refs:
                 run = paradit_step(ours, inputs[refs])
                 got = run().float()
-                ms = timed_ms(run, device, args.warmup, args.iters)
+                ms = median_ms(run, device, args.warmup, args.iters)
                 diffusers_ms = next(r["ms_per_step"] for r in rows if r["impl"] == "diffusers" and r["refs"] == refs)
                 rel_l2 = ((got - expected[refs]).norm() / expected[refs].norm()).item()
                 rows.append(

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import init_dummy_weights, print_table, quantize_fp8, time_cuda_ms, write_json  # noqa: E402
+from benchmarks.common import init_dummy_weights, median_ms, print_table, quantize_fp8, write_json  # noqa: E402
 from benchmarks.edit_step import environment  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
@@ -168,20 +168,6 @@ def diffusers_call(reference, given: dict, sigma: float, cache, mode: str) -> to
     return out[:, -given["target"].shape[1] :]
 
 
-def timed(fn, args, device: torch.device) -> float:
-    with torch.inference_mode():
-        if device.type == "cuda":
-            return time_cuda_ms(fn, warmup=args.warmup, iters=args.iters)
-        for _ in range(args.warmup):
-            fn()
-        times = []
-        for _ in range(args.iters):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1000)
-        return sorted(times)[len(times) // 2]
-
-
 def run_case(ours, reference, size: int, refs: int, precision: str, args, device) -> dict:
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
@@ -195,10 +181,10 @@ def run_case(ours, reference, size: int, refs: int, precision: str, args, device
         prefix = prefix_ours()
         row = dict(size=size, refs=refs, precision=precision, target_tokens=given["target"].shape[1])
         row["prefix_tokens"] = prefix.kv[0].key.shape[1]
-        row["paradit_ms"] = timed(
-            lambda: ours(given["target"], sigma, given["rows"], given["cols"], prefix), args, device
+        row["paradit_ms"] = median_ms(
+            lambda: ours(given["target"], sigma, given["rows"], given["cols"], prefix), device, args.warmup, args.iters
         )
-        row["paradit_prefix_ms"] = timed(prefix_ours, args, device)
+        row["paradit_prefix_ms"] = median_ms(prefix_ours, device, args.warmup, args.iters)
         log(f"  paradit {precision}: {row['paradit_ms']:.1f} ms a step, {row['paradit_prefix_ms']:.1f} ms the prefix")
         if reference is None:
             return row
@@ -206,9 +192,11 @@ def run_case(ours, reference, size: int, refs: int, precision: str, args, device
 
         # Each extract step stores the prefix afresh (the cache's layers are overwritten).
         extract = lambda: diffusers_call(reference, given, MID_SIGMA, cache, "extract")  # noqa: E731
-        row["diffusers_prefix_ms"] = timed(extract, args, device)
+        row["diffusers_prefix_ms"] = median_ms(extract, device, args.warmup, args.iters)
         theirs = diffusers_call(reference, given, MID_SIGMA, cache, "cached")
-        row["diffusers_ms"] = timed(lambda: diffusers_call(reference, given, MID_SIGMA, cache, "cached"), args, device)
+        row["diffusers_ms"] = median_ms(
+            lambda: diffusers_call(reference, given, MID_SIGMA, cache, "cached"), device, args.warmup, args.iters
+        )
         row["ratio"] = row["paradit_ms"] / row["diffusers_ms"]
         mine = ours(given["target"], sigma, given["rows"], given["cols"], prefix).float()
         row["rel_l2"] = ((mine - theirs.float()).norm() / theirs.float().norm()).item()
