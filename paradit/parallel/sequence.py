@@ -185,23 +185,22 @@ class SequenceParallelAttention:
         """Without Ring, ``blockwise`` attention runs in overlapped head chunks: exact, heads being independent. A
         ``prefix`` holds this rank's heads: each chunk's go before the gathered keys."""
         heads, dtype = q.shape[2], q.dtype
+        me = self.context.local_rank("ulysses")
         order = None
         if hasattr(local, "head_order"):  # sparse attention keeps a different share of tiles per head
             sizes = split_sizes(heads, self.ulysses)
-            me, length = self.context.local_rank("ulysses"), sum(self._ulysses_lengths())
-            order = local.head_order(q, length, sizes, me, self._add_up)
+            order = local.head_order(q, sum(self._ulysses_lengths()), sizes, me, self._add_up)
         if order is not None:
             q, k, v = (t[:, :, order] for t in (q, k, v))
         count = ULYSSES_CHUNKS if self.ring == 1 and blockwise(local) else 1
         chunks = [self._head_ranges(heads, c, count) for c in range(count)]
         chunks = [ranges for ranges in chunks if any(n for _, n in ranges)]
         key_mask = None if key_mask is None else self.gather_key_mask(key_mask)
-        owned_first = self._head_ranges(heads)[self.context.local_rank("ulysses")][0]
+        owned_first = self._head_ranges(heads)[me][0]
         wire = [self._to_wire(t) for t in (q, k, v)]
         batch, length, _, width = wire[0].shape
         into = wire[0].new_empty(batch, length, heads, width)  # the output, in the wire's form
         pending, returning = [self._post_heads_to_sequence(t, chunks[0]) for t in wire], []
-        me = self.context.local_rank("ulysses")
         for index, ranges in enumerate(chunks):
             gathered = [self._from_wire(finish(), dtype) for finish in pending]
             if index + 1 < len(chunks):
