@@ -39,6 +39,7 @@ IMAGES = [
     "flux2-dev",
     "flux2-klein-4b",
     "flux2-klein-9b",
+    "flux3-klein",
     "qwen-image",
     "qwen-image-2.1",
     "sd3.5-large",
