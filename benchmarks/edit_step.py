@@ -106,6 +106,7 @@ COLUMNS = [
     ("paradit_ms", "paradit ms/step", ".1f"),
     ("diffusers_ms", "diffusers ms/step", ".1f"),
     ("ratio", "paradit/diffusers", ".2f"),
+    ("paradit_every_row_ms", "paradit ms, last block every row", ".1f"),
     ("paradit_branch_ms", "paradit ms/branch", ".1f"),
     ("diffusers_branch_ms", "diffusers ms/branch", ".1f"),
     ("paradit_full_ms", "paradit full ms (proj.)", ".1f"),
@@ -398,6 +399,9 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
     elif not cfg:
         row["paradit_branch_ms"], row["diffusers_branch_ms"] = row["paradit_ms"], row["diffusers_ms"]
     row["ratio"] = row["paradit_ms"] / row["diffusers_ms"]
+    if args.every_row and spec.family == "flux2":  # the variant before the last block kept only the target's rows
+        every_row = [(call_args[:7] + (None,), kwargs) for call_args, kwargs in step]
+        row["paradit_every_row_ms"], _ = measure(lambda: ours(every_row), args, device, "paradit step, every row")
     if kept < full_blocks:
         row["paradit_full_ms"] = row["paradit_ms"] * full_blocks / kept
         row["diffusers_full_ms"] = row["diffusers_ms"] * full_blocks / kept
@@ -479,6 +483,12 @@ def main() -> None:
         default="none",
         choices=["none", "fp8"],
         help="paradit's linears (fp8: as the engine's --quantize fp8; diffusers' side stays bf16)",
+    )
+    parser.add_argument(
+        "--every-row",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FLUX.2: time paradit's step with its last block over every row too (the variant it replaced)",
     )
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: on GPUs")
     parser.add_argument(
