@@ -25,9 +25,13 @@ pipeline's call without CFG, batch 1), the ratio, peak memory, and with ``--chec
 the two implementations' predictions per branch (the proof that the inputs are like for like). ``--blocks`` builds
 both sides with fewer blocks (FLUX.2-dev's 32B does not fit beside 3 references' activations); the full step is then
 projected from the per-block time (approximate: the embedding and output layers are counted as blocks).
+``--quantize fp8`` builds paradit's side with FP8 linears, as the engine's ``--quantize fp8`` does (diffusers' side
+stays its bf16 transformer, the reference the issue names), and reports the FP8 prediction's relative L2 against
+paradit's bf16 one on the same weights (the bf16 transformer is freed before the FP8 one loads).
 
     python benchmarks/edit_step.py --check --out-dir $OUT          (DEFAULT_CASES, in ~8 minutes on an H100)
     python benchmarks/edit_step.py --models flux2-dev --refs 3 --blocks flux2-dev=14 --out-dir $OUT
+    python benchmarks/edit_step.py --models flux2-klein-4b --refs 0 1 3 --quantize fp8 --check --out-dir $OUT
     python benchmarks/edit_step.py --tiny --device cpu             (every model's tiny stand-in, both sides, ~20 s)
 """
 
@@ -96,11 +100,13 @@ COLUMNS = [
     ("text_tokens", "text tokens (cond/uncond)", "s"),
     ("image_tokens", "image tokens", "d"),
     ("cfg", "guidance", "s"),
+    ("precision", "paradit precision", "s"),
     ("text_mask", "paradit text", "s"),
     ("compiled", "compiled", "s"),
     ("paradit_ms", "paradit ms/step", ".1f"),
     ("diffusers_ms", "diffusers ms/step", ".1f"),
     ("ratio", "paradit/diffusers", ".2f"),
+    ("paradit_every_row_ms", "paradit ms, last block every row", ".1f"),
     ("paradit_branch_ms", "paradit ms/branch", ".1f"),
     ("diffusers_branch_ms", "diffusers ms/branch", ".1f"),
     ("paradit_full_ms", "paradit full ms (proj.)", ".1f"),
@@ -109,6 +115,7 @@ COLUMNS = [
     ("diffusers_peak_gib", "diffusers peak GiB", ".1f"),
     ("max_abs_diff", "max |diff|", ".1e"),
     ("rel_l2", "rel L2", ".1e"),
+    ("fp8_rel_l2", "FP8 vs bf16 rel L2", ".1e"),
     ("error", "note", "s"),
 ]
 
@@ -334,21 +341,23 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
     spec, kept, full_blocks = model_spec(config_name, args, name)
     family = FAMILIES[spec.family]
     compiled = args.compile if args.compile is not None else device.type == "cuda"
+    fp8 = args.quantize == "fp8"
     log(f"{name} refs={refs}: building paradit's transformer ({config_name}, {kept}/{full_blocks} blocks)")
-    options = ExecutionOptions(quantize="none", compile=compiled, cuda_graphs=False)
+    # The bf16 transformer: diffusers' weights, and with --quantize fp8 the reference paradit's FP8 output is held to
+    # (run eager then: it is not timed).
+    options = ExecutionOptions(quantize="none", compile=compiled and not fp8, cuda_graphs=False)
     runtime = load_transformer(family, spec, device, dtype, None, options)
     pipeline = family.pipeline(family, spec, runtime, None, None, device, dtype)
     inputs = qwen_inputs if spec.family == "qwen_image" else flux2_inputs
     step, branch, branches, lengths, image_tokens = inputs(spec, refs, args, pipeline, runtime, device, dtype)
     cfg = len(branches) == 2
+    target = image_tokens // (1 + refs)
     reference = diffusers_model(spec, runtime.model)
     if compiled:
         reference.compile_repeated_blocks(dynamic=False)  # as paradit's compile_blocks: static shapes per block
 
-    forward = runtime.forward
-
     def ours(calls=step):
-        return torch.cat([forward(*call[0], **call[1]) for call in calls])
+        return torch.cat([runtime.forward(*call[0], **call[1]) for call in calls])
 
     def theirs(kwargs=None):
         if kwargs is not None:
@@ -363,6 +372,7 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
         text_tokens="/".join(str(n) for n in lengths),
         image_tokens=image_tokens,
         cfg="CFG" if cfg else ("embedded" if spec.guidance_mode == "embedded" else "none"),
+        precision="FP8 linears" if fp8 else "bf16",
         compiled="yes" if compiled else "no",
         # paradit's text: the branches padded to one length and masked (Qwen-Image), or of one length already
         text_mask="apart, unmasked"
@@ -371,32 +381,49 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
         if spec.family == "qwen_image" and step[0][0][5] is not None
         else "none",
     )
-    row["paradit_ms"], row["paradit_peak_gib"] = measure(ours, args, device, "paradit step")
     row["diffusers_ms"], row["diffusers_peak_gib"] = measure(theirs, args, device, "diffusers step")
     if cfg and args.per_branch:
-        row["paradit_branch_ms"], _ = measure(lambda: ours(branch), args, device, "paradit one branch")
         row["diffusers_branch_ms"], _ = measure(lambda: theirs(branches[0]), args, device, "diffusers one branch")
+    with torch.inference_mode():
+        theirs_out = torch.cat([out.float()[:, :target] for out in theirs()]) if args.check else None
+        bf16_out = ours().float()[:, :target] if fp8 else None
+    if fp8:  # diffusers' transformer and the bf16 one go before the FP8 one loads (Qwen-Image: 41 GB of weights)
+        del reference
+        runtime = pipeline = None
+        free(device)
+        fp8_options = ExecutionOptions(quantize="fp8", compile=compiled, cuda_graphs=False)
+        runtime = load_transformer(family, spec, device, dtype, None, fp8_options)
+    row["paradit_ms"], row["paradit_peak_gib"] = measure(ours, args, device, "paradit step")
+    if cfg and args.per_branch:
+        row["paradit_branch_ms"], _ = measure(lambda: ours(branch), args, device, "paradit one branch")
     elif not cfg:
         row["paradit_branch_ms"], row["diffusers_branch_ms"] = row["paradit_ms"], row["diffusers_ms"]
     row["ratio"] = row["paradit_ms"] / row["diffusers_ms"]
+    if args.every_row and spec.family == "flux2":  # the variant before the last block kept only the target's rows
+        every_row = [(call_args[:7] + (None,), kwargs) for call_args, kwargs in step]
+        row["paradit_every_row_ms"], _ = measure(lambda: ours(every_row), args, device, "paradit step, every row")
     if kept < full_blocks:
         row["paradit_full_ms"] = row["paradit_ms"] * full_blocks / kept
         row["diffusers_full_ms"] = row["diffusers_ms"] * full_blocks / kept
         row["paradit_ms_per_block"] = row["paradit_ms"] / kept
         row["diffusers_ms_per_block"] = row["diffusers_ms"] / kept
-    if args.check:
-        with torch.inference_mode():
-            target = image_tokens // (1 + refs)
-            ours_out = ours().float()[:, :target]
-            theirs_out = torch.cat([out.float()[:, :target] for out in theirs()])
+    with torch.inference_mode():
+        ours_out = ours().float()[:, :target]
+        if fp8:
+            row["fp8_rel_l2"] = relative_l2(ours_out, bf16_out)
+            log(f"  FP8: rel L2 {row['fp8_rel_l2']:.2e} against paradit's bf16 prediction (target rows)")
+        if args.check:
             diff = (ours_out - theirs_out).abs().max().item()
-            row["max_abs_diff"] = diff
-            row["rel_l2"] = ((ours_out - theirs_out).norm() / theirs_out.norm()).item()
+            row["max_abs_diff"], row["rel_l2"] = diff, relative_l2(ours_out, theirs_out)
             if cfg and args.per_branch:
                 branch_out = ours(branch).float()[:, :target]
                 row["branch_max_abs_diff"] = (branch_out - theirs_out[:1]).abs().max().item()
-        log(f"  check: max |paradit - diffusers| {diff:.2e}, rel L2 {row['rel_l2']:.2e} (per branch, target rows)")
+            log(f"  check: max |paradit - diffusers| {diff:.2e}, rel L2 {row['rel_l2']:.2e} (per branch, target rows)")
     return row
+
+
+def relative_l2(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours - reference).norm() / reference.norm()).item()
 
 
 def cases(args) -> list[tuple[str, int]]:
@@ -451,6 +478,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=None)
     parser.add_argument("--refs", nargs="+", type=int, default=None, help="default: per model, what fits 8 minutes")
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        choices=["none", "fp8"],
+        help="paradit's linears (fp8: as the engine's --quantize fp8; diffusers' side stays bf16)",
+    )
+    parser.add_argument(
+        "--every-row",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FLUX.2: time paradit's step with its last block over every row too (the variant it replaced)",
+    )
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: on GPUs")
     parser.add_argument(
         "--per-branch",

@@ -79,24 +79,31 @@ class Fp8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(weight, scale, bias, linear.weight.dtype)
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        out, leading = self.unbiased(x)
+    def forward(self, x: torch.Tensor | QuantizedRows, features: slice | None = None) -> torch.Tensor:
+        """``features``: only those output features, from those rows of the weight (views: nothing copied)."""
+        out, leading = self.unbiased(x, features)
         if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*leading, self.out_features)
+            out = out + (self.bias if features is None else self.bias[features])
+        return out.reshape(*leading, out.shape[-1])
 
-    def unbiased(self, x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def unbiased(
+        self, x: torch.Tensor | QuantizedRows, features: slice | None = None
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
         """The GEMM's (rows, out) output before the bias, and the leading shape its rows flatten."""
         if isinstance(x, QuantizedRows):
-            return self.multiply(x.values, x.scale), x.leading
-        return self.multiply(*quantize_rowwise(x.reshape(-1, x.shape[-1]), self.weight.dtype)), tuple(x.shape[:-1])
+            return self.multiply(x.values, x.scale, features), x.leading
+        x_q, x_scale = quantize_rowwise(x.reshape(-1, x.shape[-1]), self.weight.dtype)
+        return self.multiply(x_q, x_scale, features), tuple(x.shape[:-1])
 
-    def multiply(self, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x_q: torch.Tensor, x_scale: torch.Tensor, features: slice | None = None) -> torch.Tensor:
+        weight, weight_scale = self.weight, self.weight_scale
+        if features is not None:
+            weight, weight_scale = weight[features], weight_scale[features]
         return torch._scaled_mm(
             x_q,
-            self.weight.t(),
+            weight.t(),
             scale_a=x_scale,
-            scale_b=self.weight_scale.t(),
+            scale_b=weight_scale.t(),
             out_dtype=self.out_dtype,
             use_fast_accum=True,
         )

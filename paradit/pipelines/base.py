@@ -219,6 +219,13 @@ class DiffusionPipeline(ABC):
         """``call(transformer, model_input, timestep, latents)``: the model's prediction in the latents' layout, for
         the rows of ``conditioning`` this rank computes, rows independent after the transformer (PipeFusion's loop)."""
 
+    def keeps_only_output_rows(self, request: ResolvedRequest) -> bool:
+        """Whether the model may compute its last block for the rows the step keeps alone (a joint model's text and
+        references are dropped after it): on a plan whose every rank holds every token and block (one GPU, --tensor,
+        --cfg-parallel), without step caching (which runs slices of the stack and keeps every stream's residual)."""
+        plan = None if self.parallel is None else self.parallel.config
+        return request.cache is None and (plan is None or plan.keeps_sequence_and_stack_whole)
+
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         return uncond + scale * (cond - uncond)
 

@@ -11,8 +11,9 @@ from torch import nn
 
 from paradit.layers.attention import AttentionDispatch, JointAttention
 from paradit.layers.embeddings import TimestepEmbed
+from paradit.layers.kept_rows import output_features
 from paradit.layers.modulation import AdaLayerNormOut, Modulation, clip_fp16, split_modulation
-from paradit.layers.rotary import multi_axis_rope, rotate_qk
+from paradit.layers.rotary import apply_rope_interleaved, multi_axis_rope, rotate_qk
 from paradit.layers.stages import HeadsConfig, JointTokens, StagedTransformer
 
 
@@ -38,6 +39,7 @@ class Flux2Config(HeadsConfig):
 REFERENCE_TIMESTEP = 0.0
 
 KeyValue = tuple[torch.Tensor, torch.Tensor]  # one block's references' keys and values (batch 1, rotated)
+Rows = tuple[int, int]  # (start, stop) of the sequence: the rows whose output the last block computes
 ReferenceKV = dict[nn.Module, KeyValue]  # per block, as ``cache_references`` makes them
 
 
@@ -84,8 +86,10 @@ class ParallelSelfAttention(AttentionDispatch):
         rope: tuple[torch.Tensor, torch.Tensor],
         reference: KeyValue | None = None,
         text_tokens: int = 0,
+        kept: Rows | None = None,
     ) -> torch.Tensor:
-        q, k, v, mlp = self.project(x, rope)
+        """``kept``: the output of those rows alone, attending to every row's keys and values."""
+        q, k, v, mlp = self.project(x, rope) if kept is None else self.project_kept(x, rope, *kept)
         if reference is not None:
             k, v = join_reference(k, v, reference, text_tokens)
         return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp)
@@ -96,12 +100,40 @@ class ParallelSelfAttention(AttentionDispatch):
         return self.mix(self.attend(q, k, v).flatten(2).to(q.dtype), mlp), (k, v.contiguous())
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        proj = self.to_qkv_mlp_proj(x)
-        qkv_width = proj.shape[-1] * 3 * self.inner_dim // (3 * self.inner_dim + 2 * self.mlp_hidden_dim)
-        qkv, mlp = proj.split([qkv_width, proj.shape[-1] - qkv_width], dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.chunk(3, dim=-1))
+        q, k, v, mlp = self.split(self.to_qkv_mlp_proj(x))
         q, k = rotate_qk(self.norm_q(q), self.norm_k(k), rope)
         return q, k, v, mlp
+
+    def project_kept(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], start: int, stop: int
+    ) -> tuple[torch.Tensor, ...]:
+        """``project``'s Q and MLP input of rows [start, stop); K and V of every row, the other rows' from the K and V
+        rows of the fused weight alone (their Q and MLP columns would be thrown away)."""
+        q, k_kept, v_kept, mlp = self.split(self.to_qkv_mlp_proj(x[:, start:stop]))
+        width = self.attention_width(self.to_qkv_mlp_proj.weight.shape[0])
+        others = torch.cat([x[:, :start], x[:, stop:]], dim=1)
+        k_others, v_others = (
+            t.unflatten(-1, (-1, self.head_dim))
+            for t in output_features(self.to_qkv_mlp_proj, others, width, 3 * width).chunk(2, dim=-1)
+        )
+        k, v = (
+            torch.cat([rest[:, :start], kept, rest[:, start:]], dim=1)
+            for rest, kept in ((k_others, k_kept), (v_others, v_kept))
+        )
+        cos, sin = rope
+        q = apply_rope_interleaved(self.norm_q(q), cos[start:stop], sin[start:stop])
+        return q, apply_rope_interleaved(self.norm_k(k), cos, sin), v, mlp
+
+    def split(self, proj: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The fused projection's [q, k, v, MLP input], Q/K/V as heads."""
+        qkv_width = 3 * self.attention_width(proj.shape[-1])
+        qkv, mlp = proj.split([qkv_width, proj.shape[-1] - qkv_width], dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.chunk(3, dim=-1))
+        return q, k, v, mlp
+
+    def attention_width(self, features: int) -> int:
+        """Q's (K's, V's) share of the fused projection's ``features``: a tensor-parallel shard's, or the whole."""
+        return features * self.inner_dim // (3 * self.inner_dim + 2 * self.mlp_hidden_dim)
 
     def mix(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
         return self.to_out(torch.cat([attn, _swiglu(mlp)], dim=-1))
@@ -195,9 +227,12 @@ class Flux2SingleTransformerBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         reference: KeyValue | None = None,
         text_tokens: int = 0,
+        kept: Rows | None = None,
     ) -> torch.Tensor:
+        """``kept``: the next state of those rows alone (the last block's)."""
         ((shift, scale, gate),) = split_modulation(mod, 1)
-        return clip_fp16(x + gate * self.attn((1 + scale) * self.norm(x) + shift, rope, reference, text_tokens))
+        out = self.attn((1 + scale) * self.norm(x) + shift, rope, reference, text_tokens, kept)
+        return clip_fp16((x if kept is None else x[:, kept[0] : kept[1]]) + gate * out)
 
     def run_references(self, x: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         ((shift, scale, gate),) = split_modulation(mod, 1)
@@ -214,6 +249,9 @@ class Flux2Tokens(JointTokens):
     mod_txt: torch.Tensor
     mod_single: torch.Tensor
     reference_kv: ReferenceKV | None = None  # a KV checkpoint's cached references, which every block attends to
+    # The image stream's first tokens, whose prediction alone the step keeps (None: every token's is computed): the
+    # last block then computes those rows alone (the text's and the references' are dropped after it).
+    output_tokens: int | None = None
 
 
 class Flux2Transformer(StagedTransformer):
@@ -247,8 +285,10 @@ class Flux2Transformer(StagedTransformer):
         txt_ids: torch.Tensor,
         guidance: torch.Tensor | None = None,
         reference_kv: ReferenceKV | None = None,
+        output_tokens: int | None = None,
     ) -> Flux2Tokens:
-        """``timestep``, ``guidance``: sigma in [0, 1] per sample; ``reference_kv``: ``cache_references``' output."""
+        """``timestep``, ``guidance``: sigma in [0, 1] per sample; ``reference_kv``: ``cache_references``' output;
+        ``output_tokens``: only the first so many image tokens' prediction is wanted (the rest may come out or not)."""
         dtype = hidden_states.dtype
         timestep = timestep.to(dtype) * 1000
         guidance = None if guidance is None else guidance.to(dtype) * 1000
@@ -263,6 +303,7 @@ class Flux2Transformer(StagedTransformer):
             mod_txt=self.double_stream_modulation_txt(temb),
             mod_single=self.single_stream_modulation(temb),
             reference_kv=reference_kv,
+            output_tokens=output_tokens,
         )
 
     def cache_references(self, latents: torch.Tensor, ids: torch.Tensor) -> ReferenceKV:
@@ -283,8 +324,13 @@ class Flux2Transformer(StagedTransformer):
             tokens.img, tokens.txt = block(
                 tokens.img, tokens.txt, tokens.mod_img, tokens.mod_txt, rope, cached.get(block)
             )
-        x = torch.cat([tokens.txt, tokens.img], dim=1)
-        for block in self.single_transformer_blocks:
-            x = block(x, tokens.mod_single, rope, cached.get(block), tokens.txt.shape[1])
-        tokens.txt, tokens.img = x.split([tokens.txt.shape[1], tokens.img.shape[1]], dim=1)
+        x, text = torch.cat([tokens.txt, tokens.img], dim=1), tokens.txt.shape[1]
+        blocks = self.single_transformer_blocks
+        kept = None if tokens.output_tokens is None or not blocks else (text, text + tokens.output_tokens)
+        for index, block in enumerate(blocks):
+            x = block(x, tokens.mod_single, rope, cached.get(block), text, kept if index == len(blocks) - 1 else None)
+        if kept is None:
+            tokens.txt, tokens.img = x.split([text, tokens.img.shape[1]], dim=1)
+        else:  # the last block gave the kept rows alone; the text keeps the state it entered the single blocks with
+            tokens.img = x
         return tokens

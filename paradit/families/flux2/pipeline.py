@@ -197,12 +197,15 @@ class Flux2Pipeline(DiffusionPipeline):
         references, cached = layout.references, layout.reference_kv
         if references is not None and cached is None:
             img_ids = torch.cat([img_ids, layout.reference_ids])
+        kept_only = self.keeps_only_output_rows(request)
 
         def call(transformer, x: torch.Tensor, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+            output_tokens = x.shape[1] if kept_only else None
             if references is None or cached is not None:
-                return transformer(x, embeds, timestep, img_ids, txt_ids, guidance, cached)
+                return transformer(x, embeds, timestep, img_ids, txt_ids, guidance, cached, output_tokens)
             joined = torch.cat([x, references.to(x.dtype).expand(x.shape[0], -1, -1)], dim=1)
-            return transformer(joined, embeds, timestep, img_ids, txt_ids, guidance)[:, : x.shape[1]]
+            prediction = transformer(joined, embeds, timestep, img_ids, txt_ids, guidance, None, output_tokens)
+            return prediction[:, : x.shape[1]]
 
         return call
 

@@ -15,7 +15,7 @@ from paradit.families.flux2.model import FeedForward
 from paradit.layers.attention import AttentionDispatch
 from paradit.layers.embeddings import EmbeddingMLP, sinusoidal_embedding
 from paradit.layers.modulation import AdaLayerNormOut, Modulation, split_modulation
-from paradit.layers.rotary import multi_axis_rope, rotate_qk
+from paradit.layers.rotary import apply_rope_interleaved, multi_axis_rope
 from paradit.layers.stages import HeadsConfig, JointTokens, StagedTransformer
 
 
@@ -64,11 +64,19 @@ class Flux3Attention(AttentionDispatch):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        key_mask: torch.Tensor | None = None,
+        kept: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        q, k, v = (linear(x).unflatten(-1, (-1, self.head_dim)) for linear in (self.to_q, self.to_k, self.to_v))
+        """``kept`` (start, stop): the output of those rows alone (their queries), attending to every row's keys."""
+        rows, (cos, sin) = slice(None) if kept is None else slice(*kept), rope
+        q = self.to_q(x[:, rows]).unflatten(-1, (-1, self.head_dim))
+        k, v = (linear(x).unflatten(-1, (-1, self.head_dim)) for linear in (self.to_k, self.to_v))
         # Rotated in float32 too, then one cast back.
-        q, k = rotate_qk(fp32_rms_norm(self.norm_q, q), fp32_rms_norm(self.norm_k, k), rope)
+        q = apply_rope_interleaved(fp32_rms_norm(self.norm_q, q), cos[rows], sin[rows])
+        k = apply_rope_interleaved(fp32_rms_norm(self.norm_k, k), cos, sin)
         out = self.attend(q.to(v.dtype), k.to(v.dtype), v, key_mask)
         return self.to_out[0](out.flatten(2).to(v.dtype))
 
@@ -131,10 +139,19 @@ class Flux3SingleBlock(nn.Module):
         mods: list[torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor],
         key_mask: torch.Tensor | None = None,
+        kept_stream: int | None = None,
     ) -> list[torch.Tensor]:
-        """``streams`` and ``mods`` in ``JOINT_STREAMS`` order, ``rope`` and ``key_mask`` over their concatenation."""
+        """``streams`` and ``mods`` in ``JOINT_STREAMS`` order, ``rope`` and ``key_mask`` over their concatenation.
+        ``kept_stream``: the next state of that stream alone (the last block's: the others' are dropped after it),
+        the others returned as they came; every stream's keys and values are still attended to."""
         triples = [split_modulation(mod, 1)[0] for mod in mods]
         normed = torch.cat([(1 + scale) * self.norm(x) + shift for x, (shift, scale, _) in zip(streams, triples)], 1)
+        if kept_stream is not None:
+            start = sum(x.shape[1] for x in streams[:kept_stream])
+            stop = start + streams[kept_stream].shape[1]
+            out = self.attn(normed, rope, key_mask, (start, stop)) + self.ff(normed[:, start:stop])
+            gate = triples[kept_stream][2]
+            return [x + gate * out if n == kept_stream else x for n, x in enumerate(streams)]
         out = (self.attn(normed, rope, key_mask) + self.ff(normed)).split([x.shape[1] for x in streams], dim=1)
         return [x + gate * part for x, part, (_, _, gate) in zip(streams, out, triples)]
 
@@ -158,6 +175,9 @@ class Flux3Tokens(JointTokens):
     # (B, text tokens) False for a shorter prompt's padding in a batch (diffusers runs one prompt a call); None: none.
     txt_mask: torch.Tensor | None = None
     prefixed: bool = False  # the text and references come through their per-mode blocks already (``encode_prefix``)
+    # Only the image's prediction is wanted: the last joint block computes its rows alone (the text's and the
+    # references' are dropped after it; those streams keep the state they entered it with).
+    image_only: bool = False
 
 
 class Flux3Transformer(StagedTransformer):
@@ -214,11 +234,13 @@ class Flux3Transformer(StagedTransformer):
         target_timestep: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         prefixed: bool = False,
+        image_only: bool = False,
     ) -> Flux3Tokens:
         """diffusers' forward arguments. The image tokens sit at ``timestep``, the text and the references at 0; a flow
         map adds the embedding of ``target_timestep`` (the step's destination) to every mode's. The mask (not
         diffusers') hides the padding of the shorter prompts in a batch, which then equal their own calls.
-        ``prefixed``: the text and references given are ``encode_prefix``'s, their per-mode blocks run already."""
+        ``prefixed``: the text and references given are ``encode_prefix``'s, their per-mode blocks run already.
+        ``image_only``: only the image's prediction is wanted (the last joint block computes no other rows)."""
         if (target_timestep is not None) != self.config.flow_map:
             raise ValueError("target_timestep is what a flow-map transformer, and only one, takes")
         batch, dtype = hidden_states.shape[0], hidden_states.dtype
@@ -248,6 +270,7 @@ class Flux3Transformer(StagedTransformer):
             single_mods={STREAMS[m]: self.single_stream_modulations[m](temb) for m, temb in tembs.items()},
             txt_mask=encoder_attention_mask,
             prefixed=prefixed,
+            image_only=image_only,
         )
 
     def embed_clean(
@@ -299,7 +322,9 @@ class Flux3Transformer(StagedTransformer):
         mask = tokens.txt_mask
         if mask is not None:  # built once per forward: the parallel runtime gathers it once per tensor it sees
             mask = torch.cat([mask, *(mask.new_ones(x.shape[:2]) for x in streams[1:])], dim=1)
-        for block in self.single_transformer_blocks:
-            streams = block(streams, mods, rope, mask)
+        blocks, image = self.single_transformer_blocks, JOINT_STREAMS.index("img")
+        for index, block in enumerate(blocks):
+            kept = image if tokens.image_only and index == len(blocks) - 1 else None
+            streams = block(streams, mods, rope, mask, kept)
         tokens.txt, tokens.img, tokens.cond = streams
         return tokens

@@ -173,7 +173,7 @@ class Flux3Pipeline(DiffusionPipeline):
         img_ids = image_ids(layout.rows, layout.cols, 0, self.device)
         txt_ids = text_ids(embeds.shape[1], self.device)
         references = None if layout.references is None else layout.references.to(self.dtype)
-        prefixed = self.runs_prefix_once()
+        prefixed, image_only = self.runs_prefix_once(), self.keeps_only_output_rows(request)
         if prefixed:
             with torch.inference_mode():
                 embeds, references = self.runtime.model.encode_prefix(
@@ -195,6 +195,7 @@ class Flux3Pipeline(DiffusionPipeline):
                 target,
                 encoder_attention_mask=mask,
                 prefixed=prefixed,
+                image_only=image_only,
             )
 
         return call
