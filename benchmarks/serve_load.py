@@ -3,7 +3,8 @@ with open-loop Poisson arrivals at several rates from this process over HTTP. Fo
 reports requests sent, answered, refused (429) and failed, images per minute, p50/p95/p99 latency (request sent to
 answer read, base64 images included) and the mean images per forward pass; before the rates, the unloaded HTTP
 latency (one request at a time) against ``Engine.generate``'s own time with the same plan (measured first, without
-the server) and the time to encode its PNG as the server does, the largest part of the difference.
+the server) and the time to make its answer's bytes from the result as the server does (8-bit pixels, PNG, base64
+and JSON), the largest part of the difference.
 
 Every configuration sees the same arrival times and prompts (a seeded schedule), so rows compare at equal load. By
 default the rates are fractions of the first configuration's capacity (its groups over its unloaded latency), from
@@ -112,6 +113,12 @@ class Server:
         count = float(re.search(r"paradit_batch_images_count (\S+)", text)[1])
         return count, float(re.search(r"paradit_batch_images_sum (\S+)", text)[1])
 
+    def mean_seconds(self, phase: str) -> float:
+        """The mean of ``phase``'s seconds over the requests so far, from /metrics."""
+        text = httpx.get(self.url + "/metrics").text
+        total = float(re.search(rf'paradit_latency_seconds_sum{{phase="{phase}"}} (\S+)', text)[1])
+        return total / float(re.search(rf'paradit_latency_seconds_count{{phase="{phase}"}} (\S+)', text)[1])
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -165,11 +172,12 @@ def unloaded_latency(url: str, args: argparse.Namespace) -> float:
 
 def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, float]:
     """Median seconds of ``Engine.generate`` (the same plan and request as the server's, no HTTP), measured
-    before any server starts so that the two never share a GPU; and of encoding its image as the server does."""
+    before any server starts so that the two never share a GPU; and of making its answer as the server does."""
     from benchmarks.common import default_plan_for
     from paradit import Engine, GenerationRequest
     from paradit.cli import build_parser
     from paradit.options import ExecutionOptions
+    from paradit.serving import schemas
     from paradit.serving.media import encode_image
     from paradit.settings import resolve_model
 
@@ -194,7 +202,8 @@ def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, fl
             sent = time.perf_counter()
             result = engine.generate(request)
             latencies.append(time.perf_counter() - sent)
-            encode_image(result.images[0], "png")
+            answer = schemas.ImagesResponse(created=0, data=[], output_format="png", size="", seed=0, plan="")
+            schemas.images_json(answer, [encode_image(image, "png") for image in result.images])
             encodings.append(time.perf_counter() - sent - latencies[-1])
     return statistics.median(latencies[1:]), statistics.median(encodings[1:])
 
@@ -241,7 +250,8 @@ def print_rows(unloaded: list[dict], rows: list[dict]) -> None:
         [
             ("config", "config", "s"),
             ("engine_s", "generate s", ".3f"),
-            ("png_s", "PNG encode s", ".3f"),
+            ("png_s", "PNG answer s", ".3f"),
+            ("server_encode_s", "server's answer s", ".3f"),
             ("http_s", "HTTP s", ".3f"),
             ("overhead", "HTTP overhead", ".1%"),
         ],
@@ -306,12 +316,14 @@ def main() -> int:
         server = Server(args, config)
         try:
             http_s = unloaded_latency(server.url, args)
+            served_encode_s = server.mean_seconds("encode")
             engine, png = engine_s.get(config.group_size, (None, None))
             unloaded.append(
                 {
                     "config": config.name,
                     "engine_s": engine,
                     "png_s": png,
+                    "server_encode_s": served_encode_s,
                     "http_s": http_s,
                     "overhead": http_s / engine - 1 if engine else None,
                 }

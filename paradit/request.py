@@ -269,7 +269,10 @@ class GenerationResult:
     @property
     def images(self) -> list[Image.Image]:
         pixels = self.pixels.flatten(0, 1) if self.is_video else self.pixels
-        array = (pixels.permute(0, 2, 3, 1) * 255).round().byte().numpy()
+        # Channels last while float, in torch's threads (3 ms for 1024x1024 against 10 for PIL's one-thread copy of
+        # a strided uint8 array), into a tensor of its own: the arithmetic in place never reaches ``pixels``.
+        layout = pixels.permute(0, 2, 3, 1)
+        array = pixels.new_empty(layout.shape).copy_(layout).mul_(255).round_().byte().numpy()
         return [Image.fromarray(frame) for frame in array]
 
     @property

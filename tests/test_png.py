@@ -36,13 +36,13 @@ def test_small_bands_split_an_image_across_threads(monkeypatch):
     monkeypatch.setattr(png, "THREADS", 4)
     pixels = np.random.default_rng(0).integers(0, 256, (37, 11, 3), dtype=np.uint8)
     split = []
-    deflate = png.deflate_band
+    encode = png.encode_band
 
-    def counted(band, final):
-        split.append(len(band))
-        return deflate(band, final)
+    def counted(pixels, start, stop, final):
+        split.append(len(pixels[start:stop]))
+        return encode(pixels, start, stop, final)
 
-    monkeypatch.setattr(png, "deflate_band", counted)
+    monkeypatch.setattr(png, "encode_band", counted)
     back = decoded(png.encode_png(Image.fromarray(pixels)))
     assert sorted(split) == [7, 10, 10, 10]
     assert np.array_equal(np.asarray(back), pixels)

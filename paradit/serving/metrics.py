@@ -21,7 +21,7 @@ class Metrics:
         self.latency = histogram(
             "paradit_latency_seconds",
             "Seconds per phase: queue (waiting for a group), text_encode, denoise and decode (the group's run), "
-            "encode (the image or video file), total (the HTTP request).",
+            "encode (the image or video file, and an image answer's JSON), total (the HTTP request).",
             ["phase"],
             buckets=SECONDS_BUCKETS,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import types
 import typing
 from typing import Any, Literal
@@ -156,6 +157,21 @@ class ImagesResponse(BaseModel):
     size: str
     seed: int
     plan: str = Field(description="the parallel plan of the group that made the images")
+
+
+# One b64_json item's JSON around its payload, and the answer's around its items, as pydantic writes them.
+B64_ITEM_OPEN, _, B64_ITEM_CLOSE = ImageData(b64_json="").model_dump_json().encode().partition(b'""')
+
+
+def images_json(answer: ImagesResponse, files: list[bytes]) -> bytes:
+    """``answer`` (its ``data`` empty) as the JSON pydantic would write, with each of ``files`` as a ``b64_json`` item.
+    Base64 needs no JSON escapes, so its bytes are spliced in as they are: pydantic would copy a few-MB string while
+    validating it and scan it for escapes while writing it (5-14 ms for one 1024x1024 PNG)."""
+    head, _, tail = answer.model_dump_json().encode().partition(b'"data":[]')
+    parts = [head, b'"data":[']
+    for index, file in enumerate(files):
+        parts += [b"," if index else b"", B64_ITEM_OPEN, b'"', base64.b64encode(file), b'"', B64_ITEM_CLOSE]
+    return b"".join([*parts, b"]", tail])
 
 
 class ErrorInfo(BaseModel):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import json
 import secrets
@@ -32,6 +31,7 @@ from paradit.serving.videos import VideoJobs
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler asks whether its client is still there
 EDITS = "/v1/images/edits"
 CLIENT_GONE = 499  # the status logged for a request whose client left (nginx's convention): nobody reads it
+JSON = "application/json"
 NO_KEY = "a valid API key is required: send the header Authorization: Bearer <key>"
 
 
@@ -261,27 +261,30 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         result = await outcome_of(job, request)
         if result is None:
             return Response(status_code=CLIENT_GONE)
-        with metrics.latency.labels("encode").time():
-            encoded = await run_in_threadpool(
-                lambda: [encode_image(image, body.output_format, body.output_compression) for image in result.images]
-            )
-        if body.response_format == "url":
-            names = [files.put(data, MEDIA_TYPES[body.output_format], body.output_format) for data in encoded]
-            # At the socket's address (--host and --port; under 0.0.0.0 the one reached), never the client's Host.
-            host, port = request.scope["server"]
-            origin = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-            data = [schemas.ImageData(url=origin + app.url_path_for("get_file", name=name)) for name in names]
-        else:
-            data = [schemas.ImageData(b64_json=base64.b64encode(item).decode()) for item in encoded]
         resolved = job.resolved
-        return schemas.ImagesResponse(
+        answer = schemas.ImagesResponse(
             created=int(job.created),
-            data=data,
+            data=[],
             output_format=body.output_format,
             size=f"{resolved.width}x{resolved.height}",
             seed=resolved.seed,
             plan=job.plan,
         )
+
+        def encoded() -> list[bytes]:
+            return [encode_image(image, body.output_format, body.output_compression) for image in result.images]
+
+        with metrics.latency.labels("encode").time():
+            if body.response_format == "b64_json":  # its JSON written in the pool too: megabytes of base64
+                content = await run_in_threadpool(lambda: schemas.images_json(answer, encoded()))
+                return Response(content, media_type=JSON)
+            files_made = await run_in_threadpool(encoded)
+        names = [files.put(data, MEDIA_TYPES[body.output_format], body.output_format) for data in files_made]
+        # At the socket's address (--host and --port; under 0.0.0.0 the one reached), never the client's Host.
+        host, port = request.scope["server"]
+        origin = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        answer.data = [schemas.ImageData(url=origin + app.url_path_for("get_file", name=name)) for name in names]
+        return answer
 
     def stored_file(stored: tuple[bytes, str] | None, missing: str) -> Response:
         if stored is None:
