@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from paradit.errors import InvalidRequest
+from paradit.layers import semantic_permutation
 from paradit.layers.fp8_attention import (
     exact_triton_attention_with_lse,
     fp8_attention_with_lse,
@@ -179,7 +180,7 @@ def test_kmeans_recovers_planted_clusters():
     assert sizes.sum().item() == points.shape[1]
 
 
-def test_the_fused_kmeans_passes_equal_torchs():
+def test_the_fused_kmeans_passes_equal_torchs(monkeypatch):
     """One kernel a pass (Triton's interpreter) against torch's distances: the same labels and sizes, the same
     centroids within float32's rounding of their sums (added in another order), an empty cluster's kept."""
     generator = torch.Generator().manual_seed(6)
@@ -187,10 +188,13 @@ def test_the_fused_kmeans_passes_equal_torchs():
     start = spread_centroids(points, 20)
     start[0, 5] = 100.0  # far from every point: left empty, it keeps its centroid
     labels, centroids, sizes = kmeans(points, start, iterations=3)
-    fused_labels, fused_centroids, fused_sizes = fused_kmeans(points, start, iterations=3)
-    assert torch.equal(fused_labels, labels) and torch.equal(fused_sizes, sizes)
-    assert (fused_centroids - centroids).abs().max().item() <= 1e-5
-    assert sizes[0, 5].item() == 0 and torch.all(fused_centroids[0, 5] == 100.0)
+    for passes in ("fused", "assign"):
+        monkeypatch.setattr(semantic_permutation, "KMEANS_PASSES", passes)
+        fused_labels, fused_centroids, fused_sizes = fused_kmeans(points, start, iterations=3)
+        assert torch.equal(fused_labels, labels) and torch.equal(fused_sizes, sizes)
+        assert (fused_centroids - centroids).abs().max().item() <= 1e-5
+        assert torch.all(fused_centroids[0, 5] == 100.0)
+    assert sizes[0, 5].item() == 0
 
 
 def test_top_p_keeps_the_fewest_key_clusters_reaching_p_and_the_least_share():
