@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paradit.layers import nearest_centroid
 from paradit.layers.sparse_masks import TILE, tiles
 
 # The settings of SVG2's Wan 2.1 720p script (svg-project/Sparse-VideoGen, wan_t2v_inference with --strategy sap):
@@ -24,8 +25,11 @@ SVG2_ITERATIONS = 2
 SVG2_DENSE_STEP_SHARE = 0.2
 SVG2_DENSE_BLOCK_SHARE = 0.03
 # Distances computed at once, at most (rows x tokens x clusters): a head's 75,600 tokens x 1,000 key clusters at 720p
-# is 0.3 GB in float32, all 40 heads 12 GB; the rows go through in groups under this.
+# is 0.3 GB in float32, all 40 heads 12 GB; the rows go through in groups under this (torch's passes only).
 KMEANS_ELEMENTS = 2**28
+# k-means' passes: "fused" (``nearest_centroid``'s kernel for the labels and the sums, where it runs), "assign" (its
+# kernel for the labels, torch's scatter for the sums) or "torch"; the benchmark measures each.
+KMEANS_PASSES = "fused"
 
 
 def kmeans(
@@ -52,8 +56,30 @@ def kmeans(
     return labels, centroids, sizes
 
 
+def fused_kmeans(
+    points: torch.Tensor, centroids: torch.Tensor, iterations: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kmeans`` with each pass one kernel (``nearest_centroid``): no distances materialised, every row at once;
+    the sums added up by the kernel ("fused") or by torch's scatter ("assign")."""
+    centroids = centroids.float()
+    for done in range(iterations + 1):
+        add_sums = done < iterations and KMEANS_PASSES == "fused"
+        labels, sizes, sums = nearest_centroid.nearest_centroids(points, centroids, add_sums)
+        if done == iterations:
+            break
+        if sums is None:
+            sums = torch.zeros_like(centroids).scatter_add_(
+                1, labels[..., None].expand(-1, -1, points.shape[-1]), points.float()
+            )
+        centroids = torch.where(sizes[..., None] > 0, sums / sizes.clamp(min=1)[..., None], centroids)
+    return labels, centroids, sizes
+
+
 def grouped_kmeans(points: torch.Tensor, centroids: torch.Tensor, iterations: int):
-    """``kmeans`` over groups of rows, so that no group's distances pass ``KMEANS_ELEMENTS``."""
+    """``kmeans`` over groups of rows, so that no group's distances pass ``KMEANS_ELEMENTS``; the fused passes
+    where their kernel runs."""
+    if KMEANS_PASSES != "torch" and nearest_centroid.kernel_runs(points):
+        return fused_kmeans(points, centroids, iterations)
     rows = max(1, KMEANS_ELEMENTS // (points.shape[1] * centroids.shape[1]))
     parts = [kmeans(p, c, iterations) for p, c in zip(points.split(rows), centroids.split(rows), strict=True)]
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))

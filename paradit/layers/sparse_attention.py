@@ -40,6 +40,7 @@ from paradit.layers.sparse_masks import (
     TILE,
     kept_share,
     radial_block_mask,
+    radial_kept_share,
     tiles,
     token_mask,
 )
@@ -60,6 +61,10 @@ RECORDED = {
         "iterations",
     ),
 }
+
+# The order the kernel launches the mask's rows in: "longest-first" (``longest_rows_first``) or "plain" (query tile
+# by query tile, head by head); the benchmark measures both.
+ROW_ORDER = "longest-first"
 
 # The video's token grid (frames, rows, columns) of the forward in flight, set by the model around its blocks: a
 # context variable, as the sequence layout is, so that no state outlives its forward.
@@ -200,7 +205,10 @@ class SparseRun(RequestHook):
             self.kept = self.sparse_calls = self.dense_calls = 0.0
 
     def record(self, block_mask: torch.Tensor, q_length: int, k_length: int) -> None:
-        self.kept = self.kept + kept_share(block_mask, q_length, k_length)
+        self.record_share(kept_share(block_mask, q_length, k_length))
+
+    def record_share(self, share: torch.Tensor) -> None:
+        self.kept = self.kept + share
         self.sparse_calls += 1
 
     def record_dense(self) -> None:
@@ -296,8 +304,8 @@ class SparseSelfAttention:
         if self.run.settings.method == "svg2":
             return self._svg2(query, key, value, key_mask)
         whole = radial_block_mask(_GRID.get(), self.run.settings.decay_factor, query.device)
-        length = math.prod(_GRID.get())
-        self.run.record(whole, length, length)  # the whole mask's, whichever Ring block this is
+        # The whole mask's share, whichever Ring block this is; made once per grid.
+        self.run.record_share(radial_kept_share(_GRID.get(), self.run.settings.decay_factor, query.device))
         rows, columns = query_start // TILE, key_start // TILE
         mask = whole[rows : rows + tiles(query.shape[1]), columns : columns + tiles(key.shape[1])]
         # The same tiles at every block and step: their kernel rows made once.
@@ -335,9 +343,11 @@ class SparseSelfAttention:
             warm,
         )
         batch = query.shape[0]
+        per_head = tuple(side.unflatten(0, (batch, -1)) for side in centroids)
+        kept = layout.block_mask.sum(dim=(0, 2, 3))  # one reduction; each head's entry a view of it
         for index, head in enumerate(heads):  # each head's own, so that a head keeps them whichever rank it moves to
-            state["centroids"][head] = tuple(side.unflatten(0, (batch, -1))[:, index] for side in centroids)
-            state["kept"][head] = layout.block_mask[:, index].sum()
+            state["centroids"][head] = tuple(side[:, index] for side in per_head)
+            state["kept"][head] = kept[index]
         self.run.record(layout.block_mask, query.shape[1], key.shape[1])
         q = permute_tokens(query, layout.query_order)
         k, v = permute_tokens(key, layout.key_order), permute_tokens(value, layout.key_order)
@@ -352,14 +362,15 @@ class SparseSelfAttention:
         kernel = _sparse_kernel(query, self.dense)
         if kernel is None:
             return block_masked_attention_with_lse(query, key, value, block_mask, key_mask)
-        from paradit.layers.fp8_attention import kept_tile_rows
+        from paradit.layers.fp8_attention import kept_tile_rows, longest_rows_first
 
-        rows = self.run.static_rows.get(static) if static is not None else None
-        if rows is None:
+        made = self.run.static_rows.get(static) if static is not None else None
+        if made is None:
             rows = kept_tile_rows(block_mask.expand(batch, heads, -1, -1))
+            made = rows, longest_rows_first(rows) if ROW_ORDER == "longest-first" else None
             if static is not None:
-                self.run.static_rows[static] = rows
-        return kernel(query, key, value, key_mask, rows)
+                self.run.static_rows[static] = made
+        return kernel(query, key, value, key_mask, *made)
 
 
 def _sparse_kernel(query: torch.Tensor, dense):

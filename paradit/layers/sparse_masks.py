@@ -5,6 +5,7 @@ Triton, no ``torch.distributed``."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -104,3 +105,12 @@ def radial_block_mask(
         mask[first_tile : last_tile + 1] |= ((dense > 0.6 * seen) & (seen > 0)).any(dim=0)
     # Each query tile keeps its own tile, so that no query is left without keys (frames smaller than a tile).
     return mask | torch.eye(len(mask), dtype=torch.bool, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def radial_kept_share(
+    grid: tuple[int, int, int], decay_factor: float = RADIAL_DECAY_FACTOR, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``kept_share`` of ``radial_block_mask``: the same for every call on ``grid``, so made once."""
+    length = math.prod(grid)
+    return kept_share(radial_block_mask(grid, decay_factor, device), length, length)
