@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from PIL import Image
+from PIL.PngImagePlugin import PngInfo
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COLOR_TYPES = {"L": 0, "RGB": 2, "RGBA": 6}  # PIL mode -> PNG colour type, 8 bits a channel
@@ -23,10 +24,11 @@ COMPRESS_LEVEL = 1  # zlib's fastest: a sixth more bytes than the default level,
 _pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="paradit-png")
 
 
-def encode_png(image: Image.Image) -> bytes:
-    """``image`` as a PNG (8-bit L, RGB or RGBA; other modes go to PIL's own encoder)."""
+def encode_png(image: Image.Image, text: dict[str, str] | None = None) -> bytes:
+    """``image`` as a PNG (8-bit L, RGB or RGBA; other modes go to PIL's own encoder), ``text`` as iTXt chunks."""
+    text = text or {}
     if image.mode not in COLOR_TYPES:
-        return pil_png(image)
+        return pil_png(image, text)
     pixels = np.asarray(image).reshape(image.height, -1)
     rows = np.empty((image.height, pixels.shape[1] + 1), dtype=np.uint8)
     rows[:, 0] = UP_FILTER
@@ -41,7 +43,13 @@ def encode_png(image: Image.Image) -> bytes:
         deflated = _pool.map(lambda index: deflate_band(bands[index], final=index == last), range(len(bands)))
     stream = b"\x78\x01" + b"".join(deflated) + struct.pack(">I", zlib.adler32(rows))
     header = struct.pack(">IIBBBBB", image.width, image.height, 8, COLOR_TYPES[image.mode], 0, 0, 0)
-    return PNG_SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", stream) + chunk(b"IEND", b"")
+    texts = b"".join(chunk(b"iTXt", international_text(key, value)) for key, value in text.items())
+    return PNG_SIGNATURE + chunk(b"IHDR", header) + texts + chunk(b"IDAT", stream) + chunk(b"IEND", b"")
+
+
+def international_text(key: str, value: str) -> bytes:
+    """An uncompressed iTXt chunk's data, as PIL's ``PngInfo.add_itxt`` writes it: keyword, flags, no language."""
+    return key.encode("latin-1") + b"\0\0\0\0\0" + value.encode("utf-8")
 
 
 def deflate_band(band: np.ndarray, final: bool) -> bytes:
@@ -53,7 +61,10 @@ def chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
-def pil_png(image: Image.Image) -> bytes:
+def pil_png(image: Image.Image, text: dict[str, str] | None = None) -> bytes:
+    info = PngInfo()
+    for key, value in (text or {}).items():
+        info.add_itxt(key, value)
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=COMPRESS_LEVEL)
+    image.save(buffer, format="PNG", compress_level=COMPRESS_LEVEL, pnginfo=info)
     return buffer.getvalue()

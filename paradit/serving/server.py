@@ -23,7 +23,7 @@ from paradit import __version__
 from paradit.errors import InvalidRequest, OutOfMemory, ParaditError
 from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
-from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image
+from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image, file_metadata, sparse_record
 from paradit.serving.metrics import Metrics
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.store import FileStore
@@ -261,9 +261,14 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         result = await outcome_of(job, request)
         if result is None:
             return Response(status_code=CLIENT_GONE)
+        sparse = sparse_record(result)
+        metadata = file_metadata(sparse)
         with metrics.latency.labels("encode").time():
             encoded = await run_in_threadpool(
-                lambda: [encode_image(image, body.output_format, body.output_compression) for image in result.images]
+                lambda: [
+                    encode_image(image, body.output_format, body.output_compression, metadata)
+                    for image in result.images
+                ]
             )
         if body.response_format == "url":
             names = [files.put(data, MEDIA_TYPES[body.output_format], body.output_format) for data in encoded]
@@ -281,6 +286,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             size=f"{resolved.width}x{resolved.height}",
             seed=resolved.seed,
             plan=job.plan,
+            sparse_attention=sparse,
         )
 
     def stored_file(stored: tuple[bytes, str] | None, missing: str) -> Response:
