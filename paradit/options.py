@@ -23,7 +23,7 @@ from paradit.flags import (
 )
 from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_adapter
 from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig, parallel_option
-from paradit.request import GenerationRequest, StepCacheConfig
+from paradit.request import SPARSE_ATTENTIONS, SPARSE_PARAMETERS, GenerationRequest, StepCacheConfig
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +36,6 @@ DTYPES = ("bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("none", "fp8")
 ATTENTIONS = ("sdpa", "fp8")
-SPARSE_ATTENTIONS = ("radial", "svg2")  # paradit.layers.sparse_attention.SPARSE_METHODS, without importing torch
 PLACEMENTS = ("gpu", "fp8", "offload")  # where the prompt encoders live (``text_encoder``)
 LINKS = ("nvlink", "pcie", "measure")
 
@@ -342,16 +341,15 @@ class Conflict:
     param: str | None = None
 
 
-# The parameters each sparse method reads; another's is refused, never silently ignored.
-SPARSE_PARAMETERS = {
-    "radial": ("dense_steps", "dense_blocks", "decay_factor"),
-    "svg2": ("dense_steps", "dense_blocks", "query_clusters", "key_clusters", "top_p"),
-}
-
-
 def _sparse_parameter_unread(options: ExecutionOptions) -> bool:
     given = options.sparse_parameters()
     return bool(given) and not set(given) <= set(SPARSE_PARAMETERS.get(options.sparse_attention, ()))
+
+
+def _sparse_method(options: ExecutionOptions, request: ResolvedRequest | None) -> str | None:
+    """The sparse attention a request runs with: its own (a server's ``sparse_attention`` field), else the run's."""
+    own = getattr(request, "sparse_attention", None)
+    return own.method if own is not None else options.sparse_attention
 
 
 def _caches(request: ResolvedRequest | None) -> bool:
@@ -445,30 +443,43 @@ CONFLICTS = (
     Conflict(
         "sparse attention on images",
         lambda parallel, options, device, request: (
-            bool(options.sparse_attention) and request is not None and request.frames is None
+            bool(_sparse_method(options, request)) and request is not None and request.frames is None
         ),
-        "--sparse-attention masks a video's self-attention; this model makes images: drop it",
+        "--sparse-attention (a request's sparse_attention) masks a video's self-attention; this model makes images: "
+        "drop it",
         param="sparse_attention",
     ),
     # PipeFusion's patches attend a K/V buffer of the whole sequence, not tiles in place.
     Conflict(
         "sparse attention with pipefusion",
-        lambda parallel, options, device, request: bool(options.sparse_attention) and parallel.pipefusion > 1,
+        lambda parallel, options, device, request: bool(_sparse_method(options, request)) and parallel.pipefusion > 1,
         "--sparse-attention does not combine with --pipefusion; use ulysses or ring",
         param="sparse_attention",
     ),
     # SVG2 clusters every token of a head; Ring splits a head's tokens over its ranks.
     Conflict(
         "svg2 with ring",
-        lambda parallel, options, device, request: options.sparse_attention == "svg2" and parallel.ring > 1,
+        lambda parallel, options, device, request: _sparse_method(options, request) == "svg2" and parallel.ring > 1,
         "--sparse-attention svg2 clusters every token of a head, which Ring splits: use ulysses, or radial",
         param="sparse_attention",
     ),
     # A replay would keep the mask and the dense/sparse choice of its capture.
     Conflict(
         "sparse attention with graphs",
-        lambda parallel, options, device, request: bool(options.sparse_attention and options.cuda_graphs),
+        lambda parallel, options, device, request: bool(_sparse_method(options, request) and options.cuda_graphs),
         "--sparse-attention does not combine with CUDA graphs yet; drop --cuda-graphs",
+        param="sparse_attention",
+    ),
+    # SVG2's permuted copies and centroids are in the memory plan only of a run started with it.
+    Conflict(
+        "svg2 per request on a run planned without it",
+        lambda parallel, options, device, request: (
+            getattr(request, "sparse_attention", None) is not None
+            and request.sparse_attention.method == "svg2"
+            and options.sparse_attention != "svg2"
+        ),
+        "sparse_attention svg2 needs the memory a run started with --sparse-attention svg2 plans for; ask radial, or "
+        "start the server with --sparse-attention svg2",
         param="sparse_attention",
     ),
 )

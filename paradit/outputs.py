@@ -139,7 +139,8 @@ def encode_mp4(frames: list, fps: int, metadata: dict[str, str] | None = None) -
     import numpy as np
 
     buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
+    # use_metadata_tags: the mp4 muxer otherwise keeps only the tags it knows (title, comment), dropping paradit's
+    with av.open(buffer, mode="w", format="mp4", options={"movflags": "use_metadata_tags"}) as container:
         container.metadata.update(metadata or {})
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height = frames[0].size

@@ -30,6 +30,12 @@ CACHE_PARAMETERS = {
 }
 # diffusers' FlowMatchEulerDiscrete, UniPC and DPM-Solver++ 2M schedulers; the multistep two predict flow (shifted)
 SCHEDULERS = ("flow-euler", "unipc", "dpmpp-2m")
+SPARSE_ATTENTIONS = ("radial", "svg2")  # paradit.layers.sparse_attention.SPARSE_METHODS, without importing torch
+# The parameters each sparse method reads; another's is refused, never silently ignored.
+SPARSE_PARAMETERS = {
+    "radial": ("dense_steps", "dense_blocks", "decay_factor"),
+    "svg2": ("dense_steps", "dense_blocks", "query_clusters", "key_clusters", "top_p"),
+}
 
 
 cache_option = functools.partial(generate_option, group="step caching (skip the blocks of steps that barely change)")
@@ -99,6 +105,25 @@ class StepCacheConfig:
     def record(self) -> dict[str, Any]:
         """The method and the parameters it reads, for ``--json`` and the PNG metadata."""
         return {"method": self.method, **{name: getattr(self, name) for name in CACHE_PARAMETERS[self.method]}}
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    """One request's sparse attention (a server's ``sparse_attention`` field): a method and the parameters it reads
+    (``SPARSE_PARAMETERS``), as the run's ``--sparse-*`` options name them; None: the method's default."""
+
+    method: str
+    dense_steps: int | None = None
+    dense_blocks: int | None = None
+    decay_factor: float | None = None
+    query_clusters: int | None = None
+    key_clusters: int | None = None
+    top_p: float | None = None
+
+    def parameters(self) -> dict[str, Any]:
+        """The parameters given, by name, as ``ExecutionOptions.sparse_parameters`` gives the run's."""
+        names = SPARSE_PARAMETERS["radial"] + SPARSE_PARAMETERS["svg2"]
+        return {name: value for name in dict.fromkeys(names) if (value := getattr(self, name)) is not None}
 
 
 @dataclass
@@ -183,6 +208,8 @@ class GenerationRequest:
     )
     lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters and scales (None: the engine's; (): none)
     cache: StepCacheConfig | None = None  # step caching (None: every step runs every block)
+    # a video's sparse self-attention for this request alone (None: the run's --sparse-attention, or dense)
+    sparse_attention: SparseAttentionConfig | None = None
     scheduler: str | None = generate_option(
         choices=SCHEDULERS,
         http=(Literal[*SCHEDULERS] | None, dict(description="the sampler (default: the model's)")),
@@ -220,6 +247,7 @@ class ResolvedRequest:
     fps: int | None = None  # video families: frames per second of the written file
     lora: tuple[tuple[str, float], ...] | None = None  # a server's adapters chosen for it, with their scales
     cache: StepCacheConfig | None = None  # step caching, its threshold set
+    sparse_attention: SparseAttentionConfig | None = None  # this request's own sparse attention, checked
     scheduler: str | None = None  # one of SCHEDULERS (None: the checkpoint's own scheduler)
     shift: float | None = None  # the static timestep shift (None: the checkpoint's shift, static or dynamic)
     # (left, top, right, bottom) of the decoded image kept: FLUX.3's single reference, padded to the grid, cut back

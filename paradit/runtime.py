@@ -64,10 +64,14 @@ def load_transformer(
 
     if options.attention == "fp8":  # before parallelism wraps each module's kernel
         hooks.append(apply_fp8_attention(model, options.attention_bf16_steps))
-    if options.sparse_attention:  # around the kernel FP8 attention chose, before parallelism wraps it
+    # A video's self-attention wrapped whether or not the run asked, so that each request may ask for its own;
+    # around the kernel FP8 attention chose, before parallelism wraps it. Dense requests call that kernel alone.
+    settings = None
+    if options.sparse_attention:
         blocks = len(model_blocks(model))
         settings = SparseSettings.of(options.sparse_attention, blocks, **options.sparse_parameters())
-        hooks.append(apply_sparse_attention(model, settings))
+    if (sparse := apply_sparse_attention(model, settings)) is not None:
+        hooks.append(sparse)
     parallel = parallelize(model, family.tensor_plan, context)  # on meta: only the kept tensors are ever read
     # While each linear is still the plain model's. A server's named adapters start unchosen; a run's all apply.
     if updates and not lora.fused:

@@ -178,28 +178,37 @@ class SparseRecord:
 
 
 class SparseRun(RequestHook):
-    """The run's shared state: whether this step is sparse, what the calls kept (``SparseRecord``), and per block
-    what SVG2 carries from step to step (each head's centroids and kept tiles), reset per request."""
+    """The run's shared state: the request's settings (its own ``sparse_attention``, else the run's ``default``;
+    None: dense), whether this step is sparse, what the calls kept (``SparseRecord``), and per block what SVG2
+    carries from step to step (each head's centroids and kept tiles), reset per request."""
 
-    def __init__(self, settings: SparseSettings) -> None:
-        self.settings, self.sparse_now = settings, settings.dense_steps_of(1) == 0
+    def __init__(self, default: SparseSettings | None, blocks: int = 0) -> None:
+        self.default, self.blocks = default, blocks
+        self.settings = default
+        self.sparse_now = default is not None and default.dense_steps_of(1) == 0
         self.kept = self.sparse_calls = self.dense_calls = 0.0
         self.per_block: dict[int, dict] = {}
         self.static_rows: dict[tuple, torch.Tensor] = {}  # radial's kernel rows, by grid, place and shape
         self.record_: SparseRecord | None = None
 
     def begin_request(self, request) -> None:
+        own = getattr(request, "sparse_attention", None)
+        self.settings = self.default if own is None else SparseSettings.of(own.method, self.blocks, **own.parameters())
+        self.sparse_now = self.settings is not None and self.settings.dense_steps_of(1) == 0
         self.kept = self.sparse_calls = self.dense_calls = 0.0
         self.per_block = {}
+        self.record_ = None
 
     def begin_denoise(self, denoise) -> None:
         """One record for the request, which each transformer's run (each expert's) adds its calls to."""
+        if self.settings is None:
+            return
         settings = {name: getattr(self.settings, name) for name in RECORDED[self.settings.method]}
         settings["dense_steps"] = self.settings.dense_steps_of(len(denoise.timesteps))
         self.record_ = denoise.features.setdefault("sparse_attention", SparseRecord(self.settings.method, settings))
 
     def at_step(self, done: int, steps: int) -> None:
-        self.sparse_now = done >= self.settings.dense_steps_of(steps)
+        self.sparse_now = self.settings is not None and done >= self.settings.dense_steps_of(steps)
         if self.record_ is not None:  # once a step: the shares kept on the device until now, handed to the record
             self.record_.add(float(self.kept), int(self.sparse_calls), int(self.dense_calls))
             self.kept = self.sparse_calls = self.dense_calls = 0.0
@@ -284,9 +293,14 @@ class SparseSelfAttention:
         state["order"] = order
         return order
 
+    def __call__(self, query, key, value, key_mask=None):
+        if self.run.settings is None:  # a dense request: compiled blocks trace the kernel, guarding on the settings
+            return (self.dense or sdpa_attention)(query, key, value, key_mask)
+        return self._sparse_or_warm_up(query, key, value, key_mask)
+
     # Compiled blocks call it as one opaque step: its masks, tile lists and records are host-side bookkeeping.
     @torch.compiler.disable
-    def __call__(self, query, key, value, key_mask=None):
+    def _sparse_or_warm_up(self, query, key, value, key_mask):
         if not self.active:
             self.run.record_dense()
             return (self.dense or sdpa_attention)(query, key, value, key_mask)
@@ -385,15 +399,18 @@ def _sparse_kernel(query: torch.Tensor, dense):
     return fp8_attention.exact_triton_attention_with_lse
 
 
-def apply_sparse_attention(model: nn.Module, settings: SparseSettings) -> SparseRun:
-    """Every video self-attention (a dispatch whose streams are the video's) in block order, before parallelism
-    wraps each module's kernel and after FP8 attention chose its own; cross-attention to the text stays dense."""
-    run = SparseRun(settings)
+def apply_sparse_attention(model: nn.Module, settings: SparseSettings | None) -> SparseRun | None:
+    """Every video self-attention (a dispatch whose streams are the video's; one a block) in block order, before
+    parallelism wraps each module's kernel and after FP8 attention chose its own; cross-attention to the text stays
+    dense. ``settings``: the run's (None: dense unless a request asks); None where the model has no video."""
     attentions = [
         module
         for module in model.modules()
         if isinstance(module, AttentionDispatch) and module.sequence_streams == ("video",)
     ]
+    if not attentions:
+        return None
+    run = SparseRun(settings, len(attentions))
     for block, module in enumerate(attentions):
         module.kernel = module.attention_fn = SparseSelfAttention(run, block, module.kernel)
     return run

@@ -13,8 +13,11 @@ from paradit.request import (
     CACHE_THRESHOLDS,
     SCHEDULERS,
     SEED_LIMIT,
+    SPARSE_ATTENTIONS,
+    SPARSE_PARAMETERS,
     GenerationRequest,
     ResolvedRequest,
+    SparseAttentionConfig,
     StepCacheConfig,
 )
 
@@ -113,6 +116,7 @@ def resolve_common(
         strength=strength,
         mask=mask,
         cache=resolve_cache(request.cache),
+        sparse_attention=resolve_sparse(request.sparse_attention),
         scheduler=scheduler,
         shift=shift,
     )
@@ -174,6 +178,48 @@ def resolve_cache(config: StepCacheConfig | None) -> StepCacheConfig | None:
                 param="cache",
             )
     return dataclasses.replace(config, threshold=threshold)
+
+
+def _count(least: int):
+    return lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _above_zero(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+# What each sparse parameter takes, as its --sparse-* flag does.
+SPARSE_BOUNDS = {
+    "dense_steps": (_count(0), "a whole number, 0 or more"),
+    "dense_blocks": (_count(0), "a whole number, 0 or more"),
+    "decay_factor": (_above_zero, "a number above 0"),
+    "query_clusters": (_count(1), "a whole number, 1 or more"),
+    "key_clusters": (_count(1), "a whole number, 1 or more"),
+    "top_p": (lambda value: _above_zero(value) and value <= 1, "a share above 0 and at most 1"),
+}
+
+
+def resolve_sparse(config: SparseAttentionConfig | None) -> SparseAttentionConfig | None:
+    """A request's own sparse attention, checked as the run's ``--sparse-*`` options are."""
+    if config is None:
+        return None
+    if not isinstance(config, SparseAttentionConfig) or config.method not in SPARSE_ATTENTIONS:
+        method = getattr(config, "method", config)
+        raise InvalidRequest(
+            f"sparse_attention: unknown method {method!r}; choose one of {', '.join(SPARSE_ATTENTIONS)}",
+            param="sparse_attention",
+        )
+    read = SPARSE_PARAMETERS[config.method]
+    for name, value in config.parameters().items():
+        if name not in read:
+            raise InvalidRequest(
+                f"sparse_attention: {name} is not a parameter of {config.method}, which reads {', '.join(read)}",
+                param="sparse_attention",
+            )
+        takes, allowed = SPARSE_BOUNDS[name]
+        if not takes(value):
+            raise not_allowed(f"sparse_attention: {name}", value, f"give {allowed}", "sparse_attention")
+    return config
 
 
 def resolve_mask(spec: ModelSpec, mask, images: tuple, inpaints: bool):
@@ -242,7 +288,19 @@ def check_guidance(name: str, value: float | None) -> None:
         raise not_allowed(name, value, f"give a finite value >= 0 (at most {MAX_GUIDANCE:.3g})", name)
 
 
-BATCH_FIELDS = ("height", "width", "steps", "guidance", "guidance_2", "frames", "lora", "cache", "scheduler", "shift")
+BATCH_FIELDS = (
+    "height",
+    "width",
+    "steps",
+    "guidance",
+    "guidance_2",
+    "frames",
+    "lora",
+    "cache",
+    "sparse_attention",
+    "scheduler",
+    "shift",
+)
 
 
 def batch_key(request: ResolvedRequest) -> tuple | None:
@@ -258,8 +316,8 @@ def one_batch(parts: list[ResolvedRequest]) -> ResolvedRequest:
         return parts[0]
     if len({batch_key(part) for part in parts}) > 1 or batch_key(parts[0]) is None:
         raise InvalidRequest(
-            "requests batched together must share size, steps, guidance, frames, adapters, scheduler, shift and the "
-            "use of a negative prompt, and give no image"
+            "requests batched together must share size, steps, guidance, frames, adapters, caching, sparse attention, "
+            "scheduler, shift and the use of a negative prompt, and give no image"
         )
 
     def per_image(field: str) -> list[str]:

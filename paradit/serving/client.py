@@ -16,7 +16,7 @@ from pathlib import Path
 
 from paradit.cache_options import cache_config
 from paradit.errors import InvalidRequest, ParaditError
-from paradit.flags import GENERATE, flagged_fields, flags_given
+from paradit.flags import GENERATE, flagged_fields, flags_given, from_args
 from paradit.lora import parse_adapter
 from paradit.options import Asked, ExecutionOptions, LoraFlags
 from paradit.outputs import IMAGE_FORMATS, VIDEO_SUFFIX, output_paths
@@ -74,7 +74,9 @@ def call(
 def request_body(args: argparse.Namespace) -> dict:
     """The request's fields, from ``generate``'s flags; the run's flags, which the server chose, are refused."""
     chosen = flags_given(args, GENERATE, Asked, ExecutionOptions, ParallelConfig, LoraFlags)
-    chosen = [name for name in chosen if name not in ("--model", "--lora")]  # --lora: the server's adapters by name
+    sparse = [name for name in chosen if name.startswith("--sparse-")]  # the request's own sparse attention
+    # --lora: the server's adapters by name
+    chosen = [name for name in chosen if name not in ("--model", "--lora") and name not in sparse]
     if chosen:
         raise InvalidRequest(f"{', '.join(chosen)}: the server chose these when it started; drop them with --server")
     if len(args.prompt) > 1:
@@ -92,6 +94,11 @@ def request_body(args: argparse.Namespace) -> dict:
                 "--server caches text-to-image requests; calibrate (--cache-calibrate) and edit with a cache locally"
             )
         body["cache"] = {k: v for k, v in dataclasses.asdict(cache).items() if k != "calibrate" and v is not None}
+    if sparse:
+        options = from_args(ExecutionOptions, args, GENERATE)
+        if options.sparse_attention is None:
+            raise InvalidRequest(f"{', '.join(sparse)}: give the --sparse-attention they are parameters of")
+        body["sparse_attention"] = {"method": options.sparse_attention, **options.sparse_parameters()}
     if args.lora:  # the server's named adapters, NAME[:SCALE]
         body["lora"] = [{"name": ref.source, "scale": ref.scale} for ref in map(parse_adapter, args.lora)]
     return {key: value for key, value in body.items() if value is not None}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 
 from PIL import Image
 
@@ -14,9 +16,24 @@ MAX_INPUT_PIXELS = 40_000_000  # pixels of one input image: past a 7680x4320 pho
 MEDIA_TYPES = {**{name: f"image/{name}" for name in API_FORMATS}, "mp4": "video/mp4"}
 
 
-def encode_image(image: Image.Image, output_format: str, quality: int | None = None) -> bytes:
+def sparse_record(result) -> dict | None:
+    """The sparse attention a result's request ran with, its settings and density (None: dense), as ``generate``
+    records it: the answer and the file say they are lossy."""
+    record = result.timings.features.get("sparse_attention")
+    return None if record is None else dataclasses.asdict(record)
+
+
+def file_metadata(sparse: dict | None) -> dict[str, str]:
+    """A PNG's text chunks, an MP4's tags."""
+    return {} if sparse is None else {"sparse_attention": json.dumps(sparse)}
+
+
+def encode_image(
+    image: Image.Image, output_format: str, quality: int | None = None, metadata: dict[str, str] | None = None
+) -> bytes:
+    """``metadata``: a PNG's text chunks (JPEG and WebP carry none)."""
     if output_format == "png":
-        return encode_png(image)
+        return encode_png(image, metadata or {})
     buffer = io.BytesIO()
     image.save(buffer, format=API_FORMATS[output_format], quality=DEFAULT_QUALITY if quality is None else quality)
     return buffer.getvalue()

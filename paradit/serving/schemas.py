@@ -18,13 +18,16 @@ from paradit.request import (
     CACHE_PARAMETERS,
     MAX_PROMPT_CHARS,
     SERVED_MAX_STEPS,
+    SPARSE_ATTENTIONS,
     GenerationRequest,
+    SparseAttentionConfig,
     StepCacheConfig,
 )
 
 MAX_IMAGES = 10  # per request, as OpenAI's Images API allows
 MAX_INPUT_IMAGES = 10  # input images one edit may send (as FLUX.2 takes them)
 SIZE_PATTERN = r"^(auto|\d{1,5}x\d{1,5})$"
+MAX_CLUSTERS = 4096  # SVG2's k-means clusters a request may ask for: four times its paper's 1000 key clusters
 
 
 class LoraChoice(BaseModel):
@@ -68,6 +71,24 @@ class CacheChoice(BaseModel):
         return StepCacheConfig(**{**self.model_dump(), "mag_ratios": None if ratios is None else tuple(ratios)})
 
 
+class SparseChoice(BaseModel):
+    """A request's sparse attention, by the names of the run's ``--sparse-*`` options (``SparseAttentionConfig``);
+    a parameter its method does not read is refused when the request is resolved."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    method: Literal[*SPARSE_ATTENTIONS]
+    dense_steps: int | None = Field(None, ge=0, le=SERVED_MAX_STEPS)
+    dense_blocks: int | None = Field(None, ge=0)
+    decay_factor: float | None = Field(None, gt=0, allow_inf_nan=False)
+    query_clusters: int | None = Field(None, ge=1, le=MAX_CLUSTERS)
+    key_clusters: int | None = Field(None, ge=1, le=MAX_CLUSTERS)
+    top_p: float | None = Field(None, gt=0, le=1)
+
+    def config(self) -> SparseAttentionConfig:
+        return SparseAttentionConfig(**self.model_dump())
+
+
 def declared(route: str, beyond=()) -> dict[str, tuple[Any, Any]]:
     """The request fields ``route``'s body takes but ``beyond`` does not, as their flags declare them."""
     return {
@@ -87,6 +108,9 @@ class Request(BaseModel):
     size: str = Field("auto", pattern=SIZE_PATTERN, description='"WIDTHxHEIGHT" in pixels, or "auto"')
     lora: list[LoraChoice] | None = Field(None, max_length=16, description="the server's adapters to apply")
     cache: CacheChoice | None = Field(None, description="step caching for this request")
+    sparse_attention: SparseChoice | None = Field(
+        None, description="LOSSY: a video's block-sparse self-attention for this request (default: the server's)"
+    )
 
     def request(self, served: str, **fields) -> GenerationRequest:
         width, height = (None, None) if self.size == "auto" else map(int, self.size.split("x"))
@@ -101,6 +125,7 @@ class Request(BaseModel):
             width=width,
             lora=None if self.lora is None else tuple((choice.name, choice.scale) for choice in self.lora),
             cache=None if self.cache is None else self.cache.config(served),
+            sparse_attention=None if self.sparse_attention is None else self.sparse_attention.config(),
             **declared,
             **fields,
         )
@@ -145,6 +170,9 @@ VideoBody = create_model(
 )
 
 
+SPARSE_RECORD = "LOSSY: the sparse attention it ran with, its settings and the density it ran at (null: dense)"
+
+
 class ImageData(BaseModel):
     b64_json: str | None = None
     url: str | None = None
@@ -157,6 +185,7 @@ class ImagesResponse(BaseModel):
     size: str
     seed: int
     plan: str = Field(description="the parallel plan of the group that made the images")
+    sparse_attention: dict | None = Field(None, description=SPARSE_RECORD)
 
 
 # One b64_json item's JSON around its payload, and the answer's around its items, as pydantic writes them.
@@ -201,6 +230,7 @@ class VideoJob(BaseModel):
     frames: int
     seed: int
     error: ErrorInfo | None = None
+    sparse_attention: dict | None = Field(None, description=SPARSE_RECORD)
 
 
 class DeletedVideo(BaseModel):

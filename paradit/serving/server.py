@@ -22,7 +22,7 @@ from paradit import __version__
 from paradit.errors import InvalidRequest, OutOfMemory, ParaditError
 from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
-from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image
+from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image, file_metadata, sparse_record
 from paradit.serving.metrics import Metrics
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.store import FileStore
@@ -261,6 +261,8 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         result = await outcome_of(job, request)
         if result is None:
             return Response(status_code=CLIENT_GONE)
+        sparse = sparse_record(result)
+        metadata = file_metadata(sparse)
         resolved = job.resolved
         answer = schemas.ImagesResponse(
             created=int(job.created),
@@ -269,10 +271,13 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
             size=f"{resolved.width}x{resolved.height}",
             seed=resolved.seed,
             plan=job.plan,
+            sparse_attention=sparse,
         )
 
         def encoded() -> list[bytes]:
-            return [encode_image(image, body.output_format, body.output_compression) for image in result.images]
+            return [
+                encode_image(image, body.output_format, body.output_compression, metadata) for image in result.images
+            ]
 
         with metrics.latency.labels("encode").time():
             if body.response_format == "b64_json":  # its JSON written in the pool too: megabytes of base64

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from paradit.errors import ParaditError
 from paradit.outputs import encode_mp4
 from paradit.serving.jobs import CANCELLED, COMPLETED, FAILED, FINAL, Job, JobCancelled
-from paradit.serving.media import MEDIA_TYPES
+from paradit.serving.media import MEDIA_TYPES, file_metadata, sparse_record
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.schemas import ErrorInfo, VideoJob
 from paradit.serving.store import FileStore
@@ -70,6 +70,7 @@ class VideoJobs:
         elif job.state in (FAILED, CANCELLED):
             error = ErrorInfo(message=str(job.future.exception()), type=type(job.future.exception()).__name__)
         steps_done = self.scheduler.steps_done(job)
+        sparse = sparse_record(job.future.result()) if job.state == COMPLETED and job.future.done() else None
         return VideoJob(
             id=job.id,
             model=self.model,
@@ -83,16 +84,19 @@ class VideoJobs:
             frames=resolved.frames,
             seed=resolved.seed,
             error=error,
+            sparse_attention=sparse,
         )
 
     def _encode(self, entry: VideoEntry, future: Future) -> None:
         if future.cancelled() or future.exception() is not None:
             return
-        self._encoder.submit(self._write, entry, future.result().frames[0], entry.job.resolved.fps or DEFAULT_FPS)
+        result = future.result()
+        metadata = file_metadata(sparse_record(result))
+        self._encoder.submit(self._write, entry, result.frames[0], entry.job.resolved.fps or DEFAULT_FPS, metadata)
 
-    def _write(self, entry: VideoEntry, frames, fps: int) -> None:
+    def _write(self, entry: VideoEntry, frames, fps: int, metadata: dict[str, str]) -> None:
         try:
-            entry.content = self.files.put(encode_mp4(frames, fps), MEDIA_TYPES["mp4"], "mp4")
+            entry.content = self.files.put(encode_mp4(frames, fps, metadata), MEDIA_TYPES["mp4"], "mp4")
         except (ParaditError, ValueError, OSError) as exc:  # PyAV's errors are OSError and ValueError subclasses
             entry.encode_error = f"the MP4 could not be written: {exc}"
 
