@@ -247,7 +247,12 @@ class SparseSelfAttention:
     dense: object
     heads: tuple[int, ...] | None = None
     blockwise: bool = True  # Ring feeds it one key block at a time, Ulysses a chunk of heads
-    token_alignment: int = TILE  # sequence ranks' tokens start at whole tiles: a rank's tiles are the mask's
+
+    @property
+    def token_alignment(self) -> int:
+        """A sparse request's sequence ranks start at whole tiles (a rank's tiles are then the mask's); a dense one's
+        split as evenly as any other model's (a tiny video's ranks would otherwise hold no tokens)."""
+        return 1 if self.run.settings is None else TILE
 
     @property
     def active(self) -> bool:

@@ -321,7 +321,8 @@ class SequenceParallelAttention:
                 length = lengths[(source - 1) % self.ring]
                 shapes = [(t.shape[0], length, *t.shape[2:]) for t in wire]
                 next_wire, pending = self.ring_exchange.start(wire, shapes)
-            attended = attend(source, *kv)
+            # A tile-aligned split may leave a short sequence's rank no tokens: CPU kernels fault on none.
+            attended = attend(source, *kv) if lengths[source] and q.shape[1] else None
             if attended is not None:
                 out_acc, lse_acc = merge_partials(out_acc, lse_acc, *attended)
             if step + 1 < self.ring:
@@ -329,7 +330,7 @@ class SequenceParallelAttention:
                     work.wait()
                 wire = next_wire
                 kv = [self._from_wire(t, k.dtype) for t in wire]
-        return out_acc.to(q.dtype)
+        return torch.zeros_like(q) if out_acc is None else out_acc.to(q.dtype)
 
     def _to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return encode_fp8_rows(tensor) if self.fp8_transport else tensor
@@ -405,11 +406,11 @@ class SequenceParallel(nn.Module):
         super().__init__()
         self.model, self.context = model, context
         self.attention = SequenceParallelAttention(context)
-        self.token_alignment = 1
+        self.kernels = []  # each split attention's own kernel, asked per forward for the alignment it needs
         for module in model.modules():
             if isinstance(module, AttentionDispatch) and module.sequence_streams != ():
                 self.set_local_attention(module, module.kernel)
-                self.token_alignment = max(self.token_alignment, getattr(module.kernel, "token_alignment", 1))
+                self.kernels.append(module.kernel)
 
     @property
     def config(self):
@@ -425,9 +426,9 @@ class SequenceParallel(nn.Module):
     def split(self, tokens):
         """This rank's chunk of each stream, and {stream: per-rank sizes} for ``sequence_layout``."""
         degree, me = self.context.config.sequence_degree, self.context.sequence_rank
+        alignment = max((getattr(kernel, "token_alignment", 1) for kernel in self.kernels), default=1)
         sizes = {
-            stream: aligned_split_sizes(length, degree, self.token_alignment)
-            for stream, length in stream_lengths(tokens).items()
+            stream: aligned_split_sizes(length, degree, alignment) for stream, length in stream_lengths(tokens).items()
         }
         ranges = {stream: (sum(s[:me]), sum(s[: me + 1])) for stream, s in sizes.items()}
         return narrow_streams(tokens, ranges), sizes
