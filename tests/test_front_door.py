@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -17,10 +18,11 @@ from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, PRESETS
 from paradit.lora.refs import LoraRef, LoraSet
 from paradit.machine import Machine
-from paradit.options import CONFLICTS, Asked, ExecutionOptions
+from paradit.options import CONFLICTS, Asked, ExecutionOptions, check_conflicts
 from paradit.parallel import ParallelConfig
 from paradit.planner.command import run_command
 from paradit.planner.profile import all_profiles, load_profile
+from paradit.request import SparseAttentionConfig
 from paradit.settings import settle
 from tests.test_cli import assert_one_line_error, run_cli
 from tests.test_flux2_klein_kv import folder as kv_folder
@@ -96,6 +98,13 @@ ASKED = {
         "flux2-tiny", parallel=ParallelConfig(ulysses=2, shard_weights=2), options=ExecutionOptions(lora=SERVED)
     ),
 }
+# Rows only a request's own field meets (a server's run was settled before it came): checked against the request.
+REQUESTED = {
+    "svg2 per request on a run planned without it": (
+        ExecutionOptions(sparse_attention="radial"),
+        SimpleNamespace(frames=5, cache=None, sparse_attention=SparseAttentionConfig("svg2")),
+    ),
+}
 
 
 @pytest.fixture
@@ -113,7 +122,7 @@ def no_workers(monkeypatch):
 
 
 def test_the_table_has_a_case_for_every_row():
-    assert {conflict.name for conflict in CONFLICTS} == CONFLICTING.keys() | ASKED.keys()
+    assert {conflict.name for conflict in CONFLICTS} == CONFLICTING.keys() | ASKED.keys() | REQUESTED.keys()
 
 
 @pytest.mark.parametrize("conflict", CONFLICTS, ids=lambda conflict: conflict.name)
@@ -122,6 +131,11 @@ def test_every_conflict_is_refused_before_a_worker_starts(conflict, no_workers, 
     if conflict.name in ASKED:
         with pytest.raises(InvalidRequest, match=conflict.message.replace("(", r"\(").replace(")", r"\)")):
             settle(ASKED[conflict.name], machine=EIGHT_GPUS)
+        return
+    if conflict.name in REQUESTED:
+        options, request = REQUESTED[conflict.name]
+        with pytest.raises(InvalidRequest, match=re.escape(conflict.message)):
+            check_conflicts(ParallelConfig(), options, "cuda", request)
         return
     code, _, err = run_cli(CONFLICTING[conflict.name], capsys)
     assert_one_line_error(code, err, conflict.message)
