@@ -2,28 +2,22 @@
 (diffusers' layout, bf16 factors): the transformer's load time with the adapter fused against without it, and one
 forward's time with the adapter unfused (side paths at rank 32 and 64) against the plain transformer, eager and
 compiled, bf16 and FP8 (fused weights cost nothing per step: they are the plain transformer's shape), each side path
-folded into its base GEMM where the runtime folds it and, in the same call, left beside it (``--fold``); in FP8, each
-of ``paradit.lora.fp8_side_paths``' variants (``--fp8-side-paths``), and with ``--profile`` each forward's slowest
-kernels (their calls a forward: the side paths' kernels per linear). Also the FP8 run's relative L2 against bf16 with
-the same adapter fused, beside the same figure without an adapter, and a server's switches between named adapters:
-side paths in bf16, and a cache of fused choices in FP8.
+folded into its base GEMM where the runtime folds it and, in the same call, left beside it (``--fold``). Also the FP8
+run's relative L2 against bf16 with the same adapter fused, beside the same figure without an adapter, and a
+server's switches between named adapters: side paths in bf16, and a cache of fused choices in FP8.
 
     python benchmarks/lora_cost.py --out-dir $OUT
     python benchmarks/lora_cost.py --models flux2-klein-4b --ranks 32 --out-dir $OUT
     python benchmarks/lora_cost.py --models flux2-dev --ranks 32 --modes compiled-bf16 compiled-fp8 --no-switches \
         --out-dir $OUT
     python benchmarks/lora_cost.py --models flux2-dev --switch-only --out-dir $OUT
-    python benchmarks/lora_cost.py --models flux2-dev --ranks 32 --modes compiled-fp8 --no-switches \
-        --fp8-side-paths sum accumulate stacked stacked-accumulate fold --profile --out-dir $OUT
-    python benchmarks/lora_cost.py --tiny --ranks 4 --modes compiled-fp8 --no-switches --fp8-side-paths sum fold
-        (a tiny FLUX.2 on the CPU, its blocks eager: checks the script in seconds)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import functools
 import gc
 import importlib
 import sys
@@ -38,14 +32,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, median_ms, print_table, time_cuda_ms, write_json  # noqa: E402
-from benchmarks.forward_profile import kernel_times  # noqa: E402
+from benchmarks.common import environment, print_table, time_cuda_ms, write_json  # noqa: E402
 from benchmarks.parallel_step import BENCHES, with_batch  # noqa: E402
 from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
 from paradit.lora import LoraRef, LoraSet  # noqa: E402
-from paradit.lora.apply import fold_side_paths  # noqa: E402
-from paradit.lora.fp8_side_paths import DEFAULT_FP8_SIDE_PATH, FP8_SIDE_PATHS  # noqa: E402
 from paradit.lora.variants import AdapterChoice  # noqa: E402
 from paradit.options import ExecutionOptions  # noqa: E402
 from paradit.runtime import load_transformer  # noqa: E402
@@ -55,20 +46,6 @@ WAN_INPUTS = (480, 832, 81, 512)  # height, width, frames, text tokens
 # ``--fold``: the side paths as the runtime builds them (folded where ``LoraSidePath.folds``), left unfolded, or both
 FOLDS = {"both": (False, True), "on": (True,), "off": (False,)}
 MODES = {"eager-bf16": ("eager", "none"), "compiled-bf16": ("compiled", "none"), "compiled-fp8": ("compiled", "fp8")}
-# ``--profile``: the slowest kernels of one forward kept a row
-TOP_KERNELS = 15
-# ``--tiny``: FLUX.2's presets on a transformer of a few hundred thousand parameters, at 64 x 64
-TINY = dict(num_layers=1, num_single_layers=1, num_attention_heads=2, attention_head_dim=16, joint_attention_dim=32)
-TINY.update(in_channels=16, timestep_guidance_channels=32, axes_dims_rope=[4, 4, 4, 4])
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def resident_gib(device: torch.device) -> float:
-    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
 def write_adapter(model: nn.Module, rank: int, path: Path) -> int:
@@ -105,18 +82,15 @@ def forward_inputs(spec, model: nn.Module, device: torch.device):
     return with_batch(inputs, 2 if spec.guidance_mode == "cfg" else 1)
 
 
-def measure(
-    spec, lora: LoraSet | None, mode: str, quantize: str, device: torch.device, iters: int, profile: bool = False
-) -> dict:
+def measure(spec, lora: LoraSet | None, mode: str, quantize: str, device: torch.device, iters: int) -> dict:
     family = FAMILIES[spec.family]
-    synchronize(device)
+    torch.cuda.synchronize(device)
     start = time.perf_counter()
-    compiled = mode == "compiled" and device.type == "cuda"  # ``--tiny``: eager on the CPU, in seconds
-    options = ExecutionOptions(quantize=quantize, compile=compiled, lora=lora or LoraSet())
+    options = ExecutionOptions(quantize=quantize, compile=mode == "compiled", lora=lora or LoraSet())
     loaded = load_transformer(family, spec, device, torch.bfloat16, None, options)
-    synchronize(device)
+    torch.cuda.synchronize(device)
     load_s = time.perf_counter() - start
-    row = {"load_s": load_s, "resident_gib": resident_gib(device)}
+    row = {"load_s": load_s, "resident_gib": torch.cuda.memory_allocated(device) / 2**30}
     if mode == "load":
         return row
     forward = loaded.forward
@@ -126,22 +100,16 @@ def measure(
         with torch.inference_mode():
             return forward(**inputs) if isinstance(inputs, dict) else forward(*inputs)
 
-    row["ms"] = median_ms(run, device, warmup=3, iters=iters)
+    row["ms"] = time_cuda_ms(run, warmup=3, iters=iters)
     row["output"] = run().float().cpu()
-    if profile and device.type == "cuda":
-        kernels = sorted(kernel_times(run, (), forwards=1), key=lambda kernel: -kernel[1])
-        row["kernels"] = [{"kernel": name[:100], "ms": ms, "calls": calls} for name, ms, calls in kernels[:TOP_KERNELS]]
     return row
 
 
-def measured(
-    spec, lora, mode, quantize, device, iters, fold: bool = True, fp8_path=DEFAULT_FP8_SIDE_PATH, profile=False
-) -> dict:
-    """``fold`` False: every side path left beside its linear (``fold_side_paths`` skipped), to time the fold;
-    ``fp8_path``: the variant FP8 linears' side paths run."""
-    readied = functools.partial(fold_side_paths, fp8_path=fp8_path)
-    with mock.patch("paradit.runtime.fold_side_paths", readied if fold else lambda model: 0):
-        row = measure(spec, lora, mode, quantize, device, iters, profile)
+def measured(spec, lora, mode, quantize, device, iters, fold: bool = True) -> dict:
+    """``fold`` False: every side path left beside its linear (``fold_side_paths`` skipped), to time the fold."""
+    unfolded = mock.patch("paradit.runtime.fold_side_paths", lambda model: 0)
+    with contextlib.nullcontext() if fold else unfolded:
+        row = measure(spec, lora, mode, quantize, device, iters)
     gc.collect()
     torch.cuda.empty_cache()
     torch._dynamo.reset()
@@ -225,8 +193,6 @@ def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dict]:
     spec = dataclasses.replace(PRESETS[name], weights=RandomWeights())
-    if args.tiny:
-        spec = dataclasses.replace(spec, transformer={**spec.transformer, **TINY}, height=64, width=64)
     with torch.device("meta"):
         model = FAMILIES[spec.family].build_transformer(spec)
     adapters = {}
@@ -240,12 +206,8 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
         return side_paths + switch_rows(name, spec, adapters, device, args.iters, args.lora_cache, "fp8")
 
     def record(**row) -> dict:
-        rows.append({"model": name, **{k: v for k, v in row.items() if k not in ("output", "kernels")}})
+        rows.append({"model": name, **{k: v for k, v in row.items() if k != "output"}})
         print_table(rows[-1:], COLUMNS)
-        if kernels := row.get("kernels"):
-            labels = {"model": name, "kind": "kernel", "mode": row["mode"], "adapter": row["adapter"]}
-            rows.extend({**labels, **kernel} for kernel in kernels)
-            print_table(rows[-len(kernels) :], KERNEL_COLUMNS)
         return row
 
     top = max(args.ranks)
@@ -263,28 +225,11 @@ def bench_model(name: str, args, device: torch.device, folder: Path) -> list[dic
             mode=mode,
             precision=precision,
             adapter="none",
-            **measured(spec, None, mode, quantize, device, args.iters, profile=args.profile),
+            **measured(spec, None, mode, quantize, device, args.iters),
         )
         outputs[(mode, precision, "none")] = base["output"]
         for rank in args.ranks:
             side_paths, unfolded = LoraSet((LoraRef(str(adapters[rank])),), (), "unfused"), None
-            if quantize == "fp8":  # FP8 linears never fold: their side paths' variants instead
-                first = None
-                for variant in args.fp8_side_paths:
-                    unfused = measured(
-                        spec, side_paths, mode, quantize, device, args.iters, fp8_path=variant, profile=args.profile
-                    )
-                    record(
-                        kind="forward",
-                        mode=mode,
-                        precision=precision,
-                        adapter=f"unfused r{rank}, {variant}",
-                        overhead=unfused["ms"] / base["ms"] - 1,
-                        rel_l2_vs_first=None if first is None else relative_l2(unfused["output"], first),
-                        **unfused,
-                    )
-                    first = unfused["output"] if first is None else first
-                continue
             for fold in FOLDS[args.fold]:
                 unfused = measured(spec, side_paths, mode, quantize, device, args.iters, fold)
                 record(
@@ -326,18 +271,8 @@ COLUMNS = [
     ("ms", "ms/forward", ".1f"),
     ("overhead", "overhead", "+.1%"),
     ("rel_l2_vs_unfolded", "rel L2 vs unfolded", ".2e"),
-    ("rel_l2_vs_first", "rel L2 vs first variant", ".2e"),
     ("resident_gib", "resident GiB", ".2f"),
     ("fp8_rel_l2", "FP8 rel L2", ".2e"),
-]
-
-
-KERNEL_COLUMNS = [
-    ("mode", "mode", ""),
-    ("adapter", "adapter", ""),
-    ("kernel", "kernel", ""),
-    ("ms", "ms/forward", ".3f"),
-    ("calls", "calls/forward", "d"),
 ]
 
 
@@ -378,30 +313,17 @@ def main() -> None:
         help="unfused rows with the side paths folded into the base GEMMs where they pay (on), beside them (off), "
         "or both in the same call",
     )
-    parser.add_argument(
-        "--fp8-side-paths",
-        nargs="+",
-        default=[DEFAULT_FP8_SIDE_PATH],
-        choices=FP8_SIDE_PATHS,
-        help="FP8 unfused rows: the side paths' variants timed side by side (paradit/lora/fp8_side_paths.py); the "
-        "first is the reference of the others' relative L2",
-    )
-    parser.add_argument("--profile", action="store_true", help="each forward row's slowest kernels, one forward")
-    parser.add_argument("--tiny", action="store_true", help="a tiny FLUX.2 on the CPU, eager: checks the script")
     parser.add_argument("--out-dir")
     args = parser.parse_args()
-    if args.tiny:  # the server's switches time CUDA's copies: a GPU's rows only
-        args.models, args.no_switches = ["flux2-dev"], True
-    device = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
+    device = torch.device("cuda", 0)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
             rows += bench_model(name, args, device, Path(folder))
     print()
-    print_table([row for row in rows if row["kind"] not in ("switch", "kernel")], COLUMNS)
+    print_table([row for row in rows if row["kind"] != "switch"], COLUMNS)
     print_table([row for row in rows if row["kind"] == "switch"], SWITCH_COLUMNS)
-    setting = {"device": "cpu, a tiny FLUX.2"} if args.tiny else environment()
-    write_json(args.out_dir, "lora_cost.json", {"environment": setting, "rows": rows})
+    write_json(args.out_dir, "lora_cost.json", {"environment": environment(), "rows": rows})
 
 
 if __name__ == "__main__":

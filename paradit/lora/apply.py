@@ -11,8 +11,6 @@ import torch
 from torch import nn
 
 from paradit.errors import InvalidRequest
-from paradit.layers.fp8 import Fp8Linear
-from paradit.lora import fp8_side_paths
 from paradit.lora.adapters import Kronecker, LowRank, read_adapter
 from paradit.lora.refs import LoraRef, LoraSet, adapter_key
 from paradit.pipelines.requests import not_allowed
@@ -24,8 +22,8 @@ SCALE_LIMIT = math.sqrt(torch.finfo(torch.float32).max)
 # row); an unfolded one writes the up projection's output and reads it back for the sum (out columns, twice). So it
 # folds where in <= FOLD_WIDTH_RATIO * out: FLUX.2's fused single-block projection (6144 -> 55296) folds, its output
 # projection (24576 -> 6144) does not; square attention projections break even on traffic and save a GEMM's launch.
-# FP8 linears run one of ``fp8_side_paths``' variants instead: on an H100, FLUX.2-dev rank 32 compiled, folding took
-# bf16 from +7.9% a forward to +3.6% but FP8 from +9.3% to +13.3% (docs/benchmarks.md).
+# FP8 linears stay unfolded: on an H100, FLUX.2-dev rank 32 compiled, folding took bf16 from +7.9% a forward to +3.6%
+# but FP8 from +9.3% to +13.3% (the widened input is quantized again; docs/benchmarks.md).
 FOLD_WIDTH_RATIO = 1.0
 
 
@@ -146,8 +144,6 @@ class LoraSidePath(nn.Module):
         self.chosen: tuple = ()
         self.down = self.up = self.up_bias = None
         self.folded = False  # once folded (``fold``), the base GEMM computes the update too
-        self.fp8_path = "sum"  # an FP8 linear's variant (``fp8_side_paths``), chosen once its weights have loaded
-        self.folded_scale = 1.0  # an FP8 fold's factor on the low-rank product (``fp8_side_paths.ready``)
 
     @property
     def weight(self) -> torch.Tensor:  # the models read a linear's weight for its dtype
@@ -177,9 +173,7 @@ class LoraSidePath(nn.Module):
         self.down, self.up, self.up_bias = self.combined(scales) or (None, None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_path != "sum" and self.down is not None:
-            out = fp8_side_paths.side_path_output(self, x)
-        elif self.folded:
+        if self.folded:
             low_rank = x.to(self.down.dtype) @ self.down.T
             out = self.linear(torch.cat([x, low_rank.to(x.dtype)], dim=-1))
         else:
@@ -248,14 +242,9 @@ def add_side_paths(
             setattr(parent, leaf, side_path)
 
 
-def fold_side_paths(model: nn.Module, fp8_path: str = fp8_side_paths.DEFAULT_FP8_SIDE_PATH) -> int:
-    """Every side path of ``model`` that folds (``LoraSidePath.folds``) folded, and those of FP8 linears readied for
-    ``fp8_path``, once the weights have loaded (before compilation); how many folded."""
-    for module in model.modules():
-        if isinstance(module, LoraSidePath) and isinstance(module.linear, Fp8Linear):
-            linear = module.linear
-            width_pays = linear.in_features <= FOLD_WIDTH_RATIO * linear.out_features
-            module.fp8_path = fp8_side_paths.ready(module, fp8_path, width_pays)
+def fold_side_paths(model: nn.Module) -> int:
+    """Every side path of ``model`` that folds (``LoraSidePath.folds``) folded, once its weights have loaded (before
+    compilation); how many."""
     folding = [module for module in model.modules() if isinstance(module, LoraSidePath) and module.folds()]
     for side_path in folding:
         side_path.fold()
