@@ -26,9 +26,12 @@ MEMORY_FILE = "memory.json"  # in a family's folder: working memory measured by 
 FACTS_FILE = "model_facts.json"  # in a family's folder: FLOPs and shapes counted by benchmarks/model_facts.py
 
 
+TEXT_TOKENS = 512  # the prompt a memory estimate sizes for: the longest most prompt encoders read
+
+
 def image_tokens(spec: ModelSpec) -> int:
-    """An image family's latent patches and a text of 512 tokens."""
-    return spec.height * spec.width // PIXELS_PER_IMAGE_TOKEN + 512
+    """An image family's latent patches and a text of ``TEXT_TOKENS``."""
+    return spec.height * spec.width // PIXELS_PER_IMAGE_TOKEN + TEXT_TOKENS
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from torch import nn
 from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
 from paradit.families import FAMILIES, measured_preset
+from paradit.family import TEXT_TOKENS
+from paradit.layers.prefix_attention import PrefixCaching
 from paradit.layers.semantic_permutation import KMEANS_ELEMENTS, SVG2_KEY_CLUSTERS, SVG2_QUERY_CLUSTERS
 from paradit.options import PLACEMENTS
 from paradit.parallel.config import ParallelConfig
@@ -230,6 +232,15 @@ def estimates(
         # Every block's centroids, kept from step to step (float32, each head's, this rank's heads).
         clusters = SVG2_QUERY_CLUSTERS + SVG2_KEY_CLUSTERS
         transformer_bytes += 4 * batch * clusters * width / parallel.sequence_degree * len(model_blocks(transformer))
+    # A cached prefix (Qwen-Image 2.1's prompt and condition images) keeps each layer's keys and values through the
+    # whole denoise, one per guidance branch, beside the step's working set: with 3 references of 1024², 6.7 GiB a
+    # branch, which a per-token working coefficient measured without references does not hold. Each rank keeps its
+    # heads' and tokens' share.
+    caching_layers = sum(isinstance(m, PrefixCaching) for block in rank0_blocks(transformer) for m in block.modules())
+    prefix_tokens = TEXT_TOKENS + extra_tokens
+    block_activations += (
+        caching_layers * 2 * batch * prefix_tokens * width * element / parallel.tensor / parallel.sequence_degree
+    )
     activations = max(block_activations, vae_activations)
     if parallel.pipefusion > 1:  # each kept block holds K and V for every token (its heads' share), stale or fresh
         activations += len(rank0_blocks(transformer)) * 2 * batch * local_tokens * width * element / parallel.tensor
