@@ -94,7 +94,6 @@ def compile_forward(
     }
     if not sparse:
         constants["KEPT_TILES"] = None
-    constants["ROW_ORDER"] = None  # the plain launch order: program ids as the grid numbers them
     names = list(inspect.signature(kernel._fp8_attention_forward.fn).parameters)
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "fp32" if name == "sm_scale" else "i32")

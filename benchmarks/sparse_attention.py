@@ -1,14 +1,14 @@
 """Block-sparse attention (``--sparse-attention``) against dense FP8 attention on one GPU, Wan 2.2's transformers with
-random weights and FP8 linears (compiled blocks): A14B's expert at 832x480x81 and 1280x720x81, TI2V-5B at
-1280x704x121, one sample. For each variant (radial at the paper's settings in each of the kernel's row orders; svg2
-at SVG2's settings and at a lower top-p, and with each of its k-means passes), at a step past the dense warm-up: the
-density its masks kept, one self-attention call's ms (the first block every variant attends sparsely: its Q, K, V,
-the mask's making included, SVG2's k-means warm from the call before; SVG2's clustering and mask alone in "layout
-ms") against the dense FP8 kernel's, one forward's ms against the dense one's, the forward less its self-attention
-calls ("rest": what a graph break or host work around the calls costs), the graphs the sparse forward compiled, the
-speed-ups, and the relative L2 of that block's attention output against dense FP8 attention's and against bf16
-SDPA's. Random weights spread attention evenly, so SVG2's top-p keeps nearly every tile and the error is far above
-what real weights give (docs give the command that measures PSNR against dense with them).
+random weights and FP8 linears (compiled blocks): A14B's expert at 832x480x81 and 1280x720x81, TI2V-5B at 1280x704x121,
+one sample. For each variant (radial at the paper's settings; svg2 at SVG2's settings and at a lower top-p, and with
+each of its k-means passes), at a step past the dense warm-up: the density its masks kept, one self-attention call's ms
+(the first block every variant attends sparsely: its Q, K, V, the mask's making included, SVG2's k-means warm from the
+call before; SVG2's clustering and mask alone in "layout ms") against the dense FP8 kernel's, one forward's ms against
+the dense one's, the forward less its self-attention calls ("rest": what a graph break or host work around the calls
+costs), the graphs the sparse forward compiled, the speed-ups, and the relative L2 of that block's attention output
+against dense FP8 attention's and against bf16 SDPA's. Random weights spread attention evenly, so SVG2's top-p keeps
+nearly every tile and the error is far above what real weights give (docs give the command that measures PSNR against
+dense with them).
 
     python benchmarks/sparse_attention.py --out-dir $OUT
     python benchmarks/sparse_attention.py --workloads a14b-720p --methods radial --deadline-s 400 --out-dir $OUT
@@ -32,7 +32,7 @@ from benchmarks.common import print_table, quantize_fp8, time_cuda_ms, write_jso
 from paradit.compile import compile_blocks, model_blocks  # noqa: E402
 from paradit.families import FAMILIES  # noqa: E402
 from paradit.families.wan.model import WanConfig, WanTransformer  # noqa: E402
-from paradit.layers import semantic_permutation, sparse_attention  # noqa: E402
+from paradit.layers import semantic_permutation  # noqa: E402
 from paradit.layers.attention import AttentionDispatch, apply_fp8_attention, sdpa_attention  # noqa: E402
 from paradit.layers.semantic_permutation import SVG2_TOP_P, semantic_layout  # noqa: E402
 from paradit.layers.sparse_attention import (  # noqa: E402
@@ -43,8 +43,7 @@ from paradit.layers.sparse_attention import (  # noqa: E402
 )
 
 WORKLOADS = ("a14b-480p", "a14b-720p", "ti2v-5b-704p")  # benchmarks/wan_step.py's
-ROW_ORDERS = ("longest-first", "plain")  # sparse_attention.ROW_ORDER's
-KMEANS_PASSES = ("fused", "assign", "torch")  # semantic_permutation.KMEANS_PASSES'
+KMEANS_PASSES = ("fused", "torch")  # semantic_permutation.KMEANS_PASSES'
 COLUMNS = [
     ("workload", "workload", "s"),
     ("variant", "mask", "s"),
@@ -67,11 +66,10 @@ COLUMNS = [
 
 @dataclass(frozen=True)
 class Variant:
-    """One measured row: a mask, its top-p (SVG2), the kernel's row order, SVG2's k-means passes, and whether the
-    forward is timed (a variant that differs only in its call is timed at the call)."""
+    """One measured row: a mask, its top-p (SVG2), SVG2's k-means passes, and whether the forward is timed (a variant
+    that differs only in its call is timed at the call)."""
 
     method: str
-    row_order: str
     kmeans: str = KMEANS_PASSES[0]
     top_p: float | None = None
     forward: bool = True
@@ -79,20 +77,19 @@ class Variant:
     @property
     def label(self) -> str:
         if self.method == "radial":
-            return f"radial {self.row_order}"
-        return f"svg2 p={self.top_p:g} {self.kmeans} {self.row_order}"
+            return "radial"
+        return f"svg2 p={self.top_p:g} {self.kmeans}"
 
 
 def variants(args) -> list[Variant]:
-    """Radial in each row order, forward timed; SVG2 at each top-p with the first k-means passes and row order,
-    forward timed, and its other k-means passes at the first top-p, timed at the call."""
+    """Radial, forward timed; SVG2 at each top-p with the first k-means passes, forward timed, and its other k-means
+    passes at the first top-p, timed at the call."""
     chosen = []
     if "radial" in args.methods:
-        chosen += [Variant("radial", order) for order in args.row_orders]
+        chosen.append(Variant("radial"))
     if "svg2" in args.methods:
-        first = args.row_orders[0]
-        chosen += [Variant("svg2", first, args.kmeans[0], top_p) for top_p in args.svg2_top_p]
-        chosen += [Variant("svg2", first, passes, args.svg2_top_p[0], False) for passes in args.kmeans[1:]]
+        chosen += [Variant("svg2", args.kmeans[0], top_p) for top_p in args.svg2_top_p]
+        chosen += [Variant("svg2", passes, args.svg2_top_p[0], False) for passes in args.kmeans[1:]]
     return chosen
 
 
@@ -212,7 +209,7 @@ def bench(workload: str, args, device: torch.device) -> list[dict]:
     for variant in chosen:
         for module, kernel in zip(attentions, dense_kernels, strict=True):
             module.kernel = module.attention_fn = kernel
-        sparse_attention.ROW_ORDER, semantic_permutation.KMEANS_PASSES = variant.row_order, variant.kmeans
+        semantic_permutation.KMEANS_PASSES = variant.kmeans
         run = apply_sparse_attention(model, settings_of(variant, blocks))
         run.begin_request(None)
         sparse_call = attentions[measured].kernel
@@ -255,13 +252,12 @@ def bench(workload: str, args, device: torch.device) -> list[dict]:
             "rel_l2_vs_dense_fp8": relative_l2(out, dense_out),
             "rel_l2_vs_sdpa": relative_l2(out, exact_out),
             "settings": {name: getattr(run.settings, name) for name in ("dense_blocks", "decay_factor", "top_p")},
-            "row_order": variant.row_order,
             "kmeans": variant.kmeans if variant.method == "svg2" else None,
         }
         rows.append(row)
         forward = "-" if forward_ms is None else f"{forward_ms:.0f}"
         log(f"{workload} {variant.label}: density {density:.3f}, attention {attention_ms:.2f} ms, forward {forward} ms")
-    sparse_attention.ROW_ORDER, semantic_permutation.KMEANS_PASSES = ROW_ORDERS[0], KMEANS_PASSES[0]
+    semantic_permutation.KMEANS_PASSES = KMEANS_PASSES[0]
     return rows
 
 
@@ -269,9 +265,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--methods", nargs="+", default=list(SPARSE_METHODS), choices=SPARSE_METHODS)
-    parser.add_argument(
-        "--row-orders", nargs="+", default=list(ROW_ORDERS), choices=ROW_ORDERS, help="the kernel's launch orders"
-    )
     parser.add_argument(
         "--kmeans", nargs="+", default=list(KMEANS_PASSES), choices=KMEANS_PASSES, help="SVG2's k-means passes"
     )

@@ -9,13 +9,7 @@ import pytest
 import torch
 
 from paradit.errors import InvalidRequest
-from paradit.layers import semantic_permutation
-from paradit.layers.fp8_attention import (
-    exact_triton_attention_with_lse,
-    fp8_attention_with_lse,
-    kept_tile_rows,
-    longest_rows_first,
-)
+from paradit.layers.fp8_attention import exact_triton_attention_with_lse, fp8_attention_with_lse, kept_tile_rows
 from paradit.layers.semantic_permutation import (
     fused_kmeans,
     kmeans,
@@ -66,17 +60,6 @@ def test_the_kernel_skipping_excluded_tiles_equals_masked_sdpa(q_length, k_lengt
     assert (lse[kept] - want_lse[kept]).abs().max().item() <= 1e-4
     if batch > 1:
         assert torch.all(out[1, :TILE] == 0)
-
-
-def test_launching_the_longest_rows_first_changes_no_output():
-    """The rows in the order of their kept tiles (a ragged last row among them): the same outputs, bit for bit."""
-    q, k, v = inputs(300, 333, heads=2, dim=32, batch=2)
-    rows = kept_tile_rows(random_block_mask(2, 2, 300, 333, seed=5))
-    order = longest_rows_first(rows)
-    assert torch.equal(rows[order.long(), 0], rows[:, 0].sort(descending=True).values)
-    for kernel in (exact_triton_attention_with_lse, fp8_attention_with_lse):
-        plain, ordered = kernel(q, k, v, None, rows), kernel(q, k, v, None, rows, order)
-        assert torch.equal(plain[0], ordered[0]) and torch.equal(plain[1], ordered[1])
 
 
 def test_a_mask_that_keeps_every_tile_is_dense_attention():
@@ -180,7 +163,7 @@ def test_kmeans_recovers_planted_clusters():
     assert sizes.sum().item() == points.shape[1]
 
 
-def test_the_fused_kmeans_passes_equal_torchs(monkeypatch):
+def test_the_fused_kmeans_passes_equal_torchs():
     """One kernel a pass (Triton's interpreter) against torch's distances: the same labels and sizes, the same
     centroids within float32's rounding of their sums (added in another order), an empty cluster's kept."""
     generator = torch.Generator().manual_seed(6)
@@ -188,13 +171,10 @@ def test_the_fused_kmeans_passes_equal_torchs(monkeypatch):
     start = spread_centroids(points, 20)
     start[0, 5] = 100.0  # far from every point: left empty, it keeps its centroid
     labels, centroids, sizes = kmeans(points, start, iterations=3)
-    for passes in ("fused", "assign"):
-        monkeypatch.setattr(semantic_permutation, "KMEANS_PASSES", passes)
-        fused_labels, fused_centroids, fused_sizes = fused_kmeans(points, start, iterations=3)
-        assert torch.equal(fused_labels, labels) and torch.equal(fused_sizes, sizes)
-        assert (fused_centroids - centroids).abs().max().item() <= 1e-5
-        assert torch.all(fused_centroids[0, 5] == 100.0)
-    assert sizes[0, 5].item() == 0
+    fused_labels, fused_centroids, fused_sizes = fused_kmeans(points, start, iterations=3)
+    assert torch.equal(fused_labels, labels) and torch.equal(fused_sizes, sizes)
+    assert (fused_centroids - centroids).abs().max().item() <= 1e-5
+    assert sizes[0, 5].item() == 0 and torch.all(fused_centroids[0, 5] == 100.0)
 
 
 def test_top_p_keeps_the_fewest_key_clusters_reaching_p_and_the_least_share():
@@ -281,14 +261,14 @@ def test_the_benchmarks_tiny_mode_prints_and_writes_its_rows(tmp_path, monkeypat
     from benchmarks import sparse_attention as benchmark
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    arguments = ["--tiny", "--row-orders", "plain", "--kmeans", "torch", "--svg2-top-p", "0.3"]
+    arguments = ["--tiny", "--kmeans", "torch", "--svg2-top-p", "0.3"]
     benchmark.main([*arguments, "--warmup", "0", "--iters", "1", "--out-dir", str(tmp_path)])
     radial, svg2 = json.loads((tmp_path / "sparse_attention.json").read_text())["rows"]
     assert radial["method"] == "radial" and radial["tokens"] == 768
     assert 0.5 < radial["density"] < 1.0  # the tiny grid's radial mask: frames of one tile, distance 3 dropped
     assert 0.0 < radial["rel_l2_vs_sdpa"] < 0.5 and radial["forward_ms"] > 0
     # 300 query clusters over 6 tiles: every tile holds tokens of most clusters, so every tile is kept.
-    assert svg2["variant"] == "svg2 p=0.3 torch plain" and svg2["density"] == 1.0 and svg2["layout_ms"] > 0
+    assert svg2["variant"] == "svg2 p=0.3 torch" and svg2["density"] == 1.0 and svg2["layout_ms"] > 0
     assert "rel L2 vs fp8" in capsys.readouterr().out
 
 

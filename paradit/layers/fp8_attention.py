@@ -178,7 +178,6 @@ if triton is not None:
         OUT,
         LSE,
         KEPT_TILES,
-        ROW_ORDER,
         K_DESC,
         V_DESC,
         q_length,
@@ -204,16 +203,7 @@ if triton is not None:
         ROUND: tl.constexpr,
         TINY: tl.constexpr,
     ):
-        if ROW_ORDER is None:
-            block, bh = tl.program_id(0), tl.program_id(1)
-        else:
-            # One program per query tile of BLOCK_M, the mask's rows (BLOCK_N queries each) in the given order,
-            # each row's query tiles in turn.
-            row_tiles: tl.constexpr = BLOCK_N // BLOCK_M
-            q_tiles = tl.cdiv(q_length, BLOCK_N)
-            mask_row = tl.load(ROW_ORDER + tl.program_id(0) // row_tiles)
-            bh = mask_row // q_tiles
-            block = mask_row % q_tiles * row_tiles + tl.program_id(0) % row_tiles
+        block, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         queries = block * BLOCK_M + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, HEAD_DIM)
@@ -430,12 +420,6 @@ def kept_tile_rows(block_mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([counts[..., None], order], dim=-1).flatten(0, 2).contiguous()
 
 
-def longest_rows_first(kept_tiles: torch.Tensor) -> torch.Tensor:
-    """The rows of ``kept_tile_rows`` by their kept tiles, the most first (int32): launched in that order, the
-    GPU's last wave holds the shortest rows instead of whichever came last (longest processing time first)."""
-    return torch.argsort(kept_tiles[:, 0], descending=True, stable=True).to(torch.int32)
-
-
 def attention_with_lse_triton(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -444,11 +428,9 @@ def attention_with_lse_triton(
     kept_tiles: torch.Tensor | None,
     qk_dtype: torch.dtype,
     pv_dtype: torch.dtype,
-    row_order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel in the given formats; ``kept_tiles`` (``kept_tile_rows``) skips the key tiles a block mask
-    excludes, None attends every tile (the dense kernel, compiled as before the mask existed); ``row_order``
-    (``longest_rows_first``, with ``kept_tiles`` only): the order the mask's rows are launched in."""
+    excludes, None attends every tile (the dense kernel, compiled as before the mask existed)."""
     batch, q_length, heads, dim = query.shape
     k_length = key.shape[1]
     if query.numel() == 0 or key.numel() == 0:  # a Ulysses rank's empty chunk of heads: no launch (a grid of 0)
@@ -462,8 +444,6 @@ def attention_with_lse_triton(
         expected = (batch * heads * -(-q_length // KEY_TILE), padded // KEY_TILE + 1)
         if tuple(kept_tiles.shape) != expected:
             raise ValueError(f"kept tiles {tuple(kept_tiles.shape)} do not match the inputs' tiles {expected}")
-    if row_order is not None and (kept_tiles is None or row_order.shape != (len(kept_tiles),)):
-        raise ValueError("a row order needs kept tiles, and one entry per row of them")
     # Without a mask, k_scale stands in: never read, HAS_MASK is off.
     mask = k_scale if key_mask is None else F.pad(key_mask.to(torch.uint8), (0, padded - k_length))
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -481,10 +461,7 @@ def attention_with_lse_triton(
         # Fusion asked for, not assumed: a score's scaling is one multiply-add only if fused, and Triton 3.10 turns
         # fusion off by default.
         block_m, block_n, warps, stages = config
-        if row_order is None:
-            grid = (triton.cdiv(q_length, block_m), batch * heads)
-        else:  # a ragged last row's query tiles past the queries store nothing
-            grid = (len(row_order) * (block_n // block_m),)
+        grid = (triton.cdiv(q_length, block_m), batch * heads)
         _fp8_attention_forward[grid](
             query,
             k8,
@@ -496,7 +473,6 @@ def attention_with_lse_triton(
             out,
             lse,
             kept_tiles,
-            row_order,
             k_desc,
             v_desc,
             q_length,
@@ -523,7 +499,7 @@ def attention_with_lse_triton(
         )
 
     sparse = kept_tiles is not None
-    chosen = _CHOSEN.get(tuning_key := (query.device, dim, qk_dtype, pv_dtype, sparse, row_order is not None))
+    chosen = _CHOSEN.get(tuning_key := (query.device, dim, qk_dtype, pv_dtype, sparse))
     if chosen is None:
         chosen = _CHOSEN[tuning_key] = fastest(launch, _configs(query.device, sparse))
     launch(chosen)
@@ -539,11 +515,8 @@ def fp8_attention_with_lse(
     value: torch.Tensor,
     key_mask: torch.Tensor | None = None,
     kept_tiles: torch.Tensor | None = None,
-    row_order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_with_lse_triton(
-        query, key, value, key_mask, kept_tiles, QK_FORMAT, fp8_dtype(query.device), row_order
-    )
+    return attention_with_lse_triton(query, key, value, key_mask, kept_tiles, QK_FORMAT, fp8_dtype(query.device))
 
 
 @torch.library.custom_op("paradit::exact_triton_attention", mutates_args=())
@@ -553,14 +526,13 @@ def exact_triton_attention_with_lse(
     value: torch.Tensor,
     key_mask: torch.Tensor | None = None,
     kept_tiles: torch.Tensor | None = None,
-    row_order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same kernel in the inputs' precision (bf16: GPUs without FP8; fp32 in the interpreter): the block-sparse
     path where FP8 is not asked for, or not there."""
-    return attention_with_lse_triton(query, key, value, key_mask, kept_tiles, query.dtype, query.dtype, row_order)
+    return attention_with_lse_triton(query, key, value, key_mask, kept_tiles, query.dtype, query.dtype)
 
 
-def _fake(query, key, value, key_mask=None, kept_tiles=None, row_order=None):
+def _fake(query, key, value, key_mask=None, kept_tiles=None):
     lse = query.new_empty(query.shape[0], query.shape[2], query.shape[1], dtype=torch.float32)
     return torch.empty_like(query, memory_format=torch.contiguous_format), lse
 

@@ -62,10 +62,6 @@ RECORDED = {
     ),
 }
 
-# The order the kernel launches the mask's rows in: "longest-first" (``longest_rows_first``) or "plain" (query tile
-# by query tile, head by head); the benchmark measures both.
-ROW_ORDER = "longest-first"
-
 # The video's token grid (frames, rows, columns) of the forward in flight, set by the model around its blocks: a
 # context variable, as the sequence layout is, so that no state outlives its forward.
 _GRID: ContextVar[tuple[int, int, int] | None] = ContextVar("paradit_video_grid", default=None)
@@ -381,15 +377,14 @@ class SparseSelfAttention:
         kernel = _sparse_kernel(query, self.dense)
         if kernel is None:
             return block_masked_attention_with_lse(query, key, value, block_mask, key_mask)
-        from paradit.layers.fp8_attention import kept_tile_rows, longest_rows_first
+        from paradit.layers.fp8_attention import kept_tile_rows
 
-        made = self.run.static_rows.get(static) if static is not None else None
-        if made is None:
+        rows = self.run.static_rows.get(static) if static is not None else None
+        if rows is None:
             rows = kept_tile_rows(block_mask.expand(batch, heads, -1, -1))
-            made = rows, longest_rows_first(rows) if ROW_ORDER == "longest-first" else None
             if static is not None:
-                self.run.static_rows[static] = made
-        return kernel(query, key, value, key_mask, *made)
+                self.run.static_rows[static] = rows
+        return kernel(query, key, value, key_mask, rows)
 
 
 def _sparse_kernel(query: torch.Tensor, dense):
