@@ -248,9 +248,10 @@ def estimate(
     placement: str = "gpu",
     swap_experts: bool = False,
     compiled: bool = False,
+    extra_tokens: int = 0,
 ) -> MemoryPlan:
-    """One placement's ``memory.estimates``."""
-    return estimates(spec, parallel, dtype, fp8, swap_experts, compiled=compiled)[placement]
+    """One placement's ``memory.estimates`` (``extra_tokens``: what a request's inputs add, its references)."""
+    return estimates(spec, parallel, dtype, fp8, swap_experts, compiled=compiled, extra_tokens=extra_tokens)[placement]
 
 
 def default_plan_for(

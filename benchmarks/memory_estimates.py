@@ -5,9 +5,12 @@ For each case the engine runs one 2-step request (eager, or ``--compile``d); bes
 the phase began: the prompt encoding, every transformer forward, and the VAE decode. Those are what
 ``paradit/memory.py`` estimates per family (per token of the model's width, per decoded pixel), so the JSON is the
 source of its coefficients. ``--cap`` runs each engine under a per-GPU cap (the 32 GB card emulated): the estimate then
-also chooses the plan, as ``generate --max-gpu-memory`` does.
+also chooses the plan, as ``generate --max-gpu-memory`` does. ``--references N`` gives each request N condition images
+of its output size (an editing model's input); the estimate is then sized for the request as the engine resolves it,
+its references' tokens included.
 
     python benchmarks/memory_estimates.py --out-dir $OUT
+    python benchmarks/memory_estimates.py --cases qwen-image-2.1 flux3-klein --references 3 --out-dir $OUT
     python benchmarks/memory_estimates.py --cases wan2.2-t2v-a14b --cap 32GiB --compile --out-dir $OUT
 """
 
@@ -20,7 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy
 import torch
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -92,15 +97,29 @@ class Delegating:
         return getattr(self._inner, name)
 
 
+def random_images(count: int, width: int, height: int, seed: int = 0) -> list[Image.Image]:
+    """``count`` RGB images of uniform noise (the same for every case: a fixed seed)."""
+    generator = numpy.random.default_rng(seed)
+    return [Image.fromarray(generator.integers(0, 256, (height, width, 3), dtype=numpy.uint8)) for _ in range(count)]
+
+
 def run_case(
-    name: str, quantize: str, swap: bool, placement: str, sizes: list, cap: str | None, compiled: bool
+    name: str,
+    quantize: str,
+    swap: bool,
+    placement: str,
+    sizes: list,
+    cap: str | None,
+    compiled: bool,
+    references: int = 0,
+    device: str = "cuda",
 ) -> list[dict]:
     options = ExecutionOptions(quantize=quantize, compile=compiled, swap_experts=swap)
     rows = []
     try:
         engine = Engine(
             name,
-            "cuda",
+            device,
             "bf16",
             "dummy",
             options=options,
@@ -117,8 +136,19 @@ def run_case(
     peaks.wrap(pipeline.vae, "decode", "vae_decode")
     peaks.wrap(pipeline, "encode", "encode")
     for width, height, frames in sizes:
-        request = GenerationRequest(prompt="a fox in the snow", width=width, height=height, frames=frames, steps=2)
-        sized = dataclasses.replace(engine.spec, width=width, height=height, frames=frames or engine.spec.frames)
+        images = random_images(references, width, height) or None
+        request = GenerationRequest(
+            prompt="a fox in the snow", image=images, width=width, height=height, frames=frames, steps=2
+        )
+        # Sized as ``settings.settle`` sizes the request it is given: as resolved, with its references' tokens.
+        try:
+            resolved = engine.check(request)
+        except ParaditError as refused:  # a model that takes no (or fewer) condition images
+            rows.append({"model": name, "quantize": quantize, "references": references, "refused": str(refused)})
+            continue
+        sized = dataclasses.replace(
+            engine.spec, width=resolved.width, height=resolved.height, frames=resolved.frames or engine.spec.frames
+        )
         plan = estimate(
             sized,
             ParallelConfig(),
@@ -127,11 +157,12 @@ def run_case(
             engine.text_encoder_placement,
             engine.options.swap_experts,
             compiled,
+            extra_tokens=resolved.reference_tokens,
         )
         peaks.peaks, peaks.run_peak = {}, 0
         torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        result = engine.generate(request)
+        result = engine.generate(resolved)
         peaks.run_peak = max(peaks.run_peak, torch.cuda.max_memory_allocated(device))
         rows.append(
             {
@@ -140,6 +171,7 @@ def run_case(
                 "swap_experts": engine.options.swap_experts,
                 "placement": engine.text_encoder_placement,
                 "size": f"{width}x{height}" + (f"x{frames}" if frames else ""),
+                "references": references,
                 "estimate_gib": plan.total / 2**30,
                 "estimate": dataclasses.asdict(plan),
                 "measured_peak_gib": peaks.run_peak / 2**30,
@@ -165,17 +197,30 @@ def main() -> None:
     parser.add_argument("--cap", help="per-GPU cap, e.g. 32GiB (the plan is then the estimate's choice)")
     parser.add_argument("--compile", action="store_true", help="regional compilation (default: eager, the larger)")
     parser.add_argument("--quantize", choices=["none", "fp8"], help="every case in this precision (default: its own)")
+    parser.add_argument(
+        "--references", type=int, default=0, help="condition images of the output size in each request (default: 0)"
+    )
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
     rows = []
     for name, quantize, swap, placement, sizes in CASES:
         if not args.cases or name in args.cases:
-            rows += run_case(name, args.quantize or quantize, swap, placement, sizes, args.cap, args.compile)
+            rows += run_case(
+                name,
+                args.quantize or quantize,
+                swap,
+                placement,
+                sizes,
+                args.cap,
+                args.compile,
+                args.references,
+            )
             write_json(args.out_dir, "memory_estimates.json", {"environment": environment(), "rows": rows})
     columns = [
         ("model", "model", ""),
         ("quantize", "quantize", ""),
         ("size", "size", ""),
+        ("references", "references", ""),
         ("compiled", "compiled", ""),
         ("estimate_gib", "estimate GiB", ".1f"),
         ("measured_peak_gib", "peak GiB", ".1f"),
