@@ -9,6 +9,8 @@ tests run in seconds: it is the only thing changed."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ from diffusers import QwenImage21Pipeline
 from paradit import Engine, GenerationRequest
 from paradit.families import spec_from_folder
 from paradit.families.qwen_image21.model import QwenImage21Config, QwenImage21Transformer
+from paradit.families.qwen_image21.pipeline import TOKEN_PIXELS, area_size, published_image_processor
+from paradit.families.qwen_image21.presets import QwenImage21Inputs
 from tests.checkpoint_cache import cached
 from tests.checkpoints import relative_l2
 from tests.qwen_image21_checkpoints import (
@@ -197,3 +201,15 @@ def test_turbo_schedule_equals_diffusers():
     assert len(got.timings.step_ms) == len(TURBO_SIGMAS)
     pixels = got.pixels.permute(0, 2, 3, 1).numpy()
     assert np.abs((pixels * 255).round() - (expected * 255).round()).max() <= 1
+
+
+@pytest.mark.parametrize("size", [(1024, 1024), (1600, 900), (512, 2048)])
+def test_a_dummy_run_s_image_processor_gives_a_condition_image_a_slot_per_2x2_of_its_latent_tokens(size):
+    """A dummy run's processor has the published Qwen3-VL pixel bounds: with transformers' defaults a 1024² condition
+    image was shrunk for the encoder, and the prefix's layout refused it on an H100 ("does not fill its 1024 slots")."""
+    configs = json.loads((Path(__file__).parents[1] / "paradit/families/qwen_image21/configs.json").read_text())
+    processor = published_image_processor(configs["qwen3_vl_8b"]["vision_config"])
+    image = picture(*size, 0)
+    height, width = area_size(QwenImage21Inputs().output_resolution, image)
+    grid = processor(images=[image.resize((width, height))], return_tensors="pt")["image_grid_thw"]
+    assert grid.prod().item() // processor.merge_size**2 == (height // TOKEN_PIXELS) * (width // TOKEN_PIXELS) // 4

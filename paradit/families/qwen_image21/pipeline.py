@@ -31,6 +31,8 @@ SIDE_MULTIPLE = 32
 SYSTEM_TURN = f"<|im_start|>system\n{CONFIGS['system_prompt']}<|im_end|>\n"
 PROMPT_TEMPLATE = SYSTEM_TURN + "<|im_start|>user\n{markers}{prompt}<|im_end|>\n<|im_start|>assistant\n"
 IMAGE_PAD = "<|image_pad|>"
+# Qwen/Qwen3-VL-8B-Instruct's preprocessor_config.json: an image's pixels between 64 and 16,384 merged 32-pixel patches.
+QWEN3_VL_PIXELS = (64 * 32 * 32, 16384 * 32 * 32)
 
 
 def image_markers(count: int) -> str:
@@ -97,12 +99,7 @@ class Qwen3VLPromptEncoder:
         settings = {key: value for key, value in config.items() if key != "model_type"}
         vl_config = transformers.Qwen3VLConfig(**{**settings, **markers})
         model = random_encoder(lambda: transformers.Qwen3VLModel(vl_config), placement, device, dtype, seed)
-        vision = config["vision_config"]
-        image_processor = transformers.Qwen2VLImageProcessorPil(
-            patch_size=vision["patch_size"],
-            temporal_patch_size=vision["temporal_patch_size"],
-            merge_size=vision["spatial_merge_size"],
-        )
+        image_processor = published_image_processor(config["vision_config"])
         return cls(place(cls.without_final_norm(model), placement, device), tokenizer, image_processor, device)
 
     @torch.no_grad()
@@ -134,6 +131,18 @@ class Qwen3VLPromptEncoder:
             (h[keep][self.system_tokens :].to(dtype), s[keep][self.system_tokens :])
             for h, s, keep in zip(hidden, slots, kept)
         ]
+
+
+def published_image_processor(vision: dict) -> transformers.Qwen2VLImageProcessorPil:
+    """The image processor a published Qwen3-VL processor folder configures. Its pixel bounds matter: with
+    transformers' defaults (at most 1,003,520 pixels) a 1024² condition image would be shrunk for the encoder, and its
+    prompt's slots would no longer cover the VAE's grid of it."""
+    return transformers.Qwen2VLImageProcessorPil(
+        patch_size=vision["patch_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+        merge_size=vision["spatial_merge_size"],
+        size={"shortest_edge": QWEN3_VL_PIXELS[0], "longest_edge": QWEN3_VL_PIXELS[1]},
+    )
 
 
 def widen_image_pads(text: str, counts) -> str:
