@@ -170,9 +170,10 @@ def unloaded_latency(url: str, args: argparse.Namespace) -> float:
     return statistics.median(latencies[1:])
 
 
-def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, float]:
+def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, dict[str, float]]:
     """Median seconds of ``Engine.generate`` (the same plan and request as the server's, no HTTP), measured
-    before any server starts so that the two never share a GPU; and of making its answer as the server does."""
+    before any server starts so that the two never share a GPU; and of making its answer as the server does, whole
+    and by stage (the pixels to PIL, the PNG, the JSON)."""
     from benchmarks.common import default_plan_for
     from paradit import Engine, GenerationRequest
     from paradit.cli import build_parser
@@ -193,7 +194,7 @@ def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, fl
         max_gpu_memory=served.max_gpu_memory,
         isolate=True,
     ) as engine:
-        latencies, encodings = [], []
+        latencies, stages = [], []
         for index in range(UNLOADED_REQUESTS + 1):
             payload = body(args, 10_000 + index)
             request = GenerationRequest(
@@ -201,11 +202,24 @@ def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, fl
             )
             sent = time.perf_counter()
             result = engine.generate(request)
-            latencies.append(time.perf_counter() - sent)
+            made = time.perf_counter()
+            images = result.images
+            converted = time.perf_counter()
+            files = [encode_image(image, "png") for image in images]
+            encoded = time.perf_counter()
             answer = schemas.ImagesResponse(created=0, data=[], output_format="png", size="", seed=0, plan="")
-            schemas.images_json(answer, [encode_image(image, "png") for image in result.images])
-            encodings.append(time.perf_counter() - sent - latencies[-1])
-    return statistics.median(latencies[1:]), statistics.median(encodings[1:])
+            schemas.images_json(answer, files)
+            done = time.perf_counter()
+            latencies.append(made - sent)
+            stages.append(
+                {
+                    "png_s": done - made,
+                    "pixels_s": converted - made,
+                    "encode_s": encoded - converted,
+                    "json_s": done - encoded,
+                }
+            )
+    return statistics.median(latencies[1:]), {key: statistics.median(s[key] for s in stages[1:]) for key in stages[0]}
 
 
 def percentile(values: list[float], share: float) -> float | None:
@@ -251,6 +265,9 @@ def print_rows(unloaded: list[dict], rows: list[dict]) -> None:
             ("config", "config", "s"),
             ("engine_s", "generate s", ".3f"),
             ("png_s", "PNG answer s", ".3f"),
+            ("pixels_s", "pixels s", ".3f"),
+            ("encode_s", "encode s", ".3f"),
+            ("json_s", "JSON s", ".3f"),
             ("server_encode_s", "server's answer s", ".3f"),
             ("http_s", "HTTP s", ".3f"),
             ("overhead", "HTTP overhead", ".1%"),
@@ -317,12 +334,12 @@ def main() -> int:
         try:
             http_s = unloaded_latency(server.url, args)
             served_encode_s = server.mean_seconds("encode")
-            engine, png = engine_s.get(config.group_size, (None, None))
+            engine, answer_stages = engine_s.get(config.group_size, (None, {}))
             unloaded.append(
                 {
                     "config": config.name,
                     "engine_s": engine,
-                    "png_s": png,
+                    **answer_stages,
                     "server_encode_s": served_encode_s,
                     "http_s": http_s,
                     "overhead": http_s / engine - 1 if engine else None,
