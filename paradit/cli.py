@@ -19,7 +19,7 @@ from paradit.families import PRESETS
 from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flagged_fields, flags_given, from_args
 from paradit.lora.refs import LoraSet
 from paradit.options import COMMANDS, LOAD_FORMATS, LOSSY_PSNR_DB, Asked, ExecutionOptions, LoraFlags, ServeSettings
-from paradit.outputs import output_paths, replaced, save_images, save_videos, writable_folder
+from paradit.outputs import output_paths, replaced, save_images, save_videos, sparse_record, writable_folder
 from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
 from paradit.worker import reportable, start_worker_server
@@ -175,7 +175,7 @@ def run_generate(args: argparse.Namespace) -> int:
         **({"image": args.image} if args.image else {}),
         **({"mask": args.mask} if args.mask else {}),
         **({"cache": resolved.cache.record()} if resolved.cache is not None else {}),
-        **sparse_record(result.timings),
+        **({"sparse_attention": sparse} if (sparse := sparse_record(result.timings)) else {}),
     }
     made = file_records(resolved, result.seed)
     metadata = [
@@ -237,12 +237,6 @@ def file_records(resolved, seed: int) -> list[dict]:
         }
         for index in range(resolved.batch)
     ]
-
-
-def sparse_record(timings) -> dict:
-    """The sparse attention a run chose, its settings and the density it ran at: the files say they are lossy."""
-    sparse = timings.features.get("sparse_attention")
-    return {} if sparse is None else {"sparse_attention": dataclasses.asdict(sparse)}
 
 
 def lora_record(lora) -> dict:

@@ -23,7 +23,13 @@ from paradit.flags import (
 )
 from paradit.lora.refs import MODES, LoraSet, adapters_in, parse_adapter
 from paradit.parallel.config import COMM_DTYPES, PARALLEL, ParallelConfig, parallel_option
-from paradit.request import SPARSE_ATTENTIONS, SPARSE_PARAMETERS, GenerationRequest, StepCacheConfig
+from paradit.request import (
+    SPARSE_ATTENTIONS,
+    SPARSE_PARAMETER_NAMES,
+    SPARSE_PARAMETERS,
+    GenerationRequest,
+    StepCacheConfig,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -132,8 +138,9 @@ class ExecutionOptions:
 
     def sparse_parameters(self) -> dict[str, object]:
         """The sparse-attention parameters given, by name: for their refusals and the run's record."""
-        names = ("dense_steps", "dense_blocks", "decay_factor", "query_clusters", "key_clusters", "top_p")
-        return {name: value for name in names if (value := getattr(self, f"sparse_{name}")) is not None}
+        return {
+            name: value for name in SPARSE_PARAMETER_NAMES if (value := getattr(self, f"sparse_{name}")) is not None
+        }
 
 
 @dataclass(frozen=True)

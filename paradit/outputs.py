@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import tempfile
@@ -18,6 +19,13 @@ API_FORMATS = {kind.lower(): kind for kind in IMAGE_FORMATS.values()}  # the HTT
 DEFAULT_QUALITY = 95  # JPEG and WebP: PIL's default (75) visibly blurs generated detail
 # x264's constant-quality setting: 18 is visually near-lossless, and generated detail is what the user came for.
 CRF = 18
+
+
+def sparse_record(timings) -> dict | None:
+    """The sparse attention a run's request ran with, its settings and the density it ran at (None: dense): the
+    files and answers say they are lossy."""
+    record = timings.features.get("sparse_attention")
+    return None if record is None else dataclasses.asdict(record)
 
 
 def output_paths(out: str, count: int, video: bool = False) -> list[Path]:

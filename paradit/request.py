@@ -36,6 +36,7 @@ SPARSE_PARAMETERS = {
     "radial": ("dense_steps", "dense_blocks", "decay_factor"),
     "svg2": ("dense_steps", "dense_blocks", "query_clusters", "key_clusters", "top_p"),
 }
+SPARSE_PARAMETER_NAMES = tuple(dict.fromkeys(SPARSE_PARAMETERS["radial"] + SPARSE_PARAMETERS["svg2"]))
 
 
 cache_option = functools.partial(generate_option, group="step caching (skip the blocks of steps that barely change)")
@@ -122,8 +123,7 @@ class SparseAttentionConfig:
 
     def parameters(self) -> dict[str, Any]:
         """The parameters given, by name, as ``ExecutionOptions.sparse_parameters`` gives the run's."""
-        names = SPARSE_PARAMETERS["radial"] + SPARSE_PARAMETERS["svg2"]
-        return {name: value for name in dict.fromkeys(names) if (value := getattr(self, name)) is not None}
+        return {name: value for name in SPARSE_PARAMETER_NAMES if (value := getattr(self, name)) is not None}
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 
@@ -14,13 +13,6 @@ from paradit.serving.png import encode_png
 
 MAX_INPUT_PIXELS = 40_000_000  # pixels of one input image: past a 7680x4320 photo, decoding it costs more than it gives
 MEDIA_TYPES = {**{name: f"image/{name}" for name in API_FORMATS}, "mp4": "video/mp4"}
-
-
-def sparse_record(result) -> dict | None:
-    """The sparse attention a result's request ran with, its settings and density (None: dense), as ``generate``
-    records it: the answer and the file say they are lossy."""
-    record = result.timings.features.get("sparse_attention")
-    return None if record is None else dataclasses.asdict(record)
 
 
 def file_metadata(sparse: dict | None) -> dict[str, str]:

@@ -20,9 +20,10 @@ from starlette.routing import Match
 
 from paradit import __version__
 from paradit.errors import InvalidRequest, OutOfMemory, ParaditError
+from paradit.outputs import sparse_record
 from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
-from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image, file_metadata, sparse_record
+from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image, file_metadata
 from paradit.serving.metrics import Metrics
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.store import FileStore
@@ -261,7 +262,7 @@ def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> 
         result = await outcome_of(job, request)
         if result is None:
             return Response(status_code=CLIENT_GONE)
-        sparse = sparse_record(result)
+        sparse = sparse_record(result.timings)
         metadata = file_metadata(sparse)
         resolved = job.resolved
         answer = schemas.ImagesResponse(

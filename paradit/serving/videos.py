@@ -9,9 +9,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from paradit.errors import ParaditError
-from paradit.outputs import encode_mp4
+from paradit.outputs import encode_mp4, sparse_record
 from paradit.serving.jobs import CANCELLED, COMPLETED, FAILED, FINAL, Job, JobCancelled
-from paradit.serving.media import MEDIA_TYPES, file_metadata, sparse_record
+from paradit.serving.media import MEDIA_TYPES, file_metadata
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.schemas import ErrorInfo, VideoJob
 from paradit.serving.store import FileStore
@@ -70,7 +70,7 @@ class VideoJobs:
         elif job.state in (FAILED, CANCELLED):
             error = ErrorInfo(message=str(job.future.exception()), type=type(job.future.exception()).__name__)
         steps_done = self.scheduler.steps_done(job)
-        sparse = sparse_record(job.future.result()) if job.state == COMPLETED and job.future.done() else None
+        sparse = sparse_record(job.future.result().timings) if job.state == COMPLETED and job.future.done() else None
         return VideoJob(
             id=job.id,
             model=self.model,
@@ -91,7 +91,7 @@ class VideoJobs:
         if future.cancelled() or future.exception() is not None:
             return
         result = future.result()
-        metadata = file_metadata(sparse_record(result))
+        metadata = file_metadata(sparse_record(result.timings))
         self._encoder.submit(self._write, entry, result.frames[0], entry.job.resolved.fps or DEFAULT_FPS, metadata)
 
     def _write(self, entry: VideoEntry, frames, fps: int, metadata: dict[str, str]) -> None:
