@@ -112,14 +112,13 @@ def run_case(
     cap: str | None,
     compiled: bool,
     references: int = 0,
-    device: str = "cuda",
 ) -> list[dict]:
     options = ExecutionOptions(quantize=quantize, compile=compiled, swap_experts=swap)
     rows = []
     try:
         engine = Engine(
             name,
-            device,
+            "cuda",
             "bf16",
             "dummy",
             options=options,
