@@ -27,7 +27,7 @@ both sides with fewer blocks (FLUX.2-dev's 32B does not fit beside 3 references'
 projected from the per-block time (approximate: the embedding and output layers are counted as blocks).
 ``--quantize fp8`` builds paradit's side with FP8 linears, as the engine's ``--quantize fp8`` does (diffusers' side
 stays its bf16 transformer, the reference the issue names), and reports the FP8 prediction's relative L2 against
-paradit's bf16 one on the same weights (the bf16 transformer is freed before the FP8 one loads).
+paradit's bf16 one on the same weights (the FP8 transformer runs first and is freed before the bf16 one loads).
 
     python benchmarks/edit_step.py --check --out-dir $OUT          (DEFAULT_CASES, in ~8 minutes on an H100)
     python benchmarks/edit_step.py --models flux2-dev --refs 3 --blocks flux2-dev=14 --out-dir $OUT
@@ -343,26 +343,19 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     fp8 = args.quantize == "fp8"
     log(f"{name} refs={refs}: building paradit's transformer ({config_name}, {kept}/{full_blocks} blocks)")
-    # The bf16 transformer: diffusers' weights, and with --quantize fp8 the reference paradit's FP8 output is held to
-    # (run eager then: it is not timed).
-    options = ExecutionOptions(quantize="none", compile=compiled and not fp8, cuda_graphs=False)
+    # paradit's side first, then (with --quantize fp8) it goes before the bf16 transformer loads that diffusers'
+    # side shares: Qwen-Image's FP8 copy, its 41 GB of bf16 weights and diffusers' compiled blocks do not fit 80 GB.
+    options = ExecutionOptions(quantize=args.quantize, compile=compiled, cuda_graphs=False)
     runtime = load_transformer(family, spec, device, dtype, None, options)
     pipeline = family.pipeline(family, spec, runtime, None, None, device, dtype)
     inputs = qwen_inputs if spec.family == "qwen_image" else flux2_inputs
     step, branch, branches, lengths, image_tokens = inputs(spec, refs, args, pipeline, runtime, device, dtype)
+    pipeline = None
     cfg = len(branches) == 2
     target = image_tokens // (1 + refs)
-    reference = diffusers_model(spec, runtime.model)
-    if compiled:
-        reference.compile_repeated_blocks(dynamic=False)  # as paradit's compile_blocks: static shapes per block
 
     def ours(calls=step):
         return torch.cat([runtime.forward(*call[0], **call[1]) for call in calls])
-
-    def theirs(kwargs=None):
-        if kwargs is not None:
-            return reference(**kwargs)[0]
-        return [reference(**branch_kwargs)[0] for branch_kwargs in branches]
 
     row = dict(
         model=name,
@@ -381,44 +374,52 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
         if spec.family == "qwen_image" and step[0][0][5] is not None
         else "none",
     )
-    row["diffusers_ms"], row["diffusers_peak_gib"] = measure(theirs, args, device, "diffusers step")
-    if cfg and args.per_branch:
-        row["diffusers_branch_ms"], _ = measure(lambda: theirs(branches[0]), args, device, "diffusers one branch")
-    with torch.inference_mode():
-        theirs_out = torch.cat([out.float()[:, :target] for out in theirs()]) if args.check else None
-        bf16_out = ours().float()[:, :target] if fp8 else None
-    if fp8:  # diffusers' transformer and the bf16 one go before the FP8 one loads (Qwen-Image: 41 GB of weights)
-        del reference
-        runtime = pipeline = None
-        free(device)
-        fp8_options = ExecutionOptions(quantize="fp8", compile=compiled, cuda_graphs=False)
-        runtime = load_transformer(family, spec, device, dtype, None, fp8_options)
     row["paradit_ms"], row["paradit_peak_gib"] = measure(ours, args, device, "paradit step")
     if cfg and args.per_branch:
         row["paradit_branch_ms"], _ = measure(lambda: ours(branch), args, device, "paradit one branch")
-    elif not cfg:
-        row["paradit_branch_ms"], row["diffusers_branch_ms"] = row["paradit_ms"], row["diffusers_ms"]
-    row["ratio"] = row["paradit_ms"] / row["diffusers_ms"]
     if args.every_row and spec.family == "flux2":  # the variant before the last block kept only the target's rows
         every_row = [(call_args[:7] + (None,), kwargs) for call_args, kwargs in step]
         row["paradit_every_row_ms"], _ = measure(lambda: ours(every_row), args, device, "paradit step, every row")
+    with torch.inference_mode():
+        ours_out = ours().float()[:, :target]
+        branch_out = ours(branch).float()[:, :target] if args.check and cfg and args.per_branch else None
+    if fp8:  # the bf16 transformer (uncompiled: not timed) is the FP8 prediction's reference and diffusers' weights
+        runtime = None
+        free(device)
+        bf16_options = ExecutionOptions(quantize="none", compile=False, cuda_graphs=False)
+        runtime = load_transformer(family, spec, device, dtype, None, bf16_options)
+        with torch.inference_mode():
+            row["fp8_rel_l2"] = relative_l2(ours_out, ours().float()[:, :target])
+        log(f"  FP8: rel L2 {row['fp8_rel_l2']:.2e} against paradit's bf16 prediction (target rows)")
+    reference = diffusers_model(spec, runtime.model)
+    runtime = None
+    if compiled:
+        reference.compile_repeated_blocks(dynamic=False)  # as paradit's compile_blocks: static shapes per block
+
+    def theirs(kwargs=None):
+        if kwargs is not None:
+            return reference(**kwargs)[0]
+        return [reference(**branch_kwargs)[0] for branch_kwargs in branches]
+
+    row["diffusers_ms"], row["diffusers_peak_gib"] = measure(theirs, args, device, "diffusers step")
+    if cfg and args.per_branch:
+        row["diffusers_branch_ms"], _ = measure(lambda: theirs(branches[0]), args, device, "diffusers one branch")
+    elif not cfg:
+        row["paradit_branch_ms"], row["diffusers_branch_ms"] = row["paradit_ms"], row["diffusers_ms"]
+    row["ratio"] = row["paradit_ms"] / row["diffusers_ms"]
     if kept < full_blocks:
         row["paradit_full_ms"] = row["paradit_ms"] * full_blocks / kept
         row["diffusers_full_ms"] = row["diffusers_ms"] * full_blocks / kept
         row["paradit_ms_per_block"] = row["paradit_ms"] / kept
         row["diffusers_ms_per_block"] = row["diffusers_ms"] / kept
-    with torch.inference_mode():
-        ours_out = ours().float()[:, :target]
-        if fp8:
-            row["fp8_rel_l2"] = relative_l2(ours_out, bf16_out)
-            log(f"  FP8: rel L2 {row['fp8_rel_l2']:.2e} against paradit's bf16 prediction (target rows)")
-        if args.check:
-            diff = (ours_out - theirs_out).abs().max().item()
-            row["max_abs_diff"], row["rel_l2"] = diff, relative_l2(ours_out, theirs_out)
-            if cfg and args.per_branch:
-                branch_out = ours(branch).float()[:, :target]
-                row["branch_max_abs_diff"] = (branch_out - theirs_out[:1]).abs().max().item()
-            log(f"  check: max |paradit - diffusers| {diff:.2e}, rel L2 {row['rel_l2']:.2e} (per branch, target rows)")
+    if args.check:
+        with torch.inference_mode():
+            theirs_out = torch.cat([out.float()[:, :target] for out in theirs()])
+        diff = (ours_out - theirs_out).abs().max().item()
+        row["max_abs_diff"], row["rel_l2"] = diff, relative_l2(ours_out, theirs_out)
+        if branch_out is not None:
+            row["branch_max_abs_diff"] = (branch_out - theirs_out[:1]).abs().max().item()
+        log(f"  check: max |paradit - diffusers| {diff:.2e}, rel L2 {row['rel_l2']:.2e} (per branch, target rows)")
     return row
 
 
