@@ -211,6 +211,9 @@ def engine_latency(args: argparse.Namespace, group_size: int) -> tuple[float, di
             schemas.images_json(answer, files)
             done = time.perf_counter()
             latencies.append(made - sent)
+            if index == 0 and args.out_dir:  # the image the stages encode, to study its encoding offline
+                Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+                (Path(args.out_dir) / "answer.png").write_bytes(files[0])
             stages.append(
                 {
                     "png_s": done - made,
