@@ -11,6 +11,7 @@ SDPA and with FP8 attention; then a 20-step Euler denoise of that expert at 832�
     python benchmarks/fp8_attention.py --out-dir $OUT
     python benchmarks/fp8_attention.py --shapes wan-720p --configs 128,128,8,3 64,128,4,2 --out-dir $OUT
     python benchmarks/fp8_attention.py --shapes --forward --out-dir $OUT
+    python benchmarks/fp8_attention.py --shapes wan-720p wan-480p --cudnn-fp8 --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ COLUMNS = [
     ("tflops", "TFLOP/s", ".0f"),
     ("speedup", "speedup", ".2f"),
     ("rel_l2", "rel L2 vs fp32", ".4f"),
+    ("vs_ours", "speed-up over paradit's fp8", ".2f"),
     ("config", "config", "s"),
 ]
 SAMPLE_QUERIES = 512
@@ -78,6 +80,151 @@ def exact_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.
 def relative_l2(out: torch.Tensor, exact: torch.Tensor, rows: torch.Tensor) -> float:
     got = out[0, rows].float()
     return ((got - exact).norm() / exact.norm()).item()
+
+
+E4M3_MAX = 448.0
+
+
+class CudnnFp8Attention:
+    """cuDNN's FP8 attention through the ``nvidia-cudnn-frontend`` wheel (issue 51's optional vendor backend, measured
+    here before it is wired in): Q, K and V quantized per tensor (cuDNN's FP8 graph takes one descale each), the
+    softmax's probabilities scaled to E4M3's range, each query's log-sum-exp in fp32, the output in bf16 or (where
+    this cuDNN writes only FP8) in E4M3 scaled by V's range, which bounds it, and widened after. One graph per shape,
+    built on first use."""
+
+    def __init__(self, fp8_output: bool) -> None:
+        import cudnn  # after torch: it finds the libcudnn that torch loaded
+
+        self.cudnn, self.graphs, self.fp8_output = cudnn, {}, fp8_output
+        self.handle = cudnn.create_handle()
+        self.version = cudnn.backend_version_string()
+
+    def graph(self, batch: int, heads: int, q_len: int, k_len: int, dim: int):
+        key = (batch, heads, q_len, k_len, dim)
+        if key not in self.graphs:
+            cudnn = self.cudnn
+            graph = cudnn.pygraph(
+                io_data_type=cudnn.data_type.FP8_E4M3,
+                intermediate_data_type=cudnn.data_type.FLOAT,
+                compute_data_type=cudnn.data_type.FLOAT,
+            )
+
+            def sequence(uid: int, length: int):  # paradit's (batch, tokens, heads, dim) memory as cuDNN's b, h, s, d
+                stride = (length * heads * dim, dim, heads * dim, 1)
+                return graph.tensor(
+                    uid=uid, dim=(batch, heads, length, dim), stride=stride, data_type=cudnn.data_type.FP8_E4M3
+                )
+
+            def scalar(uid: int):
+                return graph.tensor(uid=uid, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=cudnn.data_type.FLOAT)
+
+            q, k, v = sequence(0, q_len), sequence(1, k_len), sequence(2, k_len)
+            out, stats, _, amax_o = graph.sdpa_fp8(
+                q=q,
+                k=k,
+                v=v,
+                descale_q=scalar(5),
+                descale_k=scalar(6),
+                descale_v=scalar(7),
+                descale_s=scalar(8),
+                scale_s=scalar(9),
+                scale_o=scalar(10),
+                generate_stats=True,
+                attn_scale=dim**-0.5,
+                use_causal_mask=False,
+            )
+            out.set_uid(3).set_output(True).set_dim((batch, heads, q_len, dim)).set_stride(
+                (q_len * heads * dim, dim, heads * dim, 1)
+            ).set_data_type(cudnn.data_type.FP8_E4M3 if self.fp8_output else cudnn.data_type.BFLOAT16)
+            stats.set_uid(4).set_output(True).set_dim((batch, heads, q_len, 1)).set_stride(
+                (heads * q_len, q_len, 1, 1)
+            ).set_data_type(cudnn.data_type.FLOAT)
+            amax_o.set_uid(12).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(
+                cudnn.data_type.FLOAT
+            )
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            graph.check_support()
+            graph.build_plans()
+            workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device="cuda")
+            probability_scale = torch.full((1, 1, 1, 1), E4M3_MAX, device="cuda")
+            self.graphs[key] = graph, workspace, probability_scale
+        return self.graphs[key]
+
+    @staticmethod
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        amax = x.abs().amax().float().clamp(min=1e-12)
+        return (x.float() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn), (amax / E4M3_MAX).reshape(1, 1, 1, 1)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, q_len, heads, dim = q.shape
+        graph, workspace, probability_scale = self.graph(batch, heads, q_len, k.shape[1], dim)
+        # K less its token mean, as paradit's kernel smooths it: each query's scores move by a constant (softmax
+        # keeps them, the log-sum-exp gets it back below), and a per-tensor scale then spans K's spread, not its offset.
+        k_mean = k.float().mean(dim=1, keepdim=True)
+        (q8, q_descale), (k8, k_descale), (v8, v_descale) = map(self.quantize, (q, k.float() - k_mean, v))
+        out = torch.empty(q.shape, device=q.device, dtype=torch.float8_e4m3fn if self.fp8_output else torch.bfloat16)
+        lse = torch.empty(batch, heads, q_len, 1, device=q.device, dtype=torch.float32)
+        output_scale = 1 / v_descale if self.fp8_output else torch.ones((1, 1, 1, 1), device=q.device)
+        pack = {
+            0: q8,
+            1: k8,
+            2: v8,
+            5: q_descale,
+            6: k_descale,
+            7: v_descale,
+            8: 1 / probability_scale,
+            9: probability_scale,
+            10: output_scale,
+            3: out,
+            4: lse,
+            12: torch.empty((1, 1, 1, 1), device=q.device),
+        }
+        self.cudnn.set_stream(self.handle, torch.cuda.current_stream().cuda_stream)
+        graph.execute(pack, workspace, handle=self.handle)
+        if self.fp8_output:
+            out = (out.float() * v_descale.reshape(())).to(torch.bfloat16)
+        shift = (q.float() * k_mean).sum(-1).transpose(1, 2) * dim**-0.5
+        return out, lse[..., 0] + shift
+
+
+def cudnn_fp8_rows(name: str, q, k, v, exact, rows, flop: int, iters: int, sdpa_ms: float, ours_ms: float):
+    """cuDNN's FP8 attention beside paradit's (bf16 output, then FP8 output), or the reason each did not run."""
+    found = []
+    for fp8_output in (False, True):
+        base = {"shape": name, "tokens": q.shape[1], "method": f"cudnn fp8, {'fp8' if fp8_output else 'bf16'} out"}
+        try:
+            vendor = CudnnFp8Attention(fp8_output)
+            out, lse = vendor(q, k, v)
+            ms = time_cuda_ms(lambda vendor=vendor: vendor(q, k, v), warmup=3, iters=iters)
+            quantize_ms = time_cuda_ms(
+                lambda vendor=vendor: [vendor.quantize(x) for x in (q, k.float() - k.float().mean(1, True), v)],
+                warmup=3,
+                iters=iters,
+            )
+            ours_lse = kernel.fp8_attention_with_lse(q, k, v)[1]
+            row = {
+                **base,
+                "ms": ms,
+                "tflops": flop / ms / 1e9,
+                "speedup": sdpa_ms / ms,
+                "rel_l2": relative_l2(out, exact, rows),
+                "config": f"cuDNN {vendor.version}",
+                "vs_ours": ours_ms / ms,
+                "quantize_ms": quantize_ms,
+                "lse_max_diff_vs_ours": (lse - ours_lse).abs().max().item(),
+            }
+            print(
+                f"{name}: {base['method']} {ms:.2f} ms ({quantize_ms:.2f} of them quantizing), {ours_ms / ms:.2f}x "
+                f"paradit's kernel; lse max diff {row['lse_max_diff_vs_ours']:.2e}",
+                flush=True,
+            )
+            found.append(row)
+        except Exception as exc:  # noqa: BLE001 - an optional vendor path: its absence or refusal is a result
+            print(f"{name}: {base['method']} did not run: {type(exc).__name__}: {exc}", flush=True)
+            found.append({**base, "config": f"not run: {type(exc).__name__}: {str(exc)[:300]}"})
+    return found
 
 
 def bench_shape(name: str, args) -> list[dict]:
@@ -130,6 +277,8 @@ def bench_shape(name: str, args) -> list[dict]:
     )
     result[-1]["prepass_ms"] = prepass
     print(f"{name}: pre-pass {prepass:.2f} ms", flush=True)
+    if args.cudnn_fp8:
+        result += cudnn_fp8_rows(name, q, k, v, exact, rows, flop, iters, sdpa_ms, result[-1]["ms"])
     return result
 
 
@@ -200,6 +349,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=[], help="query tile,key tile,warps,stages (default: tuned)")
     parser.add_argument("--qk", nargs="+", default=["int8"], choices=list(QK), help="Q·Kᵀ's 8-bit format")
     parser.add_argument("--forward", action="store_true", help="also Wan A14B's expert forward and denoise")
+    parser.add_argument(
+        "--cudnn-fp8", action="store_true", help="also cuDNN's FP8 attention (needs the nvidia-cudnn-frontend wheel)"
+    )
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     env = environment()
