@@ -1,8 +1,10 @@
 """The server's PNG encoder (``paradit.serving.png``) against PIL's at the same zlib level, and against itself with
-every band deflated (``--variants``' ``deflate-all``, what it did before it sampled), on 1024² images: noise (what
-random weights make; nothing to compress), a smooth gradient, and a textured one (a gradient with a little noise, as
-photographs deflate); then each stage from a result's float pixels to the JSON bytes of an Images API answer, before
-and now. Median ms of ``--runs`` after one warm-up, and the bytes; every PNG checked to decode to its pixels.
+every band deflated (``--variants``' ``deflate-all``, what it did before it sampled) and with every deflated band at
+level 1 (``level-1``, before it chose run-length deflate for photographic bands), on 1024² images: noise (what random
+weights make; nothing to compress), a smooth gradient, a textured one (a gradient with a little noise) and a
+photograph-like one (smooth shapes, edges and a fine grain); then each stage from a result's float pixels to the
+JSON bytes of an Images API answer, before and now. Median ms of ``--runs`` after one warm-up, and the bytes; every
+PNG checked to decode to its pixels.
 
     python benchmarks/png_encode.py --out-dir out/png
 """
@@ -39,9 +41,22 @@ def images(side: int) -> dict[str, Image.Image]:
     ramp = np.linspace(0, 255, side)
     gradient = ((ramp[:, None] + ramp[None]) / 2)[..., None].repeat(3, axis=-1)
     textured = np.clip(gradient + rng.normal(0, 3, gradient.shape), 0, 255)
+    coarse = torch.from_numpy(rng.normal(size=(1, 3, side // 32, side // 32)))
+    field = torch.nn.functional.interpolate(coarse, size=(side, side), mode="bicubic")[0].permute(1, 2, 0).numpy()
+    rows, columns = np.mgrid[0:side, 0:side]
+    discs = sum(
+        40.0 * ((rows - y) ** 2 + (columns - x) ** 2 < radius**2)
+        for y, x, radius in rng.uniform(0, side, (6, 3)) * [1, 1, 0.2]
+    )
+    photograph = np.clip(125 + 40 * field + discs[..., None] + rng.normal(0, 1.5, field.shape), 0, 255)
     return {
         name: Image.fromarray(pixels.astype(np.uint8))
-        for name, pixels in (("noise", noise), ("smooth", gradient), ("textured", textured))
+        for name, pixels in (
+            ("noise", noise),
+            ("smooth", gradient),
+            ("textured", textured),
+            ("photograph-like", photograph),
+        )
     }
 
 
@@ -54,7 +69,27 @@ def every_band_deflated(image: Image.Image) -> bytes:
         png.STORE_RATIO = kept
 
 
-ENCODERS = {"paradit": png.encode_png, "deflate-all": every_band_deflated, "PIL": png.pil_png}
+def level_one_only(image: Image.Image) -> bytes:
+    """The encoder as it was before it chose zlib's run-length strategy: every deflated band at level 1."""
+    kept = png.band_encoding
+
+    def level_one(sample):
+        level, _ = kept(sample)
+        return level, png.zlib.Z_DEFAULT_STRATEGY
+
+    png.band_encoding = level_one
+    try:
+        return png.encode_png(image)
+    finally:
+        png.band_encoding = kept
+
+
+ENCODERS = {
+    "paradit": png.encode_png,
+    "level-1": level_one_only,
+    "deflate-all": every_band_deflated,
+    "PIL": png.pil_png,
+}
 
 
 def median_ms(run, runs: int) -> tuple[float, object]:
