@@ -289,6 +289,11 @@ class GenerationResult:
     seed: int
     timings: Timings
     request: ResolvedRequest | None = None  # what ran: the request with the model's defaults filled in
+    # The images' 8-bit pixels (batch, H, W, 3), rounded where they were decoded: on a GPU that takes microseconds.
+    # Made from the float pixels in the process that answers, a 1024² image cost an H100 host 30 ms, against 1.8 for
+    # the same arithmetic on a tensor made there (the result's pixels arrive in shared memory, first read then): a
+    # quarter of the bytes to read. None: made from ``pixels``.
+    rgb8: torch.Tensor | None = None
 
     @property
     def is_video(self) -> bool:
@@ -296,6 +301,8 @@ class GenerationResult:
 
     @property
     def images(self) -> list[Image.Image]:
+        if self.rgb8 is not None:
+            return [Image.fromarray(frame) for frame in self.rgb8.numpy()]
         pixels = self.pixels.flatten(0, 1) if self.is_video else self.pixels
         # Channels last while float, in torch's threads (3 ms for 1024x1024 against 10 for PIL's one-thread copy of
         # a strided uint8 array), into a tensor of its own: the arithmetic in place never reaches ``pixels``.

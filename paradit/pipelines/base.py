@@ -378,7 +378,11 @@ class DiffusionPipeline(ABC):
         unmap_free(self.device)
         timings.comm_bytes_per_step = stats.bytes_sent["denoise"] // steps
         decode_start = time.perf_counter()
-        pixels = self.decode(latents, layout).float().cpu()
+        decoded = self.decode(latents, layout).float()
+        pixels = decoded.cpu()
+        # Images only: a video's 8-bit copy on the device would add to the decode's peak, which the memory plan holds.
+        rgb8 = eight_bit(decoded).cpu() if decoded.is_cuda and decoded.ndim == 4 else None
+        del decoded
         timings.vae_decode_s = time.perf_counter() - decode_start
         if self.parallel is not None:
             timings.peak_memory_per_rank = self.parallel.gather_int(peak_memory(self.device))
@@ -391,10 +395,17 @@ class DiffusionPipeline(ABC):
         timings.peak_memory_kind = "device" if self.device.type == "cuda" else "process RSS"
         if timings.peak_memory_per_rank:  # rank 0 decodes after the others reported: its own peak is final only now
             timings.peak_memory_per_rank[0] = timings.peak_memory_bytes
+        batches = [part.batch for part in requests]
+        eight_bits = rgb8.split(batches) if rgb8 is not None else [None] * len(requests)
         return [
-            GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part)
-            for part, images in zip(requests, pixels.split([part.batch for part in requests]))
+            GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part, rgb8=images8)
+            for part, images, images8 in zip(requests, pixels.split(batches), eight_bits)
         ]
+
+
+def eight_bit(pixels: torch.Tensor) -> torch.Tensor:
+    """(batch, 3, H, W) in [0, 1] -> (batch, H, W, 3) uint8, rounded as ``GenerationResult.images`` rounds."""
+    return pixels.permute(0, 2, 3, 1).mul(255).round().to(torch.uint8).contiguous()
 
 
 def shift_name(scheduler_class: type) -> str:
