@@ -15,8 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from paradit.pipelines.base import eight_bit
-from paradit.request import GenerationResult, Timings
+from paradit.request import GenerationResult, Timings, rgb8_of
 from paradit.serving import png, schemas
 from tests.test_serving_scheduler import http_server, scheduler
 
@@ -77,7 +76,7 @@ def test_8_bit_pixels_are_the_rounding_they_were_and_leave_the_result_untouched(
     assert np.array_equal(np.stack([np.asarray(image) for image in images]), expected)
     assert torch.equal(pixels, kept)
     if pixels.ndim == 4:  # an image's 8-bit pixels as a GPU run rounds them where they were decoded
-        rounded = GenerationResult(pixels=pixels, seed=0, timings=Timings(), rgb8=eight_bit(pixels)).images
+        rounded = GenerationResult(pixels=pixels, seed=0, timings=Timings(), rgb8=rgb8_of(pixels)).images
         assert np.array_equal(np.stack([np.asarray(image) for image in rounded]), expected)
 
 

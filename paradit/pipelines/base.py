@@ -25,7 +25,7 @@ from paradit.parallel.parallelize import NoisePredictor
 from paradit.pipelines.inpainting import ImageToImage, latent_mask
 from paradit.pipelines.requests import one_batch
 from paradit.pipelines.step_cache import StepCaching
-from paradit.request import GenerationResult, ResolvedRequest, Timings
+from paradit.request import GenerationResult, ResolvedRequest, Timings, rgb8_of
 from paradit.request_hooks import Denoise, RequestHook
 from paradit.spec import ModelSpec
 
@@ -381,7 +381,7 @@ class DiffusionPipeline(ABC):
         decoded = self.decode(latents, layout).float()
         pixels = decoded.cpu()
         # Images only: a video's 8-bit copy on the device would add to the decode's peak, which the memory plan holds.
-        rgb8 = eight_bit(decoded).cpu() if decoded.is_cuda and decoded.ndim == 4 else None
+        rgb8 = rgb8_of(decoded).cpu() if decoded.is_cuda and decoded.ndim == 4 else None
         del decoded
         timings.vae_decode_s = time.perf_counter() - decode_start
         if self.parallel is not None:
@@ -401,11 +401,6 @@ class DiffusionPipeline(ABC):
             GenerationResult(pixels=images, seed=part.seed, timings=timings, request=part, rgb8=images8)
             for part, images, images8 in zip(requests, pixels.split(batches), eight_bits)
         ]
-
-
-def eight_bit(pixels: torch.Tensor) -> torch.Tensor:
-    """(batch, 3, H, W) in [0, 1] -> (batch, H, W, 3) uint8, rounded as ``GenerationResult.images`` rounds."""
-    return pixels.permute(0, 2, 3, 1).mul(255).round().to(torch.uint8).contiguous()
 
 
 def shift_name(scheduler_class: type) -> str:

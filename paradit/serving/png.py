@@ -26,7 +26,7 @@ MIN_BAND_BYTES = 256 * 1024
 THREADS = min(8, os.cpu_count() or 1)
 COMPRESS_LEVEL = 1  # zlib's fastest: a sixth more bytes than the default level, a quarter of its time
 STORED = 0  # zlib's level 0: stored blocks, the bytes copied
-SAMPLE_BYTES = 16 * 1024  # of a band's filtered rows, deflated to decide its level: ~1 ms at level 1 on noise
+SAMPLE_BYTES = 16 * 1024  # of a band's filtered rows, deflated to decide its encoding: ~1 ms at level 1 on noise
 # Up-filtered photographs and renders are small residuals with few long repeats: zlib's run-length strategy (matches
 # at distance 1 only) deflates them in about two thirds of level 1's time, and smaller (a 1024² photograph: 28 ms for
 # 58.5% against 41 ms for 59.0%, one core). Flat content (gradients, graphics, text) keeps level 1's hash search, whose
