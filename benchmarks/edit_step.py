@@ -325,12 +325,15 @@ def diffusers_model(spec, paradit_model: torch.nn.Module) -> torch.nn.Module:
 
 
 def measure(fn, args, device, label: str) -> tuple[float, float | None]:
-    """(median ms, peak GiB during the runs)."""
+    """(median ms, peak GiB during the runs), without autograd."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    ms = median_ms(fn, device, args.warmup, args.iters)
+    # As diffusers' pipelines call their transformer (under no_grad): its parameters, handed over by
+    # load_state_dict(assign=True), keep requires_grad, so outside this its forward would record a graph for backward.
+    with torch.inference_mode():
+        ms = median_ms(fn, device, args.warmup, args.iters)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     log(f"  {label}: {ms:.1f} ms (measured in {time.perf_counter() - start:.0f} s incl. compile)")
     return ms, peak
