@@ -25,6 +25,7 @@ from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
 from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image, file_metadata
 from paradit.serving.metrics import Metrics
+from paradit.serving.remote import RemoteScheduler, ReplicaLost
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.store import FileStore
 from paradit.serving.videos import VideoJobs
@@ -58,6 +59,7 @@ ERRORS: dict[type[ParaditError], tuple[int, str]] = {
     InvalidRequest: (400, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),
     Draining: (503, "server_shutting_down"),
+    ReplicaLost: (503, "replica_lost"),
     OutOfMemory: (503, "out_of_memory"),  # the server's capacity, not the client's input: it serves on
     JobTimeout: (504, "timeout"),
     JobCancelled: (409, "cancelled"),
@@ -66,7 +68,8 @@ ERRORS: dict[type[ParaditError], tuple[int, str]] = {
 
 def paradit_error(request: Request, exc: ParaditError) -> JSONResponse:
     status, kind = next(((s, k) for t, (s, k) in ERRORS.items() if isinstance(exc, t)), (500, "server_error"))
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+    retry_after = getattr(exc, "retry_after", None)  # a full queue's, a lost replica's (serving/remote.py)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     # A failure in the workers carries their traces for the server's log; the client gets its first line.
     return error_response(status, str(exc).splitlines()[0], kind, getattr(exc, "param", None), headers)
 
@@ -161,7 +164,7 @@ class Gate:
                 self.metrics.latency.labels("total").observe(time.perf_counter() - start)
 
 
-def create_app(scheduler: Scheduler, config: ServerConfig, metrics: Metrics) -> FastAPI:
+def create_app(scheduler: Scheduler | RemoteScheduler, config: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(
         title="paradit",
         version=__version__,

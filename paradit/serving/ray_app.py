@@ -1,0 +1,110 @@
+"""``paradit serve --ray``: a Ray Serve application of one front and replicas that are each a paradit group.
+
+The front is ``paradit serve``'s own FastAPI app over a ``RemoteScheduler``: it checks and seeds every request with
+the plan ``settle`` gives one group (a malformed request never leaves it), keeps the video jobs and their files, and
+sends each request to a ``GroupReplica``, which runs the scheduler ``paradit serve`` runs for one group.
+``serve run paradit.serving.ray_app:build model=flux2-tiny device=cpu replicas=2`` serves it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from paradit.options import Asked, ServeSettings
+from paradit.request import GenerationRequest, GenerationResult
+from paradit.serving.launch import build_scheduler
+from paradit.serving.metrics import Metrics
+from paradit.serving.remote import RemoteScheduler
+from paradit.serving.server import create_app
+from paradit.worker import start_worker_server
+
+TARGET_ONGOING_REQUESTS = 2  # per replica, for autoscaling: one running and one queued keeps a group busy
+REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+
+def group_settings(settings: ServeSettings, gpus_per_replica: int) -> ServeSettings:
+    """One replica's settings: a single group of ``gpus_per_replica`` GPUs (CPU workers on ``--device cpu``)."""
+    return dataclasses.replace(settings, gpus=gpus_per_replica, group_size=None)
+
+
+@serve.deployment(max_ongoing_requests=16)
+class GroupReplica:
+    """One paradit group, its plan settled once here as ``paradit serve`` settles it."""
+
+    def __init__(self, settings: ServeSettings) -> None:
+        start_worker_server(settings.asked.device)
+        self.scheduler, _ = build_scheduler(settings, Metrics())
+        self.scheduler.start()
+
+    async def run(self, request: GenerationRequest, video: bool) -> tuple[GenerationResult, str]:
+        job = self.scheduler.submit(request, video=video)
+        return await asyncio.wrap_future(job.future), job.plan
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def __del__(self) -> None:
+        self.scheduler.close()
+
+
+@serve.deployment
+@serve.ingress()
+class Front:
+    """``paradit serve``'s API; the requests it accepts run on the replicas behind ``replica``."""
+
+    def __init__(self, settings: ServeSettings, replica: DeploymentHandle) -> None:
+        self.metrics = Metrics()
+        checking, self.config = build_scheduler(settings, self.metrics)  # never started: its checks alone
+        self.replica = replica
+        self.scheduler = RemoteScheduler(checking.check, self._run, REPLICA_LOST, settings.timeout_s)
+
+    async def _run(self, request: GenerationRequest, video: bool) -> tuple[GenerationResult, str]:
+        return await self.replica.run.remote(request, video)
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.scheduler, self.config, self.metrics)
+
+
+def ray_app(
+    settings: ServeSettings,
+    replicas: int = 1,
+    gpus_per_replica: int = 1,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+):
+    """The application: ``replicas`` groups of ``gpus_per_replica`` GPUs (CPUs on ``--device cpu``), or between
+    ``min_replicas`` and ``max_replicas`` of them, scaled to ``TARGET_ONGOING_REQUESTS`` each, behind one front."""
+    grouped = group_settings(settings, gpus_per_replica)
+    on_cpu = (settings.asked.device or "").startswith("cpu")
+    resources = {"num_cpus": gpus_per_replica} if on_cpu else {"num_gpus": gpus_per_replica}
+    if min_replicas is not None or max_replicas is not None:
+        low, high = min_replicas or 1, max_replicas or max(min_replicas or 1, replicas)
+        if low > high:
+            raise ValueError(f"--min-replicas {low} is past --max-replicas {high}")
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": low,
+                "max_replicas": high,
+                "target_ongoing_requests": TARGET_ONGOING_REQUESTS,
+            }
+        }
+    else:
+        scaling = {"num_replicas": replicas}
+    replica = GroupReplica.options(ray_actor_options=resources, **scaling).bind(grouped)
+    return Front.options(ray_actor_options={"num_cpus": 0}).bind(grouped, replica)
+
+
+def build(args: dict[str, str]):
+    """``serve run``'s and a Serve config file's entry: ``model``, ``device``, ``replicas``, ``gpus_per_replica``."""
+    asked = Asked(model=args["model"], device=args.get("device"))
+    settings = ServeSettings(asked=asked, api_key=args.get("api_key") or os.environ.get("PARADIT_API_KEY"))
+    counts = {
+        key: int(args[key]) for key in ("replicas", "gpus_per_replica", "min_replicas", "max_replicas") if key in args
+    }
+    return ray_app(settings, **counts)
