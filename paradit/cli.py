@@ -18,7 +18,16 @@ from paradit.errors import ParaditError, report_warnings
 from paradit.families import PRESETS
 from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flagged_fields, flags_given, from_args
 from paradit.lora.refs import LoraSet
-from paradit.options import COMMANDS, LOAD_FORMATS, LOSSY_PSNR_DB, Asked, ExecutionOptions, LoraFlags, ServeSettings
+from paradit.options import (
+    COMMANDS,
+    LOAD_FORMATS,
+    LOSSY_PSNR_DB,
+    Asked,
+    ExecutionOptions,
+    LoraFlags,
+    RayFlags,
+    ServeSettings,
+)
 from paradit.outputs import output_paths, replaced, save_images, save_videos, sparse_record, writable_folder
 from paradit.parallel.config import ParallelConfig
 from paradit.request import GenerationRequest
@@ -282,11 +291,16 @@ def run_download(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
+    settings = from_args(ServeSettings, args, SERVE, asked=asked_for(args, SERVE), api_key=api_key)
+    if args.ray is not None:  # the groups run in Ray's replicas, not here
+        from paradit.serving.ray_app import serve_on_ray
+
+        return serve_on_ray(settings, from_args(RayFlags, args, SERVE))
     start_worker_server(args.device)  # every group runs in workers; the forkserver's imports overlap this process's
     from paradit.serving.launch import serve
 
-    api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
-    serve(from_args(ServeSettings, args, SERVE, asked=asked_for(args, SERVE), api_key=api_key))
+    serve(settings)
 
 
 def run_plan(args: argparse.Namespace) -> None:

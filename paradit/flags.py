@@ -30,6 +30,8 @@ class Flag:
     choices: tuple[str, ...] | None = None
     action: str | type[argparse.Action] | None = None
     metavar: str | None = None
+    nargs: str | None = None  # "?": a flag that may stand alone, meaning ``const``
+    const: Any = None
     required: bool = False
     absent: Any = None  # what argparse answers when the flag is absent (None: the field's own default)
     convert: Callable[[Any], Any] | None = None
@@ -39,6 +41,7 @@ class Flag:
 
     def add_to(self, parser: Any, dest: str) -> None:
         keywords = {"type": self.type, "choices": self.choices, "metavar": self.metavar, "action": self.action}
+        keywords |= {"nargs": self.nargs, "const": self.const}
         keywords = {key: value for key, value in keywords.items() if value is not None}
         if self.action is None and self.choices is None and self.metavar is None:  # named as the flag, not the field
             keywords["metavar"] = self.name.removeprefix("--").replace("-", "_").upper()

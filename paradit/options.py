@@ -330,10 +330,36 @@ class PlanFlags:
     )
 
 
+LOCAL_RAY = "local"  # ``--ray`` alone: a Ray instance started here
+
+
+@dataclass(frozen=True)
+class RayFlags:
+    """``paradit serve --ray``: its groups as Ray Serve replicas behind one front (serving/ray_app.py)."""
+
+    ray: str | None = serve_option(
+        nargs="?",
+        const=LOCAL_RAY,
+        metavar="ADDRESS",
+        group="ray",
+        help="serve on Ray: auto (the cluster `ray start` made here), ray://HOST:PORT, or nothing for a local instance",
+    )
+    replicas: int = serve_option(1, type=positive, absent=1, group="ray", help="replicas, each one group")
+    gpus_per_replica: int = serve_option(
+        1, type=positive, absent=1, group="ray", help="GPUs each replica's group holds (CPUs with --device cpu)"
+    )
+    min_replicas: int | None = serve_option(
+        type=positive, group="ray", help="autoscale from this many replicas (with --max-replicas)"
+    )
+    max_replicas: int | None = serve_option(
+        type=positive, group="ray", help="autoscale up to this many, aiming at 2 requests in flight per replica"
+    )
+
+
 # The records each command takes flags from, in the order its help lists them.
 COMMANDS: dict[str, tuple[type, ...]] = {
     GENERATE: (Asked, GenerationRequest, StepCacheConfig, GenerateFlags, LoraFlags, ExecutionOptions, ParallelConfig),
-    SERVE: (Asked, ServeSettings, LoraFlags, ExecutionOptions),
+    SERVE: (Asked, ServeSettings, RayFlags, LoraFlags, ExecutionOptions),
     PLAN: (Asked, GenerationRequest, PlanFlags, ExecutionOptions, ParallelConfig),
 }
 

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 
+import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from paradit.options import Asked, ServeSettings
+from paradit.options import LOCAL_RAY, Asked, RayFlags, ServeSettings
 from paradit.request import GenerationRequest, GenerationResult
 from paradit.serving.launch import build_scheduler
 from paradit.serving.metrics import Metrics
 from paradit.serving.remote import RemoteScheduler
 from paradit.serving.server import create_app
 from paradit.worker import start_worker_server
+
+logger = logging.getLogger(__name__)
 
 TARGET_ONGOING_REQUESTS = 2  # per replica, for autoscaling: one running and one queued keeps a group busy
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
@@ -108,3 +112,12 @@ def build(args: dict[str, str]):
         key: int(args[key]) for key in ("replicas", "gpus_per_replica", "min_replicas", "max_replicas") if key in args
     }
     return ray_app(settings, **counts)
+
+
+def serve_on_ray(settings: ServeSettings, flags: RayFlags) -> None:
+    """``paradit serve --ray``: the application on the cluster at ``flags.ray``, its front at --host and --port."""
+    ray.init(address=None if flags.ray == LOCAL_RAY else flags.ray)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    app = ray_app(settings, flags.replicas, flags.gpus_per_replica, flags.min_replicas, flags.max_replicas)
+    logger.warning("serving on Ray at http://%s:%d (Ctrl-C stops it)", settings.host, settings.port)
+    serve.run(app, name="paradit", route_prefix="/", blocking=True)
