@@ -14,6 +14,7 @@ import logging
 import os
 
 import ray
+from prometheus_client import Counter
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -45,13 +46,12 @@ class GroupReplica:
         start_worker_server(settings.asked.device)
         self.scheduler, _ = build_scheduler(settings, Metrics())
         self.scheduler.start()
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
 
-    async def run(self, request: GenerationRequest, video: bool) -> tuple[GenerationResult, str]:
+    async def run(self, request: GenerationRequest, video: bool) -> tuple[GenerationResult, str, str]:
+        """The result, the group's plan, and this replica's id (the front counts each replica's requests)."""
         job = self.scheduler.submit(request, video=video)
-        return await asyncio.wrap_future(job.future), job.plan
-
-    def pid(self) -> int:
-        return os.getpid()
+        return await asyncio.wrap_future(job.future), job.plan, self.replica_id
 
     def __del__(self) -> None:
         self.scheduler.close()
@@ -67,9 +67,14 @@ class Front:
         checking, self.config = build_scheduler(settings, self.metrics)  # never started: its checks alone
         self.replica = replica
         self.scheduler = RemoteScheduler(checking.check, self._run, REPLICA_LOST, settings.timeout_s)
+        self.served = Counter(
+            "paradit_replica_requests", "Requests each replica ran", ["replica"], registry=self.metrics.registry
+        )
 
     async def _run(self, request: GenerationRequest, video: bool) -> tuple[GenerationResult, str]:
-        return await self.replica.run.remote(request, video)
+        result, plan, replica_id = await self.replica.run.remote(request, video)
+        self.served.labels(replica_id).inc()
+        return result, plan
 
     def __serve_build_asgi_app__(self):
         return create_app(self.scheduler, self.config, self.metrics)
