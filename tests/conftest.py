@@ -28,6 +28,7 @@ torch.set_num_threads(1)
 SLOWEST_FILES = [
     "test_serving.py",  # 169
     "test_hardening_server.py",  # 73 (its SIGHUP test alone: 14 s quiet, 102 s beside two other processes)
+    "test_ray_serving.py",  # 63 alone (a Ray instance and three replicas start once for the file)
     "test_processes.py",  # 124
     "test_device_memory.py",  # 110
     "test_parallel_engine.py",  # 91

@@ -59,13 +59,14 @@ def cluster():
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
+    try:  # both apps' replicas load at once: the video app is not waited for until the image app runs
+        serve._run(ray_app(settings(VIDEO_MODEL)), name="videos", route_prefix="/videos", _blocking=False)
         serve.run(ray_app(settings(MODEL), replicas=2), name="images", route_prefix="/images")
-        serve.run(ray_app(settings(VIDEO_MODEL), replicas=1), name="videos", route_prefix="/videos")
+        while serve.status().applications["videos"].status != "RUNNING":
+            time.sleep(0.2)
         yield f"http://127.0.0.1:{port}/images", f"http://127.0.0.1:{port}/videos"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()  # every actor with it: Serve's own graceful shutdown would only add seconds
 
 
 def body(seed: int) -> dict:
