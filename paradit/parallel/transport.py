@@ -3,6 +3,8 @@ one collective carries both (on PCIe a second one costs more latency than its by
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from paradit.layers.fp8 import quantize_rowwise
@@ -30,15 +32,17 @@ def _decode(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (payload.view(TRANSPORT_FP8).float() * bits.view(torch.float32)).to(dtype)
 
 
-# Compiled on GPUs: eager mode reads and writes ~27 bytes per value, more time than the halved wire saves.
-_encode_compiled = torch.compile(_encode, dynamic=False)
-_decode_compiled = torch.compile(_decode, dynamic=False)
+# Compiled on GPUs: eager mode reads and writes ~27 bytes per value, more time than the halved wire saves. Wrapped
+# on first use: torch.compile imports Inductor (half a second), which a process that only plans never needs.
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
 
 
 def encode_fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """(..., D) floating -> (..., D + 4) uint8."""
-    return (_encode_compiled if x.is_cuda else _encode)(x.contiguous())
+    return (_compiled(_encode) if x.is_cuda else _encode)(x.contiguous())
 
 
 def decode_fp8_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (_decode_compiled if packed.is_cuda else _decode)(packed.contiguous(), dtype)
+    return (_compiled(_decode) if packed.is_cuda else _decode)(packed.contiguous(), dtype)
