@@ -14,7 +14,7 @@ from pathlib import Path
 
 from paradit import __version__
 from paradit.cache_options import cache_config, keep_curve
-from paradit.errors import ParaditError, report_warnings
+from paradit.errors import InvalidRequest, ParaditError, report_warnings
 from paradit.families import PRESETS
 from paradit.flags import GENERATE, PLAN, SERVE, add_flags, flagged_fields, flags_given, from_args
 from paradit.lora.refs import LoraSet
@@ -294,7 +294,12 @@ def run_serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get("PARADIT_API_KEY")
     settings = from_args(ServeSettings, args, SERVE, asked=asked_for(args, SERVE), api_key=api_key)
     if args.ray is not None:  # the groups run in Ray's replicas, not here
-        from paradit.serving.ray_app import serve_on_ray
+        try:
+            from paradit.serving.ray_app import serve_on_ray
+        except ModuleNotFoundError as exc:
+            if exc.name != "ray":
+                raise
+            raise InvalidRequest("--ray needs Ray Serve, which is not installed: pip install 'paradit[ray]'") from None
 
         return serve_on_ray(settings, from_args(RayFlags, args, SERVE))
     start_worker_server(args.device)  # every group runs in workers; the forkserver's imports overlap this process's
