@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from paradit.layers.attention import sdpa_attention
+from paradit.layers.attention import attention_with_lse, sdpa_attention
 from paradit.parallel import ParallelConfig
 from paradit.parallel.comm import all_gather_uneven, split_sizes
 from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.parallelize import parallelize
-from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention, sequence_layout
+from paradit.parallel.sequence import ULYSSES_CHUNKS, SequenceParallelAttention, merge_partials, sequence_layout
 from tests.distributed import run_on_processes
 from tests.transformer_cases import SEQUENCE
 
@@ -55,6 +55,24 @@ def test_masked_sequence_parallel_attention_equals_sdpa(world, plans):
     errors = run_on_processes(world, _compare_masked_attention, plans)
     for plan in plans:
         assert errors[plan.describe()] <= 1e-5, errors
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_ring_merge_keeps_float64(masked):
+    """Ring's blocks merged in float64 equal SDPA on the whole sequence to float64's digits, not float32's: a float64
+    run (how the CPU tests tell a split's reordered sums from a wrong one) keeps its precision through the merge."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 11, 3, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    key_mask = torch.rand(2, 11, generator=gen) > 0.3 if masked else None
+    if masked:
+        key_mask[:, -1] = True
+    out = lse = None
+    for keys in (slice(0, 4), slice(4, 9), slice(9, 11)):
+        block_mask = None if key_mask is None else key_mask[:, keys]
+        out, lse = merge_partials(out, lse, *attention_with_lse(q, k[:, keys], v[:, keys], block_mask))
+    expected = sdpa_attention(q, k, v, key_mask)
+    assert out.dtype == torch.float64
+    assert ((out - expected).norm() / expected.norm()).item() <= 1e-13
 
 
 def _compare_fp8_transport(plans: list[ParallelConfig]) -> dict[str, float]:

@@ -118,13 +118,21 @@ class References:
                 seed=body["seed"],
                 num_images_per_prompt=body.get("n", 1),
             )
-            threads = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
-            try:
+            with torch_threads(max(1, (os.cpu_count() or 1) // 2)):
                 self.cache[key] = [np.asarray(image) for image in self.engine.generate(request).images]
-            finally:
-                torch.set_num_threads(threads)
         return self.cache[key]
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """This process's torch threads set to ``count`` for a while: an engine that runs here, as a reference for a
+    server's worker, must split its reductions among as many threads as that worker does (worker.py) to equal it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def decoded(data: bytes) -> np.ndarray:

@@ -14,6 +14,12 @@ from paradit.layers.rotary import rotate_qk
 from paradit.request_hooks import RequestHook
 
 
+def accumulation_precision(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32, or kept in float64: softmax sums and Ring's merges in a half dtype lose the digits
+    that make a split equal one process, and casting float64 down would lose them for a float64 run."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 class AttentionFn(Protocol):
     def __call__(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
@@ -128,7 +134,7 @@ def attention_with_lse(
         out, lse = _masked_attention_with_lse(q, k, v, None)
     # Kernels pad or reshape the lse differently ((B, H, L, 1), or L rounded up to 32); keep (B, H, L).
     lse = lse.reshape(*q.shape[:2], -1)[..., : q.shape[2]]
-    return out.transpose(1, 2), lse.float()
+    return out.transpose(1, 2), accumulation_precision(lse)
 
 
 def _masked_attention_with_lse(
@@ -145,11 +151,11 @@ def _masked_attention_with_lse(
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)[:2]
         lse = lse[..., : q.shape[2]]  # the kernel rounds the query length up to 32
     else:
-        scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+        scores = (accumulation_precision(q) @ accumulation_precision(k).transpose(-1, -2)) * q.shape[-1] ** -0.5
         if key_mask is not None:
             scores = scores.masked_fill(~key_mask, float("-inf"))
         lse = scores.logsumexp(dim=-1)
-        out = (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
+        out = (torch.softmax(scores, dim=-1) @ accumulation_precision(v)).to(q.dtype)
     empty = torch.isinf(lse) & (lse < 0)
     return out.masked_fill(empty[..., None], 0.0), lse
 

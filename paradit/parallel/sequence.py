@@ -17,7 +17,14 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from paradit.layers.attention import AttentionDispatch, AttentionFn, FP8Attention, attention_with_lse, sdpa_attention
+from paradit.layers.attention import (
+    AttentionDispatch,
+    AttentionFn,
+    FP8Attention,
+    accumulation_precision,
+    attention_with_lse,
+    sdpa_attention,
+)
 from paradit.layers.prefix_attention import CachedPrefix, PrefixCaching, masked_sdpa
 from paradit.parallel.comm import (
     RingExchange,
@@ -59,15 +66,17 @@ _PREFIX_SHARES: ContextVar[tuple[int, ...]] = ContextVar("paradit_prefix_shares"
 def merge_partials(
     out_acc: torch.Tensor | None, lse_acc: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` (B, L, H, D) and ``lse`` (B, H, L) of a new key block merged into the running fp32 (``out_acc``,
+    """``out`` (B, L, H, D) and ``lse`` (B, H, L) of a new key block merged into the running fp32 or fp64 (``out_acc``,
     ``lse_acc`` (B, L, H, 1); None for the first block)."""
     lse = lse.transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1), aligned with out
     if out_acc is None:
-        return out.float(), lse
+        return accumulation_precision(out), lse
     merged = torch.logaddexp(lse_acc, lse)
     # A query with every key masked so far has lse -inf on both sides; its weights stay 0, not NaN.
     merged_safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
-    return out_acc * torch.exp(lse_acc - merged_safe) + out.float() * torch.exp(lse - merged_safe), merged
+    return out_acc * torch.exp(lse_acc - merged_safe) + accumulation_precision(out) * torch.exp(
+        lse - merged_safe
+    ), merged
 
 
 def blockwise(local: AttentionFn) -> bool:
