@@ -8,12 +8,14 @@ import base64
 import os
 import signal
 import socket
+import sys
 import time
 
 import httpx
 import numpy as np
 import pytest
 
+from paradit.cli import main
 from paradit.engine import Engine
 from paradit.options import Asked, ServeSettings
 from tests.test_serving import KEY, MALFORMED, MODEL, SIZE, STEPS, References, decoded, send_all
@@ -143,3 +145,18 @@ def test_a_video_job_is_fetched_through_the_front_after_its_replica_is_gone(clus
     content = httpx.get(f"{url}/v1/videos/{job['id']}/content", headers=headers)
     assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
     assert content.content[4:8] == b"ftyp" and len(content.content) > 1000
+
+
+def test_the_command_line_refuses_bad_replica_bounds_and_a_missing_ray_in_one_line(monkeypatch, capsys):
+    """Both before any Ray starts: bounds the wrong way round, and --ray where Ray Serve is not installed."""
+    serve_ray = ["serve", "--ray", "--model", MODEL, "--device", "cpu"]
+    assert main([*serve_ray, "--min-replicas", "3", "--max-replicas", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "paradit: error: --min-replicas 3 is past --max-replicas 2; give a smaller --min-replicas\n"
+    )
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives `import ray`
+    monkeypatch.delitem(sys.modules, "paradit.serving.ray_app")
+    assert main(serve_ray) == 2
+    assert capsys.readouterr().err == (
+        "paradit: error: --ray needs Ray Serve, which is not installed: pip install 'paradit[ray]'\n"
+    )

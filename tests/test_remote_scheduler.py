@@ -1,5 +1,6 @@
 """The front's RemoteScheduler under ``paradit serve --ray``, with a stand-in for the replicas: a request whose replica
-dies is run once more with the same seed, and one that loses two replicas ends in ReplicaLost (503, Retry-After)."""
+dies is run once more with the same seed, one that loses two replicas ends in ReplicaLost (503, Retry-After), and a
+drain waits for the accepted requests."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from paradit.options import Asked
 from paradit.request import GenerationRequest
-from paradit.serving.jobs import COMPLETED, FAILED
+from paradit.serving.jobs import COMPLETED, FAILED, Draining
 from paradit.serving.remote import RETRY_AFTER_S, RemoteScheduler, ReplicaLost
 from paradit.settings import settle
 
@@ -56,3 +57,30 @@ def test_a_request_that_loses_two_replicas_is_refused_with_retry_after():
     with pytest.raises(ReplicaLost) as lost:
         job.future.result()
     assert lost.value.retry_after == RETRY_AFTER_S
+
+
+def test_draining_refuses_new_requests_and_finishes_once_the_accepted_ones_have_run():
+    """SIGTERM's drain under --ray: the accepted request still runs to its image, a new one gets Draining (503)."""
+
+    async def drained():
+        release = asyncio.Event()
+
+        async def run(request: GenerationRequest, video: bool):
+            await release.wait()
+            return f"image of seed {request.seed}", "1 process"
+
+        check = settle(Asked(model="flux2-tiny", device="cpu")).resolve
+        scheduler = RemoteScheduler(check, run, (Died,), timeout_s=10)
+        accepted = scheduler.submit(GenerationRequest(prompt="a fox", steps=1, seed=3))
+        scheduler.drain()
+        with pytest.raises(Draining):
+            scheduler.submit(GenerationRequest(prompt="a hare", steps=1))
+        finishing = asyncio.ensure_future(scheduler.finished())
+        await asyncio.sleep(0.05)
+        waited = not finishing.done()  # the accepted request holds the drain
+        release.set()
+        await finishing
+        return waited, accepted
+
+    waited, accepted = asyncio.run(drained())
+    assert waited and accepted.state == COMPLETED and accepted.future.result() == "image of seed 3"

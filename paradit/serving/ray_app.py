@@ -1,8 +1,9 @@
 """``paradit serve --ray``: a Ray Serve application of one front and replicas that are each a paradit group.
 
 The front is ``paradit serve``'s own FastAPI app over a ``RemoteScheduler``: it checks and seeds every request with
-the plan ``settle`` gives one group (a malformed request never leaves it), keeps the video jobs and their files, and
-sends each request to a ``GroupReplica``, which runs the scheduler ``paradit serve`` runs for one group.
+the check of a replica's group, its plan settled by ``settle`` on the replica's machine (a malformed request never
+leaves the front, which needs no GPU), keeps the video jobs and their files, and sends each request to a
+``GroupReplica``, which runs the scheduler ``paradit serve`` runs for one group.
 ``serve run paradit.serving.ray_app:build model=flux2-tiny device=cpu replicas=2`` serves it too.
 """
 
@@ -12,6 +13,9 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
+import threading
+from collections.abc import Callable
 
 import ray
 from prometheus_client import Counter
@@ -19,18 +23,20 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
+from paradit.errors import InvalidRequest
 from paradit.options import LOCAL_RAY, Asked, RayFlags, ServeSettings
-from paradit.request import GenerationRequest, GenerationResult
+from paradit.request import GenerationRequest, GenerationResult, ResolvedRequest
 from paradit.serving.launch import build_scheduler
 from paradit.serving.metrics import Metrics
 from paradit.serving.remote import RemoteScheduler
-from paradit.serving.server import create_app
+from paradit.serving.server import ServerConfig, create_app
 from paradit.worker import start_worker_server
 
 logger = logging.getLogger(__name__)
 
 TARGET_ONGOING_REQUESTS = 2  # per replica, for autoscaling: one running and one queued keeps a group busy
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
+APP_NAME = "paradit"
 
 
 def group_settings(settings: ServeSettings, gpus_per_replica: int) -> ServeSettings:
@@ -44,9 +50,14 @@ class GroupReplica:
 
     def __init__(self, settings: ServeSettings) -> None:
         start_worker_server(settings.asked.device)
-        self.scheduler, _ = build_scheduler(settings, Metrics())
+        self.scheduler, self.config = build_scheduler(settings, Metrics())
         self.scheduler.start()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+    def checks(self) -> tuple[Callable[[GenerationRequest], ResolvedRequest], ServerConfig]:
+        """This group's request check, closed over the plan settled on this replica's machine (Ray pickles it by
+        value), and its API's config: the front refuses what this group would, with no GPU of its own."""
+        return self.scheduler.check, self.config
 
     async def run(self, request: GenerationRequest, video: bool) -> tuple[GenerationResult, str, str]:
         """The result, the group's plan, and this replica's id (the front counts each replica's requests)."""
@@ -62,11 +73,11 @@ class GroupReplica:
 class Front:
     """``paradit serve``'s API; the requests it accepts run on the replicas behind ``replica``."""
 
-    def __init__(self, settings: ServeSettings, replica: DeploymentHandle) -> None:
+    async def __init__(self, settings: ServeSettings, replica: DeploymentHandle) -> None:  # Serve awaits it
         self.metrics = Metrics()
-        checking, self.config = build_scheduler(settings, self.metrics)  # never started: its checks alone
+        check, self.config = await replica.checks.remote()
         self.replica = replica
-        self.scheduler = RemoteScheduler(checking.check, self._run, REPLICA_LOST, settings.timeout_s)
+        self.scheduler = RemoteScheduler(check, self._run, REPLICA_LOST, settings.timeout_s)
         self.served = Counter(
             "paradit_replica_requests", "Requests each replica ran", ["replica"], registry=self.metrics.registry
         )
@@ -75,6 +86,11 @@ class Front:
         result, plan, replica_id = await self.replica.run.remote(request, video)
         self.served.labels(replica_id).inc()
         return result, plan
+
+    async def drain(self) -> None:
+        """Refuse new requests (503, as ``paradit serve`` draining) and return once the accepted ones have run."""
+        self.scheduler.drain()
+        await self.scheduler.finished()
 
     def __serve_build_asgi_app__(self):
         return create_app(self.scheduler, self.config, self.metrics)
@@ -95,7 +111,7 @@ def ray_app(
     if min_replicas is not None or max_replicas is not None:
         low, high = min_replicas or 1, max_replicas or max(min_replicas or 1, replicas)
         if low > high:
-            raise ValueError(f"--min-replicas {low} is past --max-replicas {high}")
+            raise InvalidRequest(f"--min-replicas {low} is past --max-replicas {high}; give a smaller --min-replicas")
         scaling = {
             "autoscaling_config": {
                 "min_replicas": low,
@@ -120,9 +136,33 @@ def build(args: dict[str, str]):
 
 
 def serve_on_ray(settings: ServeSettings, flags: RayFlags) -> None:
-    """``paradit serve --ray``: the application on the cluster at ``flags.ray``, its front at --host and --port."""
-    ray.init(address=None if flags.ray == LOCAL_RAY else flags.ray)
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    """``paradit serve --ray``: the application on the cluster at ``flags.ray``, its front at --host and --port.
+    A first SIGTERM, SIGINT or SIGHUP drains as ``paradit serve`` does (new requests get 503, the accepted ones
+    answer), then the application leaves the cluster, and a Ray started here stops with it; a second exits now."""
+    local = flags.ray == LOCAL_RAY
     app = ray_app(settings, flags.replicas, flags.gpus_per_replica, flags.min_replicas, flags.max_replicas)
-    logger.warning("serving on Ray at http://%s:%d (Ctrl-C stops it)", settings.host, settings.port)
-    serve.run(app, name="paradit", route_prefix="/", blocking=True)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame) -> None:
+        if stop.is_set():
+            raise SystemExit(128 + signum)
+        stop.set()
+
+    ray.init(address=None if local else flags.ray)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # after ray.init, which sets its own
+        signal.signal(signum, on_signal)
+    drained = False
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        front = serve.run(app, name=APP_NAME, route_prefix="/")
+        logger.warning("serving on Ray at http://%s:%d (Ctrl-C stops it)", settings.host, settings.port)
+        while not stop.wait(1):
+            pass
+        logger.warning("draining: finishing the accepted requests, refusing new ones")
+        front.drain.remote().result()
+        drained = True
+    finally:
+        if drained or not local:  # Serve lets the front finish writing its answers; another cluster keeps running
+            serve.delete(APP_NAME)
+        if local:
+            ray.shutdown()

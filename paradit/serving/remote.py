@@ -92,6 +92,10 @@ class RemoteScheduler:
     def drain(self) -> None:
         self.accepting = False
 
+    async def finished(self) -> None:
+        """Once every accepted request has ended (each task sets its job's outcome before it ends)."""
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+
     def close(self) -> None:
         self.accepting = False
         for task in list(self._running.values()):
