@@ -350,7 +350,7 @@ def run_case(name: str, refs: int, args, device: torch.device, dtype: torch.dtyp
     # side shares: Qwen-Image's FP8 copy, its 41 GB of bf16 weights and diffusers' compiled blocks do not fit 80 GB.
     options = ExecutionOptions(quantize=args.quantize, compile=compiled, cuda_graphs=False)
     runtime = load_transformer(family, spec, device, dtype, None, options)
-    pipeline = family.pipeline(family, spec, runtime, None, None, device, dtype)
+    pipeline = family.pipeline(spec)(family, spec, runtime, None, None, device, dtype)
     inputs = qwen_inputs if spec.family == "qwen_image" else flux2_inputs
     step, branch, branches, lengths, image_tokens = inputs(spec, refs, args, pipeline, runtime, device, dtype)
     pipeline = None

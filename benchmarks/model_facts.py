@@ -28,7 +28,7 @@ from benchmarks.model_trace import StepTrace, trace_step  # noqa: E402
 from benchmarks.parallel_step import BENCHES  # noqa: E402
 from paradit.compile import model_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
-from paradit.families.wan.pipeline import vae_factors  # noqa: E402
+from paradit.families.wan.latents import vae_factors  # noqa: E402
 from paradit.family import FACTS_FILE  # noqa: E402
 from paradit.planner.facts import AttentionGroup, LinearGroup, ModelFacts, TokenLinear, Workload  # noqa: E402
 from paradit.spec import ModelSpec  # noqa: E402

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from paradit.compile import model_blocks
 from paradit.layers.attention import AttentionDispatch
-from paradit.parallel.tensor import TensorPlan
+from paradit.parallel.tensor_plan import TensorPlan
 from paradit.planner.facts import LinearKind
 from paradit.quantize import quantizable
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, init_dummy_weights, print_table, time_cuda_ms, write_json  # noqa: E402
 from benchmarks.qwen_image21_prefix_cost import PROMPT_TOKENS, TINY  # noqa: E402
 from paradit.compile import compile_blocks  # noqa: E402
+from paradit.families.qwen_image21.latents import TOKEN_PIXELS  # noqa: E402
 from paradit.families.qwen_image21.model import TOKENS_PER_SLOT, QwenImage21Config, QwenImage21Transformer  # noqa: E402
-from paradit.families.qwen_image21.pipeline import TOKEN_PIXELS  # noqa: E402
 from paradit.families.qwen_image21.presets import QWEN_IMAGE21_TRANSFORMER  # noqa: E402
 from paradit.layers.attention import AttentionDispatch, sdpa_attention  # noqa: E402
 from paradit.layers.prefix_attention import PrefixCaching  # noqa: E402

@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, init_dummy_weights, print_table, write_json  # noqa: E402
+from paradit.families.qwen_image21.latents import TOKEN_PIXELS  # noqa: E402
 from paradit.families.qwen_image21.model import TOKENS_PER_SLOT, QwenImage21Config, QwenImage21Transformer  # noqa: E402
-from paradit.families.qwen_image21.pipeline import TOKEN_PIXELS  # noqa: E402
 from paradit.families.qwen_image21.presets import QWEN_IMAGE21_TRANSFORMER  # noqa: E402
 
 # The tests' tiny shape, widened to 4 heads and 4 blocks so the CPU figures are not all overhead.

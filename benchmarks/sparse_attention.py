@@ -35,12 +35,8 @@ from paradit.families.wan.model import WanConfig, WanTransformer  # noqa: E402
 from paradit.layers import semantic_permutation  # noqa: E402
 from paradit.layers.attention import AttentionDispatch, apply_fp8_attention, sdpa_attention  # noqa: E402
 from paradit.layers.semantic_permutation import SVG2_TOP_P, semantic_layout  # noqa: E402
-from paradit.layers.sparse_attention import (  # noqa: E402
-    SPARSE_METHODS,
-    SparseSettings,
-    apply_sparse_attention,
-    video_grid,
-)
+from paradit.layers.sparse_attention import SPARSE_METHODS, SparseSettings, apply_sparse_attention  # noqa: E402
+from paradit.layers.sparse_masks import video_grid  # noqa: E402
 
 WORKLOADS = ("a14b-480p", "a14b-720p", "ti2v-5b-704p")  # benchmarks/wan_step.py's
 KMEANS_PASSES = ("fused", "torch")  # semantic_permutation.KMEANS_PASSES'

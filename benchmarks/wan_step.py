@@ -32,8 +32,8 @@ from benchmarks.common import (  # noqa: E402
 )
 from paradit.compile import compile_blocks  # noqa: E402
 from paradit.families import FAMILIES, PRESETS  # noqa: E402
+from paradit.families.wan.latents import vae_factors  # noqa: E402
 from paradit.families.wan.model import WanConfig, WanTransformer, unpatchify  # noqa: E402
-from paradit.families.wan.pipeline import vae_factors  # noqa: E402
 
 TEXT_TOKENS = 512  # umT5's padded prompt
 # name -> (preset, height, width, frames, exact TFLOP of one forward counted with FlopCounterMode over diffusers'

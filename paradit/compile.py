@@ -3,7 +3,6 @@ block's and the stages between blocks, where the parallel runtime communicates, 
 
 from __future__ import annotations
 
-import torch._dynamo
 from torch import nn
 
 # Every shape a process serves and every attention swapped in is one more graph of the same block code: Dynamo's
@@ -17,6 +16,8 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def compile_blocks(model: nn.Module, mode: str | None = None) -> int:
+    import torch._dynamo  # here, where blocks are compiled: settling a run stays light
+
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     blocks = model_blocks(model)
     for block in blocks:

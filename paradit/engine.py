@@ -11,12 +11,11 @@ import torch
 from paradit.device_memory import release_cached
 from paradit.errors import InvalidRequest
 from paradit.families.default import DEFAULT_MODEL
-from paradit.loader import WorkerPlan, build_pipeline, run_requests
 from paradit.options import ExecutionOptions
 from paradit.parallel.config import ParallelConfig
 from paradit.pipelines.requests import one_batch
 from paradit.request import GenerationRequest, GenerationResult, ResolvedRequest
-from paradit.settings import Asked, RunSettings, launched_by_torchrun, settle
+from paradit.settings import Asked, RunSettings, WorkerPlan, launched_by_torchrun, settle
 from paradit.spec import ModelSpec
 from paradit.worker import StepSignals, WorkerFailure, WorkerGroup
 
@@ -74,9 +73,13 @@ class Engine:
         self.pipeline = self._group = self._signals = None
         self._closed = False
         if self.parallel.world_size == 1 and not isolate and not self.parallel.shard_weights:
+            from paradit.loader import build_pipeline  # here, where this process builds one: workers import their own
+
             self.pipeline = build_pipeline(self._plan, 0, self.device.index or 0)
             self._signals = StepSignals(1)
         elif launched_by_torchrun():  # each process is its own engine: there is no one to agree a cancellation with
+            from paradit.loader import build_pipeline
+
             self.pipeline = build_pipeline(self._plan, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]))
         else:
             self._group = WorkerGroup(self._plan, self.device.index or 0, cpu_threads)
@@ -104,6 +107,8 @@ class Engine:
         if self._group is not None:
             results = self._group.generate(resolved, progress)
         else:
+            from paradit.loader import run_requests  # imported with the pipeline this process built
+
             signals = self._signals
             on_step = None if signals is None else functools.partial(signals.check, 0, signals.begin())
             results = run_requests(self.pipeline, self._plan, resolved, progress, on_step)

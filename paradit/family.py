@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from paradit.options import ExecutionOptions
     from paradit.parallel.config import ParallelConfig
-    from paradit.parallel.tensor import TensorPlan
+    from paradit.parallel.tensor_plan import TensorPlan
     from paradit.request import GenerationRequest, ResolvedRequest
     from paradit.text_encoder import PromptEncoder
 
@@ -70,14 +70,14 @@ class SettledRun(Protocol):
 @dataclass(frozen=True)
 class Family:
     name: str
-    pipeline: Callable[..., Any]  # its DiffusionPipeline class, or a callable choosing by the spec
+    pipeline: Callable[[ModelSpec], type]  # its DiffusionPipeline class for a spec (imported when called)
     diffusers_pipelines: tuple[str, ...]  # the diffusers pipeline classes whose checkpoints it serves
     read_checkpoint: Callable[[Path, dict[str, Any]], ModelSpec]  # (folder, its model_index.json) -> its spec
     resolve_request: Callable[[ModelSpec, GenerationRequest], ResolvedRequest]
     uses_cfg: Callable[[ModelSpec, ResolvedRequest], bool]  # two guidance branches a step, by diffusers' rule
     build_transformer: Callable[[ModelSpec], nn.Module]  # the plain transformer (the loader builds it on meta)
     prompt_encoder: Callable[[ModelSpec], type[PromptEncoder]]
-    vae: type  # the diffusers autoencoder class of the ``vae/`` component
+    vae: str  # the diffusers autoencoder class of the ``vae/`` component, by name: ``vae_class`` imports it
     tensor_plan: TensorPlan | None
     keep_high_precision: tuple[str, ...]  # name fragments of the linears FP8 leaves in the model dtype
     lora_loader: str  # the diffusers LoRA loader mixin whose ``lora_state_dict`` converts this family's adapters
@@ -86,3 +86,9 @@ class Family:
     after_dummy_init: Callable[[nn.Module], None] | None = None  # fills a model's fixed buffers after random init
     check_run: Callable[[SettledRun, ResolvedRequest], None] | None = None  # refuses what a plan cannot give a request
     measured: Measured = Measured()  # what was measured of its presets: ``Measured.read`` of its folder
+
+    @property
+    def vae_class(self) -> type:
+        import diffusers  # here, where a VAE is built: settling a run stays light
+
+        return getattr(diffusers, self.vae)

@@ -19,7 +19,6 @@ from paradit.layers.fp8 import Fp8Linear
 from paradit.options import ExecutionOptions
 from paradit.outputs import replaced, writable_folder
 from paradit.quantize import CHECKPOINT_FORMAT, FP8_METHOD, convert_fp8
-from paradit.runtime import load_transformer
 from paradit.spec import Fp8PresetFolder, ModelSpec
 from paradit.weights import save_component
 
@@ -28,6 +27,9 @@ PRESET_FILE = "paradit_preset.json"  # in an FP8 folder written for a preset: wh
 
 def write_fp8_checkpoint(spec: ModelSpec, out: Path, dtype: torch.dtype) -> list[str]:
     """``spec``'s transformer quantized on the CPU, the rest hard-linked (random weights: ``PRESET_FILE`` names it)."""
+    # The runtime, imported where a transformer is converted: settling a run, which reads FP8 folders, stays light.
+    from paradit.runtime import load_transformer
+
     folder = spec.folder
     if folder is None and spec.name not in PRESETS:
         raise InvalidRequest(

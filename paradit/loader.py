@@ -4,38 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
 
-from paradit.device_memory import MemoryBudget, configure_allocator, hold_to_cap, reporting_out_of_memory
+from paradit.device_memory import configure_allocator, hold_to_cap, reporting_out_of_memory
 from paradit.errors import CheckpointError
 from paradit.expert_swap import ExpertSwap
-from paradit.families import FAMILIES
+from paradit.families import FAMILIES, PRESETS
 from paradit.options import ExecutionOptions
-from paradit.parallel.config import ParallelConfig
 from paradit.parallel.mesh import ParallelContext, init_process_group
 from paradit.parallel.parallelize import plain_vae_decode, plain_vae_encode
 from paradit.pipelines.base import DiffusionPipeline, load_vae
 from paradit.request import GenerationResult, ResolvedRequest
 from paradit.runtime import load_transformer
+from paradit.settings import WorkerPlan
 from paradit.spec import ModelSpec
 from paradit.text_encoder import load_prompt_encoder
 
 
-@dataclass(frozen=True)
-class WorkerPlan:
-    spec: ModelSpec
-    device_type: str
-    dtype: torch.dtype
-    parallel: ParallelConfig
-    options: ExecutionOptions
-    memory_cap: int | None
-    init_method: str = "env://"
-    text_encoder_placement: str = "gpu"
-    vae_tiled: bool = False  # the memory plan's last resort: every rank decodes the whole latent tile by tile
-    budget: MemoryBudget = MemoryBudget()
+def import_family_classes() -> None:
+    """Every family's pipeline, prompt encoder and VAE classes, which the records import only when asked."""
+    for spec in PRESETS.values():
+        family = FAMILIES[spec.family]
+        family.pipeline(spec), family.prompt_encoder(spec), family.vae_class
+
+
+# With the loader, which the forkserver preloads: its workers start with every family's classes imported.
+import_family_classes()
 
 
 def load_pipeline(
@@ -72,7 +68,8 @@ def load_pipeline(
             vae.enable_tiling()
     except (OSError, ValueError, SafetensorError) as exc:  # transformers' and diffusers' words for a bad folder
         raise CheckpointError(f"{spec.folder}: its prompt encoders or VAE did not load: {exc}") from None
-    return family.pipeline(family, spec, transformer, prompt_encoder, vae, device, dtype, context, experts, swap)
+    pipeline = family.pipeline(spec)
+    return pipeline(family, spec, transformer, prompt_encoder, vae, device, dtype, context, experts, swap)
 
 
 def build_pipeline(plan: WorkerPlan, rank: int = 0, local_rank: int = 0) -> DiffusionPipeline:

@@ -18,11 +18,8 @@ from paradit.layers.prefix_attention import PrefixCaching
 from paradit.layers.semantic_permutation import KMEANS_ELEMENTS, SVG2_KEY_CLUSTERS, SVG2_QUERY_CLUSTERS
 from paradit.options import PLACEMENTS
 from paradit.parallel.config import ParallelConfig
-from paradit.parallel.pipefusion import stage_range
-from paradit.pipelines.base import load_vae
-from paradit.quantize import quantizable
+from paradit.quantize import converts_to_fp8, quantizable
 from paradit.spec import ModelSpec
-from paradit.text_encoder import converts_to_fp8, load_prompt_encoder
 
 VIDEO_FRAMES_MEASURED = 81
 # Over measured working memory: the allocator's extra (0.3 to 2.5 GiB on one H100) and sizes' variation (issue 48).
@@ -167,6 +164,10 @@ class MetaModels:
         """Built once per architecture and dtype: ``settle`` and the planner estimate the same model many times."""
         key = repr((spec.family, spec.transformer, spec.experts, spec.text_encoder, spec.vae, spec.details, dtype))
         if key not in _BUILT:
+            # The encoders and the VAE are diffusers' and transformers' classes, imported for a GPU run's estimate.
+            from paradit.pipelines.base import load_vae
+            from paradit.text_encoder import load_prompt_encoder
+
             if len(_BUILT) >= BUILT_KEPT:
                 del _BUILT[next(iter(_BUILT))]
             family = FAMILIES[spec.family]
@@ -193,6 +194,8 @@ def estimates(
     sparse_attention: str | None = None,
 ) -> dict[str, MemoryPlan]:
     """Rank 0's plan for each prompt encoder placement; ``extra_tokens``: what a request's inputs add to a sample."""
+    from paradit.parallel.pipefusion import stage_range  # the parallel runtime, imported for a GPU run's estimate
+
     family = FAMILIES[spec.family]
     built = built or MetaModels.build(spec, dtype)
     models, encoder, vae = built.transformers, built.encoder, built.vae

@@ -22,6 +22,13 @@ def quantizable(name: str, module: nn.Module, keep: tuple[str, ...]) -> bool:
     return not any(fragment in name for fragment in keep)
 
 
+def converts_to_fp8(encoder: nn.Module, name: str, module: nn.Module) -> bool:
+    """A prompt encoder's linear ``quantizable`` accepts, unless transformers keeps it in float32 for precision (T5's
+    ``wo``)."""
+    keep = getattr(encoder, "_keep_in_fp32_modules", None) or ()
+    return quantizable(name, module, keep=()) and not any(part in keep for part in name.split("."))
+
+
 @torch.no_grad()
 def convert_fp8(model: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> list[str]:
     """The quantizable linears replaced one at a time (one high-precision weight beside the FP8 copies); their names."""

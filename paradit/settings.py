@@ -121,6 +121,22 @@ class RunSettings:
         return dataclasses.replace(resolved, lora=check_choice(self.options.lora, resolved.lora))
 
 
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What each rank builds its pipeline from: a run's settings, as the engine hands them to its workers."""
+
+    spec: ModelSpec
+    device_type: str
+    dtype: torch.dtype
+    parallel: ParallelConfig
+    options: ExecutionOptions
+    memory_cap: int | None
+    init_method: str = "env://"
+    text_encoder_placement: str = "gpu"
+    vae_tiled: bool = False  # the memory plan's last resort: every rank decodes the whole latent tile by tile
+    budget: MemoryBudget = MemoryBudget()
+
+
 def choices(
     asked: Asked, spec: ModelSpec, resolved: ResolvedRequest | None, machine: Machine
 ) -> tuple[ParallelConfig, ExecutionOptions, str, str | None]:

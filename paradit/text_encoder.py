@@ -13,7 +13,7 @@ from torch import nn
 
 from paradit.layers.fp8 import Fp8Linear, fp8_dtype
 from paradit.offline_tokenizer import build_offline_tokenizer
-from paradit.quantize import quantizable
+from paradit.quantize import converts_to_fp8
 from paradit.spec import CheckpointFolder, TextEncoderSpec
 from paradit.weights import DummyTensors
 
@@ -76,12 +76,6 @@ def stream_weights(module: nn.Module, device: torch.device) -> nn.Module:
         moved[name] = by_storage[param.data_ptr()]
         set_module_tensor_to_device(module, name, "meta")
     return cpu_offload(module, execution_device=device, state_dict=moved)
-
-
-def converts_to_fp8(encoder: nn.Module, name: str, module: nn.Module) -> bool:
-    """A linear ``quantizable`` accepts, unless transformers keeps it in float32 for precision (T5's ``wo``)."""
-    keep = getattr(encoder, "_keep_in_fp32_modules", None) or ()
-    return quantizable(name, module, keep=()) and not any(part in keep for part in name.split("."))
 
 
 @torch.no_grad()

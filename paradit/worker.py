@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import Queue
 
-    from paradit.loader import WorkerPlan
     from paradit.request import GenerationResult, ResolvedRequest
+    from paradit.settings import WorkerPlan
 
 POLL_S = 0.5
 FAILURE_GRACE_S = 10  # a failed worker's peers get this long to end the request before the group is stuck

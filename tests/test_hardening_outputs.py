@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import paradit.fp8_checkpoint
 import paradit.loader
+import paradit.runtime
 import paradit.weights
 from paradit.download import human_size
 from tests.checkpoint_cache import copy_of
@@ -57,7 +58,7 @@ def nothing_loads(monkeypatch):
         pytest.fail("the work started before its output was checked")
 
     monkeypatch.setattr(paradit.loader, "load_pipeline", refuse)
-    monkeypatch.setattr(paradit.fp8_checkpoint, "load_transformer", refuse)
+    monkeypatch.setattr(paradit.runtime, "load_transformer", refuse)  # what the conversion imports when it starts
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,10 @@ Every import counts: at the top, inside a function, under ``if TYPE_CHECKING:`` 
 leans on), and by name (a string naming a paradit module, as the family registry's ``PACKAGES`` and the package's lazy
 exports do, for ``import_module``). The implicit imports of parent packages are left out.
 
-And the import rules, as one table (``IMPORT_RULES``): the modules whose import loads no torch, and those whose own
-imports never name torch.distributed. Which modules name a family or a parallel strategy is ``test_layout.py``'s."""
+And the import rules, as one table (``IMPORT_RULES``): the modules whose import loads no torch, those whose import
+loads none of the model libraries (diffusers, transformers, peft, torch._dynamo), and those whose own imports never
+name torch.distributed; and settling a run and resolving its request, for every family, loads none of the model
+libraries. Which modules name a family or a parallel strategy is ``test_layout.py``'s."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "paradit"
 
@@ -124,43 +128,57 @@ def test_the_cycle_finder_finds_cycles_and_reads_every_kind_of_import():
 # that what needs none answers at once (help, listings and refusals, a request handed to a server, a worker setting up
 # its signals before its first heavy import). "torch.distributed": no import of the module's own names it, a
 # function's included: the module is single-device code, or runs before any process group exists (the group is
-# parallel/'s, the workers' and the probe's).
+# parallel/'s, the workers' and the probe's). "model libraries": importing the module loads none of diffusers,
+# transformers, peft and torch._dynamo (seconds of imports), so that settling a run, a server's front and the workers'
+# parent answer without them; they load where a pipeline, prompt encoder, VAE or scheduler is built, a GPU run's
+# memory estimated, or blocks compiled. A module that loads no torch loads none of them either.
 TORCH = "torch"
 DISTRIBUTED = "torch.distributed"
+MODEL_LIBRARIES = "model libraries"
+LOADED_MODULES = {TORCH: ("torch",), MODEL_LIBRARIES: ("diffusers", "transformers", "peft", "torch._dynamo")}
 IMPORT_RULES: dict[str, tuple[str, ...]] = {
     "paradit": (TORCH,),  # the public names are imported on first use
     "paradit.cache_options": (TORCH,),
     "paradit.checkpoint": (TORCH,),
     "paradit.cli": (TORCH, DISTRIBUTED),  # everything heavy is imported by the command that needs it
-    "paradit.compile": (DISTRIBUTED,),
+    "paradit.compile": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.cuda_graphs": (DISTRIBUTED,),
     "paradit.device_memory": (DISTRIBUTED,),
     "paradit.download": (TORCH, DISTRIBUTED),
+    "paradit.engine": (MODEL_LIBRARIES,),  # the loader is imported where this process builds a pipeline
     "paradit.errors": (DISTRIBUTED,),
     "paradit.expert_swap": (DISTRIBUTED,),
     "paradit.families": (TORCH,),  # the presets are light; the family records load on first use of FAMILIES
     "paradit.families.default": (TORCH, DISTRIBUTED),  # the option records name it
     "paradit.families.encoders": (DISTRIBUTED,),
-    "paradit.families.flux2.family": (DISTRIBUTED,),
+    "paradit.families.flux2.family": (MODEL_LIBRARIES, DISTRIBUTED),
+    "paradit.families.flux2.latents": (TORCH, DISTRIBUTED),  # plain arithmetic, which requests resolve with
     "paradit.families.flux2.model": (DISTRIBUTED,),
     "paradit.families.flux2.presets": (DISTRIBUTED,),
+    "paradit.families.flux3.family": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.families.qwen_image.edit": (TORCH, DISTRIBUTED),  # the presets name it
-    "paradit.families.qwen_image.family": (DISTRIBUTED,),
+    "paradit.families.qwen_image.family": (MODEL_LIBRARIES, DISTRIBUTED),
+    "paradit.families.qwen_image.latents": (TORCH, DISTRIBUTED),
     "paradit.families.qwen_image.model": (DISTRIBUTED,),
     "paradit.families.qwen_image.presets": (DISTRIBUTED,),
-    "paradit.families.sd3.family": (DISTRIBUTED,),
+    "paradit.families.qwen_image21.family": (MODEL_LIBRARIES, DISTRIBUTED),
+    "paradit.families.qwen_image21.latents": (TORCH, DISTRIBUTED),
+    "paradit.families.sd3.family": (MODEL_LIBRARIES, DISTRIBUTED),
+    "paradit.families.sd3.latents": (TORCH, DISTRIBUTED),
     "paradit.families.sd3.model": (DISTRIBUTED,),
     "paradit.families.sd3.presets": (DISTRIBUTED,),
-    "paradit.families.wan.family": (DISTRIBUTED,),
+    "paradit.families.wan.family": (MODEL_LIBRARIES, DISTRIBUTED),
+    "paradit.families.wan.latents": (TORCH, DISTRIBUTED),
     "paradit.families.wan.model": (DISTRIBUTED,),
     "paradit.families.wan.presets": (DISTRIBUTED,),
-    "paradit.families.zimage.family": (DISTRIBUTED,),
+    "paradit.families.zimage.family": (MODEL_LIBRARIES, DISTRIBUTED),
+    "paradit.families.zimage.latents": (TORCH, DISTRIBUTED),
     "paradit.families.zimage.model": (DISTRIBUTED,),
     "paradit.families.zimage.omni": (DISTRIBUTED,),
     "paradit.families.zimage.presets": (DISTRIBUTED,),
-    "paradit.family": (DISTRIBUTED,),
+    "paradit.family": (MODEL_LIBRARIES, DISTRIBUTED),  # a record's model classes are imported when a run builds them
     "paradit.flags": (TORCH, DISTRIBUTED),  # the command line builds its parser before torch loads
-    "paradit.fp8_checkpoint": (DISTRIBUTED,),
+    "paradit.fp8_checkpoint": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.hub": (TORCH, DISTRIBUTED),  # a refusal of an unreachable hub answers at once
     "paradit.layers": (DISTRIBUTED,),  # plain single-device math, as every module of the package
     "paradit.layers.attention": (DISTRIBUTED,),
@@ -172,24 +190,25 @@ IMPORT_RULES: dict[str, tuple[str, ...]] = {
     "paradit.layers.rotary": (DISTRIBUTED,),
     "paradit.layers.semantic_permutation": (DISTRIBUTED,),
     "paradit.layers.sparse_attention": (DISTRIBUTED,),
-    "paradit.layers.sparse_masks": (DISTRIBUTED,),
+    "paradit.layers.sparse_masks": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.layers.stages": (DISTRIBUTED,),
     "paradit.lora.adapters": (DISTRIBUTED,),
     "paradit.lora.apply": (DISTRIBUTED,),
     "paradit.lora.refs": (TORCH,),  # `generate --server` parses adapters too
     "paradit.lora.variants": (DISTRIBUTED,),
     "paradit.machine": (DISTRIBUTED,),
-    "paradit.memory": (DISTRIBUTED,),
+    "paradit.memory": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.offline_tokenizer": (DISTRIBUTED,),
     "paradit.options": (TORCH, DISTRIBUTED),  # every option's declaration, read before anything heavy
     "paradit.outputs": (TORCH,),
     "paradit.parallel.config": (DISTRIBUTED,),  # the command line reads it before any process group exists
+    "paradit.parallel.tensor_plan": (MODEL_LIBRARIES, DISTRIBUTED),  # the records' sharding, as data: no collectives
     "paradit.parallel.transport": (DISTRIBUTED,),
-    "paradit.parallel.validate": (DISTRIBUTED,),
+    "paradit.parallel.validate": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.pipelines.inpainting": (DISTRIBUTED,),
     "paradit.pipelines.requests": (DISTRIBUTED,),
     "paradit.planner": (DISTRIBUTED,),  # no module of the planner but the probe
-    "paradit.planner.choose": (DISTRIBUTED,),
+    "paradit.planner.choose": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.planner.command": (DISTRIBUTED,),
     "paradit.planner.cost": (DISTRIBUTED,),
     "paradit.planner.facts": (DISTRIBUTED,),
@@ -203,30 +222,49 @@ IMPORT_RULES: dict[str, tuple[str, ...]] = {
     "paradit.serving": (DISTRIBUTED,),  # no module of the server
     "paradit.serving.client": (TORCH, DISTRIBUTED),  # the standard library only: the command answers at once
     "paradit.serving.jobs": (TORCH, DISTRIBUTED),
-    "paradit.serving.launch": (DISTRIBUTED,),
+    "paradit.serving.launch": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.serving.media": (TORCH, DISTRIBUTED),
     "paradit.serving.metrics": (TORCH, DISTRIBUTED),
     "paradit.serving.pace": (DISTRIBUTED,),
-    "paradit.serving.scheduler": (DISTRIBUTED,),
+    "paradit.serving.scheduler": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.serving.schemas": (TORCH, DISTRIBUTED),
-    "paradit.serving.server": (DISTRIBUTED,),
+    "paradit.serving.server": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.serving.store": (TORCH, DISTRIBUTED),
     "paradit.serving.videos": (TORCH, DISTRIBUTED),
-    "paradit.settings": (DISTRIBUTED,),
+    "paradit.settings": (MODEL_LIBRARIES, DISTRIBUTED),
     "paradit.spec": (DISTRIBUTED,),
     "paradit.text_encoder": (DISTRIBUTED,),
     "paradit.weights": (DISTRIBUTED,),
     "paradit.worker": (TORCH,),  # a spawned worker sets up its signals and lifeline before importing torch
 }
-# Importing each in turn, one interpreter: the first import after which torch is loaded is the one that loaded it.
-LOADS_TORCH = """
+# Importing each in turn, one interpreter: the first import after which one of the libraries is loaded loaded it.
+LOADS = """
 import importlib, json, sys
 
-for module in json.loads(sys.argv[1]):
+modules, libraries = json.loads(sys.argv[1])
+for module in modules:
     importlib.import_module(module)
-    if "torch" in sys.modules:
+    if any(library in sys.modules for library in libraries):
         print(module)
         break
+"""
+# Every family's tiny preset settled on the CPU and a text request resolved; a family without one resolves a request
+# for its first preset. The libraries then loaded.
+SETTLES = """
+import json, sys
+
+from paradit.families import FAMILIES, PRESETS
+from paradit.request import GenerationRequest
+from paradit.settings import Asked, settle
+
+for name, family in FAMILIES.items():
+    presets = [spec for spec in PRESETS.values() if spec.family == name]
+    tiny = [spec for spec in presets if spec.name.endswith("-tiny")]
+    if tiny:
+        settle(Asked(model=tiny[0].name, device="cpu")).resolve(GenerationRequest(prompt="a"))
+    else:
+        family.resolve_request(presets[0], GenerationRequest(prompt="a"))
+print(json.dumps([library for library in json.loads(sys.argv[1]) if library in sys.modules]))
 """
 
 
@@ -255,18 +293,38 @@ def names_torch_distributed(tree: ast.Module) -> list[int]:
     return sorted(lines)
 
 
-def test_the_import_rules_name_modules_that_exist():
-    assert set(IMPORT_RULES) <= set(paths_by_module())
-    assert {rule for rules in IMPORT_RULES.values() for rule in rules} == {TORCH, DISTRIBUTED}
-
-
-def test_no_module_bound_to_load_no_torch_loads_it():
-    modules = [module for module, rules in IMPORT_RULES.items() if TORCH in rules]
+def first_loading(modules: list[str], libraries: tuple[str, ...]) -> str:
+    """The first of ``modules``, imported in turn in a fresh interpreter, after which one of ``libraries`` is loaded."""
     done = subprocess.run(
-        [sys.executable, "-c", LOADS_TORCH, json.dumps(modules)], cwd=PACKAGE.parent, capture_output=True, text=True
+        [sys.executable, "-c", LOADS, json.dumps([modules, libraries])],
+        cwd=PACKAGE.parent,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "", f"importing {done.stdout.strip()} loads torch"
+    return done.stdout.strip()
+
+
+def test_the_import_rules_name_modules_that_exist():
+    assert set(IMPORT_RULES) <= set(paths_by_module())
+    assert {rule for rules in IMPORT_RULES.values() for rule in rules} == {TORCH, MODEL_LIBRARIES, DISTRIBUTED}
+
+
+@pytest.mark.parametrize("rule", [TORCH, MODEL_LIBRARIES])
+def test_no_module_bound_to_load_none_of_a_rules_libraries_loads_them(rule):
+    modules = [module for module, rules in IMPORT_RULES.items() if rule in rules]
+    loading = first_loading(modules, LOADED_MODULES[rule])
+    assert loading == "", f"importing {loading} loads {', '.join(LOADED_MODULES[rule])}"
+
+
+def test_settling_a_run_and_resolving_its_request_loads_no_model_library():
+    """What a server's front and the command line do before any pipeline is built, for every family."""
+    libraries = LOADED_MODULES[MODEL_LIBRARIES]
+    done = subprocess.run(
+        [sys.executable, "-c", SETTLES, json.dumps(libraries)], cwd=PACKAGE.parent, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == []
 
 
 def test_no_module_bound_to_leave_torch_distributed_alone_imports_it():
@@ -302,10 +360,6 @@ def test_the_rule_checks_find_what_they_look_for():
         'from torch import distributed\nfrom torch.distributed.tensor import DTensor\nX = "torch.distributed"\n'
     )
     assert names_torch_distributed(tree) == [1, 2, 3]
-    done = subprocess.run(
-        [sys.executable, "-c", LOADS_TORCH, json.dumps(["paradit.errors", "paradit.layers.rotary"])],
-        cwd=PACKAGE.parent,
-        capture_output=True,
-        text=True,
-    )
-    assert done.stdout.strip() == "paradit.layers.rotary"
+    assert first_loading(["paradit.errors", "paradit.layers.rotary"], LOADED_MODULES[TORCH]) == "paradit.layers.rotary"
+    libraries = LOADED_MODULES[MODEL_LIBRARIES]
+    assert first_loading(["paradit.settings", "paradit.loader"], libraries) == "paradit.loader"

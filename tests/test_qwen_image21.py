@@ -19,8 +19,9 @@ from diffusers import QwenImage21Pipeline
 
 from paradit import Engine, GenerationRequest
 from paradit.families import spec_from_folder
+from paradit.families.qwen_image21.latents import TOKEN_PIXELS, area_size
 from paradit.families.qwen_image21.model import QwenImage21Config, QwenImage21Transformer
-from paradit.families.qwen_image21.pipeline import TOKEN_PIXELS, area_size, published_image_processor
+from paradit.families.qwen_image21.pipeline import published_image_processor
 from paradit.families.qwen_image21.presets import QwenImage21Inputs
 from tests.checkpoint_cache import cached
 from tests.checkpoints import relative_l2

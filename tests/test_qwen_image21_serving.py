@@ -381,7 +381,7 @@ def test_the_command_line_refuses_eleven_images_or_a_mask_before_anything_loads(
     def started(*args, **kwargs):
         raise AssertionError("a worker or pipeline started before the refusal")
 
-    for name in ("paradit.engine.WorkerGroup", "paradit.engine.build_pipeline"):
+    for name in ("paradit.engine.WorkerGroup", "paradit.loader.build_pipeline"):
         monkeypatch.setattr(name, started)
     monkeypatch.setattr("paradit.cli.start_worker_server", lambda device: None)
     out = tmp_path / "x.png"

@@ -215,7 +215,7 @@ def no_pipeline(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("a worker or pipeline started before the refusal")
 
-    for name in ("paradit.engine.WorkerGroup", "paradit.engine.build_pipeline"):
+    for name in ("paradit.engine.WorkerGroup", "paradit.loader.build_pipeline"):
         monkeypatch.setattr(name, started)
     monkeypatch.setattr("paradit.cli.start_worker_server", lambda device: None)
 

@@ -23,9 +23,8 @@ from paradit.layers.sparse_attention import (
     SparseSettings,
     balanced_head_order,
     block_masked_attention_with_lse,
-    video_grid,
 )
-from paradit.layers.sparse_masks import TILE, density, radial_block_mask, tiles, token_mask
+from paradit.layers.sparse_masks import TILE, density, radial_block_mask, tiles, token_mask, video_grid
 from paradit.options import ExecutionOptions, check_conflicts
 from paradit.parallel.config import ParallelConfig
 from tests.checkpoints import relative_l2

@@ -18,7 +18,7 @@ from paradit.families import FAMILIES as REGISTRY
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.zimage.model import ZImageConfig, ZImageTransformer
 from paradit.parallel import ParallelConfig
-from paradit.parallel.tensor import check_tensor_plan
+from paradit.parallel.tensor_plan import check_tensor_plan
 from tests import zimage_checkpoints
 from tests.checkpoints import tiny_transformer_config
 

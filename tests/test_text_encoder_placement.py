@@ -19,7 +19,8 @@ from paradit.cli import main
 from paradit.families import FAMILIES, PRESETS
 from paradit.layers.fp8 import Fp8Linear
 from paradit.parallel import ParallelConfig
-from paradit.text_encoder import converts_to_fp8, load_prompt_encoder, stream_weights
+from paradit.quantize import converts_to_fp8
+from paradit.text_encoder import load_prompt_encoder, stream_weights
 
 CPU = torch.device("cpu")
 PROMPTS = ["a lighthouse on a cliff at dusk", "snow"]

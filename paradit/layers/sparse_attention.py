@@ -9,11 +9,9 @@ by their kept tiles (``head_order``). Single-device code: nothing here names ``t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +36,7 @@ from paradit.layers.sparse_masks import (
     RADIAL_DENSE_BLOCKS,
     RADIAL_DENSE_STEPS,
     TILE,
+    VIDEO_GRID,
     kept_share,
     radial_block_mask,
     radial_kept_share,
@@ -61,19 +60,6 @@ RECORDED = {
         "iterations",
     ),
 }
-
-# The video's token grid (frames, rows, columns) of the forward in flight, set by the model around its blocks: a
-# context variable, as the sequence layout is, so that no state outlives its forward.
-_GRID: ContextVar[tuple[int, int, int] | None] = ContextVar("paradit_video_grid", default=None)
-
-
-@contextlib.contextmanager
-def video_grid(grid: tuple[int, int, int]) -> Iterator[None]:
-    token = _GRID.set(tuple(grid))
-    try:
-        yield
-    finally:
-        _GRID.reset(token)
 
 
 @dataclass(frozen=True)
@@ -252,7 +238,7 @@ class SparseSelfAttention:
 
     @property
     def active(self) -> bool:
-        return self.run.sparse_now and self.block >= self.run.settings.dense_blocks and _GRID.get() is not None
+        return self.run.sparse_now and self.block >= self.run.settings.dense_blocks and VIDEO_GRID.get() is not None
 
     def for_heads(self, heads: list[int]) -> SparseSelfAttention:
         return dataclasses.replace(self, heads=tuple(heads))
@@ -318,14 +304,14 @@ class SparseSelfAttention:
             return getattr(self.dense, "with_lse", attention_with_lse)(query, key, value, key_mask)
         if self.run.settings.method == "svg2":
             return self._svg2(query, key, value, key_mask)
-        whole = radial_block_mask(_GRID.get(), self.run.settings.decay_factor, query.device)
+        whole = radial_block_mask(VIDEO_GRID.get(), self.run.settings.decay_factor, query.device)
         # The whole mask's share, whichever Ring block this is; made once per grid.
-        self.run.record_share(radial_kept_share(_GRID.get(), self.run.settings.decay_factor, query.device))
+        self.run.record_share(radial_kept_share(VIDEO_GRID.get(), self.run.settings.decay_factor, query.device))
         rows, columns = query_start // TILE, key_start // TILE
         mask = whole[rows : rows + tiles(query.shape[1]), columns : columns + tiles(key.shape[1])]
         # The same tiles at every block and step: their kernel rows made once.
         static = (
-            _GRID.get(),
+            VIDEO_GRID.get(),
             self.run.settings.decay_factor,
             rows,
             columns,

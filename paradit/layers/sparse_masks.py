@@ -1,13 +1,30 @@
 """Block masks for sparse attention: per head, query tile x key tile, True where the tile is attended; the token mask
-they stand for; Radial attention's static mask for a video's (frames, rows, columns) token grid. Plain torch: no
-Triton, no ``torch.distributed``."""
+they stand for; Radial attention's static mask for a video's (frames, rows, columns) token grid, and that grid as
+the model sets it. Plain torch: no Triton, no ``torch.distributed``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
+
+# The video's token grid (frames, rows, columns) of the forward in flight, set by the model around its blocks: a
+# context variable, as the sequence layout is, so that no state outlives its forward.
+VIDEO_GRID: ContextVar[tuple[int, int, int] | None] = ContextVar("paradit_video_grid", default=None)
+
+
+@contextlib.contextmanager
+def video_grid(grid: tuple[int, int, int]) -> Iterator[None]:
+    token = VIDEO_GRID.set(tuple(grid))
+    try:
+        yield
+    finally:
+        VIDEO_GRID.reset(token)
+
 
 # Tiles of 128 queries by 128 keys: the FP8 kernel's key tile (its K scale block) and Radial attention's block size
 # (Li et al. 2025, "Radial Attention", section 4: block-sparse masks of 128 x 128 blocks).

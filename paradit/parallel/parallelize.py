@@ -17,7 +17,8 @@ from paradit.parallel.mesh import ParallelContext
 from paradit.parallel.patch_loop import BandMask, denoise_by_patches
 from paradit.parallel.pipefusion import PipeFusion
 from paradit.parallel.sequence import SequenceParallel
-from paradit.parallel.tensor import TensorPlan, parallelize_tensor
+from paradit.parallel.tensor import parallelize_tensor
+from paradit.parallel.tensor_plan import TensorPlan
 from paradit.parallel.vae import parallel_decode, parallel_encode
 from paradit.weights import TensorSlice
 

@@ -9,7 +9,7 @@ import torch
 from paradit.compile import model_blocks
 from paradit.errors import InvalidRequest
 from paradit.parallel.config import ParallelConfig
-from paradit.parallel.tensor import check_tensor_plan
+from paradit.parallel.tensor_plan import check_tensor_plan
 from paradit.spec import ModelSpec
 
 if TYPE_CHECKING:

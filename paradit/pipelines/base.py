@@ -110,12 +110,13 @@ def unpadded_halves(conditioning: dict[str, torch.Tensor]) -> list[dict[str, tor
 
 def load_vae(family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype, dummy: bool) -> nn.Module:
     """The family's VAE from ``spec.folder``, or seeded random weights (``dummy``), the caller's random state kept."""
+    vae_class = family.vae_class
     if not dummy:
         vae = component_dir(spec.folder, "vae")
-        return family.vae.from_pretrained(vae, dtype=dtype, use_safetensors=spec.weights.use_safetensors("vae"))
+        return vae_class.from_pretrained(vae, dtype=dtype, use_safetensors=spec.weights.use_safetensors("vae"))
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(0)
-        vae = family.vae.from_config(spec.vae)
+        vae = vae_class.from_config(spec.vae)
     # nn.Module.to, not ModelMixin.to: the latter only adds a warning about fp32-pinned modules these VAEs lack.
     return nn.Module.to(vae, dtype)
 

@@ -6,28 +6,22 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-
-from diffusers import AutoencoderKLFlux2
-from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+from typing import TYPE_CHECKING
 
 from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
+from paradit.families.flux2.latents import pixel_granularity, reference_size
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
-from paradit.families.flux2.pipeline import (
-    Flux2Details,
-    Flux2Pipeline,
-    MistralPromptEncoder,
-    caches_references,
-    pixel_granularity,
-    reference_size,
-)
-from paradit.families.flux2.presets import DEV_LAYERS, KLEIN_LAYERS
+from paradit.families.flux2.presets import DEV_LAYERS, KLEIN_LAYERS, Flux2Details, caches_references
 from paradit.family import Family, Measured, SettledRun
-from paradit.parallel.tensor import ROW_MLP, Shard, TensorPlan, joint_attention
+from paradit.parallel.tensor_plan import ROW_MLP, Shard, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, TextEncoderSpec, checkpoint_spec
-from paradit.text_encoder import DecoderPromptEncoder
+
+if TYPE_CHECKING:
+    from paradit.pipelines.base import DiffusionPipeline
+    from paradit.text_encoder import PromptEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +91,9 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 def resolve_reference(image, index: int, checked: bool = True):
+    # diffusers' image checks and resize, imported for requests with images: text-only ones resolve without it.
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
     try:
         if checked:
             Flux2ImageProcessor.check_image_input(image)
@@ -105,6 +102,24 @@ def resolve_reference(image, index: int, checked: bool = True):
     if image.width * image.height > REFERENCE_AREA:
         image = Flux2ImageProcessor._resize_to_target_area(image, REFERENCE_AREA)
     return image
+
+
+# The pipeline's module imports diffusers and transformers: the record's classes are imported when a run builds them.
+def pipeline(spec: ModelSpec) -> type[DiffusionPipeline]:
+    from paradit.families.flux2.pipeline import Flux2Pipeline
+
+    return Flux2Pipeline
+
+
+def prompt_encoder(spec: ModelSpec) -> type[PromptEncoder]:
+    from paradit.families.flux2.pipeline import MistralPromptEncoder
+    from paradit.text_encoder import DecoderPromptEncoder
+
+    return (
+        MistralPromptEncoder
+        if spec.text_encoder.config.get("model_type", "").startswith("mistral")
+        else DecoderPromptEncoder
+    )
 
 
 def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
@@ -130,7 +145,7 @@ def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
 
 FAMILY = Family(
     name="flux2",
-    pipeline=Flux2Pipeline,
+    pipeline=pipeline,
     diffusers_pipelines=("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline"),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
@@ -139,12 +154,8 @@ FAMILY = Family(
         spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
     ),
     build_transformer=lambda spec: Flux2Transformer(Flux2Config.from_dict(spec.transformer)),
-    prompt_encoder=lambda spec: (
-        MistralPromptEncoder
-        if spec.text_encoder.config.get("model_type", "").startswith("mistral")
-        else DecoderPromptEncoder
-    ),
-    vae=AutoencoderKLFlux2,
+    prompt_encoder=prompt_encoder,
+    vae="AutoencoderKLFlux2",
     tensor_plan=TensorPlan(
         family="FLUX.2",
         heads=lambda model: model.config.num_attention_heads,

@@ -12,11 +12,12 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
+from paradit.families.flux2.latents import pixel_granularity, reference_size
+from paradit.families.flux2.presets import caches_references
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
 from paradit.pipelines.inpainting import latent_mask
 from paradit.request import ResolvedRequest
 from paradit.request_hooks import Denoise, RequestHook
-from paradit.spec import ModelSpec
 from paradit.text_encoder import DecoderPromptEncoder, warn_if_truncated
 
 if TYPE_CHECKING:
@@ -33,11 +34,6 @@ def empirical_mu(image_tokens: int, steps: int) -> float:
     mu_10 = slope_10 * image_tokens + intercept_10
     per_step = (mu_200 - mu_10) / 190.0
     return float(per_step * steps + mu_200 - 200.0 * per_step)
-
-
-def pixel_granularity(vae_config) -> int:
-    """Pixels per latent token side: the VAE's stride, doubled by the 2x2 patchify after it."""
-    return 2 ** len(vae_config["block_out_channels"])
 
 
 def batch_norm_statistics(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,17 +90,6 @@ class MistralPromptEncoder(DecoderPromptEncoder):
 
 
 @dataclass(frozen=True)
-class Flux2Details:
-    """A checkpoint's ``ModelSpec.details`` (None for presets): ``cached_references`` for ``Flux2KleinKVPipeline``'s."""
-
-    cached_references: bool = False
-
-
-def caches_references(spec: ModelSpec) -> bool:
-    return spec.details is not None and spec.details.cached_references
-
-
-@dataclass(frozen=True)
 class Flux2Layout:
     """The target's token grid; the references' packed latents (1, tokens, channels), ids (tokens, 4) and cached KV."""
 
@@ -127,10 +112,6 @@ class CachedReferences(RequestHook):
             with torch.inference_mode():
                 cached = self.model.cache_references(layout.references.to(self.dtype), layout.reference_ids)
             denoise.layout = dataclasses.replace(layout, reference_kv=cached)
-
-
-def reference_size(image, granularity: int) -> tuple[int, int]:
-    return image.height // granularity * granularity, image.width // granularity * granularity
 
 
 class Flux2Pipeline(DiffusionPipeline):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from paradit.families.encoders import MISTRAL_SMALL_31, QWEN3_4B, QWEN3_8B, QWEN3_COMMON
 from paradit.spec import ModelSpec, TextEncoderSpec, read_configs
 
@@ -15,6 +17,17 @@ _FLUX2_DEV = CONFIGS["dev_transformer"]
 FLUX2_TINY_TRANSFORMER = {**_FLUX2_DEV, **CONFIGS["tiny_transformer_changes"]}
 # The prompt encoder's hidden layers the transformer reads: dev's Mistral's, klein's Qwen3's.
 DEV_LAYERS, KLEIN_LAYERS = (10, 20, 30), (9, 18, 27)
+
+
+@dataclass(frozen=True)
+class Flux2Details:
+    """A checkpoint's ``ModelSpec.details`` (None for presets): ``cached_references`` for ``Flux2KleinKVPipeline``'s."""
+
+    cached_references: bool = False
+
+
+def caches_references(spec: ModelSpec) -> bool:
+    return spec.details is not None and spec.details.cached_references
 
 
 def preset(name: str, transformer: dict, encoder: dict, layers=KLEIN_LAYERS, vae: dict = FLUX2_VAE) -> ModelSpec:

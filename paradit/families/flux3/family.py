@@ -5,20 +5,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-
-from diffusers import AutoencoderKLFlux2
+from typing import TYPE_CHECKING
 
 from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
-from paradit.families.flux2.pipeline import pixel_granularity
+from paradit.families.flux2.latents import pixel_granularity
 from paradit.families.flux3.model import Flux3Config, Flux3Transformer
-from paradit.families.flux3.pipeline import Flux3Pipeline, Qwen3VLPromptEncoder, prepare_reference
 from paradit.families.flux3.presets import DEFAULTS, FLUX3_SCHEDULER, text_encoder_spec
 from paradit.family import Family, Measured
-from paradit.parallel.tensor import COLUMN, ROW, ROW_MLP, Shard, TensorPlan
+from paradit.parallel.tensor_plan import COLUMN, ROW, ROW_MLP, Shard, TensorPlan
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
+
+if TYPE_CHECKING:
+    from paradit.pipelines.base import DiffusionPipeline
+    from paradit.text_encoder import PromptEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,9 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     resolved = resolve_common(spec, request, granularity, image_limit=REFERENCE_LIMIT, schedulers=SCHEDULERS)
     if not resolved.images:
         return resolved
+    # The pipeline's preprocessing (diffusers' processor), imported for requests with references alone.
+    from paradit.families.flux3.pipeline import prepare_reference
+
     # diffusers' own sizing (its processor: one reference padded to the token grid, several each cropped to it).
     prepared = [prepare_reference(spec.vae, image, len(resolved.images)) for image in resolved.images]
     first, crop = prepared[0]
@@ -70,6 +75,19 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     return resolved
 
 
+# The pipeline's module imports diffusers and transformers: the record's classes are imported when a run builds them.
+def pipeline(spec: ModelSpec) -> type[DiffusionPipeline]:
+    from paradit.families.flux3.pipeline import Flux3Pipeline
+
+    return Flux3Pipeline
+
+
+def prompt_encoder(spec: ModelSpec) -> type[PromptEncoder]:
+    from paradit.families.flux3.pipeline import Qwen3VLPromptEncoder
+
+    return Qwen3VLPromptEncoder
+
+
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
     """diffusers' ClassifierFreeGuidance: two branches whenever the scale is above 1."""
     return spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
@@ -77,14 +95,14 @@ def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
 
 FAMILY = Family(
     name="flux3",
-    pipeline=Flux3Pipeline,
+    pipeline=pipeline,
     diffusers_pipelines=("Flux3ModularPipeline", "Flux3DistilledModularPipeline"),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
     uses_cfg=uses_cfg,
     build_transformer=lambda spec: Flux3Transformer(Flux3Config.from_dict(spec.transformer)),
-    prompt_encoder=lambda spec: Qwen3VLPromptEncoder,
-    vae=AutoencoderKLFlux2,
+    prompt_encoder=prompt_encoder,
+    vae="AutoencoderKLFlux2",
     tensor_plan=TensorPlan(
         family="FLUX.3",
         heads=lambda model: model.config.num_attention_heads,

@@ -13,7 +13,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
 from PIL import Image
 
-from paradit.families.flux2.pipeline import packed_latents, pixel_granularity, unpacked_latents
+from paradit.families.flux2.latents import pixel_granularity
+from paradit.families.flux2.pipeline import packed_latents, unpacked_latents
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
 from paradit.request import ResolvedRequest
 from paradit.request_hooks import Denoise, RequestHook

@@ -5,24 +5,22 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-
-from diffusers import AutoencoderKLQwenImage
+from typing import TYPE_CHECKING
 
 from paradit.checkpoint import component_config
 from paradit.errors import InvalidRequest
 from paradit.families.qwen_image.edit import EDIT_PIPELINES, EditInputs
+from paradit.families.qwen_image.latents import pixel_granularity
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
-from paradit.families.qwen_image.pipeline import (
-    QwenImagePipeline,
-    QwenPromptEncoder,
-    QwenVisionPromptEncoder,
-    pixel_granularity,
-)
 from paradit.family import Family, Measured
-from paradit.parallel.tensor import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
+from paradit.parallel.tensor_plan import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
+
+if TYPE_CHECKING:
+    from paradit.pipelines.base import DiffusionPipeline
+    from paradit.text_encoder import PromptEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +82,19 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     return resolved
 
 
+# The pipeline's module imports diffusers and transformers: the record's classes are imported when a run builds them.
+def pipeline(spec: ModelSpec) -> type[DiffusionPipeline]:
+    from paradit.families.qwen_image.pipeline import QwenImagePipeline
+
+    return QwenImagePipeline
+
+
+def prompt_encoder(spec: ModelSpec) -> type[PromptEncoder]:
+    from paradit.families.qwen_image.pipeline import QwenPromptEncoder, QwenVisionPromptEncoder
+
+    return QwenPromptEncoder if spec.details is None else QwenVisionPromptEncoder
+
+
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
     """diffusers' rule for ``true_cfg_scale``: a negative prompt (even " ", as Qwen-Image's authors give) and > 1."""
     return request.negative_prompts is not None and request.guidance > 1.0
@@ -91,14 +102,14 @@ def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
 
 FAMILY = Family(
     name="qwen_image",
-    pipeline=QwenImagePipeline,
+    pipeline=pipeline,
     diffusers_pipelines=("QwenImagePipeline", *EDIT_PIPELINES),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
     uses_cfg=uses_cfg,
     build_transformer=lambda spec: QwenImageTransformer(QwenImageConfig.from_dict(spec.transformer)),
-    prompt_encoder=lambda spec: QwenPromptEncoder if spec.details is None else QwenVisionPromptEncoder,
-    vae=AutoencoderKLQwenImage,
+    prompt_encoder=prompt_encoder,
+    vae="AutoencoderKLQwenImage",
     tensor_plan=TensorPlan(
         family="Qwen-Image",
         heads=lambda model: model.config.num_attention_heads,

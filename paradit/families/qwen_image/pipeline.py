@@ -14,6 +14,7 @@ from torch import nn
 
 from paradit.checkpoint import component_dir
 from paradit.families.qwen_image.edit import EditInputs
+from paradit.families.qwen_image.latents import pixel_granularity
 from paradit.offline_tokenizer import VISION_TOKENS, build_offline_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, latent_statistics, pad_rows, seeded_noise
 from paradit.request import ResolvedRequest
@@ -31,11 +32,6 @@ IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 # Tokenizer limit past the prefix; embeddings are cut to MAX_SEQUENCE_LENGTH (diffusers' ``max_sequence_length``).
 TOKENIZER_MAX_LENGTH = 1024
 MAX_SEQUENCE_LENGTH = 512
-
-
-def pixel_granularity(vae_config: dict) -> int:
-    """Pixels per latent token side: the VAE's spatial stride, doubled by the 2x2 packing."""
-    return 2 ** len(vae_config.get("temperal_downsample", [False, True, True])) * 2
 
 
 def load_qwen25_vl(weights: CheckpointFolder, device: torch.device, dtype: torch.dtype, placement: str) -> nn.Module:

@@ -4,7 +4,6 @@ condition images) runs once per request, before the first step; each step runs t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +15,7 @@ from PIL import Image
 from torch import nn
 
 from paradit.checkpoint import component_dir
+from paradit.families.qwen_image21.latents import TOKEN_PIXELS, area_size
 from paradit.families.qwen_image21.model import QwenImage21Prefix
 from paradit.families.qwen_image21.presets import CONFIGS, QwenImage21Inputs
 from paradit.offline_tokenizer import VISION_TOKENS, build_offline_tokenizer
@@ -24,10 +24,6 @@ from paradit.request import ResolvedRequest
 from paradit.spec import CheckpointFolder
 from paradit.text_encoder import place, random_encoder, weights_device
 
-# One latent token is a 16x16 pixel tile (the VAE's stride, no patching); sides are multiples of 32, as diffusers
-# floors them, so that each of the encoder's merged 32-pixel image slots covers 2x2 tokens.
-TOKEN_PIXELS = 16
-SIDE_MULTIPLE = 32
 SYSTEM_TURN = f"<|im_start|>system\n{CONFIGS['system_prompt']}<|im_end|>\n"
 PROMPT_TEMPLATE = SYSTEM_TURN + "<|im_start|>user\n{markers}{prompt}<|im_end|>\n<|im_start|>assistant\n"
 IMAGE_PAD = "<|image_pad|>"
@@ -38,13 +34,6 @@ QWEN3_VL_PIXELS = (64 * 32 * 32, 16384 * 32 * 32)
 def image_markers(count: int) -> str:
     """diffusers' numbered markers, one per condition image, the second on a space apart."""
     return " ".join(f"<image{i}><|vision_start|>{IMAGE_PAD}<|vision_end|>" for i in range(1, count + 1))
-
-
-def area_size(resolution: int, image) -> tuple[int, int]:
-    """(height, width) of about ``resolution`` squared pixels at ``image``'s aspect, each rounded to 32."""
-    ratio = image.width / image.height
-    width = math.sqrt(resolution * resolution * ratio)
-    return round(width / ratio / SIDE_MULTIPLE) * SIDE_MULTIPLE, round(width / SIDE_MULTIPLE) * SIDE_MULTIPLE
 
 
 def over_white(image: Image.Image) -> Image.Image:

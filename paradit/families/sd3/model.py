@@ -69,7 +69,11 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(
             config.in_channels, config.inner_dim, kernel_size=config.patch_size, stride=config.patch_size
         )
-        self.register_buffer("pos_embed", sincos_position_table(config.inner_dim, self.max_size, self.base_size))
+        self.register_buffer("pos_embed", torch.empty(1, self.max_size**2, config.inner_dim))
+        # Built on the meta device (memory estimates, loading), the table holds no values to compute, and computing
+        # them there would run torch's Python decompositions, which import torch._dynamo.
+        if not self.pos_embed.is_meta:
+            self.fill_position_table()
 
     @torch.no_grad()
     def fill_position_table(self) -> None:

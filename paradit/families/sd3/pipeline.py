@@ -11,23 +11,16 @@ from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from paradit.checkpoint import component_dir, read_json
+from paradit.families.sd3.latents import vae_scale_factor
 from paradit.families.sd3.model import unpatchify
 from paradit.families.sd3.presets import SD3TextEncoders
 from paradit.offline_tokenizer import offline_t5_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, seeded_noise
 from paradit.request import ResolvedRequest
-from paradit.spec import CheckpointFolder, ModelSpec
+from paradit.spec import CheckpointFolder
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 
 CLIP_LENGTH = 77
-
-
-def vae_scale_factor(vae_config: dict) -> int:
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)
-
-
-def pixel_granularity(spec: ModelSpec) -> int:
-    return vae_scale_factor(spec.vae) * spec.transformer["patch_size"]
 
 
 def offline_clip_tokenizer(pad_token: str) -> transformers.CLIPTokenizer:

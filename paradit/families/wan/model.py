@@ -19,7 +19,7 @@ from paradit.layers.feedforward import GeluFeedForward
 from paradit.layers.fp8 import Fp8Linear, QuantizedRows
 from paradit.layers.fp8_fused import modulated_layer_norm_fp8, normed_rotated, uses_fusion
 from paradit.layers.rotary import multi_axis_rope
-from paradit.layers.sparse_attention import video_grid
+from paradit.layers.sparse_masks import video_grid
 from paradit.layers.stages import HeadsConfig, StagedTransformer
 from paradit.layers.stages import unpatchify as unpatchify  # (tokens, grid, patch), re-exported for the pipeline
 

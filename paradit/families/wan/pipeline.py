@@ -14,12 +14,13 @@ from torch import nn
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
 from paradit.checkpoint import component_dir
+from paradit.families.wan.latents import image_input, vae_factors
 from paradit.families.wan.model import unpatchify
 from paradit.families.wan.presets import WanTextEncoder
 from paradit.offline_tokenizer import offline_t5_tokenizer
 from paradit.pipelines.base import DiffusionPipeline, latent_statistics, seeded_noise
 from paradit.request import ResolvedRequest
-from paradit.spec import CheckpointFolder, ModelSpec
+from paradit.spec import CheckpointFolder
 from paradit.text_encoder import place, random_encoder, warn_if_truncated, weights_device
 
 try:  # diffusers cleans prompts with ftfy when it is installed, and only then; so do we, to read the same tokens
@@ -34,21 +35,6 @@ def prompt_clean(text: str) -> str:
         text = ftfy.fix_text(text)
     text = html.unescape(html.unescape(text)).strip()
     return regex.sub(r"\s+", " ", text).strip()
-
-
-def vae_factors(vae_config: dict) -> tuple[int, int]:
-    """(temporal, spatial) compression of the VAE, with diffusers' defaults (the 2.1 VAE's 4 and 8)."""
-    return vae_config.get("scale_factor_temporal") or 4, vae_config.get("scale_factor_spatial") or 8
-
-
-def image_input(spec: ModelSpec) -> str | None:
-    """How the model takes an image: ``"first_frame"`` (TI2V-5B, optional: its latent replaces the first latent frame),
-    ``"channels"`` (I2V-A14B, required: a first-frame mask and its latents as extra input channels), or None."""
-    if spec.details.expand_timesteps:
-        return "first_frame"
-    if spec.transformer["in_channels"] > spec.vae.get("z_dim", 16):
-        return "channels"
-    return None
 
 
 @dataclass

@@ -3,7 +3,6 @@ bfloat16 for the VAE (a float32 VAE then fails); paradit uses the VAE's dtype, f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,24 +11,14 @@ from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from torch import nn
 
 from paradit.checkpoint import component_dir
-from paradit.errors import InvalidRequest
+from paradit.families.zimage.latents import pixel_granularity
 from paradit.families.zimage.model import OmniInputs
-from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline, pixel_granularity
+from paradit.families.zimage.pipeline import CaptionEncoder, ZImagePipeline
+from paradit.families.zimage.presets import OmniEncoders
 from paradit.pipelines.base import pad_rows
 from paradit.request import ResolvedRequest
-from paradit.spec import CheckpointFolder, TextEncoderSpec
+from paradit.spec import CheckpointFolder
 from paradit.text_encoder import place, random_encoder, weights_device
-
-IMAGE_LIMIT = 10  # diffusers sets none; ten images at 1024x1024 already add 40k latent tokens
-LARGEST_IMAGE = 1024 * 1024  # pixels diffusers shrinks a larger condition image to (or to the output's, if given)
-
-
-@dataclass(frozen=True)
-class OmniEncoders:
-    """An Omni checkpoint's prompt encoders: Qwen3 read as Z-Image reads it, and the ``siglip`` folder's config."""
-
-    captions: TextEncoderSpec
-    siglip: dict[str, Any]
 
 
 def template_segments(prompt: str, images: int) -> list[str]:
@@ -42,35 +31,6 @@ def template_segments(prompt: str, images: int) -> list[str]:
         f"<|vision_end|>{prompt}<|im_end|>\n<|im_start|>assistant\n<|vision_start|>",
         "<|vision_end|><|im_end|>",
     ]
-
-
-def resolve_images(
-    request: ResolvedRequest, height: int | None, width: int | None, largest: tuple[int, int], granularity: int
-) -> None:
-    """The condition images as diffusers takes them, and by default the last one's size floored to whole tokens.
-    ``largest``: the latent rows and columns the rotary tables reach (SigLIP's positions span them)."""
-    images = []
-    for index, image in enumerate(request.images):
-        try:
-            Flux2ImageProcessor.check_image_input(image)
-        except ValueError as exc:
-            raise InvalidRequest(f"image {index + 1}: {exc}", param="image") from None
-        if image.width * image.height > LARGEST_IMAGE:
-            area = height * width if height and width else LARGEST_IMAGE
-            image = Flux2ImageProcessor._resize_to_target_area(image, area)
-        rows, cols = largest
-        if image.height // granularity * 2 > rows or image.width // granularity * 2 > cols:
-            most = f"{cols * granularity // 2}x{rows * granularity // 2}"
-            raise InvalidRequest(
-                f"image {index + 1} makes {image.width}x{image.height} pixels; this model takes at most {most}",
-                param="image",
-            )
-        images.append(image)
-    request.images = tuple(images)
-    if images:
-        request.height = height or images[-1].height // granularity * granularity
-        request.width = width or images[-1].width // granularity * granularity
-        request.reference_tokens = sum((i.height // granularity) * (i.width // granularity) for i in images)
 
 
 class OmniPromptEncoder(CaptionEncoder):

@@ -6,15 +6,11 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.image_processor import VaeImageProcessor
 
+from paradit.families.zimage.latents import pixel_granularity
 from paradit.families.zimage.model import unpatchify
 from paradit.pipelines.base import DiffusionPipeline, dynamic_shift, seeded_noise
 from paradit.request import ResolvedRequest
 from paradit.text_encoder import DecoderPromptEncoder
-
-
-def pixel_granularity(vae_config: dict) -> int:
-    """Pixels per latent token side: the VAE's stride (one per down block after the first), times the 2x2 patch."""
-    return 2 ** (len(vae_config["block_out_channels"]) - 1) * 2
 
 
 class CaptionEncoder(DecoderPromptEncoder):

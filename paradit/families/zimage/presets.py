@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from paradit.families.encoders import QWEN3_4B
@@ -15,6 +16,14 @@ BASE_SCHEDULER = CONFIGS["base_scheduler"]
 FLUX1_VAE = CONFIGS["flux1_vae"]
 # Tongyi-MAI/Z-Image-Turbo's transformer/config.json (shared/models/configs.json); the base model shares it.
 _ZIMAGE_TRANSFORMER = CONFIGS["transformer"]
+
+
+@dataclass(frozen=True)
+class OmniEncoders:
+    """An Omni checkpoint's prompt encoders: Qwen3 read as Z-Image reads it, and the ``siglip`` folder's config."""
+
+    captions: TextEncoderSpec
+    siglip: dict[str, Any]
 
 
 def text_encoder_spec(config: dict[str, Any], class_name: str | None = None) -> TextEncoderSpec:
