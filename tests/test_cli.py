@@ -254,3 +254,12 @@ def test_module_entry_point_exits_2_with_one_line_and_no_traceback(tmp_path):
     assert "multiples of 16" in lines[0]
     assert proc.stdout == ""
     assert not (tmp_path / "x.png").exists()
+
+
+def test_serve_on_ray_without_ray_installed_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives `import ray`
+    monkeypatch.delitem(sys.modules, "paradit.serving.ray_app", raising=False)
+    assert main(["serve", "--ray", "--model", "flux2-tiny", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "paradit: error: --ray needs Ray Serve, which is not installed: pip install 'paradit[ray]'\n"
+    )
