@@ -8,6 +8,9 @@ import base64
 import os
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -144,6 +147,39 @@ def test_a_video_job_is_fetched_through_the_front_after_its_replica_is_gone(clus
     content = httpx.get(f"{url}/v1/videos/{job['id']}/content", headers=headers)
     assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
     assert content.content[4:8] == b"ftyp" and len(content.content) > 1000
+
+
+def test_sigterm_to_paradit_serve_on_a_cluster_drains_and_takes_only_its_app_away(cluster):
+    """``paradit serve --ray ADDRESS`` on the running cluster: SIGTERM answers the accepted request, takes its app
+    off the cluster and exits 0; the cluster and its other apps serve on."""
+    images, _ = cluster
+    root = images.removesuffix("/images")
+    port = root.rsplit(":", 1)[1]
+    command = ["-m", "paradit", "serve", "--ray", ray.get_runtime_context().gcs_address, "--model", MODEL]
+    command += ["--device", "cpu", "--host", "127.0.0.1", "--port", port]
+    server = subprocess.Popen([sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + REPLACED_S
+        while getattr(serve.status().applications.get("paradit"), "status", None) != "RUNNING":
+            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
+            time.sleep(0.5)
+        answers = []
+        sender = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(root + "/v1/images/generations", json={**body(5), "steps": 30}, timeout=120)
+            )
+        )
+        sender.start()
+        while httpx.get(root + "/health").json()["queue"] == 0:  # in flight at the front
+            time.sleep(0.05)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(REPLACED_S) == 0, server.stderr.read()
+        sender.join()
+    finally:
+        server.kill()
+    assert [answer.status_code for answer in answers] == [200], answers[0].text
+    assert "paradit" not in serve.status().applications
+    assert httpx.get(images + "/health").is_success
 
 
 def test_the_command_line_refuses_replica_bounds_the_wrong_way_round_in_one_line(capsys):

@@ -141,7 +141,9 @@ class Gate:
         scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
         keyed = scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), self.api_key or b"")
         try:
-            if self.api_key is not None and scope["path"] != "/health" and not keyed:
+            # An app mounted under a prefix (a Ray Serve route) sees its full path: /health is the one past the prefix.
+            route = scope["path"].removeprefix(scope.get("root_path", ""))
+            if self.api_key is not None and route != "/health" and not keyed:
                 answer = error_response(401, NO_KEY, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
                 return await answer(scope, receive, recording_send)
             if int(headers.get(b"content-length", 0)) > max_bytes:
