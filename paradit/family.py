@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -65,6 +66,16 @@ class SettledRun(Protocol):
 
     @property
     def options(self) -> ExecutionOptions: ...
+
+
+def imported(module: str, name: str) -> Callable[[ModelSpec], type]:
+    """A record's class that the spec does not choose, for ``Family.pipeline`` or ``prompt_encoder``: imported when a
+    run builds it, since a family's pipeline module imports diffusers and transformers, which settling goes without."""
+
+    def named_class(spec: ModelSpec) -> type:
+        return getattr(import_module(module), name)
+
+    return named_class
 
 
 @dataclass(frozen=True)

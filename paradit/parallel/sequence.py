@@ -69,14 +69,13 @@ def merge_partials(
     """``out`` (B, L, H, D) and ``lse`` (B, H, L) of a new key block merged into the running fp32 or fp64 (``out_acc``,
     ``lse_acc`` (B, L, H, 1); None for the first block)."""
     lse = lse.transpose(1, 2).unsqueeze(-1)  # (B, L, H, 1), aligned with out
+    out = accumulation_precision(out)
     if out_acc is None:
-        return accumulation_precision(out), lse
+        return out, lse
     merged = torch.logaddexp(lse_acc, lse)
     # A query with every key masked so far has lse -inf on both sides; its weights stay 0, not NaN.
     merged_safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
-    return out_acc * torch.exp(lse_acc - merged_safe) + accumulation_precision(out) * torch.exp(
-        lse - merged_safe
-    ), merged
+    return out_acc * torch.exp(lse_acc - merged_safe) + out * torch.exp(lse - merged_safe), merged
 
 
 def blockwise(local: AttentionFn) -> bool:

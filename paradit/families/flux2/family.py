@@ -13,14 +13,13 @@ from paradit.errors import InvalidRequest
 from paradit.families.flux2.latents import pixel_granularity, reference_size
 from paradit.families.flux2.model import Flux2Config, Flux2Transformer
 from paradit.families.flux2.presets import DEV_LAYERS, KLEIN_LAYERS, Flux2Details, caches_references
-from paradit.family import Family, Measured, SettledRun
+from paradit.family import Family, Measured, SettledRun, imported
 from paradit.parallel.tensor_plan import ROW_MLP, Shard, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, TextEncoderSpec, checkpoint_spec
 
 if TYPE_CHECKING:
-    from paradit.pipelines.base import DiffusionPipeline
     from paradit.text_encoder import PromptEncoder
 
 logger = logging.getLogger(__name__)
@@ -105,12 +104,6 @@ def resolve_reference(image, index: int, checked: bool = True):
 
 
 # The pipeline's module imports diffusers and transformers: the record's classes are imported when a run builds them.
-def pipeline(spec: ModelSpec) -> type[DiffusionPipeline]:
-    from paradit.families.flux2.pipeline import Flux2Pipeline
-
-    return Flux2Pipeline
-
-
 def prompt_encoder(spec: ModelSpec) -> type[PromptEncoder]:
     from paradit.families.flux2.pipeline import MistralPromptEncoder
     from paradit.text_encoder import DecoderPromptEncoder
@@ -145,7 +138,7 @@ def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
 
 FAMILY = Family(
     name="flux2",
-    pipeline=pipeline,
+    pipeline=imported("paradit.families.flux2.pipeline", "Flux2Pipeline"),
     diffusers_pipelines=("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline"),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,

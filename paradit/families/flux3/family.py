@@ -12,15 +12,14 @@ from paradit.errors import InvalidRequest
 from paradit.families.flux2.latents import pixel_granularity
 from paradit.families.flux3.model import Flux3Config, Flux3Transformer
 from paradit.families.flux3.presets import DEFAULTS, FLUX3_SCHEDULER, text_encoder_spec
-from paradit.family import Family, Measured
+from paradit.family import Family, Measured, imported
 from paradit.parallel.tensor_plan import COLUMN, ROW, ROW_MLP, Shard, TensorPlan
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
 if TYPE_CHECKING:
-    from paradit.pipelines.base import DiffusionPipeline
-    from paradit.text_encoder import PromptEncoder
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -75,19 +74,6 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     return resolved
 
 
-# The pipeline's module imports diffusers and transformers: the record's classes are imported when a run builds them.
-def pipeline(spec: ModelSpec) -> type[DiffusionPipeline]:
-    from paradit.families.flux3.pipeline import Flux3Pipeline
-
-    return Flux3Pipeline
-
-
-def prompt_encoder(spec: ModelSpec) -> type[PromptEncoder]:
-    from paradit.families.flux3.pipeline import Qwen3VLPromptEncoder
-
-    return Qwen3VLPromptEncoder
-
-
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
     """diffusers' ClassifierFreeGuidance: two branches whenever the scale is above 1."""
     return spec.guidance_mode == "cfg" and request.guidance is not None and request.guidance > 1.0
@@ -95,13 +81,13 @@ def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
 
 FAMILY = Family(
     name="flux3",
-    pipeline=pipeline,
+    pipeline=imported("paradit.families.flux3.pipeline", "Flux3Pipeline"),
     diffusers_pipelines=("Flux3ModularPipeline", "Flux3DistilledModularPipeline"),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
     uses_cfg=uses_cfg,
     build_transformer=lambda spec: Flux3Transformer(Flux3Config.from_dict(spec.transformer)),
-    prompt_encoder=prompt_encoder,
+    prompt_encoder=imported("paradit.families.flux3.pipeline", "Qwen3VLPromptEncoder"),
     vae="AutoencoderKLFlux2",
     tensor_plan=TensorPlan(
         family="FLUX.3",

@@ -12,14 +12,13 @@ from paradit.errors import InvalidRequest
 from paradit.families.qwen_image.edit import EDIT_PIPELINES, EditInputs
 from paradit.families.qwen_image.latents import pixel_granularity
 from paradit.families.qwen_image.model import QwenImageConfig, QwenImageTransformer
-from paradit.family import Family, Measured
+from paradit.family import Family, Measured, imported
 from paradit.parallel.tensor_plan import COLUMN_MLP, ROW_MLP, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
 if TYPE_CHECKING:
-    from paradit.pipelines.base import DiffusionPipeline
     from paradit.text_encoder import PromptEncoder
 
 logger = logging.getLogger(__name__)
@@ -83,12 +82,6 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
 
 
 # The pipeline's module imports diffusers and transformers: the record's classes are imported when a run builds them.
-def pipeline(spec: ModelSpec) -> type[DiffusionPipeline]:
-    from paradit.families.qwen_image.pipeline import QwenImagePipeline
-
-    return QwenImagePipeline
-
-
 def prompt_encoder(spec: ModelSpec) -> type[PromptEncoder]:
     from paradit.families.qwen_image.pipeline import QwenPromptEncoder, QwenVisionPromptEncoder
 
@@ -102,7 +95,7 @@ def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
 
 FAMILY = Family(
     name="qwen_image",
-    pipeline=pipeline,
+    pipeline=imported("paradit.families.qwen_image.pipeline", "QwenImagePipeline"),
     diffusers_pipelines=("QwenImagePipeline", *EDIT_PIPELINES),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,

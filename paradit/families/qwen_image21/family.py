@@ -11,15 +11,14 @@ from paradit.errors import InvalidRequest
 from paradit.families.qwen_image21.latents import SIDE_MULTIPLE, TOKEN_PIXELS, area_size
 from paradit.families.qwen_image21.model import QwenImage21Config, QwenImage21Transformer
 from paradit.families.qwen_image21.presets import QwenImage21Inputs
-from paradit.family import Family, Measured, SettledRun
+from paradit.family import Family, Measured, SettledRun, imported
 from paradit.parallel.tensor_plan import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
 if TYPE_CHECKING:
-    from paradit.pipelines.base import DiffusionPipeline
-    from paradit.text_encoder import PromptEncoder
+    pass
 
 CONDITION_IMAGE_LIMIT = 10  # the model card's stated maximum of reference images
 # diffusers' QwenImage21Pipeline.__call__ defaults: 40 steps, no guidance (true_cfg_scale 1), output_resolution 1024.
@@ -89,19 +88,6 @@ def check_run(settings: SettledRun, request: ResolvedRequest) -> None:
         )
 
 
-# The pipeline's module imports diffusers and transformers: the record's classes are imported when a run builds them.
-def pipeline(spec: ModelSpec) -> type[DiffusionPipeline]:
-    from paradit.families.qwen_image21.pipeline import QwenImage21Pipeline
-
-    return QwenImage21Pipeline
-
-
-def prompt_encoder(spec: ModelSpec) -> type[PromptEncoder]:
-    from paradit.families.qwen_image21.pipeline import Qwen3VLPromptEncoder
-
-    return Qwen3VLPromptEncoder
-
-
 def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
     """diffusers' rule for ``true_cfg_scale``: a negative prompt and a scale above 1."""
     return request.negative_prompts is not None and request.guidance is not None and request.guidance > 1.0
@@ -109,14 +95,14 @@ def uses_cfg(spec: ModelSpec, request: ResolvedRequest) -> bool:
 
 FAMILY = Family(
     name="qwen_image21",
-    pipeline=pipeline,
+    pipeline=imported("paradit.families.qwen_image21.pipeline", "QwenImage21Pipeline"),
     diffusers_pipelines=("QwenImage21Pipeline",),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
     check_run=check_run,
     uses_cfg=uses_cfg,
     build_transformer=lambda spec: QwenImage21Transformer(QwenImage21Config.from_dict(spec.transformer)),
-    prompt_encoder=prompt_encoder,
+    prompt_encoder=imported("paradit.families.qwen_image21.pipeline", "Qwen3VLPromptEncoder"),
     vae="AutoencoderKLQwenImage21",
     tensor_plan=TensorPlan(
         family="Qwen-Image 2.1",

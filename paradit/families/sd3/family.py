@@ -10,15 +10,14 @@ from paradit.errors import CheckpointError
 from paradit.families.sd3.latents import pixel_granularity, vae_scale_factor
 from paradit.families.sd3.model import SD3Config, SD3Transformer
 from paradit.families.sd3.presets import PRESETS, SD3TextEncoders
-from paradit.family import Family, Measured
+from paradit.family import Family, Measured, imported
 from paradit.parallel.tensor_plan import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan, joint_attention
 from paradit.pipelines.requests import resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
 if TYPE_CHECKING:
-    from paradit.pipelines.base import DiffusionPipeline
-    from paradit.text_encoder import PromptEncoder
+    pass
 
 
 def published_defaults(transformer: dict) -> tuple[int, float]:
@@ -69,28 +68,15 @@ def resolve_request(spec: ModelSpec, request: GenerationRequest) -> ResolvedRequ
     )
 
 
-# The pipeline's module imports diffusers and transformers: the record's classes are imported when a run builds them.
-def pipeline(spec: ModelSpec) -> type[DiffusionPipeline]:
-    from paradit.families.sd3.pipeline import SD3Pipeline
-
-    return SD3Pipeline
-
-
-def prompt_encoder(spec: ModelSpec) -> type[PromptEncoder]:
-    from paradit.families.sd3.pipeline import SD3PromptEncoder
-
-    return SD3PromptEncoder
-
-
 FAMILY = Family(
     name="sd3",
-    pipeline=pipeline,
+    pipeline=imported("paradit.families.sd3.pipeline", "SD3Pipeline"),
     diffusers_pipelines=("StableDiffusion3Pipeline",),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
     uses_cfg=lambda spec, request: request.guidance > 1.0,
     build_transformer=lambda spec: SD3Transformer(SD3Config.from_dict(spec.transformer)),
-    prompt_encoder=prompt_encoder,
+    prompt_encoder=imported("paradit.families.sd3.pipeline", "SD3PromptEncoder"),
     vae="AutoencoderKL",
     tensor_plan=TensorPlan(
         family="SD3.5",

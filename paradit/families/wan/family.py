@@ -10,15 +10,14 @@ from paradit.errors import CheckpointError, InvalidRequest
 from paradit.families.wan.latents import image_input, vae_factors
 from paradit.families.wan.model import WanConfig, WanTransformer
 from paradit.families.wan.presets import WanDetails, WanTextEncoder
-from paradit.family import Family, Measured
+from paradit.family import Family, Measured, imported
 from paradit.parallel.tensor_plan import COLUMN, COLUMN_MLP, ROW, ROW_MLP, TensorPlan
 from paradit.pipelines.requests import check_guidance, not_allowed, resolve_common
 from paradit.request import GenerationRequest, ResolvedRequest
 from paradit.spec import ModelSpec, checkpoint_spec
 
 if TYPE_CHECKING:
-    from paradit.pipelines.base import DiffusionPipeline
-    from paradit.text_encoder import PromptEncoder
+    pass
 
 # diffusers' WanPipeline.__call__ defaults, for a checkpoint folder.
 PIPELINE_DEFAULTS = {"steps": 50, "guidance": 5.0, "height": 480, "width": 832, "frames": 81, "fps": 16}
@@ -92,29 +91,16 @@ def sequence_tokens(spec: ModelSpec) -> int:
     return frames // patch[0] * (spec.height // spatial // patch[1]) * (spec.width // spatial // patch[2])
 
 
-# The pipeline's module imports diffusers and transformers: the record's classes are imported when a run builds them.
-def pipeline(spec: ModelSpec) -> type[DiffusionPipeline]:
-    from paradit.families.wan.pipeline import WanPipeline
-
-    return WanPipeline
-
-
-def prompt_encoder(spec: ModelSpec) -> type[PromptEncoder]:
-    from paradit.families.wan.pipeline import UMT5PromptEncoder
-
-    return UMT5PromptEncoder
-
-
 FAMILY = Family(
     name="wan",
-    pipeline=pipeline,
+    pipeline=imported("paradit.families.wan.pipeline", "WanPipeline"),
     diffusers_pipelines=("WanPipeline", "WanImageToVideoPipeline"),
     read_checkpoint=read_checkpoint,
     resolve_request=resolve_request,
     # diffusers guides when the (high-noise) scale is above 1; the low-noise scale then applies even if it is 1.
     uses_cfg=lambda spec, request: request.guidance > 1,
     build_transformer=lambda spec: WanTransformer(WanConfig.from_dict(spec.transformer)),
-    prompt_encoder=prompt_encoder,
+    prompt_encoder=imported("paradit.families.wan.pipeline", "UMT5PromptEncoder"),
     vae="AutoencoderKLWan",
     # The QK norms span all heads: sharded, they sum their squares over the tensor group, which keeps them exact.
     tensor_plan=TensorPlan(
