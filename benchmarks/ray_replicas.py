@@ -150,6 +150,8 @@ def main() -> int:
             server = ServerProcess(name, command)
             try:
                 rows.append(measure(args, server, replicas))
+            except httpx.HTTPStatusError as error:  # what the server answered and logged, not only its status
+                raise SystemExit(f"{name}: {error}\n{error.response.text}\n" + "".join(server.log[-40:])) from None
             finally:
                 server.stop()
             print(f"{name}, {replicas} replica(s): {rows[-1]['ok']}/{rows[-1]['sent']} ok", flush=True)
