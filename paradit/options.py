@@ -6,6 +6,7 @@ import argparse
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paradit.errors import InvalidRequest
@@ -289,6 +290,12 @@ class ServeSettings:
     )
     max_pixels: int | None = serve_option(
         type=positive, help="width x height a request may ask for (default 4x the model's default size)"
+    )
+    files_dir: Path | None = serve_option(
+        type=Path,
+        metavar="DIR",
+        help="keep url images, MP4s and video jobs' records in this folder (made if missing) instead of in memory: "
+        "every server over the same folder (a shared mount: NFS, a PVC) answers for them, also after a restart",
     )
 
 

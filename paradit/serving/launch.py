@@ -20,6 +20,7 @@ from paradit.serving.metrics import Metrics
 from paradit.serving.pace import Pace
 from paradit.serving.scheduler import Scheduler
 from paradit.serving.server import ServerConfig, create_app
+from paradit.serving.store import files_folder
 from paradit.settings import settle
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,10 @@ def build_scheduler(settings: ServeSettings, metrics: Metrics) -> tuple[Schedule
         pace=pace,
     )
     names = tuple(grouped.options.lora.names())
-    return scheduler, ServerConfig(spec.name, video=family.video, api_key=settings.api_key, lora=names)
+    config = ServerConfig(
+        spec.name, video=family.video, api_key=settings.api_key, lora=names, files_dir=settings.files_dir
+    )
+    return scheduler, config
 
 
 class DrainingServer(uvicorn.Server):
@@ -134,6 +138,8 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(settings: ServeSettings, log_level: str = "info") -> None:
     host, port = settings.host, settings.port
     with listen(host, port) as listening:
+        if settings.files_dir is not None:  # before loading, as the port
+            files_folder(settings.files_dir)
         metrics = Metrics()
         scheduler, config = build_scheduler(settings, metrics)
         app = create_app(scheduler, config, metrics)

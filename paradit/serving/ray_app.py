@@ -2,8 +2,9 @@
 
 The front is ``paradit serve``'s own FastAPI app over a ``RemoteScheduler``: it checks and seeds every request with
 the check of a replica's group, its plan settled by ``settle`` on the replica's machine (a malformed request never
-leaves the front, which needs no GPU), keeps the video jobs and their files, and sends each request to a
-``GroupReplica``, which runs the scheduler ``paradit serve`` runs for one group.
+leaves the front, which needs no GPU), keeps the video jobs and their files (in its memory, or in ``--files-dir``, a
+folder that a restarted front reads again), and sends each request to a ``GroupReplica``, which runs the scheduler
+``paradit serve`` runs for one group.
 ``serve run paradit.serving.ray_app:build model=flux2-tiny device=cpu replicas=2`` serves it too.
 """
 
@@ -16,6 +17,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import ray
 from prometheus_client import Counter
@@ -30,6 +32,7 @@ from paradit.serving.launch import build_scheduler
 from paradit.serving.metrics import Metrics
 from paradit.serving.remote import RemoteScheduler
 from paradit.serving.server import ServerConfig, create_app
+from paradit.serving.store import files_folder
 from paradit.worker import start_worker_server
 
 logger = logging.getLogger(__name__)
@@ -105,6 +108,8 @@ def ray_app(
 ):
     """The application: ``replicas`` groups of ``gpus_per_replica`` GPUs (CPUs on ``--device cpu``), or between
     ``min_replicas`` and ``max_replicas`` of them, scaled to ``TARGET_ONGOING_REQUESTS`` each, behind one front."""
+    if settings.files_dir is not None:  # checked here, before any replica loads; the front makes it where it runs
+        files_folder(settings.files_dir)
     grouped = group_settings(settings, gpus_per_replica)
     on_cpu = (settings.asked.device or "").startswith("cpu")
     resources = {"num_cpus": gpus_per_replica} if on_cpu else {"num_gpus": gpus_per_replica}
@@ -126,9 +131,14 @@ def ray_app(
 
 
 def build(args: dict[str, str]):
-    """``serve run``'s and a Serve config file's entry: ``model``, ``device``, ``replicas``, ``gpus_per_replica``."""
+    """``serve run``'s and a Serve config file's entry: ``model``, ``device``, ``replicas``, ``gpus_per_replica``,
+    ``min_replicas``, ``max_replicas``, ``api_key``, ``files_dir``."""
     asked = Asked(model=args["model"], device=args.get("device"))
-    settings = ServeSettings(asked=asked, api_key=args.get("api_key") or os.environ.get("PARADIT_API_KEY"))
+    settings = ServeSettings(
+        asked=asked,
+        api_key=args.get("api_key") or os.environ.get("PARADIT_API_KEY"),
+        files_dir=Path(args["files_dir"]) if "files_dir" in args else None,
+    )
     counts = {
         key: int(args[key]) for key in ("replicas", "gpus_per_replica", "min_replicas", "max_replicas") if key in args
     }

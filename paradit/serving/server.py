@@ -8,6 +8,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,11 +24,12 @@ from paradit.errors import InvalidRequest, OutOfMemory, ParaditError
 from paradit.outputs import sparse_record
 from paradit.serving import schemas
 from paradit.serving.jobs import Draining, Job, JobCancelled, JobTimeout, QueueFull
-from paradit.serving.media import MEDIA_TYPES, decode_input, encode_image, file_metadata
+from paradit.serving.media import decode_input, encode_image, file_metadata
 from paradit.serving.metrics import Metrics
+from paradit.serving.records import JobRecords
 from paradit.serving.remote import RemoteScheduler, ReplicaLost
 from paradit.serving.scheduler import Scheduler
-from paradit.serving.store import FileStore
+from paradit.serving.store import FILES, VIDEOS, DirectoryStore, FileStore, files_folder
 from paradit.serving.videos import VideoJobs
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler asks whether its client is still there
@@ -39,7 +41,8 @@ NO_KEY = "a valid API key is required: send the header Authorization: Bearer <ke
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """``api_key``, when set: the bearer token every route but /health requires; ``lora``: the adapters' names."""
+    """``api_key``, when set: the bearer token every route but /health requires; ``lora``: the adapters' names;
+    ``files_dir``, when set: the folder of the files and video jobs, shared by every server process over it."""
 
     model: str
     video: bool = False
@@ -48,6 +51,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_edit_bytes: int = 20 << 20  # an edit's body, its images included
     file_store_bytes: int = 1 << 30
+    files_dir: Path | None = None
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None, headers=None) -> JSONResponse:
@@ -179,8 +183,12 @@ def create_app(scheduler: Scheduler | RemoteScheduler, config: ServerConfig, met
         },
     )
     app.add_middleware(Gate, config=config, metrics=metrics)
-    files = FileStore(config.file_store_bytes)
-    videos = VideoJobs(scheduler, files, config.model)
+    if config.files_dir is None:
+        files, records = FileStore(config.file_store_bytes), None
+    else:
+        folder = files_folder(config.files_dir)
+        files, records = DirectoryStore(folder / FILES, config.file_store_bytes), JobRecords(folder / VIDEOS)
+    videos = VideoJobs(scheduler, files, config.model, records=records)
     app.state.videos = videos
 
     def submitted(body: schemas.Body, **fields):
@@ -289,8 +297,8 @@ def create_app(scheduler: Scheduler | RemoteScheduler, config: ServerConfig, met
             if body.response_format == "b64_json":  # its JSON written in the pool too: megabytes of base64
                 content = await run_in_threadpool(lambda: schemas.images_json(answer, encoded()))
                 return Response(content, media_type=JSON)
-            files_made = await run_in_threadpool(encoded)
-        names = [files.put(data, MEDIA_TYPES[body.output_format], body.output_format) for data in files_made]
+            # stored in the pool too: into a folder (--files-dir), a put is a write
+            names = await run_in_threadpool(lambda: [files.put(data, body.output_format) for data in encoded()])
         # At the socket's address (--host and --port; under 0.0.0.0 the one reached), never the client's Host.
         host, port = request.scope["server"]
         origin = f"http://{f'[{host}]' if ':' in host else host}:{port}"
@@ -302,35 +310,40 @@ def create_app(scheduler: Scheduler | RemoteScheduler, config: ServerConfig, met
             raise HTTPException(404, missing)
         return Response(stored[0], media_type=stored[1])
 
+    # A folder's (--files-dir) files and records are read in the pool, off the event loop.
+
     @app.get("/v1/files/{name}", name="get_file")
     async def get_file(name: str):
-        return stored_file(files.get(name), f"no file {name!r}: it never existed or has expired")
+        return stored_file(
+            await run_in_threadpool(files.get, name), f"no file {name!r}: it never existed or has expired"
+        )
 
     @app.post("/v1/videos", response_model=schemas.VideoJob)
     async def create_video(body: schemas.VideoBody):
         return videos.view(submitted(body))
 
-    def video_entry(video_id: str):
-        entry = videos.get(video_id)
+    async def video_entry(video_id: str):
+        entry = await run_in_threadpool(videos.get, video_id)
         if entry is None:
             raise HTTPException(404, f"no video job {video_id!r}")
         return entry
 
     @app.get("/v1/videos/{video_id}", response_model=schemas.VideoJob)
     async def get_video(video_id: str):
-        return videos.view(video_entry(video_id))
+        return videos.view(await video_entry(video_id))
 
     @app.get("/v1/videos/{video_id}/content")
     async def get_video_content(video_id: str):
-        entry = video_entry(video_id)
+        entry = await video_entry(video_id)
         status = videos.view(entry).status
         if status != "completed":
             raise HTTPException(409, f"video job {video_id} is {status}; its content is there once it is completed")
-        return stored_file(files.get(entry.content), f"video job {video_id}'s content has expired")
+        content = await run_in_threadpool(files.get, entry.content)
+        return stored_file(content, f"video job {video_id}'s content has expired")
 
     @app.delete("/v1/videos/{video_id}", response_model=schemas.DeletedVideo)
     async def delete_video(video_id: str):
-        return schemas.DeletedVideo(id=video_id, status=await videos.delete(video_entry(video_id)))
+        return schemas.DeletedVideo(id=video_id, status=await videos.delete(await video_entry(video_id)))
 
     card = schemas.ModelCard(id=config.model, created=int(time.time()), lora=list(config.lora))
 
