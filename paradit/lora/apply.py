@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from paradit.errors import InvalidRequest
+from paradit.layers.fp8 import Fp8Linear
 from paradit.lora.adapters import Kronecker, LowRank, read_adapter
 from paradit.lora.refs import LoraRef, LoraSet, adapter_key
 from paradit.pipelines.requests import not_allowed
@@ -22,9 +23,15 @@ SCALE_LIMIT = math.sqrt(torch.finfo(torch.float32).max)
 # row); an unfolded one writes the up projection's output and reads it back for the sum (out columns, twice). So it
 # folds where in <= FOLD_WIDTH_RATIO * out: FLUX.2's fused single-block projection (6144 -> 55296) folds, its output
 # projection (24576 -> 6144) does not; square attention projections break even on traffic and save a GEMM's launch.
-# FP8 linears stay unfolded: on an H100, FLUX.2-dev rank 32 compiled, folding took bf16 from +7.9% a forward to +3.6%
-# but FP8 from +9.3% to +13.3% (the widened input is quantized again; docs/benchmarks.md).
+# On an H100, FLUX.2-dev rank 32 compiled, folding took bf16 from +7.9% a forward to +3.6%; with FP8 linears it took
+# +6.6% to +5.3% (docs/benchmarks.md, session 29), the widened depth padded to ``FP8_FOLD_DEPTH``.
 FOLD_WIDTH_RATIO = 1.0
+# An FP8 linear's folded depth is padded to a whole K tile of Hopper's FP8 GEMMs: padded to 16 (6144 + 32 -> 6160), the
+# fold measured +13.3% a forward against +9.3% unfolded; to 128, +6.4% against +7.6% (docs/benchmarks.md, session 26).
+FP8_FOLD_DEPTH = 128
+# An FP8 fold stores ``up * c`` over the weight's row scales (``fp8_fold_factor``) and scales the low-rank product by
+# 1 / c, which is quantized with the input's row: past 16x, it would take the input's row scale over.
+MIN_FP8_FOLD = 1 / 16
 
 
 def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -> int:
@@ -50,12 +57,26 @@ def check_adapters(family, spec, lora: LoraSet, dtype: torch.dtype, fp8: bool) -
             held += dtype.itemsize * sum(
                 u.down.numel() + u.up.numel() + (0 if u.up_bias is None else u.up_bias.numel()) for _, u in updates
             )
+            if fp8 and not lora.switchable:
+                held += fp8_fold_bytes(model, keyed)
             if lora.cache:
                 weights = [model.get_submodule(name).weight.shape for name in keyed]
                 per_copy = sum(
                     rows * (columns + 4) if fp8 else rows * columns * dtype.itemsize for rows, columns in weights
                 )
                 held += (1 + lora.cache) * per_copy
+    return held
+
+
+def fp8_fold_bytes(model: nn.Module, keyed: dict[str, list]) -> int:
+    """The bytes FP8 folds add to the weights they widen: a column of each padded depth a row (``LoraSidePath.fold``).
+    Every linear whose width pays is counted, ``up``'s range unseen on the meta device: it errs high."""
+    held = 0
+    for name, pairs in keyed.items():
+        rows, columns = model.get_submodule(name).weight.shape
+        if columns <= FOLD_WIDTH_RATIO * rows:
+            rank = sum(update.down.shape[0] for _, update in pairs)
+            held += rows * (-(-(columns + rank) // FP8_FOLD_DEPTH) * FP8_FOLD_DEPTH - columns)
     return held
 
 
@@ -144,6 +165,7 @@ class LoraSidePath(nn.Module):
         self.chosen: tuple = ()
         self.down = self.up = self.up_bias = None
         self.folded = False  # once folded (``fold``), the base GEMM computes the update too
+        self.folded_scale = 1.0  # an FP8 fold's factor on the low-rank product (``fold``)
 
     @property
     def weight(self) -> torch.Tensor:  # the models read a linear's weight for its dtype
@@ -175,6 +197,8 @@ class LoraSidePath(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.folded:
             low_rank = x.to(self.down.dtype) @ self.down.T
+            if self.folded_scale != 1.0:
+                low_rank = low_rank * self.folded_scale
             out = self.linear(torch.cat([x, low_rank.to(x.dtype)], dim=-1))
         else:
             out = self.linear(x)
@@ -185,26 +209,40 @@ class LoraSidePath(nn.Module):
         return out if self.up_bias is None else out + self.up_bias
 
     def folds(self) -> bool:
-        """Fixed adapters (a server's choices change the rank) by a plain linear of this process, where the width
-        pays (``FOLD_WIDTH_RATIO``)."""
+        """Fixed adapters (a server's choices change the rank) by a plain or FP8 linear of this process, where the
+        width pays (``FOLD_WIDTH_RATIO``) and, in FP8, ``up`` keeps to the format's range (``MIN_FP8_FOLD``)."""
         linear = self.linear
         if self.factors or self.down is None or self.folded:
             return False
-        if type(linear) is not nn.Linear or linear.weight.is_meta:
+        if type(linear) not in (nn.Linear, Fp8Linear) or linear.weight.is_meta:
             return False
-        return linear.weight.shape[1] <= FOLD_WIDTH_RATIO * linear.weight.shape[0]
+        if linear.weight.shape[1] > FOLD_WIDTH_RATIO * linear.weight.shape[0]:
+            return False
+        return type(linear) is nn.Linear or fp8_fold_factor(linear, self.up) >= MIN_FP8_FOLD
 
     @torch.no_grad()
     def fold(self) -> None:
         """The up projection folded into the base GEMM: its weight becomes ``[W, up]`` along the reduced dimension
         and its input ``[x, x @ down.T]``, so one GEMM writes ``W x + up (down x)`` and no up output is written and
-        summed."""
-        linear = self.linear
-        linear.weight = nn.Parameter(
-            torch.cat([linear.weight, self.up.to(linear.weight.dtype)], dim=1), requires_grad=False
-        )
+        summed. An FP8 weight takes ``up * c`` in its format over its row scales, its depth padded with zeros to
+        ``FP8_FOLD_DEPTH``, and the low-rank product ``1 / c`` of itself, quantized with the input's row."""
+        linear, up = self.linear, self.up
+        if isinstance(linear, Fp8Linear):
+            pad = -(linear.in_features + self.down.shape[0]) % FP8_FOLD_DEPTH
+            self.down, up = nn.functional.pad(self.down, (0, 0, 0, pad)), nn.functional.pad(up, (0, pad))
+            factor, fmax = fp8_fold_factor(linear, up), torch.finfo(linear.weight.dtype).max
+            up = (up.float() / linear.weight_scale * factor).clamp(-fmax, fmax)
+            self.folded_scale = 1.0 / factor
+        linear.weight = nn.Parameter(torch.cat([linear.weight, up.to(linear.weight.dtype)], dim=1), requires_grad=False)
         linear.in_features = linear.weight.shape[1]
         self.up, self.folded = None, True
+
+
+def fp8_fold_factor(linear: Fp8Linear, up: torch.Tensor) -> float:
+    """The largest power of two ``c`` by which ``up`` over the FP8 weight's row scales stays within the format."""
+    fmax = torch.finfo(linear.weight.dtype).max
+    largest = (up.float() / linear.weight_scale).abs().max().item()
+    return 2.0 ** math.floor(math.log2(fmax / largest)) if largest > 0 else 1.0
 
 
 def add_side_paths(
