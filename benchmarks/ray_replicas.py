@@ -79,6 +79,7 @@ class ServerProcess:
 def commands(args: argparse.Namespace, replicas: int) -> dict[str, list[str]]:
     common = ["--model", args.model, "--load-format", args.load_format, "--timeout", "3600"]
     common += ["--max-queue", str(10 * args.requests), *(["--device", args.device] if args.device else [])]
+    common += args.server_args.split()
     group = args.gpus_per_replica
     return {
         "paradit serve": [*common, "--gpus", str(replicas * group), "--group-size", str(group)],
@@ -126,6 +127,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="default: the model's")
     parser.add_argument("--requests", type=int, default=20, help="the crowd sent at once")
     parser.add_argument("--device", choices=["cuda", "cpu"])
+    parser.add_argument("--server-args", default="", help="more options for both servers, e.g. '--max-pixels 1100000'")
     parser.add_argument("--tiny", action="store_true", help="CPU self-check: flux2-tiny, 1 and 2 replicas, 32 px")
     parser.add_argument("--out-dir", default=os.environ.get("OUT"))
     args = parser.parse_args()
