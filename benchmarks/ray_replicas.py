@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,10 +29,16 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import print_table, write_json  # noqa: E402
-from benchmarks.serve_load import body, environment, percentile, run_schedule, unloaded_latency  # noqa: E402
+from benchmarks.serve_load import (  # noqa: E402
+    body,
+    environment,
+    percentile,
+    run_schedule,
+    stop_server,
+    unloaded_latency,
+)
 
 START_S = 900  # loading a full-size model on every replica, compiling and warming up
-STOP_S = 120
 
 
 def free_port() -> int:
@@ -66,14 +71,7 @@ class ServerProcess:
             return False
 
     def stop(self) -> None:
-        """SIGTERM: both drain, and the Ray one stops the Ray it started."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_server(self.process)
 
 
 def commands(args: argparse.Namespace, replicas: int) -> dict[str, list[str]]:

@@ -52,6 +52,7 @@ PROMPTS = [
     "an isometric city block at night with neon signs and rain",
     "a watercolour of a heron standing in reeds",
 ]
+STOP_S = 120  # a server draining its last requests
 START_S = 900  # loading a full-size model, compiling and warming up
 UNLOADED_REQUESTS = 5
 
@@ -120,13 +121,19 @@ class Server:
         return total / float(re.search(rf'paradit_latency_seconds_count{{phase="{phase}"}} (\S+)', text)[1])
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_server(self.process)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM, which a server answers by draining (``--ray``: and stopping the Ray it started); killed after
+    ``STOP_S``."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def body(args: argparse.Namespace, index: int) -> dict:

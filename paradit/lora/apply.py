@@ -76,8 +76,13 @@ def fp8_fold_bytes(model: nn.Module, keyed: dict[str, list]) -> int:
         rows, columns = model.get_submodule(name).weight.shape
         if columns <= FOLD_WIDTH_RATIO * rows:
             rank = sum(update.down.shape[0] for _, update in pairs)
-            held += rows * (-(-(columns + rank) // FP8_FOLD_DEPTH) * FP8_FOLD_DEPTH - columns)
+            held += rows * (fp8_folded_depth(columns, rank) - columns)
     return held
+
+
+def fp8_folded_depth(in_features: int, rank: int) -> int:
+    """An FP8 fold's reduced dimension: the input's and the rank's columns, padded to a whole ``FP8_FOLD_DEPTH``."""
+    return -(-(in_features + rank) // FP8_FOLD_DEPTH) * FP8_FOLD_DEPTH
 
 
 def check_reach(refs: tuple[LoraRef, ...], keyed: dict[str, list], dtype: torch.dtype) -> None:
@@ -228,7 +233,7 @@ class LoraSidePath(nn.Module):
         ``FP8_FOLD_DEPTH``, and the low-rank product ``1 / c`` of itself, quantized with the input's row."""
         linear, up = self.linear, self.up
         if isinstance(linear, Fp8Linear):
-            pad = -(linear.in_features + self.down.shape[0]) % FP8_FOLD_DEPTH
+            pad = fp8_folded_depth(linear.in_features, self.down.shape[0]) - linear.in_features - self.down.shape[0]
             self.down, up = nn.functional.pad(self.down, (0, 0, 0, pad)), nn.functional.pad(up, (0, pad))
             factor, fmax = fp8_fold_factor(linear, up), torch.finfo(linear.weight.dtype).max
             up = (up.float() / linear.weight_scale * factor).clamp(-fmax, fmax)
